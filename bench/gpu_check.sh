@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Build, test and benchmark fastqwen on a GPU machine with no network.
+#   bash bench/gpu_check.sh OUTDIR
+# Writes OUTDIR/build.log, OUTDIR/nvidia-smi.txt, OUTDIR/tests.log, and for every
+# bench/bench_*.py OUTDIR/<name>.log and OUTDIR/<name>.json.
+# Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
+set -u -o pipefail
+
+OUT="${1:?usage: bash bench/gpu_check.sh OUTDIR}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.."
+
+echo "== repo: $(pwd)   python: $(python3 --version 2>&1)"
+
+# Optional extra wheels shipped with the checkout (e.g. packages missing on the machine).
+if compgen -G ".whl/*.whl" > /dev/null; then
+  echo "== installing wheels from .whl/ into /tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+echo "== nvidia-smi"
+nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt" || true
+
+echo "== build"
+start=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps -v . 2>&1 | tee "$OUT/build.log"
+build_rc=$?
+echo "build rc=$build_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log"
+
+# Run from outside the source tree's python/ so the installed package (with _C) is used.
+python3 -c "import fastqwen._C as c, torch; print('fastqwen._C built_with_cuda =', c.built_with_cuda, '| torch', torch.__version__, '| cuda available', torch.cuda.is_available())" 2>&1 | tee -a "$OUT/build.log"
+
+echo "== tests"
+FASTQWEN_RESULTS_DIR="$OUT" python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/tests.log"
+tests_rc=$?
+echo "tests rc=$tests_rc" | tee -a "$OUT/tests.log"
+
+echo "== benchmarks"
+bench_rc=0
+for b in bench/bench_*.py; do
+  [ -e "$b" ] || continue
+  name="$(basename "$b" .py)"
+  echo "-- $name"
+  python3 "$b" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+  rc=$?
+  echo "$name rc=$rc" | tee -a "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || bench_rc=$rc
+done
+
+echo "== summary: build rc=$build_rc tests rc=$tests_rc bench rc=$bench_rc" | tee "$OUT/summary.txt"
+if [ "$build_rc" -ne 0 ] || [ "$tests_rc" -ne 0 ]; then
+  exit 1
+fi
+exit 0

@@ -1,0 +1,112 @@
+// silu_and_mul: the Qwen3 MLP activation, act(gate) * up, with gate = x[..., :d]
+// and up = x[..., d:]. Memory-bound: 16-byte vector loads/stores when d and the
+// pointers allow it, a scalar path otherwise. Math in fp32, one rounding.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "activation.h"
+#include "cuda_check.h"
+
+namespace fastqwen {
+namespace {
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  static __device__ __forceinline__ float to_f(float v) { return v; }
+  static __device__ __forceinline__ float from_f(float v) { return v; }
+};
+template <>
+struct Cvt<__half> {
+  static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <typename T>
+__device__ __forceinline__ T silu_mul(T g, T u) {
+  const float gf = Cvt<T>::to_f(g);
+  const float uf = Cvt<T>::to_f(u);
+  return Cvt<T>::from_f(gf / (1.0f + expf(-gf)) * uf);
+}
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+// Grid: x over column chunks of VEC elements, y over rows (strided when there
+// are more rows than gridDim.y). VEC == 1 is the scalar path.
+template <typename T, int VEC>
+__global__ void silu_and_mul_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t num_rows, int64_t d) {
+  using P = Pack<T, VEC>;
+  const int64_t nvec = d / VEC;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= nvec) return;
+  for (int64_t row = blockIdx.y; row < num_rows; row += gridDim.y) {
+    const P* gate = reinterpret_cast<const P*>(x + row * 2 * d);
+    const P* up = reinterpret_cast<const P*>(x + row * 2 * d + d);
+    P* o = reinterpret_cast<P*>(out + row * d);
+    const P g = gate[col];
+    const P u = up[col];
+    P r;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) r.v[k] = silu_mul(g.v[k], u.v[k]);
+    o[col] = r;
+  }
+}
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxGridY = 65535;
+constexpr int64_t kMaxGridX = 2147483647;
+
+template <typename T>
+void launch(uintptr_t x, uintptr_t out, int64_t num_rows, int64_t d, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vec_ok = (d % kVec == 0) && (x % 16 == 0) && (out % 16 == 0);
+  const int64_t nvec = vec_ok ? d / kVec : d;
+  // Small rows: shrink the block (to a warp multiple) instead of idling threads.
+  const int threads = static_cast<int>(nvec >= kThreads ? kThreads : ((nvec + 31) / 32) * 32);
+  const int64_t gx = (nvec + threads - 1) / threads;
+  if (gx > kMaxGridX) throw std::invalid_argument("silu_and_mul: d too large: " + std::to_string(d));
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(num_rows < kMaxGridY ? num_rows : kMaxGridY));
+  const T* xp = reinterpret_cast<const T*>(x);
+  T* op = reinterpret_cast<T*>(out);
+  if (vec_ok) {
+    silu_and_mul_kernel<T, kVec><<<grid, threads, 0, stream>>>(xp, op, num_rows, d);
+  } else {
+    silu_and_mul_kernel<T, 1><<<grid, threads, 0, stream>>>(xp, op, num_rows, d);
+  }
+  cuda_check_launch("silu_and_mul kernel launch");
+}
+
+}  // namespace
+
+void silu_and_mul(uintptr_t x, uintptr_t out, int64_t num_rows, int64_t d, int dtype, uintptr_t stream) {
+  if (num_rows < 0) throw std::invalid_argument("silu_and_mul: num_rows must be >= 0, got " + std::to_string(num_rows));
+  if (d < 0) throw std::invalid_argument("silu_and_mul: d must be >= 0, got " + std::to_string(d));
+  if (dtype != kF32 && dtype != kF16 && dtype != kBF16) {
+    throw std::invalid_argument("silu_and_mul: unknown dtype code " + std::to_string(dtype) +
+                                " (0 = float32, 1 = float16, 2 = bfloat16)");
+  }
+  if (num_rows == 0 || d == 0) return;
+  if (x == 0 || out == 0) throw std::invalid_argument("silu_and_mul: null data pointer");
+  if (d > (INT64_MAX / 2) / num_rows) throw std::invalid_argument("silu_and_mul: num_rows * 2 * d overflows");
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case kF32: launch<float>(x, out, num_rows, d, s); break;
+    case kF16: launch<__half>(x, out, num_rows, d, s); break;
+    default: launch<__nv_bfloat16>(x, out, num_rows, d, s); break;
+  }
+}
+
+}  // namespace fastqwen

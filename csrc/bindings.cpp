@@ -1,0 +1,73 @@
+// pybind11 module fastqwen._C. No libtorch: kernels take raw pointers and a
+// stream handle; the Python ops validate tensors before calling in.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "page_allocator.h"
+#if FASTQWEN_WITH_CUDA
+#include "activation.h"
+#endif
+
+namespace py = pybind11;
+using fastqwen::PageAllocator;
+
+namespace {
+// Python ints for pointers/streams may exceed int64 (pointers are unsigned);
+// take them as py::int_ and convert checking the range.
+uintptr_t to_uintptr(const py::int_& v, const char* name) {
+  try {
+    return static_cast<uintptr_t>(v.cast<uint64_t>());
+  } catch (const py::cast_error&) {
+    throw std::invalid_argument(std::string(name) + " must be a non-negative integer that fits in 64 bits");
+  }
+}
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastqwen native extension: C++ page allocator and CUDA kernels";
+
+#if FASTQWEN_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+  m.attr("DTYPE_F32") = 0;
+  m.attr("DTYPE_F16") = 1;
+  m.attr("DTYPE_BF16") = 2;
+
+  py::class_<PageAllocator>(m, "PageAllocator",
+                            "KV-cache page ids 0..num_pages-1 with a free list and a refcount per page.")
+      .def(py::init<int64_t>(), py::arg("num_pages"))
+      .def("alloc", &PageAllocator::alloc, py::arg("n"),
+           "n distinct free pages (refcount 1 each), or None (no change) if fewer than n are free.")
+      .def("free", &PageAllocator::free, py::arg("pages"),
+           "Release pages whose refcount is exactly 1. Validates all pages before changing anything.")
+      .def("incref", &PageAllocator::incref, py::arg("pages"),
+           "Add a reference to each page (duplicates count twice); pages must be referenced.")
+      .def("decref", &PageAllocator::decref, py::arg("pages"),
+           "Drop a reference from each page (duplicates count twice); returns the pages that became free.")
+      .def("refcount", &PageAllocator::refcount, py::arg("page"))
+      .def("num_free", &PageAllocator::num_free)
+      .def("num_total", &PageAllocator::num_total)
+      .def("num_used", &PageAllocator::num_used)
+      .def("check", &PageAllocator::check, "Verify the invariant; RuntimeError describing any violation.")
+      .def("reset", &PageAllocator::reset, "Free every page.")
+      .def("__repr__", &PageAllocator::repr);
+
+#if FASTQWEN_WITH_CUDA
+  m.def(
+      "silu_and_mul",
+      [](const py::int_& x_ptr, const py::int_& out_ptr, int64_t num_rows, int64_t d, int dtype,
+         const py::int_& stream) {
+        fastqwen::silu_and_mul(to_uintptr(x_ptr, "x_ptr"), to_uintptr(out_ptr, "out_ptr"), num_rows, d, dtype,
+                               to_uintptr(stream, "stream"));
+      },
+      py::arg("x_ptr"), py::arg("out_ptr"), py::arg("num_rows"), py::arg("d"), py::arg("dtype"), py::arg("stream"),
+      "out[r, i] = silu(x[r, i]) * x[r, d + i]; x [num_rows, 2d] and out [num_rows, d] contiguous device "
+      "buffers of the given dtype code; stream is a cudaStream_t as int.");
+#endif
+}

@@ -1,0 +1,88 @@
+"""The offline API: LLM(model=...).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .engine import LLMEngine, RequestOutput
+from .sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A Qwen3 model with its own scheduler and KV cache, for batch generation in this process.
+
+    model: a checkpoint folder (config.json, safetensors, tokenizer.json), a config.json path, or a preset name
+    (Qwen3-0.6B ... Qwen3-32B) with load_format="dummy" for random weights of the real shapes.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        page_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        num_pages: int | None = None,
+        max_model_len: int | None = None,
+        load_format: str = "auto",
+        gpu_memory_utilization: float = 0.85,
+        seed: int = 0,
+    ):
+        self.engine = LLMEngine(
+            model,
+            dtype=dtype,
+            device=device,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_pages=num_pages,
+            max_model_len=max_model_len,
+            load_format=load_format,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or a list of token ids); outputs come back in prompt order.
+
+        All prompts are validated before any is queued, so a bad one raises ValueError and nothing runs.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} sampling_params for {len(prompts)} prompts")
+        engine = self.engine
+        for prompt, params in zip(prompts, params_list):
+            ids = engine.encode(prompt)
+            engine.scheduler.check_fits(len(ids), params.max_tokens)
+        rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm or len(rids) < 2)
+        try:
+            while engine.has_unfinished():
+                for output in engine.step():
+                    results[output.request_id] = output
+                    bar.update(1)
+        except BaseException:
+            for rid in rids:
+                engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in rids]

@@ -1,0 +1,21 @@
+"""One Python function per kernel: the CUDA kernel for GPU tensors where one exists, the PyTorch reference otherwise.
+
+Every op writes into caller-provided outputs, so nothing allocates inside a step.
+"""
+
+from .activation import silu_and_mul
+from .attention import paged_attention_decode, paged_attention_prefill
+from .norm import fused_add_rms_norm, rms_norm
+from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache
+from .sampling import sample
+
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "qk_norm_rope_store_kv",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "sample",
+    "silu_and_mul",
+]

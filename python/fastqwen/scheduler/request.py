@@ -1,0 +1,59 @@
+"""A request's state: its tokens, how many of them have valid KV, its pages, and why it stopped."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again for recompute
+    RUNNING = "running"  # holds pages; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS or stop token
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams  # already resolved against the checkpoint's defaults
+    arrival: int  # admission order; preemption takes the newest first
+    token_ids: list[int] = field(default_factory=list)  # prompt then outputs
+    state: RequestState = RequestState.WAITING
+    cached_len: int = 0  # token_ids[:cached_len] have valid KV in this request's pages
+    pages: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def uncomputed(self) -> int:
+        """Tokens whose KV is still to be computed; the last of them is the one that samples the next token."""
+        return len(self.token_ids) - self.cached_len
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED

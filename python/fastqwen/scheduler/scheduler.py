@@ -1,0 +1,200 @@
+"""Continuous batching: which tokens of which requests the next step computes.
+
+Prefill, chunked prefill and decode are one operation: compute token_ids[cached_len:cached_len + n]. A chunk that
+reaches the end of token_ids samples the next token. Each step, running requests go first (decodes, then unfinished
+prefills), then waiting requests are admitted while the token budget, the sequence limit and free pages allow.
+When a running request needs a page and none is free, the newest running request is preempted: its pages are
+released and it goes back to the front of the queue, to be recomputed (prompt and outputs so far) later.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from .request import FinishReason, Request, RequestState
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # first token computed (== request.cached_len when scheduled)
+    end: int  # one past the last
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.request.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    chunks: list[ScheduledChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(c.end - c.start == 1 for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+    ):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError for a request that could never run: too long, or more pages than the pool has."""
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, which must also hold at least one generated token"
+            )
+        # The last generated token needs no KV, so a full sequence holds total - 1 cached tokens.
+        total = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        pages = self._pages_for(total - 1)
+        if pages > self.allocator.num_total():
+            raise ValueError(
+                f"the request needs up to {total} tokens of KV ({pages} pages) but the KV pool has only "
+                f"{self.allocator.num_total()} pages: lower max_tokens or give the pool more memory"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+
+    def abort(self, rid: int) -> Request | None:
+        """Stop a request wherever it is and release its pages at once. Returns it, or None if unknown."""
+        for request in self.waiting:
+            if request.rid == rid:
+                self.waiting.remove(request)
+                self._finish(request, FinishReason.ABORT)
+                return request
+        for request in self.running:
+            if request.rid == rid:
+                self.running.remove(request)
+                self._finish(request, FinishReason.ABORT)
+                return request
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        # Decodes first so a long prefill chunk never starves them; both in admission order.
+        pending = sorted(self.running, key=lambda r: (r.uncomputed > 1, r.arrival))
+        preempted = False
+        while pending and budget > 0:
+            request = pending.pop(0)
+            n = min(request.uncomputed, budget)
+            while not self._grow(request, request.cached_len + n):
+                victim = max(pending, key=lambda r: r.arrival) if pending else request
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                pending.remove(victim)
+            else:
+                chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n))
+                budget -= n
+        # After a preemption pages are short: admitting now would only be preempted again next step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.uncomputed, budget)
+            # Admission never preempts: a new request waits until pages are free.
+            if not self._grow(request, request.cached_len + n):
+                break
+            self.waiting.popleft()
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n))
+            budget -= n
+        return ScheduledBatch(chunks)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Request]:
+        """Record a step's results: sampled[i] is the token of the i-th sampling chunk. Returns finished requests."""
+        finished = []
+        tokens = iter(sampled)
+        for chunk in batch.chunks:
+            request = chunk.request
+            request.cached_len = chunk.end
+            if not chunk.samples:
+                continue
+            token = next(tokens)
+            request.token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Give the request pages for num_tokens tokens of KV; False (and nothing taken) if too few are free."""
+        need = self._pages_for(num_tokens) - len(request.pages)
+        if need <= 0:
+            return True
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            return False
+        request.pages.extend(pages)
+        return True
+
+    def _release(self, request: Request) -> None:
+        if request.pages:
+            self.allocator.decref(request.pages)
+            request.pages = []
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.cached_len = 0
+        request.state = RequestState.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._release(request)
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason

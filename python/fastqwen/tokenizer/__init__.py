@@ -1,0 +1,3 @@
+from .tokenizer import Tokenizer
+
+__all__ = ["Tokenizer"]

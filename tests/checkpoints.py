@@ -1,0 +1,130 @@
+"""Tiny random Qwen3 checkpoints written by transformers' save_pretrained, with a tokenizer.json.
+
+Norm weights are randomized too (they are all ones in a fresh model), so a norm applied with the wrong weight
+shows up as a mismatch against Hugging Face.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+VOCAB = 384
+EOS_IDS = [VOCAB - 1, VOCAB - 2]
+
+
+def write_tokenizer(folder: str, vocab_size: int = VOCAB) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 2)}
+    vocab["<|endoftext|>"] = vocab_size - 2
+    vocab["<|im_end|>"] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
+    tok.save(os.path.join(folder, "tokenizer.json"))
+
+
+def make_checkpoint(
+    folder: str,
+    *,
+    tied: bool,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden: int = 64,
+    intermediate: int = 96,
+    layers: int = 2,
+    vocab: int = VOCAB,
+    max_positions: int = 512,
+    dtype: torch.dtype = torch.float32,
+    logit_scale: float = 1.0,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+):
+    """Writes the checkpoint and returns the Hugging Face model (in eval mode, float32)."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tied,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.08,
+        eos_token_id=EOS_IDS[0],
+        bos_token_id=EOS_IDS[1],
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+        if logit_scale != 1.0:
+            model.lm_head.weight.mul_(logit_scale)
+    model.generation_config = GenerationConfig(eos_token_id=EOS_IDS, bos_token_id=EOS_IDS[1], do_sample=False)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(folder, **save_kwargs)
+    write_tokenizer(folder, vocab)
+    return model.float()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF generate(do_sample=False) for one prompt; returns only the new tokens (EOS included if it stopped)."""
+    input_ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=EOS_IDS,
+            pad_token_id=EOS_IDS[1],
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def engine_logits(llm, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy generation through the engine; returns the tokens and the float32 logits of every sampling step."""
+    from fastqwen import SamplingParams
+
+    model = llm.engine.model
+    captured = []
+    forward = model.forward
+
+    def capturing_forward(batch, kv):
+        logits = forward(batch, kv)
+        captured.append(logits.detach().clone())
+        return logits
+
+    model.forward = capturing_forward
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
+    finally:
+        del model.forward
+    return out.token_ids, torch.cat([c for c in captured if c.shape[0] > 0]).float().cpu()
+
+
+def hf_logits(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
+    """HF logits at the positions where the engine sampled new_ids (teacher forcing), float32 on the CPU."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids + new_ids[:-1]], device=device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 :]
+    return logits.float().cpu()

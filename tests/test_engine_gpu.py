@@ -1,0 +1,85 @@
+"""The engine in bfloat16 on a GPU against Hugging Face transformers (bf16, and float32 as the truth)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from fastqwen import LLM, SamplingParams
+
+from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """Real Qwen3 head geometry (head_dim 128, 4 query heads per KV head); output layer scaled for large margins."""
+    folder = str(tmp_path_factory.mktemp("bf16"))
+    make_checkpoint(
+        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
+        layers=4, dtype=torch.bfloat16, logit_scale=8.0, seed=5,
+    )  # fmt: skip
+    from transformers import Qwen3ForCausalLM
+
+    hf_bf16 = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    hf_fp32 = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    return folder, hf_bf16, hf_fp32
+
+
+def test_bf16_logits_within_tolerance_of_hf(bf16_checkpoint):
+    folder, hf_bf16, hf_fp32 = bf16_checkpoint
+    llm = LLM(folder, dtype="bfloat16", device="cuda", page_size=16, num_pages=256, max_num_batched_tokens=64)
+    rng = random.Random(0)
+    rows = []
+    for length in (7, 100, 300):
+        prompt = [rng.randrange(0, 380) for _ in range(length)]
+        tokens, ours = engine_logits(llm, prompt, 16)
+        ref_bf16 = hf_logits(hf_bf16, prompt, tokens)
+        truth = hf_logits(hf_fp32, prompt, tokens)
+        scale = truth.abs().max().item()
+        rows.append(
+            {
+                "prompt_tokens": length,
+                "max_abs_logit": scale,
+                "ours_vs_hf_bf16": (ours - ref_bf16).abs().max().item(),
+                "ours_vs_fp32": (ours - truth).abs().max().item(),
+                "hf_bf16_vs_fp32": (ref_bf16 - truth).abs().max().item(),
+            }
+        )
+    results = {"device": torch.cuda.get_device_name(), "rows": rows}
+    print(json.dumps(results, indent=1))
+    if os.environ.get("FASTQWEN_RESULTS_DIR"):
+        with open(os.path.join(os.environ["FASTQWEN_RESULTS_DIR"], "engine_bf16_parity.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    for row in rows:
+        # Stated tolerance: our bf16 error against the float32 truth is at most twice HF's own bf16 error (plus a
+        # bf16 ulp of the largest logit), and we stay within 3% of the largest logit of HF's bf16 logits.
+        ulp = row["max_abs_logit"] * 2**-8
+        assert row["ours_vs_fp32"] <= 2 * row["hf_bf16_vs_fp32"] + ulp, row
+        assert row["ours_vs_hf_bf16"] <= 0.03 * row["max_abs_logit"], row
+
+
+def test_bf16_greedy_tokens_match_hf(bf16_checkpoint):
+    folder, hf_bf16, _ = bf16_checkpoint
+    llm = LLM(folder, dtype="bfloat16", device="cuda", page_size=16, num_pages=256)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (5, 33, 128)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf_bf16, prompt, 32)
+    llm.engine.kv.allocator.check()
+
+
+def test_dummy_preset_runs_on_gpu():
+    llm = LLM("Qwen3-0.6B", load_format="dummy", device="cuda", num_pages=64, max_model_len=1024)
+    out = llm.generate([[1, 2, 3, 4]] * 3, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [8, 8, 8]
+    assert out[0].token_ids == out[1].token_ids == out[2].token_ids
