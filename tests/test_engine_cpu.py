@@ -78,8 +78,19 @@ def test_batched_equals_one_at_a_time(checkpoints):
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (1, 5, 33, 17, 2, 40)]
     single = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=512, max_num_seqs=1)
     one_by_one = [single.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
-    batched = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=512, max_num_seqs=8)
+    # At most 3 at once: the others are admitted as sequences finish, in batches that mix prefill and decode.
+    batched = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=512, max_num_seqs=3)
+    kinds = []
+    schedule = batched.engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        kinds.append({c.end - c.start > 1 for c in batch.chunks})
+        return batch
+
+    batched.engine.scheduler.schedule = recording_schedule
     together = batched.generate(prompts, params, use_tqdm=False)
+    assert {True, False} in kinds, "no step mixed a prefill with decodes"
     for a, b, sp in zip(one_by_one, together, params):
         assert a.token_ids == b.token_ids
         assert a.finish_reason == b.finish_reason
