@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from fastqwen import LLM, SamplingParams
+from fastqwen import LLM, InvalidRequestError, SamplingParams
 
 from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint
 
@@ -152,9 +152,13 @@ def test_context_length_stops_generation(checkpoints):
     folder, hf_model = checkpoints["tied-g1"]
     prompt = random_prompts(seed=3, count=1, low=20, high=20)[0]
     llm = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=64, max_model_len=28)
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    # max_tokens=None fills the context; asking for more than fits is an error, not a silent cut.
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length"
     assert len(prompt) + len(out.token_ids) == 28
+    with pytest.raises(InvalidRequestError, match="maximum context length") as err:
+        llm.generate([prompt], SamplingParams(max_tokens=9), use_tqdm=False)
+    assert err.value.param == "max_tokens"
 
 
 def test_abort_frees_pages(checkpoints):

@@ -1,8 +1,9 @@
 """fastqwen: a readable, fast Qwen3 inference engine."""
 
-from .engine import RequestOutput
+from .engine import RequestOutput, RequestUpdate
+from .errors import InvalidRequestError
 from .llm import LLM
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["InvalidRequestError", "LLM", "RequestOutput", "RequestUpdate", "SamplingParams"]
 __version__ = "0.1.0"

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .errors import InvalidRequestError
+
 # Real Qwen3 dense shapes, for load_format="dummy" benchmarks with no checkpoint on disk.
 # (hidden, intermediate, layers, query heads, tied embeddings); all have 8 KV heads of dim 128.
 _PRESET_SHAPES = {
@@ -97,7 +99,7 @@ class ModelConfig:
     def from_preset(cls, name: str) -> "ModelConfig":
         key = name.split("/")[-1]
         if key not in _PRESET_SHAPES:
-            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+            raise InvalidRequestError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}", "model")
         hidden, inter, layers, heads, tied = _PRESET_SHAPES[key]
         return cls(
             vocab_size=151936,
@@ -159,8 +161,10 @@ def load_model_config(model: str) -> tuple[ModelConfig, GenerationDefaults]:
     path = model if os.path.isdir(model) else os.path.dirname(model)
     config_file = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(config_file):
-        raise FileNotFoundError(
-            f"no config.json at {model!r}: pass a checkpoint folder, a config.json, or a preset ({', '.join(PRESETS)})"
+        raise InvalidRequestError(
+            f"unknown model {model!r}: pass a checkpoint folder, a config.json, or a preset "
+            f"({', '.join(PRESETS)}) with load_format='dummy'",
+            "model",
         )
     with open(config_file) as f:
         cfg = ModelConfig.from_dict(json.load(f))

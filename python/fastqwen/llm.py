@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from .engine import LLMEngine, RequestOutput
+from .errors import InvalidRequestError
 from .sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -56,7 +57,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs come back in prompt order.
 
-        All prompts are validated before any is queued, so a bad one raises ValueError and nothing runs.
+        All prompts are validated before any is queued, so a bad one raises InvalidRequestError and nothing runs.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -66,19 +67,21 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)} sampling_params for {len(prompts)} prompts")
+                raise InvalidRequestError(
+                    f"{len(params_list)} sampling_params for {len(prompts)} prompts", "sampling_params"
+                )
         engine = self.engine
         for prompt, params in zip(prompts, params_list):
-            ids = engine.encode(prompt)
-            engine.scheduler.check_fits(len(ids), params.max_tokens)
+            engine.prepare(prompt, params)
         rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm or len(rids) < 2)
         try:
             while engine.has_unfinished():
-                for output in engine.step():
-                    results[output.request_id] = output
-                    bar.update(1)
+                for update in engine.step():
+                    if update.finished:
+                        results[update.request_id] = update.output
+                        bar.update(1)
         except BaseException:
             for rid in rids:
                 engine.abort(rid)
@@ -86,3 +89,25 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in rids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to several.
+
+        The prompt is the checkpoint's chat template with the generation prompt added; chat_template_kwargs go to
+        the template (for Qwen3, {"enable_thinking": False} turns thinking off).
+        """
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer.json, so it cannot chat", "messages")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            tokenizer.apply_chat_template(conv, add_generation_prompt=True, **(chat_template_kwargs or {}))
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,42 +1,146 @@
-"""Per-request sampling parameters, validated when they are made."""
+"""Per-request sampling parameters, validated when they are made (InvalidRequestError names the field)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from .config import GenerationDefaults
+from .errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass
 class SamplingParams:
-    """How one request generates.
+    """How one request generates. A field left as None takes the checkpoint's generation_config.json value, and
+    the neutral value (in brackets) where the checkpoint has none.
 
-    temperature: 0 means greedy; None takes the checkpoint's generation_config.json default (1.0 if it has none).
-    max_tokens: new tokens at most (generation also stops at the model's context length).
+    temperature: 0 = greedy [1.0].  top_k: keep the k most likely tokens; 0 or -1 = off [off].
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1] [1.0].
+    min_p: drop tokens less likely than min_p times the most likely one, in [0, 1] [0.0].
+    repetition_penalty: > 0; logits of tokens already in the prompt or output are divided by it when positive and
+      multiplied by it when negative [1.0].
+    presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of every token already generated,
+      once / once per occurrence [0.0].
+    seed: the same seed and prompt give the same tokens whatever else is in the batch [unseeded].
+    logprobs: None = none; N >= 0 = the logprob of each sampled token and its N most likely alternatives, from the
+      model's raw distribution (before penalties and temperature), N <= 20.
+    max_tokens: new tokens at most; None = up to the context length [16].
+    min_tokens: EOS and stop tokens are blocked, and stop strings not checked, before this many new tokens.
     ignore_eos: keep going past the model's EOS tokens.
-    stop_token_ids: extra token ids that end generation (the token is kept in the output ids).
+    stop: strings that end generation; the text from the stop string on is not returned.
+    stop_token_ids: token ids that end generation (kept in token_ids, not in the text if special).
+    skip_special_tokens: leave special tokens out of the text.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
 
     temperature: float | None = None
-    max_tokens: int = 16
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if self.temperature is not None and not (0.0 <= self.temperature <= 100.0):
-            raise ValueError(f"temperature must be in [0, 100], not {self.temperature}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.temperature = _optional_float("temperature", self.temperature, 0.0, None)
+        if self.top_k is not None:
+            self.top_k = _int("top_k", self.top_k)
+            if self.top_k < -1:
+                raise InvalidRequestError(f"top_k must be -1, 0 (off) or positive, not {self.top_k}", "top_k")
+        self.top_p = _optional_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        self.min_p = _optional_float("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = _optional_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        self.presence_penalty = _optional_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _optional_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+            if not -_INT64_MAX - 1 <= self.seed <= _INT64_MAX:
+                raise InvalidRequestError("seed must fit in a signed 64-bit integer", "seed")
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {self.logprobs}", "logprobs")
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise InvalidRequestError(f"max_tokens must be at least 1, not {self.max_tokens}", "max_tokens")
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be >= 0, not {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
+            )
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError("stop must be a string or a list of non-empty strings", "stop")
+        self.stop_token_ids = [_int("stop_token_ids", t) for t in (self.stop_token_ids or [])]
 
     def with_defaults(self, defaults: GenerationDefaults) -> "SamplingParams":
-        """A copy with unset fields filled from generation_config.json."""
+        """A copy with every unset field filled: from generation_config.json, else the neutral value."""
+
+        def pick(value, default, neutral):
+            if value is not None:
+                return value
+            return default if default is not None else neutral
+
         temperature = self.temperature
         if temperature is None:
-            if defaults.do_sample is False:
-                temperature = 0.0
-            elif defaults.temperature is not None:
-                temperature = float(defaults.temperature)
-            else:
-                temperature = 1.0
-        return replace(self, temperature=temperature, stop_token_ids=list(self.stop_token_ids))
+            temperature = 0.0 if defaults.do_sample is False else pick(None, defaults.temperature, 1.0)
+        return replace(
+            self,
+            temperature=float(temperature),
+            top_k=int(pick(self.top_k, defaults.top_k, 0)),
+            top_p=float(pick(self.top_p, defaults.top_p, 1.0)),
+            min_p=float(pick(self.min_p, defaults.min_p, 0.0)),
+            repetition_penalty=float(pick(self.repetition_penalty, defaults.repetition_penalty, 1.0)),
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise InvalidRequestError(f"{name} must be an integer, not {value!r}", name)
+    return value
+
+
+def _optional_float(name: str, value, low: float, high: float | None, low_open: bool = False) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidRequestError(f"{name} must be a number, not {value!r}", name)
+    value = float(value)
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value > high) or math.isinf(value):
+        bounds = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+        raise InvalidRequestError(f"{name} must be in {bounds}, not {value:g}", name)
+    return value

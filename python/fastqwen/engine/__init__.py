@@ -1,4 +1,4 @@
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine, RequestOutput, RequestUpdate
 from .model_runner import ModelRunner
 
-__all__ = ["LLMEngine", "ModelRunner", "RequestOutput"]
+__all__ = ["LLMEngine", "ModelRunner", "RequestOutput", "RequestUpdate"]

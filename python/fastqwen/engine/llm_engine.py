@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,7 +12,8 @@ from ..config import is_preset, load_model_config, resolve_dtype
 from ..kvcache import KVPool
 from ..model import Qwen3Model
 from ..sampling_params import SamplingParams
-from ..scheduler import Request, Scheduler
+from ..errors import InvalidRequestError
+from ..scheduler import Request, Scheduler, TokenLogprobs
 from ..tokenizer import Tokenizer
 from ..weights import dummy_weights, load_weights
 from .model_runner import ModelRunner
@@ -23,13 +24,29 @@ _CPU_KV_BYTES = 1 << 30
 
 @dataclass
 class RequestOutput:
+    """A finished request."""
+
     request_id: int
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
+    token_ids: list[int]  # generated tokens, the EOS or stop token included
+    text: str | None  # None when the model has no tokenizer
+    finish_reason: str  # "stop", "length" or "abort"
+    stop_reason: int | str | None  # the token id or stop string that matched, for finish_reason "stop"
+    logprobs: list[TokenLogprobs] | None
     num_prompt_tokens: int
     num_completion_tokens: int
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did for one request: for streaming. `output` is set once the request has finished."""
+
+    request_id: int
+    new_token_ids: list[int]
+    new_text: str | None  # text that can no longer change; may be empty while a character or stop string pends
+    new_logprobs: list[TokenLogprobs] | None
+    finished: bool
+    output: RequestOutput | None = None
 
 
 class LLMEngine:
@@ -79,7 +96,7 @@ class LLMEngine:
             self.max_model_len,
             self.generation_defaults.eos_token_ids,
         )
-        self.runner = ModelRunner(self.model, self.kv, seed)
+        self.runner = ModelRunner(self.model, self.kv, self.generation_defaults.eos_token_ids, seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -105,19 +122,41 @@ class LLMEngine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: pass prompts as lists of token ids")
+                raise InvalidRequestError("this model has no tokenizer.json: pass prompts as lists of token ids", "prompt")
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
+        self.check_token_ids(list(prompt), "prompt")
+        return list(prompt)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        return ids
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})", param)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Validate and queue a request; returns its id. Raises ValueError for a request that cannot run."""
+    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        """Validate a request without queueing it: (prompt ids, params with every default filled)."""
         ids = self.encode(prompt)
         params = (params or SamplingParams()).with_defaults(self.generation_defaults)
-        request = Request(rid=next(self._ids), prompt_ids=ids, params=params, arrival=next(self._arrivals))
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        return ids, params
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Validate and queue a request; returns its id. Raises InvalidRequestError for a request that cannot run."""
+        ids, params = self.prepare(prompt, params)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
+        request = Request(
+            rid=next(self._ids), prompt_ids=ids, params=params, arrival=next(self._arrivals), detokenizer=detokenizer
+        )
         self.scheduler.add(request)
         return request.rid
 
@@ -127,21 +166,33 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
-        """One scheduler step: schedule, run the model, sample, record. Returns the requests that finished."""
+    def step(self) -> list[RequestUpdate]:
+        """One scheduler step: schedule, run the model, sample, record. Returns an update per request that advanced."""
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.step(scheduled)
-        finished = self.scheduler.update(scheduled, sampled)
-        return [self._output(r) for r in finished]
+        tokens, logprobs = self.runner.step(scheduled)
+        updates = []
+        for request in self.scheduler.update(scheduled, tokens, logprobs):
+            updates.append(
+                RequestUpdate(
+                    request_id=request.rid,
+                    new_token_ids=request.token_ids[-1:],
+                    new_text=request.detokenizer.take_delta() if request.detokenizer is not None else None,
+                    new_logprobs=request.logprobs[-1:] if request.logprobs is not None else None,
+                    finished=request.finished,
+                    output=self._output(request) if request.finished else None,
+                )
+            )
+        return updates
 
     def _output(self, request: Request) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_ids) if self.tokenizer is not None else None
         return RequestOutput(
             request_id=request.rid,
             prompt_token_ids=request.prompt_ids,
             token_ids=request.output_ids,
-            text=text,
+            text=request.detokenizer.text if request.detokenizer is not None else None,
             finish_reason=request.finish_reason.value,
+            stop_reason=request.stop_reason,
+            logprobs=request.logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_completion_tokens=request.num_output_tokens,
         )

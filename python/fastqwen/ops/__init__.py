@@ -7,9 +7,12 @@ from .activation import silu_and_mul
 from .attention import paged_attention_decode, paged_attention_prefill
 from .norm import fused_add_rms_norm, rms_norm
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache
-from .sampling import sample
+from .sampling import apply_penalties, block_tokens, compute_logprobs, sample
 
 __all__ = [
+    "apply_penalties",
+    "block_tokens",
+    "compute_logprobs",
     "fused_add_rms_norm",
     "paged_attention_decode",
     "paged_attention_prefill",

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
+from ..tokenizer import IncrementalDetokenizer
 
 
 class RequestState(enum.Enum):
@@ -21,6 +22,15 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class TokenLogprobs:
+    """The logprob of a sampled token and the most likely alternatives at that step, from the raw logits."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Request:
     rid: int
     prompt_ids: list[int]
@@ -31,11 +41,16 @@ class Request:
     cached_len: int = 0  # token_ids[:cached_len] have valid KV in this request's pages
     pages: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the EOS / stop token id or the stop string that ended it
+    detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
+    logprobs: list[TokenLogprobs] | None = None  # filled when params.logprobs is set
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from .request import FinishReason, Request, RequestState
+from ..errors import InvalidRequestError
+from .request import FinishReason, Request, RequestState, TokenLogprobs
 
 
 @dataclass
@@ -64,21 +65,24 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------------------
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError for a request that could never run: too long, or more pages than the pool has."""
+        """Raise InvalidRequestError for a request that could never run: too long, or more pages than the pool has."""
         if num_prompt_tokens < 1:
-            raise ValueError("the prompt is empty")
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens, which must also hold at least one generated token"
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {total} were requested "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion): shorten the prompt or lower "
+                "max_tokens",
+                "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
             )
         # The last generated token needs no KV, so a full sequence holds total - 1 cached tokens.
-        total = min(num_prompt_tokens + max_tokens, self.max_model_len)
         pages = self._pages_for(total - 1)
         if pages > self.allocator.num_total():
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the request needs up to {total} tokens of KV ({pages} pages) but the KV pool has only "
-                f"{self.allocator.num_total()} pages: lower max_tokens or give the pool more memory"
+                f"{self.allocator.num_total()} pages: lower max_tokens or give the pool more memory",
+                "max_tokens",
             )
 
     def add(self, request: Request) -> None:
@@ -138,30 +142,48 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(chunks)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Request]:
-        """Record a step's results: sampled[i] is the token of the i-th sampling chunk. Returns finished requests."""
-        finished = []
-        tokens = iter(sampled)
+    def update(
+        self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None
+    ) -> list[Request]:
+        """Record a step's results: sampled[i] (and logprobs[i]) belong to the i-th sampling chunk.
+
+        Returns the requests that got a new token, finished or not.
+        """
+        advanced = []
+        index = 0
         for chunk in batch.chunks:
             request = chunk.request
             request.cached_len = chunk.end
             if not chunk.samples:
                 continue
-            token = next(tokens)
+            token = sampled[index]
+            if request.logprobs is not None and logprobs is not None:
+                request.logprobs.append(logprobs[index])
+            index += 1
             request.token_ids.append(token)
+            advanced.append(request)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
-                finished.append(request)
-        return finished
+        return advanced
 
     # ---- internals ----------------------------------------------------------------------------------------
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        """EOS and stop ids, then stop strings (none before min_tokens), then max_tokens and the context length."""
         params = request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
+        may_stop = request.num_output_tokens > params.min_tokens
+        stop_string = None
+        if request.detokenizer is not None:
+            stop_string = request.detokenizer.append(token, check_stop=may_stop)
+        if may_stop:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                request.stop_reason = token
+                return FinishReason.STOP
+            if stop_string is not None:
+                request.stop_reason = stop_string
+                return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -196,5 +218,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._release(request)
+        if request.detokenizer is not None:
+            request.detokenizer.finish()
         request.state = RequestState.FINISHED
         request.finish_reason = reason

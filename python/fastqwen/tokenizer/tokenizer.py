@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+from ..errors import InvalidRequestError
+from .chat_template import ChatTemplate, load_chat_template
+from .detokenizer import IncrementalDetokenizer
 
 
 class Tokenizer:
@@ -13,6 +18,8 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer.json in {folder!r}")
         self._tok = _HFTokenizer.from_file(path)
+        template, special = load_chat_template(folder)
+        self.chat_template = ChatTemplate(template, special) if template else None
 
     @classmethod
     def from_folder(cls, folder: str) -> "Tokenizer | None":
@@ -31,3 +38,18 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_text(self, token: int) -> str | None:
+        return self._tok.id_to_token(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        if self.chat_template is None:
+            raise InvalidRequestError("this model has no chat template: use a text completion", "messages")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def detokenizer(
+        self, skip_special_tokens: bool = True, stop: list[str] | None = None, include_stop_str_in_output: bool = False
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens, stop, include_stop_str_in_output)

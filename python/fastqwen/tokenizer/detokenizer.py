@@ -1,0 +1,91 @@
+"""Incremental detokenization and stop strings, for streaming.
+
+Text is produced from the output tokens only, a window at a time: decode(ids[prefix:]) minus decode(ids[prefix:read])
+is the new text, and the window moves on only when the new text does not end in U+FFFD, the mark of a UTF-8
+character whose bytes are still arriving. So no partial character is ever emitted, text is never re-emitted, and the
+concatenated deltas equal a full decode. Stop strings are searched in the text around each delta; while stop
+strings are set, the last (longest stop - 1) characters are held back from streaming, since they could be the start
+of a stop string.
+"""
+
+from __future__ import annotations
+
+# A UTF-8 character is at most 4 bytes; byte-level tokens can carry one byte each. After this many tokens a
+# trailing U+FFFD is a real invalid sequence, not a character in progress, and is emitted as it is.
+_MAX_PENDING_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stop = list(stop or [])
+        self._include_stop = include_stop_str_in_output
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix = 0  # token offsets of the decode window
+        self._read = 0
+        self.text = ""  # all text so far (cut at a matched stop string)
+        self._streamed = 0  # characters of self.text already handed out by take_delta
+        self.finished = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def append(self, token: int, check_stop: bool = True) -> str | None:
+        """Add one generated token; returns the stop string it completed, if any (the text is then cut there).
+
+        check_stop=False (before min_tokens) extends the text without looking for stop strings.
+        """
+        if self.finished:
+            raise RuntimeError("append after the text was finished")
+        self._ids.append(token)
+        new_text = self._decode(self._ids[self._prefix :])
+        if new_text.endswith("\ufffd") and len(self._ids) - self._read < _MAX_PENDING_TOKENS:
+            return None
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        delta = new_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        if not delta:
+            return None
+        start = len(self.text)
+        self.text += delta
+        return self._match_stop(start) if check_stop else None
+
+    def _match_stop(self, delta_start: int) -> str | None:
+        if not self._stop:
+            return None
+        # A stop string completed by this delta ends inside it, so it starts at most holdback characters earlier.
+        search_from = max(0, delta_start - self._holdback)
+        best: tuple[int, str] | None = None
+        for s in self._stop:
+            at = self.text.find(s, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return None
+        at, s = best
+        self.text = self.text[: at + len(s)] if self._include_stop else self.text[:at]
+        self.finished = True
+        return s
+
+    def finish(self) -> None:
+        """Generation is over: flush a trailing partial character, and stop holding text back."""
+        if not self.finished and self._read < len(self._ids):
+            new_text = self._decode(self._ids[self._prefix :])
+            self.text += new_text[len(self._decode(self._ids[self._prefix : self._read])) :]
+            self._prefix = self._read = len(self._ids)
+        self.finished = True
+
+    def take_delta(self) -> str:
+        """Text not handed out before that can no longer change: all of it once finished."""
+        end = len(self.text) if self.finished else max(self._streamed, len(self.text) - self._holdback)
+        delta = self.text[self._streamed : end]
+        self._streamed = end
+        return delta
