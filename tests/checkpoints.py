@@ -128,3 +128,26 @@ def hf_logits(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 :]
     return logits.float().cpu()
+
+
+MULTILINGUAL_TEXT = [
+    "The quick brown fox jumps over the lazy dog. 素早い茶色の狐が怠惰な犬を飛び越える。",
+    "敏捷的棕色狐狸跳过了懒狗 🦊🐶 and then 🎉🎉 celebrates. Ünïcödé façade naïve café.",
+    "한국어 텍스트도 있습니다 👩‍👩‍👧‍👦 family emoji, 𝄞 musical symbol, Ελληνικά γράμματα.",
+]
+
+
+def write_byte_level_tokenizer(folder: str, vocab_size: int = 320) -> None:
+    """A Qwen-style byte-level BPE tokenizer with few merges, so CJK and emoji characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
+    tok.train_from_iterator(MULTILINGUAL_TEXT * 4, trainer)
+    tok.save(os.path.join(folder, "tokenizer.json"))

@@ -108,3 +108,25 @@ def test_dummy_preset_runs_on_gpu():
     out = llm.generate([[1, 2, 3, 4]] * 3, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [len(o.token_ids) for o in out] == [8, 8, 8]
     assert out[0].token_ids == out[1].token_ids == out[2].token_ids
+
+
+def test_sampling_features_on_gpu(bf16_checkpoint):
+    """Seeded top-k/top-p/min-p sampling with penalties, stops and logprobs, on GPU tensors."""
+    folder, _, _ = bf16_checkpoint
+    rng = random.Random(3)
+    prompt = [rng.randrange(0, 380) for _ in range(20)]
+    others = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    seeded = SamplingParams(
+        temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1, presence_penalty=0.3,
+        seed=77, max_tokens=16, ignore_eos=True, logprobs=3,
+    )  # fmt: skip
+    alone = LLM(folder, dtype="bfloat16", device="cuda", num_pages=256).generate([prompt], seeded, use_tqdm=False)[0]
+    crowd = LLM(folder, dtype="bfloat16", device="cuda", num_pages=256, seed=5).generate(
+        others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0, max_tokens=16)] * 2 + [seeded]
+        + [SamplingParams(temperature=0.0, max_tokens=16)] * 2, use_tqdm=False,
+    )[2]  # fmt: skip
+    assert crowd.token_ids == alone.token_ids
+    assert len(alone.logprobs) == 16
+    for entry in alone.logprobs:
+        assert entry.logprob <= 0 and len(entry.top) == 3
+        assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]

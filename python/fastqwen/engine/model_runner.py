@@ -96,6 +96,7 @@ class ModelRunner:
         if blocked_rows:
             ops.block_tokens(logits, blocked_rows, blocked)
 
+    @torch.inference_mode()
     def step(self, scheduled: ScheduledBatch) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Runs one step; returns the sampled token of each sampling chunk, in order, and their logprobs if asked."""
         if not scheduled.chunks:

@@ -76,7 +76,8 @@ def top_k_top_p_min_p_mask(
     kept = sorted_probs * keep
     kept = kept / kept.sum(dim=-1, keepdim=True)
     # A token is in the top-p set when the probability of the tokens ranked above it is still short of top_p.
-    keep &= (torch.cumsum(kept, dim=-1) - kept) < top_p[:, None]
+    # top_p = 1 is off outright: in float32 the running sum can round to 1 before the last tokens.
+    keep &= ((torch.cumsum(kept, dim=-1) - kept) < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     return torch.zeros_like(keep).scatter_(1, order, keep)
 

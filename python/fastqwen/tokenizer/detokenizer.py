@@ -1,18 +1,15 @@
 """Incremental detokenization and stop strings, for streaming.
 
-Text is produced from the output tokens only, a window at a time: decode(ids[prefix:]) minus decode(ids[prefix:read])
-is the new text, and the window moves on only when the new text does not end in U+FFFD, the mark of a UTF-8
-character whose bytes are still arriving. So no partial character is ever emitted, text is never re-emitted, and the
-concatenated deltas equal a full decode. Stop strings are searched in the text around each delta; while stop
-strings are set, the last (longest stop - 1) characters are held back from streaming, since they could be the start
-of a stop string.
+Text comes from the output tokens only. decode(ids[prefix:]) minus decode(ids[prefix:read]) is the window's text: the
+token before `read` gives the decoder its context (spaces), and `read` always sits where the text ended on a whole
+character. Trailing U+FFFD marks a UTF-8 character whose bytes are still arriving: everything before it is emitted,
+it is held, and the window moves on once the text ends on a whole character again. So no partial character is ever
+emitted, text is never re-emitted, and the concatenated deltas equal a full decode. Stop strings are searched in the
+text around each delta; while stop strings are set, the last (longest stop - 1) characters are held back from
+streaming, since they could be the start of a stop string.
 """
 
 from __future__ import annotations
-
-# A UTF-8 character is at most 4 bytes; byte-level tokens can carry one byte each. After this many tokens a
-# trailing U+FFFD is a real invalid sequence, not a character in progress, and is emitted as it is.
-_MAX_PENDING_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -31,6 +28,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix = 0  # token offsets of the decode window
         self._read = 0
+        self._partial = 0  # characters past decode(ids[prefix:read]) already emitted while a character pends
         self.text = ""  # all text so far (cut at a matched stop string)
         self._streamed = 0  # characters of self.text already handed out by take_delta
         self.finished = False
@@ -46,12 +44,15 @@ class IncrementalDetokenizer:
         if self.finished:
             raise RuntimeError("append after the text was finished")
         self._ids.append(token)
-        new_text = self._decode(self._ids[self._prefix :])
-        if new_text.endswith("\ufffd") and len(self._ids) - self._read < _MAX_PENDING_TOKENS:
-            return None
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        delta = new_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self._ids)
+        window_text = self._decode(self._ids[self._prefix :])
+        done = len(self._decode(self._ids[self._prefix : self._read])) + self._partial
+        pending = window_text.endswith("\ufffd")
+        clean_end = len(window_text.rstrip("\ufffd")) if pending else len(window_text)
+        delta = window_text[done:clean_end]
+        if pending:
+            self._partial += len(delta)
+        else:
+            self._prefix, self._read, self._partial = self._read, len(self._ids), 0
         if not delta:
             return None
         start = len(self.text)
@@ -78,9 +79,10 @@ class IncrementalDetokenizer:
     def finish(self) -> None:
         """Generation is over: flush a trailing partial character, and stop holding text back."""
         if not self.finished and self._read < len(self._ids):
-            new_text = self._decode(self._ids[self._prefix :])
-            self.text += new_text[len(self._decode(self._ids[self._prefix : self._read])) :]
+            done = len(self._decode(self._ids[self._prefix : self._read])) + self._partial
+            self.text += self._decode(self._ids[self._prefix :])[done:]
             self._prefix = self._read = len(self._ids)
+            self._partial = 0
         self.finished = True
 
     def take_delta(self) -> str:

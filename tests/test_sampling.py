@@ -1,0 +1,206 @@
+"""Sampling references against independent float64 definitions, and seeded sampling through the engine."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from fastqwen import LLM, SamplingParams
+from fastqwen.ops.sampling import (
+    SamplingBatch,
+    apply_penalties,
+    block_tokens,
+    sample,
+    step_seed,
+    top_k_top_p_min_p_mask,
+)
+
+from checkpoints import engine_logits, hf_logits, make_checkpoint
+
+
+def kept_set_float64(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The definition, one row at a time in float64 with plain Python."""
+    scaled = [x / temperature for x in logits]
+    m = max(scaled)
+    exps = [math.exp(x - m) for x in scaled]
+    total = sum(exps)
+    probs = [e / total for e in exps]
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    k = top_k if top_k > 0 else len(probs)
+    topk = order[:k]
+    mass = sum(probs[i] for i in topk)
+    kept, cumulative = set(), 0.0
+    for i in topk:
+        if cumulative < top_p or top_p >= 1.0:
+            kept.add(i)
+        cumulative += probs[i] / mass
+    return {i for i in kept if probs[i] >= min_p * probs[order[0]]}
+
+
+def batch_of(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None) -> SamplingBatch:
+    return SamplingBatch(
+        temperatures=torch.full((rows,), temperature),
+        top_k=torch.full((rows,), top_k, dtype=torch.int64),
+        top_p=torch.full((rows,), top_p),
+        min_p=torch.full((rows,), min_p),
+        seeds=seeds or [None] * rows,
+        all_greedy=temperature == 0.0,
+        needs_filter=top_k > 0 or top_p < 1.0 or min_p > 0.0,
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filter_keeps_exactly_the_defined_set(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 64, 200
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    rng = random.Random(seed)
+    top_k = [rng.choice([0, 1, 5, 50, 199, 200]) for _ in range(rows)]
+    top_p = [rng.choice([1.0, 0.9, 0.5, 0.1, 0.01]) for _ in range(rows)]
+    min_p = [rng.choice([0.0, 0.05, 0.3]) for _ in range(rows)]
+    temperature = [rng.choice([0.5, 1.0, 1.7]) for _ in range(rows)]
+    probs = torch.softmax(logits / torch.tensor(temperature)[:, None], dim=-1)
+    mask = top_k_top_p_min_p_mask(probs, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
+    for r in range(rows):
+        expected = kept_set_float64(logits[r].tolist(), temperature[r], top_k[r], top_p[r], min_p[r])
+        got = set(torch.nonzero(mask[r]).flatten().tolist())
+        assert got == expected, f"row {r}: top_k={top_k[r]} top_p={top_p[r]} min_p={min_p[r]}"
+        assert got, "a row must always keep its most likely token"
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 6, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 10, 0.9, 0.1)]
+)
+def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p, min_p):
+    """N draws of one row; each token's frequency is within 5 standard errors of its kept, renormalized
+    probability (a false failure has probability below 1e-5 over the 12 tokens), and dropped tokens never appear."""
+    vocab, draws = 12, 40_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 1.5
+    kept = kept_set_float64(logits.tolist(), temperature, top_k, top_p, min_p)
+    p = torch.softmax(logits.double() / temperature, dim=0)
+    target = torch.zeros(vocab, dtype=torch.float64)
+    target[list(kept)] = p[list(kept)] / p[list(kept)].sum()
+    out = torch.empty(draws, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(123)
+    sample(logits.expand(draws, vocab).contiguous(), batch_of(draws, temperature, top_k, top_p, min_p), out, gen)
+    freq = torch.bincount(out, minlength=vocab).double() / draws
+    for t in range(vocab):
+        if t not in kept:
+            assert freq[t] == 0, f"token {t} was filtered out but sampled"
+        else:
+            stderr = math.sqrt(target[t] * (1 - target[t]) / draws)
+            assert abs(freq[t] - target[t]) <= 5 * stderr + 1e-12, (t, freq[t].item(), target[t].item())
+
+
+def test_greedy_rows_mixed_with_sampled_rows():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    batch = batch_of(6, temperature=1.0)
+    batch.temperatures = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 1.0])
+    out = torch.empty(6, dtype=torch.int64)
+    sample(logits, batch, out, torch.Generator().manual_seed(0))
+    argmax = logits.argmax(-1)
+    assert out[0] == argmax[0] and out[2] == argmax[2] and out[4] == argmax[4]
+
+
+def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(1, 300, generator=gen)
+    others = torch.randn(7, 300, generator=gen)
+    seed = step_seed(42, 5)
+    alone = torch.empty(1, dtype=torch.int64)
+    sample(row.clone(), batch_of(1, seeds=[seed]), alone, torch.Generator().manual_seed(0))
+    mixed_logits = torch.cat([others[:3], row, others[3:]])
+    mixed = torch.empty(8, dtype=torch.int64)
+    sample(mixed_logits, batch_of(8, seeds=[None, 9, None, seed, None, None, 1, None]), mixed, torch.Generator().manual_seed(99))
+    assert mixed[3] == alone[0]
+    draws = set()
+    for s in range(20):
+        out = torch.empty(1, dtype=torch.int64)
+        sample(row.clone(), batch_of(1, seeds=[step_seed(s, 0)]), out)
+        draws.add(out.item())
+    assert len(draws) > 3, "different seeds should give different draws"
+
+
+def test_penalties_follow_their_definitions():
+    gen = torch.Generator().manual_seed(5)
+    vocab = 40
+    logits = torch.randn(3, vocab, generator=gen) * 2
+    prompt = [torch.tensor([1, 2, 3, 3]), torch.tensor([5]), torch.tensor([7, 8])]
+    output = [torch.tensor([3, 4, 4, 4, 9]), torch.tensor([5, 6, 6]), torch.tensor([], dtype=torch.int64)]
+    rep, pres, freq = [1.3, 1.0, 0.7], [0.5, -0.4, 1.0], [0.25, 1.5, 2.0]
+    expected = logits.double().clone()
+    for r in range(3):
+        counts = {t: output[r].tolist().count(t) for t in set(output[r].tolist())}
+        seen = set(prompt[r].tolist()) | set(counts)
+        for t in range(vocab):
+            x = expected[r, t].item()
+            if t in seen:
+                x = x / rep[r] if x > 0 else x * rep[r]
+            if t in counts:
+                x -= freq[r] * counts[t] + pres[r]
+            expected[r, t] = x
+    got = apply_penalties(logits.clone(), [0, 1, 2], prompt, output, rep, pres, freq)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    untouched = apply_penalties(logits.clone(), [1], [prompt[1]], [output[1]], [1.0], [0.0], [0.0])
+    assert torch.equal(untouched, logits), "neutral penalties must not change the logits"
+    blocked = block_tokens(logits.clone(), [0, 2], [[1, 2], [5]])
+    assert blocked[0, 1] == blocked[0, 2] == blocked[2, 5] == float("-inf")
+    assert torch.equal(blocked[1], logits[1])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("sampling"))
+    return folder, make_checkpoint(folder, tied=False, seed=11)
+
+
+def test_seed_reproduces_across_batch_compositions(checkpoint):
+    folder, _ = checkpoint
+    rng = random.Random(4)
+    prompt = [rng.randrange(380) for _ in range(12)]
+    others = [[rng.randrange(380) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=2024, max_tokens=24, ignore_eos=True)
+    noisy = SamplingParams(temperature=1.2, max_tokens=24, ignore_eos=True)
+    alone = LLM(folder, dtype="float32", device="cpu", num_pages=128, seed=1).generate([prompt], seeded, use_tqdm=False)
+    crowd = LLM(folder, dtype="float32", device="cpu", num_pages=128, seed=2, max_num_batched_tokens=20).generate(
+        others[:3] + [prompt] + others[3:], [noisy] * 3 + [seeded] + [noisy] * 2, use_tqdm=False
+    )
+    assert crowd[3].token_ids == alone[0].token_ids
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=2025, max_tokens=24, ignore_eos=True)
+    again = LLM(folder, dtype="float32", device="cpu", num_pages=128).generate([prompt], other_seed, use_tqdm=False)
+    assert again[0].token_ids != alone[0].token_ids
+
+
+def test_logprobs_are_the_log_softmax_of_the_reference_logits(checkpoint):
+    folder, hf_model = checkpoint
+    prompt = list(range(10, 30))
+    llm = LLM(folder, dtype="float32", device="cpu", num_pages=64)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=5, repetition_penalty=1.2)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    reference = torch.log_softmax(hf_logits(hf_model, prompt, out.token_ids).double(), dim=-1)
+    assert len(out.logprobs) == len(out.token_ids) == 10
+    for step, entry in enumerate(out.logprobs):
+        assert entry.token == out.token_ids[step]
+        assert entry.logprob == pytest.approx(reference[step, entry.token].item(), abs=1e-4)
+        top_ref = reference[step].topk(5)
+        assert [t for t, _ in entry.top] == top_ref.indices.tolist()
+        assert [lp for _, lp in entry.top] == pytest.approx(top_ref.values.tolist(), abs=1e-4)
+
+
+def test_min_tokens_blocks_stop_tokens(checkpoint):
+    folder, _ = checkpoint
+    llm = LLM(folder, dtype="float32", device="cpu", num_pages=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    stop_id = greedy.token_ids[1]
+    stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_id) + 1]
+    held = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], min_tokens=6), use_tqdm=False
+    )[0]
+    assert len(held.token_ids) > 6 or held.finish_reason == "length"
+    assert stop_id not in held.token_ids[:6]
