@@ -65,6 +65,8 @@ class ModelRunner:
     def _sampling_batch(self, requests: list[Request], temperatures: torch.Tensor) -> SamplingBatch:
         params = [r.params for r in requests]
         sampled = [p for p in params if not p.is_greedy]
+        if not sampled:  # all greedy: the argmax needs none of the per-row tensors
+            return SamplingBatch(temperatures, None, None, None, [], all_greedy=True, needs_filter=False)
         return SamplingBatch(
             temperatures=temperatures,
             top_k=self._to_device([p.top_k for p in params], torch.int64),

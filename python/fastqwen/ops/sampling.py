@@ -19,9 +19,9 @@ class SamplingBatch:
     """Per-row sampling parameters of one step; S rows, one per sequence that samples."""
 
     temperatures: torch.Tensor  # [S] float32, 0 = greedy
-    top_k: torch.Tensor  # [S] int64, 0 = off
-    top_p: torch.Tensor  # [S] float32, 1 = off
-    min_p: torch.Tensor  # [S] float32, 0 = off
+    top_k: torch.Tensor | None  # [S] int64, 0 = off; the three filters are None when all_greedy
+    top_p: torch.Tensor | None  # [S] float32, 1 = off
+    min_p: torch.Tensor | None  # [S] float32, 0 = off
     seeds: list[int | None]  # per row: the seed of this step's draw, or None to use the engine's generator
     all_greedy: bool
     needs_filter: bool  # some sampled row has top_k, top_p or min_p on
