@@ -35,6 +35,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None
     num_prompt_tokens: int
     num_completion_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -148,16 +149,22 @@ class LLMEngine:
         self.scheduler.check_fits(len(ids), params.max_tokens)
         return ids, params
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Validate and queue a request; returns its id. Raises InvalidRequestError for a request that cannot run."""
+    def new_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+        """Validate and build a request without queueing it (safe from any thread). Raises InvalidRequestError."""
         ids, params = self.prepare(prompt, params)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
-        request = Request(
-            rid=next(self._ids), prompt_ids=ids, params=params, arrival=next(self._arrivals), detokenizer=detokenizer
-        )
+        return Request(rid=next(self._ids), prompt_ids=ids, params=params, arrival=next(self._arrivals), detokenizer=detokenizer)
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by new_request; only from the thread that runs step()."""
         self.scheduler.add(request)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Validate and queue a request; returns its id. Raises InvalidRequestError for a request that cannot run."""
+        request = self.new_request(prompt, params)
+        self.add(request)
         return request.rid
 
     def abort(self, rid: int) -> bool:
@@ -195,4 +202,5 @@ class LLMEngine:
             logprobs=request.logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_completion_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
         )

@@ -41,5 +41,9 @@ class KVPool:
         return self._storage[layer, 1]
 
     @property
+    def num_bytes(self) -> int:
+        return self._storage.numel() * self._storage.element_size()
+
+    @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size

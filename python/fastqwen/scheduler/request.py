@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
@@ -45,6 +46,9 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
     logprobs: list[TokenLogprobs] | None = None  # filled when params.logprobs is set
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when it was first admitted: queue time = this - arrival_time
 
     def __post_init__(self) -> None:
         if not self.token_ids:

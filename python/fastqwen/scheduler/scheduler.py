@@ -10,6 +10,7 @@ released and it goes back to the front of the queue, to be recomputed (prompt an
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
@@ -136,6 +137,8 @@ class Scheduler:
             if not self._grow(request, request.cached_len + n):
                 break
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.state = RequestState.RUNNING
             self.running.append(request)
             chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n))

@@ -1,0 +1,1 @@
+"""The HTTP server: an OpenAI-compatible API and SGLang's native /generate over one engine thread."""

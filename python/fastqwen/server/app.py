@@ -1,0 +1,163 @@
+"""The FastAPI application: lifespan (load the model off the event loop, start and stop the engine thread),
+authentication, error mapping, and the small endpoints (/health, /v1/models, /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import LLMEngine
+from ..errors import InvalidRequestError
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .metrics import Metrics
+from .native_api import router as native_router
+from .openai_api import router as openai_router
+from .state import APIError, ServerState, error_response
+
+logger = logging.getLogger("fastqwen.server")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+
+
+def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> FastAPI:
+    """load_engine runs in a worker thread at startup; until it returns, /health and every API answer 503."""
+    metrics = Metrics(config.model_name)
+    state = ServerState(config.model_name, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(_load(state, load_engine, config, metrics))
+        try:
+            yield
+        finally:
+            state.draining = True
+            loading.cancel()
+            if state.engine is not None:
+                state.engine.stop()
+
+    app = FastAPI(title="fastqwen", lifespan=lifespan)
+    app.state.server = state
+
+    async def require_api_key(request: HTTPRequest) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
+            raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'", None)
+
+    async def require_ready(request: HTTPRequest) -> None:
+        if state.engine is None:
+            raise APIError(503, "the model is still loading", None, {"Retry-After": "5"})
+        if not state.engine.alive:
+            raise APIError(503, "the engine loop is not running", None)
+        if state.draining:
+            raise APIError(503, "the server is shutting down", None)
+
+    guarded = [Depends(require_api_key), Depends(require_ready)]
+    app.include_router(openai_router, dependencies=guarded)
+    app.include_router(native_router, dependencies=guarded)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.load_error is not None:
+            return JSONResponse({"status": "failed", "error": str(state.load_error)}, status_code=503)
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if not state.engine.alive:
+            return JSONResponse({"status": "engine dead"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "fastqwen",
+            "root": state.model_name,
+            "parent": None,
+            "max_model_len": state.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: HTTPRequest, e: APIError):
+        return error_response(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(_: HTTPRequest, e: InvalidRequestError):
+        return error_response(400, str(e), e.param)
+
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(_: HTTPRequest, e: QueueFullError):
+        return error_response(503, str(e), None, {"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: HTTPRequest, e: EngineDeadError):
+        return error_response(503, str(e), None)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: HTTPRequest, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}", None)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: HTTPRequest, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), None)
+
+    return app
+
+
+async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: Metrics) -> None:
+    try:
+        started = time.monotonic()
+        engine = await asyncio.to_thread(load_engine)
+    except BaseException as e:
+        state.load_error = e
+        logger.exception("loading the model failed")
+        raise
+    async_engine = AsyncEngine(engine, config.max_queued_requests, metrics)
+    async_engine.start()
+    metrics.bind(async_engine)
+    state.created = int(time.time())
+    state.engine = async_engine
+    kv = engine.kv
+    logger.info(
+        "loaded %s in %.1f s: %s on %s, KV cache %d pages x %d tokens = %d tokens (%.2f GiB)",
+        config.model_name,
+        time.monotonic() - started,
+        engine.dtype,
+        engine.device,
+        kv.num_pages,
+        kv.page_size,
+        kv.capacity_tokens,
+        kv.num_bytes / 2**30,
+    )

@@ -1,0 +1,85 @@
+"""SGLang's native POST /generate: text or input_ids in, text, output_ids and meta_info out.
+
+Streaming sends the cumulative text and output ids in every event, as SGLang does, then data: [DONE].
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine import RequestOutput
+from .openai_api import SSE_DONE, sse
+from .protocol import GenerateRequest
+from .serving import collect_requests, stream_requests
+from .state import APIError, ServerState, client_closed_response
+
+router = APIRouter()
+
+
+def _finish_reason(output: RequestOutput) -> dict[str, Any]:
+    if output.finish_reason == "length":
+        return {"type": "length", "length": output.num_completion_tokens}
+    if output.finish_reason == "stop":
+        return {"type": "stop", "matched": output.stop_reason}
+    return {"type": output.finish_reason}
+
+
+def _meta(rid: str, output: RequestOutput | None, prompt_tokens: int, completion_tokens: int, started: float):
+    return {
+        "id": rid,
+        "finish_reason": _finish_reason(output) if output is not None else None,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": output.num_cached_tokens if output is not None else 0,
+        "e2e_latency": time.monotonic() - started,
+    }
+
+
+def _logprobs(output_logprobs) -> dict[str, Any]:
+    return {
+        "output_token_logprobs": [[e.logprob, e.token, None] for e in output_logprobs],
+        "output_top_logprobs": [[[lp, t, None] for t, lp in e.top] for e in output_logprobs],
+    }
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response:
+    state: ServerState = http_request.app.state.server
+    prompts, batched = body.prompts()
+    if batched and body.stream:
+        raise APIError(400, "streaming is for one prompt at a time", "stream")
+    state.engine.check_capacity(len(prompts))
+    params = body.to_sampling_params()
+    requests = [state.engine.engine.new_request(p, params) for p in prompts]
+    started = time.monotonic()
+    rids = [body.rid or f"gen-{r.rid}" for r in requests]
+    if body.stream:
+        return StreamingResponse(_stream(state, requests[0], rids[0], started, body.return_logprob), media_type="text/event-stream")
+    outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
+    if outputs is None:
+        return client_closed_response()
+    results = []
+    for rid, o in zip(rids, outputs):
+        meta = _meta(rid, o, o.num_prompt_tokens, o.num_completion_tokens, started)
+        if o.logprobs is not None:
+            meta.update(_logprobs(o.logprobs))
+        results.append({"text": o.text if o.text is not None else "", "output_ids": o.token_ids, "meta_info": meta})
+    return JSONResponse(results if batched else results[0])
+
+
+async def _stream(state: ServerState, request, rid: str, started: float, with_logprobs: bool) -> AsyncIterator[str]:
+    text, ids = "", []
+    async for item in stream_requests(state.engine, [request], state.metrics):
+        update = item.timed.update
+        text += update.new_text or ""
+        ids += update.new_token_ids
+        output = update.output
+        meta = _meta(rid, output, request.num_prompt_tokens, len(ids), started)
+        if with_logprobs and request.logprobs is not None:
+            meta.update(_logprobs(request.logprobs[: len(ids)]))
+        yield sse({"text": text, "output_ids": list(ids), "meta_info": meta})
+    yield SSE_DONE

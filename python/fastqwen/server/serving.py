@@ -1,0 +1,105 @@
+"""What every endpoint shares: running a set of engine requests for one HTTP request, as one stream of updates or as
+finished outputs, recording the latency metrics, and aborting everything when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Request as HTTPRequest
+
+from ..engine import RequestOutput
+from ..scheduler import Request
+from .async_engine import AsyncEngine, TimedUpdate
+from .metrics import Metrics
+
+_DISCONNECT_POLL_S = 0.05
+
+
+@dataclass
+class IndexedUpdate:
+    index: int  # which of the HTTP request's engine requests
+    timed: TimedUpdate
+
+
+class _Observer:
+    """Latency metrics of one engine request, from the times its updates were produced."""
+
+    def __init__(self, metrics: Metrics | None, request: Request):
+        self.metrics = metrics
+        self.request = request
+        self.last: float | None = None
+
+    def see(self, timed: TimedUpdate) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        update, now = timed.update, timed.time
+        if self.last is None:
+            m.ttft.observe(now - self.request.arrival_time)
+            m.prompt_tokens.inc(self.request.num_prompt_tokens)
+            if self.request.first_scheduled_time is not None:
+                m.queue_time.observe(self.request.first_scheduled_time - self.request.arrival_time)
+        else:
+            m.itl.observe(now - self.last)
+        self.last = now
+        m.generation_tokens.inc(len(update.new_token_ids))
+        if update.finished:
+            m.e2e.observe(now - self.request.arrival_time)
+            m.on_finish(update.output.finish_reason)
+
+
+async def stream_requests(
+    engine: AsyncEngine, requests: list[Request], metrics: Metrics | None
+) -> AsyncIterator[IndexedUpdate]:
+    """All updates of several engine requests, interleaved as they come. Closing the iterator aborts the rest."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, request: Request) -> None:
+        observer = _Observer(metrics, request)
+        try:
+            async for timed in engine.submit(request):
+                observer.see(timed)
+                merged.put_nowait(IndexedUpdate(index, timed))
+        except BaseException as e:  # surfaced to the consumer below
+            merged.put_nowait(e)
+            raise
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    remaining = len(requests)
+    try:
+        while remaining:
+            item = await merged.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.timed.update.finished:
+                remaining -= 1
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_requests(
+    engine: AsyncEngine, requests: list[Request], metrics: Metrics | None, http_request: HTTPRequest
+) -> list[RequestOutput] | None:
+    """Finished outputs in order, or None if the client disconnected first (then every request is aborted)."""
+
+    async def collect() -> list[RequestOutput]:
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        async for item in stream_requests(engine, requests, metrics):
+            if item.timed.update.finished:
+                outputs[item.index] = item.timed.update.output
+        return outputs
+
+    task = asyncio.create_task(collect())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await http_request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None

@@ -1,0 +1,70 @@
+"""The server's shared state, and the errors every endpoint can raise, in OpenAI's error shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from .async_engine import AsyncEngine
+from .metrics import Metrics
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    503: "ServiceUnavailableError",
+    500: "InternalServerError",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def client_closed_response() -> Response:
+    # Nobody reads it: the client is gone. 499 is nginx's "client closed request", for the access log.
+    return Response(status_code=499)
+
+
+class ServerState:
+    def __init__(self, model_name: str, metrics: Metrics):
+        self.model_name = model_name
+        self.metrics = metrics
+        self.engine: AsyncEngine | None = None  # None while the model loads
+        self.load_error: BaseException | None = None
+        self.created = 0  # unix time the model finished loading
+        self.draining = False
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.alive and not self.draining
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.engine.engine.tokenizer is not None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids", "messages")
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
