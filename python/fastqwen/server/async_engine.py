@@ -81,34 +81,42 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def check_capacity(self, extra: int = 1) -> None:
+    def enqueue(self, requests: list[Request]) -> None:
+        """Admit requests made by engine.new_request, or none of them: raises QueueFullError or EngineDeadError.
+
+        Synchronous, so the capacity check and the admission happen with no other handler in between.
+        """
         if self.error is not None or not self.alive:
             raise EngineDeadError("the engine loop is not running")
-        if self.max_queued_requests is not None and self.num_waiting + extra > self.max_queued_requests:
+        if self.max_queued_requests is not None and self.num_waiting + len(requests) > self.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
-
-    async def submit(self, request: Request) -> AsyncIterator[TimedUpdate]:
-        """Queue a request made by engine.new_request and stream its updates until it finishes."""
-        out: asyncio.Queue = asyncio.Queue()
-        self._queues[request.rid] = out
-        self._submitted += 1
-        self._commands.put(("add", request))
+        for request in requests:
+            self._queues[request.rid] = asyncio.Queue()
+            self._submitted += 1
+            self._commands.put(("add", request))
         self._wake.set()
+
+    async def updates(self, request: Request) -> AsyncIterator[TimedUpdate]:
+        """The updates of an enqueued request until it finishes; leaving early aborts it."""
+        out = self._queues[request.rid]
         finished = False
         try:
-            while True:
+            while not finished:
                 item = await out.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.update.finished
                 yield item
-                if finished:
-                    return
         finally:
-            self._queues.pop(request.rid, None)
             if not finished:
-                self._commands.put(("abort", request.rid))
-                self._wake.set()
+                self.abort(request)
+            self._queues.pop(request.rid, None)
+
+    def abort(self, request: Request) -> None:
+        """Stop a request that has not finished; its pages are released at the engine's next iteration."""
+        if not request.finished:
+            self._commands.put(("abort", request.rid))
+            self._wake.set()
 
     # ---- the engine thread --------------------------------------------------------------------------------
 

@@ -9,12 +9,12 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..engine import RequestOutput
 from .openai_api import SSE_DONE, sse
 from .protocol import GenerateRequest
-from .serving import collect_requests, stream_requests
+from .serving import StreamingUpdatesResponse, collect_requests, stream_requests
 from .state import APIError, ServerState, client_closed_response
 
 router = APIRouter()
@@ -52,13 +52,14 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
     prompts, batched = body.prompts()
     if batched and body.stream:
         raise APIError(400, "streaming is for one prompt at a time", "stream")
-    state.engine.check_capacity(len(prompts))
     params = body.to_sampling_params()
     requests = [state.engine.engine.new_request(p, params) for p in prompts]
+    state.engine.enqueue(requests)
     started = time.monotonic()
     rids = [body.rid or f"gen-{r.rid}" for r in requests]
     if body.stream:
-        return StreamingResponse(_stream(state, requests[0], rids[0], started, body.return_logprob), media_type="text/event-stream")
+        body_iter = _stream(state, requests[0], rids[0], started, body.return_logprob)
+        return StreamingUpdatesResponse(body_iter, state.engine, requests)
     outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
     if outputs is None:
         return client_closed_response()

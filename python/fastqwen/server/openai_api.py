@@ -8,13 +8,13 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..engine import RequestOutput
 from ..scheduler import TokenLogprobs
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
-from .serving import collect_requests, stream_requests
+from .serving import StreamingUpdatesResponse, collect_requests, stream_requests
 from .state import ServerState, client_closed_response
 
 router = APIRouter()
@@ -62,13 +62,12 @@ def chat_logprobs(state: ServerState, entries: list[TokenLogprobs]) -> dict[str,
 
 def _build(state: ServerState, body, prompts: list) -> tuple[list, list[int]]:
     """Engine requests for every prompt x n choice (validated all before any is queued), and each one's prompt."""
-    engine = state.engine
-    engine.check_capacity(len(prompts) * body.n)
     requests, prompt_of = [], []
     for p_index, prompt in enumerate(prompts):
         for choice in range(body.n):
-            requests.append(engine.engine.new_request(prompt, body.to_sampling_params(choice)))
+            requests.append(state.engine.engine.new_request(prompt, body.to_sampling_params(choice)))
             prompt_of.append(p_index)
+    state.engine.enqueue(requests)
     return requests, prompt_of
 
 
@@ -92,9 +91,8 @@ async def completions(body: CompletionRequest, http_request: HTTPRequest) -> Res
     header = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _stream_completion(state, requests, prompt_of, header, include_usage), media_type="text/event-stream"
-        )
+        body_iter = _stream_completion(state, requests, prompt_of, header, include_usage)
+        return StreamingUpdatesResponse(body_iter, state.engine, requests)
     outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
     if outputs is None:
         return client_closed_response()
@@ -150,9 +148,8 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_header = {**header, "object": "chat.completion.chunk"}
-        return StreamingResponse(
-            _stream_chat(state, requests, prompt_of, chunk_header, include_usage, opened), media_type="text/event-stream"
-        )
+        body_iter = _stream_chat(state, requests, prompt_of, chunk_header, include_usage, opened)
+        return StreamingUpdatesResponse(body_iter, state.engine, requests)
     outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
     if outputs is None:
         return client_closed_response()

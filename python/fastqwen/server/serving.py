@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
 
 from ..engine import RequestOutput
 from ..scheduler import Request
@@ -53,13 +54,13 @@ class _Observer:
 async def stream_requests(
     engine: AsyncEngine, requests: list[Request], metrics: Metrics | None
 ) -> AsyncIterator[IndexedUpdate]:
-    """All updates of several engine requests, interleaved as they come. Closing the iterator aborts the rest."""
+    """All updates of several enqueued requests, interleaved as they come. Closing the iterator aborts the rest."""
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, request: Request) -> None:
         observer = _Observer(metrics, request)
         try:
-            async for timed in engine.submit(request):
+            async for timed in engine.updates(request):
                 observer.see(timed)
                 merged.put_nowait(IndexedUpdate(index, timed))
         except BaseException as e:  # surfaced to the consumer below
@@ -85,7 +86,8 @@ async def stream_requests(
 async def collect_requests(
     engine: AsyncEngine, requests: list[Request], metrics: Metrics | None, http_request: HTTPRequest
 ) -> list[RequestOutput] | None:
-    """Finished outputs in order, or None if the client disconnected first (then every request is aborted)."""
+    """Finished outputs in order, or None if the client disconnected first. Every request that did not finish is
+    aborted, whatever ends the wait (a disconnect, a cancelled handler, an error)."""
 
     async def collect() -> list[RequestOutput]:
         outputs: list[RequestOutput | None] = [None] * len(requests)
@@ -95,11 +97,32 @@ async def collect_requests(
         return outputs
 
     task = asyncio.create_task(collect())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await http_request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return None
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http_request.is_disconnected():
+                return None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for request in requests:
+            engine.abort(request)
+
+
+class StreamingUpdatesResponse(StreamingResponse):
+    """A streaming response that aborts its requests however it ends, even if its body never started (a client
+    gone before the first byte): the body's own finally blocks would not run then."""
+
+    def __init__(self, body, engine: AsyncEngine, requests: list[Request]):
+        super().__init__(body, media_type="text/event-stream")
+        self._engine = engine
+        self._requests = requests
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for request in self._requests:
+                self._engine.abort(request)
