@@ -49,7 +49,31 @@ for b in bench/bench_*.py; do
   [ "$rc" -eq 0 ] || bench_rc=$rc
 done
 
-echo "== summary: build rc=$build_rc tests rc=$tests_rc bench rc=$bench_rc" | tee "$OUT/summary.txt"
+echo "== serving: random Qwen3-8B behind the HTTP server"
+serve_rc=0
+python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+python3 -m fastqwen.serve --model /tmp/qwen3-8b-dummy --load-format dummy --port 8000 --max-model-len 4096 \
+  > "$OUT/server.log" 2>&1 &
+server_pid=$!
+for _ in $(seq 300); do
+  python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code != 200)" 2>/dev/null && break
+  sleep 1
+done
+python3 - <<'PY' 2>&1 | tee "$OUT/chat_stream.log"
+import httpx, json
+body = {"messages": [{"role": "user", "content": "Hello, how are you?"}], "max_tokens": 16, "stream": True,
+        "chat_template_kwargs": {"enable_thinking": False}}
+with httpx.stream("POST", "http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=120) as r:
+    print("status", r.status_code)
+    for line in r.iter_lines():
+        if line:
+            print(line[:200])
+PY
+python3 bench/serving.py --num-prompts 256 --concurrency 64 --input-len 256 --output-len 128 --json "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" || serve_rc=1
+kill -TERM "$server_pid"; wait "$server_pid"
+head -n 20 "$OUT/server.log"
+
+echo "== summary: build rc=$build_rc tests rc=$tests_rc bench rc=$bench_rc serving rc=$serve_rc" | tee "$OUT/summary.txt"
 if [ "$build_rc" -ne 0 ] || [ "$tests_rc" -ne 0 ]; then
   exit 1
 fi

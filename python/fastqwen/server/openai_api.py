@@ -113,7 +113,6 @@ async def completions(body: CompletionRequest, http_request: HTTPRequest) -> Res
 async def _stream_completion(state, requests, prompt_of, header, include_usage) -> AsyncIterator[str]:
     outputs: list[RequestOutput | None] = [None] * len(requests)
     offsets = [0] * len(requests)
-    started = [False] * len(requests)
     async for item in stream_requests(state.engine, requests, state.metrics):
         update = item.timed.update
         text = update.new_text or ""
@@ -121,11 +120,9 @@ async def _stream_completion(state, requests, prompt_of, header, include_usage) 
         if update.new_logprobs is not None:
             logprobs = completion_logprobs(state, update.new_logprobs, offsets[item.index])
         offsets[item.index] += len(text)
-        # A chunk when there is text or logprobs, and always at the first token (it marks time to first token).
-        first, started[item.index] = not started[item.index], True
-        if text or logprobs is not None or first:
-            choice = {"index": item.index, "text": text, "logprobs": logprobs, "finish_reason": None}
-            yield sse({**header, "choices": [choice]})
+        # One chunk per token, even when its text is still held back: clients time tokens by chunks.
+        choice = {"index": item.index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        yield sse({**header, "choices": [choice]})
         if update.finished:
             outputs[item.index] = update.output
             o = update.output
@@ -193,10 +190,9 @@ async def _stream_chat(state, requests, prompt_of, header, include_usage, opened
             started[i] = True
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if content or "role" in delta:
+        if content or not reasoning:
             delta["content"] = content
-        if delta or logprobs is not None:
-            yield chunk(i, delta, logprobs)
+        yield chunk(i, delta, logprobs)  # one chunk per token, even when its text is still held back
         if update.finished:
             outputs[i] = update.output
             yield chunk(i, {}, None, update.output.finish_reason, stop_reason=update.output.stop_reason)
