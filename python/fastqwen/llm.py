@@ -34,6 +34,7 @@ class LLM:
         load_format: str = "auto",
         gpu_memory_utilization: float = 0.85,
         seed: int = 0,
+        enable_prefix_caching: bool = True,
     ):
         self.engine = LLMEngine(
             model,
@@ -47,6 +48,7 @@ class LLM:
             load_format=load_format,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
     def generate(

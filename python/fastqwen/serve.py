@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queued-requests", type=int, default=None, help="waiting requests beyond this get 503 with Retry-After (default: no limit)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set FASTQWEN_API_KEY)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take to finish before they are aborted")
+    p.add_argument("--disable-radix-cache", action="store_true", help="turn off the prefix cache (KV reuse across requests sharing a prefix)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler for unseeded requests")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     return p.parse_args(argv)
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             load_format=args.load_format,
             gpu_memory_utilization=args.kv_cache_memory_fraction,
             seed=args.seed,
+            enable_prefix_caching=not args.disable_radix_cache,
         )
 
     api_key = args.api_key or os.environ.get("FASTQWEN_API_KEY")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import is_preset, load_model_config, resolve_dtype
-from ..kvcache import KVPool
+from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..model import Qwen3Model
 from ..sampling_params import SamplingParams
 from ..errors import InvalidRequestError
@@ -64,6 +64,7 @@ class LLMEngine:
         load_format: str = "auto",
         gpu_memory_utilization: float = 0.85,
         seed: int = 0,
+        enable_prefix_caching: bool = True,
     ):
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', not {load_format!r}")
@@ -89,6 +90,7 @@ class LLMEngine:
         if num_pages is None:
             num_pages = self._default_num_pages(page_bytes, max_num_batched_tokens, max_num_seqs, gpu_memory_utilization)
         self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.cache = RadixCache(self.kv.allocator, page_size) if enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv.allocator,
             page_size,
@@ -96,7 +98,9 @@ class LLMEngine:
             max_num_batched_tokens,
             self.max_model_len,
             self.generation_defaults.eos_token_ids,
+            self.cache,
         )
+        self.check_every_step = os.environ.get("FASTQWEN_CHECK_INVARIANTS", "0") not in ("", "0")
         self.runner = ModelRunner(self.model, self.kv, self.generation_defaults.eos_token_ids, seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -178,7 +182,10 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         tokens, logprobs = self.runner.step(scheduled)
         updates = []
-        for request in self.scheduler.update(scheduled, tokens, logprobs):
+        advanced = self.scheduler.update(scheduled, tokens, logprobs)
+        if self.check_every_step:
+            self.check_invariants()
+        for request in advanced:
             updates.append(
                 RequestUpdate(
                     request_id=request.rid,
@@ -190,6 +197,17 @@ class LLMEngine:
                 )
             )
         return updates
+
+    def kv_usage(self) -> float:
+        """Fraction of KV pages held by requests; pages only the prefix cache holds are free on demand."""
+        allocator = self.kv.allocator
+        evictable = self.cache.evictable_pages() if self.cache is not None else 0
+        return (allocator.num_used() - evictable) / allocator.num_total()
+
+    def check_invariants(self) -> None:
+        """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises
+        kvcache.InvariantError otherwise. FASTQWEN_CHECK_INVARIANTS=1 runs it after every step."""
+        check_kv_invariants(self.kv.allocator, self.cache, self.scheduler.running, self.scheduler.waiting)
 
     def _output(self, request: Request) -> RequestOutput:
         return RequestOutput(

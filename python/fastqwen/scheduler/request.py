@@ -46,7 +46,9 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
     logprobs: list[TokenLogprobs] | None = None  # filled when params.logprobs is set
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
+    cache_node: object | None = None  # the prefix-cache node this request has locked (its path is kept)
+    cached_in_tree: int = 0  # tokens of this request's prefix already inserted in the cache
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when it was first admitted: queue time = this - arrival_time
 

@@ -3,8 +3,13 @@
 Prefill, chunked prefill and decode are one operation: compute token_ids[cached_len:cached_len + n]. A chunk that
 reaches the end of token_ids samples the next token. Each step, running requests go first (decodes, then unfinished
 prefills), then waiting requests are admitted while the token budget, the sequence limit and free pages allow.
-When a running request needs a page and none is free, the newest running request is preempted: its pages are
-released and it goes back to the front of the queue, to be recomputed (prompt and outputs so far) later.
+When a running request needs a page and none is free, unreferenced prefix-cache pages are evicted first; if that is
+not enough, the newest running request is preempted: its computed prefix goes to the prefix cache, its pages are
+released, and it goes back to the front of the queue, to be recomputed (cheaply, from the cache) later.
+
+With a prefix cache, an admitted request starts from the longest cached prefix of its tokens (always leaving one
+token to compute), and every request's computed whole pages go into the cache after each prefill chunk and when it
+stops. Pages have two kinds of owners, requests and the cache, each holding and releasing only its own reference.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
+from ..kvcache.radix_cache import RadixCache
 from .request import FinishReason, Request, RequestState, TokenLogprobs
 
 
@@ -50,6 +56,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        cache: RadixCache | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -61,7 +68,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
+        self.cache = cache
         self.num_preemptions = 0
+        self.num_computed_tokens = 0  # tokens of every scheduled chunk: prefill work actually done, plus decodes
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission
+        self.prefix_hits = 0  # of those, tokens found
 
     # ---- requests in and out -------------------------------------------------------------------------------
 
@@ -132,18 +143,31 @@ class Scheduler:
         # After a preemption pages are short: admitting now would only be preempted again next step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            self._match_cached_prefix(request)
+            if self._computes_same_pages(request, chunks):
+                # Another request computes this request's next pages in this very step: wait one step and take
+                # them from the cache instead of computing them twice.
+                self._drop_cached_prefix(request)
+                break
             n = min(request.uncomputed, budget)
             # Admission never preempts: a new request waits until pages are free.
             if not self._grow(request, request.cached_len + n):
+                self._drop_cached_prefix(request)
                 break
             self.waiting.popleft()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                if self.cache is not None:
+                    request.num_cached_tokens = min(request.cached_len, request.num_prompt_tokens)
+                    self.prefix_queries += request.num_prompt_tokens
+                    self.prefix_hits += request.num_cached_tokens
             request.state = RequestState.RUNNING
             self.running.append(request)
             chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n))
             budget -= n
-        return ScheduledBatch(chunks)
+        batch = ScheduledBatch(chunks)
+        self.num_computed_tokens += batch.num_tokens
+        return batch
 
     def update(
         self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None
@@ -169,6 +193,10 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
+        if self.cache is not None:
+            for chunk in batch.chunks:  # share freshly prefilled pages with requests admitted from now on
+                if chunk.end - chunk.start > 1 and not chunk.request.finished:
+                    self._cache_computed_prefix(chunk.request)
         return advanced
 
     # ---- internals ----------------------------------------------------------------------------------------
@@ -195,23 +223,80 @@ class Scheduler:
         return -(-num_tokens // self.page_size)
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
-        """Give the request pages for num_tokens tokens of KV; False (and nothing taken) if too few are free."""
+        """Give the request pages for num_tokens tokens of KV, evicting cached prefixes if needed; False (and
+        nothing taken) if even that leaves too few."""
         need = self._pages_for(num_tokens) - len(request.pages)
         if need <= 0:
             return True
         pages = self.allocator.alloc(need)
+        if pages is None and self.cache is not None:
+            self.cache.evict(need - self.allocator.num_free())
+            pages = self.allocator.alloc(need)
         if pages is None:
             return False
         request.pages.extend(pages)
         return True
 
+    # ---- the prefix cache ----------------------------------------------------------------------------------
+
+    def _match_cached_prefix(self, request: Request) -> None:
+        """Start a request that holds no pages from the longest cached prefix of its tokens."""
+        if self.cache is None or request.pages:
+            return
+        pages, node = self.cache.match_prefix(request.token_ids[:-1])
+        if not pages:
+            return
+        self.allocator.incref(pages)
+        self.cache.lock(node)
+        request.pages = pages
+        request.cache_node = node
+        request.cached_len = len(pages) * self.page_size
+
+    def _drop_cached_prefix(self, request: Request) -> None:
+        """Undo _match_cached_prefix for a request that stays waiting: waiting requests hold nothing."""
+        self._release(request)
+        request.cached_len = 0
+
+    def _computes_same_pages(self, request: Request, chunks: list[ScheduledChunk]) -> bool:
+        """Does a chunk of this step compute the request's first uncached page, for the same prefix?"""
+        if self.cache is None:
+            return False
+        end = request.cached_len + self.page_size
+        if end > len(request.token_ids) - 1:
+            return False
+        for chunk in chunks:
+            other = chunk.request
+            if chunk.start <= request.cached_len and chunk.end >= end and other.token_ids[:end] == request.token_ids[:end]:
+                return True
+        return False
+
+    def _cache_computed_prefix(self, request: Request) -> None:
+        """Put the request's computed whole pages into the cache and lock the path it now ends at."""
+        if self.cache is None:
+            return
+        num_pages = request.cached_len // self.page_size
+        if num_pages == 0 or num_pages * self.page_size <= request.cached_in_tree:
+            return
+        node = self.cache.insert(request.token_ids[: num_pages * self.page_size], request.pages[:num_pages])
+        self.cache.lock(node)
+        if request.cache_node is not None:
+            self.cache.unlock(request.cache_node)
+        request.cache_node = node
+        request.cached_in_tree = num_pages * self.page_size
+
     def _release(self, request: Request) -> None:
+        """Drop everything the request holds: its lock on the cache path, and its own page references."""
+        if request.cache_node is not None:
+            self.cache.unlock(request.cache_node)
+            request.cache_node = None
+        request.cached_in_tree = 0
         if request.pages:
             self.allocator.decref(request.pages)
             request.pages = []
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._cache_computed_prefix(request)
         self._release(request)
         request.cached_len = 0
         request.state = RequestState.WAITING
@@ -220,6 +305,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._cache_computed_prefix(request)
         self._release(request)
         if request.detokenizer is not None:
             request.detokenizer.finish()

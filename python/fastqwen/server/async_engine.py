@@ -51,6 +51,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        self.kv_usage = 0.0  # written by the engine thread (the prefix cache is only safe to walk there)
 
     # ---- lifecycle (event loop side) ----------------------------------------------------------------------
 
@@ -122,14 +123,21 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        busy = False
         try:
             while not self._stopping:
                 self._drain_commands()
                 if not engine.has_unfinished():
+                    if busy:  # just went idle: a good moment to check that no page leaked
+                        busy = False
+                        self._check_invariants()
+                        self.kv_usage = engine.kv_usage()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                busy = True
                 updates = engine.step()
+                self.kv_usage = engine.kv_usage()
                 if updates:
                     now = time.monotonic()
                     self._loop.call_soon_threadsafe(self._dispatch, updates, now)
@@ -138,6 +146,12 @@ class AsyncEngine:
             self.error = e
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _check_invariants(self) -> None:
+        try:
+            self.engine.check_invariants()
+        except AssertionError:
+            logger.critical("KV page ownership invariant FAILED while idle: pages leaked or double-owned", exc_info=True)
 
     def _drain_commands(self) -> None:
         while True:

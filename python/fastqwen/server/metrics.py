@@ -24,7 +24,10 @@ class Metrics:
 
         self.running = gauge("num_requests_running", "Requests holding KV pages and computing.")
         self.waiting = gauge("num_requests_waiting", "Requests queued for admission.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).")
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV pages held by requests (0 to 1); pages only the prefix cache holds count as free.",
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
@@ -41,10 +44,9 @@ class Metrics:
 
     def bind(self, async_engine) -> None:
         """Gauges read the engine's state when scraped, so they are current even while the engine is idle."""
-        allocator = async_engine.engine.kv.allocator
         self.running.set_function(lambda: async_engine.num_running)
         self.waiting.set_function(lambda: async_engine.num_waiting)
-        self.kv_usage.set_function(lambda: allocator.num_used() / allocator.num_total())
+        self.kv_usage.set_function(lambda: async_engine.kv_usage)
 
     def on_abort(self) -> None:
         self.aborted.inc()

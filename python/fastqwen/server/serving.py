@@ -27,9 +27,10 @@ class IndexedUpdate:
 class _Observer:
     """Latency metrics of one engine request, from the times its updates were produced."""
 
-    def __init__(self, metrics: Metrics | None, request: Request):
+    def __init__(self, metrics: Metrics | None, request: Request, prefix_cache_on: bool):
         self.metrics = metrics
         self.request = request
+        self.prefix_cache_on = prefix_cache_on
         self.last: float | None = None
 
     def see(self, timed: TimedUpdate) -> None:
@@ -40,6 +41,9 @@ class _Observer:
         if self.last is None:
             m.ttft.observe(now - self.request.arrival_time)
             m.prompt_tokens.inc(self.request.num_prompt_tokens)
+            if self.prefix_cache_on:
+                m.prefix_queries.inc(self.request.num_prompt_tokens)
+                m.prefix_hits.inc(self.request.num_cached_tokens)
             if self.request.first_scheduled_time is not None:
                 m.queue_time.observe(self.request.first_scheduled_time - self.request.arrival_time)
         else:
@@ -58,7 +62,7 @@ async def stream_requests(
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, request: Request) -> None:
-        observer = _Observer(metrics, request)
+        observer = _Observer(metrics, request, engine.engine.cache is not None)
         try:
             async for timed in engine.updates(request):
                 observer.see(timed)
