@@ -52,13 +52,21 @@ done
 echo "== serving: random Qwen3-8B behind the HTTP server"
 serve_rc=0
 python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
-python3 -m fastqwen.serve --model /tmp/qwen3-8b-dummy --load-format dummy --port 8000 --max-model-len 4096 \
-  > "$OUT/server.log" 2>&1 &
-server_pid=$!
-for _ in $(seq 300); do
-  python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code != 200)" 2>/dev/null && break
-  sleep 1
-done
+
+start_server() {  # start_server LOGNAME [extra serve flags]: starts it and waits until /health says 200
+  local log="$1"; shift
+  python3 -m fastqwen.serve --model /tmp/qwen3-8b-dummy --load-format dummy --port 8000 --max-model-len 4096 "$@" \
+    > "$OUT/$log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 300); do
+    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code != 200)" 2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
+}
+stop_server() { kill -TERM "$server_pid"; wait "$server_pid"; }
+
+start_server server.log || serve_rc=1
 python3 - <<'PY' 2>&1 | tee "$OUT/chat_stream.log"
 import httpx, json
 body = {"messages": [{"role": "user", "content": "Hello, how are you?"}], "max_tokens": 16, "stream": True,
@@ -70,8 +78,13 @@ with httpx.stream("POST", "http://127.0.0.1:8000/v1/chat/completions", json=body
             print(line[:200])
 PY
 python3 bench/serving.py --num-prompts 256 --concurrency 64 --input-len 256 --output-len 128 --json "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" || serve_rc=1
-kill -TERM "$server_pid"; wait "$server_pid"
+SHARED="--num-prompts 64 --concurrency 16 --input-len 1088 --shared-prefix-len 1024 --output-len 32"
+python3 bench/serving.py $SHARED --json "$OUT/serving_shared_cache_on.json" 2>&1 | tee "$OUT/serving_shared_cache_on.log" || serve_rc=1
+stop_server
 head -n 20 "$OUT/server.log"
+start_server server_nocache.log --disable-radix-cache || serve_rc=1
+python3 bench/serving.py $SHARED --json "$OUT/serving_shared_cache_off.json" 2>&1 | tee "$OUT/serving_shared_cache_off.log" || serve_rc=1
+stop_server
 
 echo "== summary: build rc=$build_rc tests rc=$tests_rc bench rc=$bench_rc serving rc=$serve_rc" | tee "$OUT/summary.txt"
 if [ "$build_rc" -ne 0 ] || [ "$tests_rc" -ne 0 ]; then
