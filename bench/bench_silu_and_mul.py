@@ -24,22 +24,9 @@ import torch.nn.functional as F
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.activation import silu_and_mul, silu_and_mul_reference
 
-from common import copy_bandwidth, time_fn
+from common import copy_bandwidth, graph_of, time_fn
 
 L2_BYTES = 50 * 1024 * 1024
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def bench_shape(rows: int, d: int, dtype: torch.dtype, iters: int, copy_gbs: float) -> dict:

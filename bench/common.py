@@ -33,3 +33,17 @@ def copy_bandwidth(iters: int) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n / (ms * 1e-3) / 1e9
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph (after one warm-up run): replays time the GPU work without launch gaps."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g

@@ -49,6 +49,9 @@ for b in bench/bench_*.py; do
   [ "$rc" -eq 0 ] || bench_rc=$rc
 done
 
+echo "-- kernels"
+python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || bench_rc=1
+
 echo "== serving: random Qwen3-8B behind the HTTP server"
 serve_rc=0
 python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy

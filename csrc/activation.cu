@@ -9,28 +9,11 @@
 #include <string>
 
 #include "activation.h"
+#include "common.cuh"
 #include "cuda_check.h"
 
 namespace fastqwen {
 namespace {
-
-template <typename T>
-struct Cvt;
-template <>
-struct Cvt<float> {
-  static __device__ __forceinline__ float to_f(float v) { return v; }
-  static __device__ __forceinline__ float from_f(float v) { return v; }
-};
-template <>
-struct Cvt<__half> {
-  static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
-};
-template <>
-struct Cvt<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
-};
 
 template <typename T>
 __device__ __forceinline__ T silu_mul(T g, T u) {
@@ -38,11 +21,6 @@ __device__ __forceinline__ T silu_mul(T g, T u) {
   const float uf = Cvt<T>::to_f(u);
   return Cvt<T>::from_f(gf / (1.0f + expf(-gf)) * uf);
 }
-
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
 
 // Grid: x over column chunks of VEC elements, y over rows (strided when there
 // are more rows than gridDim.y). VEC == 1 is the scalar path.

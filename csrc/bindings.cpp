@@ -10,6 +10,8 @@
 #include "page_allocator.h"
 #if FASTQWEN_WITH_CUDA
 #include "activation.h"
+#include "norm.h"
+#include "rope_kv.h"
 #endif
 
 namespace py = pybind11;
@@ -69,5 +71,42 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x_ptr"), py::arg("out_ptr"), py::arg("num_rows"), py::arg("d"), py::arg("dtype"), py::arg("stream"),
       "out[r, i] = silu(x[r, i]) * x[r, d + i]; x [num_rows, 2d] and out [num_rows, d] contiguous device "
       "buffers of the given dtype code; stream is a cudaStream_t as int.");
+  m.def(
+      "rms_norm",
+      [](const py::int_& out, const py::int_& x, const py::int_& weight, int64_t num_rows, int64_t hidden, double eps,
+         int dtype, const py::int_& stream) {
+        fastqwen::rms_norm(to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(weight, "weight"), num_rows, hidden,
+                           eps, dtype, to_uintptr(stream, "stream"));
+      },
+      py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("num_rows"), py::arg("hidden"), py::arg("eps"),
+      py::arg("dtype"), py::arg("stream"), "out = weight * RMSNorm(x) per row (HF Qwen3 rounding).");
+  m.def(
+      "fused_add_rms_norm",
+      [](const py::int_& x, const py::int_& residual, const py::int_& weight, int64_t num_rows, int64_t hidden,
+         double eps, int dtype, const py::int_& stream) {
+        fastqwen::fused_add_rms_norm(to_uintptr(x, "x"), to_uintptr(residual, "residual"),
+                                     to_uintptr(weight, "weight"), num_rows, hidden, eps, dtype,
+                                     to_uintptr(stream, "stream"));
+      },
+      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("num_rows"), py::arg("hidden"), py::arg("eps"),
+      py::arg("dtype"), py::arg("stream"), "In place: residual += x; x = weight * RMSNorm(residual).");
+  m.def(
+      "qk_norm_rope_store_kv",
+      [](const py::int_& qkv, const py::int_& q_weight, const py::int_& k_weight, const py::int_& cos_sin,
+         const py::int_& positions, const py::int_& k_cache, const py::int_& v_cache, const py::int_& out_slots,
+         const py::int_& q_out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+         int64_t max_pos, int64_t num_slots, double eps, int dtype, const py::int_& stream) {
+        fastqwen::qk_norm_rope_store_kv(
+            to_uintptr(qkv, "qkv"), to_uintptr(q_weight, "q_weight"), to_uintptr(k_weight, "k_weight"),
+            to_uintptr(cos_sin, "cos_sin"), to_uintptr(positions, "positions"), to_uintptr(k_cache, "k_cache"),
+            to_uintptr(v_cache, "v_cache"), to_uintptr(out_slots, "out_slots"), to_uintptr(q_out, "q_out"),
+            num_tokens, num_heads, num_kv_heads, head_dim, max_pos, num_slots, eps, dtype,
+            to_uintptr(stream, "stream"));
+      },
+      py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("cos_sin"), py::arg("positions"),
+      py::arg("k_cache"), py::arg("v_cache"), py::arg("out_slots"), py::arg("q_out"), py::arg("num_tokens"),
+      py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("max_pos"), py::arg("num_slots"),
+      py::arg("eps"), py::arg("dtype"), py::arg("stream"),
+      "Per-head RMSNorm of q and k, NeoX RoPE, q to q_out, k and v to their cache slots (-1 = skip).");
 #endif
 }

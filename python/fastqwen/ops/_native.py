@@ -44,9 +44,46 @@ def import_error() -> BaseException | None:
     return _import_error
 
 
+_has_cuda: bool | None = None
+
+
 def has_cuda_kernels() -> bool:
-    """True when the extension imported and was built with the CUDA kernels."""
-    if os.environ.get("FASTQWEN_DISABLE_CUDA_KERNELS", "") not in ("", "0"):
-        return False
-    m = native()
-    return bool(m is not None and getattr(m, "built_with_cuda", False))
+    """True when the extension imported and was built with the CUDA kernels (decided once: it is on the hot path)."""
+    global _has_cuda
+    if _has_cuda is None:
+        disabled = os.environ.get("FASTQWEN_DISABLE_CUDA_KERNELS", "") not in ("", "0")
+        m = native()
+        _has_cuda = not disabled and bool(m is not None and getattr(m, "built_with_cuda", False))
+    return _has_cuda
+
+
+def half_dtype_code(dtype) -> int | None:
+    """The extension's code for float16 / bfloat16, None for any other dtype (those take the reference path)."""
+    import torch
+
+    if dtype == torch.bfloat16:
+        return 2
+    if dtype == torch.float16:
+        return 1
+    return None
+
+
+def check_tensors(op: str, device, dtype, **tensors) -> None:
+    """Every tensor on `device`, contiguous, and (where dtype is given as the value's pair) of that dtype.
+
+    tensors: name -> tensor, or name -> (tensor, required dtype). Raises ValueError naming the first bad one.
+    """
+    for name, value in tensors.items():
+        tensor, want = value if isinstance(value, tuple) else (value, dtype)
+        if tensor.device != device:
+            raise ValueError(f"{op}: {name} is on {tensor.device}, expected {device}")
+        if want is not None and tensor.dtype != want:
+            raise ValueError(f"{op}: {name} has dtype {tensor.dtype}, expected {want}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous")
+
+
+def stream_of(tensor) -> int:
+    import torch
+
+    return torch.cuda.current_stream(tensor.device).cuda_stream

@@ -2,11 +2,14 @@
 
 Numerics follow Hugging Face's Qwen3RMSNorm: normalize in float32, round to the model dtype, then multiply by the
 weight in the model dtype. The residual sum is rounded to the model dtype before it is normalized, as HF does.
+bf16 / fp16 CUDA tensors go to the kernels in csrc/norm.cu; anything else to the PyTorch reference.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ._native import check_tensors, half_dtype_code, has_cuda_kernels, native, stream_of
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -15,12 +18,29 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
+def _check_shapes(op: str, x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor, other_name: str) -> None:
+    if x.dim() < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if other.shape != x.shape:
+        raise ValueError(f"{op}: {other_name} has shape {tuple(other.shape)}, expected {tuple(x.shape)}")
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda and has_cuda_kernels() and half_dtype_code(x.dtype) is not None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """out = RMSNorm(x) * weight over the last dimension."""
-    result = rms_norm_reference(x, weight, eps)
     if out is None:
-        return result
-    out.copy_(result)
+        out = torch.empty_like(x)
+    _check_shapes("rms_norm", x, weight, out, "out")
+    if not _use_kernel(x):
+        out.copy_(rms_norm_reference(x, weight, eps))
+        return out
+    check_tensors("rms_norm", x.device, x.dtype, x=x, weight=weight, out=out)
+    hidden = x.shape[-1]
+    native().rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden, eps,
+                      half_dtype_code(x.dtype), stream_of(x))  # fmt: skip
     return out
 
 
@@ -28,6 +48,13 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual <- x + residual, x <- RMSNorm(residual) * weight. Returns (x, residual)."""
-    residual.add_(x)
-    x.copy_(rms_norm_reference(residual, weight, eps))
+    _check_shapes("fused_add_rms_norm", x, weight, residual, "residual")
+    if not _use_kernel(x):
+        residual.add_(x)
+        x.copy_(rms_norm_reference(residual, weight, eps))
+        return x, residual
+    check_tensors("fused_add_rms_norm", x.device, x.dtype, x=x, residual=residual, weight=weight)
+    hidden = x.shape[-1]
+    native().fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden,
+                                eps, half_dtype_code(x.dtype), stream_of(x))  # fmt: skip
     return x, residual

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from ._native import check_tensors, half_dtype_code, has_cuda_kernels, native, stream_of
 from .norm import rms_norm_reference
+
+_KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -49,12 +52,42 @@ def qk_norm_rope_store_kv(
     """qkv [T, (H + 2 * H_kv) * D] -> q_out [T, H, D] (normed, rotated); K (normed, rotated) and V to the caches.
 
     k_cache / v_cache are [num_pages, page_size, H_kv, D]; token t goes to flat slot out_slots[t]
-    (page * page_size + offset); slot -1 marks padding and is not written.
+    (page * page_size + offset); slot -1 marks padding and is not written. positions and out_slots are int64;
+    cos_sin_cache is float32 [max_positions, D] from rope_cos_sin_cache. On bf16 / fp16 CUDA tensors with head_dim
+    64, 128 or 256 this is one kernel launch (csrc/rope_kv.cu); otherwise the PyTorch reference.
     """
     num_tokens = qkv.shape[0]
+    if q_out.dim() != 3 or q_out.shape[0] != num_tokens:
+        raise ValueError(f"qk_norm_rope_store_kv: q_out must be [{num_tokens}, H, D], got {tuple(q_out.shape)}")
     num_heads, head_dim = q_out.shape[1], q_out.shape[2]
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"qk_norm_rope_store_kv: k_cache and v_cache must both be [pages, page_size, H_kv, {head_dim}], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     num_kv_heads = k_cache.shape[2]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != q_size + 2 * kv_size:
+        raise ValueError(f"qk_norm_rope_store_kv: qkv must be [{num_tokens}, {q_size + 2 * kv_size}], got {tuple(qkv.shape)}")
+    for name, t, shape in (("q_weight", q_weight, (head_dim,)), ("k_weight", k_weight, (head_dim,)),
+                           ("positions", positions, (num_tokens,)), ("out_slots", out_slots, (num_tokens,))):  # fmt: skip
+        if tuple(t.shape) != shape:
+            raise ValueError(f"qk_norm_rope_store_kv: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"qk_norm_rope_store_kv: cos_sin_cache must be [max_positions, {head_dim}]")
+    if qkv.is_cuda and has_cuda_kernels() and half_dtype_code(qkv.dtype) is not None and head_dim in _KERNEL_HEAD_DIMS:
+        check_tensors(
+            "qk_norm_rope_store_kv", qkv.device, qkv.dtype, qkv=qkv, q_weight=q_weight, k_weight=k_weight,
+            k_cache=k_cache, v_cache=v_cache, q_out=q_out, cos_sin_cache=(cos_sin_cache, torch.float32),
+            positions=(positions, torch.int64), out_slots=(out_slots, torch.int64),
+        )  # fmt: skip
+        native().qk_norm_rope_store_kv(
+            qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos_sin_cache.data_ptr(), positions.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), out_slots.data_ptr(), q_out.data_ptr(), num_tokens, num_heads,
+            num_kv_heads, head_dim, cos_sin_cache.shape[0], k_cache.shape[0] * k_cache.shape[1], eps,
+            half_dtype_code(qkv.dtype), stream_of(qkv),
+        )  # fmt: skip
+        return q_out
     q = qkv[:, :q_size].reshape(num_tokens, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size :].reshape(num_tokens, num_kv_heads, head_dim)

@@ -1,0 +1,166 @@
+"""GPU microbenchmarks of the norm and RoPE/KV kernels at Qwen3-8B sizes, against the PyTorch references.
+
+For each op and token count: the median time per call of our kernel, of the reference in eager PyTorch and of the
+reference under torch.compile, each captured in a CUDA graph over enough rotating buffers that the inputs exceed
+twice the L2 (so the figure is HBM traffic, not cache hits, and launch gaps are out), plus our kernel launched from
+Python one call at a time. Bandwidth counts each compulsory byte once (inputs read, outputs written) and is
+compared with a device-to-device copy measured in the same run.
+
+    python bench/kernels.py [--tokens 1 16 256 4096 16384] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from fastqwen.ops import fused_add_rms_norm, qk_norm_rope_store_kv, rms_norm, rope_cos_sin_cache
+from fastqwen.ops._native import has_cuda_kernels
+from fastqwen.ops.norm import rms_norm_reference
+from fastqwen.ops.rope_kv import apply_rope_reference
+
+from common import copy_bandwidth, graph_of, time_fn
+
+L2_BYTES = 50 * 1024 * 1024
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, PAGE = 4096, 32, 8, 128, 16  # Qwen3-8B
+EPS = 1e-6
+DT = torch.bfloat16
+
+
+def fused_reference(x, residual, weight):
+    residual.add_(x)
+    x.copy_(rms_norm_reference(residual, weight, EPS))
+
+
+def qk_reference(qkv, qw, kw, cos_sin, positions, k_flat, v_flat, slots, q_out):
+    """The reference without the padding mask (every slot valid), so that torch.compile sees static shapes."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
+    rows = cos_sin[positions]
+    q_out.copy_(apply_rope_reference(rms_norm_reference(q.reshape(t, HEADS, HEAD_DIM), qw, EPS), rows))
+    k = apply_rope_reference(rms_norm_reference(k.reshape(t, KV_HEADS, HEAD_DIM), kw, EPS), rows)
+    k_flat.index_copy_(0, slots, k)
+    v_flat.index_copy_(0, slots, v.reshape(t, KV_HEADS, HEAD_DIM))
+
+
+def buffers_needed(bytes_per_call: int) -> int:
+    # Capped: at a few tokens a call is launch-bound, and 1024 launches per graph replay already average it well.
+    return min(1024, max(2, math.ceil(2 * L2_BYTES / bytes_per_call)))
+
+
+def measure(name: str, tokens: int, bytes_per_call: int, nbuf: int, variants: dict, copy_gbs: float, iters: int):
+    row = {"op": name, "tokens": tokens, "bytes_per_call": bytes_per_call, "buffers": nbuf}
+    for label, fn in variants.items():
+        graph = graph_of(fn)
+        us = time_fn(graph.replay, iters) / nbuf * 1e3
+        del graph
+        row[f"{label}_us"] = us
+        row[f"{label}_gbs"] = bytes_per_call / (us * 1e-6) / 1e9
+        row[f"{label}_frac_copy"] = row[f"{label}_gbs"] / copy_gbs
+    row["ours_eager_us"] = time_fn(variants["ours"], max(10, iters // 5)) / nbuf * 1e3
+    row["speedup_vs_compiled"] = row["compiled_us"] / row["ours_us"]
+    return row
+
+
+def bench_norms(tokens: int, copy_gbs: float, iters: int) -> list[dict]:
+    weight = torch.randn(HIDDEN, device="cuda", dtype=DT)
+    out_rows = []
+    compiled_norm = torch.compile(rms_norm_reference)
+    compiled_fused = torch.compile(fused_reference)
+    # rms_norm: read x, write out (the weight stays in L2 and is not counted).
+    per = 2 * tokens * HIDDEN * 2
+    nbuf = buffers_needed(per)
+    xs = torch.randn(nbuf, tokens, HIDDEN, device="cuda", dtype=DT)
+    outs = torch.empty_like(xs)
+    rms_norm(xs[0], weight, EPS, out=outs[0])
+    torch.testing.assert_close(outs[0], rms_norm_reference(xs[0], weight, EPS), rtol=2e-2, atol=2e-2)
+    variants = {
+        "ours": lambda: [rms_norm(xs[i], weight, EPS, out=outs[i]) for i in range(nbuf)],
+        "eager": lambda: [outs[i].copy_(rms_norm_reference(xs[i], weight, EPS)) for i in range(nbuf)],
+        "compiled": lambda: [outs[i].copy_(compiled_norm(xs[i], weight, EPS)) for i in range(nbuf)],
+    }
+    out_rows.append(measure("rms_norm", tokens, per, nbuf, variants, copy_gbs, iters))
+    del xs, outs
+    # fused_add_rms_norm: read x and residual, write both.
+    per = 4 * tokens * HIDDEN * 2
+    nbuf = buffers_needed(per)
+    xs = torch.randn(nbuf, tokens, HIDDEN, device="cuda", dtype=DT)
+    res = torch.randn(nbuf, tokens, HIDDEN, device="cuda", dtype=DT)
+    variants = {
+        "ours": lambda: [fused_add_rms_norm(xs[i], res[i], weight, EPS) for i in range(nbuf)],
+        "eager": lambda: [fused_reference(xs[i], res[i], weight) for i in range(nbuf)],
+        "compiled": lambda: [compiled_fused(xs[i], res[i], weight) for i in range(nbuf)],
+    }
+    out_rows.append(measure("fused_add_rms_norm", tokens, per, nbuf, variants, copy_gbs, iters))
+    del xs, res
+    torch.cuda.empty_cache()
+    return out_rows
+
+
+def bench_qk(tokens: int, copy_gbs: float, iters: int) -> dict:
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    # Read qkv, the cos/sin row, position and slot; write q, k and v.
+    per = tokens * (width * 2 * 2 + HEAD_DIM * 4 + 16)
+    nbuf = buffers_needed(per)
+    qkv = torch.randn(nbuf, tokens, width, device="cuda", dtype=DT)
+    q_out = torch.empty(nbuf, tokens, HEADS, HEAD_DIM, device="cuda", dtype=DT)
+    cos_sin = rope_cos_sin_cache(HEAD_DIM, 40960, 1e6, torch.device("cuda"))
+    positions = torch.randint(0, 40960, (nbuf, tokens), device="cuda")
+    pages = -(-tokens // PAGE) * nbuf
+    k_cache = torch.zeros(pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DT)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(pages * PAGE, device="cuda")[: nbuf * tokens].view(nbuf, tokens)
+    qw = 1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", dtype=DT)
+    kw = 1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", dtype=DT)
+    k_flat, v_flat = k_cache.view(-1, KV_HEADS, HEAD_DIM), v_cache.view(-1, KV_HEADS, HEAD_DIM)
+    compiled = torch.compile(qk_reference)
+
+    def ours():
+        for i in range(nbuf):
+            qk_norm_rope_store_kv(qkv[i], qw, kw, cos_sin, positions[i], k_cache, v_cache, slots[i], EPS, q_out[i])
+
+    variants = {
+        "ours": ours,
+        "eager": lambda: [qk_reference(qkv[i], qw, kw, cos_sin, positions[i], k_flat, v_flat, slots[i], q_out[i]) for i in range(nbuf)],
+        "compiled": lambda: [compiled(qkv[i], qw, kw, cos_sin, positions[i], k_flat, v_flat, slots[i], q_out[i]) for i in range(nbuf)],
+    }
+    row = measure("qk_norm_rope_store_kv", tokens, per, nbuf, variants, copy_gbs, iters)
+    del qkv, q_out, k_cache, v_cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096, 16384])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not has_cuda_kernels():
+        print("kernels.py: needs a CUDA device and the CUDA kernels", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth(args.iters)
+    rows = []
+    for tokens in args.tokens:
+        rows += bench_norms(tokens, copy_gbs, args.iters)
+        rows.append(bench_qk(tokens, copy_gbs, args.iters))
+    print(f"device: {device}   torch {torch.__version__}   d2d copy (read+write): {copy_gbs:.0f} GB/s   bf16, Qwen3-8B sizes")
+    print(f"{'op':<22} {'tokens':>6} | {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'eager1':>7} | {'eager us':>8} {'compiled us':>11} | {'vs compiled':>11}")
+    for r in rows:
+        print(
+            f"{r['op']:<22} {r['tokens']:>6} | {r['ours_us']:>8.2f} {r['ours_gbs']:>6.0f} {r['ours_frac_copy']:>6.1%} "
+            f"{r['ours_eager_us']:>7.2f} | {r['eager_us']:>8.2f} {r['compiled_us']:>11.2f} | {r['speedup_vs_compiled']:>10.2f}x"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "kernels", "device": device, "torch": torch.__version__, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+// Device helpers shared by the kernels: dtype conversion with the rounding
+// PyTorch uses, 16-byte packs, and warp/block sums.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fastqwen {
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  static __device__ __forceinline__ float to_f(float v) { return v; }
+  static __device__ __forceinline__ float from_f(float v) { return v; }
+};
+template <>
+struct Cvt<__half> {
+  static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+};
+
+// Round a float to T and back: what PyTorch does after every elementwise op on T tensors.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return Cvt<T>::to_f(Cvt<T>::from_f(v));
+}
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block; every thread gets the result. blockDim.x must be a multiple of 32.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int num_warps = blockDim.x >> 5;
+  v = lane < num_warps ? partial[lane] : 0.0f;
+  v = warp_sum(v);
+  return v;
+}
+
+inline bool aligned16(uintptr_t p) { return (p & 15u) == 0; }
+
+}  // namespace fastqwen

@@ -1,0 +1,146 @@
+// RMSNorm and residual-add + RMSNorm: one block per row, the row held in
+// registers as 16-byte packs, fp32 sum of squares reduced over the block, one
+// read and one write of each tensor. Numerics follow HF's Qwen3RMSNorm.
+#include <stdexcept>
+#include <string>
+
+#include "activation.h"
+#include "common.cuh"
+#include "cuda_check.h"
+#include "norm.h"
+
+namespace fastqwen {
+namespace {
+
+// VEC elements per pack (8 for 16-byte packs, 1 for the unaligned fallback),
+// VPT packs per thread. FUSED: x + residual first, residual updated in place.
+template <typename T, int VEC, int VPT, bool FUSED>
+__global__ void __launch_bounds__(1024) rms_norm_kernel(T* out, const T* x,  // out == x in the fused form
+                                                        T* __restrict__ residual, const T* __restrict__ weight,
+                                                        int hidden, float eps) {
+  using P = Pack<T, VEC>;
+  const int64_t row = blockIdx.x;
+  const int nvec = hidden / VEC;
+  const P* xrow = reinterpret_cast<const P*>(x + row * hidden);
+  P* rrow = reinterpret_cast<P*>(residual + row * hidden);
+  P vals[VPT];
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < nvec) {
+      P a = xrow[v];
+      if constexpr (FUSED) {
+        const P r = rrow[v];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) a.v[k] = Cvt<T>::from_f(Cvt<T>::to_f(a.v[k]) + Cvt<T>::to_f(r.v[k]));
+        rrow[v] = a;
+      }
+      vals[i] = a;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float f = Cvt<T>::to_f(a.v[k]);
+        sum_sq += f * f;
+      }
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
+  const P* w = reinterpret_cast<const P*>(weight);
+  P* orow = reinterpret_cast<P*>(out + row * hidden);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < nvec) {
+      const P wv = w[v];
+      P o;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float normed = round_to<T>(Cvt<T>::to_f(vals[i].v[k]) * inv_rms);
+        o.v[k] = Cvt<T>::from_f(Cvt<T>::to_f(wv.v[k]) * normed);
+      }
+      orow[v] = o;
+    }
+  }
+}
+
+template <typename T, int VEC, bool FUSED>
+void launch_vec(T* out, const T* x, T* residual, const T* weight, int64_t rows, int hidden, float eps,
+                cudaStream_t stream) {
+  const int nvec = hidden / VEC;
+  const int threads = nvec >= 1024 ? 1024 : ((nvec + 31) / 32) * 32;
+  const int per_thread = (nvec + threads - 1) / threads;
+  const dim3 grid(static_cast<unsigned>(rows));
+  if (per_thread <= 1) {
+    rms_norm_kernel<T, VEC, 1, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+  } else if (per_thread <= 2) {
+    rms_norm_kernel<T, VEC, 2, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+  } else if (per_thread <= 4) {
+    rms_norm_kernel<T, VEC, 4, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+  } else {
+    rms_norm_kernel<T, VEC, 8, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+  }
+  cuda_check_launch(FUSED ? "fused_add_rms_norm kernel launch" : "rms_norm kernel launch");
+}
+
+template <typename T, bool FUSED>
+void launch(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t hidden, float eps,
+            cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vec_ok = hidden % kVec == 0 && aligned16(out) && aligned16(x) && aligned16(weight) &&
+                      (!FUSED || aligned16(residual));
+  auto* o = reinterpret_cast<T*>(out);
+  auto* xp = reinterpret_cast<const T*>(x);
+  auto* r = reinterpret_cast<T*>(residual);
+  auto* w = reinterpret_cast<const T*>(weight);
+  if (vec_ok) {
+    launch_vec<T, kVec, FUSED>(o, xp, r, w, rows, static_cast<int>(hidden), eps, stream);
+  } else {
+    launch_vec<T, 1, FUSED>(o, xp, r, w, rows, static_cast<int>(hidden), eps, stream);
+  }
+}
+
+void check_args(const char* op, uintptr_t a, uintptr_t b, uintptr_t weight, int64_t rows, int64_t hidden, double eps,
+                int dtype) {
+  const std::string name(op);
+  if (rows < 0) throw std::invalid_argument(name + ": num_rows must be >= 0, got " + std::to_string(rows));
+  if (hidden < 1) throw std::invalid_argument(name + ": hidden must be >= 1, got " + std::to_string(hidden));
+  // Registers hold a row: 1024 threads x 8 packs; 8192 elements on the unaligned path.
+  if (hidden > 65536) throw std::invalid_argument(name + ": hidden must be <= 65536, got " + std::to_string(hidden));
+  if (!(eps >= 0.0)) throw std::invalid_argument(name + ": eps must be >= 0");
+  if (dtype != kF16 && dtype != kBF16) {
+    throw std::invalid_argument(name + ": dtype must be float16 (1) or bfloat16 (2), got " + std::to_string(dtype));
+  }
+  if (rows > 0 && (a == 0 || b == 0 || weight == 0)) throw std::invalid_argument(name + ": null data pointer");
+  if (rows > 2147483647) throw std::invalid_argument(name + ": too many rows");
+}
+
+template <bool FUSED>
+void dispatch(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t hidden,
+              double eps, int dtype, uintptr_t stream) {
+  const int vec = 8;
+  const bool fits = hidden % vec == 0 ? hidden <= 65536 : hidden <= 8192;
+  if (!fits) throw std::invalid_argument("rms_norm: a hidden size that is not a multiple of 8 must be <= 8192");
+  if (rows == 0) return;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (dtype == kF16) {
+    launch<__half, FUSED>(out, x, residual, weight, rows, hidden, static_cast<float>(eps), s);
+  } else {
+    launch<__nv_bfloat16, FUSED>(out, x, residual, weight, rows, hidden, static_cast<float>(eps), s);
+  }
+}
+
+}  // namespace
+
+void rms_norm(uintptr_t out, uintptr_t x, uintptr_t weight, int64_t num_rows, int64_t hidden, double eps, int dtype,
+              uintptr_t stream) {
+  check_args("rms_norm", out, x, weight, num_rows, hidden, eps, dtype);
+  dispatch<false>(out, x, 0, weight, num_rows, hidden, eps, dtype, stream);
+}
+
+void fused_add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t num_rows, int64_t hidden, double eps,
+                        int dtype, uintptr_t stream) {
+  check_args("fused_add_rms_norm", x, residual, weight, num_rows, hidden, eps, dtype);
+  dispatch<true>(x, x, residual, weight, num_rows, hidden, eps, dtype, stream);
+}
+
+}  // namespace fastqwen

@@ -1,0 +1,146 @@
+// qk-norm + NeoX RoPE + paged KV write: one warp per (token, head). A q head
+// is normed, rotated and written to q_out; a KV head's k is normed, rotated
+// and written to its slot, and its v copied there. Each lane holds D/32
+// consecutive elements, so the rotation partner (element +- D/2) sits in lane
+// ^ 16. Rounds where HF rounds: after the norm, after the weight, after each
+// product with the dtype-rounded cos and sin, and after their sum.
+#include <stdexcept>
+#include <string>
+
+#include "activation.h"
+#include "common.cuh"
+#include "cuda_check.h"
+#include "rope_kv.h"
+
+namespace fastqwen {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    qk_norm_rope_kernel(const T* __restrict__ qkv, const T* __restrict__ q_weight, const T* __restrict__ k_weight,
+                        const float* __restrict__ cos_sin, const int64_t* __restrict__ positions,
+                        T* __restrict__ k_cache, T* __restrict__ v_cache, const int64_t* __restrict__ out_slots,
+                        T* __restrict__ q_out, int num_tokens, int num_heads, int num_kv_heads, int64_t max_pos,
+                        int64_t num_slots, float eps) {
+  constexpr int kEpl = D / 32;  // elements per lane
+  constexpr int kHalf = D / 2;
+  using P = Pack<T, kEpl>;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int heads = num_heads + num_kv_heads;
+  if (warp >= static_cast<int64_t>(num_tokens) * heads) return;
+  const int t = static_cast<int>(warp / heads);
+  const int h = static_cast<int>(warp % heads);
+  const bool is_q = h < num_heads;
+  const int kvh = h - num_heads;
+  const T* row = qkv + static_cast<int64_t>(t) * (num_heads + 2 * num_kv_heads) * D;
+  const T* src = row + static_cast<int64_t>(h) * D;  // k heads follow the q heads in the row
+  const int64_t slot = is_q ? 0 : out_slots[t];
+  const bool write_kv = !is_q && slot >= 0 && slot < num_slots;
+  if (!is_q && !write_kv) return;
+
+  const P in = reinterpret_cast<const P*>(src)[lane];
+  float x[kEpl];
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kEpl; ++k) {
+    x[k] = Cvt<T>::to_f(in.v[k]);
+    sum_sq += x[k] * x[k];
+  }
+  const float inv_rms = rsqrtf(warp_sum(sum_sq) / static_cast<float>(D) + eps);
+  const P w = reinterpret_cast<const P*>(is_q ? q_weight : k_weight)[lane];
+#pragma unroll
+  for (int k = 0; k < kEpl; ++k) x[k] = round_to<T>(Cvt<T>::to_f(w.v[k]) * round_to<T>(x[k] * inv_rms));
+
+  const int64_t pos = positions[t];
+  const bool pos_ok = pos >= 0 && pos < max_pos;
+  const float* cs = cos_sin + (pos_ok ? pos : 0) * D;
+  const bool first_half = lane < 16;
+  P out;
+#pragma unroll
+  for (int k = 0; k < kEpl; ++k) {
+    const float partner = __shfl_xor_sync(0xffffffffu, x[k], 16);
+    const int f = (lane * kEpl + k) % kHalf;
+    const float c = round_to<T>(cs[f]);
+    const float s = round_to<T>(cs[kHalf + f]);
+    const float rotated = first_half ? -partner : partner;
+    const float r = round_to<T>(round_to<T>(x[k] * c) + round_to<T>(rotated * s));
+    out.v[k] = Cvt<T>::from_f(pos_ok ? r : __int_as_float(0x7fc00000));
+  }
+  if (is_q) {
+    reinterpret_cast<P*>(q_out + (static_cast<int64_t>(t) * num_heads + h) * D)[lane] = out;
+    return;
+  }
+  if (!pos_ok) return;
+  const int64_t dst = (slot * num_kv_heads + kvh) * D;
+  reinterpret_cast<P*>(k_cache + dst)[lane] = out;
+  const T* v_src = row + static_cast<int64_t>(num_heads + num_kv_heads + kvh) * D;
+  reinterpret_cast<P*>(v_cache + dst)[lane] = reinterpret_cast<const P*>(v_src)[lane];
+}
+
+template <typename T, int D>
+void launch(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions, uintptr_t k_cache,
+            uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, int64_t tokens, int64_t heads, int64_t kv_heads,
+            int64_t max_pos, int64_t num_slots, float eps, cudaStream_t stream) {
+  const int64_t warps = tokens * (heads + kv_heads);
+  const int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  qk_norm_rope_kernel<T, D><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+      reinterpret_cast<const T*>(qkv), reinterpret_cast<const T*>(qw), reinterpret_cast<const T*>(kw),
+      reinterpret_cast<const float*>(cos_sin), reinterpret_cast<const int64_t*>(positions),
+      reinterpret_cast<T*>(k_cache), reinterpret_cast<T*>(v_cache), reinterpret_cast<const int64_t*>(slots),
+      reinterpret_cast<T*>(q_out), static_cast<int>(tokens), static_cast<int>(heads), static_cast<int>(kv_heads),
+      max_pos, num_slots, eps);
+  cuda_check_launch("qk_norm_rope_store_kv kernel launch");
+}
+
+template <typename T>
+void dispatch_dim(int64_t head_dim, uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions,
+                  uintptr_t k_cache, uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, int64_t tokens, int64_t heads,
+                  int64_t kv_heads, int64_t max_pos, int64_t num_slots, float eps, cudaStream_t s) {
+  switch (head_dim) {
+    case 64: launch<T, 64>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads, max_pos, num_slots, eps, s); break;
+    case 128: launch<T, 128>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads, max_pos, num_slots, eps, s); break;
+    default: launch<T, 256>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads, max_pos, num_slots, eps, s); break;
+  }
+}
+
+}  // namespace
+
+void qk_norm_rope_store_kv(uintptr_t qkv, uintptr_t q_weight, uintptr_t k_weight, uintptr_t cos_sin,
+                           uintptr_t positions, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out_slots,
+                           uintptr_t q_out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t max_pos, int64_t num_slots, double eps, int dtype,
+                           uintptr_t stream) {
+  const std::string op = "qk_norm_rope_store_kv: ";
+  if (num_tokens < 0) throw std::invalid_argument(op + "num_tokens must be >= 0");
+  if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0) {
+    throw std::invalid_argument(op + "num_heads must be a positive multiple of num_kv_heads");
+  }
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
+    throw std::invalid_argument(op + "head_dim must be 64, 128 or 256, got " + std::to_string(head_dim));
+  }
+  if (max_pos < 1 || num_slots < 0) throw std::invalid_argument(op + "max_pos must be >= 1 and num_slots >= 0");
+  if (dtype != kF16 && dtype != kBF16) throw std::invalid_argument(op + "dtype must be float16 or bfloat16");
+  if (!(eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0");
+  if (num_tokens * (num_heads + num_kv_heads) > (int64_t{1} << 31) * kWarpsPerBlock) {
+    throw std::invalid_argument(op + "too many tokens");
+  }
+  if (num_tokens == 0) return;
+  for (uintptr_t p : {qkv, q_weight, k_weight, cos_sin, positions, k_cache, v_cache, out_slots, q_out}) {
+    if (p == 0) throw std::invalid_argument(op + "null data pointer");
+    if (!aligned16(p)) throw std::invalid_argument(op + "every buffer must be 16-byte aligned");
+  }
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const float e = static_cast<float>(eps);
+  if (dtype == kF16) {
+    dispatch_dim<__half>(head_dim, qkv, q_weight, k_weight, cos_sin, positions, k_cache, v_cache, out_slots, q_out,
+                         num_tokens, num_heads, num_kv_heads, max_pos, num_slots, e, s);
+  } else {
+    dispatch_dim<__nv_bfloat16>(head_dim, qkv, q_weight, k_weight, cos_sin, positions, k_cache, v_cache, out_slots,
+                                q_out, num_tokens, num_heads, num_kv_heads, max_pos, num_slots, e, s);
+  }
+}
+
+}  // namespace fastqwen
