@@ -130,7 +130,14 @@ void qk_norm_rope_store_kv(uintptr_t qkv, uintptr_t q_weight, uintptr_t k_weight
   if (num_tokens == 0) return;
   for (uintptr_t p : {qkv, q_weight, k_weight, cos_sin, positions, k_cache, v_cache, out_slots, q_out}) {
     if (p == 0) throw std::invalid_argument(op + "null data pointer");
-    if (!aligned16(p)) throw std::invalid_argument(op + "every buffer must be 16-byte aligned");
+  }
+  // Each lane moves head_dim / 32 elements of 2 bytes at once; the index arrays are read as int64, cos/sin as fp32.
+  const uintptr_t pack = static_cast<uintptr_t>(head_dim / 32 * 2);
+  for (uintptr_t p : {qkv, q_weight, k_weight, k_cache, v_cache, q_out}) {
+    if (p % pack != 0) throw std::invalid_argument(op + "q/k/v buffers must be aligned to " + std::to_string(pack) + " bytes");
+  }
+  if (positions % 8 != 0 || out_slots % 8 != 0 || cos_sin % 4 != 0) {
+    throw std::invalid_argument(op + "positions / out_slots must be 8-byte and cos_sin 4-byte aligned");
   }
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const float e = static_cast<float>(eps);

@@ -129,7 +129,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="dtype"):
         rms_norm(x, w.float(), EPS)
     with pytest.raises(ValueError, match="contiguous"):
-        rms_norm(torch.randn(1024, 8, device="cuda", dtype=torch.bfloat16).t(), torch.ones(8, device="cuda", dtype=torch.bfloat16), EPS)
+        rms_norm(torch.randn(1024, 8, device="cuda", dtype=torch.bfloat16).t(), w, EPS)
     with pytest.raises(ValueError, match="shape"):
         rms_norm(x, torch.ones(512, device="cuda", dtype=torch.bfloat16), EPS)
     with pytest.raises(ValueError, match="cpu"):
