@@ -136,7 +136,7 @@ def bench_qk(tokens: int, copy_gbs: float, iters: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096, 16384])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 4096, 8192, 16384])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -23,6 +23,14 @@ __global__ void __launch_bounds__(1024) rms_norm_kernel(T* out, const T* x,  // 
   const int nvec = hidden / VEC;
   const P* xrow = reinterpret_cast<const P*>(x + row * hidden);
   P* rrow = reinterpret_cast<P*>(residual + row * hidden);
+  // The weight is loaded first, so its latency hides under the row's instead of following the reduction.
+  const P* w = reinterpret_cast<const P*>(weight);
+  P wv[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < nvec) wv[i] = w[v];
+  }
   P vals[VPT];
   float sum_sq = 0.0f;
 #pragma unroll
@@ -45,18 +53,16 @@ __global__ void __launch_bounds__(1024) rms_norm_kernel(T* out, const T* x,  // 
     }
   }
   const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
-  const P* w = reinterpret_cast<const P*>(weight);
   P* orow = reinterpret_cast<P*>(out + row * hidden);
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v < nvec) {
-      const P wv = w[v];
       P o;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float normed = round_to<T>(Cvt<T>::to_f(vals[i].v[k]) * inv_rms);
-        o.v[k] = Cvt<T>::from_f(Cvt<T>::to_f(wv.v[k]) * normed);
+        o.v[k] = Cvt<T>::from_f(Cvt<T>::to_f(wv[i].v[k]) * normed);
       }
       orow[v] = o;
     }

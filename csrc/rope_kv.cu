@@ -1,4 +1,4 @@
-// qk-norm + NeoX RoPE + paged KV write: one warp per (token, head). A q head
+// qk-norm + NeoX RoPE + paged KV write: one warp per token and group of 4 heads. A q head
 // is normed, rotated and written to q_out; a KV head's k is normed, rotated
 // and written to its slot, and its v copied there. Each lane holds D/32
 // consecutive elements, so the rotation partner (element +- D/2) sits in lane
@@ -16,6 +16,7 @@ namespace fastqwen {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
+constexpr int kHeadsPerWarp = 4;  // loads of several heads in flight per warp; cos/sin read once for them
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
@@ -30,62 +31,82 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int heads = num_heads + num_kv_heads;
-  if (warp >= static_cast<int64_t>(num_tokens) * heads) return;
-  const int t = static_cast<int>(warp / heads);
-  const int h = static_cast<int>(warp % heads);
-  const bool is_q = h < num_heads;
-  const int kvh = h - num_heads;
+  const int groups = (heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
+  if (warp >= static_cast<int64_t>(num_tokens) * groups) return;
+  const int t = static_cast<int>(warp / groups);
+  const int h0 = static_cast<int>(warp % groups) * kHeadsPerWarp;
   const T* row = qkv + static_cast<int64_t>(t) * (num_heads + 2 * num_kv_heads) * D;
-  const T* src = row + static_cast<int64_t>(h) * D;  // k heads follow the q heads in the row
-  const int64_t slot = is_q ? 0 : out_slots[t];
-  const bool write_kv = !is_q && slot >= 0 && slot < num_slots;
-  if (!is_q && !write_kv) return;
-
-  const P in = reinterpret_cast<const P*>(src)[lane];
-  float x[kEpl];
-  float sum_sq = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kEpl; ++k) {
-    x[k] = Cvt<T>::to_f(in.v[k]);
-    sum_sq += x[k] * x[k];
-  }
-  const float inv_rms = rsqrtf(warp_sum(sum_sq) / static_cast<float>(D) + eps);
-  const P w = reinterpret_cast<const P*>(is_q ? q_weight : k_weight)[lane];
-#pragma unroll
-  for (int k = 0; k < kEpl; ++k) x[k] = round_to<T>(Cvt<T>::to_f(w.v[k]) * round_to<T>(x[k] * inv_rms));
-
+  const int64_t slot = out_slots[t];
+  const bool slot_ok = slot >= 0 && slot < num_slots;
   const int64_t pos = positions[t];
   const bool pos_ok = pos >= 0 && pos < max_pos;
+
+  // Issue every load first: the heads' inputs (k heads are skipped when their token writes no KV), v, weights.
+  P in[kHeadsPerWarp], v[kHeadsPerWarp];
+  bool active[kHeadsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kHeadsPerWarp; ++i) {
+    const int h = h0 + i;
+    active[i] = h < heads && (h < num_heads || (slot_ok && pos_ok));
+    if (active[i]) {
+      in[i] = reinterpret_cast<const P*>(row + static_cast<int64_t>(h) * D)[lane];  // k heads follow the q heads
+      if (h >= num_heads) v[i] = reinterpret_cast<const P*>(row + static_cast<int64_t>(h + num_kv_heads) * D)[lane];
+    }
+  }
+  const P qw = reinterpret_cast<const P*>(q_weight)[lane];
+  const P kw = reinterpret_cast<const P*>(k_weight)[lane];
   const float* cs = cos_sin + (pos_ok ? pos : 0) * D;
-  const bool first_half = lane < 16;
-  P out;
+  float c[kEpl], s[kEpl];
 #pragma unroll
   for (int k = 0; k < kEpl; ++k) {
-    const float partner = __shfl_xor_sync(0xffffffffu, x[k], 16);
     const int f = (lane * kEpl + k) % kHalf;
-    const float c = round_to<T>(cs[f]);
-    const float s = round_to<T>(cs[kHalf + f]);
-    const float rotated = first_half ? -partner : partner;
-    const float r = round_to<T>(round_to<T>(x[k] * c) + round_to<T>(rotated * s));
-    out.v[k] = Cvt<T>::from_f(pos_ok ? r : __int_as_float(0x7fc00000));
+    c[k] = round_to<T>(cs[f]);
+    s[k] = round_to<T>(cs[kHalf + f]);
   }
-  if (is_q) {
-    reinterpret_cast<P*>(q_out + (static_cast<int64_t>(t) * num_heads + h) * D)[lane] = out;
-    return;
+  const bool first_half = lane < 16;
+
+#pragma unroll
+  for (int i = 0; i < kHeadsPerWarp; ++i) {
+    if (!active[i]) continue;  // warp-uniform
+    const int h = h0 + i;
+    const bool is_q = h < num_heads;
+    float x[kEpl];
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kEpl; ++k) {
+      x[k] = Cvt<T>::to_f(in[i].v[k]);
+      sum_sq += x[k] * x[k];
+    }
+    const float inv_rms = rsqrtf(warp_sum(sum_sq) / static_cast<float>(D) + eps);
+#pragma unroll
+    for (int k = 0; k < kEpl; ++k) {
+      const float w = Cvt<T>::to_f(is_q ? qw.v[k] : kw.v[k]);  // by value: a reference would push both to memory
+      x[k] = round_to<T>(w * round_to<T>(x[k] * inv_rms));
+    }
+    P out;
+#pragma unroll
+    for (int k = 0; k < kEpl; ++k) {
+      const float partner = __shfl_xor_sync(0xffffffffu, x[k], 16);
+      const float rotated = first_half ? -partner : partner;
+      const float r = round_to<T>(round_to<T>(x[k] * c[k]) + round_to<T>(rotated * s[k]));
+      out.v[k] = Cvt<T>::from_f(pos_ok ? r : __int_as_float(0x7fc00000));
+    }
+    if (is_q) {
+      reinterpret_cast<P*>(q_out + (static_cast<int64_t>(t) * num_heads + h) * D)[lane] = out;
+    } else {
+      const int64_t dst = (slot * num_kv_heads + (h - num_heads)) * D;
+      reinterpret_cast<P*>(k_cache + dst)[lane] = out;
+      reinterpret_cast<P*>(v_cache + dst)[lane] = v[i];
+    }
   }
-  if (!pos_ok) return;
-  const int64_t dst = (slot * num_kv_heads + kvh) * D;
-  reinterpret_cast<P*>(k_cache + dst)[lane] = out;
-  const T* v_src = row + static_cast<int64_t>(num_heads + num_kv_heads + kvh) * D;
-  reinterpret_cast<P*>(v_cache + dst)[lane] = reinterpret_cast<const P*>(v_src)[lane];
 }
 
 template <typename T, int D>
 void launch(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions, uintptr_t k_cache,
             uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, int64_t tokens, int64_t heads, int64_t kv_heads,
             int64_t max_pos, int64_t num_slots, float eps, cudaStream_t stream) {
-  const int64_t warps = tokens * (heads + kv_heads);
-  const int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t groups = (heads + kv_heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
+  const int64_t blocks = (tokens * groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
   qk_norm_rope_kernel<T, D><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
       reinterpret_cast<const T*>(qkv), reinterpret_cast<const T*>(qw), reinterpret_cast<const T*>(kw),
       reinterpret_cast<const float*>(cos_sin), reinterpret_cast<const int64_t*>(positions),
