@@ -1,6 +1,7 @@
 // RMSNorm and residual-add + RMSNorm: one block per row, the row held in
 // registers as 16-byte packs, fp32 sum of squares reduced over the block, one
-// read and one write of each tensor. Numerics follow HF's Qwen3RMSNorm.
+// read and one write of each tensor (a two-pass kernel covers any other size or
+// alignment). Numerics follow HF's Qwen3RMSNorm.
 #include <stdexcept>
 #include <string>
 
@@ -14,8 +15,10 @@ namespace {
 
 // VEC elements per pack (8 for 16-byte packs, 1 for the unaligned fallback),
 // VPT packs per thread. FUSED: x + residual first, residual updated in place.
+constexpr int kMaxThreads = 256;
+
 template <typename T, int VEC, int VPT, bool FUSED>
-__global__ void __launch_bounds__(1024) rms_norm_kernel(T* out, const T* x,  // out == x in the fused form
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(T* out, const T* x,  // out == x in the fused form
                                                         T* __restrict__ residual, const T* __restrict__ weight,
                                                         int hidden, float eps) {
   using P = Pack<T, VEC>;
@@ -69,40 +72,69 @@ __global__ void __launch_bounds__(1024) rms_norm_kernel(T* out, const T* x,  // 
   }
 }
 
-template <typename T, int VEC, bool FUSED>
-void launch_vec(T* out, const T* x, T* residual, const T* weight, int64_t rows, int hidden, float eps,
-                cudaStream_t stream) {
-  const int nvec = hidden / VEC;
-  const int threads = nvec >= 1024 ? 1024 : ((nvec + 31) / 32) * 32;
+// Any hidden size and alignment: two passes over the row (the second re-reads it, from L1/L2).
+template <typename T, bool FUSED>
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_generic_kernel(T* out, const T* x, T* residual,
+                                                                       const T* __restrict__ weight, int hidden,
+                                                                       float eps) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * hidden;
+  const T* src = FUSED ? residual : x;
+  float sum_sq = 0.0f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    float v = Cvt<T>::to_f(x[base + i]);
+    if constexpr (FUSED) {
+      const T sum = Cvt<T>::from_f(v + Cvt<T>::to_f(residual[base + i]));
+      residual[base + i] = sum;
+      v = Cvt<T>::to_f(sum);
+    }
+    sum_sq += v * v;
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const float normed = round_to<T>(Cvt<T>::to_f(src[base + i]) * inv_rms);
+    out[base + i] = Cvt<T>::from_f(Cvt<T>::to_f(weight[i]) * normed);
+  }
+}
+
+// Rows of 16-byte packs held in registers: about 4 packs per thread (fewer warps per row keep the block reduction
+// short, which is what small batches wait on), at most 8.
+template <typename T, bool FUSED>
+bool launch_packed(T* out, const T* x, T* residual, const T* weight, int64_t rows, int hidden, float eps,
+                   cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int nvec = hidden / kVec;
+  int threads = ((nvec + 3) / 4 + 31) / 32 * 32;
+  threads = threads > kMaxThreads ? kMaxThreads : threads;
   const int per_thread = (nvec + threads - 1) / threads;
+  if (per_thread > 8) return false;
   const dim3 grid(static_cast<unsigned>(rows));
   if (per_thread <= 1) {
-    rms_norm_kernel<T, VEC, 1, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+    rms_norm_kernel<T, kVec, 1, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
   } else if (per_thread <= 2) {
-    rms_norm_kernel<T, VEC, 2, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+    rms_norm_kernel<T, kVec, 2, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
   } else if (per_thread <= 4) {
-    rms_norm_kernel<T, VEC, 4, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+    rms_norm_kernel<T, kVec, 4, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
   } else {
-    rms_norm_kernel<T, VEC, 8, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+    rms_norm_kernel<T, kVec, 8, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
   }
-  cuda_check_launch(FUSED ? "fused_add_rms_norm kernel launch" : "rms_norm kernel launch");
+  return true;
 }
 
 template <typename T, bool FUSED>
 void launch(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t hidden, float eps,
             cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
-  const bool vec_ok = hidden % kVec == 0 && aligned16(out) && aligned16(x) && aligned16(weight) &&
-                      (!FUSED || aligned16(residual));
+  const bool packed_ok = hidden % kVec == 0 && aligned16(out) && aligned16(x) && aligned16(weight) &&
+                         (!FUSED || aligned16(residual));
   auto* o = reinterpret_cast<T*>(out);
   auto* xp = reinterpret_cast<const T*>(x);
   auto* r = reinterpret_cast<T*>(residual);
   auto* w = reinterpret_cast<const T*>(weight);
-  if (vec_ok) {
-    launch_vec<T, kVec, FUSED>(o, xp, r, w, rows, static_cast<int>(hidden), eps, stream);
-  } else {
-    launch_vec<T, 1, FUSED>(o, xp, r, w, rows, static_cast<int>(hidden), eps, stream);
+  const int h = static_cast<int>(hidden);
+  if (!(packed_ok && launch_packed<T, FUSED>(o, xp, r, w, rows, h, eps, stream))) {
+    rms_norm_generic_kernel<T, FUSED><<<static_cast<unsigned>(rows), kMaxThreads, 0, stream>>>(o, xp, r, w, h, eps);
   }
+  cuda_check_launch(FUSED ? "fused_add_rms_norm kernel launch" : "rms_norm kernel launch");
 }
 
 void check_args(const char* op, uintptr_t a, uintptr_t b, uintptr_t weight, int64_t rows, int64_t hidden, double eps,
@@ -110,8 +142,7 @@ void check_args(const char* op, uintptr_t a, uintptr_t b, uintptr_t weight, int6
   const std::string name(op);
   if (rows < 0) throw std::invalid_argument(name + ": num_rows must be >= 0, got " + std::to_string(rows));
   if (hidden < 1) throw std::invalid_argument(name + ": hidden must be >= 1, got " + std::to_string(hidden));
-  // Registers hold a row: 1024 threads x 8 packs; 8192 elements on the unaligned path.
-  if (hidden > 65536) throw std::invalid_argument(name + ": hidden must be <= 65536, got " + std::to_string(hidden));
+  if (hidden > (int64_t{1} << 30)) throw std::invalid_argument(name + ": hidden too large: " + std::to_string(hidden));
   if (!(eps >= 0.0)) throw std::invalid_argument(name + ": eps must be >= 0");
   if (dtype != kF16 && dtype != kBF16) {
     throw std::invalid_argument(name + ": dtype must be float16 (1) or bfloat16 (2), got " + std::to_string(dtype));
@@ -123,9 +154,6 @@ void check_args(const char* op, uintptr_t a, uintptr_t b, uintptr_t weight, int6
 template <bool FUSED>
 void dispatch(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t hidden,
               double eps, int dtype, uintptr_t stream) {
-  const int vec = 8;
-  const bool fits = hidden % vec == 0 ? hidden <= 65536 : hidden <= 8192;
-  if (!fits) throw std::invalid_argument("rms_norm: a hidden size that is not a multiple of 8 must be <= 8192");
   if (rows == 0) return;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (dtype == kF16) {

@@ -16,9 +16,9 @@ namespace fastqwen {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
-constexpr int kHeadsPerWarp = 4;  // loads of several heads in flight per warp; cos/sin read once for them
-
-template <typename T, int D>
+// Heads per warp: at large batches 4, so that each warp has 4 heads' loads in flight and reads cos/sin once for
+// them; at small batches 1, so that the few heads there are spread over more warps and finish sooner.
+template <typename T, int D, int kHeadsPerWarp>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     qk_norm_rope_kernel(const T* __restrict__ qkv, const T* __restrict__ q_weight, const T* __restrict__ k_weight,
                         const float* __restrict__ cos_sin, const int64_t* __restrict__ positions,
@@ -101,19 +101,33 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
-template <typename T, int D>
-void launch(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions, uintptr_t k_cache,
+template <typename T, int D, int kHeadsPerWarp>
+void launch_hpw(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions, uintptr_t k_cache,
             uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, int64_t tokens, int64_t heads, int64_t kv_heads,
             int64_t max_pos, int64_t num_slots, float eps, cudaStream_t stream) {
   const int64_t groups = (heads + kv_heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
   const int64_t blocks = (tokens * groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  qk_norm_rope_kernel<T, D><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+  qk_norm_rope_kernel<T, D, kHeadsPerWarp><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
       reinterpret_cast<const T*>(qkv), reinterpret_cast<const T*>(qw), reinterpret_cast<const T*>(kw),
       reinterpret_cast<const float*>(cos_sin), reinterpret_cast<const int64_t*>(positions),
       reinterpret_cast<T*>(k_cache), reinterpret_cast<T*>(v_cache), reinterpret_cast<const int64_t*>(slots),
       reinterpret_cast<T*>(q_out), static_cast<int>(tokens), static_cast<int>(heads), static_cast<int>(kv_heads),
       max_pos, num_slots, eps);
   cuda_check_launch("qk_norm_rope_store_kv kernel launch");
+}
+
+template <typename T, int D>
+void launch(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions, uintptr_t k_cache,
+            uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, int64_t tokens, int64_t heads, int64_t kv_heads,
+            int64_t max_pos, int64_t num_slots, float eps, cudaStream_t stream) {
+  // Below about 32 warps per SM (H100: 132 SMs) one head per warp; above, four.
+  if (tokens * (heads + kv_heads) < 4096) {
+    launch_hpw<T, D, 1>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads,
+                        max_pos, num_slots, eps, stream);
+  } else {
+    launch_hpw<T, D, 4>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads,
+                        max_pos, num_slots, eps, stream);
+  }
 }
 
 template <typename T>

@@ -31,7 +31,7 @@ def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [1024, 2048, 2560, 4096, 5120, 1000, 72])
+@pytest.mark.parametrize("hidden", [1024, 2048, 2560, 4096, 5120, 1000, 72, 20480])
 @pytest.mark.parametrize("tokens", [1, 3, 17, 255, 1031])
 def test_rms_norm_and_fused_add(dtype, hidden, tokens):
     gen = torch.Generator(device="cuda").manual_seed(hidden * 7 + tokens)
@@ -47,6 +47,16 @@ def test_rms_norm_and_fused_add(dtype, hidden, tokens):
     fused_add_rms_norm(x, residual, weight, EPS)
     assert torch.equal(residual, want_residual), "the residual sum is one bf16/fp16 add: it must match exactly"
     assert_close_to_reference(x, want_x)
+
+
+def test_norms_on_misaligned_rows():
+    """A view that starts off a 16-byte boundary takes the two-pass kernel and gives the same result."""
+    base = torch.randn(9 * 4096 + 3, device="cuda", dtype=torch.bfloat16)
+    x = base[3:].view(9, 4096)
+    weight = (1 + 0.2 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    out = torch.full((9, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
+    rms_norm(x, weight, EPS, out=out)
+    assert_close_to_reference(out, rms_norm_reference(x, weight, EPS))
 
 
 def qk_reference(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, num_heads):
