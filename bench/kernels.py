@@ -138,6 +138,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 4096, 8192, 16384])
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--ops", nargs="+", default=["norms", "qk"], choices=["norms", "qk"])
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
@@ -147,8 +148,10 @@ def main() -> int:
     copy_gbs = copy_bandwidth(args.iters)
     rows = []
     for tokens in args.tokens:
-        rows += bench_norms(tokens, copy_gbs, args.iters)
-        rows.append(bench_qk(tokens, copy_gbs, args.iters))
+        if "norms" in args.ops:
+            rows += bench_norms(tokens, copy_gbs, args.iters)
+        if "qk" in args.ops:
+            rows.append(bench_qk(tokens, copy_gbs, args.iters))
     print(f"device: {device}   torch {torch.__version__}   d2d copy (read+write): {copy_gbs:.0f} GB/s   bf16, Qwen3-8B sizes")
     print(f"{'op':<22} {'tokens':>6} | {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'eager1':>7} | {'eager us':>8} {'compiled us':>11} | {'vs compiled':>11}")
     for r in rows:
