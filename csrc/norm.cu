@@ -13,7 +13,7 @@
 namespace fastqwen {
 namespace {
 
-// VEC elements per pack (8 for 16-byte packs, 1 for the unaligned fallback),
+// VEC elements per 16-byte pack (other sizes and alignments take the two-pass kernel below),
 // VPT packs per thread. FUSED: x + residual first, residual updated in place.
 constexpr int kMaxThreads = 512;
 
