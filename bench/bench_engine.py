@@ -110,7 +110,8 @@ def main() -> int:
         "bench": "engine",
         "device": device,
         "model": f"{args.model} (dummy weights, bf16)",
-        "path": "PyTorch reference ops except silu_and_mul (CUDA); eager, no CUDA graphs",
+        "path": "CUDA kernels for silu_and_mul, the norms and qk-norm/RoPE/KV write; PyTorch references for "
+        "attention and sampling; eager, no CUDA graphs",
         "copy_gbs": copy_gbs,
         "weight_bytes_per_decode_step": weight_bytes,
         "batch1_decode_floor_ms": floor_ms,
