@@ -18,7 +18,7 @@ from fastqwen.ops.sampling import (
     top_k_top_p_min_p_mask,
 )
 
-from checkpoints import engine_logits, hf_logits, make_checkpoint
+from checkpoints import hf_logits, make_checkpoint
 
 
 def kept_set_float64(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
