@@ -18,7 +18,16 @@ import sys
 
 import torch
 
-from fastqwen.ops import fused_add_rms_norm, qk_norm_rope_store_kv, rms_norm, rope_cos_sin_cache
+from fastqwen.ops import (
+    decode_num_splits,
+    decode_workspace,
+    fused_add_rms_norm,
+    paged_attention_decode,
+    qk_norm_rope_store_kv,
+    rms_norm,
+    rope_cos_sin_cache,
+)
+from fastqwen.ops.attention import paged_attention_decode_reference
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.norm import rms_norm_reference
 from fastqwen.ops.rope_kv import apply_rope_reference
@@ -134,11 +143,64 @@ def bench_qk(tokens: int, copy_gbs: float, iters: int) -> dict:
     return row
 
 
+DECODE_CASES = [(64, 4096), (1, 16384), (256, 512), (1, 128), (16, 4096)]  # (batch, cached tokens)
+
+
+def bench_decode(batch: int, length: int, copy_gbs: float, iters: int) -> dict:
+    """Paged decode attention, Qwen3-8B heads, page 16, pages scattered over the pool."""
+    kv_bytes = batch * length * KV_HEADS * HEAD_DIM * 2 * 2
+    per = kv_bytes + 2 * batch * HEADS * HEAD_DIM * 2
+    nbuf = buffers_needed(per)
+    pages_each = -(-length // PAGE)
+    pool_pages = nbuf * batch * pages_each
+    k_cache = torch.randn(pool_pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DT)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(pool_pages, device="cuda", dtype=torch.int64).to(torch.int32)
+    tables = order.view(nbuf, batch, pages_each)
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    qs = torch.randn(nbuf, batch, HEADS, HEAD_DIM, device="cuda", dtype=DT)
+    outs = torch.empty_like(qs)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    workspace = decode_workspace(4096, torch.device("cuda"))
+    splits = decode_num_splits(batch, HEADS, KV_HEADS, length, sms, 4096)
+    scale = HEAD_DIM**-0.5
+    paged_attention_decode(qs[0], k_cache, v_cache, tables[0], lens, scale, outs[0], splits, workspace)
+    want = paged_attention_decode_reference(qs[0], k_cache, v_cache, tables[0], lens, scale)
+    torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-3)
+    ref_buffers = min(nbuf, 4)  # the reference gathers every page into fresh tensors: far slower, fewer calls
+    variants = {
+        "ours": lambda: [
+            paged_attention_decode(qs[i], k_cache, v_cache, tables[i], lens, scale, outs[i], splits, workspace)
+            for i in range(nbuf)
+        ],
+    }
+    row = {"op": "paged_attention_decode", "batch": batch, "tokens": length, "splits": splits, "buffers": nbuf,
+           "bytes_per_call": per}  # fmt: skip
+    graph = graph_of(variants["ours"])
+    us = time_fn(graph.replay, iters) / nbuf * 1e3
+    del graph
+    row["ours_us"] = us
+    row["ours_gbs"] = per / (us * 1e-6) / 1e9
+    row["ours_frac_copy"] = row["ours_gbs"] / copy_gbs
+    ref = lambda: [paged_attention_decode_reference(qs[i], k_cache, v_cache, tables[i], lens, scale) for i in range(ref_buffers)]  # noqa: E731
+    row["reference_us"] = time_fn(ref, max(5, iters // 10)) / ref_buffers * 1e3
+    del k_cache, v_cache, qs, outs
+    torch.cuda.empty_cache()
+    return row
+
+
+def matmul_tflops(iters: int) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    ms = time_fn(lambda: a @ b, iters)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 4096, 8192, 16384])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--ops", nargs="+", default=["norms", "qk"], choices=["norms", "qk"])
+    ap.add_argument("--ops", nargs="+", default=["norms", "qk", "decode"], choices=["norms", "qk", "decode"])
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
@@ -152,16 +214,25 @@ def main() -> int:
             rows += bench_norms(tokens, copy_gbs, args.iters)
         if "qk" in args.ops:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
-    print(f"device: {device}   torch {torch.__version__}   d2d copy (read+write): {copy_gbs:.0f} GB/s   bf16, Qwen3-8B sizes")
+    decode_rows = [bench_decode(b, n, copy_gbs, args.iters) for b, n in DECODE_CASES] if "decode" in args.ops else []
+    tflops = matmul_tflops(args.iters)
+    print(f"device: {device}   torch {torch.__version__}   d2d copy (read+write): {copy_gbs:.0f} GB/s   "
+          f"bf16 matmul 8192^3: {tflops:.0f} TFLOP/s   bf16, Qwen3-8B sizes")  # fmt: skip
     print(f"{'op':<22} {'tokens':>6} | {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'eager1':>7} | {'eager us':>8} {'compiled us':>11} | {'vs compiled':>11}")
     for r in rows:
         print(
             f"{r['op']:<22} {r['tokens']:>6} | {r['ours_us']:>8.2f} {r['ours_gbs']:>6.0f} {r['ours_frac_copy']:>6.1%} "
             f"{r['ours_eager_us']:>7.2f} | {r['eager_us']:>8.2f} {r['compiled_us']:>11.2f} | {r['speedup_vs_compiled']:>10.2f}x"
         )
+    for r in decode_rows:
+        print(
+            f"paged_attention_decode B={r['batch']:<4} L={r['tokens']:<6} splits {r['splits']:<3} | {r['ours_us']:>8.2f} us "
+            f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bench": "kernels", "device": device, "torch": torch.__version__, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+            json.dump({"bench": "kernels", "device": device, "torch": torch.__version__, "copy_gbs": copy_gbs,
+                       "matmul_tflops": tflops, "rows": rows, "decode": decode_rows}, f, indent=1)  # fmt: skip
     return 0
 
 

@@ -10,6 +10,7 @@
 #include "page_allocator.h"
 #if FASTQWEN_WITH_CUDA
 #include "activation.h"
+#include "attention.h"
 #include "norm.h"
 #include "rope_kv.h"
 #endif
@@ -108,5 +109,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("max_pos"), py::arg("num_slots"),
       py::arg("eps"), py::arg("dtype"), py::arg("stream"),
       "Per-head RMSNorm of q and k, NeoX RoPE, q to q_out, k and v to their cache slots (-1 = skip).");
+  m.def(
+      "paged_attention_decode",
+      [](const py::int_& q, const py::int_& k_cache, const py::int_& v_cache, const py::int_& page_table,
+         const py::int_& kv_lens, const py::int_& out, const py::int_& part_out, const py::int_& part_lse,
+         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t page_size,
+         int64_t max_pages, int64_t num_pages, int64_t num_splits, double scale, int dtype, const py::int_& stream) {
+        fastqwen::paged_attention_decode(
+            to_uintptr(q, "q"), to_uintptr(k_cache, "k_cache"), to_uintptr(v_cache, "v_cache"),
+            to_uintptr(page_table, "page_table"), to_uintptr(kv_lens, "kv_lens"), to_uintptr(out, "out"),
+            to_uintptr(part_out, "part_out"), to_uintptr(part_lse, "part_lse"), batch, num_heads, num_kv_heads,
+            head_dim, page_size, max_pages, num_pages, num_splits, scale, dtype, to_uintptr(stream, "stream"));
+      },
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("kv_lens"), py::arg("out"),
+      py::arg("part_out"), py::arg("part_lse"), py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"),
+      py::arg("head_dim"), py::arg("page_size"), py::arg("max_pages"), py::arg("num_pages"), py::arg("num_splits"),
+      py::arg("scale"), py::arg("dtype"), py::arg("stream"),
+      "Decode attention of one query token per sequence over its pages (split-KV when num_splits > 1).");
 #endif
 }

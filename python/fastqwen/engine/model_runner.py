@@ -60,7 +60,16 @@ class ModelRunner:
             temperatures=self._to_device(temperatures, torch.float32),
             is_decode=scheduled.is_decode,
             all_greedy=all(t == 0.0 for t in temperatures),
+            decode_splits=self._decode_splits(scheduled, kv_lens),
         )
+
+    def _decode_splits(self, scheduled: ScheduledBatch, kv_lens: list[int]) -> int:
+        model = self.model
+        if not scheduled.is_decode or model.decode_workspace is None:
+            return 1
+        cfg = model.cfg
+        rows = model.decode_workspace[0].shape[0]
+        return ops.decode_num_splits(len(kv_lens), cfg.num_heads, cfg.num_kv_heads, max(kv_lens), model.num_sms, rows)
 
     def _sampling_batch(self, requests: list[Request], temperatures: torch.Tensor) -> SamplingBatch:
         params = [r.params for r in requests]

@@ -19,6 +19,7 @@ class ForwardBatch:
     temperatures: torch.Tensor  # [S] float32, 0 = greedy
     is_decode: bool  # every sequence computes exactly one token
     all_greedy: bool  # every sampling row is greedy
+    decode_splits: int = 1  # chunks per sequence for split-KV decode attention, planned on the host
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,10 @@ from ..weights import Qwen3Weights
 from .forward_batch import ForwardBatch
 
 
+# Rows of the split-KV workspace: batch * query heads * splits at most (2 MiB of float32 at head_dim 128).
+DECODE_WORKSPACE_ROWS = 4096
+
+
 class Qwen3Model:
     def __init__(self, cfg: ModelConfig, weights: Qwen3Weights, max_positions: int):
         self.cfg = cfg
@@ -19,6 +23,12 @@ class Qwen3Model:
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim**-0.5
         self.cos_sin_cache = ops.rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, self.device)
+        # Split-KV decode scratch, allocated once (nothing is allocated inside a step), and the SM count it plans by.
+        self.decode_workspace = None
+        self.num_sms = 1
+        if self.device.type == "cuda":
+            self.decode_workspace = ops.decode_workspace(DECODE_WORKSPACE_ROWS, self.device)
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
@@ -42,7 +52,10 @@ class Qwen3Model:
                 k_cache, v_cache, batch.out_slots, eps, q_out=q,
             )  # fmt: skip
             if batch.is_decode:
-                ops.paged_attention_decode(q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn)
+                ops.paged_attention_decode(
+                    q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn,
+                    batch.decode_splits, self.decode_workspace,
+                )  # fmt: skip
             else:
                 ops.paged_attention_prefill(
                     q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn

@@ -9,6 +9,32 @@ from __future__ import annotations
 
 import torch
 
+from ._native import check_tensors, half_dtype_code, has_cuda_kernels, native, stream_of
+
+KERNEL_HEAD_DIM = 128
+
+
+def decode_workspace(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV scratch for paged_attention_decode: partial outputs [rows, 128] and log-sum-exps [rows], float32.
+    rows bounds batch * num_heads * num_splits."""
+    return (
+        torch.empty(rows, KERNEL_HEAD_DIM, dtype=torch.float32, device=device),
+        torch.empty(rows, dtype=torch.float32, device=device),
+    )
+
+
+def decode_num_splits(batch: int, num_heads: int, num_kv_heads: int, max_kv_len: int, num_sms: int, rows: int) -> int:
+    """How many chunks to cut each sequence into, decided on the host once per step.
+
+    One block per (sequence, KV head) fills the GPU at large batches; at small batches long sequences are split
+    until there are about two blocks per SM, keeping chunks of at least 256 tokens and within the workspace.
+    """
+    blocks = batch * num_kv_heads
+    if blocks == 0 or blocks >= num_sms:
+        return 1
+    splits = min(-(-2 * num_sms // blocks), max(1, max_kv_len // 256), rows // max(1, batch * num_heads))
+    return max(1, splits)
+
 
 def _gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, kv_len: int) -> torch.Tensor:
     page_size = cache.shape[1]
@@ -25,11 +51,30 @@ def paged_attention_decode(
     kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    num_splits: int = 1,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] -> out [B, H, D]; sequence b attends to its kv_lens[b] cached tokens."""
+    """q [B, H, D] -> out [B, H, D]; sequence b attends to its kv_lens[b] cached tokens.
+
+    page_table and kv_lens are int32. On bf16 / fp16 CUDA tensors with head_dim 128 this is the kernel in
+    csrc/attention_decode.cu (num_splits > 1 needs a workspace from decode_workspace); otherwise the reference.
+    """
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return out
+    if q.is_cuda and has_cuda_kernels() and half_dtype_code(q.dtype) is not None and head_dim == KERNEL_HEAD_DIM:
+        _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, num_splits, workspace)
+        return out
+    out.copy_(paged_attention_decode_reference(q, k_cache, v_cache, page_table, kv_lens, scale))
+    return out
+
+
+def paged_attention_decode_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """float32 math over gathered pages; returns [B, H, D] in q's dtype."""
+    batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     max_kv = int(kv_lens.max())
@@ -42,9 +87,35 @@ def paged_attention_decode(
     invalid = pos[None, :] >= kv_lens[:, None].long()  # [B, max_kv]
     scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    result = torch.einsum("bkgj,bjkd->bkgd", probs, values).reshape(batch, num_heads, head_dim)
-    out.copy_(result)
-    return out
+    return torch.einsum("bkgj,bjkd->bkgd", probs, values).reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, num_splits, workspace) -> None:
+    batch, num_heads, head_dim = q.shape
+    if out.shape != q.shape:
+        raise ValueError(f"paged_attention_decode: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError("paged_attention_decode: k_cache and v_cache must both be [pages, page_size, H_kv, 128]")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or kv_lens.shape != (batch,):
+        raise ValueError("paged_attention_decode: page_table must be [B, max_pages] and kv_lens [B]")
+    check_tensors(
+        "paged_attention_decode", q.device, q.dtype, q=q, k_cache=k_cache, v_cache=v_cache, out=out,
+        page_table=(page_table, torch.int32), kv_lens=(kv_lens, torch.int32),
+    )  # fmt: skip
+    part_out = part_lse = None
+    if num_splits > 1:
+        if workspace is None or workspace[0].shape[0] < batch * num_heads * num_splits:
+            raise ValueError(f"paged_attention_decode: {num_splits} splits need a workspace of "
+                             f"{batch * num_heads * num_splits} rows")  # fmt: skip
+        part_out, part_lse = workspace
+        check_tensors("paged_attention_decode", q.device, torch.float32, part_out=part_out, part_lse=part_lse)
+    native().paged_attention_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(),
+        out.data_ptr(), part_out.data_ptr() if part_out is not None else 0,
+        part_lse.data_ptr() if part_lse is not None else 0, batch, num_heads, k_cache.shape[2], head_dim,
+        k_cache.shape[1], page_table.shape[1], k_cache.shape[0], num_splits, scale, half_dtype_code(q.dtype),
+        stream_of(q),
+    )  # fmt: skip
 
 
 def paged_attention_prefill(

@@ -1,0 +1,19 @@
+// Host-side declarations of the paged attention kernels (no CUDA headers needed).
+#pragma once
+
+#include <cstdint>
+
+namespace fastqwen {
+
+// One query token per sequence over its paged KV cache.
+// q, out: [B, H, 128]; k_cache, v_cache: [num_pages, page_size, H_kv, 128]; page_table: int32 [B, max_pages];
+// kv_lens: int32 [B]. Each sequence is cut into num_splits equal chunks; with num_splits > 1 the chunks'
+// normalized outputs and log-sum-exps go to part_out (float32 [B * H * num_splits, 128]) and part_lse (float32
+// [B * H * num_splits]) and a second kernel merges them. dtype: 1 = fp16, 2 = bf16.
+void paged_attention_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t page_table,
+                            uintptr_t kv_lens, uintptr_t out, uintptr_t part_out, uintptr_t part_lse,
+                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t page_size, int64_t max_pages, int64_t num_pages, int64_t num_splits, double scale,
+                            int dtype, uintptr_t stream);
+
+}  // namespace fastqwen
