@@ -57,12 +57,13 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   const int* pages = page_table + static_cast<int64_t>(b) * max_pages;
   const int page_mask = (1 << page_shift) - 1;
-  for (int t0 = start + state; t0 < end; t0 += kStates * kUnroll) {
+  // The loop is uniform over the warp (both halves run the same iterations): the shuffles below need every lane.
+  for (int t0 = start + warp * 2; t0 < end; t0 += kStates * kUnroll) {
     P kp[kUnroll], vp[kUnroll];
     bool valid[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int t = t0 + u * kStates;
+      const int t = t0 + half + u * kStates;
       valid[u] = t < end;
       if (valid[u]) {
         const int64_t page = pages[t >> page_shift];
