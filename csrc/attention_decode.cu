@@ -17,12 +17,6 @@ namespace {
 constexpr int kD = 128;
 constexpr int kWarps = 4;
 constexpr int kStates = kWarps * 2;  // half-warps per block
-// Tokens per half-warp per iteration, their loads issued together: the loop is bound by memory latency, so this
-// sets the bytes in flight. Fewer for large head groups, whose per-head state already takes many registers.
-template <int G>
-constexpr int unroll_for() {
-  return G <= 4 ? 8 : 4;
-}
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename T, int G>
@@ -32,7 +26,9 @@ __global__ void __launch_bounds__(kWarps * 32)
                   float* __restrict__ part_out, float* __restrict__ part_lse, int num_kv_heads, int page_shift,
                   int max_pages, int64_t num_pages, int num_splits, float scale_log2) {
   using P = Pack<T, 8>;
-  constexpr int kUnroll = unroll_for<G>();
+  // Tokens per half-warp per iteration, their loads issued together: the loop is bound by memory latency, so this
+  // sets the bytes in flight. Fewer for large head groups, whose per-head state already takes many registers.
+  constexpr int kUnroll = G <= 4 ? 8 : 4;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int num_heads = num_kv_heads * G;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
