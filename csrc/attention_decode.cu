@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   using P = Pack<T, 8>;
   // Tokens per half-warp per iteration, their loads issued together: the loop is bound by memory latency, so this
   // sets the bytes in flight. Fewer for large head groups, whose per-head state already takes many registers.
-  constexpr int kUnroll = G <= 4 ? 8 : 4;
+  constexpr int kUnroll = G <= 4 ? 8 : 2;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int num_heads = num_kv_heads * G;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -67,6 +67,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int u = 0; u < kUnroll; ++u) {
       const int t = t0 + half + u * kStates;
       valid[u] = t < end;
+      kp[u] = P{};  // an invalid token's score is computed and then ignored: keep it finite
+      vp[u] = P{};
       if (valid[u]) {
         const int64_t page = pages[t >> page_shift];
         const int64_t row = ((page << page_shift) + (t & page_mask)) * num_kv_heads + kvh;
@@ -78,30 +80,54 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
       }
     }
+    // Scores of the whole tile first (independent, so their shuffles and FMAs overlap), then one rescale per head
+    // for the tile instead of one per token.
+    float score[kUnroll][G];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      float kf[8], vf[8];
+      float kf[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        kf[k] = valid[u] ? Cvt<T>::to_f(kp[u].v[k]) : 0.0f;
-        vf[k] = valid[u] ? Cvt<T>::to_f(vp[u].v[k]) : 0.0f;
-      }
+      for (int k = 0; k < 8; ++k) kf[k] = Cvt<T>::to_f(kp[u].v[k]);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float s = 0.0f;
 #pragma unroll
         for (int k = 0; k < 8; ++k) s += qf[g][k] * kf[k];
+        score[u][g] = s;
+      }
+    }
 #pragma unroll
-        for (int offset = 8; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
-        if (valid[u]) {
-          const float m_new = fmaxf(m[g], s);
-          const float corr = exp2f(m[g] - m_new);
-          const float p = exp2f(s - m_new);
-          l[g] = l[g] * corr + p;
+    for (int offset = 8; offset > 0; offset >>= 1) {
 #pragma unroll
-          for (int k = 0; k < 8; ++k) acc[g][k] = acc[g][k] * corr + p * vf[k];
-          m[g] = m_new;
-        }
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) score[u][g] += __shfl_xor_sync(0xffffffffu, score[u][g], offset);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float m_tile = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) m_tile = valid[u] ? fmaxf(m_tile, score[u][g]) : m_tile;
+      if (m_tile == -INFINITY) continue;  // nothing valid yet (uniform over the half-warp)
+      const float corr = exp2f(m[g] - m_tile);
+      l[g] *= corr;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[g][k] *= corr;
+      m[g] = m_tile;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (!valid[u]) continue;
+      float vf[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) vf[k] = Cvt<T>::to_f(vp[u].v[k]);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = exp2f(score[u][g] - m[g]);
+        l[g] += p;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[g][k] += p * vf[k];
       }
     }
   }
