@@ -19,10 +19,11 @@ constexpr int kWarps = 4;
 constexpr int kStates = kWarps * 2;  // half-warps per block
 constexpr float kLog2e = 1.4426950408889634f;
 
-// At most 128 registers per thread, so that four blocks (16 warps) fit on an SM: with 2 (at 254 registers) the
-// SM sat idle waiting on loads (ncu on H200: 12.5% occupancy, 28% of DRAM bandwidth).
+// At most 128 registers per thread up to 4 query heads per KV head, so that four blocks (16 warps) fit on an SM:
+// with 2 blocks (at 254 registers) the SM sat idle waiting on loads (ncu on H200: 12.5% occupancy, 28% of DRAM
+// bandwidth).
 template <typename T, int G>
-__global__ void __launch_bounds__(kWarps * 32, 4)
+__global__ void __launch_bounds__(kWarps * 32, G <= 4 ? 4 : 2)
     decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                   const int* __restrict__ page_table, const int* __restrict__ kv_lens, T* __restrict__ out,
                   float* __restrict__ part_out, float* __restrict__ part_lse, int num_kv_heads, int page_shift,
@@ -30,7 +31,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   using P = Pack<T, 8>;
   // Tokens per half-warp per iteration, their loads issued together: the loop is bound by memory latency, so this
   // sets the bytes in flight. Fewer for large head groups, whose per-head state already takes many registers.
-  constexpr int kUnroll = G <= 4 ? 4 : 2;
+  constexpr int kUnroll = G <= 2 ? 4 : 2;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int num_heads = num_kv_heads * G;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
