@@ -26,21 +26,15 @@ def decode_workspace(rows: int, device: torch.device) -> tuple[torch.Tensor, tor
 def decode_num_splits(batch: int, num_heads: int, num_kv_heads: int, max_kv_len: int, num_sms: int, rows: int) -> int:
     """How many chunks to cut each sequence into, decided on the host once per step.
 
-    One block per (sequence, KV head) fills the GPU at large batches; at small batches long sequences are split
-    until there are about two blocks per SM, keeping chunks of at least 256 tokens and within the workspace.
+    A block walks its chunk one group of tokens at a time, each waiting on memory, so a block is latency-bound:
+    the GPU is fast only when every SM holds its four blocks. Sequences are split until there are that many
+    blocks, keeping chunks of at least 32 tokens and within the workspace.
     """
     blocks = batch * num_kv_heads
-    if blocks == 0 or blocks >= num_sms:
+    if blocks == 0:
         return 1
-    splits = min(-(-2 * num_sms // blocks), max(1, max_kv_len // 256), rows // max(1, batch * num_heads))
+    splits = min(-(-4 * num_sms // blocks), -(-max_kv_len // 32), rows // max(1, batch * num_heads))
     return max(1, splits)
-
-
-def _gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, kv_len: int) -> torch.Tensor:
-    page_size = cache.shape[1]
-    pos = torch.arange(kv_len, device=cache.device)
-    slots = page_table_row[pos // page_size].long() * page_size + pos % page_size
-    return cache.view(-1, cache.shape[2], cache.shape[3])[slots]  # [kv_len, H_kv, D]
 
 
 def paged_attention_decode(
