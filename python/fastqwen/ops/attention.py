@@ -37,6 +37,13 @@ def decode_num_splits(batch: int, num_heads: int, num_kv_heads: int, max_kv_len:
     return max(1, splits)
 
 
+def _gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, kv_len: int) -> torch.Tensor:
+    page_size = cache.shape[1]
+    pos = torch.arange(kv_len, device=cache.device)
+    slots = page_table_row[pos // page_size].long() * page_size + pos % page_size
+    return cache.view(-1, cache.shape[2], cache.shape[3])[slots]  # [kv_len, H_kv, D]
+
+
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
