@@ -83,7 +83,7 @@ class LLMEngine:
             weights = dummy_weights(self.config, self.dtype, self.device, seed)
         else:
             weights = load_weights(folder, self.config, self.dtype, self.device)
-        self.model = Qwen3Model(self.config, weights, self.max_model_len)
+        self.model = Qwen3Model(self.config, weights, self.max_model_len, max_batch=max_num_seqs)
 
         cfg = self.config
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)

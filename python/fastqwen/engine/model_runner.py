@@ -6,7 +6,7 @@ import torch
 
 from .. import ops
 from ..kvcache import KVPool
-from ..model import ForwardBatch, Qwen3Model
+from ..model import DECODE_SPLITS, ForwardBatch, Qwen3Model
 from ..ops.sampling import SamplingBatch, step_seed
 from ..scheduler import Request, ScheduledBatch, TokenLogprobs
 
@@ -60,16 +60,14 @@ class ModelRunner:
             temperatures=self._to_device(temperatures, torch.float32),
             is_decode=scheduled.is_decode,
             all_greedy=all(t == 0.0 for t in temperatures),
-            decode_splits=self._decode_splits(scheduled, kv_lens),
+            decode_splits=self._decode_splits(scheduled),
         )
 
-    def _decode_splits(self, scheduled: ScheduledBatch, kv_lens: list[int]) -> int:
-        model = self.model
-        if not scheduled.is_decode or model.decode_workspace is None:
+    def _decode_splits(self, scheduled: ScheduledBatch) -> int:
+        """A fixed split count (see DECODE_SPLITS) when the decode kernel runs; 1 on the reference path."""
+        if not scheduled.is_decode or self.model.decode_workspace is None:
             return 1
-        cfg = model.cfg
-        rows = model.decode_workspace[0].shape[0]
-        return ops.decode_num_splits(len(kv_lens), cfg.num_heads, cfg.num_kv_heads, max(kv_lens), model.num_sms, rows)
+        return DECODE_SPLITS
 
     def _sampling_batch(self, requests: list[Request], temperatures: torch.Tensor) -> SamplingBatch:
         params = [r.params for r in requests]

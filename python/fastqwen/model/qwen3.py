@@ -11,12 +11,14 @@ from ..weights import Qwen3Weights
 from .forward_batch import ForwardBatch
 
 
-# Rows of the split-KV workspace: batch * query heads * splits at most (2 MiB of float32 at head_dim 128).
-DECODE_WORKSPACE_ROWS = 4096
+# Split-KV decode cuts every sequence into the same number of chunks whatever the batch: a sequence's attention
+# then does not depend on what else is in the batch, which keeps seeded sampling reproducible across batch
+# compositions (a batch-dependent split plan changed the fp32 summation order, and sometimes a sampled token).
+DECODE_SPLITS = 4
 
 
 class Qwen3Model:
-    def __init__(self, cfg: ModelConfig, weights: Qwen3Weights, max_positions: int):
+    def __init__(self, cfg: ModelConfig, weights: Qwen3Weights, max_positions: int, max_batch: int = 256):
         self.cfg = cfg
         self.weights = weights
         self.device = weights.embed.device
@@ -27,7 +29,7 @@ class Qwen3Model:
         self.decode_workspace = None
         self.num_sms = 1
         if self.device.type == "cuda":
-            self.decode_workspace = ops.decode_workspace(DECODE_WORKSPACE_ROWS, self.device)
+            self.decode_workspace = ops.decode_workspace(max_batch * cfg.num_heads * DECODE_SPLITS, self.device)
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     @torch.inference_mode()

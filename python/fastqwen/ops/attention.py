@@ -24,7 +24,8 @@ def decode_workspace(rows: int, device: torch.device) -> tuple[torch.Tensor, tor
 
 
 def decode_num_splits(batch: int, num_heads: int, num_kv_heads: int, max_kv_len: int, num_sms: int, rows: int) -> int:
-    """How many chunks to cut each sequence into, decided on the host once per step.
+    """The throughput-optimal number of chunks per sequence for one decode call (bench/kernels.py uses it; the
+    engine uses a fixed count instead, so that results do not depend on the batch).
 
     A block walks its chunk one group of tokens at a time, each waiting on memory, so a block is latency-bound:
     the GPU is fast only when every SM holds its four blocks. Sequences are split until there are that many
