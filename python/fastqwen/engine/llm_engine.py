@@ -102,8 +102,7 @@ class LLMEngine:
         )
         self.check_every_step = os.environ.get("FASTQWEN_CHECK_INVARIANTS", "0") not in ("", "0")
         self.runner = ModelRunner(self.model, self.kv, self.generation_defaults.eos_token_ids, seed)
-        self._ids = itertools.count()
-        self._arrivals = itertools.count()
+        self._ids = itertools.count()  # request ids, in arrival order
 
     def _default_num_pages(self, page_bytes: int, max_tokens: int, max_seqs: int, utilization: float) -> int:
         cfg = self.config
@@ -159,7 +158,8 @@ class LLMEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
-        return Request(rid=next(self._ids), prompt_ids=ids, params=params, arrival=next(self._arrivals), detokenizer=detokenizer)
+        rid = next(self._ids)
+        return Request(rid=rid, prompt_ids=ids, params=params, arrival=rid, detokenizer=detokenizer)
 
     def add(self, request: Request) -> None:
         """Queue a request made by new_request; only from the thread that runs step()."""
