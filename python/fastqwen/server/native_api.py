@@ -12,9 +12,8 @@ from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..engine import RequestOutput
-from .openai_api import SSE_DONE, sse
 from .protocol import GenerateRequest
-from .serving import StreamingUpdatesResponse, collect_requests, stream_requests
+from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse, stream_requests
 from .state import APIError, ServerState, client_closed_response
 
 router = APIRouter()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -14,17 +13,10 @@ from ..engine import RequestOutput
 from ..scheduler import TokenLogprobs
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
-from .serving import StreamingUpdatesResponse, collect_requests, stream_requests
+from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse, stream_requests
 from .state import ServerState, client_closed_response
 
 router = APIRouter()
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:

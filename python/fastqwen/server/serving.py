@@ -4,6 +4,7 @@ finished outputs, recording the latency metrics, and aborting everything when th
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -12,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine import RequestOutput
 from ..scheduler import Request
-from .async_engine import AsyncEngine, TimedUpdate
+from .async_engine import AsyncEngine, EngineDeadError, TimedUpdate
 from .metrics import Metrics
 
 _DISCONNECT_POLL_S = 0.05
@@ -115,12 +116,29 @@ async def collect_requests(
             engine.abort(request)
 
 
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def _with_error_event(body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once the status line is out, an error can only be told in the stream: an error event, then [DONE]."""
+    try:
+        async for chunk in body:
+            yield chunk
+    except EngineDeadError as e:
+        yield sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+        yield SSE_DONE
+
+
 class StreamingUpdatesResponse(StreamingResponse):
     """A streaming response that aborts its requests however it ends, even if its body never started (a client
     gone before the first byte): the body's own finally blocks would not run then."""
 
     def __init__(self, body, engine: AsyncEngine, requests: list[Request]):
-        super().__init__(body, media_type="text/event-stream")
+        super().__init__(_with_error_event(body), media_type="text/event-stream")
         self._engine = engine
         self._requests = requests
 
