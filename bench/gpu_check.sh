@@ -49,6 +49,12 @@ for b in bench/bench_*.py; do
   [ "$rc" -eq 0 ] || bench_rc=$rc
 done
 
+echo "-- latency and throughput (random Qwen3-8B, offline)"
+python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 1024 --new-tokens 64 --hf \
+  --json "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" || bench_rc=1
+python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed --num-prompts 64 --input-len 128 \
+  --output-len 128 --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || bench_rc=1
+
 echo "-- kernels"
 python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || bench_rc=1
 

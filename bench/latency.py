@@ -1,0 +1,120 @@
+"""Batch-1 latency: time per output token after prompts of several lengths, and time to first token of a 256-token
+prompt, through the offline engine and (with --url) through a running HTTP server.
+
+Random weights with the real shapes work: `--model Qwen3-8B --load-format dummy`. The limit printed next to the
+time per output token is the weight bytes (embeddings excluded) over the device-to-device copy bandwidth measured
+in the same run. --hf adds Hugging Face transformers' greedy generate on the same shapes as the baseline.
+
+    python bench/latency.py --model Qwen3-8B --load-format dummy [--url http://127.0.0.1:8000] [--hf] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from fastqwen import LLM, SamplingParams
+
+from common import copy_bandwidth, hf_model_like
+
+
+def now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def engine_latency(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
+    """Wall-clock per engine step: the first is time to first token, the rest time per output token."""
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    times = []
+    while engine.has_unfinished():
+        t = now()
+        engine.step()
+        times.append(now() - t)
+    return {"ttft_ms": times[0] * 1e3, "tpot_ms": statistics.median(times[1:]) * 1e3 if len(times) > 1 else None}
+
+
+def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
+    """Streams /v1/completions: TTFT at the first chunk, TPOT as the median gap between later chunks."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    stamps = []
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"finish_reason":null' in line:
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"ttft_ms": (stamps[0] - start) * 1e3, "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None}
+
+
+def hf_tpot(model_name: str, prompt: list[int], new_tokens: int, device: str) -> float:
+    """Median ms per output token of transformers' greedy generate (difference of two generation lengths)."""
+    model = hf_model_like(model_name, device)
+    ids = torch.tensor([prompt], device=device)
+    kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)
+    runs = {}
+    for n in (1, new_tokens + 1):
+        t = now()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        runs[n] = now() - t
+    return (runs[new_tokens + 1] - runs[1]) / new_tokens * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Qwen3-8B")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default=None)
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 4096])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--url", default=None, help="also measure through this running server")
+    p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    rng = random.Random(0)
+    llm = LLM(args.model, load_format=args.load_format, device=args.device, max_model_len=8192, num_pages=None)
+    vocab = llm.engine.config.vocab_size
+    weights = llm.engine.model.weights
+    device = llm.engine.device
+    result = {"model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    if device.type == "cuda":
+        gbs = copy_bandwidth(20)
+        result["copy_gbs"] = gbs
+        result["tpot_floor_ms"] = (weights.num_bytes() - weights.embed.numel() * weights.embed.element_size()) / (gbs * 1e9) * 1e3
+    engine_latency(llm, [1] * 16, 4)  # warm-up
+    rows = []
+    for n in args.prompt_lens:
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        row = {"prompt_tokens": n, "offline": engine_latency(llm, prompt, args.new_tokens)}
+        if args.url:
+            row["http"] = http_latency(args.url, prompt, args.new_tokens)
+        rows.append(row)
+    ttft_prompt = [rng.randrange(vocab) for _ in range(256)]
+    result["ttft_256_offline_ms"] = engine_latency(llm, ttft_prompt, 1)["ttft_ms"]
+    if args.url:
+        result["ttft_256_http_ms"] = http_latency(args.url, ttft_prompt, 1)["ttft_ms"]
+    result["rows"] = rows
+    del llm
+    if args.hf:
+        result["hf_tpot_ms"] = hf_tpot(args.model, [rng.randrange(vocab) for _ in range(128)], 32, str(device))
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Offline throughput: output tokens per second for a batch of requests, through LLM.generate.
+
+Workloads: `random` = N requests with input and output lengths uniform in [100, 1024] (the benchmark mini-sglang
+and nano-vllm publish), `fixed` = N requests of --input-len in / --output-len out. Prompts are random token ids,
+every request runs to its output length (ignore_eos). --hf adds Hugging Face transformers' static-batch generate
+on the first --hf-requests requests of the same workload as the baseline.
+
+    python bench/throughput.py --model Qwen3-8B --load-format dummy --workload random --num-prompts 256 [--json out]
+    python bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed --num-prompts 1024 \
+        --input-len 128 --output-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from fastqwen import LLM, SamplingParams
+
+from common import hf_model_like
+
+
+def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+    if args.workload == "random":
+        ins = [rng.randint(100, 1024) for _ in range(args.num_prompts)]
+        outs = [rng.randint(100, 1024) for _ in range(args.num_prompts)]
+    else:
+        ins, outs = [args.input_len] * args.num_prompts, [args.output_len] * args.num_prompts
+    return [[rng.randrange(vocab) for _ in range(n)] for n in ins], outs
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hf_throughput(model_name: str, prompts: list[list[int]], outs: list[int], device: str) -> float:
+    """Output tok/s of transformers' generate, one static batch (left-padded, the longest output for all rows)."""
+    model = hf_model_like(model_name, device)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    new = max(outs)
+    sync()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    sync()
+    # Only the tokens each request asked for count as useful output.
+    return sum(outs) / (time.perf_counter() - start)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Qwen3-8B")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default=None)
+    p.add_argument("--workload", choices=["random", "fixed"], default="random")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf", action="store_true")
+    p.add_argument("--hf-requests", type=int, default=32)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    llm = LLM(args.model, load_format=args.load_format, device=args.device, max_model_len=4096,
+              max_num_seqs=args.max_num_seqs)  # fmt: skip
+    prompts, outs = workload(args, llm.engine.config.vocab_size)
+    llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+    sync()
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(r.num_completion_tokens for r in results)
+    device = llm.engine.device
+    result = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "workload": args.workload,
+        "num_prompts": args.num_prompts,
+        "input_tokens": sum(len(p) for p in prompts),
+        "output_tokens": output_tokens,
+        "elapsed_s": elapsed,
+        "output_tok_s": output_tokens / elapsed,
+        "preemptions": llm.engine.scheduler.num_preemptions,
+    }
+    del llm, results
+    if args.hf:
+        n = min(args.hf_requests, len(prompts))
+        result["hf_output_tok_s"] = hf_throughput(args.model, prompts[:n], outs[:n], str(device))
+        result["hf_requests"] = n
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
