@@ -16,33 +16,74 @@ from checkpoints import make_checkpoint
 from server_process import free_port
 
 
+class InProcessServer:
+    """The app under uvicorn in a thread of the test process, so a test can hand it a doctored engine."""
+
+    def __init__(self, load_engine):
+        app = create_app(ServerConfig("tiny"), load_engine)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # listening (the model may still be loading)
+            try:
+                httpx.get(self.url + "/health")
+                return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and httpx.get(self.url + "/health").status_code != 200:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
 @pytest.fixture
-def dying_server(tmp_path):
+def tiny_engine(tmp_path):
     folder = str(tmp_path)
     make_checkpoint(folder, tied=True)
-    engine = LLMEngine(folder, dtype="float32", device="cpu", num_pages=64)
+    return LLMEngine(folder, dtype="float32", device="cpu", num_pages=64)
 
+
+@pytest.fixture
+def dying_server(tiny_engine):
     def broken_step():
         raise RuntimeError("simulated CUDA failure")
 
-    engine.step = broken_step
-    app = create_app(ServerConfig("tiny"), lambda: engine)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    yield url
-    server.should_exit = True
-    thread.join(30)
+    tiny_engine.step = broken_step
+    server = InProcessServer(lambda: tiny_engine)
+    server.wait_healthy()
+    yield server.url
+    server.stop()
+
+
+def test_health_and_api_answer_503_while_loading(tiny_engine):
+    loaded = threading.Event()
+
+    def slow_load():
+        loaded.wait(30)
+        return tiny_engine
+
+    server = InProcessServer(slow_load)
+    try:
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        early = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert early.status_code == 503 and "Retry-After" in early.headers
+        loaded.set()
+        server.wait_healthy()
+        body = {"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}
+        ok = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        loaded.set()
+        server.stop()
 
 
 def test_engine_death_is_reported_not_hung(dying_server):
