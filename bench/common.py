@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import torch
@@ -67,3 +68,11 @@ def hf_model_like(preset: str, device: str, max_positions: int = 8192):
             return Qwen3ForCausalLM(hf_cfg).eval()
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def report(result: dict, json_path: str | None) -> None:
+    """Print a benchmark's result and, if asked, write it as JSON."""
+    print(json.dumps(result, indent=1))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)

@@ -11,7 +11,6 @@ in the same run. --hf adds Hugging Face transformers' greedy generate on the sam
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -21,7 +20,7 @@ import torch
 
 from fastqwen import LLM, SamplingParams
 
-from common import copy_bandwidth, hf_model_like
+from common import copy_bandwidth, hf_model_like, report
 
 
 def now() -> float:
@@ -109,10 +108,7 @@ def main() -> int:
     del llm
     if args.hf:
         result["hf_tpot_ms"] = hf_tpot(args.model, [rng.randrange(vocab) for _ in range(128)], 32, str(device))
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.json)
     return 0
 
 

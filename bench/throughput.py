@@ -13,7 +13,6 @@ on the first --hf-requests requests of the same workload as the baseline.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 
 from fastqwen import LLM, SamplingParams
 
-from common import hf_model_like
+from common import hf_model_like, report
 
 
 def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -98,10 +97,7 @@ def main() -> int:
         n = min(args.hf_requests, len(prompts))
         result["hf_output_tok_s"] = hf_throughput(args.model, prompts[:n], outs[:n], str(device))
         result["hf_requests"] = n
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.json)
     return 0
 
 
