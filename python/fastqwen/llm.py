@@ -73,9 +73,10 @@ class LLM:
                     f"{len(params_list)} sampling_params for {len(prompts)} prompts", "sampling_params"
                 )
         engine = self.engine
-        for prompt, params in zip(prompts, params_list):
-            engine.prepare(prompt, params)
-        rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        requests = [engine.new_request(p, sp) for p, sp in zip(prompts, params_list)]  # all validated first
+        for request in requests:
+            engine.add(request)
+        rids = [r.rid for r in requests]
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm or len(rids) < 2)
         try:
