@@ -23,11 +23,12 @@ from fastqwen.ops import (
     decode_workspace,
     fused_add_rms_norm,
     paged_attention_decode,
+    paged_attention_prefill,
     qk_norm_rope_store_kv,
     rms_norm,
     rope_cos_sin_cache,
 )
-from fastqwen.ops.attention import paged_attention_decode_reference
+from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.norm import rms_norm_reference
 from fastqwen.ops.rope_kv import apply_rope_reference
@@ -189,6 +190,69 @@ def bench_decode(batch: int, length: int, copy_gbs: float, iters: int) -> dict:
     return row
 
 
+PREFILL_CASES = [(1, 4096, 0), (1, 512, 4096), (8, 512, 0), (1, 16384, 0)]  # (sequences, new tokens, cached prefix)
+
+
+def bench_prefill(batch: int, new: int, prefix: int, iters: int) -> dict:
+    """Causal prefill / extend attention, Qwen3-8B heads, page 16, pages scattered; against PyTorch's
+    scaled_dot_product_attention (flash backend) on the same shapes in contiguous layout, K/V expanded to all heads.
+    Compute-bound: FLOPs = 4 * H * D * (keys each query sees, summed)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    total = prefix + new
+    pages_each = -(-total // PAGE)
+    nbuf = 2
+    pool_pages = nbuf * batch * pages_each
+    k_cache = torch.randn(pool_pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DT)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(pool_pages, device="cuda").to(torch.int32).view(nbuf, batch, pages_each)
+    lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * new
+    qs = torch.randn(nbuf, batch * new, HEADS, HEAD_DIM, device="cuda", dtype=DT)
+    outs = torch.empty_like(qs)
+    scale = HEAD_DIM**-0.5
+    want = torch.empty_like(qs[0])
+    paged_attention_prefill(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, outs[0], new)
+    if batch * new * total <= 8 * 4096 * 4096:
+        paged_attention_prefill_reference(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, want)
+        torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
+    flops = 4 * HEADS * HEAD_DIM * batch * sum(prefix + i + 1 for i in range(new))
+    ours = lambda: [  # noqa: E731
+        paged_attention_prefill(qs[i], k_cache, v_cache, starts, tables[i], lens, scale, outs[i], new) for i in range(nbuf)
+    ]
+    graph = graph_of(ours)
+    us = time_fn(graph.replay, iters) / nbuf * 1e3
+    del graph
+    row = {"op": "paged_attention_prefill", "batch": batch, "new_tokens": new, "prefix": prefix, "flops": flops,
+           "ours_us": us, "ours_tflops": flops / (us * 1e-6) / 1e12}  # fmt: skip
+    del k_cache, v_cache, qs, outs, want
+    torch.cuda.empty_cache()
+    # The same attention, contiguous [B, H, S, D], through the flash backend (bottom-right causal for the extend).
+    q = torch.randn(nbuf, batch, HEADS, new, HEAD_DIM, device="cuda", dtype=DT)
+    k = torch.randn(nbuf, batch, HEADS, total, HEAD_DIM, device="cuda", dtype=DT)
+    v = torch.randn_like(k)
+    if prefix == 0:
+        mask_kw = {"is_causal": True}
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask_kw = {"attn_mask": causal_lower_right(new, total)}
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa = lambda: [torch.nn.functional.scaled_dot_product_attention(q[i], k[i], v[i], **mask_kw) for i in range(nbuf)]  # noqa: E731
+            graph = graph_of(sdpa)
+            sdpa_us = time_fn(graph.replay, iters) / nbuf * 1e3
+            del graph
+        row["sdpa_flash_us"] = sdpa_us
+        row["sdpa_flash_tflops"] = flops / (sdpa_us * 1e-6) / 1e12
+        row["ours_vs_sdpa"] = row["ours_tflops"] / row["sdpa_flash_tflops"]
+    except RuntimeError as e:  # the flash backend may refuse a shape or mask
+        row["sdpa_flash_error"] = str(e)[:200]
+    del q, k, v
+    torch.cuda.empty_cache()
+    return row
+
+
 def matmul_tflops(iters: int) -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=DT)
     b = torch.randn(8192, 8192, device="cuda", dtype=DT)
@@ -200,7 +264,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 4096, 8192, 16384])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--ops", nargs="+", default=["norms", "qk", "decode"], choices=["norms", "qk", "decode"])
+    ap.add_argument("--ops", nargs="+", default=["norms", "qk", "decode", "prefill"], choices=["norms", "qk", "decode", "prefill"])
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
@@ -215,6 +279,7 @@ def main() -> int:
         if "qk" in args.ops:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
     decode_rows = [bench_decode(b, n, copy_gbs, args.iters) for b, n in DECODE_CASES] if "decode" in args.ops else []
+    prefill_rows = [bench_prefill(b, n, p, args.iters) for b, n, p in PREFILL_CASES] if "prefill" in args.ops else []
     tflops = matmul_tflops(args.iters)
     print(f"device: {device}   torch {torch.__version__}   d2d copy (read+write): {copy_gbs:.0f} GB/s   "
           f"bf16 matmul 8192^3: {tflops:.0f} TFLOP/s   bf16, Qwen3-8B sizes")  # fmt: skip
@@ -229,10 +294,18 @@ def main() -> int:
             f"paged_attention_decode B={r['batch']:<4} L={r['tokens']:<6} splits {r['splits']:<3} | {r['ours_us']:>8.2f} us "
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
         )
+    for r in prefill_rows:
+        sdpa = (f"SDPA flash {r['sdpa_flash_us']:>8.1f} us {r['sdpa_flash_tflops']:>5.0f} TFLOP/s | ours/sdpa {r['ours_vs_sdpa']:.2f}"
+                if "sdpa_flash_us" in r else f"SDPA flash: {r.get('sdpa_flash_error')}")  # fmt: skip
+        print(
+            f"paged_attention_prefill B={r['batch']:<2} new={r['new_tokens']:<5} prefix={r['prefix']:<5} | "
+            f"{r['ours_us']:>8.1f} us {r['ours_tflops']:>5.0f} TFLOP/s | {sdpa}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "kernels", "device": device, "torch": torch.__version__, "copy_gbs": copy_gbs,
-                       "matmul_tflops": tflops, "rows": rows, "decode": decode_rows}, f, indent=1)  # fmt: skip
+                       "matmul_tflops": tflops, "rows": rows, "decode": decode_rows, "prefill": prefill_rows}, f,
+                      indent=1)  # fmt: skip
     return 0
 
 

@@ -16,4 +16,14 @@ void paged_attention_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, u
                             int64_t page_size, int64_t max_pages, int64_t num_pages, int64_t num_splits, double scale,
                             int dtype, uintptr_t stream);
 
+// Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed.
+// q, out: [T, H, 128] with sequence b's tokens at rows query_start[b] .. query_start[b + 1] (int32 [B + 1]); they
+// are the last tokens of its kv_lens[b] cached tokens (already written to the cache), so the causal mask is
+// aligned to the end. max_query_len bounds query_start[b + 1] - query_start[b] (it sizes the grid).
+void paged_attention_prefill(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t query_start,
+                             uintptr_t page_table, uintptr_t kv_lens, uintptr_t out, int64_t batch,
+                             int64_t max_query_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t page_size, int64_t max_pages, int64_t num_pages, double scale, int dtype,
+                             uintptr_t stream);
+
 }  // namespace fastqwen

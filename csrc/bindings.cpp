@@ -126,5 +126,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("head_dim"), py::arg("page_size"), py::arg("max_pages"), py::arg("num_pages"), py::arg("num_splits"),
       py::arg("scale"), py::arg("dtype"), py::arg("stream"),
       "Decode attention of one query token per sequence over its pages (split-KV when num_splits > 1).");
+  m.def(
+      "paged_attention_prefill",
+      [](const py::int_& q, const py::int_& k_cache, const py::int_& v_cache, const py::int_& query_start,
+         const py::int_& page_table, const py::int_& kv_lens, const py::int_& out, int64_t batch, int64_t max_query_len,
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_pages,
+         int64_t num_pages, double scale, int dtype, const py::int_& stream) {
+        fastqwen::paged_attention_prefill(
+            to_uintptr(q, "q"), to_uintptr(k_cache, "k_cache"), to_uintptr(v_cache, "v_cache"),
+            to_uintptr(query_start, "query_start"), to_uintptr(page_table, "page_table"),
+            to_uintptr(kv_lens, "kv_lens"), to_uintptr(out, "out"), batch, max_query_len, num_heads, num_kv_heads,
+            head_dim, page_size, max_pages, num_pages, scale, dtype, to_uintptr(stream, "stream"));
+      },
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_start"), py::arg("page_table"),
+      py::arg("kv_lens"), py::arg("out"), py::arg("batch"), py::arg("max_query_len"), py::arg("num_heads"),
+      py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("page_size"), py::arg("max_pages"), py::arg("num_pages"),
+      py::arg("scale"), py::arg("dtype"), py::arg("stream"),
+      "Causal attention of several query tokens per sequence (varlen) over its pages, on tensor cores.");
 #endif
 }

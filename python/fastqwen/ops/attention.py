@@ -129,12 +129,56 @@ def paged_attention_prefill(
     kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] packed by sequence (query_start [B+1]) -> out [T, H, D].
 
     The q tokens of sequence b are the last (query_start[b+1] - query_start[b]) of its kv_lens[b] tokens, so the
-    causal mask is aligned to the end: query i sees keys 0 .. kv_len - q_len + i.
+    causal mask is aligned to the end: query i sees keys 0 .. kv_len - q_len + i. On bf16 / fp16 CUDA tensors with
+    head_dim 128 this is the tensor-core kernel in csrc/attention_prefill.cu; max_query_len (the longest q_len)
+    sizes its grid and is read back from the device when not given. Otherwise the reference.
     """
+    head_dim = q.shape[2]
+    if q.shape[0] == 0 or query_start.shape[0] <= 1:
+        return out
+    if q.is_cuda and has_cuda_kernels() and half_dtype_code(q.dtype) is not None and head_dim == KERNEL_HEAD_DIM:
+        _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len)
+        return out
+    return paged_attention_prefill_reference(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out)
+
+
+def _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len) -> None:
+    batch = query_start.shape[0] - 1
+    if out.shape != q.shape:
+        raise ValueError(f"paged_attention_prefill: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError("paged_attention_prefill: k_cache and v_cache must both be [pages, page_size, H_kv, 128]")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or kv_lens.shape != (batch,):
+        raise ValueError("paged_attention_prefill: page_table must be [B, max_pages] and kv_lens [B], B = len(query_start) - 1")
+    check_tensors(
+        "paged_attention_prefill", q.device, q.dtype, q=q, k_cache=k_cache, v_cache=v_cache, out=out,
+        query_start=(query_start, torch.int32), page_table=(page_table, torch.int32), kv_lens=(kv_lens, torch.int32),
+    )  # fmt: skip
+    if max_query_len is None:
+        max_query_len = int((query_start[1:] - query_start[:-1]).max())
+    native().paged_attention_prefill(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(), page_table.data_ptr(),
+        kv_lens.data_ptr(), out.data_ptr(), batch, max_query_len, q.shape[1], k_cache.shape[2], q.shape[2],
+        k_cache.shape[1], page_table.shape[1], k_cache.shape[0], scale, half_dtype_code(q.dtype), stream_of(q),
+    )  # fmt: skip
+
+
+def paged_attention_prefill_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """float32 math per sequence over gathered pages, written into out."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

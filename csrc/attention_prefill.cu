@@ -1,0 +1,378 @@
+// Paged prefill / extend attention on tensor cores (mma.sync m16n8k16, fp32 accumulate), FlashAttention-2 style.
+//
+// The G query heads that share a KV head are packed into the rows of one tile: packed row r of sequence b is query
+// token r / G of head kvh * G + r % G, so a K/V tile loaded once serves all of them (and a 1-token sequence in a
+// mixed batch fills G rows instead of one). A block owns 128 packed rows of one (sequence, KV head); its four warps
+// own 32 rows each (two m16 tiles). K and V are gathered from their pages 64 tokens at a time with cp.async into
+// double-buffered shared memory, so the next tile loads while this one is computed. The causal mask is aligned to
+// the end of each sequence: query token i of n new tokens sits at position kv_len - n + i.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "attention.h"
+#include "common.cuh"
+#include "cuda_check.h"
+
+namespace fastqwen {
+namespace {
+
+constexpr int kD = 128;
+constexpr int kBM = 128;  // packed query rows per block
+constexpr int kBN = 64;   // keys per tile
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+constexpr size_t kSmemBytes = (kBM + 4 * kBN) * kD * 2;  // Q + two K and two V tiles, 2-byte elements
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kF16 = 1, kBF16 = 2;
+
+// Shared tiles are [rows][128] 2-byte elements whose 16-byte chunks are XOR-swizzled by row % 8: the eight row
+// addresses of one ldmatrix phase then fall in eight different bank groups.
+__device__ __forceinline__ int swz(int row, int chunk) { return row * kD + ((chunk ^ (row & 7)) << 3); }
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; with valid == false the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+};
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+struct Params {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int* query_start;
+  const int* page_table;
+  const int* kv_lens;
+  void* out;
+  int num_heads, num_kv_heads, group, page_shift, max_pages;
+  int64_t num_pages;
+  float scale_log2;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBM * kD;
+  T* sV = sK + 2 * kBN * kD;
+  const T* q = static_cast<const T*>(p.q);
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  T* out = static_cast<T*>(p.out);
+
+  const int b = blockIdx.z, kvh = blockIdx.y;
+  const int G = p.group;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int q0 = p.query_start[b];
+  const int n_q = p.query_start[b + 1] - q0;
+  const int rows = n_q * G;
+  const int kv_len = p.kv_lens[b];
+  const int prefix = kv_len - n_q;  // cached tokens before the first query; < 0 only on bad input
+  const int page_size_mask = (1 << p.page_shift) - 1;
+  const int* pages = p.page_table + static_cast<int64_t>(b) * p.max_pages;
+  const int num_tiles = (rows + kBM - 1) / kBM;
+
+  // The latest query tiles see the most keys: they go first, so the short ones fill in at the end.
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const int row0 = (num_tiles - 1 - t) * kBM;
+    const int last_row = min(rows, row0 + kBM) - 1;
+    const int kv_end = max(0, prefix + last_row / G + 1);  // keys the tile's last row sees
+    const int full_end = prefix + row0 / G + 1;            // keys every row of the tile sees
+    const int n_kv_tiles = (kv_end + kBN - 1) / kBN;
+
+    // Q tile: 128 rows x 16 chunks, 16 per thread; rows past the sequence are zero.
+#pragma unroll
+    for (int i = 0; i < kBM * kChunks / kThreads; ++i) {
+      const int c = tid + i * kThreads;
+      const int row = c / kChunks, chunk = c % kChunks;
+      const int pr = row0 + row;
+      const bool valid = pr < rows;
+      const T* src = q;
+      if (valid) src = q + ((static_cast<int64_t>(q0) + pr / G) * p.num_heads + kvh * G + pr % G) * kD + chunk * 8;
+      cp_async16(sQ + swz(row, chunk), src, valid);
+    }
+    // K and V tile j into buffer j & 1: 64 keys x 16 chunks each, 8 per thread. Keys past kv_end and pages out of
+    // range are zero-filled (masked anyway; zero V keeps 0 * garbage from making NaN).
+    auto load_kv = [&](int j) {
+      T* dk = sK + (j & 1) * kBN * kD;
+      T* dv = sV + (j & 1) * kBN * kD;
+#pragma unroll
+      for (int i = 0; i < kBN * kChunks / kThreads; ++i) {
+        const int c = tid + i * kThreads;
+        const int key = c / kChunks, chunk = c % kChunks;
+        const int pos = j * kBN + key;
+        const int page_index = pos >> p.page_shift;
+        int page = -1;
+        if (pos < kv_end && page_index < p.max_pages) page = pages[page_index];
+        const bool valid = page >= 0 && page < p.num_pages;
+        int64_t offset = 0;
+        if (valid) {
+          const int64_t slot = (static_cast<int64_t>(page) << p.page_shift) + (pos & page_size_mask);
+          offset = (slot * p.num_kv_heads + kvh) * kD + chunk * 8;
+        }
+        cp_async16(dk + swz(key, chunk), k_cache + offset, valid);
+        cp_async16(dv + swz(key, chunk), v_cache + offset, valid);
+      }
+    };
+    if (n_kv_tiles > 0) load_kv(0);
+    cp_async_commit();
+
+    // This thread's four rows: m16 tile mi, row g (h = 0) or g + 8 (h = 1) of it.
+    int row_pos[2][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_pos[mi][h] = prefix + (row0 + warp * 32 + mi * 16 + (lane >> 2) + h * 8) / G;
+
+    float o[2][16][4];
+    float m_run[2][2], l_run[2][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+      for (int d = 0; d < 16; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mi][d][e] = 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m_run[mi][h] = -INFINITY;
+        l_run[mi][h] = 0.0f;
+      }
+    }
+
+    for (int j = 0; j < n_kv_tiles; ++j) {
+      cp_async_wait_all();
+      __syncthreads();  // tile j (and Q) visible to all; every warp is done with the buffer tile j + 1 overwrites
+      if (j + 1 < n_kv_tiles) load_kv(j + 1);
+      cp_async_commit();
+      const T* tk = sK + (j & 1) * kBN * kD;
+      const T* tv = sV + (j & 1) * kBN * kD;
+
+      // S = Q K^T for this warp's 32 rows x 64 keys.
+      float s[2][8][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        unsigned a[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) ldsm_x4(a[mi], sQ + swz(warp * 32 + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+        for (int np = 0; np < kBN / 16; ++np) {
+          unsigned bk[4];
+          ldsm_x4(bk, tk + swz(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            Mma<T>::run(s[mi][2 * np], a[mi], bk[0], bk[1]);
+            Mma<T>::run(s[mi][2 * np + 1], a[mi], bk[2], bk[3]);
+          }
+        }
+      }
+
+      // Online softmax in log2 units; only tiles that reach past full_end need the causal mask.
+      const bool masked = (j + 1) * kBN > full_end;
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int ni = 0; ni < 8; ++ni) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float x = s[mi][ni][h * 2 + e] * p.scale_log2;
+              if (masked && j * kBN + ni * 8 + (lane & 3) * 2 + e > row_pos[mi][h]) x = -INFINITY;
+              s[mi][ni][h * 2 + e] = x;
+              mx = fmaxf(mx, x);
+            }
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m_run[mi][h], mx);
+          const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet stays at zero
+          const float alpha = fast_exp2(m_run[mi][h] - m_use);
+          m_run[mi][h] = m_new;
+          float sum = 0.0f;
+#pragma unroll
+          for (int ni = 0; ni < 8; ++ni) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pv = fast_exp2(s[mi][ni][h * 2 + e] - m_use);
+              s[mi][ni][h * 2 + e] = pv;
+              sum += pv;
+            }
+          }
+          l_run[mi][h] = l_run[mi][h] * alpha + sum;  // this thread's share; the quad is summed at the end
+#pragma unroll
+          for (int d = 0; d < 16; ++d) {
+            o[mi][d][h * 2] *= alpha;
+            o[mi][d][h * 2 + 1] *= alpha;
+          }
+        }
+      }
+
+      // O += P V: the S accumulators of two adjacent key n-tiles are exactly an m16k16 A fragment.
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) {
+        unsigned a[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          a[mi][0] = Mma<T>::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+          a[mi][1] = Mma<T>::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+          a[mi][2] = Mma<T>::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+          a[mi][3] = Mma<T>::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < kD / 16; ++dp) {
+          unsigned bv[4];
+          ldsm_x4_trans(bv, tv + swz(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            Mma<T>::run(o[mi][2 * dp], a[mi], bv[0], bv[1]);
+            Mma<T>::run(o[mi][2 * dp + 1], a[mi], bv[2], bv[3]);
+          }
+        }
+      }
+    }
+
+    // Normalize and store this thread's rows (pairs of adjacent dims, 4 bytes at a time).
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float l = l_run[mi][h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int pr = row0 + warp * 32 + mi * 16 + (lane >> 2) + h * 8;
+        if (pr < rows) {
+          T* dst = out + ((static_cast<int64_t>(q0) + pr / G) * p.num_heads + kvh * G + pr % G) * kD + (lane & 3) * 2;
+#pragma unroll
+          for (int d = 0; d < 16; ++d) {
+            *reinterpret_cast<unsigned*>(dst + d * 8) = Mma<T>::pack(o[mi][d][h * 2] * inv, o[mi][d][h * 2 + 1] * inv);
+          }
+        }
+      }
+    }
+    __syncthreads();  // the next tile's Q load reuses shared memory
+  }
+}
+
+template <typename T>
+void launch(const Params& p, int64_t batch, int64_t grid_x, cudaStream_t stream) {
+  static bool configured = false;  // the opt-in to more than 48 KB of dynamic shared memory, once per kernel
+  if (!configured) {
+    cuda_check(cudaFuncSetAttribute(prefill_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kSmemBytes)),
+               "paged_attention_prefill: cudaFuncSetAttribute");
+    configured = true;
+  }
+  const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(batch));
+  prefill_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  cuda_check_launch("paged_attention_prefill kernel launch");
+}
+
+}  // namespace
+
+void paged_attention_prefill(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t query_start,
+                             uintptr_t page_table, uintptr_t kv_lens, uintptr_t out, int64_t batch,
+                             int64_t max_query_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t page_size, int64_t max_pages, int64_t num_pages, double scale, int dtype,
+                             uintptr_t stream) {
+  const std::string op = "paged_attention_prefill: ";
+  if (head_dim != kD) throw std::invalid_argument(op + "head_dim must be 128, got " + std::to_string(head_dim));
+  if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 8) {
+    throw std::invalid_argument(op + "num_heads must be 1 to 8 times num_kv_heads");
+  }
+  if (page_size < 1 || (page_size & (page_size - 1)) != 0 || page_size > 1024) {
+    throw std::invalid_argument(op + "page_size must be a power of two up to 1024");
+  }
+  if (batch < 0 || batch > 65535 || num_kv_heads > 65535) throw std::invalid_argument(op + "batch or heads out of range");
+  if (max_query_len < 0 || max_query_len > (int64_t{1} << 24)) throw std::invalid_argument(op + "max_query_len out of range");
+  if (max_pages < 1 || num_pages < 1) throw std::invalid_argument(op + "max_pages and num_pages must be >= 1");
+  if (dtype != kF16 && dtype != kBF16) throw std::invalid_argument(op + "dtype must be float16 or bfloat16");
+  if (batch == 0 || max_query_len == 0) return;
+  for (uintptr_t ptr : {q, k_cache, v_cache, out}) {
+    if (ptr == 0 || !aligned16(ptr)) throw std::invalid_argument(op + "q, caches and out must be 16-byte aligned");
+  }
+  for (uintptr_t ptr : {query_start, page_table, kv_lens}) {
+    if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "query_start, page_table and kv_lens must be int32");
+  }
+  int shift = 0;
+  while ((int64_t{1} << shift) < page_size) ++shift;
+  const int64_t group = num_heads / num_kv_heads;
+  Params p{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_cache),
+           reinterpret_cast<const void*>(v_cache), reinterpret_cast<const int*>(query_start),
+           reinterpret_cast<const int*>(page_table), reinterpret_cast<const int*>(kv_lens),
+           reinterpret_cast<void*>(out), static_cast<int>(num_heads), static_cast<int>(num_kv_heads),
+           static_cast<int>(group), shift, static_cast<int>(max_pages), num_pages,
+           static_cast<float>(scale) * kLog2e};
+  // Enough blocks for the longest sequence's tiles; each block loops if a sequence has more (bad max_query_len).
+  const int64_t grid_x = std::min<int64_t>((max_query_len * group + kBM - 1) / kBM, 65535);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (dtype == kF16) {
+    launch<__half>(p, batch, grid_x, s);
+  } else {
+    launch<__nv_bfloat16>(p, batch, grid_x, s);
+  }
+}
+
+}  // namespace fastqwen
