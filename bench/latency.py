@@ -80,14 +80,24 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--url", default=None, help="also measure through this running server")
     p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="eager decode (for the comparison)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rng = random.Random(0)
-    llm = LLM(args.model, load_format=args.load_format, device=args.device, max_model_len=8192, num_pages=None)
+    llm = LLM(
+        args.model, load_format=args.load_format, device=args.device, max_model_len=8192, num_pages=None,
+        disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+    )  # fmt: skip
     vocab = llm.engine.config.vocab_size
     weights = llm.engine.model.weights
     device = llm.engine.device
     result = {"model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    graphs = llm.engine.runner.graphs
+    result["cuda_graph"] = None if graphs is None else {
+        "sizes": len(graphs.sizes), "max_bs": graphs.max_bs, "capture_s": round(graphs.capture_seconds, 3),
+        "memory_mib": round(graphs.memory_bytes / 2**20, 1), "kv_pages": llm.engine.kv.num_pages,
+    }  # fmt: skip
     if device.type == "cuda":
         gbs = copy_bandwidth(20)
         result["copy_gbs"] = gbs

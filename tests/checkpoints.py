@@ -103,21 +103,21 @@ def engine_logits(llm, prompt_ids: list[int], max_tokens: int) -> tuple[list[int
     """Greedy generation through the engine; returns the tokens and the float32 logits of every sampling step."""
     from fastqwen import SamplingParams
 
-    model = llm.engine.model
+    runner = llm.engine.runner  # every step's logits pass through run_model, eager or CUDA-graph replay
     captured = []
-    forward = model.forward
+    run_model = runner.run_model
 
-    def capturing_forward(batch, kv):
-        logits = forward(batch, kv)
+    def capturing_run_model(batch, graph_size=0):
+        logits = run_model(batch, graph_size)
         captured.append(logits.detach().clone())
         return logits
 
-    model.forward = capturing_forward
+    runner.run_model = capturing_run_model
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
     finally:
-        del model.forward
+        del runner.run_model
     return out.token_ids, torch.cat([c for c in captured if c.shape[0] > 0]).float().cpu()
 
 

@@ -35,6 +35,8 @@ class LLM:
         gpu_memory_utilization: float = 0.85,
         seed: int = 0,
         enable_prefix_caching: bool = True,
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int = 256,
     ):
         self.engine = LLMEngine(
             model,
@@ -49,6 +51,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
+            disable_cuda_graph=disable_cuda_graph,
+            cuda_graph_max_bs=cuda_graph_max_bs,
         )
 
     def generate(

@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set FASTQWEN_API_KEY)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     p.add_argument("--disable-radix-cache", action="store_true", help="turn off the prefix cache (KV reuse across requests sharing a prefix)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler for unseeded requests")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     return p.parse_args(argv)
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.kv_cache_memory_fraction,
             seed=args.seed,
             enable_prefix_caching=not args.disable_radix_cache,
+            disable_cuda_graph=args.disable_cuda_graph,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
         )
 
     api_key = args.api_key or os.environ.get("FASTQWEN_API_KEY")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -16,7 +18,11 @@ from ..errors import InvalidRequestError
 from ..scheduler import Request, Scheduler, TokenLogprobs
 from ..tokenizer import Tokenizer
 from ..weights import dummy_weights, load_weights
+from .cuda_graph import DecodeGraphs, unsupported_reason
 from .model_runner import ModelRunner
+from .staging import staging_for
+
+log = logging.getLogger(__name__)
 
 # KV pool size on the CPU reference path when num_pages is not given.
 _CPU_KV_BYTES = 1 << 30
@@ -65,6 +71,8 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.85,
         seed: int = 0,
         enable_prefix_caching: bool = True,
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int = 256,
     ):
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', not {load_format!r}")
@@ -86,9 +94,14 @@ class LLMEngine:
         self.model = Qwen3Model(self.config, weights, self.max_model_len, max_batch=max_num_seqs)
 
         cfg = self.config
+        self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
+        graph_bs = self._graph_max_bs(disable_cuda_graph, cuda_graph_max_bs, max_num_seqs)
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if num_pages is None:
-            num_pages = self._default_num_pages(page_bytes, max_num_batched_tokens, max_num_seqs, gpu_memory_utilization)
+            graph_bytes = self._measure_graph_memory(graph_bs, page_size) if graph_bs else 0
+            num_pages = self._default_num_pages(
+                page_bytes, max_num_batched_tokens, max_num_seqs, gpu_memory_utilization, graph_bytes
+            )
         self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.cache = RadixCache(self.kv.allocator, page_size) if enable_prefix_caching else None
         self.scheduler = Scheduler(
@@ -101,10 +114,43 @@ class LLMEngine:
             self.cache,
         )
         self.check_every_step = os.environ.get("FASTQWEN_CHECK_INVARIANTS", "0") not in ("", "0")
-        self.runner = ModelRunner(self.model, self.kv, self.generation_defaults.eos_token_ids, seed)
+        self.runner = ModelRunner(
+            self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs
+        )
         self._ids = itertools.count()  # request ids, in arrival order
 
-    def _default_num_pages(self, page_bytes: int, max_tokens: int, max_seqs: int, utilization: float) -> int:
+    def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
+        """The largest decode batch to capture; 0 = no CUDA graphs."""
+        if disable or max_bs <= 0:
+            return 0
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            log.info("CUDA graphs off: %s", reason)
+            return 0
+        return min(max_bs, max_num_seqs)
+
+    def _measure_graph_memory(self, max_bs: int, page_size: int) -> int:
+        """Device memory the decode graphs take, measured by a dry capture against a one-page KV pool, then freed.
+
+        The real graphs bake in the KV pool's addresses, so they can only be captured once the pool exists; but the
+        pool is sized from the memory left, so that memory must be known first. Capturing twice costs startup
+        time (logged) and gives a measured figure where an estimate could be wrong for a new model or torch.
+        """
+        cfg = self.config
+        scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs).capture()
+        used, seconds = graphs.memory_bytes, graphs.capture_seconds
+        graphs.close()
+        del graphs, scratch
+        gc.collect()
+        torch.cuda.empty_cache()
+        log.info("CUDA graphs: dry capture took %.2f s and %.0f MiB, set aside before sizing the KV pool", seconds,
+                 used / 2**20)  # fmt: skip
+        return used
+
+    def _default_num_pages(
+        self, page_bytes: int, max_tokens: int, max_seqs: int, utilization: float, graph_bytes: int = 0
+    ) -> int:
         cfg = self.config
         if self.device.type != "cuda":
             return max(1, _CPU_KV_BYTES // page_bytes)
@@ -113,7 +159,7 @@ class LLMEngine:
         # Activations of the largest step: hidden states, qkv, gate/up, and float32 logits of every sequence.
         width = 4 * cfg.hidden_size + 2 * (cfg.q_size + 2 * cfg.kv_size) + 3 * cfg.intermediate_size
         activations = max_tokens * width * 2 + max_seqs * cfg.vocab_size * 4 * 3
-        budget = int(free * utilization) - activations
+        budget = int(free * utilization) - activations - graph_bytes
         if budget < page_bytes:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after loading weights); "

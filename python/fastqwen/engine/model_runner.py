@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 
 from .. import ops
@@ -9,59 +12,152 @@ from ..kvcache import KVPool
 from ..model import DECODE_SPLITS, ForwardBatch, Qwen3Model
 from ..ops.sampling import SamplingBatch, step_seed
 from ..scheduler import Request, ScheduledBatch, TokenLogprobs
+from .cuda_graph import DecodeGraphs, fill_padding
+from .staging import BatchStaging, Layout, staging_for
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3Model, kv: KVPool, eos_token_ids: list[int], seed: int = 0):
+    def __init__(
+        self,
+        model: Qwen3Model,
+        kv: KVPool,
+        eos_token_ids: list[int],
+        seed: int = 0,
+        staging: BatchStaging | None = None,
+        cuda_graph_max_bs: int = 0,
+    ):
         self.model = model
         self.kv = kv
         self.device = model.device
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        max_model_len = model.cos_sin_cache.shape[0]
+        self.staging = staging or staging_for(8192, 256, max_model_len, kv.page_size, self.device)
+        self._arange = np.arange(self.staging.max_seqs + 1, dtype=np.int64)  # logits_indices / query_start of a graph
+        self.graphs: DecodeGraphs | None = None
+        self._graph_batches: dict[int, ForwardBatch] = {}
+        if cuda_graph_max_bs > 0:
+            self.graphs = DecodeGraphs(model, kv, self.staging, cuda_graph_max_bs).capture()
+            self._graph_batches = {size: self.graphs.batch(size) for size in self.graphs.sizes}
+            log.info(
+                "captured %d CUDA graphs for decode batches up to %d in %.2f s, using %.0f MiB",
+                len(self.graphs.sizes), self.graphs.max_bs, self.graphs.capture_seconds,
+                self.graphs.memory_bytes / 2**20,
+            )  # fmt: skip
+        # The one read-back of a step: sampled tokens, through pinned memory, then a wait on this event.
+        self._tokens_host = torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._tokens_ready = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def build_batch(self, scheduled: ScheduledBatch) -> ForwardBatch:
-        """Built with plain Python lists on the host, then copied to the device once per tensor."""
-        page_size = self.kv.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        out_slots: list[int] = []
-        query_start = [0]
-        kv_lens: list[int] = []
-        logits_indices: list[int] = []
-        temperatures: list[float] = []
-        max_pages = max((len(c.request.pages) for c in scheduled.chunks), default=0)
-        page_table = []
-        for chunk in scheduled.chunks:
-            request = chunk.request
-            pages = request.pages
-            input_ids.extend(request.token_ids[chunk.start : chunk.end])
-            span = range(chunk.start, chunk.end)
-            positions.extend(span)
-            out_slots.extend(pages[p // page_size] * page_size + p % page_size for p in span)
-            query_start.append(len(input_ids))
-            kv_lens.append(chunk.end)
-            page_table.append(pages + [0] * (max_pages - len(pages)))
-            if chunk.samples:
-                logits_indices.append(len(input_ids) - 1)
-                temperatures.append(request.params.temperature)
+        return self._build(scheduled)[0]
 
+    def _build(self, scheduled: ScheduledBatch) -> tuple[ForwardBatch, int]:
+        """The step's ForwardBatch, uploaded, and the padded graph size that replays it (0 = run eager)."""
+        chunks = scheduled.chunks
+        graphs = self.graphs
+        if graphs is not None and len(chunks) <= graphs.max_bs and scheduled.is_decode and all(c.samples for c in chunks):
+            size = graphs.padded_size(len(chunks))
+            return self._build_graph_decode(chunks, size), size
+        return self._build_eager(scheduled), 0
+
+    def _build_graph_decode(self, chunks, size: int) -> ForwardBatch:
+        """One token per sequence, written at the graph's layout; rows past the batch are padding."""
+        page_size = self.kv.page_size
+        layout = self.graphs.layout(size)
+        views = self.staging.host_views(layout)
+        page_table = views["page_table"]
+        ids, positions, slots, kv_lens, temperatures = [], [], [], [], []
+        for row, chunk in enumerate(chunks):
+            request, pos = chunk.request, chunk.start
+            pages = request.pages
+            ids.append(request.token_ids[pos])
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            kv_lens.append(chunk.end)
+            temperatures.append(request.params.temperature)
+            page_table[row, : len(pages)] = pages  # the kernel reads no entry past kv_len: stale tails are harmless
+        n = len(chunks)
+        views["input_ids"][:n] = ids
+        views["positions"][:n] = positions
+        views["out_slots"][:n] = slots
+        views["kv_lens"][:n] = kv_lens
+        views["temperatures"][:n] = temperatures
+        fill_padding(views, n, size)
+        views["logits_indices"][:] = self._arange[:size]
+        views["query_start"][:] = self._arange[: size + 1]
+        self.staging.upload(layout)
+        graph_batch = self._graph_batches[size]
         return ForwardBatch(
-            input_ids=self._to_device(input_ids, torch.int64),
-            positions=self._to_device(positions, torch.int64),
-            out_slots=self._to_device(out_slots, torch.int64),
-            query_start=self._to_device(query_start, torch.int32),
-            kv_lens=self._to_device(kv_lens, torch.int32),
-            page_table=self._to_device(page_table, torch.int32).view(len(page_table), max_pages),
-            logits_indices=self._to_device(logits_indices, torch.int64),
-            temperatures=self._to_device(temperatures, torch.float32),
-            is_decode=scheduled.is_decode,
-            all_greedy=all(t == 0.0 for t in temperatures),
-            decode_splits=self._decode_splits(scheduled),
-        )
+            input_ids=graph_batch.input_ids, positions=graph_batch.positions, out_slots=graph_batch.out_slots,
+            query_start=graph_batch.query_start, kv_lens=graph_batch.kv_lens, page_table=graph_batch.page_table,
+            logits_indices=graph_batch.logits_indices[:n], temperatures=graph_batch.temperatures[:n],
+            is_decode=True, all_greedy=all(t == 0.0 for t in temperatures), decode_splits=DECODE_SPLITS,
+        )  # fmt: skip
+
+    def _build_eager(self, scheduled: ScheduledBatch) -> ForwardBatch:
+        """Any batch, packed at its own shape; page-table rows as wide as its longest sequence, zero-filled."""
+        page_size = self.kv.page_size
+        chunks = scheduled.chunks
+        num_samples = sum(1 for c in chunks if c.samples)
+        width = max(len(c.request.pages) for c in chunks)
+        layout = Layout(scheduled.num_tokens, len(chunks), num_samples, width)
+        views = self.staging.host_views(layout)
+        input_ids, positions, out_slots = views["input_ids"], views["positions"], views["out_slots"]
+        query_start, kv_lens, page_table = views["query_start"], views["kv_lens"], views["page_table"]
+        logits_indices, temperatures = views["logits_indices"], views["temperatures"]
+        query_start[0] = 0
+        t = s = 0
+        for row, chunk in enumerate(chunks):
+            request, start, end = chunk.request, chunk.start, chunk.end
+            pages = request.pages
+            n = end - start
+            input_ids[t : t + n] = request.token_ids[start:end]
+            if n == 1:
+                positions[t] = start
+                out_slots[t] = pages[start // page_size] * page_size + start % page_size
+            else:
+                span = np.arange(start, end, dtype=np.int64)
+                positions[t : t + n] = span
+                out_slots[t : t + n] = np.asarray(pages, dtype=np.int64)[span // page_size] * page_size + span % page_size
+            t += n
+            query_start[row + 1] = t
+            kv_lens[row] = end
+            page_table[row, : len(pages)] = pages
+            page_table[row, len(pages) :] = 0  # the reference paths gather whole rows
+            if chunk.samples:
+                logits_indices[s] = t - 1
+                temperatures[s] = request.params.temperature
+                s += 1
+        self.staging.upload(layout)
+        v = self.staging.device_views(layout)
+        return ForwardBatch(
+            input_ids=v["input_ids"], positions=v["positions"], out_slots=v["out_slots"],
+            query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
+            logits_indices=v["logits_indices"], temperatures=v["temperatures"], is_decode=scheduled.is_decode,
+            all_greedy=not temperatures.any(), decode_splits=self._decode_splits(scheduled),
+        )  # fmt: skip
+
+    def run_model(self, batch: ForwardBatch, graph_size: int = 0) -> torch.Tensor:
+        """float32 logits [S, vocab]: a replay of the graph of graph_size when non-zero, the eager forward otherwise."""
+        if graph_size:
+            return self.graphs.replay(graph_size)[: batch.logits_indices.shape[0]]
+        return self.model.forward(batch, self.kv)
+
+    def _read_back(self, tokens: torch.Tensor) -> list[int]:
+        """The step's one device-to-host transfer: a non-blocking copy into pinned memory, then a wait for it."""
+        if self._tokens_ready is None or tokens.shape[0] > self._tokens_host.shape[0]:
+            return tokens.tolist()
+        host = self._tokens_host[: tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        self._tokens_ready.record()
+        self._tokens_ready.synchronize()
+        return host.tolist()
 
     def _decode_splits(self, scheduled: ScheduledBatch) -> int:
         """A fixed split count (see DECODE_SPLITS) when the decode kernel runs; 1 on the reference path."""
@@ -110,8 +206,8 @@ class ModelRunner:
         """Runs one step; returns the sampled token of each sampling chunk, in order, and their logprobs if asked."""
         if not scheduled.chunks:
             return [], None
-        batch = self.build_batch(scheduled)
-        logits = self.model.forward(batch, self.kv)
+        batch, graph_size = self._build(scheduled)
+        logits = self.run_model(batch, graph_size)
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None
         requests = [c.request for c in scheduled.chunks if c.samples]
@@ -121,10 +217,10 @@ class ModelRunner:
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
         ops.sample(logits, self._sampling_batch(requests, batch.temperatures), tokens, generator=self.generator)
         if raw is None:
-            return tokens.tolist(), None
+            return self._read_back(tokens), None
         num_top = max(n for n in want_logprobs if n is not None)
         chosen, top_ids, top_logprobs = ops.compute_logprobs(raw, tokens, num_top)
-        token_list = tokens.tolist()
+        token_list = self._read_back(tokens)
         chosen, top_ids, top_logprobs = chosen.tolist(), top_ids.tolist(), top_logprobs.tolist()
         logprobs = [
             None if n is None else TokenLogprobs(token_list[i], chosen[i], list(zip(top_ids[i][:n], top_logprobs[i][:n])))

@@ -33,8 +33,9 @@ class Qwen3Model:
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        """Returns float32 logits [S, vocab] for batch.logits_indices."""
+    def forward(self, batch: ForwardBatch, kv: KVPool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns float32 logits [S, vocab] for batch.logits_indices, in logits_out when given (a CUDA graph's
+        persistent output, so that captured graphs do not each keep their own logits)."""
         cfg, w = self.cfg, self.weights
         num_tokens = batch.num_tokens
         eps = cfg.rms_norm_eps
@@ -71,4 +72,7 @@ class Qwen3Model:
         hidden = hidden[batch.logits_indices]
         residual = residual[batch.logits_indices]
         ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
-        return torch.nn.functional.linear(hidden, w.lm_head).float()
+        logits = torch.nn.functional.linear(hidden, w.lm_head)
+        if logits_out is None:
+            return logits.float()
+        return logits_out.copy_(logits)

@@ -1,0 +1,153 @@
+"""CUDA-graph decode: the model forward and LM head of a pure-decode step, captured once per padded batch size.
+
+A decode step of Qwen3-8B launches about 400 kernels; eager, the launches cost more CPU time than the GPU needs at
+small batches. Each captured graph reads its inputs from the staging buffer's device views for its padded size (see
+staging.py) and writes float32 logits into one persistent [max_bs, vocab] buffer, so a replay is: fill the host
+views, one upload, one launch. Padding rows have out_slots = -1 (their K/V are written nowhere) and kv_lens = 0
+(attention reads nothing and returns zeros); their logits are computed and ignored.
+
+A post-logits hook (logits view [size, vocab], size) runs inside the capture after the LM head: work that turns the
+logits into tokens on persistent buffers (the sampler) can join the graph that way.
+
+All graphs share one memory pool and are captured largest first, so the smaller ones reuse the largest one's
+activation memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from ..kvcache import KVPool
+from ..model import DECODE_SPLITS, ForwardBatch, Qwen3Model
+from ..ops._native import half_dtype_code, has_cuda_kernels
+from ..ops.attention import KERNEL_HEAD_DIM
+from .staging import BatchStaging, Layout
+
+log = logging.getLogger(__name__)
+
+PostLogits = Callable[[torch.Tensor, int], None]
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64 and every 16 beyond (padding costs little next to the weight reads), with
+    max_bs itself always included."""
+    sizes = {1, 2, 4, *range(8, 65, 8), *range(80, max_bs + 1, 16), max_bs}
+    return sorted(s for s in sizes if 1 <= s <= max_bs)
+
+
+def unsupported_reason(model: Qwen3Model) -> str | None:
+    """Why this model cannot be captured (every op of the decode step must be a kernel that never syncs), or None."""
+    if model.device.type != "cuda":
+        return "the model is not on a GPU"
+    if not has_cuda_kernels():
+        return "the CUDA kernels are not built or are disabled"
+    if half_dtype_code(model.dtype) is None:
+        return f"the decode kernel needs bfloat16 or float16, not {model.dtype}"
+    if model.cfg.head_dim != KERNEL_HEAD_DIM or model.decode_workspace is None:
+        return f"the decode kernel needs head_dim {KERNEL_HEAD_DIM}"
+    return None
+
+
+def fill_padding(views: dict, start: int, end: int) -> None:
+    """Rows [start, end) of a decode layout become padding: write no KV, read no KV."""
+    views["input_ids"][start:end] = 0
+    views["positions"][start:end] = 0
+    views["out_slots"][start:end] = -1
+    views["kv_lens"][start:end] = 0
+    views["temperatures"][start:end] = 0.0
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: Qwen3Model,
+        kv: KVPool,
+        staging: BatchStaging,
+        max_bs: int,
+        post_logits: PostLogits | None = None,
+    ):
+        self.model = model
+        self.kv = kv
+        self.staging = staging
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        self.post_logits = post_logits
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+
+    def layout(self, size: int) -> Layout:
+        """A decode layout: size tokens, sequences and sampling rows; page-table rows as wide as the longest sequence."""
+        return Layout(size, size, size, self.staging.max_width)
+
+    def padded_size(self, batch_size: int) -> int | None:
+        """The smallest captured size that holds batch_size sequences, or None (run eager)."""
+        i = bisect.bisect_left(self.sizes, batch_size)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def batch(self, size: int) -> ForwardBatch:
+        """The ForwardBatch a graph of this size reads: views of the staging buffer on the device."""
+        v = self.staging.device_views(self.layout(size))
+        return ForwardBatch(
+            input_ids=v["input_ids"], positions=v["positions"], out_slots=v["out_slots"],
+            query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
+            logits_indices=v["logits_indices"], temperatures=v["temperatures"], is_decode=True,
+            all_greedy=False, decode_splits=DECODE_SPLITS,
+        )  # fmt: skip
+
+    def _run(self, batch: ForwardBatch, size: int) -> None:
+        out = self.logits[:size]
+        self.model.forward(batch, self.kv, logits_out=out)
+        if self.post_logits is not None:
+            self.post_logits(out, size)
+
+    @torch.inference_mode()
+    def capture(self) -> "DecodeGraphs":
+        """Capture every size; measures the time and the device memory it takes (logits buffer, pool, graphs)."""
+        device = self.model.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        start = time.perf_counter()
+        self.logits = torch.empty(self.max_bs, self.model.cfg.vocab_size, dtype=torch.float32, device=device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        for size in reversed(self.sizes):
+            layout = self.layout(size)
+            views = self.staging.host_views(layout)
+            fill_padding(views, 0, size)  # a capture computes on padding only: no KV is written or read
+            views["logits_indices"][:] = range(size)
+            views["query_start"][:] = range(size + 1)
+            self.staging.upload(layout)
+            batch = self.batch(size)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self._run(batch, size)  # warm-up outside the capture: cuBLAS settles its kernels and workspace
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._run(batch, size)
+            torch.cuda.current_stream(device).wait_stream(stream)  # the next upload must not overtake the warm-up
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-ups' blocks in the general pool are not the graphs' memory
+        self.capture_seconds = time.perf_counter() - start
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        return self
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the graph of this padded size on the inputs already uploaded; returns logits [size, vocab]."""
+        self.graphs[size].replay()
+        return self.logits[:size]
+
+    def close(self) -> None:
+        """Release the graphs and their memory (the pool goes when no graph and no tensor of it is left)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits = None
