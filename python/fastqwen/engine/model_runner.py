@@ -112,11 +112,12 @@ class ModelRunner:
         query_start, kv_lens, page_table = views["query_start"], views["kv_lens"], views["page_table"]
         logits_indices, temperatures = views["logits_indices"], views["temperatures"]
         query_start[0] = 0
-        t = s = 0
+        t = s = max_query_len = 0
         for row, chunk in enumerate(chunks):
             request, start, end = chunk.request, chunk.start, chunk.end
             pages = request.pages
             n = end - start
+            max_query_len = max(max_query_len, n)
             input_ids[t : t + n] = request.token_ids[start:end]
             if n == 1:
                 positions[t] = start
@@ -141,6 +142,7 @@ class ModelRunner:
             query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
             logits_indices=v["logits_indices"], temperatures=v["temperatures"], is_decode=scheduled.is_decode,
             all_greedy=not temperatures.any(), decode_splits=self._decode_splits(scheduled),
+            max_query_len=max_query_len,
         )  # fmt: skip
 
     def run_model(self, batch: ForwardBatch, graph_size: int = 0) -> torch.Tensor:
