@@ -1,240 +1,352 @@
-// Paged decode attention: one block per (split, KV head, sequence) computes all G query heads that share the KV
-// head, so each K and V row is read from memory once. A half-warp owns one token at a time (16 lanes x 16-byte
-// packs = 128 dims), keeps an online softmax per head in fp32, and the block's eight half-warp states are merged
-// in shared memory at the end. Long sequences with few blocks are split into chunks whose partial results are
-// merged by log-sum-exp in a second small kernel.
+// Paged decode attention: one query token per sequence, on tensor cores.
+//
+// The G query heads that share a KV head form the first G rows of one m16 tile, so each K and V row is read from
+// memory once for all of them. Each sequence is cut into chunks whose length depends only on the sequence's own
+// length (not on the batch: a request's result must not depend on what runs beside it), planned once per step by
+// a small kernel into per-sequence split offsets in device memory. A persistent grid walks the (chunk, KV head)
+// work items. A block streams its chunk's K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop
+// is bound by memory, so the point is many bytes in flight); its four warps take 16 tokens of each tile each, keep
+// their own online softmax, and merge in shared memory at the end. Chunks of a split sequence are merged by
+// log-sum-exp in a second kernel.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
-#include "activation.h"
 #include "attention.h"
 #include "common.cuh"
 #include "cuda_check.h"
+#include "mma.cuh"
 
 namespace fastqwen {
 namespace {
+using namespace mma;
 
-constexpr int kD = 128;
 constexpr int kWarps = 4;
-constexpr int kStates = kWarps * 2;  // half-warps per block
+constexpr int kThreads = kWarps * 32;
+constexpr int kTile = 64;  // tokens per pipeline stage, 16 per warp
+constexpr int kStages = 3;
+constexpr int kChunks = kD / 8;
+constexpr int kMinChunk = 256;  // tokens; shorter sequences are not split
+constexpr int kStageElems = 2 * kTile * kD;  // K and V of one stage
+constexpr size_t kSmemBytes = (kStages * kStageElems + 16 * kD) * 2;  // stages + the 16-row Q tile
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kF16 = 1, kBF16 = 2;
 
-// At most 128 registers per thread up to 4 query heads per KV head, so that four blocks (16 warps) fit on an SM:
-// with 2 blocks (at 254 registers) the SM sat idle waiting on loads (ncu on H200: 12.5% occupancy, 28% of DRAM
-// bandwidth).
-template <typename T, int G>
-__global__ void __launch_bounds__(kWarps * 32, G <= 4 ? 4 : 2)
-    decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                  const int* __restrict__ page_table, const int* __restrict__ kv_lens, T* __restrict__ out,
-                  float* __restrict__ part_out, float* __restrict__ part_lse, int num_kv_heads, int page_shift,
-                  int max_pages, int64_t num_pages, int num_splits, float scale_log2) {
-  using P = Pack<T, 8>;
-  // Tokens per half-warp per iteration, their loads issued together: the loop is bound by memory latency, so this
-  // sets the bytes in flight. Fewer for large head groups, whose per-head state already takes many registers.
-  constexpr int kUnroll = G <= 2 ? 4 : 2;
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int num_heads = num_kv_heads * G;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int sub = lane & 15;   // which 8 dims of the head this lane holds
-  const int half = lane >> 4;  // which token of the warp's pair
-  const int state = warp * 2 + half;
+// The chunk length of a sequence of len tokens: a multiple of the tile, at least kMinChunk, and at most
+// kDecodeMaxSplits chunks in all.
+__device__ __forceinline__ int chunk_len(int len) {
+  const int want = max(kMinChunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
+  return (want + kTile - 1) / kTile * kTile;
+}
 
-  const int len = max(kv_lens[b], 0);
-  const int chunk = (len + num_splits - 1) / num_splits;
-  const int start = split * chunk;
-  const int end = min(len, start + chunk);
-
-  float qf[G][8];
+// split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks. One block.
+__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch) {
+  __shared__ int warp_sums[32];
+  __shared__ int carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int base = 0; base < batch; base += blockDim.x) {
+    const int b = base + threadIdx.x;
+    const int len = b < batch ? max(kv_lens[b], 0) : 0;
+    const int n = b < batch ? max(1, (len + chunk_len(len) - 1) / chunk_len(len)) : 0;
+    int incl = n;  // inclusive scan over the block
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const P qp = reinterpret_cast<const P*>(q + (static_cast<int64_t>(b) * num_heads + kvh * G + g) * kD)[sub];
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      const int num_warps = blockDim.x >> 5;
+      int w = lane < num_warps ? warp_sums[lane] : 0;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) qf[g][k] = Cvt<T>::to_f(qp.v[k]) * scale_log2;  // scores in log2 units
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += v;
+      }
+      if (lane < num_warps) warp_sums[lane] = w;  // inclusive over warps
+    }
+    __syncthreads();
+    const int before = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - n;
+    if (b < batch) split_offsets[b] = before;
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) carry = before + n;
+    __syncthreads();
   }
-  float m[G], l[G], acc[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[g][k] = 0.0f;
-  }
+  if (threadIdx.x == 0) split_offsets[batch] = carry;
+}
 
-  const int* pages = page_table + static_cast<int64_t>(b) * max_pages;
-  const int page_mask = (1 << page_shift) - 1;
-  // The loop is uniform over the warp (both halves run the same iterations): the shuffles below need every lane.
-  for (int t0 = start + warp * 2; t0 < end; t0 += kStates * kUnroll) {
-    P kp[kUnroll], vp[kUnroll];
-    bool valid[kUnroll];
+struct Params {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int* page_table;
+  const int* kv_lens;
+  const int* split_offsets;
+  void* out;
+  float* part_out;
+  float* part_lse;
+  int batch, num_heads, num_kv_heads, group, page_shift, max_pages;
+  int64_t num_pages;
+  float scale_log2;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // 16 rows; rows >= G are zero
+  T* sKV = sQ + 16 * kD;
+  const T* q = static_cast<const T*>(p.q);
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int G = p.group;
+  const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
+  const int page_mask = (1 << p.page_shift) - 1;
+
+  for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
+    const int chunk_index = item / p.num_kv_heads, kvh = item % p.num_kv_heads;
+    int lo = 0, hi = p.batch - 1;  // the sequence: last b with split_offsets[b] <= chunk_index
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (p.split_offsets[mid] <= chunk_index) lo = mid; else hi = mid - 1;
+    }
+    const int b = lo;
+    const int split = chunk_index - p.split_offsets[b];
+    const int num_splits = p.split_offsets[b + 1] - p.split_offsets[b];
+    const int len = max(p.kv_lens[b], 0);
+    const int clen = chunk_len(len);
+    const int start = split * clen, end = min(len, start + clen);
+    const int n_tiles = (max(end - start, 0) + kTile - 1) / kTile;
+    const int* pages = p.page_table + static_cast<int64_t>(b) * p.max_pages;
+
+    // Q rows: G heads of 16 chunks; the rest of the 16-row tile zero.
+    for (int c = tid; c < 16 * kChunks; c += kThreads) {
+      const int row = c / kChunks, chunk = c % kChunks;
+      const bool valid = row < G;
+      const T* src = valid ? q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + row) * kD + chunk * 8 : q;
+      cp_async16(sQ + swz(row, chunk), src, valid);
+    }
+    auto load_tile = [&](int t) {
+      T* dk = sKV + (t % kStages) * kStageElems;
+      T* dv = dk + kTile * kD;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = t0 + half + u * kStates;
-      valid[u] = t < end;
-      kp[u] = P{};  // an invalid token's score is computed and then ignored: keep it finite
-      vp[u] = P{};
-      if (valid[u]) {
-        const int64_t page = pages[t >> page_shift];
-        const int64_t row = ((page << page_shift) + (t & page_mask)) * num_kv_heads + kvh;
-        if (page >= 0 && page < num_pages) {
-          kp[u] = reinterpret_cast<const P*>(k_cache + row * kD)[sub];
-          vp[u] = reinterpret_cast<const P*>(v_cache + row * kD)[sub];
-        } else {
-          valid[u] = false;  // a corrupt page id never reads out of bounds
+      for (int i = 0; i < kTile * kChunks / kThreads; ++i) {
+        const int c = tid + i * kThreads;
+        const int key = c / kChunks, chunk = c % kChunks;
+        const int pos = start + t * kTile + key;
+        int page = -1;
+        if (pos < end && (pos >> p.page_shift) < p.max_pages) page = pages[pos >> p.page_shift];
+        const bool valid = page >= 0 && page < p.num_pages;
+        int64_t offset = 0;
+        if (valid) {
+          const int64_t slot = (static_cast<int64_t>(page) << p.page_shift) + (pos & page_mask);
+          offset = (slot * p.num_kv_heads + kvh) * kD + chunk * 8;
+        }
+        cp_async16(dk + swz(key, chunk), k_cache + offset, valid);
+        cp_async16(dv + swz(key, chunk), v_cache + offset, valid);
+      }
+    };
+    // Prologue: Q with tile 0, then tiles 1 .. kStages - 2, one commit group each.
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) {
+      if (t < n_tiles) load_tile(t);
+      cp_async_commit();
+    }
+
+    float o[16][4];
+#pragma unroll
+    for (int d = 0; d < 16; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d][e] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    unsigned qa[kD / 16][4];
+
+    for (int t = 0; t < n_tiles; ++t) {
+      cp_async_wait<kStages - 2>();  // tile t (and Q) landed for this thread
+      __syncthreads();               // ... for every thread; and every warp is done with tile t - 1's buffer
+      if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
+      cp_async_commit();
+      if (t == 0) {
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) ldsm_x4(qa[kk], sQ + swz(lane & 15, kk * 2 + (lane >> 4)));
+      }
+      const T* tk = sKV + (t % kStages) * kStageElems + warp * 16 * kD;  // this warp's 16 keys
+      const T* tv = tk + kTile * kD;
+      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        unsigned bk[4];
+        ldsm_x4(bk, tk + swz((lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+        Mma<T>::run(s[0], qa[kk], bk[0], bk[1]);
+        Mma<T>::run(s[1], qa[kk], bk[2], bk[3]);
+      }
+      const int key0 = start + t * kTile + warp * 16;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = s[ni][h * 2 + e] * p.scale_log2;
+            if (key0 + ni * 8 + (lane & 3) * 2 + e >= end) x = -INFINITY;
+            s[ni][h * 2 + e] = x;
+            mx = fmaxf(mx, x);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[h], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = fast_exp2(m_run[h] - m_use);
+        m_run[h] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(s[ni][h * 2 + e] - m_use);
+            s[ni][h * 2 + e] = pv;
+            sum += pv;
+          }
+        }
+        l_run[h] = l_run[h] * alpha + sum;
+#pragma unroll
+        for (int d = 0; d < 16; ++d) {
+          o[d][h * 2] *= alpha;
+          o[d][h * 2 + 1] *= alpha;
+        }
+      }
+      unsigned pa[4] = {Mma<T>::pack(s[0][0], s[0][1]), Mma<T>::pack(s[0][2], s[0][3]),
+                        Mma<T>::pack(s[1][0], s[1][1]), Mma<T>::pack(s[1][2], s[1][3])};
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        unsigned bv[4];
+        ldsm_x4_trans(bv, tv + swz((lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
+        Mma<T>::run(o[2 * dp], pa, bv[0], bv[1]);
+        Mma<T>::run(o[2 * dp + 1], pa, bv[2], bv[3]);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the pipeline buffers are free: reuse them to merge the four warps
+
+    // Per warp and row: the running max and sum (quad-reduced), and the unnormalized output of rows < G.
+    float* sm_m = reinterpret_cast<float*>(sKV);  // [kWarps][16]
+    float* sm_l = sm_m + kWarps * 16;              // [kWarps][16]
+    float* sm_o = sm_l + kWarps * 16;              // [kWarps][8][kD]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = (lane >> 2) + h * 8;
+      if ((lane & 3) == 0) {
+        sm_m[warp * 16 + row] = m_run[h];
+        sm_l[warp * 16 + row] = l;
+      }
+      if (row < G) {
+#pragma unroll
+        for (int d = 0; d < 16; ++d) {
+          sm_o[(warp * 8 + row) * kD + d * 8 + (lane & 3) * 2] = o[d][h * 2];
+          sm_o[(warp * 8 + row) * kD + d * 8 + (lane & 3) * 2 + 1] = o[d][h * 2 + 1];
         }
       }
     }
-    // Scores of the whole tile first (independent, so their shuffles and FMAs overlap), then one rescale per head
-    // for the tile instead of one per token.
-    float score[kUnroll][G];
+    __syncthreads();
+    for (int i = tid; i < G * kD; i += kThreads) {
+      const int row = i / kD, d = i % kD;
+      float m_all = -INFINITY;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float kf[8];
+      for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, sm_m[w * 16 + row]);
+      float l_all = 0.0f, acc = 0.0f;
+      if (m_all != -INFINITY) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) kf[k] = Cvt<T>::to_f(kp[u].v[k]);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) s += qf[g][k] * kf[k];
-        score[u][g] = s;
+        for (int w = 0; w < kWarps; ++w) {
+          const float scale = fast_exp2(sm_m[w * 16 + row] - m_all);
+          l_all += sm_l[w * 16 + row] * scale;
+          acc += sm_o[(w * 8 + row) * kD + d] * scale;
+        }
+      }
+      const float result = l_all > 0.0f ? acc / l_all : 0.0f;
+      const int64_t head_row = static_cast<int64_t>(b) * p.num_heads + kvh * G + row;
+      if (num_splits == 1) {
+        static_cast<T*>(p.out)[head_row * kD + d] = Cvt<T>::from_f(result);
+      } else {
+        const int64_t part = static_cast<int64_t>(chunk_index) * p.num_heads + kvh * G + row;
+        p.part_out[part * kD + d] = result;
+        if (d == 0) p.part_lse[part] = l_all > 0.0f ? m_all + log2f(l_all) : -INFINITY;  // log2 units
       }
     }
-#pragma unroll
-    for (int offset = 8; offset > 0; offset >>= 1) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) score[u][g] += __shfl_xor_sync(0xffffffffu, score[u][g], offset);
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float m_tile = m[g];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) m_tile = valid[u] ? fmaxf(m_tile, score[u][g]) : m_tile;
-      if (m_tile == -INFINITY) continue;  // nothing valid yet (uniform over the half-warp)
-      const float corr = exp2f(m[g] - m_tile);
-      l[g] *= corr;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) acc[g][k] *= corr;
-      m[g] = m_tile;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (!valid[u]) continue;
-      float vf[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) vf[k] = Cvt<T>::to_f(vp[u].v[k]);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float p = exp2f(score[u][g] - m[g]);
-        l[g] += p;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[g][k] += p * vf[k];
-      }
-    }
-  }
-
-  // Merge the block's half-warp states, one (head, dim) per thread at a time.
-  __shared__ float sm_m[kStates][G], sm_l[kStates][G];
-  __shared__ float sm_acc[kStates][G][kD];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (sub == 0) {
-      sm_m[state][g] = m[g];
-      sm_l[state][g] = l[g];
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) sm_acc[state][g][sub * 8 + k] = acc[g][k];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * kD; i += blockDim.x) {
-    const int g = i / kD, d = i % kD;
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < kStates; ++s) m_all = fmaxf(m_all, sm_m[s][g]);
-    float l_all = 0.0f, o = 0.0f;
-    if (m_all != -INFINITY) {
-#pragma unroll
-      for (int s = 0; s < kStates; ++s) {
-        const float w = exp2f(sm_m[s][g] - m_all);
-        l_all += sm_l[s][g] * w;
-        o += sm_acc[s][g][d] * w;
-      }
-    }
-    const int h = kvh * G + g;
-    const float result = l_all > 0.0f ? o / l_all : 0.0f;
-    if (num_splits == 1) {
-      out[(static_cast<int64_t>(b) * num_heads + h) * kD + d] = Cvt<T>::from_f(result);
-    } else {
-      const int64_t part = (static_cast<int64_t>(b) * num_heads + h) * num_splits + split;
-      part_out[part * kD + d] = result;
-      if (d == 0) part_lse[part] = l_all > 0.0f ? m_all + log2f(l_all) : -INFINITY;  // log2 units
-    }
+    __syncthreads();  // shared memory is reused by the next item
   }
 }
 
-// out[b, h] = sum over splits of part_out weighted by 2^(lse - max lse), normalized.
+// out[b, h] = the chunks' outputs weighted by 2^(lse - max lse), normalized; single-chunk sequences were written
+// directly by the decode kernel.
 template <typename T>
 __global__ void merge_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                             T* __restrict__ out, int num_splits) {
-  const int64_t bh = blockIdx.x;  // b * H + h
+                             const int* __restrict__ split_offsets, T* __restrict__ out, int num_heads) {
+  const int b = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
+  const int first = split_offsets[b], n = split_offsets[b + 1] - first;
+  if (n <= 1) return;
   const int d = threadIdx.x;
   float m_all = -INFINITY;
-  for (int s = 0; s < num_splits; ++s) m_all = fmaxf(m_all, part_lse[bh * num_splits + s]);
+  for (int s = 0; s < n; ++s) m_all = fmaxf(m_all, part_lse[static_cast<int64_t>(first + s) * num_heads + h]);
   float w_sum = 0.0f, o = 0.0f;
   if (m_all != -INFINITY) {
-    for (int s = 0; s < num_splits; ++s) {
-      const float w = exp2f(part_lse[bh * num_splits + s] - m_all);
+    for (int s = 0; s < n; ++s) {
+      const int64_t part = static_cast<int64_t>(first + s) * num_heads + h;
+      const float w = exp2f(part_lse[part] - m_all);
       w_sum += w;
-      o += w * part_out[(bh * num_splits + s) * kD + d];
+      o += w * part_out[part * kD + d];
     }
   }
-  out[bh * kD + d] = Cvt<T>::from_f(w_sum > 0.0f ? o / w_sum : 0.0f);
-}
-
-template <typename T, int G>
-void launch(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t pt, uintptr_t lens, uintptr_t out, uintptr_t part_out,
-            uintptr_t part_lse, int64_t batch, int64_t kv_heads, int page_shift, int64_t max_pages, int64_t num_pages,
-            int64_t splits, float scale_log2, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch));
-  decode_kernel<T, G><<<grid, kWarps * 32, 0, stream>>>(
-      reinterpret_cast<const T*>(q), reinterpret_cast<const T*>(k), reinterpret_cast<const T*>(v),
-      reinterpret_cast<const int*>(pt), reinterpret_cast<const int*>(lens), reinterpret_cast<T*>(out),
-      reinterpret_cast<float*>(part_out), reinterpret_cast<float*>(part_lse), static_cast<int>(kv_heads), page_shift,
-      static_cast<int>(max_pages), num_pages, static_cast<int>(splits), scale_log2);
-  cuda_check_launch("paged_attention_decode kernel launch");
-  if (splits > 1) {
-    merge_kernel<T><<<static_cast<unsigned>(batch * kv_heads * G), kD, 0, stream>>>(
-        reinterpret_cast<const float*>(part_out), reinterpret_cast<const float*>(part_lse), reinterpret_cast<T*>(out),
-        static_cast<int>(splits));
-    cuda_check_launch("paged_attention_decode merge launch");
-  }
+  out[static_cast<int64_t>(blockIdx.x) * kD + d] = Cvt<T>::from_f(w_sum > 0.0f ? o / w_sum : 0.0f);
 }
 
 template <typename T>
-void dispatch_group(int64_t group, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t pt, uintptr_t lens, uintptr_t out,
-                    uintptr_t po, uintptr_t pl, int64_t batch, int64_t kv_heads, int shift, int64_t max_pages,
-                    int64_t num_pages, int64_t splits, float sl, cudaStream_t s) {
-  switch (group) {
-    case 1: launch<T, 1>(q, k, v, pt, lens, out, po, pl, batch, kv_heads, shift, max_pages, num_pages, splits, sl, s); break;
-    case 2: launch<T, 2>(q, k, v, pt, lens, out, po, pl, batch, kv_heads, shift, max_pages, num_pages, splits, sl, s); break;
-    case 3: launch<T, 3>(q, k, v, pt, lens, out, po, pl, batch, kv_heads, shift, max_pages, num_pages, splits, sl, s); break;
-    case 4: launch<T, 4>(q, k, v, pt, lens, out, po, pl, batch, kv_heads, shift, max_pages, num_pages, splits, sl, s); break;
-    case 5: launch<T, 5>(q, k, v, pt, lens, out, po, pl, batch, kv_heads, shift, max_pages, num_pages, splits, sl, s); break;
-    case 6: launch<T, 6>(q, k, v, pt, lens, out, po, pl, batch, kv_heads, shift, max_pages, num_pages, splits, sl, s); break;
-    case 7: launch<T, 7>(q, k, v, pt, lens, out, po, pl, batch, kv_heads, shift, max_pages, num_pages, splits, sl, s); break;
-    default: launch<T, 8>(q, k, v, pt, lens, out, po, pl, batch, kv_heads, shift, max_pages, num_pages, splits, sl, s); break;
+void launch(const Params& p, cudaStream_t stream) {
+  // Persistent grid: as many blocks as fit on the GPU at once, found once per kernel.
+  static int grid = 0;
+  if (grid == 0) {
+    cuda_check(cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kSmemBytes)),
+               "paged_attention_decode: cudaFuncSetAttribute");
+    int device = 0, sms = 0, per_sm = 0;
+    cuda_check(cudaGetDevice(&device), "paged_attention_decode: cudaGetDevice");
+    cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+               "paged_attention_decode: cudaDeviceGetAttribute");
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<T>, kThreads, kSmemBytes),
+               "paged_attention_decode: occupancy");
+    grid = std::max(1, sms * per_sm);
   }
+  decode_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  cuda_check_launch("paged_attention_decode kernel launch");
+  merge_kernel<T><<<static_cast<unsigned>(p.batch * p.num_heads), kD, 0, stream>>>(
+      p.part_out, p.part_lse, p.split_offsets, static_cast<T*>(p.out), p.num_heads);
+  cuda_check_launch("paged_attention_decode merge launch");
 }
 
 }  // namespace
 
+void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, uintptr_t stream) {
+  if (batch < 0 || batch > (int64_t{1} << 20)) throw std::invalid_argument("paged_attention_decode_plan: bad batch");
+  if (kv_lens == 0 || split_offsets == 0 || kv_lens % 4 != 0 || split_offsets % 4 != 0) {
+    throw std::invalid_argument("paged_attention_decode_plan: kv_lens and split_offsets must be int32 buffers");
+  }
+  plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch));
+  cuda_check_launch("paged_attention_decode_plan launch");
+}
+
 void paged_attention_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t page_table,
-                            uintptr_t kv_lens, uintptr_t out, uintptr_t part_out, uintptr_t part_lse,
-                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t page_size, int64_t max_pages, int64_t num_pages, int64_t num_splits, double scale,
-                            int dtype, uintptr_t stream) {
+                            uintptr_t kv_lens, uintptr_t split_offsets, uintptr_t out, uintptr_t part_out,
+                            uintptr_t part_lse, int64_t workspace_rows, int64_t batch, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_pages,
+                            int64_t num_pages, double scale, int dtype, uintptr_t stream) {
   const std::string op = "paged_attention_decode: ";
   if (head_dim != kD) throw std::invalid_argument(op + "head_dim must be 128, got " + std::to_string(head_dim));
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 8) {
@@ -243,29 +355,34 @@ void paged_attention_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, u
   if (page_size < 1 || (page_size & (page_size - 1)) != 0 || page_size > 1024) {
     throw std::invalid_argument(op + "page_size must be a power of two up to 1024");
   }
-  if (batch < 0 || batch > 65535 || num_kv_heads > 65535) throw std::invalid_argument(op + "batch or heads out of range");
-  if (num_splits < 1 || num_splits > 1024) throw std::invalid_argument(op + "num_splits must be in [1, 1024]");
+  if (batch < 0 || batch > (int64_t{1} << 20) || num_heads > 1024) throw std::invalid_argument(op + "batch or heads out of range");
   if (max_pages < 1 || num_pages < 1) throw std::invalid_argument(op + "max_pages and num_pages must be >= 1");
   if (dtype != kF16 && dtype != kBF16) throw std::invalid_argument(op + "dtype must be float16 or bfloat16");
+  if (workspace_rows < batch * num_heads * kDecodeMaxSplits) {
+    throw std::invalid_argument(op + "the workspace needs batch * num_heads * " + std::to_string(kDecodeMaxSplits) +
+                                " rows");
+  }
   if (batch == 0) return;
-  for (uintptr_t p : {q, k_cache, v_cache, out}) {
-    if (p == 0 || !aligned16(p)) throw std::invalid_argument(op + "q, caches and out must be 16-byte aligned");
+  for (uintptr_t ptr : {q, k_cache, v_cache, out, part_out}) {
+    if (ptr == 0 || !aligned16(ptr)) throw std::invalid_argument(op + "q, caches, out and workspace must be 16-byte aligned");
   }
-  if (page_table == 0 || kv_lens == 0 || page_table % 4 != 0 || kv_lens % 4 != 0) {
-    throw std::invalid_argument(op + "page_table and kv_lens must be int32 buffers");
+  for (uintptr_t ptr : {page_table, kv_lens, split_offsets, part_lse}) {
+    if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "page_table, kv_lens and split_offsets must be int32");
   }
-  if (num_splits > 1 && (part_out == 0 || part_lse == 0)) throw std::invalid_argument(op + "splitting needs a workspace");
   int shift = 0;
   while ((int64_t{1} << shift) < page_size) ++shift;
-  const float scale_log2 = static_cast<float>(scale) * kLog2e;
+  Params p{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_cache),
+           reinterpret_cast<const void*>(v_cache), reinterpret_cast<const int*>(page_table),
+           reinterpret_cast<const int*>(kv_lens), reinterpret_cast<const int*>(split_offsets),
+           reinterpret_cast<void*>(out), reinterpret_cast<float*>(part_out), reinterpret_cast<float*>(part_lse),
+           static_cast<int>(batch), static_cast<int>(num_heads), static_cast<int>(num_kv_heads),
+           static_cast<int>(num_heads / num_kv_heads), shift, static_cast<int>(max_pages), num_pages,
+           static_cast<float>(scale) * kLog2e};
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  const int64_t group = num_heads / num_kv_heads;
   if (dtype == kF16) {
-    dispatch_group<__half>(group, q, k_cache, v_cache, page_table, kv_lens, out, part_out, part_lse, batch,
-                           num_kv_heads, shift, max_pages, num_pages, num_splits, scale_log2, s);
+    launch<__half>(p, s);
   } else {
-    dispatch_group<__nv_bfloat16>(group, q, k_cache, v_cache, page_table, kv_lens, out, part_out, part_lse, batch,
-                                  num_kv_heads, shift, max_pages, num_pages, num_splits, scale_log2, s);
+    launch<__nv_bfloat16>(p, s);
   }
 }
 

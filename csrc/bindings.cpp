@@ -13,6 +13,7 @@
 #include "attention.h"
 #include "norm.h"
 #include "rope_kv.h"
+#include "sampling.h"
 #endif
 
 namespace py = pybind11;
@@ -109,23 +110,34 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("max_pos"), py::arg("num_slots"),
       py::arg("eps"), py::arg("dtype"), py::arg("stream"),
       "Per-head RMSNorm of q and k, NeoX RoPE, q to q_out, k and v to their cache slots (-1 = skip).");
+  m.attr("DECODE_MAX_SPLITS") = fastqwen::kDecodeMaxSplits;
+  m.def(
+      "paged_attention_decode_plan",
+      [](const py::int_& kv_lens, const py::int_& split_offsets, int64_t batch, const py::int_& stream) {
+        fastqwen::paged_attention_decode_plan(to_uintptr(kv_lens, "kv_lens"), to_uintptr(split_offsets, "split_offsets"),
+                                              batch, to_uintptr(stream, "stream"));
+      },
+      py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("stream"),
+      "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def(
       "paged_attention_decode",
       [](const py::int_& q, const py::int_& k_cache, const py::int_& v_cache, const py::int_& page_table,
-         const py::int_& kv_lens, const py::int_& out, const py::int_& part_out, const py::int_& part_lse,
-         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t page_size,
-         int64_t max_pages, int64_t num_pages, int64_t num_splits, double scale, int dtype, const py::int_& stream) {
+         const py::int_& kv_lens, const py::int_& split_offsets, const py::int_& out, const py::int_& part_out,
+         const py::int_& part_lse, int64_t workspace_rows, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+         int64_t head_dim, int64_t page_size, int64_t max_pages, int64_t num_pages, double scale, int dtype,
+         const py::int_& stream) {
         fastqwen::paged_attention_decode(
             to_uintptr(q, "q"), to_uintptr(k_cache, "k_cache"), to_uintptr(v_cache, "v_cache"),
-            to_uintptr(page_table, "page_table"), to_uintptr(kv_lens, "kv_lens"), to_uintptr(out, "out"),
-            to_uintptr(part_out, "part_out"), to_uintptr(part_lse, "part_lse"), batch, num_heads, num_kv_heads,
-            head_dim, page_size, max_pages, num_pages, num_splits, scale, dtype, to_uintptr(stream, "stream"));
+            to_uintptr(page_table, "page_table"), to_uintptr(kv_lens, "kv_lens"),
+            to_uintptr(split_offsets, "split_offsets"), to_uintptr(out, "out"), to_uintptr(part_out, "part_out"),
+            to_uintptr(part_lse, "part_lse"), workspace_rows, batch, num_heads, num_kv_heads, head_dim, page_size,
+            max_pages, num_pages, scale, dtype, to_uintptr(stream, "stream"));
       },
-      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("kv_lens"), py::arg("out"),
-      py::arg("part_out"), py::arg("part_lse"), py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"),
-      py::arg("head_dim"), py::arg("page_size"), py::arg("max_pages"), py::arg("num_pages"), py::arg("num_splits"),
-      py::arg("scale"), py::arg("dtype"), py::arg("stream"),
-      "Decode attention of one query token per sequence over its pages (split-KV when num_splits > 1).");
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("kv_lens"),
+      py::arg("split_offsets"), py::arg("out"), py::arg("part_out"), py::arg("part_lse"), py::arg("workspace_rows"),
+      py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("page_size"),
+      py::arg("max_pages"), py::arg("num_pages"), py::arg("scale"), py::arg("dtype"), py::arg("stream"),
+      "Decode attention of one query token per sequence over its pages, split as paged_attention_decode_plan said.");
   m.def(
       "paged_attention_prefill",
       [](const py::int_& q, const py::int_& k_cache, const py::int_& v_cache, const py::int_& query_start,
@@ -143,5 +155,25 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("page_size"), py::arg("max_pages"), py::arg("num_pages"),
       py::arg("scale"), py::arg("dtype"), py::arg("stream"),
       "Causal attention of several query tokens per sequence (varlen) over its pages, on tensor cores.");
+  m.def(
+      "sampler_workspace_bytes", &fastqwen::sampler_workspace_bytes, py::arg("max_rows"), py::arg("vocab"),
+      "Bytes of scratch memory sample() needs for up to max_rows rows.");
+  m.def(
+      "sample",
+      [](const py::int_& logits, int dtype, int64_t rows, int64_t vocab, const py::int_& params,
+         const py::int_& tokens, const py::int_& logprobs, const py::int_& top_ids, const py::int_& top_logprobs,
+         int64_t top_width, const py::int_& counts, int64_t counts_rows, const py::int_& blocked,
+         int64_t blocked_width, const py::int_& workspace, int64_t workspace_bytes, const py::int_& stream) {
+        fastqwen::sample(to_uintptr(logits, "logits"), dtype, rows, vocab, to_uintptr(params, "params"),
+                         to_uintptr(tokens, "tokens"), to_uintptr(logprobs, "logprobs"),
+                         to_uintptr(top_ids, "top_ids"), to_uintptr(top_logprobs, "top_logprobs"), top_width,
+                         to_uintptr(counts, "counts"), counts_rows, to_uintptr(blocked, "blocked"), blocked_width,
+                         to_uintptr(workspace, "workspace"), workspace_bytes, to_uintptr(stream, "stream"));
+      },
+      py::arg("logits"), py::arg("dtype"), py::arg("rows"), py::arg("vocab"), py::arg("params"), py::arg("tokens"),
+      py::arg("logprobs"), py::arg("top_ids"), py::arg("top_logprobs"), py::arg("top_width"), py::arg("counts"),
+      py::arg("counts_rows"), py::arg("blocked"), py::arg("blocked_width"), py::arg("workspace"),
+      py::arg("workspace_bytes"), py::arg("stream"),
+      "One token per row with per-row penalties, temperature, top-k/top-p/min-p and seeds (csrc/sampling.h).");
 #endif
 }

@@ -11,9 +11,8 @@ from ..weights import Qwen3Weights
 from .forward_batch import ForwardBatch
 
 
-# Split-KV decode cuts every sequence into the same number of chunks whatever the batch: a sequence's attention
-# then does not depend on what else is in the batch, which keeps seeded sampling reproducible across batch
-# compositions (a batch-dependent split plan changed the fp32 summation order, and sometimes a sampled token).
+# Transitional: split-KV decode now plans its chunks on the device from each sequence's own length
+# (ops.plan_decode); ForwardBatch.decode_splits is no longer read.
 DECODE_SPLITS = 4
 
 
@@ -25,12 +24,10 @@ class Qwen3Model:
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim**-0.5
         self.cos_sin_cache = ops.rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, self.device)
-        # Split-KV decode scratch, allocated once (nothing is allocated inside a step), and the SM count it plans by.
+        # Split-KV decode scratch and plan, allocated once: nothing is allocated inside a step.
         self.decode_workspace = None
-        self.num_sms = 1
         if self.device.type == "cuda":
-            self.decode_workspace = ops.decode_workspace(max_batch * cfg.num_heads * DECODE_SPLITS, self.device)
-            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,6 +40,11 @@ class Qwen3Model:
         hidden = torch.empty_like(residual)
         q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         attn = torch.empty_like(q)
+        # Read back once per step, not once per layer, when the batch builder did not say.
+        max_query_len = batch.max_query_len or (None if batch.is_decode else int(batch.query_start.diff().max()))
+        decode_kernel = batch.is_decode and self.decode_workspace is not None
+        if decode_kernel:  # the split plan of this step, once for all layers, on the device
+            ops.plan_decode(batch.kv_lens, self.decode_workspace)
         for index, layer in enumerate(w.layers):
             if index == 0:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
@@ -57,11 +59,12 @@ class Qwen3Model:
             if batch.is_decode:
                 ops.paged_attention_decode(
                     q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn,
-                    batch.decode_splits, self.decode_workspace,
+                    self.decode_workspace, planned=decode_kernel,
                 )  # fmt: skip
             else:
                 ops.paged_attention_prefill(
-                    q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn
+                    q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
+                    max_query_len,
                 )
             hidden = torch.nn.functional.linear(attn.view(num_tokens, -1), layer.o_proj)
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)

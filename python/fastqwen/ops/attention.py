@@ -7,6 +7,8 @@ The references compute in float32 and round the output once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._native import check_tensors, half_dtype_code, has_cuda_kernels, native, stream_of
@@ -14,28 +16,42 @@ from ._native import check_tensors, half_dtype_code, has_cuda_kernels, native, s
 KERNEL_HEAD_DIM = 128
 
 
-def decode_workspace(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV scratch for paged_attention_decode: partial outputs [rows, 128] and log-sum-exps [rows], float32.
-    rows bounds batch * num_heads * num_splits."""
-    return (
-        torch.empty(rows, KERNEL_HEAD_DIM, dtype=torch.float32, device=device),
-        torch.empty(rows, dtype=torch.float32, device=device),
+# Mirrors kDecodeMaxSplits in csrc/attention.h: a sequence is cut into at most this many chunks.
+DECODE_MAX_SPLITS = 16
+
+
+@dataclass
+class DecodeWorkspace:
+    """Scratch of split-KV decode, allocated once: the plan (chunk offsets per sequence, written on the device by
+    plan_decode) and the chunks' partial outputs and log-sum-exps, for batches of up to max_batch sequences."""
+
+    split_offsets: torch.Tensor  # int32 [max_batch + 1]
+    part_out: torch.Tensor  # float32 [max_batch * num_heads * DECODE_MAX_SPLITS, 128]
+    part_lse: torch.Tensor  # float32 [max_batch * num_heads * DECODE_MAX_SPLITS]
+    max_batch: int
+    num_heads: int
+
+
+def decode_workspace(max_batch: int, num_heads: int, device: torch.device) -> DecodeWorkspace:
+    rows = max_batch * num_heads * DECODE_MAX_SPLITS
+    return DecodeWorkspace(
+        split_offsets=torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
+        part_out=torch.empty(rows, KERNEL_HEAD_DIM, dtype=torch.float32, device=device),
+        part_lse=torch.empty(rows, dtype=torch.float32, device=device),
+        max_batch=max_batch,
+        num_heads=num_heads,
     )
 
 
-def decode_num_splits(batch: int, num_heads: int, num_kv_heads: int, max_kv_len: int, num_sms: int, rows: int) -> int:
-    """The throughput-optimal number of chunks per sequence for one decode call (bench/kernels.py uses it; the
-    engine uses a fixed count instead, so that results do not depend on the batch).
-
-    A block walks its chunk one group of tokens at a time, each waiting on memory, so a block is latency-bound:
-    the GPU is fast only when every SM holds its four blocks. Sequences are split until there are that many
-    blocks, keeping chunks of at least 32 tokens and within the workspace.
-    """
-    blocks = batch * num_kv_heads
-    if blocks == 0:
-        return 1
-    splits = min(-(-4 * num_sms // blocks), -(-max_kv_len // 32), rows // max(1, batch * num_heads))
-    return max(1, splits)
+def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace) -> None:
+    """Once per step, before the layers: how each sequence is cut into chunks, from kv_lens on the device (no host
+    sync, so it can be captured in a CUDA graph). The cut depends only on each sequence's own length, which keeps a
+    request's attention independent of the batch it runs in."""
+    batch = kv_lens.shape[0]
+    if batch > workspace.max_batch:
+        raise ValueError(f"plan_decode: batch {batch} exceeds the workspace's {workspace.max_batch}")
+    check_tensors("plan_decode", workspace.split_offsets.device, torch.int32, kv_lens=kv_lens)
+    native().paged_attention_decode_plan(kv_lens.data_ptr(), workspace.split_offsets.data_ptr(), batch, stream_of(kv_lens))
 
 
 def _gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -53,19 +69,20 @@ def paged_attention_decode(
     kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
-    num_splits: int = 1,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    workspace: DecodeWorkspace | None = None,
+    planned: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; sequence b attends to its kv_lens[b] cached tokens.
 
     page_table and kv_lens are int32. On bf16 / fp16 CUDA tensors with head_dim 128 this is the kernel in
-    csrc/attention_decode.cu (num_splits > 1 needs a workspace from decode_workspace); otherwise the reference.
+    csrc/attention_decode.cu; it needs a workspace (one is made when none is given) whose plan is made here unless
+    planned=True says plan_decode already ran for these kv_lens this step. Otherwise the reference.
     """
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return out
     if q.is_cuda and has_cuda_kernels() and half_dtype_code(q.dtype) is not None and head_dim == KERNEL_HEAD_DIM:
-        _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, num_splits, workspace)
+        _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned)
         return out
     out.copy_(paged_attention_decode_reference(q, k_cache, v_cache, page_table, kv_lens, scale))
     return out
@@ -92,7 +109,7 @@ def paged_attention_decode_reference(
     return torch.einsum("bkgj,bjkd->bkgd", probs, values).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
-def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, num_splits, workspace) -> None:
+def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned) -> None:
     batch, num_heads, head_dim = q.shape
     if out.shape != q.shape:
         raise ValueError(f"paged_attention_decode: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
@@ -104,19 +121,22 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, num_spl
         "paged_attention_decode", q.device, q.dtype, q=q, k_cache=k_cache, v_cache=v_cache, out=out,
         page_table=(page_table, torch.int32), kv_lens=(kv_lens, torch.int32),
     )  # fmt: skip
-    part_out = part_lse = None
-    if num_splits > 1:
-        if workspace is None or workspace[0].shape[0] < batch * num_heads * num_splits:
-            raise ValueError(f"paged_attention_decode: {num_splits} splits need a workspace of "
-                             f"{batch * num_heads * num_splits} rows")  # fmt: skip
-        part_out, part_lse = workspace
-        check_tensors("paged_attention_decode", q.device, torch.float32, part_out=part_out, part_lse=part_lse)
+    if workspace is None:
+        workspace, planned = decode_workspace(batch, num_heads, q.device), False
+    if batch > workspace.max_batch or num_heads > workspace.num_heads:
+        raise ValueError(f"paged_attention_decode: the workspace holds {workspace.max_batch} sequences of "
+                         f"{workspace.num_heads} heads, not {batch} of {num_heads}")  # fmt: skip
+    check_tensors(
+        "paged_attention_decode", q.device, torch.float32, part_out=workspace.part_out, part_lse=workspace.part_lse,
+        split_offsets=(workspace.split_offsets, torch.int32),
+    )  # fmt: skip
+    if not planned:
+        plan_decode(kv_lens, workspace)
     native().paged_attention_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(),
-        out.data_ptr(), part_out.data_ptr() if part_out is not None else 0,
-        part_lse.data_ptr() if part_lse is not None else 0, batch, num_heads, k_cache.shape[2], head_dim,
-        k_cache.shape[1], page_table.shape[1], k_cache.shape[0], num_splits, scale, half_dtype_code(q.dtype),
-        stream_of(q),
+        workspace.split_offsets.data_ptr(), out.data_ptr(), workspace.part_out.data_ptr(),
+        workspace.part_lse.data_ptr(), workspace.part_lse.shape[0], batch, num_heads, k_cache.shape[2], head_dim,
+        k_cache.shape[1], page_table.shape[1], k_cache.shape[0], scale, half_dtype_code(q.dtype), stream_of(q),
     )  # fmt: skip
 
 
