@@ -12,7 +12,7 @@ namespace fastqwen {
 // device, and paged_attention_decode reads them, so the pair can be captured in a CUDA graph. Split sequences leave
 // per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
 // kDecodeMaxSplits, merged by a second kernel. dtype: 1 = fp16, 2 = bf16.
-constexpr int kDecodeMaxSplits = 16;
+constexpr int kDecodeMaxSplits = 32;
 
 void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, uintptr_t stream);
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fastqwen.ops import decode_workspace, paged_attention_decode, paged_attention_prefill, plan_decode
-from fastqwen.ops._native import has_cuda_kernels
-from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
+from fastqwen.ops._native import has_cuda_kernels, native
+from fastqwen.ops.attention import DECODE_MAX_SPLITS, paged_attention_decode_reference, paged_attention_prefill_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,8 +50,8 @@ def check(q, k_cache, v_cache, table, lens, workspace=None):
     return out
 
 
-# Lengths around the split thresholds: chunks are >= 256 tokens, multiples of the 64-token tile, at most 16 per
-# sequence (so 4096 and 16384 tokens split into 16 chunks of 256 and 1024).
+# Lengths around the split thresholds: chunks are >= 256 tokens, multiples of the 64-token tile, at most 32 per
+# sequence (so 4096 and 16384 tokens split into 16 chunks of 256 and 32 of 512).
 SPLIT_LENGTHS = [255, 256, 257, 511, 513, 1000, 4096, 4097, 5000]
 
 
@@ -93,8 +93,9 @@ def test_decode_shared_workspace_planned_once():
     paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, first, workspace, planned=True)
     second = check(q, k, v, table, kv_lens, workspace)
     assert torch.equal(first, second)
-    # 4000 tokens: 16 chunks of 256 (250 rounded up to the tile); 20: one; 9000: 16 chunks of 576.
-    assert workspace.split_offsets[:4].tolist() == [0, 16, 17, 33]
+    # 4000 tokens: 16 chunks of 256 (the minimum); 20: one; 9000: 29 chunks of 320 (282 rounded up to the tile).
+    assert workspace.split_offsets[:4].tolist() == [0, 16, 17, 46]
+    assert native().DECODE_MAX_SPLITS == DECODE_MAX_SPLITS
 
 
 def test_decode_bad_arguments():

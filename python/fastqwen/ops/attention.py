@@ -17,7 +17,7 @@ KERNEL_HEAD_DIM = 128
 
 
 # Mirrors kDecodeMaxSplits in csrc/attention.h: a sequence is cut into at most this many chunks.
-DECODE_MAX_SPLITS = 16
+DECODE_MAX_SPLITS = 32
 
 
 @dataclass
