@@ -1,0 +1,367 @@
+"""The CUDA sampler (csrc/sampling.cu) against the PyTorch references in fastqwen.ops.sampling, on fresh random
+logits: greedy rows equal argmax exactly; over many draws no token outside the reference's top-k / top-p / min-p set
+is ever drawn and the frequencies pass a chi-square test against the reference probabilities (float64); the same
+seed and step give the same token whatever the batch; edge cases; penalties, min_tokens blocking and logprobs
+against the references; bad arguments raise ValueError; the call can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from fastqwen.ops._native import has_cuda_kernels
+from fastqwen.ops.sampling import (
+    PROMPT_BIT,
+    apply_penalties,
+    block_tokens,
+    compute_logprobs,
+    pack_sampler_rows,
+    penalty_row,
+    sample_on_gpu,
+    sampler_workspace,
+    top_k_top_p_min_p_mask,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"),
+]
+
+QWEN_VOCAB = 151_936
+
+
+def run(logits, rows_cpu, counts=None, blocked=None, top_width=0):
+    s, vocab = logits.shape
+    dev = logits.device
+    ws = sampler_workspace(s, vocab, dev)
+    ws.fill_(0xAB)  # poisoned scratch: nothing may depend on its previous contents
+    tokens = torch.full((s,), -7, dtype=torch.int64, device=dev)
+    logprobs = torch.full((s,), float("nan"), device=dev)
+    top_ids = torch.full((s, top_width), -7, dtype=torch.int64, device=dev) if top_width else None
+    top_lp = torch.full((s, top_width), float("nan"), device=dev) if top_width else None
+    sample_on_gpu(logits, rows_cpu.to(dev), tokens, ws, logprobs, top_ids, top_lp, counts=counts, blocked=blocked)
+    torch.cuda.synchronize()
+    return tokens, logprobs, top_ids, top_lp
+
+
+def reference_mask(logits64: torch.Tensor, t: float, k: int, p: float, mp: float) -> torch.Tensor:
+    """The reference's kept set of one row (float32, as ops.sample computes it)."""
+    x = logits64.float()[None].cpu()
+    probs = torch.softmax(x / t, dim=-1)
+    return top_k_top_p_min_p_mask(probs, torch.tensor([k]), torch.tensor([p]), torch.tensor([mp]))[0]
+
+
+def boundary_margin(row: torch.Tensor, t: float, k: int, p: float, mp: float) -> float:
+    """How far (float64) the row's top-p and min-p decisions are from flipping: rounding must not matter."""
+    probs = torch.softmax(row.double().cpu() / t, dim=-1)
+    sp, _ = probs.sort(descending=True)
+    kk = k if 0 < k < sp.numel() else sp.numel()
+    margin = 1.0
+    if p < 1.0:
+        kept = sp[:kk] / sp[:kk].sum()
+        before = torch.cumsum(kept, 0) - kept
+        margin = min(margin, (before - p).abs().min().item())
+    if mp > 0:
+        margin = min(margin, ((sp / sp[0]) - mp).abs().min().item())
+    return margin
+
+
+def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> tuple[bool, float, float]:
+    """Pearson chi-square over tokens with expected count >= 5 (the rest pooled); threshold at z = 4.5 of the
+    Wilson-Hilferty approximation (a false failure below 1e-5)."""
+    expected = probs.double() * draws
+    big = expected >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = (((obs - exp) ** 2) / exp).sum().item()
+    df = max(1, obs.numel() - 1)
+    z = 4.5
+    limit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat <= limit, stat, limit
+
+
+def fresh_row(vocab, gen, scale, t, k, p, mp):
+    for _ in range(20):
+        row = torch.randn(vocab, generator=gen, device="cuda") * scale
+        if boundary_margin(row, t, k, p, mp) > 2e-4:
+            return row
+    raise AssertionError("no random row with a clear boundary")
+
+
+CASES = [
+    # vocab, logit scale, temperature, top_k, top_p, min_p
+    (QWEN_VOCAB, 3.0, 1.0, 20, 0.95, 0.0),  # the common case: decided from the 64 best
+    (QWEN_VOCAB, 3.0, 0.7, 0, 0.9, 0.0),  # nucleus of the full row
+    (QWEN_VOCAB, 1.0, 1.0, 200, 0.8, 0.0),  # top_k above 64 with top_p: exact selection over the row
+    (QWEN_VOCAB, 4.0, 1.0, 0, 1.0, 0.02),  # min-p alone
+    (QWEN_VOCAB, 4.0, 1.0, 1000, 1.0, 0.0),  # large top_k alone
+    (5000, 1.0, 1.0, 0, 1.0, 0.0),  # no filter: the race over every token
+    (5000, 2.0, 1.5, 64, 0.99, 0.01),  # all three at once
+    (300, 1.0, 1.0, 0, 0.3, 0.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_draws_stay_in_the_reference_set_and_match_its_distribution(case, dtype):
+    vocab, scale, t, k, p, mp = case
+    gen = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
+    row = fresh_row(vocab, gen, scale, t, k, p, mp).to(dtype)
+    if dtype == torch.bfloat16:  # rounding to bf16 can move a boundary: recheck on the values the kernel sees
+        assert boundary_margin(row.float(), t, k, p, mp) > 1e-5
+    row64 = row.double()
+    mask = reference_mask(row64, t, k, p, mp).cuda()
+    probs = torch.softmax(row64 / t, dim=-1) * mask
+    probs = probs / probs.sum()
+    draws, batch = 40_000, 4000 if vocab == QWEN_VOCAB else 10_000
+    hist = torch.zeros(vocab, dtype=torch.int64, device="cuda")
+    logits = row[None].expand(batch, vocab).contiguous()
+    for start in range(0, draws, batch):
+        rows = pack_sampler_rows([t] * batch, k, p, mp, seed=1234, step=list(range(start, start + batch)))
+        tokens, *_ = run(logits, rows)
+        assert ((tokens >= 0) & (tokens < vocab)).all()
+        hist += torch.bincount(tokens, minlength=vocab)
+    outside = hist[~mask].sum().item()
+    assert outside == 0, f"{outside} draws outside the reference's kept set"
+    ok, stat, limit = chi_square_ok(hist.cpu(), probs.cpu(), draws)
+    assert ok, f"chi-square {stat:.1f} above {limit:.1f} over {int(mask.sum())} kept tokens"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_are_argmax_and_mixed_batches(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows, vocab = 67, QWEN_VOCAB
+    logits = (torch.randn(rows, vocab, generator=gen, device="cuda") * 2).to(dtype)
+    logits[3, 100] = logits[3, 50_000] = logits[3].max() + 1  # tied maxima: the lower id wins, as argmax
+    logits[4] = 0.0  # a row of ties
+    temps = [0.0 if i % 3 else 0.8 for i in range(rows)]
+    rp = pack_sampler_rows(temps, top_k=[20 if i % 2 else 0 for i in range(rows)], top_p=0.9, seed=7, step=3)
+    tokens, *_ = run(logits, rp)
+    want = logits.float().argmax(dim=-1)
+    greedy = torch.tensor([t == 0.0 for t in temps], device="cuda")
+    assert torch.equal(tokens[greedy], want[greedy])
+    assert ((tokens >= 0) & (tokens < vocab)).all()
+    all_greedy, *_ = run(logits, pack_sampler_rows([0.0] * rows))
+    assert torch.equal(all_greedy, want)
+    assert all_greedy[3].item() == 100 and all_greedy[4].item() == 0
+
+
+def test_same_seed_and_step_give_the_same_token_whatever_the_batch():
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    vocab = QWEN_VOCAB
+    base = torch.randn(6, vocab, generator=gen, device="cuda") * 3
+    params = [
+        dict(temperature=1.0, top_k=20, top_p=0.95, min_p=0.0),
+        dict(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0),
+        dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+        dict(temperature=1.2, top_k=300, top_p=0.7, min_p=0.0),
+        dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0),
+        dict(temperature=0.9, top_k=0, top_p=1.0, min_p=0.05),
+    ]
+    seeds = [3, 2**63 + 5, 77, 9, 1, 12345]
+    steps = [0, 17, 2**33, 5, 0, 99]
+
+    def rows_for(idx):
+        return pack_sampler_rows([params[i]["temperature"] for i in idx], [params[i]["top_k"] for i in idx],
+                                 [params[i]["top_p"] for i in idx], [params[i]["min_p"] for i in idx],
+                                 seed=[seeds[i] for i in idx], step=[steps[i] for i in idx], top_n=[3] * len(idx))  # fmt: skip
+
+    alone = [run(base[i : i + 1], rows_for([i]), top_width=3) for i in range(6)]
+    rng = random.Random(0)
+    for batch in (7, 64, 300):
+        filler = torch.randn(batch, vocab, generator=gen, device="cuda")
+        where = rng.sample(range(batch), 6)
+        logits = filler.clone()
+        for i, w in enumerate(where):
+            logits[w] = base[i]
+        fill_params = pack_sampler_rows([1.0] * batch, top_k=[rng.choice([0, 5, 100]) for _ in range(batch)],
+                                        top_p=0.8, seed=list(range(batch)), step=1)  # fmt: skip
+        packed = rows_for(range(6))
+        for i, w in enumerate(where):
+            fill_params[w] = packed[i]
+        tokens, logprobs, top_ids, _ = run(logits, fill_params, top_width=3)
+        for i, w in enumerate(where):
+            assert tokens[w].item() == alone[i][0].item(), f"row {i} at position {w} of {batch}"
+            assert logprobs[w].item() == alone[i][1].item()
+            assert torch.equal(top_ids[w], alone[i][2][0])
+
+
+def test_seeds_and_steps_change_the_draw():
+    logits = torch.zeros(1, 1000, device="cuda")  # uniform: every draw is a fresh token
+    seen = set()
+    for seed in range(20):
+        tokens, *_ = run(logits, pack_sampler_rows([1.0], seed=seed, step=0))
+        seen.add(tokens.item())
+    for step in range(20):
+        tokens, *_ = run(logits, pack_sampler_rows([1.0], seed=0, step=step))
+        seen.add(tokens.item())
+    assert len(seen) > 30
+
+
+def test_edge_cases():
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    vocab = 4096
+    x = torch.randn(vocab, generator=gen, device="cuda") * 2
+    n = 4000
+    # top_k larger than the vocabulary and top_p = 1: no filter, every token reachable, none outside.
+    for k in (vocab + 5, 2**31 - 1):
+        tokens, *_ = run(x[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, k, 1.0, seed=1, step=list(range(n))))
+        assert ((tokens >= 0) & (tokens < vocab)).all()
+    # Ties: 10 equal logits on top, top_k 4 keeps the four lowest ids, drawn uniformly.
+    tied = torch.full((vocab,), -5.0, device="cuda")
+    ids = torch.tensor([7, 900, 901, 1500, 2000, 2500, 3000, 3500, 4000, 4095], device="cuda")
+    tied[ids] = 3.0
+    tokens, *_ = run(tied[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, 4, seed=2, step=list(range(n))))
+    counts = torch.bincount(tokens, minlength=vocab)
+    assert set(torch.nonzero(counts).flatten().tolist()) == {7, 900, 901, 1500}
+    assert counts[[7, 900, 901, 1500]].min().item() > n / 4 - 5 * math.sqrt(n * 3 / 16)
+    # -inf logits: only finite tokens, even with top_k above their number.
+    inf_row = x.clone()
+    inf_row[::2] = float("-inf")
+    inf_row[1::4] = float("-inf")
+    finite = torch.isfinite(inf_row)
+    for k, p in ((0, 1.0), (vocab, 0.9), (3000, 1.0), (20, 0.95)):
+        tokens, *_ = run(inf_row[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, k, p, seed=3, step=list(range(n))))
+        assert finite[tokens].all()
+    all_inf_but_one = torch.full((vocab,), float("-inf"), device="cuda")
+    all_inf_but_one[1234] = -1e30
+    for t, k in ((1.0, 0), (0.5, 10), (0.0, 0)):
+        tokens, *_ = run(all_inf_but_one[None].expand(4, vocab).contiguous(), pack_sampler_rows([t] * 4, k, seed=4, step=list(range(4))))
+        assert (tokens == 1234).all()
+    # A tiny temperature is greedy unless the maxima tie exactly.
+    tokens, *_ = run(x[None].expand(n, vocab).contiguous(), pack_sampler_rows([1e-4] * n, 0, 0.95, seed=5, step=list(range(n))))
+    assert (tokens == x.argmax()).all()
+    two = x.clone()
+    two[[10, 20]] = x.max() + 1
+    tokens, *_ = run(two[None].expand(n, vocab).contiguous(), pack_sampler_rows([1e-4] * n, seed=6, step=list(range(n))))
+    assert set(tokens.unique().tolist()) == {10, 20}
+    # Vocabularies that are not a multiple of 4 (scalar loads) and smaller than a list.
+    for v in (1, 3, 37, 1027):
+        y = torch.randn(8, v, generator=gen, device="cuda")
+        tokens, *_ = run(y, pack_sampler_rows([0.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.0], [0, 5, 0, 100, 2, 0, 70, 3],
+                                              [1.0, 1.0, 0.5, 0.9, 1.0, 1.0, 0.2, 1.0], seed=9, step=1))  # fmt: skip
+        assert ((tokens >= 0) & (tokens < v)).all()
+        assert tokens[0].item() == y[0].argmax().item() and tokens[7].item() == y[7].argmax().item()
+
+
+def test_penalties_blocking_and_counts_match_the_references():
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    vocab, rows = QWEN_VOCAB, 6
+    logits = torch.randn(rows, vocab, generator=gen, device="cuda") * 2
+    rng = random.Random(1)
+    top = logits.topk(8, dim=-1).indices.tolist()
+    prompts = [[top[r][0], top[r][3]] + [rng.randrange(vocab) for _ in range(50)] for r in range(rows)]
+    outputs = [[top[r][1]] * 3 + [top[r][2]] + [rng.randrange(vocab) for _ in range(30)] for r in range(rows)]
+    rep = [1.3, 1.0, 0.8, 1.1, 2.0, 1.0]
+    pres = [0.0, 1.5, 0.0, -0.5, 0.3, 0.0]
+    freq = [0.0, 0.7, 0.0, 1.0, -0.2, 0.0]
+    counts = torch.zeros(rows + 2, vocab, dtype=torch.int32, device="cuda")
+    slots = [2, 0, 5, 1, 7, -1]
+    for r, s in enumerate(slots):
+        if s >= 0:
+            counts[s] = penalty_row(prompts[r], outputs[r], vocab, torch.device("cuda"))
+    assert (counts[2, top[0][0]] & PROMPT_BIT) != 0
+    blocked = torch.full((rows, 4), -1, dtype=torch.int32, device="cuda")
+    blocked[4, 0] = top[4][4]
+    blocked[5, :2] = torch.tensor(top[5][:2], dtype=torch.int32)
+    want = logits.clone()
+    pen_rows = [r for r in range(rows) if slots[r] >= 0]
+    apply_penalties(want, pen_rows, [torch.tensor(prompts[r], device="cuda") for r in pen_rows],
+                    [torch.tensor(outputs[r], device="cuda") for r in pen_rows], [rep[r] for r in pen_rows],
+                    [pres[r] for r in pen_rows], [freq[r] for r in pen_rows])  # fmt: skip
+    block_tokens(want, [4, 5], [[top[4][4]], top[5][:2]])
+    before = counts.clone()
+    params = pack_sampler_rows([0.0] * rows, slot=slots, repetition=rep, presence=pres, frequency=freq,
+                               num_blocked=[0, 0, 0, 0, 1, 2], top_n=[5] * rows)  # fmt: skip
+    tokens, logprobs, top_ids, top_lp = run(logits, params, counts=counts, blocked=blocked, top_width=5)
+    assert torch.equal(tokens, want.argmax(dim=-1))
+    # Logprobs and alternatives from the raw logits, before penalties.
+    chosen, ref_ids, ref_lp = compute_logprobs(logits, tokens, 5)
+    torch.testing.assert_close(logprobs, chosen, rtol=0, atol=2e-5)
+    assert torch.equal(top_ids, ref_ids)
+    torch.testing.assert_close(top_lp, ref_lp, rtol=0, atol=2e-5)
+    # The drawn token of each row with a slot is counted.
+    expect = before.clone()
+    for r, s in enumerate(slots):
+        if s >= 0:
+            expect[s, tokens[r]] += 1
+    assert torch.equal(counts, expect)
+    # Sampled rows with penalties (each row its own slot, same counts): every draw inside the reference set of the
+    # penalized logits.
+    n, r = 1000, 3
+    assert boundary_margin(want[r], 1.0, 20, 0.9, 0.0) > 1e-5
+    table = before[slots[r]][None].expand(n, vocab).contiguous()
+    params = pack_sampler_rows([1.0] * n, 20, 0.9, seed=8, step=list(range(n)), slot=list(range(n)),
+                               repetition=rep[r], presence=pres[r], frequency=freq[r])  # fmt: skip
+    tokens, *_ = run(logits[r][None].expand(n, vocab).contiguous(), params, counts=table)
+    mask = reference_mask(want[r].double(), 1.0, 20, 0.9, 0.0).cuda()
+    assert mask[tokens].all()
+    assert len(set(tokens.tolist())) > 3
+
+
+def test_logprobs_of_sampled_rows_and_bf16():
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(33, QWEN_VOCAB, generator=gen, device="cuda") * 3).to(dtype)
+        params = pack_sampler_rows([1.0] * 33, 20, 0.95, seed=1, step=list(range(33)), top_n=[20] * 32 + [0])
+        tokens, logprobs, top_ids, top_lp = run(logits, params, top_width=20)
+        chosen, ref_ids, ref_lp = compute_logprobs(logits.float(), tokens, 20)
+        torch.testing.assert_close(logprobs, chosen, rtol=0, atol=3e-5)
+        assert torch.equal(top_ids[:32], ref_ids[:32])
+        torch.testing.assert_close(top_lp[:32], ref_lp[:32], rtol=0, atol=3e-5)
+
+
+def test_bad_arguments_raise_value_error():
+    logits = torch.randn(2, 100, device="cuda")
+    rows = pack_sampler_rows([1.0, 0.0]).cuda()
+    tokens = torch.empty(2, dtype=torch.int64, device="cuda")
+    ws = sampler_workspace(2, 100, torch.device("cuda"))
+    with pytest.raises(ValueError):
+        sample_on_gpu(logits.half(), rows, tokens, ws)
+    with pytest.raises(ValueError):
+        sample_on_gpu(logits, rows[:1], tokens, ws)
+    with pytest.raises(ValueError):
+        sample_on_gpu(logits, rows, tokens.int(), ws)
+    with pytest.raises(ValueError):
+        sample_on_gpu(torch.randn(2, 100_000, device="cuda"), rows, tokens, ws)  # workspace too small
+    with pytest.raises(ValueError):
+        sample_on_gpu(logits, rows, tokens, ws, top_ids=torch.empty(2, 65, dtype=torch.int64, device="cuda"),
+                      top_logprobs=torch.empty(2, 65, device="cuda"))  # fmt: skip
+    with pytest.raises(ValueError):
+        sample_on_gpu(logits, rows.cpu(), tokens, ws)
+    for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1), dict(top_n=65), dict(repetition=0.0)):
+        with pytest.raises(ValueError):
+            pack_sampler_rows([1.0], **bad)
+    with pytest.raises(ValueError):
+        pack_sampler_rows([-1.0])
+
+
+def test_capture_in_a_cuda_graph():
+    gen = torch.Generator(device="cuda").manual_seed(51)
+    s, vocab = 16, QWEN_VOCAB
+    logits = torch.randn(s, vocab, generator=gen, device="cuda")
+    rows = torch.empty(s, 16, dtype=torch.int32, device="cuda")
+    tokens = torch.empty(s, dtype=torch.int64, device="cuda")
+    ws = sampler_workspace(s, vocab, torch.device("cuda"))
+    rows.copy_(pack_sampler_rows([1.0] * s, 20, 0.9, seed=1, step=0))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sample_on_gpu(logits, rows, tokens, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sample_on_gpu(logits, rows, tokens, ws)
+    for step in range(3):
+        packed = pack_sampler_rows([0.7] * s, [0, 20, 300, 5] * 4, 0.9, seed=2, step=step)
+        rows.copy_(packed)
+        logits.copy_(torch.randn(s, vocab, generator=gen, device="cuda"))
+        graph.replay()
+        got = tokens.clone()
+        want, *_ = run(logits, packed)
+        assert torch.equal(got, want)
