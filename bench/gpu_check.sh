@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # Build, test and benchmark fastqwen on a GPU machine with no network.
-#   bash bench/gpu_check.sh OUTDIR
-# Writes OUTDIR/build.log, OUTDIR/nvidia-smi.txt, OUTDIR/tests.log, and for every
-# bench/bench_*.py OUTDIR/<name>.log and OUTDIR/<name>.json.
+#   bash bench/gpu_check.sh OUTDIR [STAGE ...]
+# Stages (default: all, in this order; each fits in one 10-minute device call):
+#   tests    build, pytest tests (GPU tests included)                       -> build.log, tests.log
+#   kernels  bench/bench_*.py, bench/kernels.py (norms, RoPE/KV, decode and prefill attention, sampling)
+#   offline  bench/latency.py and bench/throughput.py, random Qwen3-8B and Qwen3-0.6B, with the HF baseline
+#   serving  the HTTP server: batch-1 latency through HTTP, bench/serving.py at concurrency 1/8/64/256
+# Every stage after `tests` builds first if the package is not installed yet.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
 
-OUT="${1:?usage: bash bench/gpu_check.sh OUTDIR}"
+OUT="${1:?usage: bash bench/gpu_check.sh OUTDIR [tests|kernels|offline|serving ...]}"
+shift
+STAGES="${*:-tests kernels offline serving}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
 
-echo "== repo: $(pwd)   python: $(python3 --version 2>&1)"
+echo "== repo: $(pwd)   python: $(python3 --version 2>&1)   stages: $STAGES"
 
 # Optional extra wheels shipped with the checkout (e.g. packages missing on the machine).
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -20,80 +27,119 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-echo "== nvidia-smi"
-nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt" || true
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+head -n 12 "$OUT/nvidia-smi.txt"
 
-echo "== build"
-start=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -v . 2>&1 | tee "$OUT/build.log"
-build_rc=$?
-echo "build rc=$build_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log"
-
-# Run from outside the source tree's python/ so the installed package (with _C) is used.
-python3 -c "import fastqwen._C as c, torch; print('fastqwen._C built_with_cuda =', c.built_with_cuda, '| torch', torch.__version__, '| cuda available', torch.cuda.is_available())" 2>&1 | tee -a "$OUT/build.log"
-
-echo "== tests"
-FASTQWEN_RESULTS_DIR="$OUT" python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/tests.log"
-tests_rc=$?
-echo "tests rc=$tests_rc" | tee -a "$OUT/tests.log"
-
-echo "== benchmarks"
+build_rc=0
+tests_rc=0
 bench_rc=0
-for b in bench/bench_*.py; do
-  [ -e "$b" ] || continue
-  name="$(basename "$b" .py)"
+serve_rc=0
+
+build() {
+  echo "== build"
+  local start
+  start=$(date +%s)
+  python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1
+  build_rc=$?
+  echo "build rc=$build_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log"
+  [ "$build_rc" -eq 0 ] || tail -n 40 "$OUT/build.log"
+  # Run from outside the source tree's python/ so the installed package (with _C) is used.
+  (cd /tmp && python3 -c "import fastqwen._C as c, torch; print('fastqwen._C built_with_cuda =', c.built_with_cuda, '| torch', torch.__version__, '| cuda available', torch.cuda.is_available(), '|', torch.cuda.get_device_name())") 2>&1 | tee -a "$OUT/build.log"
+}
+
+run() {  # run NAME TIMEOUT CMD...: logs to OUT/NAME.log, records a failure in bench_rc
+  local name="$1" limit="$2"; shift 2
   echo "-- $name"
-  python3 "$b" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
-  rc=$?
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=$?
   echo "$name rc=$rc" | tee -a "$OUT/$name.log"
   [ "$rc" -eq 0 ] || bench_rc=$rc
-done
+}
 
-echo "-- latency and throughput (random Qwen3-8B, offline)"
-python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 1024 --new-tokens 64 --hf \
-  --json "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" || bench_rc=1
-python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed --num-prompts 64 --input-len 128 \
-  --output-len 128 --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || bench_rc=1
+stage_tests() {
+  build
+  echo "== tests"
+  FASTQWEN_RESULTS_DIR="$OUT" timeout 480 python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 | tail -n 60 | tee "$OUT/tests.log"
+  tests_rc=$?
+  echo "tests rc=$tests_rc" | tee -a "$OUT/tests.log"
+}
 
-echo "-- kernels"
-python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || bench_rc=1
+stage_kernels() {
+  echo "== kernel benchmarks"
+  for b in bench/bench_*.py; do
+    [ -e "$b" ] || continue
+    name="$(basename "$b" .py)"
+    run "$name" 120 python3 "$b" --json "$OUT/$name.json"
+  done
+  run kernels 300 python3 bench/kernels.py --json "$OUT/kernels.json"
+  if [ -e bench/sampling_bench.py ]; then
+    run sampling 150 python3 bench/sampling_bench.py --json "$OUT/sampling.json"
+  fi
+}
 
-echo "== serving: random Qwen3-8B behind the HTTP server"
-serve_rc=0
-python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+stage_offline() {
+  echo "== offline latency and throughput (random weights, bf16)"
+  run latency_8b 200 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 1024 4096 \
+    --new-tokens 64 --hf --json "$OUT/latency_8b.json"
+  run latency_0.6b 90 python3 bench/latency.py --model Qwen3-0.6B --load-format dummy --prompt-lens 128 1024 4096 \
+    --new-tokens 64 --json "$OUT/latency_0.6b.json"
+  run throughput_8b_random 120 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload random \
+    --num-prompts 256 --json "$OUT/throughput_8b_random.json"
+  run throughput_8b_128x1024 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
+    --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_128x1024.json"
+  run throughput_0.6b_128x1024 150 python3 bench/throughput.py --model Qwen3-0.6B --load-format dummy --workload fixed \
+    --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_0.6b_128x1024.json"
+}
 
-start_server() {  # start_server LOGNAME [extra serve flags]: starts it and waits until /health says 200
-  local log="$1"; shift
-  python3 -m fastqwen.serve --model /tmp/qwen3-8b-dummy --load-format dummy --port 8000 --max-model-len 4096 "$@" \
+server_pid=""
+start_server() {  # start_server LOGNAME CHECKPOINT [extra serve flags]: starts it and waits until /health says 200
+  local log="$1" model="$2"; shift 2
+  python3 -m fastqwen.serve --model "$model" --load-format dummy --port 8000 --max-model-len 4096 "$@" \
     > "$OUT/$log" 2>&1 &
   server_pid=$!
   for _ in $(seq 300); do
     python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code != 200)" 2>/dev/null && return 0
     sleep 1
   done
+  serve_rc=1
   return 1
 }
 stop_server() { kill -TERM "$server_pid"; wait "$server_pid"; }
 
-start_server server.log || serve_rc=1
-python3 - <<'PY' 2>&1 | tee "$OUT/chat_stream.log"
-import httpx, json
-body = {"messages": [{"role": "user", "content": "Hello, how are you?"}], "max_tokens": 16, "stream": True,
-        "chat_template_kwargs": {"enable_thinking": False}}
-with httpx.stream("POST", "http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=120) as r:
-    print("status", r.status_code)
-    for line in r.iter_lines():
-        if line:
-            print(line[:200])
-PY
-python3 bench/serving.py --num-prompts 256 --concurrency 64 --input-len 256 --output-len 128 --json "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" || serve_rc=1
-SHARED="--num-prompts 64 --concurrency 16 --input-len 1088 --shared-prefix-len 1024 --output-len 32"
-python3 bench/serving.py $SHARED --json "$OUT/serving_shared_cache_on.json" 2>&1 | tee "$OUT/serving_shared_cache_on.log" || serve_rc=1
-stop_server
-head -n 20 "$OUT/server.log"
-start_server server_nocache.log --disable-radix-cache || serve_rc=1
-python3 bench/serving.py $SHARED --json "$OUT/serving_shared_cache_off.json" 2>&1 | tee "$OUT/serving_shared_cache_off.log" || serve_rc=1
-stop_server
+stage_serving() {
+  echo "== serving: random weights behind the HTTP server"
+  python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  python3 bench/make_dummy_checkpoint.py --preset Qwen3-0.6B --out /tmp/qwen3-0.6b-dummy
+  start_server server_8b.log /tmp/qwen3-8b-dummy
+  run http_latency_8b 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 1024 4096 \
+    --new-tokens 64 --url http://127.0.0.1:8000 --http-only --json "$OUT/http_latency_8b.json"
+  for io in "128 1024" "1024 1024"; do
+    set -- $io
+    for c in 1 8 64 256; do
+      n=$(( c * 2 )); [ "$n" -ge 4 ] || n=4
+      run "serving_8b_in$1_c$c" 150 python3 bench/serving.py --num-prompts "$n" --concurrency "$c" --input-len "$1" \
+        --output-len "$2" --json "$OUT/serving_8b_in$1_c$c.json"
+    done
+  done
+  stop_server
+  grep -E "CUDA graph|KV cache|capture" "$OUT/server_8b.log" | head -n 5
+  start_server server_0.6b.log /tmp/qwen3-0.6b-dummy
+  run http_latency_0.6b 90 python3 bench/latency.py --model Qwen3-0.6B --load-format dummy --prompt-lens 128 1024 \
+    --new-tokens 64 --url http://127.0.0.1:8000 --http-only --json "$OUT/http_latency_0.6b.json"
+  run serving_0.6b_in128_c256 120 python3 bench/serving.py --num-prompts 512 --concurrency 256 --input-len 128 \
+    --output-len 1024 --json "$OUT/serving_0.6b_in128_c256.json"
+  stop_server
+}
+
+for stage in $STAGES; do
+  case "$stage" in
+    tests) stage_tests ;;
+    kernels|offline|serving)
+      (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
+      "stage_$stage" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
 
 echo "== summary: build rc=$build_rc tests rc=$tests_rc bench rc=$bench_rc serving rc=$serve_rc" | tee "$OUT/summary.txt"
 if [ "$build_rc" -ne 0 ] || [ "$tests_rc" -ne 0 ]; then

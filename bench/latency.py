@@ -51,7 +51,8 @@ def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
-            if line.startswith("data: {") and '"finish_reason":null' in line:
+            # Every chunk that carries a choice (the last one may also carry the finish reason).
+            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
                 stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"ttft_ms": (stamps[0] - start) * 1e3, "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None}
@@ -71,6 +72,31 @@ def hf_tpot(model_name: str, prompt: list[int], new_tokens: int, device: str) ->
     return (runs[new_tokens + 1] - runs[1]) / new_tokens * 1e3
 
 
+def http_only(args, rng: random.Random) -> int:
+    """Batch-1 latency through a running server alone, with prompts drawn from the model's vocabulary."""
+    import httpx
+
+    from fastqwen.config import ModelConfig
+
+    if not args.url:
+        raise SystemExit("--http-only needs --url")
+    vocab = ModelConfig.from_preset(args.model).vocab_size
+    http_latency(args.url, [1] * 16, 4)  # warm-up
+    result = {"model": args.model, "url": args.url, "server_models": httpx.get(args.url + "/v1/models").json()}
+    if torch.cuda.is_available():
+        result["device"] = torch.cuda.get_device_name()
+    rows = []
+    for n in args.prompt_lens:
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        rows.append({"prompt_tokens": n, "http": http_latency(args.url, prompt, args.new_tokens)})
+    ttft = [http_latency(args.url, [rng.randrange(vocab) for _ in range(256)], 1)["ttft_ms"] for _ in range(5)]
+    result["ttft_256_http_ms"] = statistics.median(ttft)
+    result["ttft_256_http_runs_ms"] = ttft
+    result["rows"] = rows
+    report(result, args.json)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="Qwen3-8B")
@@ -79,12 +105,16 @@ def main() -> int:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 4096])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--url", default=None, help="also measure through this running server")
+    p.add_argument("--http-only", action="store_true",
+                   help="measure only through --url (no engine in this process: the server holds the GPU memory)")
     p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="eager decode (for the comparison)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rng = random.Random(0)
+    if args.http_only:
+        return http_only(args, rng)
     llm = LLM(
         args.model, load_format=args.load_format, device=args.device, max_model_len=8192, num_pages=None,
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,

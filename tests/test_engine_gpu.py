@@ -11,6 +11,8 @@ import torch
 
 from fastqwen import LLM, SamplingParams
 
+from fastqwen.ops import _native
+
 from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint
 
 # Stated tolerance: every bf16 logit within 2% of the largest |logit| of HF's bf16 logits.
@@ -101,6 +103,36 @@ def test_bf16_greedy_tokens_match_hf(bf16_checkpoint):
     assert decisive_steps >= 40, f"only {decisive_steps} of 96 steps were decisive: the test checks too little"
     print(f"decisive steps {decisive_steps}/96, identical free-running prefix {identical_prefix} tokens")
     llm.engine.kv.allocator.check()
+
+
+def test_kernel_engine_matches_reference_op_engine(bf16_checkpoint, monkeypatch):
+    """The engine on its CUDA kernels (tensor-core prefill/extend and decode attention, norms, RoPE/KV, CUDA graphs)
+    against the same engine on the PyTorch reference ops: greedy tokens identical up to the reference's first step
+    whose top-1 margin is under twice the tolerance, and logits within LOGIT_TOLERANCE at every step compared.
+    Prompts are prefilled in 256-token chunks, so later chunks extend a cached prefix that ends mid-page."""
+    if not _native.has_cuda_kernels():
+        pytest.skip("needs the CUDA kernels")
+    folder, _, _ = bf16_checkpoint
+    rng = random.Random(7)
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 150, 700)]
+    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, max_num_batched_tokens=256)
+    kernel_llm = LLM(folder, **kwargs)
+    with_kernels = [engine_logits(kernel_llm, p, 32) for p in prompts]
+    del kernel_llm
+    monkeypatch.setattr(_native, "_has_cuda", False)  # every op takes its reference path from here on
+    reference_llm = LLM(folder, disable_cuda_graph=True, **kwargs)
+    identical = 0
+    for prompt, (tokens, logits) in zip(prompts, with_kernels):
+        ref_tokens, ref_logits = engine_logits(reference_llm, prompt, 32)
+        scale = ref_logits.abs().max().item()
+        top2 = ref_logits.topk(2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        first_tie = next((k for k, m in enumerate(margins) if m <= 2 * LOGIT_TOLERANCE * scale), len(margins))
+        assert tokens[:first_tie] == ref_tokens[:first_tie]
+        compared = min(first_tie + 1, len(margins))  # step k's logits depend only on the tokens before it
+        assert (logits[:compared] - ref_logits[:compared]).abs().max().item() <= LOGIT_TOLERANCE * scale
+        identical += first_tie
+    assert identical >= 30, f"only {identical} of 96 steps were decisive: the test checks too little"
 
 
 def test_dummy_preset_runs_on_gpu():
