@@ -17,6 +17,7 @@ soon after the last launch; with graphs the launch part should be tens of micros
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -48,6 +49,7 @@ def main() -> int:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the capture's time and memory
     llm = LLM(args.model, load_format=args.load_format, max_model_len=8192, disable_cuda_graph=args.disable_cuda_graph)
     engine = llm.engine
     runner, scheduler = engine.runner, engine.scheduler

@@ -77,9 +77,9 @@ def workload(num_seqs: int, seed: int):
 
 
 def compare(graph_run, eager_run) -> int:
-    """Per request: identical tokens up to the first step where the eager top-1 margin is within twice the
-    tolerance (a near-tie, where rounding may pick either), and logits within the tolerance up to there.
-    Returns the number of steps compared and the largest logit difference seen, relative to the largest |logit|."""
+    """Per request: logits within the tolerance at every step compared, and identical tokens up to the first step
+    whose eager top-1 margin is at most twice that step's largest logit difference (only there can the argmaxes
+    differ; when the two runs agree bit for bit, that never happens and every step is compared). Returns the number of steps compared and the largest logit difference seen, relative to the largest |logit|."""
     compared, worst = 0, 0.0
     for g_out, g_logits, e_out, e_logits in zip(graph_run[0], graph_run[1], eager_run[0], eager_run[1]):
         delta = TOLERANCE * e_logits.abs().max().item()
@@ -89,7 +89,7 @@ def compare(graph_run, eager_run) -> int:
             diff = (g_logits[k] - e_logits[k]).abs().max().item()
             worst = max(worst, diff / e_logits.abs().max().item())
             assert diff <= delta, f"request {g_out.request_id} step {k}: logits differ by {diff:.4f} > {delta:.4f}"
-            if margins[k] <= 2 * delta:
+            if margins[k] <= 2 * diff:
                 break
             assert g_tok == e_tok, f"request {g_out.request_id} step {k}: margin {margins[k]:.3f}"
             compared += 1
@@ -108,7 +108,7 @@ def test_graph_decode_matches_eager(folder, num_seqs):
     compared, worst = compare(graph_run, eager_run)
     print(f"{num_seqs} sequences: {compared} of {sum(max_tokens)} steps compared, largest logit difference "
           f"{worst:.2e} of the largest |logit|")
-    assert compared >= 0.25 * sum(max_tokens), f"only {compared} of {sum(max_tokens)} steps compared"
+    assert compared >= 0.8 * sum(max_tokens), f"only {compared} of {sum(max_tokens)} steps compared"
 
     decode_steps = [(rows, size) for rows, size, decode in graph_run[2] if decode]
     assert decode_steps and all(s == 0 for _, s, _ in eager_run[2])
