@@ -56,7 +56,8 @@ def bench_sample(batch: int, copy_gbs: float, iters: int, top_k: int = 20, top_p
     mask = top_k_top_p_min_p_mask(probs, ks, ps, ms)
     assert mask.gather(1, tokens[0][:, None]).all(), "kernel drew outside the reference set"
     del probs, mask
-    compiled = torch.compile(reference_sample)
+    torch._dynamo.reset()  # a fresh static-shape compile per batch size
+    compiled = torch.compile(reference_sample, dynamic=False)
     ref_nbuf = min(nbuf, 8)  # the reference allocates per call; a few buffers keep its graph pool small
     row = {"op": "sample", "batch": batch, "vocab": VOCAB, "top_k": top_k, "top_p": top_p,
            "temperature": temperature, "buffers": nbuf, "bytes_per_call": per}  # fmt: skip

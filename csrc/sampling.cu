@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -38,8 +39,7 @@ constexpr int kWarps = 8;            // warps per scan block
 constexpr int kList = 64;            // best tokens kept per filtered row
 constexpr int kStage = 32 + 128;     // per-warp staging of candidates: a partial flush plus one group of the warp
 constexpr int kMaxTop = 64;
-constexpr int kFinalWarps = 4;
-constexpr int kFallbackThreads = 512;
+constexpr int kFinishThreads = 256;
 constexpr float kMaxGumbel = 23.0f;  // -log(E) over every E the generator can produce is below 22.9
 
 // ---- ordering keys: (logit desc, id asc) as one unsigned 64-bit compare; 0 = empty -------------------------------
@@ -352,9 +352,53 @@ Workspace layout(uintptr_t base, int64_t rows, int64_t vocab, int64_t* total) {
   return w;
 }
 
-// ---- kernel 1: one pass over the logits ----------------------------------------------------------------------------
+// Flush a warp's staged keys, merge the block's warp lists (tree over shared memory), write the block's 64.
+__device__ __forceinline__ void block_merge_out(WarpList& l, uint64_t* stage, uint64_t (*lists)[kList], uint64_t* out,
+                                                int row, int cta, int max_ctas, int warp, int lane) {
+  while (l.cnt > 0) l.flush(stage, lane);
+  const int warps = blockDim.x >> 5;
+  for (int half = warps >> 1; half > 0; half >>= 1) {
+    if (warp >= half && warp < 2 * half) lists[warp][lane] = l.a, lists[warp][32 + lane] = l.b;
+    __syncthreads();
+    if (warp < half) l.merge(lists[warp + half][lane], lists[warp + half][32 + lane], lane);
+    __syncthreads();
+  }
+  if (warp == 0) {
+    uint64_t* o = out + (static_cast<int64_t>(row) * max_ctas + cta) * kList;
+    o[lane] = l.a;
+    o[32 + lane] = l.b;
+  }
+}
+
+// Asynchronous 16-byte global -> shared copies (cp.async): the next tile streams in while this one is processed, and
+// the compiler cannot sink the loads to their uses as it may do with register loads under register pressure.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 template <typename T>
+__device__ __forceinline__ void lds4(const T* p, float (&x)[4]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    x[0] = bf16_bits(v.x & 0xffffu), x[1] = bf16_bits(v.x >> 16), x[2] = bf16_bits(v.y & 0xffffu),
+    x[3] = bf16_bits(v.y >> 16);
+  }
+}
+
+template <typename T>
+constexpr int scan_smem_bytes() {
+  return kWarps * 2 * kTile * static_cast<int>(sizeof(T));
+}
+
+// ---- kernel 1: one pass over the logits ----------------------------------------------------------------------------
+
+template <typename T, bool ASYNC>
 __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__ logits, const SamplerRow* params,
                                                           int vocab, bool vec_ok, const int* counts,
                                                           int64_t counts_rows, bool counts_vec, const int* blocked,
@@ -372,11 +416,42 @@ __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__
   float best_x = -INFINITY, best_s = -INFINITY;
   uint32_t best_id = 0xffffffffu;
   const int stride = gridDim.x * kWarps;
-  for (int tile = cta * kWarps + warp; tile < ws.tiles; tile += stride) {
+  // Per warp, two tile buffers: tile i is read from one while tile i + stride lands in the other.
+  extern __shared__ __align__(16) unsigned char tile_smem[];
+  unsigned char* my_tiles = tile_smem + warp * 2 * kTile * sizeof(T);
+  const bool async_ok = ASYNC && vec_ok && (reinterpret_cast<uintptr_t>(x_row) & 15) == 0;
+  auto full = [&](int t) { return static_cast<int64_t>(t + 1) * kTile <= vocab; };
+  auto issue = [&](int t, int slot) {
+    if (async_ok && t < ws.tiles && full(t)) {
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(x_row + static_cast<int64_t>(t) * kTile);
+      unsigned char* dst = my_tiles + slot * kTile * sizeof(T);
+#pragma unroll
+      for (int c = 0; c < static_cast<int>(kTile * sizeof(T) / 512); ++c)
+        cp_async16(dst + (c * 32 + lane) * 16, src + (c * 32 + lane) * 16);
+    }
+    cp_async_commit();
+  };
+  int slot = 0;
+  if (ASYNC) issue(cta * kWarps + warp, 0);
+  for (int tile = cta * kWarps + warp; tile < ws.tiles; tile += stride, slot ^= 1) {
     const int64_t base = static_cast<int64_t>(tile) * kTile;
     float x[kGroups][4];
+    if (ASYNC) {
+      issue(tile + stride, slot ^ 1);
+      cp_async_wait_one();
+      __syncwarp();
+    }
+    if (async_ok && full(tile)) {
+      const T* b = reinterpret_cast<const T*>(my_tiles + slot * kTile * sizeof(T));
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) load4<T>(x_row, base + (g * 32 + lane) * 4, vocab, vec_ok, x[g]);
+      for (int g = 0; g < kGroups; ++g) lds4<T>(b + (g * 32 + lane) * 4, x[g]);
+    } else if (vec_ok && base + kTile <= vocab) {  // a full tile: every load issued before any is used
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) load4<T>(x_row, base + (g * 32 + lane) * 4, vocab, true, x[g]);
+    } else {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) load4<T>(x_row, base + (g * 32 + lane) * 4, vocab, vec_ok, x[g]);
+    }
     if (r.need_lse) tile_lse(x, 1.0f, ws.raw_stats + static_cast<int64_t>(row) * ws.tiles + tile, lane);
     if (r.need_raw_list) {
 #pragma unroll
@@ -426,6 +501,7 @@ __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__
         }
       }
     }
+    if (ASYNC) __syncwarp();  // every lane is done with this buffer before it is refilled
   }
 
   // Block results: merged 64-lists, and the best greedy / race key.
@@ -438,21 +514,8 @@ __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__
     __syncthreads();
     if (threadIdx.x == 0) ws.best[static_cast<int64_t>(row) * ws.max_ctas + cta] = best_smem;
   }
-  for (int which = 0; which < 2; ++which) {
-    if (which == 0 ? !r.need_list : !r.need_raw_list) continue;
-    WarpList& l = which == 0 ? list : raw_list;
-    while (l.cnt > 0) l.flush(stage[which][warp], lane);
-    lists[warp][lane] = l.a;
-    lists[warp][32 + lane] = l.b;
-    __syncthreads();
-    if (warp == 0) {
-      for (int w = 1; w < kWarps; ++w) l.merge(lists[w][lane], lists[w][32 + lane], lane);
-      uint64_t* out = (which == 0 ? ws.cand : ws.raw_cand) + (static_cast<int64_t>(row) * ws.max_ctas + cta) * kList;
-      out[lane] = l.a;
-      out[32 + lane] = l.b;
-    }
-    __syncthreads();
-  }
+  if (r.need_list) block_merge_out(list, stage[0][warp], lists, ws.cand, row, cta, ws.max_ctas, warp, lane);
+  if (r.need_raw_list) block_merge_out(raw_list, stage[1][warp], lists, ws.raw_cand, row, cta, ws.max_ctas, warp, lane);
 }
 
 // ---- shared tail: write the token, its logprob, count it ------------------------------------------------------
@@ -494,46 +557,30 @@ __device__ __forceinline__ float race_score(const Row& r, float key, uint32_t id
   return key - logf(exp1_of(pick(w, id & 3)));
 }
 
-// ---- kernel 2: a warp per row --------------------------------------------------------------------------------------
+// ---- kernel 2, part 1: a row's decision by its first warp, from the merged lists --------------------------------
 
 template <typename T>
-__global__ void __launch_bounds__(kFinalWarps * 32) finalize_kernel(
-    const T* __restrict__ logits, const SamplerRow* params, int rows, int vocab, int ctas, const int* counts,
-    int64_t counts_rows, const int* blocked, int blocked_width, Workspace ws, int64_t* tokens, float* logprobs,
-    int64_t* top_ids, float* top_logprobs, int top_width) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kFinalWarps + warp;
-  if (row >= rows) return;
-  const Row r = make_row(params, row, vocab, counts, counts_rows, blocked, blocked_width);
+__device__ void decide_row(const Row& r, int row, int vocab, int ctas, const T* logits, const Workspace& ws,
+                           int64_t* tokens, float* logprobs, int64_t* top_ids, float* top_logprobs, int top_width,
+                           const WarpList& list, const WarpList& raw_list) {
+  const int lane = threadIdx.x & 31;
   RowState* st = ws.state + row;
-
   float lse = 0.0f;
   if (r.need_lse) {
     float m, s;
     reduce_tiles(ws.raw_stats + static_cast<int64_t>(row) * ws.tiles, ws.tiles, 1.0f, lane, m, s);
     lse = m + logf(s);
   }
-  WarpList list;
-  if (r.need_list || r.need_raw_list) {
-    // Top-N alternatives come from the raw list when penalties or blocking changed the logits, else this one.
-    for (int which = 0; which < 2; ++which) {
-      if (which == 0 ? !r.need_list : !r.need_raw_list) continue;
-      const uint64_t* src = (which == 0 ? ws.cand : ws.raw_cand) + static_cast<int64_t>(row) * ws.max_ctas * kList;
-      WarpList l;
-      l.a = src[lane], l.b = src[32 + lane];
-      for (int c = 1; c < ctas; ++c) l.merge(src[c * kList + lane], src[c * kList + 32 + lane], lane);
-      if (which == 0) list = l;
-      const bool for_top = which == 1 || !r.need_raw_list;
-      if (for_top && r.p.top_n > 0 && top_ids != nullptr && top_logprobs != nullptr) {
-        const int n = r.p.top_n < top_width ? r.p.top_n : top_width;
-        for (int half = 0; half < 2; ++half) {
-          const int i = half * 32 + lane;
-          const uint64_t v = half ? l.b : l.a;
-          if (i < n) {
-            top_ids[static_cast<int64_t>(row) * top_width + i] = v ? static_cast<int64_t>(id_of(v)) : int64_t{-1};
-            top_logprobs[static_cast<int64_t>(row) * top_width + i] = v ? x_of(v) - lse : -INFINITY;
-          }
-        }
+  // Top-N alternatives come from the raw list when penalties or blocking changed the logits, else the other.
+  if (r.p.top_n > 0 && top_ids != nullptr && top_logprobs != nullptr) {
+    const WarpList& l = r.need_raw_list ? raw_list : list;
+    const int n = r.p.top_n < top_width ? r.p.top_n : top_width;
+    for (int half = 0; half < 2; ++half) {
+      const int i = half * 32 + lane;
+      const uint64_t v = half ? l.b : l.a;
+      if (i < n) {
+        top_ids[static_cast<int64_t>(row) * top_width + i] = v ? static_cast<int64_t>(id_of(v)) : int64_t{-1};
+        top_logprobs[static_cast<int64_t>(row) * top_width + i] = v ? x_of(v) - lse : -INFINITY;
       }
     }
   }
@@ -609,7 +656,7 @@ __global__ void __launch_bounds__(kFinalWarps * 32) finalize_kernel(
   }
 }
 
-// ---- kernel 3: exact selection over the whole row, a block per undecided row --------------------------------------
+// ---- exact selection over the whole row, for rows the 64 best cannot decide --------------------------------------
 
 struct SelectSmem {
   unsigned long long cnt[256];
@@ -706,16 +753,43 @@ __device__ uint64_t radix_select(const RowReader<T>& rd, SelectSmem& sm, uint64_
   return result;
 }
 
+// The 64 best of a row over its scan blocks' lists: each warp merges a strided subset, then a tree over warps.
+__device__ __forceinline__ WarpList merge_row_lists(const uint64_t* src, int ctas, uint64_t (*lists)[kList], int warp,
+                                                    int lane) {
+  WarpList l;
+  const int warps = blockDim.x >> 5;
+  for (int c = warp; c < ctas; c += warps) l.merge(src[c * kList + lane], src[c * kList + 32 + lane], lane);
+  for (int half = warps >> 1; half > 0; half >>= 1) {
+    if (warp >= half && warp < 2 * half) lists[warp][lane] = l.a, lists[warp][32 + lane] = l.b;
+    __syncthreads();
+    if (warp < half) l.merge(lists[warp + half][lane], lists[warp + half][32 + lane], lane);
+    __syncthreads();
+  }
+  return l;  // valid in warp 0
+}
+
+// ---- kernel 2: a block per row: merge, decide, and for rows the 64 best cannot decide, select over the row ------
+
 template <typename T>
-__global__ void __launch_bounds__(kFallbackThreads) fallback_kernel(
-    const T* __restrict__ logits, const SamplerRow* params, int vocab, bool vec_ok, const int* counts,
+__global__ void __launch_bounds__(kFinishThreads) finish_kernel(
+    const T* __restrict__ logits, const SamplerRow* params, int vocab, int ctas, bool vec_ok, const int* counts,
     int64_t counts_rows, bool counts_vec, const int* blocked, int blocked_width, Workspace ws, int64_t* tokens,
-    float* logprobs) {
+    float* logprobs, int64_t* top_ids, float* top_logprobs, int top_width) {
   __shared__ SelectSmem sm;
+  __shared__ uint64_t lists[kFinishThreads / 32][kList];
   const int row = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const Row r = make_row(params, row, vocab, counts, counts_rows, blocked, blocked_width);
+  WarpList list, raw_list;
+  const int64_t at = static_cast<int64_t>(row) * ws.max_ctas * kList;
+  if (r.need_list) list = merge_row_lists(ws.cand + at, ctas, lists, warp, lane);
+  if (r.need_raw_list) raw_list = merge_row_lists(ws.raw_cand + at, ctas, lists, warp, lane);
+  if (warp == 0)
+    decide_row<T>(r, row, vocab, ctas, logits, ws, tokens, logprobs, top_ids, top_logprobs, top_width, list,
+                  raw_list);
+  __syncthreads();
   const RowState st = ws.state[row];
   if (!st.fallback) return;
-  const Row r = make_row(params, row, vocab, counts, counts_rows, blocked, blocked_width);
   const float t = r.p.temperature;
   const RowReader<T> rd{r, logits + static_cast<int64_t>(row) * vocab, vec_ok, counts_vec,
                         st.x_max == -INFINITY ? -INFINITY : __fdiv_rn(st.x_max, t)};
@@ -778,6 +852,28 @@ struct DeviceInfo {
   int occupancy[3] = {0, 0, 0};
 };
 
+// The cp.async scan (default) or plain register loads (FASTQWEN_SAMPLER_ASYNC=0), for comparison.
+inline bool use_async() {
+  static const bool on = [] {
+    const char* v = std::getenv("FASTQWEN_SAMPLER_ASYNC");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
+template <typename T>
+void setup_scan(int dtype, DeviceInfo& d) {
+  if (use_async()) {
+    FASTQWEN_CUDA_CHECK(cudaFuncSetAttribute(scan_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             scan_smem_bytes<T>()));
+    FASTQWEN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.occupancy[dtype], scan_kernel<T, true>,
+                                                                      kWarps * 32, scan_smem_bytes<T>()));
+  } else {
+    FASTQWEN_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.occupancy[dtype], scan_kernel<T, false>, kWarps * 32, 0));
+  }
+}
+
 DeviceInfo& device_info() {
   static DeviceInfo info[64];
   int dev = 0;
@@ -785,10 +881,8 @@ DeviceInfo& device_info() {
   DeviceInfo& d = info[dev & 63];
   if (d.sms == 0) {
     FASTQWEN_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
-    FASTQWEN_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.occupancy[0], scan_kernel<float>, kWarps * 32, 0));
-    FASTQWEN_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.occupancy[2], scan_kernel<__nv_bfloat16>, kWarps * 32, 0));
+    setup_scan<float>(0, d);
+    setup_scan<__nv_bfloat16>(2, d);
   }
   return d;
 }
@@ -798,22 +892,25 @@ void launch(const T* logits, int rows, int vocab, const SamplerRow* params, int6
             int64_t* top_ids, float* top_logprobs, int top_width, const int* counts, int64_t counts_rows,
             const int* blocked, int blocked_width, const Workspace& ws, cudaStream_t stream, int dtype) {
   const DeviceInfo& info = device_info();
-  // Enough blocks for one full wave; a row's result does not depend on this (see the file comment).
+  // At most one wave of scan blocks (a partial second wave would cost as much as the first); a row's result does
+  // not depend on this (see the file comment).
   const int wave = info.sms * (info.occupancy[dtype] > 0 ? info.occupancy[dtype] : 1);
-  int ctas = (wave + rows - 1) / rows;
+  int ctas = wave / rows;
   ctas = ctas < 1 ? 1 : ctas > ws.max_ctas ? ws.max_ctas : ctas;
   const bool vec_ok = vocab % 4 == 0 && (reinterpret_cast<uintptr_t>(logits) % (4 * sizeof(T))) == 0;
   const bool counts_vec = counts != nullptr && vocab % 4 == 0 && (reinterpret_cast<uintptr_t>(counts) % 16) == 0;
-  scan_kernel<T><<<dim3(ctas, rows), kWarps * 32, 0, stream>>>(logits, params, vocab, vec_ok, counts, counts_rows,
-                                                               counts_vec, blocked, blocked_width, ws);
+  if (use_async()) {
+    scan_kernel<T, true><<<dim3(ctas, rows), kWarps * 32, scan_smem_bytes<T>(), stream>>>(
+        logits, params, vocab, vec_ok, counts, counts_rows, counts_vec, blocked, blocked_width, ws);
+  } else {
+    scan_kernel<T, false><<<dim3(ctas, rows), kWarps * 32, 0, stream>>>(
+        logits, params, vocab, vec_ok, counts, counts_rows, counts_vec, blocked, blocked_width, ws);
+  }
   cuda_check_launch("sample (scan)");
-  finalize_kernel<T><<<(rows + kFinalWarps - 1) / kFinalWarps, kFinalWarps * 32, 0, stream>>>(
-      logits, params, rows, vocab, ctas, counts, counts_rows, blocked, blocked_width, ws, tokens, logprobs, top_ids,
-      top_logprobs, top_width);
-  cuda_check_launch("sample (finalize)");
-  fallback_kernel<T><<<rows, kFallbackThreads, 0, stream>>>(logits, params, vocab, vec_ok, counts, counts_rows,
-                                                            counts_vec, blocked, blocked_width, ws, tokens, logprobs);
-  cuda_check_launch("sample (fallback)");
+  finish_kernel<T><<<rows, kFinishThreads, 0, stream>>>(logits, params, vocab, ctas, vec_ok, counts, counts_rows,
+                                                         counts_vec, blocked, blocked_width, ws, tokens, logprobs,
+                                                         top_ids, top_logprobs, top_width);
+  cuda_check_launch("sample (finish)");
 }
 
 void require(bool ok, const std::string& what) {

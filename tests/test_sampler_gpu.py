@@ -54,19 +54,20 @@ def reference_mask(logits64: torch.Tensor, t: float, k: int, p: float, mp: float
     return top_k_top_p_min_p_mask(probs, torch.tensor([k]), torch.tensor([p]), torch.tensor([mp]))[0]
 
 
-def boundary_margin(row: torch.Tensor, t: float, k: int, p: float, mp: float) -> float:
-    """How far (float64) the row's top-p and min-p decisions are from flipping: rounding must not matter."""
+def ambiguous_tokens(row: torch.Tensor, t: float, k: int, p: float, mp: float, tol: float = 1e-5) -> torch.Tensor:
+    """[V] bool, float64: tokens whose top-p or min-p decision is within `tol` of flipping. Float32 sums (the
+    reference's cumsum, the kernel's) can decide these either way; every other token must agree exactly."""
     probs = torch.softmax(row.double().cpu() / t, dim=-1)
-    sp, _ = probs.sort(descending=True)
+    sp, order = probs.sort(descending=True, stable=True)
     kk = k if 0 < k < sp.numel() else sp.numel()
-    margin = 1.0
+    amb = torch.zeros_like(sp, dtype=torch.bool)
     if p < 1.0:
         kept = sp[:kk] / sp[:kk].sum()
         before = torch.cumsum(kept, 0) - kept
-        margin = min(margin, (before - p).abs().min().item())
+        amb[:kk] |= (before - p).abs() < tol
     if mp > 0:
-        margin = min(margin, ((sp / sp[0]) - mp).abs().min().item())
-    return margin
+        amb |= ((sp / sp[0]) - mp).abs() < tol * mp
+    return torch.zeros_like(amb).scatter_(0, order, amb).to(row.device)
 
 
 def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> tuple[bool, float, float]:
@@ -83,14 +84,6 @@ def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> tupl
     z = 4.5
     limit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat <= limit, stat, limit
-
-
-def fresh_row(vocab, gen, scale, t, k, p, mp):
-    for _ in range(20):
-        row = torch.randn(vocab, generator=gen, device="cuda") * scale
-        if boundary_margin(row, t, k, p, mp) > 2e-4:
-            return row
-    raise AssertionError("no random row with a clear boundary")
 
 
 CASES = [
@@ -111,11 +104,10 @@ CASES = [
 def test_draws_stay_in_the_reference_set_and_match_its_distribution(case, dtype):
     vocab, scale, t, k, p, mp = case
     gen = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
-    row = fresh_row(vocab, gen, scale, t, k, p, mp).to(dtype)
-    if dtype == torch.bfloat16:  # rounding to bf16 can move a boundary: recheck on the values the kernel sees
-        assert boundary_margin(row.float(), t, k, p, mp) > 1e-5
+    row = (torch.randn(vocab, generator=gen, device="cuda") * scale).to(dtype)
     row64 = row.double()
     mask = reference_mask(row64, t, k, p, mp).cuda()
+    allowed = mask | ambiguous_tokens(row64, t, k, p, mp)
     probs = torch.softmax(row64 / t, dim=-1) * mask
     probs = probs / probs.sum()
     draws, batch = 40_000, 4000 if vocab == QWEN_VOCAB else 10_000
@@ -126,7 +118,7 @@ def test_draws_stay_in_the_reference_set_and_match_its_distribution(case, dtype)
         tokens, *_ = run(logits, rows)
         assert ((tokens >= 0) & (tokens < vocab)).all()
         hist += torch.bincount(tokens, minlength=vocab)
-    outside = hist[~mask].sum().item()
+    outside = hist[~allowed].sum().item()
     assert outside == 0, f"{outside} draws outside the reference's kept set"
     ok, stat, limit = chi_square_ok(hist.cpu(), probs.cpu(), draws)
     assert ok, f"chi-square {stat:.1f} above {limit:.1f} over {int(mask.sum())} kept tokens"
@@ -294,12 +286,11 @@ def test_penalties_blocking_and_counts_match_the_references():
     # Sampled rows with penalties (each row its own slot, same counts): every draw inside the reference set of the
     # penalized logits.
     n, r = 1000, 3
-    assert boundary_margin(want[r], 1.0, 20, 0.9, 0.0) > 1e-5
     table = before[slots[r]][None].expand(n, vocab).contiguous()
     params = pack_sampler_rows([1.0] * n, 20, 0.9, seed=8, step=list(range(n)), slot=list(range(n)),
                                repetition=rep[r], presence=pres[r], frequency=freq[r])  # fmt: skip
     tokens, *_ = run(logits[r][None].expand(n, vocab).contiguous(), params, counts=table)
-    mask = reference_mask(want[r].double(), 1.0, 20, 0.9, 0.0).cuda()
+    mask = reference_mask(want[r].double(), 1.0, 20, 0.9, 0.0).cuda() | ambiguous_tokens(want[r], 1.0, 20, 0.9, 0.0)
     assert mask[tokens].all()
     assert len(set(tokens.tolist())) > 3
 
@@ -312,8 +303,14 @@ def test_logprobs_of_sampled_rows_and_bf16():
         tokens, logprobs, top_ids, top_lp = run(logits, params, top_width=20)
         chosen, ref_ids, ref_lp = compute_logprobs(logits.float(), tokens, 20)
         torch.testing.assert_close(logprobs, chosen, rtol=0, atol=3e-5)
-        assert torch.equal(top_ids[:32], ref_ids[:32])
         torch.testing.assert_close(top_lp[:32], ref_lp[:32], rtol=0, atol=3e-5)
+        # Equal logits (common in bf16) may come in any order from torch.topk; ours lists them by id.
+        got_vals = logits.float()[:32].gather(1, top_ids[:32])
+        assert torch.equal(got_vals, logits.float()[:32].gather(1, ref_ids[:32]))
+        assert (top_ids[:32].sort(dim=1).values.diff(dim=1) > 0).all()
+        ties = got_vals[:, 1:] == got_vals[:, :-1]
+        assert (top_ids[:32][:, 1:] > top_ids[:32][:, :-1])[ties].all()
+        assert top_ids[32].numel() == 20 and (top_ids[32] == -7).all()  # top_n 0: nothing written
 
 
 def test_bad_arguments_raise_value_error():

@@ -13,6 +13,7 @@ from ..model import DECODE_SPLITS, ForwardBatch, Qwen3Model
 from ..ops.sampling import SamplingBatch, step_seed
 from ..scheduler import Request, ScheduledBatch, TokenLogprobs
 from .cuda_graph import DecodeGraphs, fill_padding
+from .sampler import GpuSampler
 from .staging import BatchStaging, Layout, staging_for
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,11 @@ class ModelRunner:
         # The one read-back of a step: sampled tokens, through pinned memory, then a wait on this event.
         self._tokens_host = torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._tokens_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        # The CUDA sampler on GPU (penalty counts kept on the device, engine/sampler.py); the references otherwise.
+        self.sampler = (
+            GpuSampler(model.cfg.vocab_size, self.staging.max_seqs, self.device, eos_token_ids, seed)
+            if GpuSampler.available(self.device) else None
+        )  # fmt: skip
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -213,6 +219,8 @@ class ModelRunner:
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None
         requests = [c.request for c in scheduled.chunks if c.samples]
+        if self.sampler is not None:
+            return self.sampler.sample(logits[: len(requests)], requests, self._read_back)
         want_logprobs = [r.params.logprobs for r in requests]
         raw = logits.clone() if any(n is not None for n in want_logprobs) else None
         self._process_logits(logits, requests)

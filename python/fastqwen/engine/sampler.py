@@ -1,0 +1,183 @@
+"""Engine-side state of the CUDA sampler: persistent per-row parameter buffers, the penalty counts table with a slot
+per request that has penalties, min_tokens bans, and a seed per request.
+
+Each step: `prepare(requests)` packs every row's parameters on the host into pinned memory and uploads them into
+persistent device buffers (one copy each); `launch(logits)` runs the kernel from those buffers only (no host
+work, no allocation: it can be captured in a CUDA graph, as long as `prepare` ran before the replay); `results`
+reads the tokens and logprobs back. The kernel counts each drawn token into its request's row of the counts table,
+so the table never needs the token lists again; a request whose row was reassigned (or whose tokens changed behind
+the sampler's back) gets its row rebuilt from its token lists once.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..ops.sampling import (
+    SAMPLER_ROW_WORDS,
+    pack_sampler_rows,
+    penalty_row,
+    sample_on_gpu,
+    sampler_available,
+    sampler_workspace,
+)
+from ..scheduler import Request, TokenLogprobs
+from ..sampling_params import MAX_LOGPROBS
+
+_SEED = "_sampler_seed"  # attributes the sampler keeps on a Request
+_SLOT = "_sampler_slot"
+_COUNTED = "_sampler_counted"
+
+
+class GpuSampler:
+    def __init__(self, vocab: int, max_rows: int, device: torch.device, eos_token_ids: list[int], seed: int = 0):
+        self.vocab = vocab
+        self.max_rows = max_rows
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.rng = random.Random(seed)  # seeds of requests that gave none
+        pin = device.type == "cuda"
+        self.rows_host = torch.zeros(max_rows, SAMPLER_ROW_WORDS, dtype=torch.int32, pin_memory=pin)
+        self.rows = torch.zeros(max_rows, SAMPLER_ROW_WORDS, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.logprobs = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(max_rows, MAX_LOGPROBS, dtype=torch.int64, device=device)
+        self.top_logprobs = torch.zeros(max_rows, MAX_LOGPROBS, dtype=torch.float32, device=device)
+        self.blocked_width = 8
+        self.blocked_host = torch.full((max_rows, self.blocked_width), -1, dtype=torch.int32, pin_memory=pin)
+        self.blocked = torch.full((max_rows, self.blocked_width), -1, dtype=torch.int32, device=device)
+        self.workspace = sampler_workspace(max_rows, vocab, device)
+        self.counts: torch.Tensor | None = None  # [max_rows, vocab] int32, made on the first request with penalties
+        self.slot_owner: list[Request | None] = [None] * max_rows
+        self.num_rows = 0
+        self.num_top = -1
+
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        import os
+
+        return sampler_available(device) and os.environ.get("FASTQWEN_GPU_SAMPLER", "1") != "0"  # 0: the references
+
+    # ---- per request state ------------------------------------------------------------------------------------------
+
+    def _seed(self, r: Request) -> int:
+        if r.params.seed is not None:
+            return r.params.seed
+        seed = getattr(r, _SEED, None)
+        if seed is None:
+            seed = self.rng.getrandbits(64)
+            setattr(r, _SEED, seed)
+        return seed
+
+    def _slot(self, r: Request, batch_ids: set[int]) -> int:
+        """The request's counts row, (re)built from its token lists when it has none or it went stale."""
+        slot = getattr(r, _SLOT, None)
+        if slot is not None and self.slot_owner[slot] is r and getattr(r, _COUNTED, -1) == r.num_output_tokens:
+            return slot
+        if self.counts is None:
+            self.counts = torch.zeros(self.max_rows, self.vocab, dtype=torch.int32, device=self.device)
+        if slot is None or self.slot_owner[slot] is not r:
+            slot = self._free_slot(batch_ids)
+        self.slot_owner[slot] = r
+        setattr(r, _SLOT, slot)
+        self.counts[slot] = penalty_row(r.prompt_ids, r.output_ids, self.vocab, self.device)
+        return slot
+
+    def _free_slot(self, batch_ids: set[int]) -> int:
+        for i, owner in enumerate(self.slot_owner):
+            if owner is None or owner.finished:
+                return i
+        for i, owner in enumerate(self.slot_owner):  # a request not in this step: its row is rebuilt if it returns
+            if id(owner) not in batch_ids:
+                return i
+        raise RuntimeError("GpuSampler: more rows with penalties than slots")
+
+    # ---- one step ---------------------------------------------------------------------------------------------------
+
+    def prepare(self, requests: list[Request]) -> None:
+        """Pack and upload the rows' parameters (and refresh counts rows) for the next launch."""
+        n = len(requests)
+        if n > self.max_rows:
+            raise ValueError(f"GpuSampler: {n} rows, at most {self.max_rows}")
+        batch_ids = {id(r) for r in requests}
+        slots, bans = [], []
+        for r in requests:
+            p = r.params
+            slots.append(self._slot(r, batch_ids) if p.has_penalties else -1)
+            if r.num_output_tokens < p.min_tokens:
+                bans.append(list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids))
+            else:
+                bans.append([])
+        width = max((len(b) for b in bans), default=0)
+        if width > self.blocked_width:
+            self._grow_blocked(width)
+        if any(bans):
+            host = self.blocked_host.numpy()
+            host[:n] = -1
+            for i, b in enumerate(bans):
+                host[i, : len(b)] = b
+            self.blocked[:n].copy_(self.blocked_host[:n], non_blocking=True)
+        params = [r.params for r in requests]
+        pack_sampler_rows(
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            seed=[self._seed(r) for r in requests],
+            step=[r.num_output_tokens for r in requests],
+            slot=slots,
+            repetition=[p.repetition_penalty for p in params],
+            presence=[p.presence_penalty for p in params],
+            frequency=[p.frequency_penalty for p in params],
+            num_blocked=[len(b) for b in bans],
+            top_n=[-1 if p.logprobs is None else p.logprobs for p in params],
+            out=self.rows_host,
+        )
+        self.rows[:n].copy_(self.rows_host[:n], non_blocking=True)
+        for r, slot in zip(requests, slots):
+            if slot >= 0:
+                setattr(r, _COUNTED, r.num_output_tokens + 1)  # the launch counts the token it draws
+        self.num_rows = n
+        self.num_top = max((-1 if p.logprobs is None else p.logprobs for p in params), default=-1)
+
+    def _grow_blocked(self, width: int) -> None:
+        self.blocked_width = 1 << (width - 1).bit_length()
+        pin = self.device.type == "cuda"
+        self.blocked_host = torch.full((self.max_rows, self.blocked_width), -1, dtype=torch.int32, pin_memory=pin)
+        self.blocked = torch.full((self.max_rows, self.blocked_width), -1, dtype=torch.int32, device=self.device)
+
+    def launch(self, logits: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """The kernel over the first `rows` rows of logits, from the buffers `prepare` filled. Returns the tokens."""
+        n = self.num_rows if rows is None else rows
+        top = self.num_top > 0
+        sample_on_gpu(
+            logits[:n], self.rows[:n], self.tokens[:n], self.workspace, self.logprobs[:n],
+            self.top_ids[:n] if top else None, self.top_logprobs[:n] if top else None,
+            counts=self.counts, blocked=self.blocked[:n],
+        )  # fmt: skip
+        return self.tokens[:n]
+
+    def results(self, requests: list[Request], token_list: list[int]) -> list[TokenLogprobs | None] | None:
+        """Logprobs of the step (after the tokens were read back), or None when no row asked."""
+        if self.num_top < 0:
+            return None
+        n = len(requests)
+        chosen = self.logprobs[:n].tolist()
+        width = max(0, self.num_top)
+        ids = self.top_ids[:n, :width].tolist() if width else [[] for _ in range(n)]
+        lps = self.top_logprobs[:n, :width].tolist() if width else [[] for _ in range(n)]
+        out: list[TokenLogprobs | None] = []
+        for i, r in enumerate(requests):
+            k = r.params.logprobs
+            out.append(None if k is None else TokenLogprobs(token_list[i], chosen[i], list(zip(ids[i][:k], lps[i][:k]))))
+        return out
+
+    def sample(self, logits: torch.Tensor, requests: list[Request], read_back=None):
+        """prepare + launch + read back: (tokens, logprobs or None)."""
+        self.prepare(requests)
+        tokens = self.launch(logits.contiguous() if not logits.is_contiguous() else logits)
+        token_list = read_back(tokens) if read_back is not None else tokens.tolist()
+        return token_list, self.results(requests, token_list)
+
