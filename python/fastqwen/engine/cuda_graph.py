@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..kvcache import KVPool
-from ..model import DECODE_SPLITS, ForwardBatch, Qwen3Model
+from ..model import ForwardBatch, Qwen3Model
 from ..ops._native import half_dtype_code, has_cuda_kernels
 from ..ops.attention import KERNEL_HEAD_DIM
 from .staging import BatchStaging, Layout
@@ -98,7 +98,7 @@ class DecodeGraphs:
             input_ids=v["input_ids"], positions=v["positions"], out_slots=v["out_slots"],
             query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
             logits_indices=v["logits_indices"], temperatures=v["temperatures"], is_decode=True,
-            all_greedy=False, decode_splits=DECODE_SPLITS,
+            all_greedy=False,
         )  # fmt: skip
 
     def _run(self, batch: ForwardBatch, size: int) -> None:

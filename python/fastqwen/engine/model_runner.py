@@ -9,7 +9,7 @@ import torch
 
 from .. import ops
 from ..kvcache import KVPool
-from ..model import DECODE_SPLITS, ForwardBatch, Qwen3Model
+from ..model import ForwardBatch, Qwen3Model
 from ..ops.sampling import SamplingBatch, step_seed
 from ..scheduler import Request, ScheduledBatch, TokenLogprobs
 from .cuda_graph import DecodeGraphs, fill_padding
@@ -103,7 +103,7 @@ class ModelRunner:
             input_ids=graph_batch.input_ids, positions=graph_batch.positions, out_slots=graph_batch.out_slots,
             query_start=graph_batch.query_start, kv_lens=graph_batch.kv_lens, page_table=graph_batch.page_table,
             logits_indices=graph_batch.logits_indices[:n], temperatures=graph_batch.temperatures[:n],
-            is_decode=True, all_greedy=all(t == 0.0 for t in temperatures), decode_splits=DECODE_SPLITS,
+            is_decode=True, all_greedy=all(t == 0.0 for t in temperatures),
         )  # fmt: skip
 
     def _build_eager(self, scheduled: ScheduledBatch) -> ForwardBatch:
@@ -147,7 +147,7 @@ class ModelRunner:
             input_ids=v["input_ids"], positions=v["positions"], out_slots=v["out_slots"],
             query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
             logits_indices=v["logits_indices"], temperatures=v["temperatures"], is_decode=scheduled.is_decode,
-            all_greedy=not temperatures.any(), decode_splits=self._decode_splits(scheduled),
+            all_greedy=not temperatures.any(),
             max_query_len=max_query_len,
         )  # fmt: skip
 
@@ -166,12 +166,6 @@ class ModelRunner:
         self._tokens_ready.record()
         self._tokens_ready.synchronize()
         return host.tolist()
-
-    def _decode_splits(self, scheduled: ScheduledBatch) -> int:
-        """A fixed split count (see DECODE_SPLITS) when the decode kernel runs; 1 on the reference path."""
-        if not scheduled.is_decode or self.model.decode_workspace is None:
-            return 1
-        return DECODE_SPLITS
 
     def _sampling_batch(self, requests: list[Request], temperatures: torch.Tensor) -> SamplingBatch:
         params = [r.params for r in requests]

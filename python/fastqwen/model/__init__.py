@@ -1,4 +1,4 @@
 from .forward_batch import ForwardBatch
-from .qwen3 import DECODE_SPLITS, Qwen3Model
+from .qwen3 import Qwen3Model
 
-__all__ = ["DECODE_SPLITS", "ForwardBatch", "Qwen3Model"]
+__all__ = ["ForwardBatch", "Qwen3Model"]

@@ -19,7 +19,6 @@ class ForwardBatch:
     temperatures: torch.Tensor  # [S] float32, 0 = greedy
     is_decode: bool  # every sequence computes exactly one token
     all_greedy: bool  # every sampling row is greedy
-    decode_splits: int = 1  # chunks per sequence for split-KV decode attention, planned on the host
     max_query_len: int = 0  # longest run of query tokens of one sequence (sizes the prefill grid); 0 = unknown
 
     @property

@@ -11,9 +11,6 @@ from ..weights import Qwen3Weights
 from .forward_batch import ForwardBatch
 
 
-# Transitional: split-KV decode now plans its chunks on the device from each sequence's own length
-# (ops.plan_decode); ForwardBatch.decode_splits is no longer read.
-DECODE_SPLITS = 4
 
 
 class Qwen3Model:
