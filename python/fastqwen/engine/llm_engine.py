@@ -19,7 +19,7 @@ from ..scheduler import Request, Scheduler, TokenLogprobs
 from ..tokenizer import Tokenizer
 from ..weights import dummy_weights, load_weights
 from .cuda_graph import DecodeGraphs, unsupported_reason
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, make_sampler
 from .staging import staging_for
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,11 @@ class LLMEngine:
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
         graph_bs = self._graph_max_bs(disable_cuda_graph, cuda_graph_max_bs, max_num_seqs)
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        # The sampler's buffers (and its penalty-count table, when graphs capture it) are allocated before the KV pool
+        # is sized, so the pool gets what they leave.
+        self.sampler = make_sampler(self.model, self.staging, self.generation_defaults.eos_token_ids, seed)
+        if self.sampler is not None and graph_bs:
+            self.sampler.freeze()
         if num_pages is None:
             graph_bytes = self._measure_graph_memory(graph_bs, page_size) if graph_bs else 0
             num_pages = self._default_num_pages(
@@ -115,8 +120,9 @@ class LLMEngine:
         )
         self.check_every_step = os.environ.get("FASTQWEN_CHECK_INVARIANTS", "0") not in ("", "0")
         self.runner = ModelRunner(
-            self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs
-        )
+            self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs,
+            sampler=self.sampler,
+        )  # fmt: skip
         self._ids = itertools.count()  # request ids, in arrival order
 
     def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
@@ -138,7 +144,8 @@ class LLMEngine:
         """
         cfg = self.config
         scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs).capture()
+        post_logits = self.sampler.launch_captured if self.sampler is not None else None
+        graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs, post_logits).capture()
         used, seconds = graphs.memory_bytes, graphs.capture_seconds
         graphs.close()
         del graphs, scratch

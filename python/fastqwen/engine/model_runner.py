@@ -19,6 +19,13 @@ from .staging import BatchStaging, Layout, staging_for
 log = logging.getLogger(__name__)
 
 
+def make_sampler(model: Qwen3Model, staging: BatchStaging, eos_token_ids: list[int], seed: int) -> GpuSampler | None:
+    """The GPU sampler for this model's device, or None where the references run (CPU, no kernels)."""
+    if not GpuSampler.available(model.device):
+        return None
+    return GpuSampler(model.cfg.vocab_size, staging.max_seqs, model.device, eos_token_ids, seed)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -28,6 +35,7 @@ class ModelRunner:
         seed: int = 0,
         staging: BatchStaging | None = None,
         cuda_graph_max_bs: int = 0,
+        sampler: GpuSampler | None = None,
     ):
         self.model = model
         self.kv = kv
@@ -38,10 +46,17 @@ class ModelRunner:
         max_model_len = model.cos_sin_cache.shape[0]
         self.staging = staging or staging_for(8192, 256, max_model_len, kv.page_size, self.device)
         self._arange = np.arange(self.staging.max_seqs + 1, dtype=np.int64)  # logits_indices / query_start of a graph
+        # The CUDA sampler on GPU (penalty counts kept on the device, engine/sampler.py); the references otherwise.
+        self.sampler = sampler or make_sampler(model, self.staging, eos_token_ids, seed)
         self.graphs: DecodeGraphs | None = None
         self._graph_batches: dict[int, ForwardBatch] = {}
         if cuda_graph_max_bs > 0:
-            self.graphs = DecodeGraphs(model, kv, self.staging, cuda_graph_max_bs).capture()
+            # The sampler is captured after the LM head, so a decode step is one replay and one read-back.
+            post_logits = None
+            if self.sampler is not None:
+                self.sampler.freeze()
+                post_logits = self.sampler.launch_captured
+            self.graphs = DecodeGraphs(model, kv, self.staging, cuda_graph_max_bs, post_logits).capture()
             self._graph_batches = {size: self.graphs.batch(size) for size in self.graphs.sizes}
             log.info(
                 "captured %d CUDA graphs for decode batches up to %d in %.2f s, using %.0f MiB",
@@ -51,11 +66,6 @@ class ModelRunner:
         # The one read-back of a step: sampled tokens, through pinned memory, then a wait on this event.
         self._tokens_host = torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._tokens_ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        # The CUDA sampler on GPU (penalty counts kept on the device, engine/sampler.py); the references otherwise.
-        self.sampler = (
-            GpuSampler(model.cfg.vocab_size, self.staging.max_seqs, self.device, eos_token_ids, seed)
-            if GpuSampler.available(self.device) else None
-        )  # fmt: skip
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -67,7 +77,10 @@ class ModelRunner:
         """The step's ForwardBatch, uploaded, and the padded graph size that replays it (0 = run eager)."""
         chunks = scheduled.chunks
         graphs = self.graphs
-        if graphs is not None and len(chunks) <= graphs.max_bs and scheduled.is_decode and all(c.samples for c in chunks):
+        if (
+            graphs is not None and len(chunks) <= graphs.max_bs and scheduled.is_decode and all(c.samples for c in chunks)
+            and (self.sampler is None or self.sampler.fits_graph([c.request for c in chunks]))
+        ):  # fmt: skip
             size = graphs.padded_size(len(chunks))
             return self._build_graph_decode(chunks, size), size
         return self._build_eager(scheduled), 0
@@ -209,6 +222,12 @@ class ModelRunner:
         if not scheduled.chunks:
             return [], None
         batch, graph_size = self._build(scheduled)
+        if graph_size and self.sampler is not None:  # the graph samples too: its rows are filled before the replay
+            requests = [c.request for c in scheduled.chunks]
+            self.sampler.prepare(requests, pad_to=graph_size)
+            self.run_model(batch, graph_size)
+            token_list = self._read_back(self.sampler.tokens[: len(requests)])
+            return token_list, self.sampler.results(requests, token_list)
         logits = self.run_model(batch, graph_size)
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None

@@ -3,8 +3,10 @@ per request that has penalties, min_tokens bans, and a seed per request.
 
 Each step: `prepare(requests)` packs every row's parameters on the host into pinned memory and uploads them into
 persistent device buffers (one copy each); `launch(logits)` runs the kernel from those buffers only (no host
-work, no allocation: it can be captured in a CUDA graph, as long as `prepare` ran before the replay); `results`
-reads the tokens and logprobs back. The kernel counts each drawn token into its request's row of the counts table,
+work, no allocation); `results` reads the tokens and logprobs back. For CUDA graphs, `freeze()` fixes every buffer
+the kernel reads (counts table allocated, bans of a fixed width), `launch_captured(logits, size)` is what a decode
+graph captures after its LM head, and `prepare(requests, pad_to=size)` makes the padding rows greedy rows that
+count nothing; `fits_graph(requests)` says whether a step's bans fit the frozen width. The kernel counts each drawn token into its request's row of the counts table,
 so the table never needs the token lists again; a request whose row was reassigned (or whose tokens changed behind
 the sampler's back) gets its row rebuilt from its token lists once.
 """
@@ -53,7 +55,26 @@ class GpuSampler:
         self.slot_owner: list[Request | None] = [None] * max_rows
         self.num_rows = 0
         self.num_top = -1
+        self.frozen = False  # captured in CUDA graphs: no buffer may be replaced
+        # Every row starts neutral (greedy, no counts slot, no logprobs): a graph's warm-up and capture run them.
+        pack_sampler_rows([0.0] * max_rows, out=self.rows_host)
+        self.rows.copy_(self.rows_host)
 
+    def freeze(self) -> None:
+        """Allocate everything the kernel reads up front, before graphs capture launch_captured."""
+        if self.counts is None:
+            self.counts = torch.zeros(self.max_rows, self.vocab, dtype=torch.int32, device=self.device)
+        self.frozen = True
+
+    def fits_graph(self, requests: list[Request]) -> bool:
+        """Whether this step's min_tokens bans fit the frozen ban width (wider ones run the eager path)."""
+        for r in requests:
+            p = r.params
+            if r.num_output_tokens < p.min_tokens:
+                width = len(p.stop_token_ids) + (0 if p.ignore_eos else len(self.eos_token_ids))
+                if width > self.blocked_width:
+                    return False
+        return True
     @staticmethod
     def available(device: torch.device) -> bool:
         import os
@@ -96,11 +117,12 @@ class GpuSampler:
 
     # ---- one step ---------------------------------------------------------------------------------------------------
 
-    def prepare(self, requests: list[Request]) -> None:
-        """Pack and upload the rows' parameters (and refresh counts rows) for the next launch."""
+    def prepare(self, requests: list[Request], pad_to: int = 0) -> None:
+        """Pack and upload the rows' parameters (and refresh counts rows) for the next launch; rows from
+        len(requests) up to pad_to (a graph's padded size) become neutral greedy rows."""
         n = len(requests)
-        if n > self.max_rows:
-            raise ValueError(f"GpuSampler: {n} rows, at most {self.max_rows}")
+        if max(n, pad_to) > self.max_rows:
+            raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
         batch_ids = {id(r) for r in requests}
         slots, bans = [], []
         for r in requests:
@@ -112,6 +134,8 @@ class GpuSampler:
                 bans.append([])
         width = max((len(b) for b in bans), default=0)
         if width > self.blocked_width:
+            if self.frozen:
+                raise RuntimeError("GpuSampler: bans wider than the frozen width (check fits_graph first)")
             self._grow_blocked(width)
         if any(bans):
             host = self.blocked_host.numpy()
@@ -135,7 +159,10 @@ class GpuSampler:
             top_n=[-1 if p.logprobs is None else p.logprobs for p in params],
             out=self.rows_host,
         )
-        self.rows[:n].copy_(self.rows_host[:n], non_blocking=True)
+        if pad_to > n:
+            pack_sampler_rows([0.0] * (pad_to - n), out=self.rows_host[n:])
+        rows = max(n, pad_to)
+        self.rows[:rows].copy_(self.rows_host[:rows], non_blocking=True)
         for r, slot in zip(requests, slots):
             if slot >= 0:
                 setattr(r, _COUNTED, r.num_output_tokens + 1)  # the launch counts the token it draws
@@ -158,6 +185,15 @@ class GpuSampler:
             counts=self.counts, blocked=self.blocked[:n],
         )  # fmt: skip
         return self.tokens[:n]
+
+    def launch_captured(self, logits: torch.Tensor, size: int) -> None:
+        """The kernel over a graph's padded rows, reading only frozen buffers; logprobs and top-N are always wired
+        (rows whose top_n is -1 skip them), so one graph serves every step."""
+        assert self.frozen, "freeze() before capturing"
+        sample_on_gpu(
+            logits[:size], self.rows[:size], self.tokens[:size], self.workspace, self.logprobs[:size],
+            self.top_ids[:size], self.top_logprobs[:size], counts=self.counts, blocked=self.blocked[:size],
+        )  # fmt: skip
 
     def results(self, requests: list[Request], token_list: list[int]) -> list[TokenLogprobs | None] | None:
         """Logprobs of the step (after the tokens were read back), or None when no row asked."""
