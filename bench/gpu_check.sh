@@ -83,8 +83,8 @@ stage_offline() {
     --new-tokens 64 --hf --json "$OUT/latency_8b.json"
   run latency_0.6b 90 python3 bench/latency.py --model Qwen3-0.6B --load-format dummy --prompt-lens 128 1024 4096 \
     --new-tokens 64 --json "$OUT/latency_0.6b.json"
-  run throughput_8b_random 120 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload random \
-    --num-prompts 256 --json "$OUT/throughput_8b_random.json"
+  run throughput_8b_random 200 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload random \
+    --num-prompts 256 --hf --hf-requests 32 --json "$OUT/throughput_8b_random.json"
   run throughput_8b_128x1024 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
     --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_128x1024.json"
   run throughput_0.6b_128x1024 150 python3 bench/throughput.py --model Qwen3-0.6B --load-format dummy --workload fixed \

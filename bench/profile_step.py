@@ -46,6 +46,7 @@ def main() -> int:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="decode batch size (that many requests at once)")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -70,19 +71,26 @@ def main() -> int:
     step = runner.step
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
+    batch_sizes: list[int] = []
+
     def step_with_begin(scheduled):
         begin.record()
+        batch_sizes.append(len(scheduled.chunks) if scheduled.is_decode else -1)
         return step(scheduled)
 
     runner.step = timed(times, "runner_step", step_with_begin)
     engine.step = timed(times, "engine_step", engine.step)
 
-    prompt = [(7 * i) % engine.config.vocab_size for i in range(args.prompt_len)]
+    prompts = [[(7 * i + 13 * b) % engine.config.vocab_size for i in range(args.prompt_len)] for b in range(args.batch)]
     for _ in range(2):  # the first run warms up
-        for values in times.values():
+        batch_sizes.clear()
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True))
+        while not batch_sizes or batch_sizes[-1] != args.batch:  # prefill (eager, chunked) until all decode
+            engine.step()
+        for values in times.values():  # profile the decode steps only
             values.clear()
         gpu_ms.clear()
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
 
@@ -99,6 +107,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "cuda_graph": not args.disable_cuda_graph and runner.graphs is not None,
         "prompt_tokens": args.prompt_len,
+        "batch": args.batch,
         "decode_steps": len(times["engine_step"]) - 1,
         "step_ms": median_ms("engine_step"),
         "gpu_ms": statistics.median(gpu_ms[1:]),

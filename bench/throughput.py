@@ -13,6 +13,7 @@ on the first --hf-requests requests of the same workload as the baseline.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -93,6 +94,8 @@ def main() -> int:
         "preemptions": llm.engine.scheduler.num_preemptions,
     }
     del llm, results
+    gc.collect()  # the engine's GPU memory must be gone before the baseline builds its own model
+    torch.cuda.empty_cache()
     if args.hf:
         n = min(args.hf_requests, len(prompts))
         result["hf_output_tok_s"] = hf_throughput(args.model, prompts[:n], outs[:n], str(device))
