@@ -204,3 +204,52 @@ def test_min_tokens_blocks_stop_tokens(checkpoint):
     )[0]
     assert len(held.token_ids) > 6 or held.finish_reason == "length"
     assert stop_id not in held.token_ids[:6]
+
+
+def test_gpu_sampler_prepare_packs_what_the_kernel_expects(monkeypatch):
+    """GpuSampler.prepare caches each request's packed row and patches only the per-step words (step, counts slot,
+    number of bans): the rows it uploads must equal pack_sampler_rows of the full per-row parameters, and padding
+    rows must be neutral greedy rows. Checked on the CPU (the buffers are plain tensors there)."""
+    import fastqwen.engine.sampler as sampler_module
+    from fastqwen.engine.sampler import GpuSampler
+    from fastqwen.ops.sampling import pack_sampler_rows
+    from fastqwen.sampling_params import SamplingParams
+    from fastqwen.scheduler import Request
+
+    monkeypatch.setattr(sampler_module, "sampler_workspace", lambda rows, vocab, device: torch.empty(1))
+    monkeypatch.setattr(sampler_module, "penalty_row", lambda prompt, output, vocab, device: torch.zeros(vocab))
+    eos = [7, 8]
+    sampler = GpuSampler(vocab=50, max_rows=16, device=torch.device("cpu"), eos_token_ids=eos, seed=3)
+    rng = random.Random(0)
+    requests = []
+    for i in range(6):
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.8]),
+            min_p=rng.choice([0.0, 0.1]), seed=rng.choice([None, 11 + i]), repetition_penalty=rng.choice([1.0, 1.2]),
+            presence_penalty=rng.choice([0.0, 0.5]), min_tokens=rng.choice([0, 3]), ignore_eos=rng.random() < 0.5,
+            stop_token_ids=rng.choice([[], [9]]), logprobs=rng.choice([None, 0, 2]), max_tokens=20,
+        )  # fmt: skip
+        request = Request(rid=i, prompt_ids=[1, 2, 3], params=params, arrival=i)
+        request.token_ids += [4] * rng.randint(0, 5)
+        requests.append(request)
+    for step in range(2):
+        sampler.prepare(requests, pad_to=8)
+        slots = [getattr(r, "_sampler_slot") if r.params.has_penalties else -1 for r in requests]
+        bans = [
+            len(r.params.stop_token_ids) + (0 if r.params.ignore_eos else len(eos))
+            if r.num_output_tokens < r.params.min_tokens else 0
+            for r in requests
+        ]  # fmt: skip
+        want = pack_sampler_rows(
+            [r.params.temperature for r in requests], [r.params.top_k for r in requests],
+            [r.params.top_p for r in requests], [r.params.min_p for r in requests],
+            seed=[sampler._seed(r) for r in requests], step=[r.num_output_tokens for r in requests], slot=slots,
+            repetition=[r.params.repetition_penalty for r in requests],
+            presence=[r.params.presence_penalty for r in requests],
+            frequency=[r.params.frequency_penalty for r in requests], num_blocked=bans,
+            top_n=[-1 if r.params.logprobs is None else r.params.logprobs for r in requests],
+        )  # fmt: skip
+        assert torch.equal(sampler.rows[:6], want)
+        assert torch.equal(sampler.rows[6:8], pack_sampler_rows([0.0, 0.0]))
+        for r in requests:  # the next step: one more output token each
+            r.token_ids.append(5)

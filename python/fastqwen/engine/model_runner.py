@@ -50,6 +50,10 @@ class ModelRunner:
         self.sampler = sampler or make_sampler(model, self.staging, eos_token_ids, seed)
         self.graphs: DecodeGraphs | None = None
         self._graph_batches: dict[int, ForwardBatch] = {}
+        # Page-table rows already in the staging buffer at the last graph size: (request, pages written) per row.
+        # Decode batches keep their order from step to step, so a step usually writes only the new pages.
+        self._table_size = 0
+        self._table_rows: list[tuple[Request, int]] = []
         if cuda_graph_max_bs > 0:
             # The sampler is captured after the LM head, so a decode step is one replay and one read-back.
             post_logits = None
@@ -91,6 +95,9 @@ class ModelRunner:
         layout = self.graphs.layout(size)
         views = self.staging.host_views(layout)
         page_table = views["page_table"]
+        if self._table_size != size:
+            self._table_size, self._table_rows = size, []
+        written = self._table_rows
         ids, positions, slots, kv_lens, temperatures = [], [], [], [], []
         for row, chunk in enumerate(chunks):
             request, pos = chunk.request, chunk.start
@@ -100,7 +107,18 @@ class ModelRunner:
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
             kv_lens.append(chunk.end)
             temperatures.append(request.params.temperature)
-            page_table[row, : len(pages)] = pages  # the kernel reads no entry past kv_len: stale tails are harmless
+            # A running request's pages only grow. The kernel reads no entry past kv_len: stale tails are harmless.
+            if row < len(written) and written[row][0] is request:
+                have = written[row][1]
+                if len(pages) > have:
+                    page_table[row, have : len(pages)] = pages[have:]
+                    written[row] = (request, len(pages))
+            else:
+                page_table[row, : len(pages)] = pages
+                if row < len(written):
+                    written[row] = (request, len(pages))
+                else:
+                    written.append((request, len(pages)))
         n = len(chunks)
         views["input_ids"][:n] = ids
         views["positions"][:n] = positions
@@ -121,6 +139,7 @@ class ModelRunner:
 
     def _build_eager(self, scheduled: ScheduledBatch) -> ForwardBatch:
         """Any batch, packed at its own shape; page-table rows as wide as its longest sequence, zero-filled."""
+        self._table_size = 0  # this layout may overwrite the graph layouts' page-table rows
         page_size = self.kv.page_size
         chunks = scheduled.chunks
         num_samples = sum(1 for c in chunks if c.samples)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from ..ops.sampling import (
@@ -31,6 +32,7 @@ from ..sampling_params import MAX_LOGPROBS
 _SEED = "_sampler_seed"  # attributes the sampler keeps on a Request
 _SLOT = "_sampler_slot"
 _COUNTED = "_sampler_counted"
+_ROW = "_sampler_row"
 
 
 class GpuSampler:
@@ -57,6 +59,7 @@ class GpuSampler:
         self.num_top = -1
         self.frozen = False  # captured in CUDA graphs: no buffer may be replaced
         # Every row starts neutral (greedy, no counts slot, no logprobs): a graph's warm-up and capture run them.
+        self._neutral_row = pack_sampler_rows([0.0]).numpy()[0]
         pack_sampler_rows([0.0] * max_rows, out=self.rows_host)
         self.rows.copy_(self.rows_host)
 
@@ -117,6 +120,19 @@ class GpuSampler:
 
     # ---- one step ---------------------------------------------------------------------------------------------------
 
+    def _packed_row(self, r: Request) -> np.ndarray:
+        """The request's row with step 0, no slot and no bans, packed (and validated) once per request."""
+        row = getattr(r, _ROW, None)
+        if row is None:
+            p = r.params
+            row = pack_sampler_rows(
+                [p.temperature], [p.top_k], [p.top_p], [p.min_p], seed=[self._seed(r)], step=[0],
+                repetition=[p.repetition_penalty], presence=[p.presence_penalty], frequency=[p.frequency_penalty],
+                top_n=[-1 if p.logprobs is None else p.logprobs],
+            ).numpy()[0]  # fmt: skip
+            setattr(r, _ROW, row)
+        return row
+
     def prepare(self, requests: list[Request], pad_to: int = 0) -> None:
         """Pack and upload the rows' parameters (and refresh counts rows) for the next launch; rows from
         len(requests) up to pad_to (a graph's padded size) become neutral greedy rows."""
@@ -124,50 +140,48 @@ class GpuSampler:
         if max(n, pad_to) > self.max_rows:
             raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
         batch_ids = {id(r) for r in requests}
-        slots, bans = [], []
-        for r in requests:
+        host = self.rows_host.numpy()
+        if n:
+            host[:n] = np.stack([self._packed_row(r) for r in requests])
+        steps = np.fromiter((r.num_output_tokens for r in requests), dtype=np.uint64, count=n)
+        words = host.view(np.uint32)
+        words[:n, 6] = (steps & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        words[:n, 7] = (steps >> np.uint64(32)).astype(np.uint32)
+        bans: list[tuple[int, list[int]]] = []
+        slots: list[tuple[Request, int]] = []
+        num_top = -1
+        for i, r in enumerate(requests):  # the rare per-row extras: penalties, min_tokens bans, logprobs
             p = r.params
-            slots.append(self._slot(r, batch_ids) if p.has_penalties else -1)
+            if p.has_penalties:
+                slot = self._slot(r, batch_ids)
+                host[i, 8] = slot
+                slots.append((r, slot))
             if r.num_output_tokens < p.min_tokens:
-                bans.append(list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids))
-            else:
-                bans.append([])
-        width = max((len(b) for b in bans), default=0)
+                ban = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                if ban:
+                    bans.append((i, ban))
+                    host[i, 12] = len(ban)
+            if p.logprobs is not None and p.logprobs > num_top:
+                num_top = p.logprobs
+        width = max((len(b) for _, b in bans), default=0)
         if width > self.blocked_width:
             if self.frozen:
                 raise RuntimeError("GpuSampler: bans wider than the frozen width (check fits_graph first)")
             self._grow_blocked(width)
-        if any(bans):
-            host = self.blocked_host.numpy()
-            host[:n] = -1
-            for i, b in enumerate(bans):
-                host[i, : len(b)] = b
+        if bans:
+            blocked = self.blocked_host.numpy()
+            blocked[:n] = -1
+            for i, b in bans:
+                blocked[i, : len(b)] = b
             self.blocked[:n].copy_(self.blocked_host[:n], non_blocking=True)
-        params = [r.params for r in requests]
-        pack_sampler_rows(
-            [p.temperature for p in params],
-            [p.top_k for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-            seed=[self._seed(r) for r in requests],
-            step=[r.num_output_tokens for r in requests],
-            slot=slots,
-            repetition=[p.repetition_penalty for p in params],
-            presence=[p.presence_penalty for p in params],
-            frequency=[p.frequency_penalty for p in params],
-            num_blocked=[len(b) for b in bans],
-            top_n=[-1 if p.logprobs is None else p.logprobs for p in params],
-            out=self.rows_host,
-        )
         if pad_to > n:
-            pack_sampler_rows([0.0] * (pad_to - n), out=self.rows_host[n:])
+            host[n:pad_to] = self._neutral_row
         rows = max(n, pad_to)
         self.rows[:rows].copy_(self.rows_host[:rows], non_blocking=True)
-        for r, slot in zip(requests, slots):
-            if slot >= 0:
-                setattr(r, _COUNTED, r.num_output_tokens + 1)  # the launch counts the token it draws
+        for r, _ in slots:
+            setattr(r, _COUNTED, r.num_output_tokens + 1)  # the launch counts the token it draws
         self.num_rows = n
-        self.num_top = max((-1 if p.logprobs is None else p.logprobs for p in params), default=-1)
+        self.num_top = num_top
 
     def _grow_blocked(self, width: int) -> None:
         self.blocked_width = 1 << (width - 1).bit_length()
