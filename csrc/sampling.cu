@@ -4,7 +4,10 @@
 //
 // 1. scan: one pass over the logits. A row is cut into tiles of 1024 tokens; each warp takes a strided set of
 //    tiles and keeps, per row mode: a running argmax (greedy), the race argmax over every token (sampled rows with
-//    no filter), or the 64 best tokens by (logit desc, id asc) (filtered rows). Per tile it writes (max, sum-exp)
+//    no filter), or the 64 best tokens by (logit desc, id asc) (filtered rows). The 64-lists reject almost every
+//    token with one compare against a running threshold (each warp's first tile seeds it by bisection over lane
+//    maxima; the warps of a block share the best one), so per tile the common cost is a max and a vote, and
+//    sorting/merging runs only for the few admitted tokens. Per tile it writes (max, sum-exp)
 //    partials, so the row's sums do not depend on how tiles are spread over warps (the grid grows as the batch
 //    shrinks, and a row's result must not depend on the batch).
 // 2. finalize: a warp per row merges the partial lists and sums, and decides the row from its 64 best tokens
@@ -233,8 +236,10 @@ struct WarpList {
   float thr_x = -INFINITY;
   int cnt = 0;  // staged keys
 
+  // thr never falls: it is the larger of the list's 64th entry and the floor set by seed() (the 64th entry only
+  // rises, so the running maximum is exactly that).
   __device__ __forceinline__ void refresh() {
-    thr = __shfl_sync(kFull, b, 31);
+    thr = umax64(thr, __shfl_sync(kFull, b, 31));
     thr_x = (thr >> 32) == 0 ? -INFINITY : x_of(thr);
   }
   // Top 64 of this list and another sorted one (na, nb): max(L[i], N[63 - i]) is bitonic and holds them.
@@ -257,6 +262,104 @@ struct WarpList {
   }
   __device__ __forceinline__ bool admits(float x, uint32_t id) const {
     return x > thr_x || (x == thr_x && pack(x, id) > thr);
+  }
+  // A first threshold from the warp's first tile, before any of it is offered: with m the 128 maxima of 8 tokens
+  // (two groups of 4 per lane), a value t that at least 64 of them reach is reached by at least 64 distinct tokens
+  // of the tile, so no token below t can be among the 64 best and the list starts by admitting only x >= t (about
+  // 8% of random logits instead of the whole tile). t is found by bisection with exact counts, so it is always
+  // valid; out-of-vocabulary and NaN tokens only ever count as -inf, which can only lower t to -inf (no filter).
+  __device__ __forceinline__ void seed(const float (&x)[kGroups][4]) {
+    uint32_t m[kGroups / 2];
+#pragma unroll
+    for (int h = 0; h < kGroups / 2; ++h) {
+      float v = -INFINITY;
+#pragma unroll
+      for (int g = 2 * h; g < 2 * h + 2; ++g)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v = fmaxf(v, x[g][j]);
+      m[h] = ord_of(v);
+    }
+    uint32_t mn = m[0], mx = m[0];
+#pragma unroll
+    for (int h = 1; h < kGroups / 2; ++h) mn = min(mn, m[h]), mx = max(mx, m[h]);
+    float lo = float_of_ord(__reduce_min_sync(kFull, mn));
+    float hi = float_of_ord(__reduce_max_sync(kFull, mx));
+    if (isfinite(lo) && isfinite(hi)) {
+#pragma unroll 1
+      for (int it = 0; it < 8 && lo < hi; ++it) {
+        const float mid = 0.5f * lo + 0.5f * hi;
+        const uint32_t om = ord_of(mid);
+        unsigned c = 0;
+#pragma unroll
+        for (int h = 0; h < kGroups / 2; ++h) c += m[h] >= om ? 1u : 0u;
+        if (__reduce_add_sync(kFull, c) >= kList) lo = mid;
+        else hi = mid;
+      }
+    }
+    // The lowest-ranked key of value lo: every token with x >= lo beats it.
+    thr = umax64(thr, pack(lo, 0xffffffffu));
+    thr_x = x_of(thr);
+  }
+  // Offer a whole tile (lane values x[g][j] = token base + (g * 32 + lane) * 4 + j). Most tiles are rejected by the
+  // lane maximum against the running threshold and one vote. The rest stage every in-vocabulary token with
+  // x >= thr_x at ballot offsets, one compare per token: a superset of what admits() takes (the extra keys tie with
+  // the threshold's value, rank below it and fall out at the merge), or, when they are too many for the stage (ties,
+  // adversarial rows), offer group by group with the exact test.
+  //
+  // `shared` is the block's threshold for this list, the largest any of its warps has reached: each is reached by
+  // 64 distinct tokens of the block, so a token below it cannot be among the block's 64 best, and the block's
+  // merged list (what is written out) is the same whatever the warps' timing.
+  __device__ __forceinline__ void offer_tile(const float (&x)[kGroups][4], int64_t base, int vocab, uint64_t* stage,
+                                             unsigned long long* shared, int lane) {
+    const uint64_t s = *reinterpret_cast<volatile unsigned long long*>(shared);
+    if (s > thr) thr = s, thr_x = x_of(s);
+    float gm[kGroups];
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) gm[g] = fmaxf(fmaxf(x[g][0], x[g][1]), fmaxf(x[g][2], x[g][3]));
+    const float mx = fmaxf(fmaxf(fmaxf(gm[0], gm[1]), fmaxf(gm[2], gm[3])), fmaxf(fmaxf(gm[4], gm[5]), fmaxf(gm[6], gm[7])));
+    if (!__any_sync(kFull, mx >= thr_x)) return;  // NaN never passes, as in admits()
+    uint32_t mask = 0;  // bit 4g + j: token (g, j) is staged
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (x[g][j] >= thr_x) mask |= 1u << (4 * g + j);
+    if (base + kTile > vocab) {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (base + (g * 32 + lane) * 4 + j >= vocab) mask &= ~(1u << (4 * g + j));
+    }
+    // Offsets: the exclusive prefix sum of the lanes' counts, bit by bit with ballots.
+    const int n = __popc(mask);
+    const unsigned below = (1u << lane) - 1u;
+    int before = 0, total = 0;
+#pragma unroll
+    for (int k = 0; k < 6; ++k) {
+      const unsigned v = __ballot_sync(kFull, (n >> k) & 1);
+      before += __popc(v & below) << k;
+      total += __popc(v) << k;
+    }
+    if (cnt + total > kStage) {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g)
+        offer(x[g], static_cast<uint32_t>(base + (g * 32 + lane) * 4), vocab, stage, lane);
+    } else {
+      int pos = cnt + before;
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        if (!__any_sync(kFull, (mask >> (4 * g)) & 15u)) continue;
+        const uint32_t id0 = static_cast<uint32_t>(base + (g * 32 + lane) * 4);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if ((mask >> (4 * g + j)) & 1u) stage[pos++] = pack(x[g][j], id0 + j);
+      }
+      cnt += total;
+      __syncwarp();
+      while (cnt >= 32) flush(stage, lane);
+    }
+    if (lane == 0 && thr > s) atomicMax(shared, static_cast<unsigned long long>(thr));
   }
   // Offer 4 consecutive tokens of each lane (id0 .. id0+3); ids >= vocab are not offered.
   __device__ __forceinline__ void offer(const float (&x)[4], uint32_t id0, int vocab, uint64_t* stage, int lane) {
@@ -406,11 +509,13 @@ __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__
   __shared__ uint64_t stage[2][kWarps][kStage];
   __shared__ uint64_t lists[kWarps][kList];
   __shared__ uint64_t best_smem;
+  __shared__ unsigned long long block_thr[2];  // the block's thresholds of list and raw_list (see offer_tile)
   const int row = blockIdx.y, cta = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const Row r = make_row(params, row, vocab, counts, counts_rows, blocked, blocked_width);
   const T* x_row = logits + static_cast<int64_t>(row) * vocab;
-  if (threadIdx.x == 0) best_smem = 0;
+  if (threadIdx.x == 0) best_smem = 0, block_thr[0] = 0, block_thr[1] = 0;
+  __syncthreads();
 
   WarpList list, raw_list;
   float best_x = -INFINITY, best_s = -INFINITY;
@@ -453,10 +558,10 @@ __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__
       for (int g = 0; g < kGroups; ++g) load4<T>(x_row, base + (g * 32 + lane) * 4, vocab, vec_ok, x[g]);
     }
     if (r.need_lse) tile_lse(x, 1.0f, ws.raw_stats + static_cast<int64_t>(row) * ws.tiles + tile, lane);
+    const bool first = tile == cta * kWarps + warp;
     if (r.need_raw_list) {
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g)
-        raw_list.offer(x[g], static_cast<uint32_t>(base + (g * 32 + lane) * 4), vocab, stage[1][warp], lane);
+      if (first) raw_list.seed(x);
+      raw_list.offer_tile(x, base, vocab, stage[1][warp], &block_thr[1], lane);
     }
     if (r.pen || r.blocking) {
 #pragma unroll
@@ -464,9 +569,8 @@ __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__
     }
     if (r.need_z) tile_lse(x, r.inv_t, ws.z_stats + static_cast<int64_t>(row) * ws.tiles + tile, lane);
     if (r.need_list) {
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g)
-        list.offer(x[g], static_cast<uint32_t>(base + (g * 32 + lane) * 4), vocab, stage[0][warp], lane);
+      if (first) list.seed(x);
+      list.offer_tile(x, base, vocab, stage[0][warp], &block_thr[0], lane);
     }
     if (r.greedy) {
       // Per lane, ids rise with g and j: a strict > keeps the lowest id of equal maxima.
