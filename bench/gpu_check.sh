@@ -71,10 +71,7 @@ stage_kernels() {
     name="$(basename "$b" .py)"
     run "$name" 120 python3 "$b" --json "$OUT/$name.json"
   done
-  run kernels 300 python3 bench/kernels.py --json "$OUT/kernels.json"
-  if [ -e bench/sampling_bench.py ]; then
-    run sampling 150 python3 bench/sampling_bench.py --json "$OUT/sampling.json"
-  fi
+  run kernels 420 python3 bench/kernels.py --ops norms qk decode prefill sample --json "$OUT/kernels.json"
 }
 
 stage_offline() {
@@ -94,7 +91,9 @@ stage_offline() {
 server_pid=""
 start_server() {  # start_server LOGNAME CHECKPOINT [extra serve flags]: starts it and waits until /health says 200
   local log="$1" model="$2"; shift 2
-  python3 -m fastqwen.serve --model "$model" --load-format dummy --port 8000 --max-model-len 4096 "$@" \
+  # 8192: the 4096-token latency prompt plus its output fits; a deep queue: the c=256 runs must not see 503s.
+  python3 -m fastqwen.serve --model "$model" --load-format dummy --port 8000 --max-model-len 8192 \
+    --max-queued-requests 4096 "$@" \
     > "$OUT/$log" 2>&1 &
   server_pid=$!
   for _ in $(seq 300); do

@@ -36,6 +36,13 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
         "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
+    try:
+        return await _stream(http, body)
+    except httpx.TransportError as e:  # a dropped connection counts as a failed request, not a crashed benchmark
+        return {"ok": False, "status": None, "error": repr(e)[:200]}
+
+
+async def _stream(http: httpx.AsyncClient, body: dict) -> dict:
     start = time.perf_counter()
     token_times: list[float] = []
     usage = None

@@ -128,12 +128,15 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands()
                 if not engine.has_unfinished():
-                    if busy:  # just went idle: a good moment to check that no page leaked
+                    # Idle. Check that no page leaked once nothing arrived for a whole wait: the check walks every
+                    # page (milliseconds, holding the GIL), so running it the moment the last request finishes would
+                    # delay that request's final update and the next request's first step.
+                    woken = self._wake.wait(0.05)
+                    self._wake.clear()
+                    if busy and not woken and not self._commands.qsize():
                         busy = False
                         self._check_invariants()
                         self.kv_usage = engine.kv_usage()
-                    self._wake.wait(0.05)
-                    self._wake.clear()
                     continue
                 busy = True
                 updates = engine.step()
