@@ -266,7 +266,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 4096, 8192, 16384])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--ops", nargs="+", default=["norms", "qk", "decode", "prefill"], choices=["norms", "qk", "decode", "prefill", "sample"])
+    ap.add_argument("--ops", nargs="+", default=["norms", "qk", "decode", "prefill", "sample"], choices=["norms", "qk", "decode", "prefill", "sample"])
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
