@@ -16,6 +16,7 @@
 #include "common.cuh"
 #include "cuda_check.h"
 #include "mma.cuh"
+#include "paged_kv.cuh"
 
 namespace fastqwen {
 namespace {
@@ -23,14 +24,15 @@ using namespace mma;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTile = 64;  // tokens per pipeline stage, 16 per warp
+constexpr int kTile = kKVTile;  // tokens per pipeline stage, 16 per warp
 constexpr int kStages = 3;
 constexpr int kChunks = kD / 8;
 constexpr int kMinChunk = 256;  // tokens; shorter sequences are not split
 constexpr int kStageElems = 2 * kTile * kD;  // K and V of one stage
 constexpr size_t kSmemBytes = (kStages * kStageElems + 16 * kD) * 2;  // stages + the 16-row Q tile
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kF16 = 1, kBF16 = 2;
+constexpr int kF16 = 1;
+static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least kMinChunk, and at most
 // kDecodeMaxSplits chunks in all.
@@ -104,7 +106,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = p.group;
   const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
-  const int page_mask = (1 << p.page_shift) - 1;
 
   for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
     const int chunk_index = item / p.num_kv_heads, kvh = item % p.num_kv_heads;
@@ -131,23 +132,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     }
     auto load_tile = [&](int t) {
       T* dk = sKV + (t % kStages) * kStageElems;
-      T* dv = dk + kTile * kD;
-#pragma unroll
-      for (int i = 0; i < kTile * kChunks / kThreads; ++i) {
-        const int c = tid + i * kThreads;
-        const int key = c / kChunks, chunk = c % kChunks;
-        const int pos = start + t * kTile + key;
-        int page = -1;
-        if (pos < end && (pos >> p.page_shift) < p.max_pages) page = pages[pos >> p.page_shift];
-        const bool valid = page >= 0 && page < p.num_pages;
-        int64_t offset = 0;
-        if (valid) {
-          const int64_t slot = (static_cast<int64_t>(page) << p.page_shift) + (pos & page_mask);
-          offset = (slot * p.num_kv_heads + kvh) * kD + chunk * 8;
-        }
-        cp_async16(dk + swz(key, chunk), k_cache + offset, valid);
-        cp_async16(dv + swz(key, chunk), v_cache + offset, valid);
-      }
+      load_kv_tile(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, end, p.page_shift, p.max_pages,
+                   p.num_pages, p.num_kv_heads, kvh, tid);
     };
     // Prologue: Q with tile 0, then tiles 1 .. kStages - 2, one commit group each.
 #pragma unroll
@@ -348,16 +334,8 @@ void paged_attention_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, u
                             int64_t num_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_pages,
                             int64_t num_pages, double scale, int dtype, uintptr_t stream) {
   const std::string op = "paged_attention_decode: ";
-  if (head_dim != kD) throw std::invalid_argument(op + "head_dim must be 128, got " + std::to_string(head_dim));
-  if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 8) {
-    throw std::invalid_argument(op + "num_heads must be 1 to 8 times num_kv_heads");
-  }
-  if (page_size < 1 || (page_size & (page_size - 1)) != 0 || page_size > 1024) {
-    throw std::invalid_argument(op + "page_size must be a power of two up to 1024");
-  }
+  const int shift = check_paged_attention(op, head_dim, num_heads, num_kv_heads, page_size, max_pages, num_pages, dtype);
   if (batch < 0 || batch > (int64_t{1} << 20) || num_heads > 1024) throw std::invalid_argument(op + "batch or heads out of range");
-  if (max_pages < 1 || num_pages < 1) throw std::invalid_argument(op + "max_pages and num_pages must be >= 1");
-  if (dtype != kF16 && dtype != kBF16) throw std::invalid_argument(op + "dtype must be float16 or bfloat16");
   if (workspace_rows < batch * num_heads * kDecodeMaxSplits) {
     throw std::invalid_argument(op + "the workspace needs batch * num_heads * " + std::to_string(kDecodeMaxSplits) +
                                 " rows");
@@ -369,8 +347,6 @@ void paged_attention_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, u
   for (uintptr_t ptr : {page_table, kv_lens, split_offsets, part_lse}) {
     if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "page_table, kv_lens and split_offsets must be int32");
   }
-  int shift = 0;
-  while ((int64_t{1} << shift) < page_size) ++shift;
   Params p{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_cache),
            reinterpret_cast<const void*>(v_cache), reinterpret_cast<const int*>(page_table),
            reinterpret_cast<const int*>(kv_lens), reinterpret_cast<const int*>(split_offsets),

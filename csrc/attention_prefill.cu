@@ -14,19 +14,21 @@
 #include "common.cuh"
 #include "cuda_check.h"
 #include "mma.cuh"
+#include "paged_kv.cuh"
 
 namespace fastqwen {
 namespace {
 using namespace mma;
 
 constexpr int kBM = 128;  // packed query rows per block
-constexpr int kBN = 64;   // keys per tile
+constexpr int kBN = kKVTile;  // keys per tile
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunks = kD / 8;  // 16-byte chunks per row
 constexpr size_t kSmemBytes = (kBM + 4 * kBN) * kD * 2;  // Q + two K and two V tiles, 2-byte elements
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kF16 = 1, kBF16 = 2;
+constexpr int kF16 = 1;
+static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 struct Params {
   const void* q;
@@ -60,7 +62,6 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
   const int rows = n_q * G;
   const int kv_len = p.kv_lens[b];
   const int prefix = kv_len - n_q;  // cached tokens before the first query; < 0 only on bad input
-  const int page_size_mask = (1 << p.page_shift) - 1;
   const int* pages = p.page_table + static_cast<int64_t>(b) * p.max_pages;
   const int num_tiles = (rows + kBM - 1) / kBM;
 
@@ -83,28 +84,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
       if (valid) src = q + ((static_cast<int64_t>(q0) + pr / G) * p.num_heads + kvh * G + pr % G) * kD + chunk * 8;
       cp_async16(sQ + swz(row, chunk), src, valid);
     }
-    // K and V tile j into buffer j & 1: 64 keys x 16 chunks each, 8 per thread. Keys past kv_end and pages out of
-    // range are zero-filled (masked anyway; zero V keeps 0 * garbage from making NaN).
+    // K and V tile j into buffer j & 1.
     auto load_kv = [&](int j) {
-      T* dk = sK + (j & 1) * kBN * kD;
-      T* dv = sV + (j & 1) * kBN * kD;
-#pragma unroll
-      for (int i = 0; i < kBN * kChunks / kThreads; ++i) {
-        const int c = tid + i * kThreads;
-        const int key = c / kChunks, chunk = c % kChunks;
-        const int pos = j * kBN + key;
-        const int page_index = pos >> p.page_shift;
-        int page = -1;
-        if (pos < kv_end && page_index < p.max_pages) page = pages[page_index];
-        const bool valid = page >= 0 && page < p.num_pages;
-        int64_t offset = 0;
-        if (valid) {
-          const int64_t slot = (static_cast<int64_t>(page) << p.page_shift) + (pos & page_size_mask);
-          offset = (slot * p.num_kv_heads + kvh) * kD + chunk * 8;
-        }
-        cp_async16(dk + swz(key, chunk), k_cache + offset, valid);
-        cp_async16(dv + swz(key, chunk), v_cache + offset, valid);
-      }
+      load_kv_tile(sK + (j & 1) * kBN * kD, sV + (j & 1) * kBN * kD, k_cache, v_cache, pages, j * kBN, kv_end,
+                   p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
     };
     if (n_kv_tiles > 0) load_kv(0);
     cp_async_commit();
@@ -275,17 +258,9 @@ void paged_attention_prefill(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, 
                              int64_t page_size, int64_t max_pages, int64_t num_pages, double scale, int dtype,
                              uintptr_t stream) {
   const std::string op = "paged_attention_prefill: ";
-  if (head_dim != kD) throw std::invalid_argument(op + "head_dim must be 128, got " + std::to_string(head_dim));
-  if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 8) {
-    throw std::invalid_argument(op + "num_heads must be 1 to 8 times num_kv_heads");
-  }
-  if (page_size < 1 || (page_size & (page_size - 1)) != 0 || page_size > 1024) {
-    throw std::invalid_argument(op + "page_size must be a power of two up to 1024");
-  }
+  const int shift = check_paged_attention(op, head_dim, num_heads, num_kv_heads, page_size, max_pages, num_pages, dtype);
   if (batch < 0 || batch > 65535 || num_kv_heads > 65535) throw std::invalid_argument(op + "batch or heads out of range");
   if (max_query_len < 0 || max_query_len > (int64_t{1} << 24)) throw std::invalid_argument(op + "max_query_len out of range");
-  if (max_pages < 1 || num_pages < 1) throw std::invalid_argument(op + "max_pages and num_pages must be >= 1");
-  if (dtype != kF16 && dtype != kBF16) throw std::invalid_argument(op + "dtype must be float16 or bfloat16");
   if (batch == 0 || max_query_len == 0) return;
   for (uintptr_t ptr : {q, k_cache, v_cache, out}) {
     if (ptr == 0 || !aligned16(ptr)) throw std::invalid_argument(op + "q, caches and out must be 16-byte aligned");
@@ -293,8 +268,6 @@ void paged_attention_prefill(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, 
   for (uintptr_t ptr : {query_start, page_table, kv_lens}) {
     if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "query_start, page_table and kv_lens must be int32");
   }
-  int shift = 0;
-  while ((int64_t{1} << shift) < page_size) ++shift;
   const int64_t group = num_heads / num_kv_heads;
   Params p{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_cache),
            reinterpret_cast<const void*>(v_cache), reinterpret_cast<const int*>(query_start),

@@ -19,7 +19,8 @@ from ..scheduler import Request, Scheduler, TokenLogprobs
 from ..tokenizer import Tokenizer
 from ..weights import dummy_weights, load_weights
 from .cuda_graph import DecodeGraphs, unsupported_reason
-from .model_runner import ModelRunner, make_sampler
+from .model_runner import ModelRunner
+from .sampler import GpuSampler
 from .staging import staging_for
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,11 @@ class LLMEngine:
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         # The sampler's buffers (and its penalty-count table, when graphs capture it) are allocated before the KV pool
         # is sized, so the pool gets what they leave.
-        self.sampler = make_sampler(self.model, self.staging, self.generation_defaults.eos_token_ids, seed)
+        self.sampler = None
+        if GpuSampler.available(self.device):
+            self.sampler = GpuSampler(
+                cfg.vocab_size, self.staging.max_seqs, self.device, self.generation_defaults.eos_token_ids, seed
+            )
         if self.sampler is not None and graph_bs:
             self.sampler.freeze()
         if num_pages is None:

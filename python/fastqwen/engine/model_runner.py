@@ -19,13 +19,6 @@ from .staging import BatchStaging, Layout, staging_for
 log = logging.getLogger(__name__)
 
 
-def make_sampler(model: Qwen3Model, staging: BatchStaging, eos_token_ids: list[int], seed: int) -> GpuSampler | None:
-    """The GPU sampler for this model's device, or None where the references run (CPU, no kernels)."""
-    if not GpuSampler.available(model.device):
-        return None
-    return GpuSampler(model.cfg.vocab_size, staging.max_seqs, model.device, eos_token_ids, seed)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -46,8 +39,8 @@ class ModelRunner:
         max_model_len = model.cos_sin_cache.shape[0]
         self.staging = staging or staging_for(8192, 256, max_model_len, kv.page_size, self.device)
         self._arange = np.arange(self.staging.max_seqs + 1, dtype=np.int64)  # logits_indices / query_start of a graph
-        # The CUDA sampler on GPU (penalty counts kept on the device, engine/sampler.py); the references otherwise.
-        self.sampler = sampler or make_sampler(model, self.staging, eos_token_ids, seed)
+        # The CUDA sampler on GPU (penalty counts kept on the device, engine/sampler.py); None: the references.
+        self.sampler = sampler
         self.graphs: DecodeGraphs | None = None
         self._graph_batches: dict[int, ForwardBatch] = {}
         # Page-table rows already in the staging buffer at the last graph size: (request, pages written) per row.
@@ -55,11 +48,9 @@ class ModelRunner:
         self._table_size = 0
         self._table_rows: list[tuple[Request, int]] = []
         if cuda_graph_max_bs > 0:
-            # The sampler is captured after the LM head, so a decode step is one replay and one read-back.
-            post_logits = None
-            if self.sampler is not None:
-                self.sampler.freeze()
-                post_logits = self.sampler.launch_captured
+            # The sampler (frozen by the engine) is captured after the LM head: a decode step is one replay and one
+            # read-back.
+            post_logits = self.sampler.launch_captured if self.sampler is not None else None
             self.graphs = DecodeGraphs(model, kv, self.staging, cuda_graph_max_bs, post_logits).capture()
             self._graph_batches = {size: self.graphs.batch(size) for size in self.graphs.sizes}
             log.info(

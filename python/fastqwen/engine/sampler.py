@@ -6,9 +6,10 @@ persistent device buffers (one copy each); `launch(logits)` runs the kernel from
 work, no allocation); `results` reads the tokens and logprobs back. For CUDA graphs, `freeze()` fixes every buffer
 the kernel reads (counts table allocated, bans of a fixed width), `launch_captured(logits, size)` is what a decode
 graph captures after its LM head, and `prepare(requests, pad_to=size)` makes the padding rows greedy rows that
-count nothing; `fits_graph(requests)` says whether a step's bans fit the frozen width. The kernel counts each drawn token into its request's row of the counts table,
-so the table never needs the token lists again; a request whose row was reassigned (or whose tokens changed behind
-the sampler's back) gets its row rebuilt from its token lists once.
+count nothing; `fits_graph(requests)` says whether a step's bans fit the frozen width. The kernel counts each drawn
+token into its request's row of the counts table, so the table never needs the token lists again; a request whose
+row was reassigned (or whose tokens changed behind the sampler's back) gets its row rebuilt from its token lists
+once.
 """
 
 from __future__ import annotations
@@ -71,13 +72,15 @@ class GpuSampler:
 
     def fits_graph(self, requests: list[Request]) -> bool:
         """Whether this step's min_tokens bans fit the frozen ban width (wider ones run the eager path)."""
-        for r in requests:
-            p = r.params
-            if r.num_output_tokens < p.min_tokens:
-                width = len(p.stop_token_ids) + (0 if p.ignore_eos else len(self.eos_token_ids))
-                if width > self.blocked_width:
-                    return False
-        return True
+        return all(len(self._banned(r)) <= self.blocked_width for r in requests)
+
+    def _banned(self, r: Request) -> list[int]:
+        """Token ids the request may not draw this step: its stop ids and EOS until min_tokens are out."""
+        p = r.params
+        if r.num_output_tokens >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+
     @staticmethod
     def available(device: torch.device) -> bool:
         import os
@@ -156,11 +159,10 @@ class GpuSampler:
                 slot = self._slot(r, batch_ids)
                 host[i, 8] = slot
                 slots.append((r, slot))
-            if r.num_output_tokens < p.min_tokens:
-                ban = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                if ban:
-                    bans.append((i, ban))
-                    host[i, 12] = len(ban)
+            ban = self._banned(r)
+            if ban:
+                bans.append((i, ban))
+                host[i, 12] = len(ban)
             if p.logprobs is not None and p.logprobs > num_top:
                 num_top = p.logprobs
         width = max((len(b) for _, b in bans), default=0)

@@ -37,8 +37,6 @@ class Qwen3Model:
         hidden = torch.empty_like(residual)
         q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         attn = torch.empty_like(q)
-        # Read back once per step, not once per layer, when the batch builder did not say.
-        max_query_len = batch.max_query_len or (None if batch.is_decode else int(batch.query_start.diff().max()))
         decode_kernel = batch.is_decode and self.decode_workspace is not None
         if decode_kernel:  # the split plan of this step, once for all layers, on the device
             ops.plan_decode(batch.kv_lens, self.decode_workspace)
@@ -61,7 +59,7 @@ class Qwen3Model:
             else:
                 ops.paged_attention_prefill(
                     q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
-                    max_query_len,
+                    batch.max_query_len or None,  # the batch builder knows it: no read-back
                 )
             hidden = torch.nn.functional.linear(attn.view(num_tokens, -1), layer.o_proj)
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)

@@ -109,18 +109,23 @@ def paged_attention_decode_reference(
     return torch.einsum("bkgj,bjkd->bkgd", probs, values).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
+def _check_paged(op: str, batch: int, q, out, k_cache, v_cache, page_table, kv_lens, **more) -> None:
+    """The arguments both attention kernels take: shapes first, then device, dtype and contiguity (ValueError)."""
+    if out.shape != q.shape:
+        raise ValueError(f"{op}: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"{op}: k_cache and v_cache must both be [pages, page_size, H_kv, 128]")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or kv_lens.shape != (batch,):
+        raise ValueError(f"{op}: page_table must be [B, max_pages] and kv_lens [B], for B = {batch} sequences")
+    check_tensors(
+        op, q.device, q.dtype, q=q, k_cache=k_cache, v_cache=v_cache, out=out,
+        page_table=(page_table, torch.int32), kv_lens=(kv_lens, torch.int32), **more,
+    )  # fmt: skip
+
+
 def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned) -> None:
     batch, num_heads, head_dim = q.shape
-    if out.shape != q.shape:
-        raise ValueError(f"paged_attention_decode: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
-        raise ValueError("paged_attention_decode: k_cache and v_cache must both be [pages, page_size, H_kv, 128]")
-    if page_table.dim() != 2 or page_table.shape[0] != batch or kv_lens.shape != (batch,):
-        raise ValueError("paged_attention_decode: page_table must be [B, max_pages] and kv_lens [B]")
-    check_tensors(
-        "paged_attention_decode", q.device, q.dtype, q=q, k_cache=k_cache, v_cache=v_cache, out=out,
-        page_table=(page_table, torch.int32), kv_lens=(kv_lens, torch.int32),
-    )  # fmt: skip
+    _check_paged("paged_attention_decode", batch, q, out, k_cache, v_cache, page_table, kv_lens)
     if workspace is None:
         workspace, planned = decode_workspace(batch, num_heads, q.device), False
     if batch > workspace.max_batch or num_heads > workspace.num_heads:
@@ -169,15 +174,9 @@ def paged_attention_prefill(
 
 def _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len) -> None:
     batch = query_start.shape[0] - 1
-    if out.shape != q.shape:
-        raise ValueError(f"paged_attention_prefill: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
-        raise ValueError("paged_attention_prefill: k_cache and v_cache must both be [pages, page_size, H_kv, 128]")
-    if page_table.dim() != 2 or page_table.shape[0] != batch or kv_lens.shape != (batch,):
-        raise ValueError("paged_attention_prefill: page_table must be [B, max_pages] and kv_lens [B], B = len(query_start) - 1")
-    check_tensors(
-        "paged_attention_prefill", q.device, q.dtype, q=q, k_cache=k_cache, v_cache=v_cache, out=out,
-        query_start=(query_start, torch.int32), page_table=(page_table, torch.int32), kv_lens=(kv_lens, torch.int32),
+    _check_paged(
+        "paged_attention_prefill", batch, q, out, k_cache, v_cache, page_table, kv_lens,
+        query_start=(query_start, torch.int32),
     )  # fmt: skip
     if max_query_len is None:
         max_query_len = int((query_start[1:] - query_start[:-1]).max())

@@ -1,0 +1,61 @@
+// Walking the paged KV cache ([num_pages, page_size, H_kv, 128], page_size a power of two), shared by the attention
+// kernels: the host-side checks of that geometry, and the copy of one 64-token K/V tile into shared memory.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "mma.cuh"
+
+namespace fastqwen {
+
+constexpr int kKVTile = 64;  // tokens per K/V tile
+constexpr int kKVTileThreads = 128;
+
+// Throws std::invalid_argument (prefixed by op) unless head_dim is 128, 1 to 8 query heads share a KV head, page_size
+// is a power of two up to 1024, the page table and pool are non-empty and dtype is fp16 (1) or bf16 (2). Returns
+// log2(page_size).
+inline int check_paged_attention(const std::string& op, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t page_size, int64_t max_pages, int64_t num_pages, int dtype) {
+  if (head_dim != mma::kD) throw std::invalid_argument(op + "head_dim must be 128, got " + std::to_string(head_dim));
+  if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 8) {
+    throw std::invalid_argument(op + "num_heads must be 1 to 8 times num_kv_heads");
+  }
+  if (page_size < 1 || (page_size & (page_size - 1)) != 0 || page_size > 1024) {
+    throw std::invalid_argument(op + "page_size must be a power of two up to 1024");
+  }
+  if (max_pages < 1 || num_pages < 1) throw std::invalid_argument(op + "max_pages and num_pages must be >= 1");
+  if (dtype != 1 && dtype != 2) throw std::invalid_argument(op + "dtype must be float16 or bfloat16");
+  int shift = 0;
+  while ((int64_t{1} << shift) < page_size) ++shift;
+  return shift;
+}
+
+// Tokens [first, first + 64) of KV head kvh, K into dk and V into dv (swizzled [64][128] tiles), by a 128-thread
+// block, 8 cp.async chunks of each per thread. Tokens at or past `end`, and page ids outside the table or the pool,
+// are zero-filled: masked by the caller anyway, and a zero V row keeps 0 * garbage from making NaN.
+template <typename T>
+__device__ __forceinline__ void load_kv_tile(T* dk, T* dv, const T* k_cache, const T* v_cache, const int* pages,
+                                             int first, int end, int page_shift, int max_pages, int64_t num_pages,
+                                             int num_kv_heads, int kvh, int tid) {
+  constexpr int kChunks = mma::kD / 8;
+#pragma unroll
+  for (int i = 0; i < kKVTile * kChunks / kKVTileThreads; ++i) {
+    const int c = tid + i * kKVTileThreads;
+    const int key = c / kChunks, chunk = c % kChunks;
+    const int pos = first + key;
+    const int page_index = pos >> page_shift;
+    int page = -1;
+    if (pos < end && page_index < max_pages) page = pages[page_index];
+    const bool valid = page >= 0 && page < num_pages;
+    int64_t offset = 0;
+    if (valid) {
+      const int64_t slot = (static_cast<int64_t>(page) << page_shift) + (pos & ((1 << page_shift) - 1));
+      offset = (slot * num_kv_heads + kvh) * mma::kD + chunk * 8;
+    }
+    mma::cp_async16(dk + mma::swz(key, chunk), k_cache + offset, valid);
+    mma::cp_async16(dv + mma::swz(key, chunk), v_cache + offset, valid);
+  }
+}
+
+}  // namespace fastqwen
