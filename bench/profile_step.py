@@ -1,17 +1,16 @@
-"""Where the time of a batch-1 decode step goes: the host time of each part of LLMEngine.step, next to the GPU time
-of the step's work (CUDA events from the batch upload to the sampled tokens).
+"""Where the time of a decode step goes: the host time of each part of LLMEngine.step, next to the GPU time of the
+step's work (a CUDA-event timed replay of the same decode graph, sampler included).
 
-    python bench/profile_step.py --model Qwen3-8B --load-format dummy [--disable-cuda-graph] [--json out]
+    python bench/profile_step.py --model Qwen3-8B --load-format dummy [--batch N] [--disable-overlap-schedule]
+                                 [--disable-cuda-graph] [--json out]
 
 Parts (medians over the decode steps, milliseconds of host time):
-  schedule     Scheduler.schedule: pick the batch, allocate pages
-  build        fill the pinned staging buffer and enqueue its one upload
-  launch       enqueue the forward: one graph replay, or every kernel of the eager forward
-  sample       enqueue penalties / sampling
-  read_back    enqueue the token copy and wait for it: this is where the host waits for the GPU
+  schedule     Scheduler.schedule (a step that was not launched ahead) and Scheduler.schedule_ahead
+  launch       ModelRunner.launch: fill the pinned buffers, enqueue the upload, the replay and the token copy
+  collect      ModelRunner.collect: wait for the tokens; this is where the host waits for the GPU
   update       Scheduler.update, stop checks, detokenization, building the step's updates
-The host is the bottleneck when gpu_ms is close to the step time minus read_back's wait, i.e. when the GPU finishes
-soon after the last launch; with graphs the launch part should be tens of microseconds.
+With overlap the GPU runs step N+1 while the host records step N: the step time approaches gpu_ms when the host
+parts other than collect add up to less than gpu_ms. Without it, step time = host parts + gpu_ms.
 """
 
 from __future__ import annotations
@@ -48,38 +47,30 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--batch", type=int, default=1, help="decode batch size (that many requests at once)")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the capture's time and memory
-    llm = LLM(args.model, load_format=args.load_format, max_model_len=8192, disable_cuda_graph=args.disable_cuda_graph)
+    llm = LLM(args.model, load_format=args.load_format, max_model_len=8192, disable_cuda_graph=args.disable_cuda_graph,
+              disable_overlap_schedule=args.disable_overlap_schedule)  # fmt: skip
     engine = llm.engine
     runner, scheduler = engine.runner, engine.scheduler
     times: dict[str, list[float]] = {}
-    gpu_ms: list[float] = []
     scheduler.schedule = timed(times, "schedule", scheduler.schedule)
-    runner._build = timed(times, "build", runner._build)
-    runner.run_model = timed(times, "launch", runner.run_model)
-    read_back = runner._read_back
-
-    def read_back_with_gpu_time(tokens):
-        end.record()
-        out = read_back(tokens)
-        gpu_ms.append(begin.elapsed_time(end))
-        return out
-
-    runner._read_back = timed(times, "read_back", read_back_with_gpu_time)
-    step = runner.step
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    batch_sizes: list[int] = []
-
-    def step_with_begin(scheduled):
-        begin.record()
-        batch_sizes.append(len(scheduled.chunks) if scheduled.is_decode else -1)
-        return step(scheduled)
-
-    runner.step = timed(times, "runner_step", step_with_begin)
+    scheduler.schedule_ahead = timed(times, "schedule_ahead", scheduler.schedule_ahead)
+    runner.launch = timed(times, "launch", runner.launch)
+    runner.collect = timed(times, "collect", runner.collect)
     engine.step = timed(times, "engine_step", engine.step)
+    batch_sizes: list[int] = []
+    ends: list[float] = []
+    launch = runner.launch
+
+    def launch_recording(scheduled, after=None):
+        if after is None:
+            batch_sizes.append(len(scheduled.chunks) if scheduled.is_decode else -1)
+        return launch(scheduled, after)
+
+    runner.launch = launch_recording
 
     prompts = [[(7 * i + 13 * b) % engine.config.vocab_size for i in range(args.prompt_len)] for b in range(args.batch)]
     for _ in range(2):  # the first run warms up
@@ -90,33 +81,57 @@ def main() -> int:
             engine.step()
         for values in times.values():  # profile the decode steps only
             values.clear()
-        gpu_ms.clear()
+        ends.clear()
         while engine.has_unfinished():
             engine.step()
+            ends.append(time.perf_counter())
 
-    def median_ms(name: str, skip_first: bool = True) -> float:
-        return statistics.median(times[name][1:] if skip_first else times[name]) * 1e3
+    def median_ms(name: str) -> float:
+        values = times.get(name, [])
+        return statistics.median(values[1:] if len(values) > 1 else values) * 1e3 if values else 0.0
 
-    parts = {name: median_ms(name) for name in ("schedule", "build", "launch", "read_back")}
-    parts["sample"] = statistics.median(
-        r - b - l - rb for r, b, l, rb in zip(times["runner_step"], times["build"], times["launch"], times["read_back"])
-    ) * 1e3  # fmt: skip
-    parts["update"] = statistics.median(e - s - r for e, s, r in zip(times["engine_step"], times["schedule"], times["runner_step"])) * 1e3
+    steps = len(ends)
+    parts = {name: median_ms(name) for name in ("launch", "collect")}
+    # Both schedulers' calls, spread over the steps (schedule runs only when no step was launched ahead).
+    parts["schedule"] = (sum(times.get("schedule", [])) + sum(times.get("schedule_ahead", []))) / steps * 1e3
+    parts["launch"] = sum(times["launch"]) / steps * 1e3
+    parts["update"] = median_ms("engine_step") - sum(parts.values())
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
     result = {
         "model": args.model,
         "device": torch.cuda.get_device_name(),
         "cuda_graph": not args.disable_cuda_graph and runner.graphs is not None,
+        "overlap": engine.overlap,
         "prompt_tokens": args.prompt_len,
         "batch": args.batch,
-        "decode_steps": len(times["engine_step"]) - 1,
-        "step_ms": median_ms("engine_step"),
-        "gpu_ms": statistics.median(gpu_ms[1:]),
+        "decode_steps": steps,
+        "steps_launched_ahead": engine.num_ahead_steps,
+        "step_ms": statistics.median(gaps) * 1e3,
+        "engine_step_call_ms": median_ms("engine_step"),
+        "gpu_ms": graph_replay_ms(runner, args.batch),
         "host_ms": {k: round(v, 4) for k, v in parts.items()},
     }
-    # Host time outside the wait for the GPU: what a step costs beyond the GPU's own work at batch 1.
-    result["host_ms_excluding_wait"] = round(sum(v for k, v in parts.items() if k != "read_back"), 4)
+    # Host work besides the wait: with overlap it hides behind the GPU as long as it is below gpu_ms.
+    result["host_ms_excluding_wait"] = round(sum(v for k, v in parts.items() if k != "collect"), 4)
     report(result, args.json)
     return 0
+
+
+def graph_replay_ms(runner, batch: int) -> float | None:
+    """Median GPU time of one replay of the decode graph that runs `batch` rows (model, LM head and sampler)."""
+    graphs = runner.graphs
+    if graphs is None or batch > graphs.max_bs:
+        return None
+    size = graphs.padded_size(batch)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(30):
+        begin.record()
+        graphs.replay(size)
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end))
+    return statistics.median(samples[5:])
 
 
 if __name__ == "__main__":

@@ -68,10 +68,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true")
     p.add_argument("--hf-requests", type=int, default=32)
+    p.add_argument("--disable-overlap-schedule", action="store_true", help="record each step before launching the next")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     llm = LLM(args.model, load_format=args.load_format, device=args.device, max_model_len=4096,
-              max_num_seqs=args.max_num_seqs)  # fmt: skip
+              max_num_seqs=args.max_num_seqs, disable_overlap_schedule=args.disable_overlap_schedule)  # fmt: skip
     prompts, outs = workload(args, llm.engine.config.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
@@ -92,6 +93,8 @@ def main() -> int:
         "elapsed_s": elapsed,
         "output_tok_s": output_tokens / elapsed,
         "preemptions": llm.engine.scheduler.num_preemptions,
+        "overlap": llm.engine.overlap,
+        "steps_launched_ahead": llm.engine.num_ahead_steps,
     }
     del llm, results
     gc.collect()  # the engine's GPU memory must be gone before the baseline builds its own model

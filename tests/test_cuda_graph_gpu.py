@@ -32,10 +32,10 @@ def folder(tmp_path_factory):
     return folder
 
 
-def make_llm(folder: str, graphs: bool) -> LLM:
+def make_llm(folder: str, graphs: bool, overlap: bool = True) -> LLM:
     return LLM(
         folder, dtype="bfloat16", device="cuda", page_size=16, num_pages=512, max_num_seqs=32,
-        disable_cuda_graph=not graphs, cuda_graph_max_bs=MAX_GRAPH_BS,
+        disable_cuda_graph=not graphs, cuda_graph_max_bs=MAX_GRAPH_BS, disable_overlap_schedule=not overlap,
     )  # fmt: skip
 
 
@@ -43,15 +43,16 @@ def generate_recording(llm: LLM, prompts: list[list[int]], max_tokens: list[int]
     """Greedy outputs, plus each request's logits row at each of its sampling steps and how each step ran:
     (sampling rows, graph size replayed or 0 for eager, whether the step was pure decode)."""
     runner = llm.engine.runner
-    step, run_model = runner.step, runner.run_model
+    launch, run_model = runner.launch, runner.run_model
     current = {}
     rows_by_rid: dict[int, list[torch.Tensor]] = {}
     steps = []
 
-    def recording_step(scheduled):
-        current["rids"] = [c.request.rid for c in scheduled.chunks if c.samples]
+    def recording_launch(scheduled, after=None):
+        # Every row of a step launched ahead samples (the token after the one in flight).
+        current["rids"] = [c.request.rid for c in scheduled.chunks if after is not None or c.samples]
         current["decode"] = scheduled.is_decode
-        return step(scheduled)
+        return launch(scheduled, after)
 
     def recording_run_model(batch, graph_size=0):
         logits = run_model(batch, graph_size)
@@ -60,12 +61,12 @@ def generate_recording(llm: LLM, prompts: list[list[int]], max_tokens: list[int]
             rows_by_rid.setdefault(rid, []).append(row)
         return logits
 
-    runner.step, runner.run_model = recording_step, recording_run_model
+    runner.launch, runner.run_model = recording_launch, recording_run_model
     try:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del runner.step, runner.run_model
+        del runner.launch, runner.run_model
     return outs, [torch.stack(rows_by_rid[o.request_id]) for o in outs], steps
 
 
@@ -126,7 +127,7 @@ def test_graph_decode_matches_eager(folder, num_seqs):
 def test_padding_rows_write_no_kv_and_logits_match_eager(folder):
     """One decode step of 5 sequences through the graph of 8, against the eager forward of the same batch: real
     rows' logits within tolerance, and the only KV slots written are the 5 real tokens' (padding writes nowhere)."""
-    llm = make_llm(folder, graphs=True)
+    llm = make_llm(folder, graphs=True, overlap=False)  # no step in flight when the test schedules one itself
     engine, runner = llm.engine, llm.engine.runner
     prompts, _ = workload(5, seed=42)
     for prompt in prompts:
@@ -199,3 +200,71 @@ def test_graph_captures_the_sampler_seeded_sampling_matches_eager(folder):
             for a, b in zip(g.logprobs, e.logprobs):
                 assert a.token == b.token and abs(a.logprob - b.logprob) < 0.05
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def run_steps(llm: LLM, prompts, params, abort_at: tuple[int, int] | None = None):
+    """Drive the engine step by step (checking page ownership after each); abort_at = (step, prompt index) aborts
+    that request after that step, while a step launched ahead is in flight. Outputs in prompt order."""
+    engine = llm.engine
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outputs, steps, aborted_in_flight = {}, 0, False
+    while engine.has_unfinished():
+        for update in engine.step():
+            if update.finished:
+                outputs[update.request_id] = update.output
+        engine.check_invariants()
+        steps += 1
+        if abort_at is not None and steps == abort_at[0]:
+            aborted_in_flight = engine._ahead is not None
+            assert engine.abort(rids[abort_at[1]])
+    assert engine.kv_usage() == 0
+    return [outputs.get(rid) for rid in rids], aborted_in_flight
+
+
+def test_overlap_schedule_gives_the_same_tokens(folder):
+    """The overlap schedule (the next decode step launched before this one's tokens are read back) against the plain
+    one, both replaying the same graphs: identical tokens and finish reasons for greedy and seeded top-k/top-p rows
+    with penalties and min_tokens bans, rows that stop on a stop id while the next step is in flight, rows that end
+    on max_tokens, and a row with logprobs (steps with it are not launched ahead)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 90))] for _ in range(7)]
+
+    def params(stops):
+        return [
+            SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, top_k=0 if i % 2 else 30, top_p=0.9, seed=40 + i,
+                           max_tokens=[24, 9, 30, 17, 30, 12, 6][i], ignore_eos=True, stop_token_ids=stops[i],
+                           repetition_penalty=1.2 if i in (1, 4) else 1.0, frequency_penalty=0.3 if i == 4 else 0.0,
+                           min_tokens=4 if i == 2 else 0, logprobs=1 if i == 6 else None)
+            for i in range(7)
+        ]  # fmt: skip
+
+    # Stop ids that some rows draw midway, so they stop while a step launched ahead holds them.
+    first, _ = run_steps(make_llm(folder, graphs=True, overlap=False), prompts, params([[]] * 7))
+    def first_new_token(ids: list[int], k: int) -> list[int]:  # the first token from index k on not drawn before
+        return next([t] for j, t in enumerate(ids) if j >= k and t not in ids[:j])
+
+    stops = [first_new_token(first[i].token_ids, k) if k else [] for i, k in enumerate([5, 0, 7, 0, 11, 0, 0])]
+    plain_llm, overlap_llm = make_llm(folder, graphs=True, overlap=False), make_llm(folder, graphs=True)
+    plain, _ = run_steps(plain_llm, prompts, params(stops))
+    overlapped, _ = run_steps(overlap_llm, prompts, params(stops))
+    assert plain_llm.engine.num_ahead_steps == 0 and overlap_llm.engine.num_ahead_steps >= 15
+    for i, (a, b) in enumerate(zip(plain, overlapped)):
+        assert a.token_ids == b.token_ids, i
+        assert a.finish_reason == b.finish_reason, i
+    assert plain[0].finish_reason == plain[4].finish_reason == "stop", "the stop ids did not stop the rows"
+    assert plain[6].logprobs is not None and len(overlapped[6].logprobs) == len(overlapped[6].token_ids)
+
+
+def test_abort_while_a_step_is_in_flight(folder):
+    """Aborting a request that a step launched ahead still computes: its pages are released at once (the invariant
+    holds after every step), the step's result for it is dropped, and the other rows' tokens are those of the plain
+    schedule with the same abort (7 and then 6 rows both replay the graph of 8, so nothing else changes)."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 60))] for _ in range(7)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 7
+    plain, _ = run_steps(make_llm(folder, graphs=True, overlap=False), prompts, params, abort_at=(6, 3))
+    overlapped, in_flight = run_steps(make_llm(folder, graphs=True), prompts, params, abort_at=(6, 3))
+    assert in_flight, "no step was in flight when the request was aborted"
+    assert plain[3] is None and overlapped[3] is None  # aborted: no finished output
+    for i in (0, 1, 2, 4, 5, 6):
+        assert plain[i].token_ids == overlapped[i].token_ids and len(plain[i].token_ids) == 20

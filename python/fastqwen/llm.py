@@ -37,6 +37,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int = 256,
+        disable_overlap_schedule: bool = False,
     ):
         self.engine = LLMEngine(
             model,
@@ -53,6 +54,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             disable_cuda_graph=disable_cuda_graph,
             cuda_graph_max_bs=cuda_graph_max_bs,
+            disable_overlap_schedule=disable_overlap_schedule,
         )
 
     def generate(

@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-radix-cache", action="store_true", help="turn off the prefix cache (KV reuse across requests sharing a prefix)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
+    p.add_argument("--disable-overlap-schedule", action="store_true", help="record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler for unseeded requests")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     return p.parse_args(argv)
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.disable_radix_cache,
             disable_cuda_graph=args.disable_cuda_graph,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_overlap_schedule=args.disable_overlap_schedule,
         )
 
     api_key = args.api_key or os.environ.get("FASTQWEN_API_KEY")

@@ -74,6 +74,7 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int = 256,
+        disable_overlap_schedule: bool = False,
     ):
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', not {load_format!r}")
@@ -129,6 +130,11 @@ class LLMEngine:
             sampler=self.sampler,
         )  # fmt: skip
         self._ids = itertools.count()  # request ids, in arrival order
+        # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
+        # is launched first, and the host records the previous step while the GPU runs it.
+        self.overlap = not disable_overlap_schedule
+        self._ahead = None  # (ScheduledBatch, PendingStep) launched and not recorded yet
+        self.num_ahead_steps = 0
 
     def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
         """The largest decode batch to capture; 0 = no CUDA graphs."""
@@ -233,12 +239,29 @@ class LLMEngine:
         return self.scheduler.abort(rid) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._ahead is not None
 
     def step(self) -> list[RequestUpdate]:
-        """One scheduler step: schedule, run the model, sample, record. Returns an update per request that advanced."""
-        scheduled = self.scheduler.schedule()
-        tokens, logprobs = self.runner.step(scheduled)
+        """One scheduler step: schedule, run the model, sample, record. Returns an update per request that advanced.
+
+        With overlap on, the step recorded here may have been launched by the previous call, and the next decode
+        step is launched (when it can be chosen already) before this one's tokens are read back: the GPU runs it
+        while the host records this one, detokenizes and returns.
+        """
+        if self._ahead is not None:
+            (scheduled, pending), self._ahead = self._ahead, None
+        else:
+            scheduled = self.scheduler.schedule()
+            pending = self.runner.launch(scheduled)
+        if self.overlap and pending.host is not None:
+            following = self.scheduler.schedule_ahead(scheduled)
+            if following is not None:
+                launched = self.runner.launch(following, after=pending)
+                if launched is not None:
+                    self.scheduler.num_computed_tokens += following.num_tokens
+                    self.num_ahead_steps += 1
+                    self._ahead = (following, launched)
+        tokens, logprobs = self.runner.collect(pending)
         updates = []
         advanced = self.scheduler.update(scheduled, tokens, logprobs)
         if self.check_every_step:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +18,19 @@ from .sampler import GpuSampler
 from .staging import BatchStaging, Layout, staging_for
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingStep:
+    """A launched step. An eager step is complete (tokens set); a graph step's tokens are on their way to `host`,
+    in pinned memory, and `ready` fires when they are there."""
+
+    requests: list[Request]  # the sampling rows, in order
+    tokens: list[int] | None = None
+    logprobs: list[TokenLogprobs | None] | None = None
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    num_top: int = -1  # the sampler's logprobs width at launch (-1: no row asked)
 
 
 class ModelRunner:
@@ -58,9 +72,17 @@ class ModelRunner:
                 len(self.graphs.sizes), self.graphs.max_bs, self.graphs.capture_seconds,
                 self.graphs.memory_bytes / 2**20,
             )  # fmt: skip
-        # The one read-back of a step: sampled tokens, through pinned memory, then a wait on this event.
-        self._tokens_host = torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._tokens_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        # The one read-back of a step: sampled tokens, through pinned memory, then a wait on an event. Graph steps
+        # alternate between two buffers: a step launched ahead must not land on the tokens the host is still reading.
+        # The same goes for the rows a step launched ahead takes its input tokens from.
+        on_gpu = self.device.type == "cuda"
+        self._tokens_host = torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu)
+        self._tokens_ready = torch.cuda.Event() if on_gpu else None
+        self._flip = 0
+        self._graph_tokens_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self._graph_tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
+        self._source_rows_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self._source_rows = torch.zeros(2, self.staging.max_seqs, dtype=torch.int64, device=self.device)
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -70,18 +92,25 @@ class ModelRunner:
 
     def _build(self, scheduled: ScheduledBatch) -> tuple[ForwardBatch, int]:
         """The step's ForwardBatch, uploaded, and the padded graph size that replays it (0 = run eager)."""
+        size = self._graph_size(scheduled)
+        if size:
+            return self._build_graph_decode(scheduled.chunks, size), size
+        return self._build_eager(scheduled), 0
+
+    def _graph_size(self, scheduled: ScheduledBatch) -> int:
+        """The captured size that replays this step, or 0 when it runs eagerly."""
         chunks = scheduled.chunks
         graphs = self.graphs
         if (
             graphs is not None and len(chunks) <= graphs.max_bs and scheduled.is_decode and all(c.samples for c in chunks)
             and (self.sampler is None or self.sampler.fits_graph([c.request for c in chunks]))
         ):  # fmt: skip
-            size = graphs.padded_size(len(chunks))
-            return self._build_graph_decode(chunks, size), size
-        return self._build_eager(scheduled), 0
+            return graphs.padded_size(len(chunks))
+        return 0
 
-    def _build_graph_decode(self, chunks, size: int) -> ForwardBatch:
-        """One token per sequence, written at the graph's layout; rows past the batch are padding."""
+    def _build_graph_decode(self, chunks, size: int, ahead: bool = False) -> ForwardBatch:
+        """One token per sequence, written at the graph's layout; rows past the batch are padding. `ahead`: the
+        input tokens are not sampled yet (the caller copies them on the device), their ids are left at 0."""
         page_size = self.kv.page_size
         layout = self.graphs.layout(size)
         views = self.staging.host_views(layout)
@@ -93,7 +122,7 @@ class ModelRunner:
         for row, chunk in enumerate(chunks):
             request, pos = chunk.request, chunk.start
             pages = request.pages
-            ids.append(request.token_ids[pos])
+            ids.append(0 if ahead else request.token_ids[pos])
             positions.append(pos)
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
             kv_lens.append(chunk.end)
@@ -229,15 +258,79 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, scheduled: ScheduledBatch) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Runs one step; returns the sampled token of each sampling chunk, in order, and their logprobs if asked."""
-        if not scheduled.chunks:
-            return [], None
+        return self.collect(self.launch(scheduled))
+
+    def collect(self, pending: PendingStep) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """The tokens (and logprobs) of a launched step; waits for a graph step's read-back."""
+        if pending.tokens is None:
+            pending.ready.synchronize()
+            pending.tokens = pending.host.tolist()
+            if pending.num_top >= 0:  # no step was launched ahead of one that asked (can_run_ahead), so the
+                pending.logprobs = self.sampler.results(pending.requests, pending.tokens)  # buffers are its own
+        return pending.tokens, pending.logprobs
+
+    @torch.inference_mode()
+    def launch(self, scheduled: ScheduledBatch, after: PendingStep | None = None) -> PendingStep | None:
+        """Starts a step and returns it without waiting for its tokens when it is a graph step (collect waits).
+
+        `after`: the graph step in flight whose sampled tokens this one's rows read, for a decode step chosen by
+        Scheduler.schedule_ahead before those tokens reached the host. Such a step runs only as a graph replay with
+        the CUDA sampler; None when it cannot (the caller then runs it the ordinary way, once `after` is recorded).
+        """
+        chunks = scheduled.chunks
+        if after is not None:
+            return self._launch_ahead(chunks, after)
+        if not chunks:
+            return PendingStep([], tokens=[])
+        if self.sampler is not None:
+            graph_size = self._graph_size(scheduled)
+            if graph_size:  # the graph samples too: its rows are filled before the replay
+                return self._launch_graph(chunks, graph_size)
         batch, graph_size = self._build(scheduled)
-        if graph_size and self.sampler is not None:  # the graph samples too: its rows are filled before the replay
-            requests = [c.request for c in scheduled.chunks]
-            self.sampler.prepare(requests, pad_to=graph_size)
-            self.run_model(batch, graph_size)
-            token_list = self._read_back(self.sampler.tokens[: len(requests)])
-            return token_list, self.sampler.results(requests, token_list)
+        tokens, logprobs = self._run_eager(scheduled, batch, graph_size)
+        return PendingStep([c.request for c in chunks if c.samples], tokens=tokens, logprobs=logprobs)
+
+    def _launch_ahead(self, chunks, after: PendingStep) -> PendingStep | None:
+        graphs, sampler = self.graphs, self.sampler
+        if after.host is None or graphs is None or sampler is None or len(chunks) > graphs.max_bs:
+            return None
+        requests = [c.request for c in chunks]
+        if not sampler.can_run_ahead(requests):
+            return None
+        source = {id(r): row for row, r in enumerate(after.requests)}
+        if any(id(r) not in source for r in requests):
+            return None
+        size = graphs.padded_size(len(chunks))
+        return self._launch_graph(chunks, size, [source[id(r)] for r in requests])
+
+    def _launch_graph(self, chunks, size: int, source_rows: list[int] | None = None) -> PendingStep:
+        """Replay the decode graph of `size` (sampler included) and start the read-back of its tokens. A step
+        launched ahead (source_rows given) copies each row's input token, on the device, from the row of the step
+        in flight that samples it."""
+        requests = [c.request for c in chunks]
+        n = len(requests)
+        flip = self._flip
+        self._flip ^= 1
+        # The pinned buffers (sampler rows, then the batch, whose upload records the event) are refilled only once
+        # the previous step's uploads have read them.
+        self.staging.wait_uploaded()
+        ahead = source_rows is not None
+        self.sampler.prepare(requests, pad_to=size, ahead=int(ahead))
+        batch = self._build_graph_decode(chunks, size, ahead=ahead)
+        if ahead:
+            rows_host = self._source_rows_host[flip][:n]
+            rows_host.numpy()[:] = source_rows
+            rows = self._source_rows[flip, :n]
+            rows.copy_(rows_host, non_blocking=True)
+            torch.index_select(self.sampler.tokens, 0, rows, out=batch.input_ids[:n])
+        self.run_model(batch, size)
+        host = self._graph_tokens_host[flip][:n]
+        host.copy_(self.sampler.tokens[:n], non_blocking=True)
+        ready = self._graph_tokens_ready[flip]
+        ready.record()
+        return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
+
+    def _run_eager(self, scheduled: ScheduledBatch, batch: ForwardBatch, graph_size: int):
         logits = self.run_model(batch, graph_size)
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None

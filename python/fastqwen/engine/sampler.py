@@ -70,14 +70,30 @@ class GpuSampler:
             self.counts = torch.zeros(self.max_rows, self.vocab, dtype=torch.int32, device=self.device)
         self.frozen = True
 
-    def fits_graph(self, requests: list[Request]) -> bool:
+    def fits_graph(self, requests: list[Request], ahead: int = 0) -> bool:
         """Whether this step's min_tokens bans fit the frozen ban width (wider ones run the eager path)."""
-        return all(len(self._banned(r)) <= self.blocked_width for r in requests)
+        return all(len(self._banned(r, ahead)) <= self.blocked_width for r in requests)
 
-    def _banned(self, r: Request) -> list[int]:
-        """Token ids the request may not draw this step: its stop ids and EOS until min_tokens are out."""
+    def can_run_ahead(self, requests: list[Request]) -> bool:
+        """Whether the step after the one just prepared for these requests can be prepared before that one's tokens
+        reach the host: no row wants logprobs (they would overwrite the buffers the host has still to read), the
+        bans fit the graphs, and every penalty row is counted on the device up to the token in flight (a row rebuilt
+        from the token lists would miss it)."""
+        for r in requests:
+            p = r.params
+            if p.logprobs is not None:
+                return False
+            if p.has_penalties:
+                slot = getattr(r, _SLOT, None)
+                if slot is None or self.slot_owner[slot] is not r or getattr(r, _COUNTED, -1) != r.num_output_tokens + 1:
+                    return False
+        return self.fits_graph(requests, ahead=1)
+
+    def _banned(self, r: Request, ahead: int = 0) -> list[int]:
+        """Token ids the request may not draw this step (`ahead` steps past its recorded tokens): its stop ids and
+        EOS until min_tokens are out."""
         p = r.params
-        if r.num_output_tokens >= p.min_tokens:
+        if r.num_output_tokens + ahead >= p.min_tokens:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
 
@@ -98,11 +114,13 @@ class GpuSampler:
             setattr(r, _SEED, seed)
         return seed
 
-    def _slot(self, r: Request, batch_ids: set[int]) -> int:
+    def _slot(self, r: Request, batch_ids: set[int], ahead: int = 0) -> int:
         """The request's counts row, (re)built from its token lists when it has none or it went stale."""
         slot = getattr(r, _SLOT, None)
-        if slot is not None and self.slot_owner[slot] is r and getattr(r, _COUNTED, -1) == r.num_output_tokens:
+        if slot is not None and self.slot_owner[slot] is r and getattr(r, _COUNTED, -1) == r.num_output_tokens + ahead:
             return slot
+        if ahead:
+            raise RuntimeError("GpuSampler: a penalty row cannot be rebuilt ahead of its tokens (check can_run_ahead)")
         if self.counts is None:
             self.counts = torch.zeros(self.max_rows, self.vocab, dtype=torch.int32, device=self.device)
         if slot is None or self.slot_owner[slot] is not r:
@@ -136,9 +154,10 @@ class GpuSampler:
             setattr(r, _ROW, row)
         return row
 
-    def prepare(self, requests: list[Request], pad_to: int = 0) -> None:
+    def prepare(self, requests: list[Request], pad_to: int = 0, ahead: int = 0) -> None:
         """Pack and upload the rows' parameters (and refresh counts rows) for the next launch; rows from
-        len(requests) up to pad_to (a graph's padded size) become neutral greedy rows."""
+        len(requests) up to pad_to (a graph's padded size) become neutral greedy rows. `ahead` = 1: the step after
+        the one in flight, whose tokens the requests do not have yet."""
         n = len(requests)
         if max(n, pad_to) > self.max_rows:
             raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
@@ -146,7 +165,7 @@ class GpuSampler:
         host = self.rows_host.numpy()
         if n:
             host[:n] = np.stack([self._packed_row(r) for r in requests])
-        steps = np.fromiter((r.num_output_tokens for r in requests), dtype=np.uint64, count=n)
+        steps = np.fromiter((r.num_output_tokens + ahead for r in requests), dtype=np.uint64, count=n)
         words = host.view(np.uint32)
         words[:n, 6] = (steps & np.uint64(0xFFFFFFFF)).astype(np.uint32)
         words[:n, 7] = (steps >> np.uint64(32)).astype(np.uint32)
@@ -156,10 +175,10 @@ class GpuSampler:
         for i, r in enumerate(requests):  # the rare per-row extras: penalties, min_tokens bans, logprobs
             p = r.params
             if p.has_penalties:
-                slot = self._slot(r, batch_ids)
+                slot = self._slot(r, batch_ids, ahead)
                 host[i, 8] = slot
                 slots.append((r, slot))
-            ban = self._banned(r)
+            ban = self._banned(r, ahead)
             if ban:
                 bans.append((i, ban))
                 host[i, 12] = len(ban)
@@ -181,7 +200,7 @@ class GpuSampler:
         rows = max(n, pad_to)
         self.rows[:rows].copy_(self.rows_host[:rows], non_blocking=True)
         for r, _ in slots:
-            setattr(r, _COUNTED, r.num_output_tokens + 1)  # the launch counts the token it draws
+            setattr(r, _COUNTED, r.num_output_tokens + ahead + 1)  # the launch counts the token it draws
         self.num_rows = n
         self.num_top = num_top
 

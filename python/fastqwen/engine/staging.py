@@ -80,9 +80,13 @@ class BatchStaging:
     def host_views(self, layout: Layout) -> dict[str, np.ndarray]:
         if layout.size > self.capacity:
             raise RuntimeError(f"batch of {layout} does not fit the staging buffer ({self.capacity} int32)")
+        self.wait_uploaded()
+        return _views(self._host_np, layout, lambda a, dt: a.view(np.dtype(dt)))
+
+    def wait_uploaded(self) -> None:
+        """Wait until the last upload (and every copy queued before it) has read the pinned memory."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
-        return _views(self._host_np, layout, lambda a, dt: a.view(np.dtype(dt)))
 
     def device_views(self, layout: Layout) -> dict[str, torch.Tensor]:
         return _views(self.dev, layout, lambda t, dt: t.view(getattr(torch, dt)))

@@ -169,24 +169,57 @@ class Scheduler:
         self.num_computed_tokens += batch.num_tokens
         return batch
 
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step that follows `batch`, chosen before `batch`'s tokens are known, so the engine can launch it
+        while the host records `batch` (the token each row reads is the one `batch` samples, still on the device).
+
+        Only when it is the step schedule() would give, up to what the tokens decide: `batch` decoded every running
+        request and nothing waiting could be admitted. Requests that reach max_tokens or the context with this
+        token are left out. One that stops on an EOS, a stop id or a stop string, or is aborted meanwhile, computes
+        one token in vain: its result is dropped (update skips finished requests) and its KV write goes to a page
+        it held, past anything it gave the prefix cache. None when the step cannot be chosen ahead (a prefill, an
+        admission, a page shortage that needs a preemption).
+        """
+        if not batch.chunks or not batch.is_decode or len(batch.chunks) != len(self.running):
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        chunks = []
+        for chunk in batch.chunks:
+            request = chunk.request
+            if request.finished or not chunk.samples:
+                return None
+            pos = len(request.token_ids)  # where the token being sampled now goes
+            if request.num_output_tokens + 1 >= request.params.max_tokens or pos + 1 >= self.max_model_len:
+                continue  # this token is its last
+            if not self._grow(request, pos + 1):
+                return None  # pages grown for earlier rows stay: their requests need them next step anyway
+            chunks.append(ScheduledChunk(request, pos, pos + 1))
+        if not chunks:
+            return None
+        return ScheduledBatch(chunks)
+
     def update(
         self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None
     ) -> list[Request]:
         """Record a step's results: sampled[i] (and logprobs[i]) belong to the i-th sampling chunk.
 
-        Returns the requests that got a new token, finished or not.
+        Returns the requests that got a new token, finished or not. A request that finished (or was aborted) after
+        the step was launched gets nothing.
         """
         advanced = []
-        index = 0
+        index = -1
         for chunk in batch.chunks:
             request = chunk.request
+            index += chunk.samples
+            if request.finished:
+                continue
             request.cached_len = chunk.end
             if not chunk.samples:
                 continue
             token = sampled[index]
             if request.logprobs is not None and logprobs is not None:
                 request.logprobs.append(logprobs[index])
-            index += 1
             request.token_ids.append(token)
             advanced.append(request)
             reason = self._stop_reason(request, token)
