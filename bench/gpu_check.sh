@@ -5,12 +5,13 @@
 #   tests    build, pytest tests (GPU tests included)                       -> build.log, tests.log
 #   kernels  bench/bench_*.py, bench/kernels.py (norms, RoPE/KV, decode and prefill attention, sampling)
 #   offline  bench/latency.py and bench/throughput.py, random Qwen3-8B and Qwen3-0.6B, with the HF baseline
+#            (= the stages latency, then throughput)
 #   serving  the HTTP server: batch-1 latency through HTTP, bench/serving.py at concurrency 1/8/64/256
 # Every stage after `tests` builds first if the package is not installed yet.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
 
-OUT="${1:?usage: bash bench/gpu_check.sh OUTDIR [tests|kernels|offline|serving ...]}"
+OUT="${1:?usage: bash bench/gpu_check.sh OUTDIR [tests|kernels|offline|latency|throughput|serving ...]}"
 shift
 STAGES="${*:-tests kernels offline serving}"
 mkdir -p "$OUT"
@@ -75,11 +76,26 @@ stage_kernels() {
 }
 
 stage_offline() {
-  echo "== offline latency and throughput (random weights, bf16)"
+  stage_latency
+  stage_throughput
+}
+
+stage_latency() {
+  echo "== offline latency (random weights, bf16)"
   run latency_8b 200 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 1024 4096 \
     --new-tokens 64 --hf --json "$OUT/latency_8b.json"
   run latency_0.6b 90 python3 bench/latency.py --model Qwen3-0.6B --load-format dummy --prompt-lens 128 1024 4096 \
     --new-tokens 64 --json "$OUT/latency_0.6b.json"
+  for b in 1 256; do  # where a decode step's time goes, with and without the overlap schedule
+    run "profile_8b_b$b" 120 python3 bench/profile_step.py --model Qwen3-8B --batch "$b" --steps 32 \
+      --json "$OUT/profile_8b_b$b.json"
+    run "profile_8b_b${b}_no_overlap" 120 python3 bench/profile_step.py --model Qwen3-8B --batch "$b" --steps 32 \
+      --disable-overlap-schedule --json "$OUT/profile_8b_b${b}_no_overlap.json"
+  done
+}
+
+stage_throughput() {
+  echo "== offline throughput (random weights, bf16)"
   run throughput_8b_random 200 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload random \
     --num-prompts 256 --hf --hf-requests 32 --json "$OUT/throughput_8b_random.json"
   run throughput_8b_128x1024 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
@@ -133,7 +149,7 @@ stage_serving() {
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|serving)
+    kernels|offline|latency|throughput|serving)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
