@@ -265,8 +265,8 @@ class ModelRunner:
         if pending.tokens is None:
             pending.ready.synchronize()
             pending.tokens = pending.host.tolist()
-            if pending.num_top >= 0:  # no step was launched ahead of one that asked (can_run_ahead), so the
-                pending.logprobs = self.sampler.results(pending.requests, pending.tokens)  # buffers are its own
+            if pending.num_top >= 0:  # no step is launched ahead of one that asked, so the buffers are its own
+                pending.logprobs = self.sampler.results(pending.requests, pending.tokens)
         return pending.tokens, pending.logprobs
 
     @torch.inference_mode()
@@ -293,6 +293,8 @@ class ModelRunner:
     def _launch_ahead(self, chunks, after: PendingStep) -> PendingStep | None:
         graphs, sampler = self.graphs, self.sampler
         if after.host is None or graphs is None or sampler is None or len(chunks) > graphs.max_bs:
+            return None
+        if after.num_top >= 0:  # the step in flight wants logprobs: this launch would overwrite them before collect
             return None
         requests = [c.request for c in chunks]
         if not sampler.can_run_ahead(requests):
