@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-pages", type=int, default=None, help="KV pages to allocate, overriding --kv-cache-memory-fraction")
     p.add_argument("--max-queued-requests", type=int, default=None, help="waiting requests beyond this get 503 with Retry-After (default: no limit)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set FASTQWEN_API_KEY)")
+    p.add_argument("--timeout-keep-alive", type=int, default=75, help="seconds an idle HTTP connection is kept open; longer than clients' own pool expiry (httpx: 5 s), so the client, not the server, closes it and never sends a request on a connection the server is closing")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     p.add_argument("--disable-radix-cache", action="store_true", help="turn off the prefix cache (KV reuse across requests sharing a prefix)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly instead of replaying captured CUDA graphs")
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=args.shutdown_timeout,
+            timeout_keep_alive=args.timeout_keep_alive,
         )
     )
     server.run()
