@@ -97,17 +97,21 @@ class AsyncEngine:
             self._commands.put(("add", request))
         self._wake.set()
 
-    async def updates(self, request: Request) -> AsyncIterator[TimedUpdate]:
-        """The updates of an enqueued request until it finishes; leaving early aborts it."""
+    async def updates(self, request: Request) -> AsyncIterator[list[TimedUpdate]]:
+        """The updates of an enqueued request until it finishes, in batches: every update already waiting comes
+        together, so a stream that fell behind catches up in one write. Leaving early aborts the request."""
         out = self._queues[request.rid]
         finished = False
         try:
             while not finished:
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.update.finished
-                yield item
+                batch = [await out.get()]
+                while not out.empty():
+                    batch.append(out.get_nowait())
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                    finished = finished or item.update.finished
+                yield batch
         finally:
             if not finished:
                 self.abort(request)

@@ -73,13 +73,16 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
 
 async def _stream(state: ServerState, request, rid: str, started: float, with_logprobs: bool) -> AsyncIterator[str]:
     text, ids = "", []
-    async for item in stream_requests(state.engine, [request], state.metrics):
-        update = item.timed.update
-        text += update.new_text or ""
-        ids += update.new_token_ids
-        output = update.output
-        meta = _meta(rid, output, request.num_prompt_tokens, len(ids), started)
-        if with_logprobs and request.logprobs is not None:
-            meta.update(_logprobs(request.logprobs[: len(ids)]))
-        yield sse({"text": text, "output_ids": list(ids), "meta_info": meta})
+    async for batch in stream_requests(state.engine, [request], state.metrics):
+        events = []  # the batch's events go out in one write
+        for item in batch:
+            update = item.timed.update
+            text += update.new_text or ""
+            ids += update.new_token_ids
+            output = update.output
+            meta = _meta(rid, output, request.num_prompt_tokens, len(ids), started)
+            if with_logprobs and request.logprobs is not None:
+                meta.update(_logprobs(request.logprobs[: len(ids)]))
+            events.append(sse({"text": text, "output_ids": list(ids), "meta_info": meta}))
+        yield "".join(events)
     yield SSE_DONE

@@ -105,21 +105,24 @@ async def completions(body: CompletionRequest, http_request: HTTPRequest) -> Res
 async def _stream_completion(state, requests, prompt_of, header, include_usage) -> AsyncIterator[str]:
     outputs: list[RequestOutput | None] = [None] * len(requests)
     offsets = [0] * len(requests)
-    async for item in stream_requests(state.engine, requests, state.metrics):
-        update = item.timed.update
-        text = update.new_text or ""
-        logprobs = None
-        if update.new_logprobs is not None:
-            logprobs = completion_logprobs(state, update.new_logprobs, offsets[item.index])
-        offsets[item.index] += len(text)
-        # One chunk per token, even when its text is still held back: clients time tokens by chunks.
-        choice = {"index": item.index, "text": text, "logprobs": logprobs, "finish_reason": None}
-        yield sse({**header, "choices": [choice]})
-        if update.finished:
-            outputs[item.index] = update.output
-            o = update.output
-            choice = {"index": item.index, "text": "", "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-            yield sse({**header, "choices": [choice]})
+    async for batch in stream_requests(state.engine, requests, state.metrics):
+        events = []  # the batch's events go out in one write
+        for item in batch:
+            update = item.timed.update
+            text = update.new_text or ""
+            logprobs = None
+            if update.new_logprobs is not None:
+                logprobs = completion_logprobs(state, update.new_logprobs, offsets[item.index])
+            offsets[item.index] += len(text)
+            # One event per token, even when its text is still held back: clients time tokens by events.
+            choice = {"index": item.index, "text": text, "logprobs": logprobs, "finish_reason": None}
+            events.append(sse({**header, "choices": [choice]}))
+            if update.finished:
+                outputs[item.index] = update.output
+                o = update.output
+                choice = {"index": item.index, "text": "", "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                events.append(sse({**header, "choices": [choice]}))
+        yield "".join(events)
     if include_usage:
         yield sse({**header, "choices": [], "usage": _usage_of(outputs, prompt_of)})
     yield SSE_DONE
@@ -169,25 +172,28 @@ async def _stream_chat(state, requests, prompt_of, header, include_usage, opened
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
         return sse({**header, "choices": [choice]})
 
-    async for item in stream_requests(state.engine, requests, state.metrics):
-        i, update = item.index, item.timed.update
-        reasoning, content = splitters[i].feed(update.new_text or "")
-        if update.finished:
-            r2, c2 = splitters[i].finish()
-            reasoning, content = reasoning + r2, content + c2
-        logprobs = chat_logprobs(state, update.new_logprobs) if update.new_logprobs is not None else None
-        delta: dict[str, Any] = {}
-        if not started[i]:  # the role goes out with the first token, never before one exists
-            delta["role"] = "assistant"
-            started[i] = True
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content or not reasoning:
-            delta["content"] = content
-        yield chunk(i, delta, logprobs)  # one chunk per token, even when its text is still held back
-        if update.finished:
-            outputs[i] = update.output
-            yield chunk(i, {}, None, update.output.finish_reason, stop_reason=update.output.stop_reason)
+    async for batch in stream_requests(state.engine, requests, state.metrics):
+        events = []  # the batch's events go out in one write
+        for item in batch:
+            i, update = item.index, item.timed.update
+            reasoning, content = splitters[i].feed(update.new_text or "")
+            if update.finished:
+                r2, c2 = splitters[i].finish()
+                reasoning, content = reasoning + r2, content + c2
+            logprobs = chat_logprobs(state, update.new_logprobs) if update.new_logprobs is not None else None
+            delta: dict[str, Any] = {}
+            if not started[i]:  # the role goes out with the first token, never before one exists
+                delta["role"] = "assistant"
+                started[i] = True
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or not reasoning:
+                delta["content"] = content
+            events.append(chunk(i, delta, logprobs))  # one event per token, even when its text is still held back
+            if update.finished:
+                outputs[i] = update.output
+                events.append(chunk(i, {}, None, update.output.finish_reason, stop_reason=update.output.stop_reason))
+        yield "".join(events)
     if include_usage:
         yield sse({**header, "choices": [], "usage": _usage_of(outputs, prompt_of)})
     yield SSE_DONE

@@ -58,16 +58,30 @@ class _Observer:
 
 async def stream_requests(
     engine: AsyncEngine, requests: list[Request], metrics: Metrics | None
-) -> AsyncIterator[IndexedUpdate]:
-    """All updates of several enqueued requests, interleaved as they come. Closing the iterator aborts the rest."""
+) -> AsyncIterator[list[IndexedUpdate]]:
+    """All updates of several enqueued requests, interleaved as they come, in batches of those already waiting (the
+    event loop falls behind under load: a batch is then one write instead of one per token). Closing the iterator
+    aborts the rest."""
+    if len(requests) == 1:  # nothing to merge: the request's own queue, without a task in between
+        observer = _Observer(metrics, requests[0], engine.engine.cache is not None)
+        updates = engine.updates(requests[0])
+        try:
+            async for timed_batch in updates:
+                for timed in timed_batch:
+                    observer.see(timed)
+                yield [IndexedUpdate(0, timed) for timed in timed_batch]
+        finally:
+            await updates.aclose()
+        return
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, request: Request) -> None:
         observer = _Observer(metrics, request, engine.engine.cache is not None)
         try:
-            async for timed in engine.updates(request):
-                observer.see(timed)
-                merged.put_nowait(IndexedUpdate(index, timed))
+            async for timed_batch in engine.updates(request):
+                for timed in timed_batch:
+                    observer.see(timed)
+                    merged.put_nowait(IndexedUpdate(index, timed))
         except BaseException as e:  # surfaced to the consumer below
             merged.put_nowait(e)
             raise
@@ -76,12 +90,15 @@ async def stream_requests(
     remaining = len(requests)
     try:
         while remaining:
-            item = await merged.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.timed.update.finished:
-                remaining -= 1
-            yield item
+            batch = [await merged.get()]
+            while not merged.empty():
+                batch.append(merged.get_nowait())
+            for item in batch:
+                if isinstance(item, BaseException):
+                    raise item
+                if item.timed.update.finished:
+                    remaining -= 1
+            yield batch
     finally:
         for task in tasks:
             task.cancel()
@@ -96,9 +113,10 @@ async def collect_requests(
 
     async def collect() -> list[RequestOutput]:
         outputs: list[RequestOutput | None] = [None] * len(requests)
-        async for item in stream_requests(engine, requests, metrics):
-            if item.timed.update.finished:
-                outputs[item.index] = item.timed.update.output
+        async for batch in stream_requests(engine, requests, metrics):
+            for item in batch:
+                if item.timed.update.finished:
+                    outputs[item.index] = item.timed.update.output
         return outputs
 
     task = asyncio.create_task(collect())

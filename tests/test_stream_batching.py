@@ -1,0 +1,53 @@
+"""Streams under load: updates that piled up while the event loop was busy come out as one batch (one write), in
+order, with every token and the finish, for one request and for several merged ones."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from fastqwen import SamplingParams
+from fastqwen.engine import LLMEngine
+from fastqwen.server.async_engine import AsyncEngine
+from fastqwen.server.serving import stream_requests
+
+from checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("stream"))
+    make_checkpoint(path, tied=False, num_heads=4, num_kv_heads=2, seed=5, max_positions=512)
+    return LLMEngine(path, dtype="float32", device="cpu", page_size=4, num_pages=256)
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_piled_up_updates_come_as_one_batch(engine, num_requests):
+    async def scenario():
+        front = AsyncEngine(engine)  # its thread is not started: the test runs the engine's steps itself
+        front._loop = asyncio.get_running_loop()
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        requests = [engine.new_request([3 + i, 4, 5, 6], params) for i in range(num_requests)]
+        for request in requests:  # what enqueue does, without the engine thread it checks for
+            front._queues[request.rid] = asyncio.Queue()
+            engine.add(request)
+        stream = stream_requests(front, requests, None)
+        produced = 0
+        while engine.has_unfinished():  # every step's updates land in the queues before the stream reads any
+            updates = engine.step()
+            produced += len(updates)
+            front._dispatch(updates, time.monotonic())
+        batches = [batch async for batch in stream]
+        return requests, produced, batches
+
+    requests, produced, batches = asyncio.run(scenario())
+    assert len(batches) == 1, [len(b) for b in batches]  # all of it was waiting: one batch, one write
+    items = batches[0]
+    assert len(items) == produced == 6 * len(requests)
+    for index, request in enumerate(requests):
+        mine = [item.timed.update for item in items if item.index == index]
+        assert [t for u in mine for t in u.new_token_ids] == request.output_ids  # every token, in order
+        assert [u.finished for u in mine] == [False] * 5 + [True]
+        assert mine[-1].output.token_ids == request.output_ids
