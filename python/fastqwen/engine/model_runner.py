@@ -255,13 +255,9 @@ class ModelRunner:
         if blocked_rows:
             ops.block_tokens(logits, blocked_rows, blocked)
 
-    @torch.inference_mode()
-    def step(self, scheduled: ScheduledBatch) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """Runs one step; returns the sampled token of each sampling chunk, in order, and their logprobs if asked."""
-        return self.collect(self.launch(scheduled))
-
     def collect(self, pending: PendingStep) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """The tokens (and logprobs) of a launched step; waits for a graph step's read-back."""
+        """The sampled token of each sampling row of a launched step, in order, and their logprobs if asked; waits
+        for a graph step's read-back."""
         if pending.tokens is None:
             pending.ready.synchronize()
             pending.tokens = pending.host.tolist()
