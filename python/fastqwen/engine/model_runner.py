@@ -72,15 +72,13 @@ class ModelRunner:
                 len(self.graphs.sizes), self.graphs.max_bs, self.graphs.capture_seconds,
                 self.graphs.memory_bytes / 2**20,
             )  # fmt: skip
-        # The one read-back of a step: sampled tokens, through pinned memory, then a wait on an event. Graph steps
-        # alternate between two buffers: a step launched ahead must not land on the tokens the host is still reading.
-        # The same goes for the rows a step launched ahead takes its input tokens from.
+        # The one read-back of a step: sampled tokens, through pinned memory, then a wait on an event. Two buffers
+        # alternate: a step launched ahead must not land on the tokens the host is still reading. The same goes for
+        # the rows a step launched ahead takes its input tokens from (indexed like the read-back it goes with).
         on_gpu = self.device.type == "cuda"
-        self._tokens_host = torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu)
-        self._tokens_ready = torch.cuda.Event() if on_gpu else None
         self._flip = 0
-        self._graph_tokens_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
-        self._graph_tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
+        self._tokens_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self._tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
         self._source_rows_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self._source_rows = torch.zeros(2, self.staging.max_seqs, dtype=torch.int64, device=self.device)
 
@@ -90,9 +88,11 @@ class ModelRunner:
     def build_batch(self, scheduled: ScheduledBatch) -> ForwardBatch:
         return self._build(scheduled)[0]
 
-    def _build(self, scheduled: ScheduledBatch) -> tuple[ForwardBatch, int]:
-        """The step's ForwardBatch, uploaded, and the padded graph size that replays it (0 = run eager)."""
-        size = self._graph_size(scheduled)
+    def _build(self, scheduled: ScheduledBatch, size: int | None = None) -> tuple[ForwardBatch, int]:
+        """The step's ForwardBatch, uploaded, and the padded graph size that replays it (0 = run eager; `size`: that
+        size when the caller has it already)."""
+        if size is None:
+            size = self._graph_size(scheduled)
         if size:
             return self._build_graph_decode(scheduled.chunks, size), size
         return self._build_eager(scheduled), 0
@@ -211,13 +211,21 @@ class ModelRunner:
 
     def _read_back(self, tokens: torch.Tensor) -> list[int]:
         """The step's one device-to-host transfer: a non-blocking copy into pinned memory, then a wait for it."""
-        if self._tokens_ready is None or tokens.shape[0] > self._tokens_host.shape[0]:
+        if self.device.type != "cuda" or tokens.shape[0] > self.staging.max_seqs:
             return tokens.tolist()
-        host = self._tokens_host[: tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
-        self._tokens_ready.record()
-        self._tokens_ready.synchronize()
+        host, ready = self._start_read_back(tokens)
+        ready.synchronize()
         return host.tolist()
+
+    def _start_read_back(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Queue the copy of the tokens into the next pinned buffer; the event fires when they are there."""
+        flip = self._flip
+        self._flip ^= 1
+        host = self._tokens_host[flip][: tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        ready = self._tokens_ready[flip]
+        ready.record()
+        return host, ready
 
     def _sampling_batch(self, requests: list[Request], temperatures: torch.Tensor) -> SamplingBatch:
         params = [r.params for r in requests]
@@ -278,11 +286,10 @@ class ModelRunner:
             return self._launch_ahead(chunks, after)
         if not chunks:
             return PendingStep([], tokens=[])
-        if self.sampler is not None:
-            graph_size = self._graph_size(scheduled)
-            if graph_size:  # the graph samples too: its rows are filled before the replay
-                return self._launch_graph(chunks, graph_size)
-        batch, graph_size = self._build(scheduled)
+        graph_size = self._graph_size(scheduled)
+        if graph_size and self.sampler is not None:  # the graph samples too: its rows are filled before the replay
+            return self._launch_graph(chunks, graph_size)
+        batch, graph_size = self._build(scheduled, graph_size)
         tokens, logprobs = self._run_eager(scheduled, batch, graph_size)
         return PendingStep([c.request for c in chunks if c.samples], tokens=tokens, logprobs=logprobs)
 
@@ -307,8 +314,7 @@ class ModelRunner:
         in flight that samples it."""
         requests = [c.request for c in chunks]
         n = len(requests)
-        flip = self._flip
-        self._flip ^= 1
+        flip = self._flip  # the buffers of this step's read-back
         # The pinned buffers (sampler rows, then the batch, whose upload records the event) are refilled only once
         # the previous step's uploads have read them.
         self.staging.wait_uploaded()
@@ -322,10 +328,7 @@ class ModelRunner:
             rows.copy_(rows_host, non_blocking=True)
             torch.index_select(self.sampler.tokens, 0, rows, out=batch.input_ids[:n])
         self.run_model(batch, size)
-        host = self._graph_tokens_host[flip][:n]
-        host.copy_(self.sampler.tokens[:n], non_blocking=True)
-        ready = self._graph_tokens_ready[flip]
-        ready.record()
+        host, ready = self._start_read_back(self.sampler.tokens[:n])
         return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
 
     def _run_eager(self, scheduled: ScheduledBatch, batch: ForwardBatch, graph_size: int):

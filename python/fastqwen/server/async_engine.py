@@ -36,6 +36,14 @@ class TimedUpdate:
     time: float  # time.monotonic() when the step that produced it ended
 
 
+async def take_waiting(queue: asyncio.Queue) -> list:
+    """The next item of the queue and every item already waiting behind it."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None, metrics=None):
         self.engine = engine
@@ -104,9 +112,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                batch = [await out.get()]
-                while not out.empty():
-                    batch.append(out.get_nowait())
+                batch = await take_waiting(out)
                 for item in batch:
                     if isinstance(item, BaseException):
                         raise item

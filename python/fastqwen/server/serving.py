@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine import RequestOutput
 from ..scheduler import Request
-from .async_engine import AsyncEngine, EngineDeadError, TimedUpdate
+from .async_engine import AsyncEngine, EngineDeadError, TimedUpdate, take_waiting
 from .metrics import Metrics
 
 _DISCONNECT_POLL_S = 0.05
@@ -90,9 +90,7 @@ async def stream_requests(
     remaining = len(requests)
     try:
         while remaining:
-            batch = [await merged.get()]
-            while not merged.empty():
-                batch.append(merged.get_nowait())
+            batch = await take_waiting(merged)
             for item in batch:
                 if isinstance(item, BaseException):
                     raise item
