@@ -20,6 +20,7 @@ import time
 import torch
 
 from fastqwen import LLM, SamplingParams
+from fastqwen.config import EngineConfig
 
 from common import copy_bandwidth, hf_model_like, report
 
@@ -109,28 +110,19 @@ def http_only(args, rng: random.Random) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Qwen3-8B")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--device", default=None)
+    EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=8192)
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 4096])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--url", default=None, help="also measure through this running server")
     p.add_argument("--http-only", action="store_true",
                    help="measure only through --url (no engine in this process: the server holds the GPU memory)")
     p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
-    p.add_argument("--disable-cuda-graph", action="store_true", help="eager decode (for the comparison)")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=256)
-    p.add_argument("--disable-overlap-schedule", action="store_true", help="record each step before launching the next")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rng = random.Random(0)
     if args.http_only:
         return http_only(args, rng)
-    llm = LLM(
-        args.model, load_format=args.load_format, device=args.device, max_model_len=8192, num_pages=None,
-        disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_overlap_schedule=args.disable_overlap_schedule,
-    )  # fmt: skip
+    llm = LLM(EngineConfig.from_cli(args))
     vocab = llm.engine.config.vocab_size
     weights = llm.engine.model.weights
     device = llm.engine.device

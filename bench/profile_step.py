@@ -24,6 +24,7 @@ import time
 import torch
 
 from fastqwen import LLM, SamplingParams
+from fastqwen.config import EngineConfig
 
 from common import report
 
@@ -41,18 +42,14 @@ def timed(store: dict, name: str, fn):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Qwen3-8B")
-    p.add_argument("--load-format", default="dummy")
+    EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=8192)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--batch", type=int, default=1, help="decode batch size (that many requests at once)")
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the capture's time and memory
-    llm = LLM(args.model, load_format=args.load_format, max_model_len=8192, disable_cuda_graph=args.disable_cuda_graph,
-              disable_overlap_schedule=args.disable_overlap_schedule)  # fmt: skip
+    llm = LLM(EngineConfig.from_cli(args))
     engine = llm.engine
     runner, scheduler = engine.runner, engine.scheduler
     times: dict[str, list[float]] = {}
@@ -103,7 +100,7 @@ def main() -> int:
     result = {
         "model": args.model,
         "device": torch.cuda.get_device_name(),
-        "cuda_graph": not args.disable_cuda_graph and runner.graphs is not None,
+        "cuda_graph": runner.graphs is not None,
         "overlap": engine.overlap,
         "prompt_tokens": args.prompt_len,
         "batch": args.batch,

@@ -21,6 +21,7 @@ import time
 import torch
 
 from fastqwen import LLM, SamplingParams
+from fastqwen.config import EngineConfig
 
 from common import hf_model_like, report
 
@@ -57,22 +58,16 @@ def hf_throughput(model_name: str, prompts: list[list[int]], outs: list[int], de
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Qwen3-8B")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--device", default=None)
+    EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=4096)
     p.add_argument("--workload", choices=["random", "fixed"], default="random")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true")
     p.add_argument("--hf-requests", type=int, default=32)
-    p.add_argument("--disable-overlap-schedule", action="store_true", help="record each step before launching the next")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    llm = LLM(args.model, load_format=args.load_format, device=args.device, max_model_len=4096,
-              max_num_seqs=args.max_num_seqs, disable_overlap_schedule=args.disable_overlap_schedule)  # fmt: skip
+    llm = LLM(EngineConfig.from_cli(args))
     prompts, outs = workload(args, llm.engine.config.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]

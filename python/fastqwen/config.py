@@ -6,9 +6,10 @@ dense Qwen3 (0.6B to 32B) loads without a table of special cases.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -188,3 +189,106 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', not {dtype!r}")
     return _DTYPES[dtype]
+
+
+# ---- engine knobs ------------------------------------------------------------------------------------------------
+
+
+def _knob(default, help: str, flag: str | None = None, choices: tuple | None = None, aliases: tuple[str, ...] = ()):
+    """An EngineConfig field with what its command-line flag needs: help text, the flag's name where it is not
+    the field's name, and the allowed values. A bool field that defaults to True gets a --disable-... flag."""
+    meta = {"help": help, "flag": flag, "choices": choices, "aliases": aliases}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    """Every engine knob and its default, in one place. `LLM(model, **knobs)`, `python -m fastqwen.serve` and the
+    benchmarks all build one of these; the command-line flags are generated from the fields below."""
+
+    model: str = _knob(MISSING, "checkpoint folder, config.json, or a preset (" + ", ".join(PRESETS) + ") with --load-format dummy")
+    dtype: str | torch.dtype = _knob("auto", "weight and KV dtype; auto = the checkpoint's", choices=("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"))
+    device: str | None = _knob(None, "cuda or cpu (default: cuda when available)")
+    load_format: str = _knob("auto", "dummy = random weights with the model's shapes", choices=("auto", "safetensors", "dummy"))
+    page_size: int = _knob(16, "tokens per KV page (a power of two, at most 128)")
+    max_num_seqs: int = _knob(256, "most requests running at once")
+    max_num_batched_tokens: int = _knob(8192, "token budget of one step; longer prompts are prefilled in chunks")
+    max_model_len: int | None = _knob(None, "context length (default: the model's)")
+    num_pages: int | None = _knob(None, "KV pages to allocate, overriding --kv-cache-memory-fraction")
+    gpu_memory_utilization: float = _knob(0.85, "on GPU: fraction of the memory left after the weights that the KV cache and activations may use", flag="--kv-cache-memory-fraction", aliases=("--gpu-memory-utilization",))
+    seed: int = _knob(0, "seed of the engine's sampler for unseeded requests (and of dummy weights)")
+    enable_prefix_caching: bool = _knob(True, "turn off the prefix cache (KV reuse across requests sharing a prefix)", flag="--disable-radix-cache", aliases=("--no-enable-prefix-caching",))
+    disable_cuda_graph: bool = _knob(False, "run decode steps eagerly instead of replaying captured CUDA graphs")
+    cuda_graph_max_bs: int = _knob(256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
+    disable_overlap_schedule: bool = _knob(False, "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ConfigError(f"{name} must be {what}, not {getattr(self, name)!r}", name)
+
+        need(isinstance(self.model, str) and bool(self.model), "model", "a checkpoint path or a preset name")
+        need(isinstance(self.dtype, torch.dtype) or self.dtype == "auto" or self.dtype in _DTYPES, "dtype", "'auto', 'bfloat16', 'float16' or 'float32'")
+        need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "'auto', 'safetensors' or 'dummy'")
+        need(_positive_int(self.page_size) and self.page_size & (self.page_size - 1) == 0 and self.page_size <= 128, "page_size", "a power of two from 1 to 128")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            need(_positive_int(getattr(self, name)), name, "a positive integer")
+        need(self.max_model_len is None or (_positive_int(self.max_model_len) and self.max_model_len >= 2), "max_model_len", "an integer >= 2")
+        need(self.num_pages is None or _positive_int(self.num_pages), "num_pages", "a positive integer")
+        need(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
+        need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
+        if is_preset(self.model) and self.load_format != "dummy":
+            raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: use the dummy load format", "load_format")
+
+    @classmethod
+    def build(cls, model: "str | EngineConfig", **knobs) -> "EngineConfig":
+        """A config from a model path and knobs, or a copy of a config with some knobs changed."""
+        if isinstance(model, EngineConfig):
+            return replace(model, **knobs)
+        return cls(model=model, **knobs)
+
+    # ---- the command line, generated from the fields ---------------------------------------------------------
+
+    @staticmethod
+    def flag(name: str) -> str:
+        """The command-line spelling of a field, for error messages."""
+        meta = EngineConfig.__dataclass_fields__[name].metadata
+        return meta.get("flag") or "--" + name.replace("_", "-")
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser, **defaults: Any) -> None:
+        """One flag per field (defaults overridable, e.g. model="Qwen3-8B" for a benchmark)."""
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            meta = f.metadata
+            default = defaults.get(f.name, f.default)
+            names = [cls.flag(f.name), *meta.get("aliases", ())]
+            if str(f.type) == "bool":
+                # A knob that is on by default is turned off by its flag, and the other way round. Unless a caller
+                # overrides it, its default is left out of the namespace (help would print a confusing one).
+                action = "store_false" if f.default else "store_true"
+                default = defaults.get(f.name, argparse.SUPPRESS)
+                group.add_argument(*names, dest=f.name, action=action, default=default, help=meta["help"])
+                continue
+            kind = int if str(f.type).startswith("int") else float if str(f.type).startswith("float") else str
+            group.add_argument(
+                *names, dest=f.name, type=kind, default=None if default is MISSING else default,
+                metavar=names[0].lstrip("-").replace("-", "_").upper(),
+                required=default is MISSING, choices=meta.get("choices"), help=meta["help"],
+            )  # fmt: skip
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
+
+
+class ConfigError(ValueError):
+    """A bad engine knob; `field` names it (the CLI reports it by its flag)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

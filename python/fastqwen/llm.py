@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 from tqdm.auto import tqdm
 
+from .config import EngineConfig
 from .engine import LLMEngine, RequestOutput
 from .errors import InvalidRequestError
 from .sampling_params import SamplingParams
@@ -21,41 +21,11 @@ class LLM:
     (Qwen3-0.6B ... Qwen3-32B) with load_format="dummy" for random weights of the real shapes.
     """
 
-    def __init__(
-        self,
-        model: str,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device | None = None,
-        page_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        num_pages: int | None = None,
-        max_model_len: int | None = None,
-        load_format: str = "auto",
-        gpu_memory_utilization: float = 0.85,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-        disable_cuda_graph: bool = False,
-        cuda_graph_max_bs: int = 256,
-        disable_overlap_schedule: bool = False,
-    ):
-        self.engine = LLMEngine(
-            model,
-            dtype=dtype,
-            device=device,
-            page_size=page_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_pages=num_pages,
-            max_model_len=max_model_len,
-            load_format=load_format,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            disable_cuda_graph=disable_cuda_graph,
-            cuda_graph_max_bs=cuda_graph_max_bs,
-            disable_overlap_schedule=disable_overlap_schedule,
-        )
+    def __init__(self, model: str | EngineConfig, **knobs):
+        """knobs: any EngineConfig field (dtype, device, page_size, max_num_seqs, max_num_batched_tokens, num_pages,
+        max_model_len, load_format, gpu_memory_utilization, seed, enable_prefix_caching, disable_cuda_graph,
+        cuda_graph_max_bs, disable_overlap_schedule); config.EngineConfig documents them and their defaults."""
+        self.engine = LLMEngine(EngineConfig.build(model, **knobs))
 
     def generate(
         self,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import is_preset, load_model_config, resolve_dtype
+from ..config import EngineConfig, load_model_config, resolve_dtype
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..model import Qwen3Model
 from ..sampling_params import SamplingParams
@@ -58,38 +58,20 @@ class RequestUpdate:
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model: str,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device | None = None,
-        page_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        num_pages: int | None = None,
-        max_model_len: int | None = None,
-        load_format: str = "auto",
-        gpu_memory_utilization: float = 0.85,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-        disable_cuda_graph: bool = False,
-        cuda_graph_max_bs: int = 256,
-        disable_overlap_schedule: bool = False,
-    ):
-        if load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', not {load_format!r}")
-        if is_preset(model) and load_format != "dummy":
-            raise ValueError(f"{model!r} is a shape preset with no weights on disk: pass load_format='dummy'")
+    def __init__(self, config: EngineConfig | str, **knobs):
+        """config: an EngineConfig, or a model path/preset plus EngineConfig's knobs as keywords."""
+        self.engine_config = config = EngineConfig.build(config, **knobs)
+        model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
+        max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
+        device = config.device
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.config, self.generation_defaults = load_model_config(model)
-        self.dtype = resolve_dtype(dtype, self.config, self.device)
-        self.max_model_len = max_model_len or self.config.max_position_embeddings
-        if self.max_model_len < 2:
-            raise ValueError("max_model_len must be at least 2")
+        self.dtype = resolve_dtype(config.dtype, self.config, self.device)
+        self.max_model_len = config.max_model_len or self.config.max_position_embeddings
 
         folder = model if os.path.isdir(model) else os.path.dirname(model)
         self.tokenizer = Tokenizer.from_folder(folder) if folder else None
-        if load_format == "dummy":
+        if config.load_format == "dummy":
             weights = dummy_weights(self.config, self.dtype, self.device, seed)
         else:
             weights = load_weights(folder, self.config, self.dtype, self.device)
@@ -97,7 +79,7 @@ class LLMEngine:
 
         cfg = self.config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
-        graph_bs = self._graph_max_bs(disable_cuda_graph, cuda_graph_max_bs, max_num_seqs)
+        graph_bs = self._graph_max_bs(config.disable_cuda_graph, config.cuda_graph_max_bs, max_num_seqs)
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         # The sampler's buffers (and its penalty-count table, when graphs capture it) are allocated before the KV pool
         # is sized, so the pool gets what they leave.
@@ -108,13 +90,14 @@ class LLMEngine:
             )
         if self.sampler is not None and graph_bs:
             self.sampler.freeze()
+        num_pages = config.num_pages
         if num_pages is None:
             graph_bytes = self._measure_graph_memory(graph_bs, page_size) if graph_bs else 0
             num_pages = self._default_num_pages(
-                page_bytes, max_num_batched_tokens, max_num_seqs, gpu_memory_utilization, graph_bytes
+                page_bytes, max_num_batched_tokens, max_num_seqs, config.gpu_memory_utilization, graph_bytes
             )
         self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.cache = RadixCache(self.kv.allocator, page_size) if enable_prefix_caching else None
+        self.cache = RadixCache(self.kv.allocator, page_size) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv.allocator,
             page_size,
@@ -132,7 +115,7 @@ class LLMEngine:
         self._ids = itertools.count()  # request ids, in arrival order
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
         # is launched first, and the host records the previous step while the GPU runs it.
-        self.overlap = not disable_overlap_schedule
+        self.overlap = not config.disable_overlap_schedule
         self._ahead = None  # (ScheduledBatch, PendingStep) launched and not recorded yet
         self.num_ahead_steps = 0
 
