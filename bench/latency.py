@@ -35,12 +35,11 @@ def engine_latency(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
     """Time to first token (from adding the request to the step that returns it), and time per output token: the
     median gap between the returns of the steps that follow. A step returns once its token is on the host, so no
     device sync is added between steps (one would stall the decode step the engine launched ahead)."""
-    engine = llm.engine
     start = now()
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     stamps = []
-    while engine.has_unfinished():
-        if engine.step():
+    while llm.has_unfinished():
+        if llm.step():
             stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"ttft_ms": (stamps[0] - start) * 1e3, "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None}

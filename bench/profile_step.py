@@ -73,7 +73,7 @@ def main() -> int:
     for _ in range(2):  # the first run warms up
         batch_sizes.clear()
         for prompt in prompts:
-            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True))
+            llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True))
         while not batch_sizes or batch_sizes[-1] != args.batch:  # prefill (eager, chunked) until all decode
             engine.step()
         for values in times.values():  # profile the decode steps only

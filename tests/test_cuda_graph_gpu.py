@@ -131,7 +131,7 @@ def test_padding_rows_write_no_kv_and_logits_match_eager(folder):
     engine, runner = llm.engine, llm.engine.runner
     prompts, _ = workload(5, seed=42)
     for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     while any(r.cached_len < len(r.token_ids) - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (and, for early finishers, a few decodes) until all 5 decode together
     scheduled = engine.scheduler.schedule()
@@ -206,17 +206,17 @@ def run_steps(llm: LLM, prompts, params, abort_at: tuple[int, int] | None = None
     """Drive the engine step by step (checking page ownership after each); abort_at = (step, prompt index) aborts
     that request after that step, while a step launched ahead is in flight. Outputs in prompt order."""
     engine = llm.engine
-    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    rids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     outputs, steps, aborted_in_flight = {}, 0, False
     while engine.has_unfinished():
-        for update in engine.step():
+        for update in llm.step():
             if update.finished:
                 outputs[update.request_id] = update.output
         engine.check_invariants()
         steps += 1
         if abort_at is not None and steps == abort_at[0]:
             aborted_in_flight = engine._ahead is not None
-            assert engine.abort(rids[abort_at[1]])
+            assert llm.abort(rids[abort_at[1]])
     assert engine.kv_usage() == 0
     return [outputs.get(rid) for rid in rids], aborted_in_flight
 

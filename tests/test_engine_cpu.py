@@ -168,14 +168,14 @@ def test_abort_frees_pages(checkpoints):
     folder, _ = checkpoints["untied-g2"]
     llm = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=64)
     engine = llm.engine
-    rids = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in random_prompts(1, 3)]
-    engine.step()
-    engine.step()
+    rids = [llm.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in random_prompts(1, 3)]
+    llm.step()
+    llm.step()
     allocator = engine.kv.allocator
     assert allocator.num_free() < allocator.num_total()
     for rid in rids:
-        assert engine.abort(rid)
-    assert not engine.abort(rids[0]), "aborting twice should report an unknown request"
+        assert llm.abort(rid)
+    assert not llm.abort(rids[0]), "aborting twice should report an unknown request"
     assert not engine.has_unfinished()
     assert_pool_clean(llm)
 

@@ -135,8 +135,6 @@ def test_overlap_gives_the_same_tokens_and_keeps_the_invariants(num_pages, page_
         assert request.finished or request.rid in driver.aborted
         if request.rid not in driver.aborted:
             assert request.output_ids == expected_output(request), request.rid
-        if request.logprobs is not None:
-            assert len(request.logprobs) == request.num_output_tokens
     driver.cache.reset()
     driver.check()
     assert driver.allocator.num_free() == num_pages

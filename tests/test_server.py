@@ -91,7 +91,7 @@ def test_chat_streaming_and_not(client, llm):
     messages = [{"role": "system", "content": "t1"}, {"role": "user", "content": [{"type": "text", "text": "t2 t3"}]}]
     kwargs = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     whole = client.chat.completions.create(**kwargs)
-    prompt = llm.engine.tokenizer.apply_chat_template(
+    prompt = llm.tokenizer.apply_chat_template(
         [{"role": "system", "content": "t1"}, {"role": "user", "content": "t2 t3"}], enable_thinking=False
     )
     expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]

@@ -10,6 +10,7 @@ import pytest
 import uvicorn
 
 from fastqwen.engine import LLMEngine
+from fastqwen.engine.client import InProcessEngineClient
 from fastqwen.server.app import ServerConfig, create_app
 
 from checkpoints import make_checkpoint
@@ -57,7 +58,7 @@ def dying_server(tiny_engine):
         raise RuntimeError("simulated CUDA failure")
 
     tiny_engine.step = broken_step
-    server = InProcessServer(lambda: tiny_engine)
+    server = InProcessServer(lambda: InProcessEngineClient(tiny_engine))
     server.wait_healthy()
     yield server.url
     server.stop()
@@ -68,7 +69,7 @@ def test_health_and_api_answer_503_while_loading(tiny_engine):
 
     def slow_load():
         loaded.wait(30)
-        return tiny_engine
+        return InProcessEngineClient(tiny_engine)
 
     server = InProcessServer(slow_load)
     try:

@@ -10,6 +10,8 @@ import pytest
 
 from fastqwen import SamplingParams
 from fastqwen.engine import LLMEngine
+from fastqwen.engine.client import InProcessEngineClient
+from fastqwen.frontend import Frontend
 from fastqwen.server.async_engine import AsyncEngine
 from fastqwen.server.serving import stream_requests
 
@@ -26,19 +28,22 @@ def engine(tmp_path_factory):
 @pytest.mark.parametrize("num_requests", [1, 3])
 def test_piled_up_updates_come_as_one_batch(engine, num_requests):
     async def scenario():
-        front = AsyncEngine(engine)  # its thread is not started: the test runs the engine's steps itself
+        # The client's thread is not started: the test runs the engine's steps itself.
+        front = AsyncEngine(InProcessEngineClient(engine), Frontend.for_engine(engine.info))
         front._loop = asyncio.get_running_loop()
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        requests = [engine.new_request([3 + i, 4, 5, 6], params) for i in range(num_requests)]
+        requests = [front.new_request([3 + i, 4, 5, 6], params) for i in range(num_requests)]
         for request in requests:  # what enqueue does, without the engine thread it checks for
             front._queues[request.rid] = asyncio.Queue()
-            engine.add(request)
+            front._trackers[request.rid] = request
+            engine.add(request.request)
         stream = stream_requests(front, requests, None)
         produced = 0
         while engine.has_unfinished():  # every step's updates land in the queues before the stream reads any
-            updates = engine.step()
-            produced += len(updates)
-            front._dispatch(updates, time.monotonic())
+            output = engine.step()
+            produced += len(output.deltas)
+            front._on_output(output)
+            await asyncio.sleep(0)  # the loop runs the dispatch the engine thread would have scheduled
         batches = [batch async for batch in stream]
         return requests, produced, batches
 

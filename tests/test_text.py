@@ -78,19 +78,21 @@ def test_stop_strings_through_the_engine(tmp_path):
     stop = words[2][-2:] + " " + words[3][:2]
     at = free.text.index(stop)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop])
-    engine = llm.engine
-    rid = engine.add_request(prompt, params)
-    streamed, output = [], None
-    while engine.has_unfinished():
-        for update in engine.step():
+    rid = llm.add_request(prompt, params)
+    streamed, output, steps = [], None, 0
+    while llm.has_unfinished():
+        steps += 1
+        for update in llm.step():
             assert update.request_id == rid
             streamed.append(update.new_text)
             output = update.output
     assert output.finish_reason == "stop" and output.stop_reason == stop
     assert output.text == free.text[:at]
     assert "".join(streamed) == output.text
-    completes = next(n for n in range(1, 21) if stop in llm.engine.tokenizer.decode(free.token_ids[:n]))
+    completes = next(n for n in range(1, 21) if stop in llm.tokenizer.decode(free.token_ids[:n]))
     assert output.token_ids == free.token_ids[:completes]
+    # The engine never sees text: the frontend aborts it there on the match (else it would run to max_tokens).
+    assert steps == completes and llm.engine.kv_usage() == 0
 
 
 def test_eos_is_reported_as_the_stop_reason(tmp_path):
@@ -210,5 +212,5 @@ def test_llm_chat_uses_the_template(tmp_path):
     prompt = ChatTemplate(CHAT_TEMPLATE).render(messages, enable_thinking=False)
     assert prompt.endswith("<think>\n\n</think>\n\n")
     via_text = llm.generate(prompt, params, use_tqdm=False)[0]
-    assert via_chat.prompt_token_ids == via_text.prompt_token_ids == llm.engine.tokenizer.encode(prompt)
+    assert via_chat.prompt_token_ids == via_text.prompt_token_ids == llm.tokenizer.encode(prompt)
     assert via_chat.token_ids == via_text.token_ids

@@ -1,6 +1,6 @@
 """fastqwen: a readable, fast Qwen3 inference engine."""
 
-from .engine import RequestOutput, RequestUpdate
+from .frontend import RequestOutput, RequestUpdate
 from .errors import InvalidRequestError
 from .llm import LLM
 from .sampling_params import SamplingParams

@@ -7,7 +7,9 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine, RequestOutput
+from .engine import LLMEngine
+from .frontend import Frontend, RequestOutput, RequestTracker, RequestUpdate
+from .tokenizer import Tokenizer
 from .errors import InvalidRequestError
 from .sampling_params import SamplingParams
 
@@ -26,6 +28,12 @@ class LLM:
         max_model_len, load_format, gpu_memory_utilization, seed, enable_prefix_caching, disable_cuda_graph,
         cuda_graph_max_bs, disable_overlap_schedule); config.EngineConfig documents them and their defaults."""
         self.engine = LLMEngine(EngineConfig.build(model, **knobs))
+        self.frontend = Frontend.for_engine(self.engine.info)
+        self._trackers: dict[int, RequestTracker] = {}  # requests queued and not finished
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.frontend.tokenizer
 
     def generate(
         self,
@@ -48,26 +56,57 @@ class LLM:
                 raise InvalidRequestError(
                     f"{len(params_list)} sampling_params for {len(prompts)} prompts", "sampling_params"
                 )
-        engine = self.engine
-        requests = [engine.new_request(p, sp) for p, sp in zip(prompts, params_list)]  # all validated first
-        for request in requests:
-            engine.add(request)
-        rids = [r.rid for r in requests]
-        results: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm or len(rids) < 2)
+        trackers = [self.frontend.new_request(p, sp) for p, sp in zip(prompts, params_list)]  # all validated first
+        for tracker in trackers:
+            self._add(tracker)
+        bar = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm or len(trackers) < 2)
         try:
-            while engine.has_unfinished():
-                for update in engine.step():
-                    if update.finished:
-                        results[update.request_id] = update.output
-                        bar.update(1)
+            while self.engine.has_unfinished():
+                bar.update(sum(update.finished for update in self.step()))
         except BaseException:
-            for rid in rids:
-                engine.abort(rid)
+            for tracker in trackers:
+                self.abort(tracker.rid)
             raise
         finally:
             bar.close()
-        return [results[rid] for rid in rids]
+        return [t.output() for t in trackers]
+
+    # ---- step by step, for streaming ----------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Validate and queue one request; returns its id. step() then reports its progress."""
+        tracker = self.frontend.new_request(prompt, params)
+        self._add(tracker)
+        return tracker.rid
+
+    def step(self) -> list[RequestUpdate]:
+        """One engine step: an update (new tokens and text) for every request that advanced or finished."""
+        updates = []
+        for delta in self.engine.step().deltas:
+            tracker = self._trackers.get(delta.rid)
+            update = tracker.apply(delta) if tracker is not None else None
+            if update is None:
+                continue
+            if update.finished:
+                del self._trackers[delta.rid]
+                if not delta.finished:  # a stop string matched: the engine is still running it
+                    self.engine.abort(delta.rid)
+            updates.append(update)
+        return updates
+
+    def abort(self, rid: int) -> bool:
+        """Stop a request; its pages are released at once. False if it is unknown or finished."""
+        tracker = self._trackers.pop(rid, None)
+        if tracker is not None:
+            tracker.abort()
+        return self.engine.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def _add(self, tracker: RequestTracker) -> None:
+        self.engine.add(tracker.request)
+        self._trackers[tracker.rid] = tracker
 
     def chat(
         self,
@@ -81,7 +120,7 @@ class LLM:
         The prompt is the checkpoint's chat template with the generation prompt added; chat_template_kwargs go to
         the template (for Qwen3, {"enable_thinking": False} turns thinking off).
         """
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.frontend.tokenizer
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer.json, so it cannot chat", "messages")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .engine import LLMEngine
+    from .engine.client import InProcessEngineClient
     from .server.app import ServerConfig, create_app
 
     try:
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m fastqwen.serve: error: {EngineConfig.flag(e.field)}: {e}", file=sys.stderr)
         return 2
 
-    def load_engine() -> LLMEngine:
-        return LLMEngine(engine_config)
+    def load_engine() -> InProcessEngineClient:
+        return InProcessEngineClient(LLMEngine(engine_config))
 
     api_key = args.api_key or os.environ.get("FASTQWEN_API_KEY")
     config = ServerConfig(args.served_model_name or args.model, api_key, args.max_queued_requests)

@@ -1,4 +1,7 @@
-from .llm_engine import LLMEngine, RequestOutput, RequestUpdate
+from .llm_engine import LLMEngine
+from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput, TokenLogprobs
 from .model_runner import ModelRunner
 
-__all__ = ["LLMEngine", "ModelRunner", "RequestOutput", "RequestUpdate"]
+__all__ = [
+    "EngineInfo", "EngineRequest", "EngineStats", "LLMEngine", "ModelRunner", "RequestDelta", "StepOutput", "TokenLogprobs",
+]  # fmt: skip

@@ -1,4 +1,7 @@
-"""LLMEngine: loads a checkpoint (or dummy weights), sizes the KV pool, and runs scheduler steps."""
+"""LLMEngine: loads a checkpoint (or dummy weights), sizes the KV pool, and runs scheduler steps.
+
+It sees token ids only: EngineRequests come in, one StepOutput per step goes out (engine/messages.py). Text,
+stop strings and request validation against the tokenizer belong to the frontend (frontend.py)."""
 
 from __future__ import annotations
 
@@ -6,18 +9,17 @@ import gc
 import itertools
 import logging
 import os
-from dataclasses import dataclass, replace
+import time
 
 import torch
 
 from ..config import EngineConfig, load_model_config, resolve_dtype
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..model import Qwen3Model
-from ..sampling_params import SamplingParams
 from ..errors import InvalidRequestError
-from ..scheduler import Request, Scheduler, TokenLogprobs
-from ..tokenizer import Tokenizer
+from ..scheduler import Request, Scheduler
 from ..weights import dummy_weights, load_weights
+from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .cuda_graph import DecodeGraphs, unsupported_reason
 from .model_runner import ModelRunner
 from .sampler import GpuSampler
@@ -27,34 +29,6 @@ log = logging.getLogger(__name__)
 
 # KV pool size on the CPU reference path when num_pages is not given.
 _CPU_KV_BYTES = 1 << 30
-
-
-@dataclass
-class RequestOutput:
-    """A finished request."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens, the EOS or stop token included
-    text: str | None  # None when the model has no tokenizer
-    finish_reason: str  # "stop", "length" or "abort"
-    stop_reason: int | str | None  # the token id or stop string that matched, for finish_reason "stop"
-    logprobs: list[TokenLogprobs] | None
-    num_prompt_tokens: int
-    num_completion_tokens: int
-    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did for one request: for streaming. `output` is set once the request has finished."""
-
-    request_id: int
-    new_token_ids: list[int]
-    new_text: str | None  # text that can no longer change; may be empty while a character or stop string pends
-    new_logprobs: list[TokenLogprobs] | None
-    finished: bool
-    output: RequestOutput | None = None
 
 
 class LLMEngine:
@@ -70,7 +44,6 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.config.max_position_embeddings
 
         folder = model if os.path.isdir(model) else os.path.dirname(model)
-        self.tokenizer = Tokenizer.from_folder(folder) if folder else None
         if config.load_format == "dummy":
             weights = dummy_weights(self.config, self.dtype, self.device, seed)
         else:
@@ -112,7 +85,7 @@ class LLMEngine:
             self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs,
             sampler=self.sampler,
         )  # fmt: skip
-        self._ids = itertools.count()  # request ids, in arrival order
+        self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
         # is launched first, and the host records the previous step while the GPU runs it.
         self.overlap = not config.disable_overlap_schedule
@@ -168,68 +141,49 @@ class LLMEngine:
             )
         return budget // page_bytes
 
-    # ---- requests ------------------------------------------------------------------------------------------
+    # ---- the boundary: EngineRequests in, StepOutputs out (engine/messages.py) -------------------------------
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer.json: pass prompts as lists of token ids", "prompt")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
-        self.check_token_ids(list(prompt), "prompt")
-        return list(prompt)
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model=self.engine_config.model,
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_pages=self.kv.num_pages,
+            page_size=self.kv.page_size,
+            generation_defaults=self.generation_defaults,
+            prefix_caching=self.cache is not None,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            kv_bytes=self.kv.num_bytes,
+        )
 
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})", param)
-
-    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
-        """Validate a request without queueing it: (prompt ids, params with every default filled)."""
-        ids = self.encode(prompt)
-        params = (params or SamplingParams()).with_defaults(self.generation_defaults)
-        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request the frontend validated; raises InvalidRequestError (and queues nothing) if it cannot run."""
+        params = request.params
         if params.max_tokens is None:
-            params = replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
-        self.scheduler.check_fits(len(ids), params.max_tokens)
-        return ids, params
-
-    def new_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
-        """Validate and build a request without queueing it (safe from any thread). Raises InvalidRequestError."""
-        ids, params = self.prepare(prompt, params)
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
-        rid = next(self._ids)
-        return Request(rid=rid, prompt_ids=ids, params=params, arrival=rid, detokenizer=detokenizer)
-
-    def add(self, request: Request) -> None:
-        """Queue a request made by new_request; only from the thread that runs step()."""
-        self.scheduler.add(request)
-
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Validate and queue a request; returns its id. Raises InvalidRequestError for a request that cannot run."""
-        request = self.new_request(prompt, params)
-        self.add(request)
-        return request.rid
+            raise InvalidRequestError("max_tokens must be set before a request reaches the engine", "max_tokens")
+        bad = [t for t in request.prompt_ids + params.stop_token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})", "prompt")
+        self.scheduler.add(
+            Request(rid=request.rid, prompt_ids=list(request.prompt_ids), params=params, arrival=next(self._arrivals),
+                    arrival_time=request.arrival_time)
+        )  # fmt: skip
 
     def abort(self, rid: int) -> bool:
+        """Stop a request wherever it is; its pages are released at once. False if it is unknown or finished."""
         return self.scheduler.abort(rid) is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None
 
-    def step(self) -> list[RequestUpdate]:
-        """One scheduler step: schedule, run the model, sample, record. Returns an update per request that advanced.
+    def step(self) -> StepOutput:
+        """One scheduler step: schedule, run the model, sample, record. A delta for every request that advanced.
 
         With overlap on, the step recorded here may have been launched by the previous call, and the next decode
         step is launched (when it can be chosen already) before this one's tokens are read back: the GPU runs it
-        while the host records this one, detokenizes and returns.
+        while the host records this one and returns.
         """
         if self._ahead is not None:
             (scheduled, pending), self._ahead = self._ahead, None
@@ -241,26 +195,38 @@ class LLMEngine:
             if following is not None:
                 launched = self.runner.launch(following, after=pending)
                 if launched is not None:
-                    self.scheduler.num_computed_tokens += following.num_tokens
                     self.num_ahead_steps += 1
                     self._ahead = (following, launched)
         tokens, logprobs = self.runner.collect(pending)
-        updates = []
-        advanced = self.scheduler.update(scheduled, tokens, logprobs)
+        advanced = self.scheduler.update(scheduled, tokens)
         if self.check_every_step:
             self.check_invariants()
-        for request in advanced:
-            updates.append(
-                RequestUpdate(
-                    request_id=request.rid,
-                    new_token_ids=request.token_ids[-1:],
-                    new_text=request.detokenizer.take_delta() if request.detokenizer is not None else None,
-                    new_logprobs=request.logprobs[-1:] if request.logprobs is not None else None,
-                    finished=request.finished,
-                    output=self._output(request) if request.finished else None,
+        deltas = []
+        for request, index in advanced:
+            finish = request.finish_reason
+            deltas.append(
+                RequestDelta(
+                    rid=request.rid,
+                    new_token_ids=[tokens[index]],
+                    new_logprobs=[logprobs[index]] if logprobs is not None and logprobs[index] is not None else None,
+                    finish_reason=finish.value if finish is not None else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    first_scheduled_time=request.first_scheduled_time,
                 )
             )
-        return updates
+        return StepOutput(deltas, time.monotonic())
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_usage=self.kv_usage(),
+            num_preemptions=scheduler.num_preemptions,
+            num_computed_tokens=scheduler.num_computed_tokens,
+            num_ahead_steps=self.num_ahead_steps,
+        )
 
     def kv_usage(self) -> float:
         """Fraction of KV pages held by requests; pages only the prefix cache holds are free on demand."""
@@ -272,17 +238,3 @@ class LLMEngine:
         """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises
         kvcache.InvariantError otherwise. FASTQWEN_CHECK_INVARIANTS=1 runs it after every step."""
         check_kv_invariants(self.kv.allocator, self.cache, self.scheduler.running, self.scheduler.waiting)
-
-    def _output(self, request: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.rid,
-            prompt_token_ids=request.prompt_ids,
-            token_ids=request.output_ids,
-            text=request.detokenizer.text if request.detokenizer is not None else None,
-            finish_reason=request.finish_reason.value,
-            stop_reason=request.stop_reason,
-            logprobs=request.logprobs,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_completion_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-        )

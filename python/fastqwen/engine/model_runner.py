@@ -12,7 +12,8 @@ from .. import ops
 from ..kvcache import KVPool
 from ..model import ForwardBatch, Qwen3Model
 from ..ops.sampling import SamplingBatch, step_seed
-from ..scheduler import Request, ScheduledBatch, TokenLogprobs
+from ..scheduler import Request, ScheduledBatch
+from .messages import TokenLogprobs
 from .cuda_graph import DecodeGraphs, fill_padding
 from .sampler import GpuSampler
 from .staging import BatchStaging, Layout, staging_for

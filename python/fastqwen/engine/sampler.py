@@ -27,7 +27,8 @@ from ..ops.sampling import (
     sampler_available,
     sampler_workspace,
 )
-from ..scheduler import Request, TokenLogprobs
+from ..scheduler import Request
+from .messages import TokenLogprobs
 from ..sampling_params import MAX_LOGPROBS
 
 _SEED = "_sampler_seed"  # attributes the sampler keeps on a Request

@@ -1,4 +1,4 @@
-from .request import FinishReason, Request, RequestState, TokenLogprobs
+from .request import FinishReason, Request, RequestState
 from .scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 
-__all__ = ["FinishReason", "Request", "RequestState", "TokenLogprobs", "ScheduledBatch", "ScheduledChunk", "Scheduler"]
+__all__ = ["FinishReason", "Request", "RequestState", "ScheduledBatch", "ScheduledChunk", "Scheduler"]

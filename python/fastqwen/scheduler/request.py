@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
-from ..tokenizer import IncrementalDetokenizer
 
 
 class RequestState(enum.Enum):
@@ -23,15 +22,6 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
-class TokenLogprobs:
-    """The logprob of a sampled token and the most likely alternatives at that step, from the raw logits."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
 class Request:
     rid: int
     prompt_ids: list[int]
@@ -42,9 +32,7 @@ class Request:
     cached_len: int = 0  # token_ids[:cached_len] have valid KV in this request's pages
     pages: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None  # the EOS / stop token id or the stop string that ended it
-    detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
-    logprobs: list[TokenLogprobs] | None = None  # filled when params.logprobs is set
+    stop_reason: int | None = None  # the EOS or stop token id that ended it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
     cache_node: object | None = None  # the prefix-cache node this request has locked (its path is kept)
@@ -55,8 +43,6 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
-        if self.params.logprobs is not None and self.logprobs is None:
-            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,9 +18,9 @@ import collections
 import time
 from dataclasses import dataclass
 
-from ..errors import InvalidRequestError
+from ..limits import check_fits
 from ..kvcache.radix_cache import RadixCache
-from .request import FinishReason, Request, RequestState, TokenLogprobs
+from .request import FinishReason, Request, RequestState
 
 
 @dataclass
@@ -70,32 +70,13 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.cache = cache
         self.num_preemptions = 0
-        self.num_computed_tokens = 0  # tokens of every scheduled chunk: prefill work actually done, plus decodes
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission
-        self.prefix_hits = 0  # of those, tokens found
+        self.num_computed_tokens = 0  # tokens of every step recorded: prefill work actually done, plus decodes
 
     # ---- requests in and out -------------------------------------------------------------------------------
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise InvalidRequestError for a request that could never run: too long, or more pages than the pool has."""
-        if num_prompt_tokens < 1:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {total} were requested "
-                f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion): shorten the prompt or lower "
-                "max_tokens",
-                "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
-            )
-        # The last generated token needs no KV, so a full sequence holds total - 1 cached tokens.
-        pages = self._pages_for(total - 1)
-        if pages > self.allocator.num_total():
-            raise InvalidRequestError(
-                f"the request needs up to {total} tokens of KV ({pages} pages) but the KV pool has only "
-                f"{self.allocator.num_total()} pages: lower max_tokens or give the pool more memory",
-                "max_tokens",
-            )
+        """Raise InvalidRequestError for a request that could never run here."""
+        check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.page_size, self.allocator.num_total())
 
     def add(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
@@ -159,15 +140,11 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 if self.cache is not None:
                     request.num_cached_tokens = min(request.cached_len, request.num_prompt_tokens)
-                    self.prefix_queries += request.num_prompt_tokens
-                    self.prefix_hits += request.num_cached_tokens
             request.state = RequestState.RUNNING
             self.running.append(request)
             chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n))
             budget -= n
-        batch = ScheduledBatch(chunks)
-        self.num_computed_tokens += batch.num_tokens
-        return batch
+        return ScheduledBatch(chunks)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step that follows `batch`, chosen before `batch`'s tokens are known, so the engine can launch it
@@ -175,7 +152,7 @@ class Scheduler:
 
         Only when it is the step schedule() would give, up to what the tokens decide: `batch` decoded every running
         request and nothing waiting could be admitted. Requests that reach max_tokens or the context with this
-        token are left out. One that stops on an EOS, a stop id or a stop string, or is aborted meanwhile, computes
+        token are left out. One that stops on an EOS or a stop id, or is aborted meanwhile (a stop string), computes
         one token in vain: its result is dropped (update skips finished requests) and its KV write goes to a page
         it held, past anything it gave the prefix cache. None when the step cannot be chosen ahead (a prefill, an
         admission, a page shortage that needs a preemption).
@@ -199,14 +176,13 @@ class Scheduler:
             return None
         return ScheduledBatch(chunks)
 
-    def update(
-        self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None
-    ) -> list[Request]:
-        """Record a step's results: sampled[i] (and logprobs[i]) belong to the i-th sampling chunk.
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[Request, int]]:
+        """Record a step's results: sampled[i] belongs to the i-th sampling chunk.
 
-        Returns the requests that got a new token, finished or not. A request that finished (or was aborted) after
-        the step was launched gets nothing.
+        Returns (request, i) for every request that got a new token, finished or not. A request that finished (or
+        was aborted) after the step was launched gets nothing.
         """
+        self.num_computed_tokens += batch.num_tokens
         advanced = []
         index = -1
         for chunk in batch.chunks:
@@ -218,10 +194,8 @@ class Scheduler:
             if not chunk.samples:
                 continue
             token = sampled[index]
-            if request.logprobs is not None and logprobs is not None:
-                request.logprobs.append(logprobs[index])
             request.token_ids.append(token)
-            advanced.append(request)
+            advanced.append((request, index))
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.running.remove(request)
@@ -235,18 +209,12 @@ class Scheduler:
     # ---- internals ----------------------------------------------------------------------------------------
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        """EOS and stop ids, then stop strings (none before min_tokens), then max_tokens and the context length."""
+        """EOS and stop ids (none before min_tokens), then max_tokens and the context length. Stop strings are text:
+        the frontend matches them and aborts the request."""
         params = request.params
-        may_stop = request.num_output_tokens > params.min_tokens
-        stop_string = None
-        if request.detokenizer is not None:
-            stop_string = request.detokenizer.append(token, check_stop=may_stop)
-        if may_stop:
+        if request.num_output_tokens > params.min_tokens:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
                 request.stop_reason = token
-                return FinishReason.STOP
-            if stop_string is not None:
-                request.stop_reason = stop_string
                 return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
@@ -340,7 +308,5 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._cache_computed_prefix(request)
         self._release(request)
-        if request.detokenizer is not None:
-            request.detokenizer.finish()
         request.state = RequestState.FINISHED
         request.finish_reason = reason

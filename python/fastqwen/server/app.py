@@ -16,9 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import LLMEngine
+from ..engine.client import EngineClient
+from ..frontend import Frontend
 from ..errors import InvalidRequestError
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
 from .metrics import Metrics
 from .native_api import router as native_router
 from .openai_api import router as openai_router
@@ -34,7 +35,7 @@ class ServerConfig:
     max_queued_requests: int | None = None
 
 
-def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> FastAPI:
+def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) -> FastAPI:
     """load_engine runs in a worker thread at startup; until it returns, /health and every API answer 503."""
     metrics = Metrics(config.model_name)
     state = ServerState(config.model_name, metrics)
@@ -118,6 +119,10 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
     async def on_engine_dead(_: HTTPRequest, e: EngineDeadError):
         return error_response(503, str(e), None)
 
+    @app.exception_handler(RequestFailedError)
+    async def on_request_failed(_: HTTPRequest, e: RequestFailedError):
+        return error_response(500, str(e), None)
+
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: HTTPRequest, e: RequestValidationError):
         errors = e.errors()
@@ -139,25 +144,25 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
 async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: Metrics) -> None:
     try:
         started = time.monotonic()
-        engine = await asyncio.to_thread(load_engine)
+        client = await asyncio.to_thread(load_engine)
     except BaseException as e:
         state.load_error = e
         logger.exception("loading the model failed")
         raise
-    async_engine = AsyncEngine(engine, config.max_queued_requests, metrics)
+    async_engine = AsyncEngine(client, Frontend.for_engine(client.info), config.max_queued_requests, metrics)
     async_engine.start()
     metrics.bind(async_engine)
     state.created = int(time.time())
     state.engine = async_engine
-    kv = engine.kv
+    info = client.info
     logger.info(
         "loaded %s in %.1f s: %s on %s, KV cache %d pages x %d tokens = %d tokens (%.2f GiB)",
         config.model_name,
         time.monotonic() - started,
-        engine.dtype,
-        engine.device,
-        kv.num_pages,
-        kv.page_size,
-        kv.capacity_tokens,
-        kv.num_bytes / 2**30,
+        info.dtype,
+        info.device,
+        info.num_pages,
+        info.page_size,
+        info.num_pages * info.page_size,
+        info.kv_bytes / 2**30,
     )

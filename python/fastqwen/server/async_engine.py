@@ -1,23 +1,23 @@
-"""The engine loop in its own thread, and an asyncio face for it.
+"""An asyncio face for the engine: the event loop's side of EngineClient, with the frontend's text processing.
 
-The engine is touched only by its thread. The event loop hands it commands (add, abort) through a thread-safe
-queue; after every step the thread hands the event loop all of that step's updates in one call, and each update goes
-to its request's asyncio queue. A request whose consumer goes away (a client that disconnects, a cancelled handler)
-is aborted in the generator's finally block, so its pages are released at the engine's next iteration.
+The engine runs behind an EngineClient (today a thread of this process). After every step the client hands over
+the step's StepOutput; its deltas become text updates (RequestTracker: detokenizing, stop strings), in the engine's
+thread as before, and go to each request's asyncio queue in one call onto the event loop. A stop string finishes a
+request here and aborts it in the engine. A request whose consumer goes away (a client that disconnects, a cancelled
+handler) is aborted in the generator's finally block, so its pages are released at the engine's next iteration.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from ..engine import LLMEngine, RequestUpdate
-from ..scheduler import Request
+from ..engine.client import EngineClient
+from ..engine.messages import StepOutput
+from ..frontend import Frontend, RequestTracker, RequestUpdate
+from ..sampling_params import SamplingParams
 
 logger = logging.getLogger("fastqwen.server")
 
@@ -28,6 +28,10 @@ class QueueFullError(Exception):
 
 class EngineDeadError(Exception):
     """The engine loop stopped on an error; nothing more can be served (HTTP 503)."""
+
+
+class RequestFailedError(Exception):
+    """The engine could not run this request (its other requests go on)."""
 
 
 @dataclass
@@ -45,67 +49,51 @@ async def take_waiting(queue: asyncio.Queue) -> list:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None, metrics=None):
-        self.engine = engine
+    def __init__(self, client: EngineClient, frontend: Frontend, max_queued_requests: int | None = None, metrics=None):
+        self.client = client
+        self.frontend = frontend
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._queues: dict[int, asyncio.Queue] = {}
-        # Submitted minus taken = requests on their way to the engine; each counter is written by one thread only.
-        self._submitted = 0
-        self._taken = 0
+        self._trackers: dict[int, RequestTracker] = {}  # requests not finished yet; trackers are applied in the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
         self.error: BaseException | None = None
-        self.kv_usage = 0.0  # written by the engine thread (the prefix cache is only safe to walk there)
 
     # ---- lifecycle (event loop side) ----------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="fastqwen-engine", daemon=True)
-        self._thread.start()
+        self.client.start(self._on_output, self._on_death)
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.client.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
-
-    # ---- counts (read from the event loop; each read is one atomic len()) ----------------------------------
-
-    @property
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._submitted - self._taken
+        return self.client.alive and self.error is None
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def enqueue(self, requests: list[Request]) -> None:
-        """Admit requests made by engine.new_request, or none of them: raises QueueFullError or EngineDeadError.
+    def new_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestTracker:
+        """Validate and build a request without queueing it. Raises InvalidRequestError."""
+        return self.frontend.new_request(prompt, params)
+
+    def enqueue(self, requests: list[RequestTracker]) -> None:
+        """Admit requests made by new_request, or none of them: raises QueueFullError or EngineDeadError.
 
         Synchronous, so the capacity check and the admission happen with no other handler in between.
         """
-        if self.error is not None or not self.alive:
+        if not self.alive:
             raise EngineDeadError("the engine loop is not running")
-        if self.max_queued_requests is not None and self.num_waiting + len(requests) > self.max_queued_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
-        for request in requests:
-            self._queues[request.rid] = asyncio.Queue()
-            self._submitted += 1
-            self._commands.put(("add", request))
-        self._wake.set()
+        if self.max_queued_requests is not None:
+            if self.client.stats().num_waiting + len(requests) > self.max_queued_requests:
+                raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
+        for tracker in requests:
+            self._queues[tracker.rid] = asyncio.Queue()
+            self._trackers[tracker.rid] = tracker
+        self.client.add([t.request for t in requests])
 
-    async def updates(self, request: Request) -> AsyncIterator[list[TimedUpdate]]:
+    async def updates(self, request: RequestTracker) -> AsyncIterator[list[TimedUpdate]]:
         """The updates of an enqueued request until it finishes, in batches: every update already waiting comes
         together, so a stream that fell behind catches up in one write. Leaving early aborts the request."""
         out = self._queues[request.rid]
@@ -117,67 +105,47 @@ class AsyncEngine:
                     if isinstance(item, BaseException):
                         raise item
                     finished = finished or item.update.finished
+                    output = item.update.output
+                    if output is not None and output.finish_reason == "error":
+                        raise RequestFailedError(output.error or "the engine could not run this request")
                 yield batch
         finally:
             if not finished:
                 self.abort(request)
             self._queues.pop(request.rid, None)
 
-    def abort(self, request: Request) -> None:
+    def abort(self, request: RequestTracker) -> None:
         """Stop a request that has not finished; its pages are released at the engine's next iteration."""
-        if not request.finished:
-            self._commands.put(("abort", request.rid))
-            self._wake.set()
+        if self._trackers.pop(request.rid, None) is not None:
+            self.client.abort(request.rid)
+            if self.metrics is not None:
+                self.metrics.on_abort()
 
-    # ---- the engine thread --------------------------------------------------------------------------------
+    # ---- called in the engine's thread --------------------------------------------------------------------
 
-    def _run(self) -> None:
-        engine = self.engine
-        busy = False
-        try:
-            while not self._stopping:
-                self._drain_commands()
-                if not engine.has_unfinished():
-                    # Idle. Check that no page leaked once nothing arrived for a whole wait: the check walks every
-                    # page (milliseconds, holding the GIL), so running it the moment the last request finishes would
-                    # delay that request's final update and the next request's first step.
-                    woken = self._wake.wait(0.05)
-                    self._wake.clear()
-                    if busy and not woken and not self._commands.qsize():
-                        busy = False
-                        self._check_invariants()
-                        self.kv_usage = engine.kv_usage()
-                    continue
-                busy = True
-                updates = engine.step()
-                self.kv_usage = engine.kv_usage()
-                if updates:
-                    now = time.monotonic()
-                    self._loop.call_soon_threadsafe(self._dispatch, updates, now)
-        except BaseException as e:  # the loop must never die silently: /health reports it, requests get the error
-            logger.exception("the engine loop died")
-            self.error = e
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all, e)
+    def _on_output(self, output: StepOutput) -> None:
+        updates = []
+        for delta in output.deltas:
+            tracker = self._trackers.get(delta.rid)
+            if tracker is None:  # aborted here meanwhile
+                continue
+            update = tracker.apply(delta)
+            if update is None:
+                continue
+            if update.finished:
+                self._trackers.pop(delta.rid, None)
+                if not delta.finished:  # a stop string: the engine still runs it
+                    self.client.abort(delta.rid)
+            updates.append(update)
+        if updates and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, updates, output.time)
 
-    def _check_invariants(self) -> None:
-        try:
-            self.engine.check_invariants()
-        except AssertionError:
-            logger.critical("KV page ownership invariant FAILED while idle: pages leaked or double-owned", exc_info=True)
+    def _on_death(self, error: BaseException) -> None:
+        self.error = error
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, error)
 
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._taken += 1
-                self.engine.add(arg)
-            elif kind == "abort" and self.engine.abort(arg):
-                if self.metrics is not None:
-                    self.metrics.on_abort()
+    # ---- back on the event loop ---------------------------------------------------------------------------
 
     def _dispatch(self, updates: list[RequestUpdate], now: float) -> None:
         for update in updates:

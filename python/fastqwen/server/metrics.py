@@ -44,9 +44,10 @@ class Metrics:
 
     def bind(self, async_engine) -> None:
         """Gauges read the engine's state when scraped, so they are current even while the engine is idle."""
-        self.running.set_function(lambda: async_engine.num_running)
-        self.waiting.set_function(lambda: async_engine.num_waiting)
-        self.kv_usage.set_function(lambda: async_engine.kv_usage)
+        client = async_engine.client
+        self.running.set_function(lambda: client.stats().num_running)
+        self.waiting.set_function(lambda: client.stats().num_waiting)
+        self.kv_usage.set_function(lambda: client.stats().kv_usage)
 
     def on_abort(self) -> None:
         self.aborted.inc()

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..engine import RequestOutput
+from ..frontend import RequestOutput
 from .protocol import GenerateRequest
 from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse, stream_requests
 from .state import APIError, ServerState, client_closed_response
@@ -52,7 +52,7 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
     if batched and body.stream:
         raise APIError(400, "streaming is for one prompt at a time", "stream")
     params = body.to_sampling_params()
-    requests = [state.engine.engine.new_request(p, params) for p in prompts]
+    requests = [state.engine.new_request(p, params) for p in prompts]
     state.engine.enqueue(requests)
     started = time.monotonic()
     rids = [body.rid or f"gen-{r.rid}" for r in requests]

@@ -9,8 +9,8 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..engine import RequestOutput
-from ..scheduler import TokenLogprobs
+from ..engine.messages import TokenLogprobs
+from ..frontend import RequestOutput
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse, stream_requests
@@ -29,7 +29,7 @@ def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, An
 
 
 def _token_text(state: ServerState, token: int) -> str:
-    return state.engine.engine.tokenizer.decode([token], skip_special_tokens=False) if state.has_tokenizer else str(token)
+    return state.engine.frontend.tokenizer.decode([token], skip_special_tokens=False) if state.has_tokenizer else str(token)
 
 
 def completion_logprobs(state: ServerState, entries: list[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def _build(state: ServerState, body, prompts: list) -> tuple[list, list[int]]:
     requests, prompt_of = [], []
     for p_index, prompt in enumerate(prompts):
         for choice in range(body.n):
-            requests.append(state.engine.engine.new_request(prompt, body.to_sampling_params(choice)))
+            requests.append(state.engine.new_request(prompt, body.to_sampling_params(choice)))
             prompt_of.append(p_index)
     state.engine.enqueue(requests)
     return requests, prompt_of

@@ -11,9 +11,8 @@ from typing import AsyncIterator
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from ..engine import RequestOutput
-from ..scheduler import Request
-from .async_engine import AsyncEngine, EngineDeadError, TimedUpdate, take_waiting
+from ..frontend import RequestOutput, RequestTracker
+from .async_engine import AsyncEngine, EngineDeadError, RequestFailedError, TimedUpdate, take_waiting
 from .metrics import Metrics
 
 _DISCONNECT_POLL_S = 0.05
@@ -28,7 +27,7 @@ class IndexedUpdate:
 class _Observer:
     """Latency metrics of one engine request, from the times its updates were produced."""
 
-    def __init__(self, metrics: Metrics | None, request: Request, prefix_cache_on: bool):
+    def __init__(self, metrics: Metrics | None, request: RequestTrackerTracker, prefix_cache_on: bool):
         self.metrics = metrics
         self.request = request
         self.prefix_cache_on = prefix_cache_on
@@ -57,13 +56,13 @@ class _Observer:
 
 
 async def stream_requests(
-    engine: AsyncEngine, requests: list[Request], metrics: Metrics | None
+    engine: AsyncEngine, requests: list[RequestTracker], metrics: Metrics | None
 ) -> AsyncIterator[list[IndexedUpdate]]:
     """All updates of several enqueued requests, interleaved as they come, in batches of those already waiting (the
     event loop falls behind under load: a batch is then one write instead of one per token). Closing the iterator
     aborts the rest."""
     if len(requests) == 1:  # nothing to merge: the request's own queue, without a task in between
-        observer = _Observer(metrics, requests[0], engine.engine.cache is not None)
+        observer = _Observer(metrics, requests[0], engine.frontend.info.prefix_caching)
         updates = engine.updates(requests[0])
         try:
             async for timed_batch in updates:
@@ -75,8 +74,8 @@ async def stream_requests(
         return
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, request: Request) -> None:
-        observer = _Observer(metrics, request, engine.engine.cache is not None)
+    async def pump(index: int, request: RequestTracker) -> None:
+        observer = _Observer(metrics, request, engine.frontend.info.prefix_caching)
         try:
             async for timed_batch in engine.updates(request):
                 for timed in timed_batch:
@@ -104,7 +103,7 @@ async def stream_requests(
 
 
 async def collect_requests(
-    engine: AsyncEngine, requests: list[Request], metrics: Metrics | None, http_request: HTTPRequest
+    engine: AsyncEngine, requests: list[RequestTracker], metrics: Metrics | None, http_request: HTTPRequest
 ) -> list[RequestOutput] | None:
     """Finished outputs in order, or None if the client disconnected first. Every request that did not finish is
     aborted, whatever ends the wait (a disconnect, a cancelled handler, an error)."""
@@ -147,13 +146,16 @@ async def _with_error_event(body: AsyncIterator[str]) -> AsyncIterator[str]:
     except EngineDeadError as e:
         yield sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
         yield SSE_DONE
+    except RequestFailedError as e:
+        yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
+        yield SSE_DONE
 
 
 class StreamingUpdatesResponse(StreamingResponse):
     """A streaming response that aborts its requests however it ends, even if its body never started (a client
     gone before the first byte): the body's own finally blocks would not run then."""
 
-    def __init__(self, body, engine: AsyncEngine, requests: list[Request]):
+    def __init__(self, body, engine: AsyncEngine, requests: list[RequestTracker]):
         super().__init__(_with_error_event(body), media_type="text/event-stream")
         self._engine = engine
         self._requests = requests

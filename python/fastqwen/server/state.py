@@ -48,23 +48,19 @@ class ServerState:
         self.draining = False
 
     @property
-    def ready(self) -> bool:
-        return self.engine is not None and self.engine.alive and not self.draining
-
-    @property
     def has_tokenizer(self) -> bool:
-        return self.engine.engine.tokenizer is not None
+        return self.engine.frontend.tokenizer is not None
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.frontend.info.max_model_len
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.frontend.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids", "messages")
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -1,0 +1,146 @@
+"""The engine as its frontend sees it: EngineRequests and aborts go in, StepOutputs come out through a callback,
+and stats can be read at any time. EngineClient is that interface; InProcessEngineClient runs the engine loop in a
+thread of this process (the engine-core process will implement the same interface across a ZeroMQ socket).
+
+The engine is touched only by its thread. Commands (add, abort) reach it through a thread-safe queue and are taken
+between steps; each step's StepOutput goes to `on_output`, called in the engine thread (it must be quick: hand the
+output over, do not process it there). If the loop dies, `on_death` is called once with the error and `alive` turns
+False.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import replace
+from typing import Callable, Protocol
+
+from ..errors import InvalidRequestError
+from .llm_engine import LLMEngine
+from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
+
+logger = logging.getLogger("fastqwen.engine")
+
+OutputCallback = Callable[[StepOutput], None]
+DeathCallback = Callable[[BaseException], None]
+
+
+class EngineClient(Protocol):
+    info: EngineInfo
+
+    def start(self, on_output: OutputCallback, on_death: DeathCallback) -> None: ...
+
+    def add(self, requests: list[EngineRequest]) -> None: ...
+
+    def abort(self, rid: int) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def stop(self, timeout: float = 10.0) -> None: ...
+
+
+class InProcessEngineClient:
+    def __init__(self, engine: LLMEngine):
+        self._engine = engine
+        self.info = engine.info
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = engine.stats()  # written by the engine thread only; read anywhere (one reference swap)
+        # Added minus taken = requests on their way to the engine; each counter is written by one thread only.
+        self._num_added = 0
+        self._num_taken = 0
+        self._on_output: OutputCallback | None = None
+        self._on_death: DeathCallback | None = None
+        self.error: BaseException | None = None
+
+    # ---- the frontend's side ------------------------------------------------------------------------------
+
+    def start(self, on_output: OutputCallback, on_death: DeathCallback) -> None:
+        self._on_output, self._on_death = on_output, on_death
+        self._thread = threading.Thread(target=self._run, name="fastqwen-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, requests: list[EngineRequest]) -> None:
+        for request in requests:
+            self._num_added += 1
+            self._commands.put(("add", request))
+        self._wake.set()
+
+    def abort(self, rid: int) -> None:
+        self._commands.put(("abort", rid))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        stats = self._stats
+        return replace(stats, num_waiting=stats.num_waiting + max(0, self._num_added - self._num_taken))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the engine thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self._engine
+        busy = False
+        try:
+            while not self._stopping:
+                rejected = self._take_commands()
+                if rejected:
+                    self._on_output(StepOutput(rejected, 0.0))
+                if not engine.has_unfinished():
+                    # Idle. Check that no page leaked once nothing arrived for a whole wait: the check walks every
+                    # page (milliseconds, holding the GIL), so running it the moment the last request finishes would
+                    # delay that request's final output and the next request's first step.
+                    woken = self._wake.wait(0.05)
+                    self._wake.clear()
+                    if busy and not woken and not self._commands.qsize():
+                        busy = False
+                        self._check_invariants()
+                        self._stats = engine.stats()
+                    continue
+                busy = True
+                output = engine.step()
+                self._stats = engine.stats()
+                if output.deltas:
+                    self._on_output(output)
+        except BaseException as e:  # the loop must never die silently: the frontend fails every request with it
+            logger.exception("the engine loop died")
+            self.error = e
+            if self._on_death is not None:
+                self._on_death(e)
+
+    def _check_invariants(self) -> None:
+        try:
+            self._engine.check_invariants()
+        except AssertionError:
+            logger.critical("KV page ownership invariant FAILED while idle: pages leaked or double-owned", exc_info=True)
+
+    def _take_commands(self) -> list[RequestDelta]:
+        """Apply every queued command; a request the engine refuses comes back as an error delta."""
+        rejected = []
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return rejected
+            if kind == "add":
+                self._num_taken += 1
+                try:
+                    self._engine.add(arg)
+                except InvalidRequestError as e:
+                    rejected.append(RequestDelta(arg.rid, [], None, finish_reason="error", error=str(e)))
+            elif kind == "abort":
+                self._engine.abort(arg)

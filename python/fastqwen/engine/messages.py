@@ -1,0 +1,87 @@
+"""What crosses the engine's boundary, and nothing else: requests go in as token ids plus sampling parameters, and
+each step comes out as one StepOutput holding every advanced request's new token ids (and logprobs).
+
+The engine never sees text and the frontend (server, offline LLM) never sees tensors, the scheduler's Request or the
+KV pool. These are plain dataclasses of ints, floats, strings and lists, so the engine-core process can send them as
+they are (encoded, never pickled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import GenerationDefaults
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """Add a request: validated by the frontend (EngineInfo.check_request) before it is sent."""
+
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams  # every default filled, max_tokens set
+    arrival_time: float  # time.monotonic() when the frontend received it
+
+
+@dataclass
+class TokenLogprobs:
+    """The logprob of a sampled token and the most likely alternatives at that step, from the raw logits."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestDelta:
+    """What one step did for one request."""
+
+    rid: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None  # one per new token when the request asked for logprobs
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once the engine has finished it
+    stop_reason: int | None = None  # the EOS or stop token id, for finish_reason "stop"
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
+    first_scheduled_time: float | None = None  # time.monotonic() when it was first admitted
+    error: str | None = None  # for finish_reason "error": what went wrong
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepOutput:
+    """One engine step: a delta for every request that advanced or finished."""
+
+    deltas: list[RequestDelta]
+    time: float  # time.monotonic() when the step ended
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges of the engine, read by metrics and health checks."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV pages held by requests (cache-only pages count as free)
+    num_preemptions: int = 0
+    num_computed_tokens: int = 0  # tokens of every step that ran: prefill work actually done, plus decodes
+    num_ahead_steps: int = 0  # decode steps launched ahead by the overlap schedule
+
+
+@dataclass
+class EngineInfo:
+    """What the frontend must know of the engine to validate requests and describe the model: fixed at startup."""
+
+    model: str
+    vocab_size: int
+    max_model_len: int
+    num_pages: int  # KV pages in the pool
+    page_size: int  # tokens per page
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    prefix_caching: bool = True
+    dtype: str = ""  # of weights and KV, e.g. "bfloat16"
+    device: str = ""  # e.g. "cuda:0"
+    kv_bytes: int = 0  # the KV pool's size in bytes

@@ -1,0 +1,199 @@
+"""The frontend's half of every request, shared by the HTTP server and the offline LLM.
+
+In: a prompt (text or token ids) and SamplingParams become a validated EngineRequest: token ids, every default
+filled from generation_config.json, checked against the vocabulary, the context length and the KV pool, so that a
+bad request is refused here and never reaches the engine.
+Out: the engine's token deltas become text. Each request's RequestTracker detokenizes incrementally, matches stop
+strings (the engine never sees text: when one matches, the tracker finishes the request and its owner aborts it in
+the engine), accumulates logprobs, and produces RequestUpdates for streaming and a RequestOutput at the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, replace
+
+from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogprobs
+from .errors import InvalidRequestError
+from .limits import check_fits
+from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """A finished request."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens, the EOS or stop token included
+    text: str | None  # None when the model has no tokenizer
+    finish_reason: str  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None  # the token id or stop string that matched, for finish_reason "stop"
+    logprobs: list[TokenLogprobs] | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # for finish_reason "error"
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did for one request, as text: for streaming. `output` is set once the request has finished."""
+
+    request_id: int
+    new_token_ids: list[int]
+    new_text: str | None  # text that can no longer change; may be empty while a character or stop string pends
+    new_logprobs: list[TokenLogprobs] | None
+    finished: bool
+    output: RequestOutput | None = None
+
+
+class RequestTracker:
+    """One request as the frontend sees it: what was asked, what came back, and the text made of it."""
+
+    def __init__(self, request: EngineRequest, tokenizer: Tokenizer | None):
+        self.request = request
+        params = request.params
+        self.detokenizer = None
+        if tokenizer is not None:
+            self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
+        self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_cached_tokens = 0
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def rid(self) -> int:
+        return self.request.rid
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, delta: RequestDelta) -> RequestUpdate | None:
+        """Take one engine delta. None if the request had already finished here (a stop string matched, or it was
+        aborted, while the engine was still computing it). After a stop string matched, `finished` is True and the
+        engine still runs it: the caller aborts it there."""
+        if self.finished:
+            return None
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.first_scheduled_time is not None:
+            self.first_scheduled_time = delta.first_scheduled_time
+        params = self.request.params
+        for i, token in enumerate(delta.new_token_ids):
+            self.output_ids.append(token)
+            if self.logprobs is not None and delta.new_logprobs is not None:
+                self.logprobs.append(delta.new_logprobs[i])
+            if self.detokenizer is not None:
+                # Stop strings only count once min_tokens tokens are out, as stop tokens do in the engine.
+                matched = self.detokenizer.append(token, check_stop=len(self.output_ids) > params.min_tokens)
+                if matched is not None and delta.finish_reason != "stop":
+                    self.finish_reason, self.stop_reason = "stop", matched
+                    break
+        if not self.finished and delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
+        return self._update(delta.new_token_ids[: len(self.output_ids)], delta.new_logprobs)
+
+    def abort(self, reason: str = "abort", error: str | None = None) -> RequestUpdate | None:
+        """Finish it here (the caller aborts it in the engine); None if it had finished already."""
+        if self.finished:
+            return None
+        self.finish_reason, self.error = reason, error
+        return self._update([], None)
+
+    def _update(self, new_ids: list[int], new_logprobs: list[TokenLogprobs] | None) -> RequestUpdate:
+        if self.finished and self.detokenizer is not None:
+            self.detokenizer.finish()
+        count = len(new_ids)
+        return RequestUpdate(
+            request_id=self.rid,
+            new_token_ids=list(new_ids),
+            new_text=self.detokenizer.take_delta() if self.detokenizer is not None else None,
+            new_logprobs=new_logprobs[:count] if new_logprobs is not None and self.logprobs is not None else None,
+            finished=self.finished,
+            output=self.output() if self.finished else None,
+        )
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.rid,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=list(self.output_ids),
+            text=self.detokenizer.text if self.detokenizer is not None else None,
+            finish_reason=self.finish_reason or "abort",
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_completion_tokens=len(self.output_ids),
+            num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
+        )
+
+
+class Frontend:
+    """Prompts to validated EngineRequests, for one engine (described by its EngineInfo)."""
+
+    def __init__(self, info: EngineInfo, tokenizer: Tokenizer | None = None):
+        self.info = info
+        self.tokenizer = tokenizer
+        self._ids = itertools.count()  # request ids, in arrival order
+
+    @classmethod
+    def for_engine(cls, info: EngineInfo) -> "Frontend":
+        """With the tokenizer of the checkpoint folder the engine loaded, if it has one."""
+        folder = info.model if os.path.isdir(info.model) else os.path.dirname(info.model)
+        return cls(info, Tokenizer.from_folder(folder) if folder else None)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer.json: pass prompts as lists of token ids", "prompt")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
+        self.check_token_ids(list(prompt), "prompt")
+        return list(prompt)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})", param)
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        """Validate a request without queueing it: (prompt ids, params with every default filled)."""
+        ids = self.encode(prompt)
+        params = (params or SamplingParams()).with_defaults(self.info.generation_defaults)
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max(1, self.info.max_model_len - len(ids)))
+        info = self.info
+        check_fits(len(ids), params.max_tokens, info.max_model_len, info.page_size, info.num_pages)
+        return ids, params
+
+    def new_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestTracker:
+        """A validated request and its tracker, not yet sent to the engine. Raises InvalidRequestError."""
+        ids, params = self.prepare(prompt, params)
+        request = EngineRequest(rid=next(self._ids), prompt_ids=ids, params=params, arrival_time=time.monotonic())
+        return RequestTracker(request, self.tokenizer)

@@ -1,0 +1,28 @@
+"""What one request may ask of the engine: its tokens must fit the context and the KV pool. Checked by the frontend
+before a request is sent, and again by the scheduler that admits it (the core trusts no one)."""
+
+from __future__ import annotations
+
+from .errors import InvalidRequestError
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, page_size: int, num_pages: int) -> None:
+    """Raise InvalidRequestError for a request that could never run: empty, too long, or more pages than the pool has."""
+    if num_prompt_tokens < 1:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens, but {total} were requested "
+            f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion): shorten the prompt or lower "
+            "max_tokens",
+            "max_tokens" if num_prompt_tokens < max_model_len else "prompt",
+        )
+    # The last generated token needs no KV, so a full sequence holds total - 1 cached tokens.
+    pages = -(-(total - 1) // page_size)
+    if pages > num_pages:
+        raise InvalidRequestError(
+            f"the request needs up to {total} tokens of KV ({pages} pages) but the KV pool has only {num_pages} "
+            "pages: lower max_tokens or give the pool more memory",
+            "max_tokens",
+        )
