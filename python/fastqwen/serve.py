@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from . import env
 from .config import ConfigError, EngineConfig
 
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     def load_engine() -> InProcessEngineClient:
         return InProcessEngineClient(LLMEngine(engine_config))
 
-    api_key = args.api_key or os.environ.get("FASTQWEN_API_KEY")
+    api_key = args.api_key or env.api_key()
     config = ServerConfig(args.served_model_name or args.model, api_key, args.max_queued_requests)
     app = create_app(config, load_engine)
 

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .. import env
 from ..config import EngineConfig, load_model_config, resolve_dtype
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..model import Qwen3Model
@@ -80,7 +81,7 @@ class LLMEngine:
             self.generation_defaults.eos_token_ids,
             self.cache,
         )
-        self.check_every_step = os.environ.get("FASTQWEN_CHECK_INVARIANTS", "0") not in ("", "0")
+        self.check_every_step = env.check_invariants_every_step()
         self.runner = ModelRunner(
             self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs,
             sampler=self.sampler,

@@ -19,6 +19,7 @@ import random
 import numpy as np
 import torch
 
+from .. import env
 from ..ops.sampling import (
     SAMPLER_ROW_WORDS,
     pack_sampler_rows,
@@ -100,9 +101,7 @@ class GpuSampler:
 
     @staticmethod
     def available(device: torch.device) -> bool:
-        import os
-
-        return sampler_available(device) and os.environ.get("FASTQWEN_GPU_SAMPLER", "1") != "0"  # 0: the references
+        return sampler_available(device) and env.gpu_sampler()
 
     # ---- per request state ------------------------------------------------------------------------------------------
 

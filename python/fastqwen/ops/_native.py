@@ -11,9 +11,10 @@ Setting the environment variable ``FASTQWEN_DISABLE_CUDA_KERNELS=1`` makes
 
 from __future__ import annotations
 
-import os
 import threading
 from types import ModuleType
+
+from .. import env
 
 _lock = threading.Lock()
 _tried = False
@@ -51,7 +52,7 @@ def has_cuda_kernels() -> bool:
     """True when the extension imported and was built with the CUDA kernels (decided once: it is on the hot path)."""
     global _has_cuda
     if _has_cuda is None:
-        disabled = os.environ.get("FASTQWEN_DISABLE_CUDA_KERNELS", "") not in ("", "0")
+        disabled = env.disable_cuda_kernels()
         m = native()
         _has_cuda = not disabled and bool(m is not None and getattr(m, "built_with_cuda", False))
     return _has_cuda

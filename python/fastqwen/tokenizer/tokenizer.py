@@ -39,9 +39,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_to_text(self, token: int) -> str | None:
-        return self._tok.id_to_token(token)
-
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:

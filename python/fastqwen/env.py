@@ -1,0 +1,36 @@
+"""Every environment switch fastqwen reads, in one place: its name, its default and what it changes.
+
+Read through these functions only, so that a grep for FASTQWEN_ here lists them all. (One more is read in C++:
+FASTQWEN_SAMPLER_ASYNC=0 makes the sampler's scan use plain register loads instead of cp.async, for comparison.)
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value not in ("0", "false", "False", "no", "off")
+
+
+def disable_cuda_kernels() -> bool:
+    """FASTQWEN_DISABLE_CUDA_KERNELS=1: every op runs its PyTorch reference, even where the CUDA kernel applies."""
+    return _flag("FASTQWEN_DISABLE_CUDA_KERNELS", False)
+
+
+def check_invariants_every_step() -> bool:
+    """FASTQWEN_CHECK_INVARIANTS=1: check the KV page ownership invariant after every engine step (slow; for debugging)."""
+    return _flag("FASTQWEN_CHECK_INVARIANTS", False)
+
+
+def gpu_sampler() -> bool:
+    """FASTQWEN_GPU_SAMPLER=0: sample with the PyTorch reference ops instead of the CUDA sampler."""
+    return _flag("FASTQWEN_GPU_SAMPLER", True)
+
+
+def api_key() -> str | None:
+    """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
+    return os.environ.get("FASTQWEN_API_KEY") or None
