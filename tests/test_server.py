@@ -285,7 +285,8 @@ def test_queue_limit_answers_503_early(folder, llm):
     ok = [(p, r) for p, r, _ in results if r.status_code == 200]
     rejected = [(r, dt) for _, r, dt in results if r.status_code == 503]
     assert len(ok) + len(rejected) == 200
-    assert len(ok) >= 20 and len(rejected) >= 100, (len(ok), len(rejected))
+    # At least the queue's 16 (requests on their way to the engine core count as waiting until it admits them).
+    assert len(ok) >= 16 and len(rejected) >= 100, (len(ok), len(rejected))
     for prompt, r in ok:
         assert r.json()["choices"][0]["text"] == expected[tuple(prompt)]
     for r, dt in rejected:

@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set FASTQWEN_API_KEY)")
     server.add_argument("--timeout-keep-alive", type=int, default=75, help="seconds an idle HTTP connection is kept open; longer than clients' own pool expiry (httpx: 5 s), so the client, not the server, closes it and never sends a request on a connection the server is closing")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take to finish before they are aborted")
+    server.add_argument("--engine-core", default="process", choices=["process", "thread"], help="run the engine core in a process of its own (default), or in a thread of the server process")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     return p.parse_args(argv)
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .engine import LLMEngine
     from .engine.client import InProcessEngineClient
+    from .engine.core_process import ProcessEngineClient
     from .server.app import ServerConfig, create_app
 
     try:
@@ -44,11 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m fastqwen.serve: error: {EngineConfig.flag(e.field)}: {e}", file=sys.stderr)
         return 2
 
-    def load_engine() -> InProcessEngineClient:
-        return InProcessEngineClient(LLMEngine(engine_config))
+    def load_engine() -> InProcessEngineClient | ProcessEngineClient:
+        if args.engine_core == "thread":
+            return InProcessEngineClient(LLMEngine(engine_config))
+        return ProcessEngineClient(engine_config, logging.getLogger().level)
 
     api_key = args.api_key or env.api_key()
-    config = ServerConfig(args.served_model_name or args.model, api_key, args.max_queued_requests)
+    fatal = []
+
+    def on_fatal() -> None:  # the model did not load, or the engine died: stop serving, exit non-zero
+        fatal.append(True)
+        server.should_exit = True
+
+    config = ServerConfig(args.served_model_name or args.model, api_key, args.max_queued_requests, on_fatal)
     app = create_app(config, load_engine)
 
     class Server(uvicorn.Server):
@@ -68,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     server.run()
+    if fatal:
+        logging.getLogger("fastqwen.server").error("exiting: the engine is not running")
+        return 1
     return 0
 
 

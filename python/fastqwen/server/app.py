@@ -33,6 +33,9 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     max_queued_requests: int | None = None
+    # Called once if the model fails to load or the engine dies: the CLI stops the server then and exits non-zero, so
+    # a supervisor restarts it (instead of a process that answers 503 forever).
+    on_fatal: Callable[[], None] | None = None
 
 
 def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) -> FastAPI:
@@ -148,8 +151,12 @@ async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: 
     except BaseException as e:
         state.load_error = e
         logger.exception("loading the model failed")
+        if config.on_fatal is not None:
+            config.on_fatal()
         raise
-    async_engine = AsyncEngine(client, Frontend.for_engine(client.info), config.max_queued_requests, metrics)
+    async_engine = AsyncEngine(
+        client, Frontend.for_engine(client.info), config.max_queued_requests, metrics, config.on_fatal
+    )
     async_engine.start()
     metrics.bind(async_engine)
     state.created = int(time.time())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ..engine.client import EngineClient
 from ..engine.messages import StepOutput
@@ -49,8 +49,12 @@ async def take_waiting(queue: asyncio.Queue) -> list:
 
 
 class AsyncEngine:
-    def __init__(self, client: EngineClient, frontend: Frontend, max_queued_requests: int | None = None, metrics=None):
+    def __init__(
+        self, client: EngineClient, frontend: Frontend, max_queued_requests: int | None = None, metrics=None,
+        on_death: Callable[[], None] | None = None,
+    ):  # fmt: skip
         self.client = client
+        self._on_death_hook = on_death
         self.frontend = frontend
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
@@ -156,3 +160,5 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for target in self._queues.values():
             target.put_nowait(EngineDeadError(f"the engine loop died: {error!r}"))
+        if self._on_death_hook is not None:
+            self._on_death_hook()

@@ -1,0 +1,273 @@
+"""The engine core in a process of its own, behind the same EngineClient interface as the in-process thread.
+
+Why: under load the server's event loop (HTTP, JSON, SSE, detokenizing) and the engine loop fought over one GIL. Here
+the core process runs the scheduler, KV pool, prefix cache, model runner and sampler in a busy loop and never waits
+for the frontend; the server process keeps HTTP and text.
+
+Two ZeroMQ PUSH/PULL sockets over IPC, one each way. Each message is two frames: a kind and a msgpack body decoded
+into the dataclass of engine/messages.py that the kind names (msgspec, typed: nothing from a client is ever
+unpickled). Frontend to core: "add" (a list of EngineRequests), "abort" (a list of ids), "stop". Core to frontend:
+"info" (EngineInfo, once loaded), "step" (a StepOutput and the stats after it, one message per step for every
+request), "stats" (while idle), "failed" (the core could not start: the error text).
+
+If the core dies, the frontend's reader thread sees the process gone within a poll interval and reports it through
+on_death: every request in flight gets an error and the server exits non-zero, so a supervisor restarts it.
+
+Tensor parallelism slots in here: rank 0's core schedules and broadcasts each step's batch to the other ranks' cores,
+which follow; the frontend still talks to rank 0 alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import msgspec
+import zmq
+
+from ..config import EngineConfig
+from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
+
+logger = logging.getLogger("fastqwen.engine")
+
+_IDLE_POLL_MS = 50  # how long an idle core waits for a command before it checks invariants and reports stats
+_READER_POLL_MS = 100  # how often the frontend's reader checks that the core is alive while nothing arrives
+_STARTUP_TIMEOUT_S = 3600.0  # loading a large checkpoint from a slow disk takes minutes
+
+
+@dataclass
+class CoreStats:
+    stats: EngineStats
+    num_received: int  # requests the core has taken from "add" messages so far: the rest are on their way
+
+
+@dataclass
+class CoreStep:
+    output: StepOutput
+    stats: CoreStats
+
+
+@dataclass
+class _Codec:
+    encoder: msgspec.msgpack.Encoder = field(default_factory=msgspec.msgpack.Encoder)
+    decoders: dict = field(default_factory=dict)
+
+    def encode(self, value) -> bytes:
+        return self.encoder.encode(value)
+
+    def decode(self, kind: bytes, body: bytes, types: dict):
+        if kind not in self.decoders:
+            self.decoders[kind] = msgspec.msgpack.Decoder(types[kind])
+        return self.decoders[kind].decode(body)
+
+
+_TO_CORE = {b"add": list[EngineRequest], b"abort": list[int], b"stop": type(None)}
+_TO_FRONTEND = {b"info": EngineInfo, b"step": CoreStep, b"stats": CoreStats, b"failed": str}
+
+
+# ---- the core process ----------------------------------------------------------------------------------------
+
+
+def core_main(config: EngineConfig, to_core: str, to_frontend: str, log_level: int) -> None:
+    """The core process's entry point: load the engine, report its info, then serve steps until told to stop."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(to_core)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(to_frontend)
+    codec = _Codec()
+    try:
+        from .llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+    except BaseException as e:
+        logger.exception("the engine could not start")
+        outbox.send_multipart([b"failed", codec.encode(f"{type(e).__name__}: {e}")])
+        outbox.close(linger=5000)
+        raise SystemExit(1)
+    outbox.send_multipart([b"info", codec.encode(engine.info)])
+    try:
+        _serve(engine, inbox, outbox, codec)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=2000)
+        context.term()
+
+
+def _serve(engine, inbox, outbox, codec: _Codec) -> None:
+    num_received = 0
+    busy = False
+    while True:
+        # Busy: take whatever commands are there and step at once. Idle: wait for one.
+        timeout = 0 if engine.has_unfinished() else _IDLE_POLL_MS
+        rejected: list[RequestDelta] = []
+        while inbox.poll(timeout):
+            timeout = 0
+            kind, body = inbox.recv_multipart()
+            value = codec.decode(kind, body, _TO_CORE)
+            if kind == b"stop":
+                return
+            if kind == b"add":
+                for request in value:
+                    num_received += 1
+                    try:
+                        engine.add(request)
+                    except ValueError as e:  # InvalidRequestError: the frontend's checks and the core's disagree
+                        rejected.append(RequestDelta(request.rid, [], None, finish_reason="error", error=str(e)))
+            elif kind == b"abort":
+                for rid in value:
+                    engine.abort(rid)
+        if rejected:
+            step = CoreStep(StepOutput(rejected, time.monotonic()), CoreStats(engine.stats(), num_received))
+            outbox.send_multipart([b"step", codec.encode(step)])
+        if not engine.has_unfinished():
+            if busy:  # just went idle: check that no page leaked (an InvariantError ends the core: never serve on
+                busy = False  # a corrupt pool)
+                engine.check_invariants()
+            outbox.send_multipart([b"stats", codec.encode(CoreStats(engine.stats(), num_received))])
+            continue
+        busy = True
+        output = engine.step()
+        outbox.send_multipart([b"step", codec.encode(CoreStep(output, CoreStats(engine.stats(), num_received)))])
+
+
+# ---- the frontend's side -------------------------------------------------------------------------------------
+
+
+class CoreStartError(RuntimeError):
+    """The engine core process could not load the model."""
+
+
+class ProcessEngineClient:
+    """EngineClient for an engine core in a child process (started by the constructor, which waits for it to load)."""
+
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO):
+        self._dir = tempfile.mkdtemp(prefix="fastqwen-")
+        to_core, to_frontend = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/to_frontend"
+        self._context = zmq.Context()
+        self._outbox = self._context.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)  # no limit: a send can then only block when the core is gone
+        self._outbox.bind(to_core)
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.bind(to_frontend)
+        self._send_lock = threading.Lock()  # add/abort come from the event loop and from the reader (stop strings)
+        self._codec = _Codec()
+        spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        self.process = spawn.Process(
+            target=core_main, args=(config, to_core, to_frontend, log_level), name="fastqwen-core", daemon=True
+        )
+        self.process.start()
+        logger.info("engine core process started (pid %d); loading the model there", self.process.pid)
+        self.info = self._wait_for_info()
+        self._stats = CoreStats(EngineStats(), 0)
+        self._num_added = 0  # requests sent to the core (written by the event loop only)
+        self._reader: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    def _wait_for_info(self) -> EngineInfo:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._inbox.poll(_READER_POLL_MS):
+                kind, body = self._inbox.recv_multipart()
+                value = self._codec.decode(kind, body, _TO_FRONTEND)
+                if kind == b"info":
+                    return value
+                if kind == b"failed":
+                    self._shutdown_sockets()
+                    raise CoreStartError(f"the engine core could not start: {value}")
+            elif not self.process.is_alive():
+                self._shutdown_sockets()
+                raise CoreStartError(f"the engine core exited with code {self.process.exitcode} while loading")
+        self.process.kill()
+        raise CoreStartError("the engine core did not finish loading in time")
+
+    # ---- EngineClient ---------------------------------------------------------------------------------------
+
+    def start(self, on_output, on_death) -> None:
+        self._reader = threading.Thread(target=self._read, args=(on_output, on_death), name="fastqwen-core-reader", daemon=True)
+        self._reader.start()
+
+    def add(self, requests: list[EngineRequest]) -> None:
+        self._num_added += len(requests)
+        self._send(b"add", requests)
+
+    def abort(self, rid: int) -> None:
+        self._send(b"abort", [rid])
+
+    def stats(self) -> EngineStats:
+        latest = self._stats  # one reference, swapped whole by the reader
+        in_flight = max(0, self._num_added - latest.num_received)
+        return replace(latest.stats, num_waiting=latest.stats.num_waiting + in_flight)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive() and self.error is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        try:
+            self._send(b"stop", None)
+        except zmq.ZMQError:
+            pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        if self._reader is not None:
+            self._reader.join(2)
+        self._shutdown_sockets()
+
+    # ---- internals ------------------------------------------------------------------------------------------
+
+    def _send(self, kind: bytes, value) -> None:
+        body = self._codec.encode(value)
+        with self._send_lock:
+            try:
+                # Never block the event loop: with no send limit this only fails when the core has gone, which the
+                # reader reports (every request in flight gets the error).
+                self._outbox.send_multipart([kind, body], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("dropped a %s message: the engine core is not connected", kind.decode())
+
+    def _read(self, on_output, on_death) -> None:
+        codec = _Codec()  # decoders are not shared with the constructor's thread
+        try:
+            while not self._stopping:
+                if not self._inbox.poll(_READER_POLL_MS):
+                    if not self.process.is_alive() and not self._stopping:
+                        raise RuntimeError(f"the engine core process exited with code {self.process.exitcode}")
+                    continue
+                kind, body = self._inbox.recv_multipart()
+                value = codec.decode(kind, body, _TO_FRONTEND)
+                if kind == b"step":
+                    self._stats = value.stats
+                    on_output(value.output)
+                elif kind == b"stats":
+                    self._stats = value
+        except BaseException as e:
+            if self._stopping:
+                return
+            logger.error("the engine core failed: %s", e)
+            self.error = e
+            on_death(e)
+
+    def _shutdown_sockets(self) -> None:
+        for socket in (self._outbox, self._inbox):
+            socket.close(linger=0)
+        self._context.term()
+        for name in ("to_core", "to_frontend"):
+            try:
+                os.unlink(os.path.join(self._dir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self._dir)
+        except OSError:
+            pass
