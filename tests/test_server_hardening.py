@@ -27,7 +27,7 @@ from test_text import CHAT_TEMPLATE
 
 API_KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-BODY_LIMIT = 100_000
+BODY_LIMIT = 4_000_000
 COMMON = ["--dtype", "float32", "--device", "cpu", "--num-pages", "2048", "--page-size", "8", "--served-model-name", "tiny"]
 
 
@@ -161,14 +161,38 @@ def test_body_limit_answers_413_before_reading(server):
     assert response.status_code == 413 and response.json()["error"]["code"] == 413
 
     def chunks():  # no Content-Length: the limit is counted as the body arrives
-        for _ in range(20):
-            yield b"x" * 10_000
+        for _ in range(BODY_LIMIT // 100_000 + 1):
+            yield b"x" * 100_000
 
     response = httpx.post(server.url + COMPLETIONS, content=chunks(), headers=AUTH, timeout=30)
     assert response.status_code == 413
     # Unauthenticated and large: refused without the body being read, and the connection closed.
     response = httpx.post(server.url + COMPLETIONS, json=big, timeout=30)
     assert response.status_code == 401 and response.headers.get("connection") == "close"
+
+
+def test_a_huge_prompt_does_not_stall_the_event_loop(server):
+    """Tokenizing a 3.6 MB prompt takes the CPU for seconds; it happens in a worker thread with the GIL released,
+    so /health keeps answering at once meanwhile."""
+    prompt = "t1 t2 t3 " * 400_000
+    result = {}
+
+    def big():
+        result["r"] = httpx.post(server.url + COMPLETIONS, json={"prompt": prompt, "max_tokens": 1}, headers=AUTH, timeout=120)
+
+    worker = threading.Thread(target=big)
+    worker.start()
+    latencies = []
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        while worker.is_alive():
+            started = time.monotonic()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.02)
+    worker.join()
+    assert result["r"].status_code == 400 and "maximum context length" in result["r"].json()["error"]["message"]
+    assert max(latencies) < 0.5, f"/health waited {max(latencies):.2f} s behind the tokenizer"
+    assert len(latencies) > 10, "the prompt was too quick to tell anything"
 
 
 def _raw(server) -> socket.socket:
