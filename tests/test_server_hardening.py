@@ -362,3 +362,35 @@ def test_an_unrecoverable_engine_fault_exits_nonzero(folder, tmp_path):
             proc.kill()
         log.close()
     assert "exit status 1" in (tmp_path / "server.log").read_text()
+
+
+def test_log_rate_is_bounded():
+    """A flood of log lines (bad connections, access log) passes at the configured rate, the rest is counted."""
+    import logging
+
+    from fastqwen.server.log_limit import RateLimitFilter
+
+    lines = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.addFilter(RateLimitFilter(50.0))
+    log = logging.getLogger("test.flood")
+    log.propagate, log.level = False, logging.INFO
+    log.addHandler(handler)
+    started = time.monotonic()
+    for i in range(5000):
+        log.warning("bad request %d", i)
+    elapsed = time.monotonic() - started
+    assert len(lines) <= 100 + 50 * elapsed + 1, len(lines)  # the burst (2 s worth) plus the rate
+    time.sleep(0.1)
+    log.warning("after the flood")
+    assert "after the flood" in lines[-1] and "earlier log lines dropped" in lines[-1]
+    dropped = sum(int(line.split("[")[1].split()[0]) for line in lines if "dropped" in line)
+    assert dropped + len(lines) - 1 == 5000, "every line is either written or counted"
+    log.critical("always")
+    assert lines[-1] == "always"
+    log.removeHandler(handler)
