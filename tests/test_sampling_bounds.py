@@ -125,15 +125,16 @@ def test_the_frontend_runs_a_vocabulary_wide_top_k_as_off(llm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_every_accepted_value_samples_on_the_cuda_sampler_with_graphs(folder):
-    """The same draws through the CUDA sampler, decode steps in CUDA graphs, in one batch. Ban lists of any length
-    with graphs need the sampler of the `contracts` branch (issue 23 / the sampler refactor)."""
+@pytest.mark.parametrize("ban_lengths", [(0, 1, 4), (8, 64, 600)], ids=["short bans", "long bans"])
+def test_every_accepted_value_samples_on_the_cuda_sampler_with_graphs(folder, ban_lengths):
+    """The same draws through the CUDA sampler, decode steps in CUDA graphs, in one batch. Ban lists (min_tokens x
+    stop_token_ids) longer than 7 with graphs need the sampler of the `contracts` branch."""
     llm = LLM(folder, dtype="bfloat16", device="cuda", num_pages=256, page_size=16)
     assert llm.engine.runner.graphs is not None, "this test is about the graph path"
     rng = random.Random(23)
     all_params = [
         accepted_params(
-            rng.randint, rng.uniform, rng.choice, lambda: [rng.randrange(VOCAB) for _ in range(rng.choice([0, 8, 64, 600]))]
+            rng.randint, rng.uniform, rng.choice, lambda: [rng.randrange(VOCAB) for _ in range(rng.choice(ban_lengths))]
         )
         for _ in range(96)
     ]
