@@ -188,6 +188,13 @@ class Frontend:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if params.max_tokens is None:
             params = replace(params, max_tokens=max(1, self.info.max_model_len - len(ids)))
+            if params.min_tokens > params.max_tokens:
+                raise InvalidRequestError(
+                    f"min_tokens ({params.min_tokens}) exceeds the {params.max_tokens} tokens left in the context", "min_tokens"
+                )
+        if params.top_k >= self.info.vocab_size:
+            # Keeping at least the whole vocabulary keeps every token: the same as off, and in every sampler's range.
+            params = replace(params, top_k=0)
         info = self.info
         check_fits(len(ids), params.max_tokens, info.max_model_len, info.page_size, info.num_pages)
         return ids, params

@@ -10,6 +10,14 @@ from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 _INT64_MAX = 2**63 - 1
+# Bounds that keep every accepted value finite and meaningful in the samplers' float32 arithmetic (reference and
+# CUDA alike): a temperature or penalty outside them overflows a logit to inf (and a softmax to NaN).
+MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily: dividing by them overflows float32 logits
+MIN_TOP_P = 1e-6  # under 1 / vocab for any vocabulary below a million: keeps the same single token as anything smaller
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass
@@ -17,11 +25,14 @@ class SamplingParams:
     """How one request generates. A field left as None takes the checkpoint's generation_config.json value, and
     the neutral value (in brackets) where the checkpoint has none.
 
-    temperature: 0 = greedy [1.0].  top_k: keep the k most likely tokens; 0 or -1 = off [off].
-    top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1] [1.0].
+    temperature: in [0, 100]; 0 (and anything below 1e-5) = greedy [1.0].
+    top_k: keep the k most likely tokens; 0 or -1 = off; any k up to 2**63 - 1 is accepted, and a k at least the
+      vocabulary size keeps every token, so the engine runs it as off [off].
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1]; values under
+      1e-6 act as 1e-6 (both keep only the most likely token) [1.0].
     min_p: drop tokens less likely than min_p times the most likely one, in [0, 1] [0.0].
-    repetition_penalty: > 0; logits of tokens already in the prompt or output are divided by it when positive and
-      multiplied by it when negative [1.0].
+    repetition_penalty: in [0.001, 1000]; logits of tokens already in the prompt or output are divided by it when
+      positive and multiplied by it when negative [1.0].
     presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of every token already generated,
       once / once per occurrence [0.0].
     seed: the same seed and prompt give the same tokens whatever else is in the batch [unseeded].
@@ -30,8 +41,10 @@ class SamplingParams:
     max_tokens: new tokens at most; None = up to the context length [16].
     min_tokens: EOS and stop tokens are blocked, and stop strings not checked, before this many new tokens.
     ignore_eos: keep going past the model's EOS tokens.
-    stop: strings that end generation; the text from the stop string on is not returned.
-    stop_token_ids: token ids that end generation (kept in token_ids, not in the text if special).
+    stop: up to 32 strings of up to 1024 characters that end generation; the text from the stop string on is not
+      returned.
+    stop_token_ids: token ids that end generation (kept in token_ids, not in the text if special); duplicates are
+      dropped, so the list is never longer than the vocabulary.
     skip_special_tokens: leave special tokens out of the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
@@ -54,14 +67,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        self.temperature = _optional_float("temperature", self.temperature, 0.0, None)
+        self.temperature = _optional_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if self.temperature is not None and self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if self.top_k is not None:
             self.top_k = _int("top_k", self.top_k)
-            if self.top_k < -1:
-                raise InvalidRequestError(f"top_k must be -1, 0 (off) or positive, not {self.top_k}", "top_k")
+            if not -1 <= self.top_k <= _INT64_MAX:
+                raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive 64-bit integer, not {_show(self.top_k)}", "top_k")
         self.top_p = _optional_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_p is not None:
+            self.top_p = max(self.top_p, MIN_TOP_P)
         self.min_p = _optional_float("min_p", self.min_p, 0.0, 1.0)
-        self.repetition_penalty = _optional_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        self.repetition_penalty = _optional_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         self.presence_penalty = _optional_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _optional_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:
@@ -71,14 +88,14 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {self.logprobs}", "logprobs")
+                raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.logprobs)}", "logprobs")
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                raise InvalidRequestError(f"max_tokens must be at least 1, not {self.max_tokens}", "max_tokens")
+            if not 1 <= self.max_tokens <= _INT64_MAX:
+                raise InvalidRequestError(f"max_tokens must be at least 1 and fit in 64 bits, not {_show(self.max_tokens)}", "max_tokens")
         self.min_tokens = _int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            raise InvalidRequestError(f"min_tokens must be >= 0, not {self.min_tokens}", "min_tokens")
+        if not 0 <= self.min_tokens <= _INT64_MAX:
+            raise InvalidRequestError(f"min_tokens must be >= 0 and fit in 64 bits, not {_show(self.min_tokens)}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
@@ -92,7 +109,14 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop must be a string or a list of non-empty strings", "stop")
-        self.stop_token_ids = [_int("stop_token_ids", t) for t in (self.stop_token_ids or [])]
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, not {len(self.stop)}", "stop")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidRequestError("stop_token_ids must be a list of integers", "stop_token_ids")
+        # dict.fromkeys: duplicates dropped, order kept (the ban list of min_tokens is never wider than the vocabulary)
+        self.stop_token_ids = list(dict.fromkeys(_int("stop_token_ids", t) for t in (self.stop_token_ids or [])))
 
     def with_defaults(self, defaults: GenerationDefaults) -> "SamplingParams":
         """A copy with every unset field filled: from generation_config.json, else the neutral value."""
@@ -129,16 +153,25 @@ def _int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise InvalidRequestError(f"{name} must be an integer, not {value!r}", name)
+        raise InvalidRequestError(f"{name} must be an integer, not {_show(value)}", name)
     return value
+
+
+def _show(value) -> str:
+    """A bad value for an error message, cut short: the message must not echo a megabyte back."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _optional_float(name: str, value, low: float, high: float | None, low_open: bool = False) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise InvalidRequestError(f"{name} must be a number, not {value!r}", name)
-    value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
+        raise InvalidRequestError(f"{name} must be a number, not {_show(value)}", name)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer too large for a double
+        value = math.inf if value > 0 else -math.inf
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value > high) or math.isinf(value):
         bounds = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"

@@ -16,6 +16,7 @@ import torch
 from .. import env
 from ..config import EngineConfig, load_model_config, resolve_dtype
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
+from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
 from ..errors import InvalidRequestError
 from ..scheduler import Request, Scheduler
@@ -27,6 +28,24 @@ from .sampler import GpuSampler
 from .staging import staging_for
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3  # consecutive failed steps after which the engine gives up (EngineFault)
+
+
+class EngineFault(RuntimeError):
+    """A failure the engine cannot recover from: the process should exit non-zero, for a supervisor to restart it."""
+
+
+def _unrecoverable(error: BaseException) -> bool:
+    """Errors after which the device or the engine's bookkeeping cannot be trusted: a CUDA error (sticky: every
+    later launch fails too), host memory exhaustion, a broken KV page invariant."""
+    if isinstance(error, (MemoryError, InvariantError)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text
 
 # KV pool size on the CPU reference path when num_pages is not given.
 _CPU_KV_BYTES = 1 << 30
@@ -92,6 +111,8 @@ class LLMEngine:
         self.overlap = not config.disable_overlap_schedule
         self._ahead = None  # (ScheduledBatch, PendingStep) launched and not recorded yet
         self.num_ahead_steps = 0
+        self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
+        self._failed_steps = 0  # in a row
 
     def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
         """The largest decode batch to capture; 0 = no CUDA graphs."""
@@ -185,11 +206,50 @@ class LLMEngine:
         With overlap on, the step recorded here may have been launched by the previous call, and the next decode
         step is launched (when it can be chosen already) before this one's tokens are read back: the GPU runs it
         while the host records this one and returns.
+
+        An error inside the step fails the step's requests, not the engine: each gets a delta with finish_reason
+        "error", and its pages are released. A fault the engine cannot recover from (a CUDA error, a broken KV
+        invariant, a failure with no request to pin it on, or MAX_FAILED_STEPS failed steps in a row) raises
+        EngineFault: the process must go down so a supervisor restarts it.
         """
+        self._step_requests = []
+        try:
+            output = self._step()
+        except Exception as error:
+            return self._fail_step(error)
+        self._failed_steps = 0
+        return output
+
+    def _fail_step(self, error: Exception) -> StepOutput:
+        failed = list({id(r): r for r in self._step_requests}.values())
+        self._failed_steps += 1
+        unrecoverable = _unrecoverable(error)
+        if unrecoverable or not failed or self._failed_steps >= MAX_FAILED_STEPS:
+            reason = "an unrecoverable error" if unrecoverable else (
+                "no request to pin it on" if not failed else f"the {self._failed_steps}th failure in a row")
+            raise EngineFault(f"a step failed with {reason}: {error!r}") from error
+        log.error("a step failed; failing its %d requests (the engine goes on)", len(failed), exc_info=error)
+        self._ahead = None  # its requests are this step's; the GPU finishes it before anything later on the stream
+        message = f"the engine failed while running this request: {error!r}"
+        deltas = []
+        for request in failed:
+            if not request.finished:
+                self.scheduler.fail(request)
+            deltas.append(RequestDelta(rid=request.rid, new_token_ids=[], new_logprobs=None, finish_reason="error",
+                                       error=message))  # fmt: skip
+        try:
+            self.check_invariants()
+        except InvariantError as broken:
+            raise EngineFault(f"the KV page invariant broke while failing a step: {broken}") from error
+        return StepOutput(deltas, time.monotonic())
+
+    def _step(self) -> StepOutput:
         if self._ahead is not None:
             (scheduled, pending), self._ahead = self._ahead, None
+            self._step_requests = [c.request for c in scheduled.chunks]
         else:
             scheduled = self.scheduler.schedule()
+            self._step_requests = [c.request for c in scheduled.chunks]
             pending = self.runner.launch(scheduled)
         if self.overlap and pending.host is not None:
             following = self.scheduler.schedule_ahead(scheduled)

@@ -19,6 +19,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS or stop token
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # a step it was in failed
 
 
 @dataclass

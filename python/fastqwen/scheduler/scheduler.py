@@ -97,6 +97,15 @@ class Scheduler:
                 return request
         return None
 
+    def fail(self, request: Request) -> None:
+        """Drop a request whose step failed: like abort, but nothing more of it goes into the prefix cache (the failed
+        step may have half-written its KV; what it put there before came from steps that completed)."""
+        self.waiting = collections.deque(r for r in self.waiting if r is not request)
+        self.running = [r for r in self.running if r is not request]
+        self._release(request)
+        request.state = RequestState.FINISHED
+        request.finish_reason = FinishReason.ERROR
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

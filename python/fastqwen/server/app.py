@@ -1,12 +1,12 @@
 """The FastAPI application: lifespan (load the model off the event loop, start and stop the engine thread),
-authentication, error mapping, and the small endpoints (/health, /v1/models, /metrics)."""
+the request guard (authentication, body limit: guard.py), error mapping, shutdown, and the small endpoints
+(/health, /v1/models, /metrics)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -19,10 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.client import EngineClient
 from ..frontend import Frontend
 from ..errors import InvalidRequestError
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
+from .async_engine import AsyncEngine, QueueFullError, ServingError, ShuttingDownError
+from .guard import RequestGuard
 from .metrics import Metrics
 from .native_api import router as native_router
 from .openai_api import router as openai_router
+from .openapi import install_openapi
 from .state import APIError, ServerState, error_response
 
 logger = logging.getLogger("fastqwen.server")
@@ -30,21 +32,26 @@ logger = logging.getLogger("fastqwen.server")
 
 @dataclass
 class ServerConfig:
+    """The HTTP server's own settings (the engine's are EngineConfig)."""
+
     model_name: str
     api_key: str | None = None
     max_queued_requests: int | None = None
-    # Called once if the model fails to load or the engine dies: the CLI stops the server then and exits non-zero, so
-    # a supervisor restarts it (instead of a process that answers 503 forever).
-    on_fatal: Callable[[], None] | None = None
+    max_request_body_bytes: int = 16 * 2**20
+    max_sequences_per_request: int = 256  # prompts x n of one HTTP request
+    # Called on the event loop when the model fails to load or the engine dies (its requests have been failed): the
+    # server should exit non-zero, so a supervisor restarts it.
+    on_engine_death: Callable[[BaseException], None] | None = None
 
 
 def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) -> FastAPI:
     """load_engine runs in a worker thread at startup; until it returns, /health and every API answer 503."""
     metrics = Metrics(config.model_name)
-    state = ServerState(config.model_name, metrics)
+    state = ServerState(config.model_name, metrics, config.max_sequences_per_request)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         loading = asyncio.create_task(_load(state, load_engine, config, metrics))
         try:
             yield
@@ -56,14 +63,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
 
     app = FastAPI(title="fastqwen", lifespan=lifespan)
     app.state.server = state
-
-    async def require_api_key(request: HTTPRequest) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
-            raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'", None)
+    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
 
     async def require_ready(request: HTTPRequest) -> None:
         if state.engine is None:
@@ -73,7 +73,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
         if state.draining:
             raise APIError(503, "the server is shutting down", None)
 
-    guarded = [Depends(require_api_key), Depends(require_ready)]
+    guarded = [Depends(require_ready)]  # the API key is checked before this, by the guard
     app.include_router(openai_router, dependencies=guarded)
     app.include_router(native_router, dependencies=guarded)
 
@@ -114,17 +114,9 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
     async def on_invalid(_: HTTPRequest, e: InvalidRequestError):
         return error_response(400, str(e), e.param)
 
-    @app.exception_handler(QueueFullError)
-    async def on_queue_full(_: HTTPRequest, e: QueueFullError):
-        return error_response(503, str(e), None, {"Retry-After": "1"})
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(_: HTTPRequest, e: EngineDeadError):
-        return error_response(503, str(e), None)
-
-    @app.exception_handler(RequestFailedError)
-    async def on_request_failed(_: HTTPRequest, e: RequestFailedError):
-        return error_response(500, str(e), None)
+    @app.exception_handler(ServingError)
+    async def on_serving_error(_: HTTPRequest, e: ServingError):
+        return error_response(e.status, str(e), None, {"Retry-After": "1"} if isinstance(e, QueueFullError) else None)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: HTTPRequest, e: RequestValidationError):
@@ -139,9 +131,30 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: HTTPRequest, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), None)
+        return error_response(e.status_code, str(e.detail), None, e.headers)
 
+    install_openapi(app, api_key=config.api_key is not None)
     return app
+
+
+def begin_shutdown(app: FastAPI, timeout: float) -> None:
+    """From now on new requests get 503; those still running after `timeout` seconds are ended with a 503 (an
+    error event and [DONE] when streaming), before the HTTP server's own grace period cuts their connections.
+    Safe to call from a signal handler (it only schedules work on the event loop)."""
+    state: ServerState = app.state.server
+    if state.draining:
+        return
+    state.draining = True
+    loop = state.loop
+    if loop is None or loop.is_closed():
+        return
+
+    def expire() -> None:
+        if state.engine is not None:
+            state.engine.fail_all(lambda: ShuttingDownError(
+                f"the server is shutting down and this request did not finish within {timeout:g} s"))  # fmt: skip
+
+    loop.call_soon_threadsafe(loop.call_later, timeout, expire)
 
 
 async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: Metrics) -> None:
@@ -151,11 +164,11 @@ async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: 
     except BaseException as e:
         state.load_error = e
         logger.exception("loading the model failed")
-        if config.on_fatal is not None:
-            config.on_fatal()
+        if config.on_engine_death is not None:  # exit non-zero rather than answer 503 forever
+            config.on_engine_death(e)
         raise
     async_engine = AsyncEngine(
-        client, Frontend.for_engine(client.info), config.max_queued_requests, metrics, config.on_fatal
+        client, Frontend.for_engine(client.info), config.max_queued_requests, metrics, config.on_engine_death
     )
     async_engine.start()
     metrics.bind(async_engine)

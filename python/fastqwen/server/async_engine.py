@@ -16,21 +16,38 @@ from typing import AsyncIterator, Callable
 
 from ..engine.client import EngineClient
 from ..engine.messages import StepOutput
+from ..errors import InvalidRequestError
 from ..frontend import Frontend, RequestTracker, RequestUpdate
 from ..sampling_params import SamplingParams
 
 logger = logging.getLogger("fastqwen.server")
 
 
-class QueueFullError(Exception):
+class ServingError(Exception):
+    """A request that cannot be served for a reason on the server's side; `status` is its HTTP status."""
+
+    status = 500
+
+
+class QueueFullError(ServingError):
     """The waiting queue is at its limit: the client should retry later (HTTP 503)."""
 
+    status = 503
 
-class EngineDeadError(Exception):
+
+class EngineDeadError(ServingError):
     """The engine loop stopped on an error; nothing more can be served (HTTP 503)."""
 
+    status = 503
 
-class RequestFailedError(Exception):
+
+class ShuttingDownError(ServingError):
+    """The server is shutting down and this request did not finish within the shutdown timeout (HTTP 503)."""
+
+    status = 503
+
+
+class RequestFailedError(ServingError):
     """The engine could not run this request (its other requests go on)."""
 
 
@@ -51,10 +68,11 @@ async def take_waiting(queue: asyncio.Queue) -> list:
 class AsyncEngine:
     def __init__(
         self, client: EngineClient, frontend: Frontend, max_queued_requests: int | None = None, metrics=None,
-        on_death: Callable[[], None] | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ):  # fmt: skip
+        """on_death: called on the event loop once the engine loop has died and every request was failed."""
+        self.on_death = on_death
         self.client = client
-        self._on_death_hook = on_death
         self.frontend = frontend
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
@@ -90,6 +108,11 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         if self.max_queued_requests is not None:
+            if len(requests) > self.max_queued_requests:  # would wait forever for room: a client error, not a 503
+                raise InvalidRequestError(
+                    f"this request makes {len(requests)} sequences (prompts x n) but the server queues at most "
+                    f"{self.max_queued_requests}", "n"
+                )
             if self.client.stats().num_waiting + len(requests) > self.max_queued_requests:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
         for tracker in requests:
@@ -158,7 +181,11 @@ class AsyncEngine:
                 target.put_nowait(TimedUpdate(update, now))
 
     def _fail_all(self, error: BaseException) -> None:
+        self.fail_all(lambda: EngineDeadError(f"the engine loop died: {error!r}"))
+        if self.on_death is not None:
+            self.on_death(error)
+
+    def fail_all(self, make_error: Callable[[], ServingError]) -> None:
+        """End every request in flight with an error of its own (their consumers abort them in the engine)."""
         for target in self._queues.values():
-            target.put_nowait(EngineDeadError(f"the engine loop died: {error!r}"))
-        if self._on_death_hook is not None:
-            self._on_death_hook()
+            target.put_nowait(make_error())

@@ -5,6 +5,7 @@ Streaming sends the cumulative text and output ids in every event, as SGLang doe
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -52,7 +53,9 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
     if batched and body.stream:
         raise APIError(400, "streaming is for one prompt at a time", "stream")
     params = body.to_sampling_params()
-    requests = [state.engine.new_request(p, params) for p in prompts]
+    state.check_sequences(len(prompts))
+    # Tokenizing is CPU work proportional to the prompt: a worker thread's, never the event loop's.
+    requests = await asyncio.to_thread(lambda: [state.engine.new_request(p, params) for p in prompts])
     state.engine.enqueue(requests)
     started = time.monotonic()
     rids = [body.rid or f"gen-{r.rid}" for r in requests]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -52,13 +53,26 @@ def chat_logprobs(state: ServerState, entries: list[TokenLogprobs]) -> dict[str,
     return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-def _build(state: ServerState, body, prompts: list) -> tuple[list, list[int]]:
-    """Engine requests for every prompt x n choice (validated all before any is queued), and each one's prompt."""
-    requests, prompt_of = [], []
-    for p_index, prompt in enumerate(prompts):
-        for choice in range(body.n):
-            requests.append(state.engine.new_request(prompt, body.to_sampling_params(choice)))
-            prompt_of.append(p_index)
+async def _build(state: ServerState, body, prompts: list) -> tuple[list, list[int]]:
+    """Engine requests for every prompt x n choice (validated all before any is queued), and each one's prompt.
+
+    Tokenizing is CPU work proportional to the prompt: it runs in a worker thread, never on the event loop."""
+    first = body.to_sampling_params(0)  # validates n and every field before anything else happens
+    params = [first] + [body.to_sampling_params(choice) for choice in range(1, body.n)]
+    state.check_sequences(len(prompts) * body.n)
+
+    def make() -> tuple[list, list[int]]:
+        requests, prompt_of = [], []
+        for p_index, prompt in enumerate(prompts):
+            ids = None
+            for choice in range(body.n):
+                tracker = state.engine.new_request(prompt if ids is None else ids, params[choice])
+                ids = tracker.prompt_ids  # the n choices share one tokenization
+                requests.append(tracker)
+                prompt_of.append(p_index)
+        return requests, prompt_of
+
+    requests, prompt_of = await asyncio.to_thread(make)
     state.engine.enqueue(requests)
     return requests, prompt_of
 
@@ -78,7 +92,7 @@ def _usage_of(outputs: list[RequestOutput], prompt_of: list[int]) -> dict[str, A
 async def completions(body: CompletionRequest, http_request: HTTPRequest) -> Response:
     state: ServerState = http_request.app.state.server
     state.check_model(body.model)
-    requests, prompt_of = _build(state, body, body.prompts())
+    requests, prompt_of = await _build(state, body, body.prompts())
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     if body.stream:
@@ -132,9 +146,10 @@ async def _stream_completion(state, requests, prompt_of, header, include_usage) 
 async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest) -> Response:
     state: ServerState = http_request.app.state.server
     state.check_model(body.model)
-    prompt = state.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
+    body.to_sampling_params()  # a bad field is refused before the template is rendered
+    prompt = await asyncio.to_thread(state.render_chat, body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
     opened = prompt_opens_thinking(prompt)
-    requests, prompt_of = _build(state, body, [prompt])
+    requests, prompt_of = await _build(state, body, [prompt])
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     if body.stream:

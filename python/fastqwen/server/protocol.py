@@ -14,6 +14,22 @@ from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
 
 
+# What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
+_MESSAGE_SCHEMA = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+        "content": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
+            {"type": "null"},
+        ]},
+    },
+}  # fmt: skip
+
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -97,7 +113,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(json_schema_extra={"items": _MESSAGE_SCHEMA})
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -12,8 +13,11 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from ..frontend import RequestOutput, RequestTracker
-from .async_engine import AsyncEngine, EngineDeadError, RequestFailedError, TimedUpdate, take_waiting
+from .async_engine import AsyncEngine, ServingError, TimedUpdate, take_waiting
 from .metrics import Metrics
+from .state import error_body
+
+logger = logging.getLogger("fastqwen.server")
 
 _DISCONNECT_POLL_S = 0.05
 
@@ -143,11 +147,12 @@ async def _with_error_event(body: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for chunk in body:
             yield chunk
-    except EngineDeadError as e:
-        yield sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+    except ServingError as e:
+        yield sse(error_body(e.status, str(e)))
         yield SSE_DONE
-    except RequestFailedError as e:
-        yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
+    except Exception:  # a bug: the stream still ends in the protocol's terms, and the connection stays usable
+        logger.exception("a stream failed")
+        yield sse(error_body(500, "internal server error (logged on the server)"))
         yield SSE_DONE
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -19,18 +20,24 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-_ERROR_TYPES = {
+ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
-    503: "ServiceUnavailableError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "PayloadTooLargeError",
     500: "InternalServerError",
+    503: "ServiceUnavailableError",
 }
 
 
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def client_closed_response() -> Response:
@@ -39,9 +46,11 @@ def client_closed_response() -> Response:
 
 
 class ServerState:
-    def __init__(self, model_name: str, metrics: Metrics):
+    def __init__(self, model_name: str, metrics: Metrics, max_sequences_per_request: int = 256):
         self.model_name = model_name
         self.metrics = metrics
+        self.max_sequences_per_request = max_sequences_per_request
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
         self.engine: AsyncEngine | None = None  # None while the model loads
         self.load_error: BaseException | None = None
         self.created = 0  # unix time the model finished loading
@@ -55,6 +64,14 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.frontend.info.max_model_len
 
+    def check_sequences(self, count: int) -> None:
+        """One HTTP request may ask for at most max_sequences_per_request sequences (prompts x n)."""
+        if count > self.max_sequences_per_request:
+            raise APIError(400, f"this request asks for {count} sequences (prompts x n); at most "
+                           f"{self.max_sequences_per_request} are allowed per request", "n")  # fmt: skip
+        if count < 1:
+            raise APIError(400, "the request has no prompt", "prompt")
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
@@ -63,4 +80,8 @@ class ServerState:
         tokenizer = self.engine.frontend.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids", "messages")
+        reserved = sorted({"messages", "add_generation_prompt", "tools"} & set(kwargs))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: pass them as request fields",
+                           "chat_template_kwargs")  # fmt: skip
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -10,7 +10,6 @@ import os
 from datetime import datetime
 from typing import Any
 
-import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -79,7 +78,9 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     )
                 texts.append(part["text"])
             message["content"] = "\n".join(texts)
-        elif content is not None and not isinstance(content, str):
+        elif content is None:
+            message["content"] = ""  # OpenAI allows null content (an assistant turn that only called tools)
+        elif not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
         out.append(message)
     return out
@@ -111,5 +112,7 @@ class ChatTemplate:
             )
         except TemplateError as e:
             raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"the chat template failed to render: {e}", "messages") from e
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # the template is the checkpoint's and fixed: whatever breaks it came in the messages
+            raise InvalidRequestError(f"the chat template failed to render these messages: {e}", "messages") from e

@@ -33,8 +33,10 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        # Qwen3 adds no BOS token; the chat template, not the tokenizer, adds special tokens.
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # Qwen3 adds no BOS token; the chat template, not the tokenizer, adds special tokens. encode_batch, not
+        # encode: it releases the GIL while it works, so a long prompt tokenized in a worker thread does not stall
+        # the server's event loop (encode holds the GIL throughout: seconds for a 10 MB prompt).
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
