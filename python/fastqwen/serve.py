@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set FASTQWEN_API_KEY)")
     server.add_argument("--timeout-keep-alive", type=int, default=75, help="seconds an idle HTTP connection is kept open; longer than clients' own pool expiry (httpx: 5 s), so the client, not the server, closes it and never sends a request on a connection the server is closing")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take to finish; then each gets a 503 (streams: an error event and [DONE])")
+    server.add_argument("--incremental-streaming-output", action="store_true", help="/generate streams send only the new text and output ids in each event (SGLang's flag); by default each event carries the whole output so far, as SGLang's clients expect")
+    server.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request (off by default: at hundreds of requests a second it costs throughput, and every /health poll is a line)")
     server.add_argument("--engine-core", default="process", choices=["process", "thread"], help="run the engine core in a process of its own (default), or in a thread of the server process")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     limits = p.add_argument_group("server limits (what one client can take)")
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         args.served_model_name or args.model, api_key, args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes, max_sequences_per_request=args.max_sequences_per_request,
-        on_engine_death=on_engine_death,
+        on_engine_death=on_engine_death, incremental_streaming_output=args.incremental_streaming_output,
     )  # fmt: skip
     app = create_app(config, load_engine)
 
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             http=protocol_with(limits),
             log_level=args.log_level,
+            access_log=args.enable_access_log,
             # Past --shutdown-timeout the app ends its own requests; the grace lets those last events go out.
             timeout_graceful_shutdown=args.shutdown_timeout + 5,
             timeout_keep_alive=args.timeout_keep_alive,

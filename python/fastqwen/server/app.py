@@ -41,6 +41,7 @@ class ServerConfig:
     max_sequences_per_request: int = 256  # prompts x n of one HTTP request
     # Called on the event loop when the model fails to load or the engine dies (its requests have been failed): the
     # server should exit non-zero, so a supervisor restarts it.
+    incremental_streaming_output: bool = False  # /generate streams send only the new text and ids
     on_engine_death: Callable[[BaseException], None] | None = None
 
 
@@ -48,6 +49,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
     """load_engine runs in a worker thread at startup; until it returns, /health and every API answer 503."""
     metrics = Metrics(config.model_name)
     state = ServerState(config.model_name, metrics, config.max_sequences_per_request)
+    state.incremental_streaming_output = config.incremental_streaming_output
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

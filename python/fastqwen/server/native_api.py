@@ -1,11 +1,15 @@
 """SGLang's native POST /generate: text or input_ids in, text, output_ids and meta_info out.
 
-Streaming sends the cumulative text and output ids in every event, as SGLang does, then data: [DONE].
+Streaming sends the cumulative text and output ids in every event, as SGLang does (its clients read them that way),
+then data: [DONE]. The cumulative parts are kept as JSON text that only grows, so an event costs a copy of the output
+so far, not a re-encoding of it. With --incremental-streaming-output (SGLang's flag) each event carries only what
+is new: text, ids and logprobs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any, AsyncIterator
 
@@ -14,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..frontend import RequestOutput
 from .protocol import GenerateRequest
-from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse, stream_requests
+from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, stream_requests
 from .state import APIError, ServerState, client_closed_response
 
 router = APIRouter()
@@ -60,7 +64,7 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
     started = time.monotonic()
     rids = [body.rid or f"gen-{r.rid}" for r in requests]
     if body.stream:
-        body_iter = _stream(state, requests[0], rids[0], started, body.return_logprob)
+        body_iter = _stream(state, requests[0], rids[0], started, body.return_logprob, state.incremental_streaming_output)
         return StreamingUpdatesResponse(body_iter, state.engine, requests)
     outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
     if outputs is None:
@@ -74,18 +78,49 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
     return JSONResponse(results if batched else results[0])
 
 
-async def _stream(state: ServerState, request, rid: str, started: float, with_logprobs: bool) -> AsyncIterator[str]:
-    text, ids = "", []
+def _json_items(values) -> str:
+    """Comma-separated JSON of a list's items: a fragment that later items are appended to."""
+    return json.dumps(values, ensure_ascii=False, separators=(",", ":"))[1:-1]
+
+
+class _Cumulative:
+    """A JSON fragment that only grows: the output so far, encoded once per piece."""
+
+    def __init__(self, incremental: bool):
+        self.incremental = incremental
+        self.text = ""  # JSON-escaped, without quotes
+        self.lists: dict[str, str] = {}  # key -> comma-separated JSON items
+
+    def add_text(self, delta: str) -> str:
+        piece = json.dumps(delta, ensure_ascii=False)[1:-1]
+        self.text = piece if self.incremental else self.text + piece
+        return self.text
+
+    def add_items(self, key: str, values: list) -> str:
+        piece = _json_items(values)
+        if self.incremental or not self.lists.get(key):
+            self.lists[key] = piece
+        elif piece:
+            self.lists[key] += "," + piece
+        return self.lists[key]
+
+
+async def _stream(state: ServerState, request, rid: str, started: float, with_logprobs: bool, incremental: bool) -> AsyncIterator[str]:
+    out = _Cumulative(incremental)
+    count = 0
     async for batch in stream_requests(state.engine, [request], state.metrics):
         events = []  # the batch's events go out in one write
         for item in batch:
             update = item.timed.update
-            text += update.new_text or ""
-            ids += update.new_token_ids
-            output = update.output
-            meta = _meta(rid, output, request.num_prompt_tokens, len(ids), started)
-            if with_logprobs and request.logprobs is not None:
-                meta.update(_logprobs(request.logprobs[: len(ids)]))
-            events.append(sse({"text": text, "output_ids": list(ids), "meta_info": meta}))
+            count += len(update.new_token_ids)
+            text = out.add_text(update.new_text or "")
+            ids = out.add_items("output_ids", update.new_token_ids)
+            meta = _meta(rid, update.output, request.num_prompt_tokens, count, started)
+            meta_json = json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
+            if with_logprobs and update.new_logprobs is not None:
+                new = _logprobs(update.new_logprobs)
+                fields = "".join(f',"{key}":[{out.add_items(key, values)}]' for key, values in new.items())
+                meta_json = meta_json[:-1] + fields + "}"
+            events.append(f'data: {{"text":"{text}","output_ids":[{ids}],"meta_info":{meta_json}}}\n\n')
         yield "".join(events)
     yield SSE_DONE

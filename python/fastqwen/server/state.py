@@ -55,6 +55,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.created = 0  # unix time the model finished loading
         self.draining = False
+        self.incremental_streaming_output = False  # /generate streams: only the new part in each event
 
     @property
     def has_tokenizer(self) -> bool:
