@@ -7,6 +7,9 @@
 #   offline  bench/latency.py and bench/throughput.py, random Qwen3-8B and Qwen3-0.6B, with the HF baseline
 #            (= the stages latency, then throughput)
 #   serving  the HTTP server: batch-1 latency through HTTP, bench/serving.py at concurrency 1/8/64/256
+#   compare  bench/profile_step.py at batch 1 and 256 for this tree and for BASE_TREE (an older tree), same run
+#   serving15  offline throughput, then the server (engine core process) with bench/serving.py and SGLang's
+#            bench_serving (SGL_TOOLS=folder) at 128/1024 c=256, 1024/1024 c=64, and 1024 in flight
 # Every stage after `tests` builds first if the package is not installed yet.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
@@ -146,10 +149,53 @@ stage_serving() {
   stop_server
 }
 
+stage_compare() {  # decode-step profile of this tree against BASE_TREE (an exported older commit), same machine, same run
+  local base="${BASE_TREE:?set BASE_TREE to a folder holding the older tree}"
+  echo "== profile: this tree vs $base"
+  python3 -m pip install --no-build-isolation --no-deps --target /tmp/base "$base" > "$OUT/build_base.log" 2>&1 || {
+    echo "base build failed"; tail -n 20 "$OUT/build_base.log"; bench_rc=1; return; }
+  for b in 1 256; do
+    run "profile_head_b$b" 150 python3 bench/profile_step.py --model Qwen3-8B --batch "$b" --steps 32 \
+      --json "$OUT/profile_head_b$b.json"
+    (cd "$base" && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}" && run "profile_base_b$b" 150 python3 bench/profile_step.py \
+      --model Qwen3-8B --batch "$b" --steps 32 --json "$OUT/profile_base_b$b.json")
+  done
+}
+
+SGL_TOOLS="${SGL_TOOLS:-}"  # a folder holding SGLang's bench_serving package (python -m sglang.benchmark.serving)
+bench_serving() {  # bench_serving NAME BACKEND... : SGLang's client against the running server, random-ids 128/1024
+  local name="$1"; shift
+  [ -n "$SGL_TOOLS" ] || { echo "SGL_TOOLS not set: skipping $name"; return; }
+  (cd "$SGL_TOOLS" && run "$name" 240 python3 -m sglang.benchmark.serving --host 127.0.0.1 --port 8000 "$@" \
+    --dataset-name random-ids --random-range-ratio 1 --tokenizer /tmp/qwen3-8b-dummy --model /tmp/qwen3-8b-dummy \
+    --output-file "$OUT/$name.jsonl")
+}
+
+stage_serving15() {  # the engine-core process bars: HTTP against offline, same run (issue 15)
+  echo "== serving with the engine core process: random Qwen3-8B, 128 in / 1024 out"
+  python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  run throughput_8b_128x1024 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
+    --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_128x1024.json"
+  start_server server_8b.log /tmp/qwen3-8b-dummy
+  run http_latency_8b 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 256 \
+    --new-tokens 64 --url http://127.0.0.1:8000 --http-only --json "$OUT/http_latency_8b.json"
+  run serving_8b_in128_c256 200 python3 bench/serving.py --num-prompts 512 --concurrency 256 --input-len 128 \
+    --output-len 1024 --json "$OUT/serving_8b_in128_c256.json"
+  bench_serving bench_serving_completions_c256 --backend vllm --num-prompts 512 --max-concurrency 256 \
+    --random-input-len 128 --random-output-len 1024
+  bench_serving bench_serving_generate_c256 --backend sglang --tokenize-prompt --num-prompts 512 --max-concurrency 256 \
+    --random-input-len 128 --random-output-len 1024
+  bench_serving bench_serving_completions_1024x1024_c64 --backend vllm --num-prompts 128 --max-concurrency 64 \
+    --random-input-len 1024 --random-output-len 1024
+  run serving_8b_c1024 200 python3 bench/serving.py --num-prompts 1024 --concurrency 1024 --input-len 128 \
+    --output-len 128 --json "$OUT/serving_8b_c1024.json"
+  stop_server
+}
+
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving)
+    kernels|offline|latency|throughput|serving|compare|serving15)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
