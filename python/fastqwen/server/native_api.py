@@ -1,9 +1,11 @@
 """SGLang's native POST /generate: text or input_ids in, text, output_ids and meta_info out.
 
 Streaming sends the cumulative text and output ids in every event, as SGLang does (its clients read them that way),
-then data: [DONE]. The cumulative parts are kept as JSON text that only grows, so an event costs a copy of the output
-so far, not a re-encoding of it. With --incremental-streaming-output (SGLang's flag) each event carries only what
-is new: text, ids and logprobs.
+then data: [DONE]. As in SGLang, the updates that piled up while the stream was behind go out as one event with the
+latest state: a cumulative event loses nothing by skipping the ones before it, and a client under load parses one
+event, not one per token. The cumulative parts are kept as JSON text that only grows, so an event costs a copy of the
+output so far, not a re-encoding of it. With --incremental-streaming-output (SGLang's flag) each event carries only
+what is new since the last event: text, ids and logprobs.
 """
 
 from __future__ import annotations
@@ -109,18 +111,15 @@ async def _stream(state: ServerState, request, rid: str, started: float, with_lo
     out = _Cumulative(incremental)
     count = 0
     async for batch in stream_requests(state.engine, [request], state.metrics):
-        events = []  # the batch's events go out in one write
-        for item in batch:
-            update = item.timed.update
-            count += len(update.new_token_ids)
-            text = out.add_text(update.new_text or "")
-            ids = out.add_items("output_ids", update.new_token_ids)
-            meta = _meta(rid, update.output, request.num_prompt_tokens, count, started)
-            meta_json = json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
-            if with_logprobs and update.new_logprobs is not None:
-                new = _logprobs(update.new_logprobs)
-                fields = "".join(f',"{key}":[{out.add_items(key, values)}]' for key, values in new.items())
-                meta_json = meta_json[:-1] + fields + "}"
-            events.append(f'data: {{"text":"{text}","output_ids":[{ids}],"meta_info":{meta_json}}}\n\n')
-        yield "".join(events)
+        updates = [item.timed.update for item in batch]
+        count += sum(len(u.new_token_ids) for u in updates)
+        text = out.add_text("".join(u.new_text or "" for u in updates))
+        ids = out.add_items("output_ids", [t for u in updates for t in u.new_token_ids])
+        meta = _meta(rid, updates[-1].output, request.num_prompt_tokens, count, started)
+        meta_json = json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
+        if with_logprobs:
+            new = _logprobs([e for u in updates for e in (u.new_logprobs or [])])
+            fields = "".join(f',"{key}":[{out.add_items(key, values)}]' for key, values in new.items())
+            meta_json = meta_json[:-1] + fields + "}"
+        yield f'data: {{"text":"{text}","output_ids":[{ids}],"meta_info":{meta_json}}}\n\n'
     yield SSE_DONE
