@@ -45,7 +45,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors_and_conforming_responses(case):
     case.call_and_validate(
         headers={"Authorization": f"Bearer {API_KEY}"},

@@ -126,9 +126,12 @@ def test_the_frontend_runs_a_vocabulary_wide_top_k_as_off(llm):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ban_lengths", [(0, 1, 4), (8, 64, 600)], ids=["short bans", "long bans"])
-def test_every_accepted_value_samples_on_the_cuda_sampler_with_graphs(folder, ban_lengths):
+def test_every_accepted_value_samples_on_the_cuda_sampler_with_graphs(tmp_path, ban_lengths):
     """The same draws through the CUDA sampler, decode steps in CUDA graphs, in one batch. Ban lists (min_tokens x
     stop_token_ids) longer than 7 with graphs need the sampler of the `contracts` branch."""
+    folder = str(tmp_path)  # the decode kernel (and so graph capture) needs head_dim 128 and a half dtype
+    make_checkpoint(folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
+                    layers=2, dtype=torch.bfloat16, max_positions=64)  # fmt: skip
     llm = LLM(folder, dtype="bfloat16", device="cuda", num_pages=256, page_size=16)
     assert llm.engine.runner.graphs is not None, "this test is about the graph path"
     rng = random.Random(23)

@@ -114,6 +114,8 @@ _SUCCESS = {  # (path, method) -> the 200 body's model, and whether the route ca
     ("/v1/models", "get"): (ModelList, False),
     ("/health", "get"): (Health, False),
 }
+# One server-sent event: `data` is a JSON chunk, an error object, or [DONE] last.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _ERROR_STATUSES = {
     "post": {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
              "413": "request body too large", "500": "the engine failed while running the request",
@@ -150,7 +152,7 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
                 model, streams = success
                 content = {"application/json": {"schema": _schema_of(model, components)}}
                 if streams:
-                    content["text/event-stream"] = {"schema": {"type": "string"}}
+                    content["text/event-stream"] = {"schema": _SSE_EVENT}
                 responses["200"] = {"description": "OK", "content": content}
             if path == "/metrics":
                 responses["200"] = {"description": "Prometheus metrics",
