@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from fastqwen.ops.sampling import pack_sampler_rows, sample_on_gpu, sampler_workspace
+from fastqwen.ops.sampling import pack_sampler_rows, sample, sampler_workspace
 
 V = 151_936
 
@@ -19,7 +19,7 @@ def one_call(b: int = 256) -> None:
     tokens = torch.empty(b, dtype=torch.int64, device="cuda")
     ws = sampler_workspace(b, V, torch.device("cuda"))
     for _ in range(3):
-        sample_on_gpu(logits, rows, tokens, ws)
+        sample(logits, rows, tokens, ws)
     torch.cuda.synchronize()
 
 
@@ -33,7 +33,7 @@ def time_ours(batches=(1, 8, 64, 256, 512), iters: int = 30) -> None:
         rows = pack_sampler_rows([0.7] * b, 20, 0.95, seed=list(range(b)), step=1).cuda()
         tokens = torch.empty(nbuf, b, dtype=torch.int64, device="cuda")
         ws = sampler_workspace(b, V, torch.device("cuda"))
-        g = graph_of(lambda: [sample_on_gpu(logits[i], rows, tokens[i], ws) for i in range(nbuf)])
+        g = graph_of(lambda: [sample(logits[i], rows, tokens[i], ws) for i in range(nbuf)])
         us = time_fn(g.replay, iters) / nbuf * 1e3
         print(f"ours B={b:<4} {us:8.1f} us  {b * V * 4 / us / 1e3:6.0f} GB/s", flush=True)
         del g, logits, tokens

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from fastqwen.ops.sampling import pack_sampler_rows, sample_on_gpu, sampler_workspace, top_k_top_p_min_p_mask
+from fastqwen.ops.sampling import pack_sampler_rows, sample, sampler_workspace, top_k_top_p_min_p_mask
 
 from common import graph_of, time_fn
 
@@ -18,7 +18,7 @@ BATCHES = [1, 8, 64, 256, 512]
 
 
 def reference_sample(logits, temps, top_k, top_p, min_p, out):
-    """ops.sample for sampled rows with no seeds: softmax(logits / T), the reference mask, argmax(p / E)."""
+    """ops.draw_reference for sampled rows with no seeds: softmax(logits / T), the reference mask, argmax(p / E)."""
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     probs = probs * top_k_top_p_min_p_mask(probs, top_k, top_p, min_p)
     noise = torch.empty_like(probs).exponential_()
@@ -51,7 +51,7 @@ def bench_sample(batch: int, copy_gbs: float, iters: int, top_k: int = 20, top_p
     ps = torch.full((batch,), top_p, device=dev)
     ms = torch.zeros(batch, device=dev)
     # The kernel draws inside the reference's kept set.
-    sample_on_gpu(logits[0], rows, tokens[0], ws)
+    sample(logits[0], rows, tokens[0], ws)
     probs = torch.softmax(logits[0] / temps[:, None], dim=-1)
     mask = top_k_top_p_min_p_mask(probs, ks, ps, ms)
     assert mask.gather(1, tokens[0][:, None]).all(), "kernel drew outside the reference set"
@@ -61,7 +61,7 @@ def bench_sample(batch: int, copy_gbs: float, iters: int, top_k: int = 20, top_p
     ref_nbuf = min(nbuf, 8)  # the reference allocates per call; a few buffers keep its graph pool small
     row = {"op": "sample", "batch": batch, "vocab": VOCAB, "top_k": top_k, "top_p": top_p,
            "temperature": temperature, "buffers": nbuf, "bytes_per_call": per}  # fmt: skip
-    us, how = _time(lambda: [sample_on_gpu(logits[i], rows, tokens[i], ws) for i in range(nbuf)], nbuf, iters)
+    us, how = _time(lambda: [sample(logits[i], rows, tokens[i], ws) for i in range(nbuf)], nbuf, iters)
     row["ours_us"], row["ours_timing"] = us, how
     row["ours_gbs"] = per / (us * 1e-6) / 1e9
     row["ours_frac_copy"] = row["ours_gbs"] / copy_gbs

@@ -72,19 +72,12 @@ void launch(uintptr_t x, uintptr_t out, int64_t num_rows, int64_t d, cudaStream_
 void silu_and_mul(uintptr_t x, uintptr_t out, int64_t num_rows, int64_t d, int dtype, uintptr_t stream) {
   if (num_rows < 0) throw std::invalid_argument("silu_and_mul: num_rows must be >= 0, got " + std::to_string(num_rows));
   if (d < 0) throw std::invalid_argument("silu_and_mul: d must be >= 0, got " + std::to_string(d));
-  if (dtype != kF32 && dtype != kF16 && dtype != kBF16) {
-    throw std::invalid_argument("silu_and_mul: unknown dtype code " + std::to_string(dtype) +
-                                " (0 = float32, 1 = float16, 2 = bfloat16)");
-  }
+  check_dtype("silu_and_mul: ", dtype, kFloatTypes);
   if (num_rows == 0 || d == 0) return;
   if (x == 0 || out == 0) throw std::invalid_argument("silu_and_mul: null data pointer");
   if (d > (INT64_MAX / 2) / num_rows) throw std::invalid_argument("silu_and_mul: num_rows * 2 * d overflows");
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case kF32: launch<float>(x, out, num_rows, d, s); break;
-    case kF16: launch<__half>(x, out, num_rows, d, s); break;
-    default: launch<__nv_bfloat16>(x, out, num_rows, d, s); break;
-  }
+  FASTQWEN_DISPATCH_DTYPE("silu_and_mul: ", dtype, kFloatTypes, T, launch<T>(x, out, num_rows, d, s));
 }
 
 }  // namespace fastqwen

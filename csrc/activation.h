@@ -3,16 +3,15 @@
 
 #include <cstdint>
 
-namespace fastqwen {
+#include "dtype.h"
 
-// dtype codes shared with Python (fastqwen._C.DTYPE_*).
-enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+namespace fastqwen {
 
 // out[r, i] = silu(x[r, i]) * x[r, d + i] for r < num_rows, i < d.
 // x: [num_rows, 2*d] contiguous, out: [num_rows, d] contiguous, both on the
 // device of the current CUDA context; `stream` is a cudaStream_t as an integer.
 // Throws std::invalid_argument for bad arguments, std::runtime_error for CUDA
-// errors. No launch when num_rows == 0 or d == 0.
+// errors. No launch when num_rows == 0 or d == 0. dtype: a code of dtype.h, float32, float16 or bfloat16.
 void silu_and_mul(uintptr_t x, uintptr_t out, int64_t num_rows, int64_t d, int dtype, uintptr_t stream);
 
 }  // namespace fastqwen

@@ -3,33 +3,49 @@
 
 #include <cstdint>
 
+#include "dtype.h"
+
 namespace fastqwen {
 
-// Decode attention: one query token per sequence over its paged KV cache.
-// q, out: [B, H, 128]; k_cache, v_cache: [num_pages, page_size, H_kv, 128]; page_table: int32 [B, max_pages];
-// kv_lens: int32 [B]. A sequence is cut into chunks whose length depends only on its own length (at most
-// kDecodeMaxSplits); paged_attention_decode_plan writes the chunk offsets (int32 [B + 1]) once per step, on the
-// device, and paged_attention_decode reads them, so the pair can be captured in a CUDA graph. Split sequences leave
-// per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
-// kDecodeMaxSplits, merged by a second kernel. dtype: 1 = fp16, 2 = bf16.
+// The one head size the attention kernels are built for (any other takes the PyTorch reference).
+constexpr int kAttentionHeadDim = 128;
+// A decode sequence is cut into at most this many chunks (sizes the decode workspace).
 constexpr int kDecodeMaxSplits = 32;
+
+// What both kernels take, by name. Pointers are device addresses, stream a cudaStream_t.
+// q, out: [tokens, H, 128]; k_cache, v_cache: [num_pages, page_size, H_kv, 128]; page_table: int32 [B, max_pages];
+// kv_lens: int32 [B], every cached token of sequence b including this step's.
+struct PagedAttentionArgs {
+  uintptr_t q = 0, out = 0, k_cache = 0, v_cache = 0, page_table = 0, kv_lens = 0;
+  int64_t batch = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0, max_pages = 0, num_pages = 0;
+  double scale = 0.0;
+  int dtype = -1;  // a code of dtype.h: float16 or bfloat16
+  uintptr_t stream = 0;
+};
+
+// Decode: one query token per sequence. A sequence is cut into chunks whose length depends only on its own length
+// (at most kDecodeMaxSplits); paged_attention_decode_plan writes the chunk offsets (int32 [B + 1]) once per step,
+// on the device, and paged_attention_decode reads them, so the pair can be captured in a CUDA graph. Split sequences
+// leave per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
+// kDecodeMaxSplits, merged by a second kernel.
+struct DecodeArgs : PagedAttentionArgs {
+  uintptr_t split_offsets = 0, part_out = 0, part_lse = 0;
+  int64_t workspace_rows = 0;
+};
 
 void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, uintptr_t stream);
 
-void paged_attention_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t page_table,
-                            uintptr_t kv_lens, uintptr_t split_offsets, uintptr_t out, uintptr_t part_out,
-                            uintptr_t part_lse, int64_t workspace_rows, int64_t batch, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_pages,
-                            int64_t num_pages, double scale, int dtype, uintptr_t stream);
+void paged_attention_decode(const DecodeArgs& args);
 
-// Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed.
-// q, out: [T, H, 128] with sequence b's tokens at rows query_start[b] .. query_start[b + 1] (int32 [B + 1]); they
-// are the last tokens of its kv_lens[b] cached tokens (already written to the cache), so the causal mask is
-// aligned to the end. max_query_len bounds query_start[b + 1] - query_start[b] (it sizes the grid).
-void paged_attention_prefill(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t query_start,
-                             uintptr_t page_table, uintptr_t kv_lens, uintptr_t out, int64_t batch,
-                             int64_t max_query_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t page_size, int64_t max_pages, int64_t num_pages, double scale, int dtype,
-                             uintptr_t stream);
+// Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed: sequence b's tokens
+// are rows query_start[b] .. query_start[b + 1] (int32 [B + 1]) of q, the last tokens of its kv_lens[b] cached tokens
+// (already written to the cache), so the causal mask is aligned to the end. max_query_len bounds query_start[b + 1]
+// - query_start[b] (it sizes the grid).
+struct PrefillArgs : PagedAttentionArgs {
+  uintptr_t query_start = 0;
+  int64_t max_query_len = 0;
+};
+
+void paged_attention_prefill(const PrefillArgs& args);
 
 }  // namespace fastqwen

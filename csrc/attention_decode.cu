@@ -15,6 +15,8 @@
 #include "attention.h"
 #include "common.cuh"
 #include "cuda_check.h"
+#include "device_cache.h"
+#include "dtype.h"
 #include "mma.cuh"
 #include "paged_kv.cuh"
 
@@ -31,7 +33,6 @@ constexpr int kMinChunk = 256;  // tokens; shorter sequences are not split
 constexpr int kStageElems = 2 * kTile * kD;  // K and V of one stage
 constexpr size_t kSmemBytes = (kStages * kStageElems + 16 * kD) * 2;  // stages + the 16-row Q tile
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kF16 = 1;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least kMinChunk, and at most
@@ -295,20 +296,20 @@ __global__ void merge_kernel(const float* __restrict__ part_out, const float* __
 
 template <typename T>
 void launch(const Params& p, cudaStream_t stream) {
-  // Persistent grid: as many blocks as fit on the GPU at once, found once per kernel.
-  static int grid = 0;
-  if (grid == 0) {
+  // Persistent grid: as many blocks as fit on the device at once, found once per kernel and device (the opt-in to
+  // large shared memory is per device too).
+  static PerDevice<int> grids;
+  const int grid = grids.get([](int device) {
     cuda_check(cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kSmemBytes)),
                "paged_attention_decode: cudaFuncSetAttribute");
-    int device = 0, sms = 0, per_sm = 0;
-    cuda_check(cudaGetDevice(&device), "paged_attention_decode: cudaGetDevice");
+    int sms = 0, per_sm = 0;
     cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
                "paged_attention_decode: cudaDeviceGetAttribute");
     cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<T>, kThreads, kSmemBytes),
                "paged_attention_decode: occupancy");
-    grid = std::max(1, sms * per_sm);
-  }
+    return std::max(1, sms * per_sm);
+  });
   decode_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
   cuda_check_launch("paged_attention_decode kernel launch");
   merge_kernel<T><<<static_cast<unsigned>(p.batch * p.num_heads), kD, 0, stream>>>(
@@ -328,38 +329,32 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
   cuda_check_launch("paged_attention_decode_plan launch");
 }
 
-void paged_attention_decode(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t page_table,
-                            uintptr_t kv_lens, uintptr_t split_offsets, uintptr_t out, uintptr_t part_out,
-                            uintptr_t part_lse, int64_t workspace_rows, int64_t batch, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_pages,
-                            int64_t num_pages, double scale, int dtype, uintptr_t stream) {
+void paged_attention_decode(const DecodeArgs& a) {
   const std::string op = "paged_attention_decode: ";
-  const int shift = check_paged_attention(op, head_dim, num_heads, num_kv_heads, page_size, max_pages, num_pages, dtype);
-  if (batch < 0 || batch > (int64_t{1} << 20) || num_heads > 1024) throw std::invalid_argument(op + "batch or heads out of range");
-  if (workspace_rows < batch * num_heads * kDecodeMaxSplits) {
+  const int shift = check_paged_attention(op, a);
+  if (a.batch < 0 || a.batch > (int64_t{1} << 20) || a.num_heads > 1024) {
+    throw std::invalid_argument(op + "batch or heads out of range");
+  }
+  if (a.workspace_rows < a.batch * a.num_heads * kDecodeMaxSplits) {
     throw std::invalid_argument(op + "the workspace needs batch * num_heads * " + std::to_string(kDecodeMaxSplits) +
                                 " rows");
   }
-  if (batch == 0) return;
-  for (uintptr_t ptr : {q, k_cache, v_cache, out, part_out}) {
+  if (a.batch == 0) return;
+  for (uintptr_t ptr : {a.q, a.k_cache, a.v_cache, a.out, a.part_out}) {
     if (ptr == 0 || !aligned16(ptr)) throw std::invalid_argument(op + "q, caches, out and workspace must be 16-byte aligned");
   }
-  for (uintptr_t ptr : {page_table, kv_lens, split_offsets, part_lse}) {
+  for (uintptr_t ptr : {a.page_table, a.kv_lens, a.split_offsets, a.part_lse}) {
     if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "page_table, kv_lens and split_offsets must be int32");
   }
-  Params p{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_cache),
-           reinterpret_cast<const void*>(v_cache), reinterpret_cast<const int*>(page_table),
-           reinterpret_cast<const int*>(kv_lens), reinterpret_cast<const int*>(split_offsets),
-           reinterpret_cast<void*>(out), reinterpret_cast<float*>(part_out), reinterpret_cast<float*>(part_lse),
-           static_cast<int>(batch), static_cast<int>(num_heads), static_cast<int>(num_kv_heads),
-           static_cast<int>(num_heads / num_kv_heads), shift, static_cast<int>(max_pages), num_pages,
-           static_cast<float>(scale) * kLog2e};
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (dtype == kF16) {
-    launch<__half>(p, s);
-  } else {
-    launch<__nv_bfloat16>(p, s);
-  }
+  Params p{reinterpret_cast<const void*>(a.q), reinterpret_cast<const void*>(a.k_cache),
+           reinterpret_cast<const void*>(a.v_cache), reinterpret_cast<const int*>(a.page_table),
+           reinterpret_cast<const int*>(a.kv_lens), reinterpret_cast<const int*>(a.split_offsets),
+           reinterpret_cast<void*>(a.out), reinterpret_cast<float*>(a.part_out), reinterpret_cast<float*>(a.part_lse),
+           static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
+           static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
+           static_cast<float>(a.scale) * kLog2e};
+  auto s = reinterpret_cast<cudaStream_t>(a.stream);
+  FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T, launch<T>(p, s));
 }
 
 }  // namespace fastqwen

@@ -13,6 +13,8 @@
 #include "attention.h"
 #include "common.cuh"
 #include "cuda_check.h"
+#include "device_cache.h"
+#include "dtype.h"
 #include "mma.cuh"
 #include "paged_kv.cuh"
 
@@ -27,7 +29,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kChunks = kD / 8;  // 16-byte chunks per row
 constexpr size_t kSmemBytes = (kBM + 4 * kBN) * kD * 2;  // Q + two K and two V tiles, 2-byte elements
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kF16 = 1;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 struct Params {
@@ -238,13 +239,13 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
 
 template <typename T>
 void launch(const Params& p, int64_t batch, int64_t grid_x, cudaStream_t stream) {
-  static bool configured = false;  // the opt-in to more than 48 KB of dynamic shared memory, once per kernel
-  if (!configured) {
+  static PerDevice<bool> configured;  // the opt-in to more than 48 KB of dynamic shared memory, per kernel and device
+  configured.get([](int) {
     cuda_check(cudaFuncSetAttribute(prefill_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kSmemBytes)),
                "paged_attention_prefill: cudaFuncSetAttribute");
-    configured = true;
-  }
+    return true;
+  });
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(batch));
   prefill_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
   cuda_check_launch("paged_attention_prefill kernel launch");
@@ -252,37 +253,31 @@ void launch(const Params& p, int64_t batch, int64_t grid_x, cudaStream_t stream)
 
 }  // namespace
 
-void paged_attention_prefill(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t query_start,
-                             uintptr_t page_table, uintptr_t kv_lens, uintptr_t out, int64_t batch,
-                             int64_t max_query_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t page_size, int64_t max_pages, int64_t num_pages, double scale, int dtype,
-                             uintptr_t stream) {
+void paged_attention_prefill(const PrefillArgs& a) {
   const std::string op = "paged_attention_prefill: ";
-  const int shift = check_paged_attention(op, head_dim, num_heads, num_kv_heads, page_size, max_pages, num_pages, dtype);
-  if (batch < 0 || batch > 65535 || num_kv_heads > 65535) throw std::invalid_argument(op + "batch or heads out of range");
-  if (max_query_len < 0 || max_query_len > (int64_t{1} << 24)) throw std::invalid_argument(op + "max_query_len out of range");
-  if (batch == 0 || max_query_len == 0) return;
-  for (uintptr_t ptr : {q, k_cache, v_cache, out}) {
+  const int shift = check_paged_attention(op, a);
+  if (a.batch < 0 || a.batch > 65535 || a.num_kv_heads > 65535) throw std::invalid_argument(op + "batch or heads out of range");
+  if (a.max_query_len < 0 || a.max_query_len > (int64_t{1} << 24)) {
+    throw std::invalid_argument(op + "max_query_len out of range");
+  }
+  if (a.batch == 0 || a.max_query_len == 0) return;
+  for (uintptr_t ptr : {a.q, a.k_cache, a.v_cache, a.out}) {
     if (ptr == 0 || !aligned16(ptr)) throw std::invalid_argument(op + "q, caches and out must be 16-byte aligned");
   }
-  for (uintptr_t ptr : {query_start, page_table, kv_lens}) {
+  for (uintptr_t ptr : {a.query_start, a.page_table, a.kv_lens}) {
     if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "query_start, page_table and kv_lens must be int32");
   }
-  const int64_t group = num_heads / num_kv_heads;
-  Params p{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_cache),
-           reinterpret_cast<const void*>(v_cache), reinterpret_cast<const int*>(query_start),
-           reinterpret_cast<const int*>(page_table), reinterpret_cast<const int*>(kv_lens),
-           reinterpret_cast<void*>(out), static_cast<int>(num_heads), static_cast<int>(num_kv_heads),
-           static_cast<int>(group), shift, static_cast<int>(max_pages), num_pages,
-           static_cast<float>(scale) * kLog2e};
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  Params p{reinterpret_cast<const void*>(a.q), reinterpret_cast<const void*>(a.k_cache),
+           reinterpret_cast<const void*>(a.v_cache), reinterpret_cast<const int*>(a.query_start),
+           reinterpret_cast<const int*>(a.page_table), reinterpret_cast<const int*>(a.kv_lens),
+           reinterpret_cast<void*>(a.out), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
+           static_cast<int>(group), shift, static_cast<int>(a.max_pages), a.num_pages,
+           static_cast<float>(a.scale) * kLog2e};
   // Enough blocks for the longest sequence's tiles; each block loops if a sequence has more (bad max_query_len).
-  const int64_t grid_x = std::min<int64_t>((max_query_len * group + kBM - 1) / kBM, 65535);
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (dtype == kF16) {
-    launch<__half>(p, batch, grid_x, s);
-  } else {
-    launch<__nv_bfloat16>(p, batch, grid_x, s);
-  }
+  const int64_t grid_x = std::min<int64_t>((a.max_query_len * group + kBM - 1) / kBM, 65535);
+  auto s = reinterpret_cast<cudaStream_t>(a.stream);
+  FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill: ", a.dtype, kHalfTypes, T, launch<T>(p, a.batch, grid_x, s));
 }
 
 }  // namespace fastqwen

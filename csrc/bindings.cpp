@@ -1,5 +1,9 @@
 // pybind11 module fastqwen._C. No libtorch: kernels take raw pointers and a
 // stream handle; the Python ops validate tensors before calling in.
+//
+// The contracts between the two languages are defined once, in the headers, and exported from here in every build
+// (the CPU-only one too): dtype codes, which dtypes and head sizes each kernel takes, the sampler row's layout and
+// the argument structs of the long kernels. Python reads them; it writes no layout of its own.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -7,14 +11,15 @@
 #include <stdexcept>
 #include <string>
 
-#include "page_allocator.h"
-#if FASTQWEN_WITH_CUDA
+#include <cstddef>
+
 #include "activation.h"
 #include "attention.h"
+#include "dtype.h"
 #include "norm.h"
+#include "page_allocator.h"
 #include "rope_kv.h"
 #include "sampling.h"
-#endif
 
 namespace py = pybind11;
 using fastqwen::PageAllocator;
@@ -29,6 +34,131 @@ uintptr_t to_uintptr(const py::int_& v, const char* name) {
     throw std::invalid_argument(std::string(name) + " must be a non-negative integer that fits in 64 bits");
   }
 }
+
+py::tuple codes(unsigned allowed) {
+  py::list out;
+  for (int c = fastqwen::kF32; c <= fastqwen::kBF16; ++c) {
+    if (fastqwen::dtype_allowed(c, allowed)) out.append(c);
+  }
+  return py::tuple(out);
+}
+
+// SamplerRow's fields: name -> (word offset, kind), kind "f" float32, "i" int32, "u" uint32.
+py::dict sampler_row_fields() {
+  using fastqwen::SamplerRow;
+  py::dict f;
+  auto add = [&](const char* name, size_t offset, const char* kind) { f[name] = py::make_tuple(offset / 4, kind); };
+  add("temperature", offsetof(SamplerRow, temperature), "f");
+  add("top_k", offsetof(SamplerRow, top_k), "i");
+  add("top_p", offsetof(SamplerRow, top_p), "f");
+  add("min_p", offsetof(SamplerRow, min_p), "f");
+  add("seed_lo", offsetof(SamplerRow, seed_lo), "u");
+  add("seed_hi", offsetof(SamplerRow, seed_hi), "u");
+  add("step_lo", offsetof(SamplerRow, step_lo), "u");
+  add("step_hi", offsetof(SamplerRow, step_hi), "u");
+  add("slot", offsetof(SamplerRow, slot), "i");
+  add("repetition", offsetof(SamplerRow, repetition), "f");
+  add("presence", offsetof(SamplerRow, presence), "f");
+  add("frequency", offsetof(SamplerRow, frequency), "f");
+  add("num_blocked", offsetof(SamplerRow, num_blocked), "i");
+  add("top_n", offsetof(SamplerRow, top_n), "i");
+  return f;
+}
+
+void export_contracts(py::module_& m) {
+  namespace fq = fastqwen;
+  m.attr("DTYPE_F32") = static_cast<int>(fq::kF32);
+  m.attr("DTYPE_F16") = static_cast<int>(fq::kF16);
+  m.attr("DTYPE_BF16") = static_cast<int>(fq::kBF16);
+  py::dict dtype_codes;
+  for (int c = fq::kF32; c <= fq::kBF16; ++c) dtype_codes[fq::dtype_name(c)] = c;
+  m.attr("DTYPE_CODES") = dtype_codes;
+  // The dtype codes each kernel takes (on anything else the Python op runs its reference).
+  py::dict kernel_dtypes;
+  kernel_dtypes["silu_and_mul"] = codes(fq::kFloatTypes);
+  kernel_dtypes["rms_norm"] = codes(fq::kHalfTypes);
+  kernel_dtypes["qk_norm_rope_store_kv"] = codes(fq::kHalfTypes);
+  kernel_dtypes["paged_attention"] = codes(fq::kHalfTypes);
+  kernel_dtypes["sample"] = codes(fq::kSamplerLogitTypes);
+  m.attr("KERNEL_DTYPES") = kernel_dtypes;
+  m.attr("ATTENTION_HEAD_DIM") = fq::kAttentionHeadDim;
+  py::list rope_dims;
+  for (int d : fq::kRopeKVHeadDims) rope_dims.append(d);
+  m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
+  m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
+  m.attr("SAMPLER_ROW_WORDS") = static_cast<int>(sizeof(fq::SamplerRow) / 4);
+  m.attr("SAMPLER_ROW_FIELDS") = sampler_row_fields();
+  m.attr("SAMPLER_MAX_TOP_N") = fq::kSamplerMaxTopN;
+  m.attr("COUNT_MASK") = fq::kCountMask;
+  m.attr("PROMPT_BIT") = fq::kPromptBit;
+
+  py::class_<fq::RopeKVArgs>(m, "RopeKVArgs", "Arguments of qk_norm_rope_store_kv (csrc/rope_kv.h).")
+      .def(py::init<>())
+      .def_readwrite("qkv", &fq::RopeKVArgs::qkv)
+      .def_readwrite("q_weight", &fq::RopeKVArgs::q_weight)
+      .def_readwrite("k_weight", &fq::RopeKVArgs::k_weight)
+      .def_readwrite("cos_sin", &fq::RopeKVArgs::cos_sin)
+      .def_readwrite("positions", &fq::RopeKVArgs::positions)
+      .def_readwrite("k_cache", &fq::RopeKVArgs::k_cache)
+      .def_readwrite("v_cache", &fq::RopeKVArgs::v_cache)
+      .def_readwrite("out_slots", &fq::RopeKVArgs::out_slots)
+      .def_readwrite("q_out", &fq::RopeKVArgs::q_out)
+      .def_readwrite("num_tokens", &fq::RopeKVArgs::num_tokens)
+      .def_readwrite("num_heads", &fq::RopeKVArgs::num_heads)
+      .def_readwrite("num_kv_heads", &fq::RopeKVArgs::num_kv_heads)
+      .def_readwrite("head_dim", &fq::RopeKVArgs::head_dim)
+      .def_readwrite("max_pos", &fq::RopeKVArgs::max_pos)
+      .def_readwrite("num_slots", &fq::RopeKVArgs::num_slots)
+      .def_readwrite("eps", &fq::RopeKVArgs::eps)
+      .def_readwrite("dtype", &fq::RopeKVArgs::dtype)
+      .def_readwrite("stream", &fq::RopeKVArgs::stream);
+  py::class_<fq::PagedAttentionArgs>(m, "PagedAttentionArgs", "What both attention kernels take (csrc/attention.h).")
+      .def_readwrite("q", &fq::PagedAttentionArgs::q)
+      .def_readwrite("out", &fq::PagedAttentionArgs::out)
+      .def_readwrite("k_cache", &fq::PagedAttentionArgs::k_cache)
+      .def_readwrite("v_cache", &fq::PagedAttentionArgs::v_cache)
+      .def_readwrite("page_table", &fq::PagedAttentionArgs::page_table)
+      .def_readwrite("kv_lens", &fq::PagedAttentionArgs::kv_lens)
+      .def_readwrite("batch", &fq::PagedAttentionArgs::batch)
+      .def_readwrite("num_heads", &fq::PagedAttentionArgs::num_heads)
+      .def_readwrite("num_kv_heads", &fq::PagedAttentionArgs::num_kv_heads)
+      .def_readwrite("head_dim", &fq::PagedAttentionArgs::head_dim)
+      .def_readwrite("page_size", &fq::PagedAttentionArgs::page_size)
+      .def_readwrite("max_pages", &fq::PagedAttentionArgs::max_pages)
+      .def_readwrite("num_pages", &fq::PagedAttentionArgs::num_pages)
+      .def_readwrite("scale", &fq::PagedAttentionArgs::scale)
+      .def_readwrite("dtype", &fq::PagedAttentionArgs::dtype)
+      .def_readwrite("stream", &fq::PagedAttentionArgs::stream);
+  py::class_<fq::DecodeArgs, fq::PagedAttentionArgs>(m, "DecodeArgs", "Arguments of paged_attention_decode.")
+      .def(py::init<>())
+      .def_readwrite("split_offsets", &fq::DecodeArgs::split_offsets)
+      .def_readwrite("part_out", &fq::DecodeArgs::part_out)
+      .def_readwrite("part_lse", &fq::DecodeArgs::part_lse)
+      .def_readwrite("workspace_rows", &fq::DecodeArgs::workspace_rows);
+  py::class_<fq::PrefillArgs, fq::PagedAttentionArgs>(m, "PrefillArgs", "Arguments of paged_attention_prefill.")
+      .def(py::init<>())
+      .def_readwrite("query_start", &fq::PrefillArgs::query_start)
+      .def_readwrite("max_query_len", &fq::PrefillArgs::max_query_len);
+  py::class_<fq::SampleArgs>(m, "SampleArgs", "Arguments of sample (csrc/sampling.h).")
+      .def(py::init<>())
+      .def_readwrite("logits", &fq::SampleArgs::logits)
+      .def_readwrite("dtype", &fq::SampleArgs::dtype)
+      .def_readwrite("rows", &fq::SampleArgs::rows)
+      .def_readwrite("vocab", &fq::SampleArgs::vocab)
+      .def_readwrite("params", &fq::SampleArgs::params)
+      .def_readwrite("tokens", &fq::SampleArgs::tokens)
+      .def_readwrite("logprobs", &fq::SampleArgs::logprobs)
+      .def_readwrite("top_ids", &fq::SampleArgs::top_ids)
+      .def_readwrite("top_logprobs", &fq::SampleArgs::top_logprobs)
+      .def_readwrite("top_width", &fq::SampleArgs::top_width)
+      .def_readwrite("counts", &fq::SampleArgs::counts)
+      .def_readwrite("counts_rows", &fq::SampleArgs::counts_rows)
+      .def_readwrite("blocked", &fq::SampleArgs::blocked)
+      .def_readwrite("blocked_width", &fq::SampleArgs::blocked_width)
+      .def_readwrite("workspace", &fq::SampleArgs::workspace)
+      .def_readwrite("workspace_bytes", &fq::SampleArgs::workspace_bytes)
+      .def_readwrite("stream", &fq::SampleArgs::stream);
+}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -39,9 +169,7 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("built_with_cuda") = false;
 #endif
-  m.attr("DTYPE_F32") = 0;
-  m.attr("DTYPE_F16") = 1;
-  m.attr("DTYPE_BF16") = 2;
+  export_contracts(m);
 
   py::class_<PageAllocator>(m, "PageAllocator",
                             "KV-cache page ids 0..num_pages-1 with a free list and a refcount per page.")
@@ -93,24 +221,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("num_rows"), py::arg("hidden"), py::arg("eps"),
       py::arg("dtype"), py::arg("stream"), "In place: residual += x; x = weight * RMSNorm(residual).");
   m.def(
-      "qk_norm_rope_store_kv",
-      [](const py::int_& qkv, const py::int_& q_weight, const py::int_& k_weight, const py::int_& cos_sin,
-         const py::int_& positions, const py::int_& k_cache, const py::int_& v_cache, const py::int_& out_slots,
-         const py::int_& q_out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         int64_t max_pos, int64_t num_slots, double eps, int dtype, const py::int_& stream) {
-        fastqwen::qk_norm_rope_store_kv(
-            to_uintptr(qkv, "qkv"), to_uintptr(q_weight, "q_weight"), to_uintptr(k_weight, "k_weight"),
-            to_uintptr(cos_sin, "cos_sin"), to_uintptr(positions, "positions"), to_uintptr(k_cache, "k_cache"),
-            to_uintptr(v_cache, "v_cache"), to_uintptr(out_slots, "out_slots"), to_uintptr(q_out, "q_out"),
-            num_tokens, num_heads, num_kv_heads, head_dim, max_pos, num_slots, eps, dtype,
-            to_uintptr(stream, "stream"));
-      },
-      py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("cos_sin"), py::arg("positions"),
-      py::arg("k_cache"), py::arg("v_cache"), py::arg("out_slots"), py::arg("q_out"), py::arg("num_tokens"),
-      py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("max_pos"), py::arg("num_slots"),
-      py::arg("eps"), py::arg("dtype"), py::arg("stream"),
-      "Per-head RMSNorm of q and k, NeoX RoPE, q to q_out, k and v to their cache slots (-1 = skip).");
-  m.attr("DECODE_MAX_SPLITS") = fastqwen::kDecodeMaxSplits;
+      "qk_norm_rope_store_kv", [](const fastqwen::RopeKVArgs& args) { fastqwen::qk_norm_rope_store_kv(args); },
+      py::arg("args"), "Per-head RMSNorm of q and k, NeoX RoPE, q to q_out, k and v to their cache slots (-1 = skip).");
   m.def(
       "paged_attention_decode_plan",
       [](const py::int_& kv_lens, const py::int_& split_offsets, int64_t batch, const py::int_& stream) {
@@ -120,60 +232,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("stream"),
       "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def(
-      "paged_attention_decode",
-      [](const py::int_& q, const py::int_& k_cache, const py::int_& v_cache, const py::int_& page_table,
-         const py::int_& kv_lens, const py::int_& split_offsets, const py::int_& out, const py::int_& part_out,
-         const py::int_& part_lse, int64_t workspace_rows, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-         int64_t head_dim, int64_t page_size, int64_t max_pages, int64_t num_pages, double scale, int dtype,
-         const py::int_& stream) {
-        fastqwen::paged_attention_decode(
-            to_uintptr(q, "q"), to_uintptr(k_cache, "k_cache"), to_uintptr(v_cache, "v_cache"),
-            to_uintptr(page_table, "page_table"), to_uintptr(kv_lens, "kv_lens"),
-            to_uintptr(split_offsets, "split_offsets"), to_uintptr(out, "out"), to_uintptr(part_out, "part_out"),
-            to_uintptr(part_lse, "part_lse"), workspace_rows, batch, num_heads, num_kv_heads, head_dim, page_size,
-            max_pages, num_pages, scale, dtype, to_uintptr(stream, "stream"));
-      },
-      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("kv_lens"),
-      py::arg("split_offsets"), py::arg("out"), py::arg("part_out"), py::arg("part_lse"), py::arg("workspace_rows"),
-      py::arg("batch"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("page_size"),
-      py::arg("max_pages"), py::arg("num_pages"), py::arg("scale"), py::arg("dtype"), py::arg("stream"),
+      "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
+      py::arg("args"),
       "Decode attention of one query token per sequence over its pages, split as paged_attention_decode_plan said.");
   m.def(
-      "paged_attention_prefill",
-      [](const py::int_& q, const py::int_& k_cache, const py::int_& v_cache, const py::int_& query_start,
-         const py::int_& page_table, const py::int_& kv_lens, const py::int_& out, int64_t batch, int64_t max_query_len,
-         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_pages,
-         int64_t num_pages, double scale, int dtype, const py::int_& stream) {
-        fastqwen::paged_attention_prefill(
-            to_uintptr(q, "q"), to_uintptr(k_cache, "k_cache"), to_uintptr(v_cache, "v_cache"),
-            to_uintptr(query_start, "query_start"), to_uintptr(page_table, "page_table"),
-            to_uintptr(kv_lens, "kv_lens"), to_uintptr(out, "out"), batch, max_query_len, num_heads, num_kv_heads,
-            head_dim, page_size, max_pages, num_pages, scale, dtype, to_uintptr(stream, "stream"));
-      },
-      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_start"), py::arg("page_table"),
-      py::arg("kv_lens"), py::arg("out"), py::arg("batch"), py::arg("max_query_len"), py::arg("num_heads"),
-      py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("page_size"), py::arg("max_pages"), py::arg("num_pages"),
-      py::arg("scale"), py::arg("dtype"), py::arg("stream"),
-      "Causal attention of several query tokens per sequence (varlen) over its pages, on tensor cores.");
+      "paged_attention_prefill", [](const fastqwen::PrefillArgs& args) { fastqwen::paged_attention_prefill(args); },
+      py::arg("args"), "Causal attention of several query tokens per sequence (varlen) over its pages, on tensor cores.");
   m.def(
       "sampler_workspace_bytes", &fastqwen::sampler_workspace_bytes, py::arg("max_rows"), py::arg("vocab"),
       "Bytes of scratch memory sample() needs for up to max_rows rows.");
   m.def(
-      "sample",
-      [](const py::int_& logits, int dtype, int64_t rows, int64_t vocab, const py::int_& params,
-         const py::int_& tokens, const py::int_& logprobs, const py::int_& top_ids, const py::int_& top_logprobs,
-         int64_t top_width, const py::int_& counts, int64_t counts_rows, const py::int_& blocked,
-         int64_t blocked_width, const py::int_& workspace, int64_t workspace_bytes, const py::int_& stream) {
-        fastqwen::sample(to_uintptr(logits, "logits"), dtype, rows, vocab, to_uintptr(params, "params"),
-                         to_uintptr(tokens, "tokens"), to_uintptr(logprobs, "logprobs"),
-                         to_uintptr(top_ids, "top_ids"), to_uintptr(top_logprobs, "top_logprobs"), top_width,
-                         to_uintptr(counts, "counts"), counts_rows, to_uintptr(blocked, "blocked"), blocked_width,
-                         to_uintptr(workspace, "workspace"), workspace_bytes, to_uintptr(stream, "stream"));
-      },
-      py::arg("logits"), py::arg("dtype"), py::arg("rows"), py::arg("vocab"), py::arg("params"), py::arg("tokens"),
-      py::arg("logprobs"), py::arg("top_ids"), py::arg("top_logprobs"), py::arg("top_width"), py::arg("counts"),
-      py::arg("counts_rows"), py::arg("blocked"), py::arg("blocked_width"), py::arg("workspace"),
-      py::arg("workspace_bytes"), py::arg("stream"),
+      "sample", [](const fastqwen::SampleArgs& args) { fastqwen::sample(args); }, py::arg("args"),
       "One token per row with per-row penalties, temperature, top-k/top-p/min-p and seeds (csrc/sampling.h).");
 #endif
 }

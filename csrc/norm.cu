@@ -5,9 +5,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "activation.h"
 #include "common.cuh"
 #include "cuda_check.h"
+#include "dtype.h"
 #include "norm.h"
 
 namespace fastqwen {
@@ -154,9 +154,7 @@ void check_args(const char* op, uintptr_t a, uintptr_t b, uintptr_t weight, int6
   if (hidden < 1) throw std::invalid_argument(name + ": hidden must be >= 1, got " + std::to_string(hidden));
   if (hidden > (int64_t{1} << 30)) throw std::invalid_argument(name + ": hidden too large: " + std::to_string(hidden));
   if (!(eps >= 0.0)) throw std::invalid_argument(name + ": eps must be >= 0");
-  if (dtype != kF16 && dtype != kBF16) {
-    throw std::invalid_argument(name + ": dtype must be float16 (1) or bfloat16 (2), got " + std::to_string(dtype));
-  }
+  check_dtype(name + ": ", dtype, kHalfTypes);
   if (rows > 0 && (a == 0 || b == 0 || weight == 0)) throw std::invalid_argument(name + ": null data pointer");
   if (rows > 2147483647) throw std::invalid_argument(name + ": too many rows");
 }
@@ -166,11 +164,8 @@ void dispatch(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight, 
               double eps, int dtype, uintptr_t stream) {
   if (rows == 0) return;
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (dtype == kF16) {
-    launch<__half, FUSED>(out, x, residual, weight, rows, hidden, static_cast<float>(eps), s);
-  } else {
-    launch<__nv_bfloat16, FUSED>(out, x, residual, weight, rows, hidden, static_cast<float>(eps), s);
-  }
+  FASTQWEN_DISPATCH_DTYPE(FUSED ? "fused_add_rms_norm: " : "rms_norm: ", dtype, kHalfTypes, T,
+                          launch<T, FUSED>(out, x, residual, weight, rows, hidden, static_cast<float>(eps), s));
 }
 
 }  // namespace

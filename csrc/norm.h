@@ -7,7 +7,7 @@ namespace fastqwen {
 
 // out[r] = weight * RMSNorm(x[r]) for r < num_rows; x, out: [num_rows, hidden] contiguous, weight: [hidden].
 // Rounds where Hugging Face's Qwen3RMSNorm rounds: normalize in fp32, round to the dtype, multiply by the weight.
-// dtype: 1 = float16, 2 = bfloat16. Throws std::invalid_argument for bad arguments.
+// dtype: a code of dtype.h, float16 or bfloat16. Throws std::invalid_argument for bad arguments.
 void rms_norm(uintptr_t out, uintptr_t x, uintptr_t weight, int64_t num_rows, int64_t hidden, double eps, int dtype,
               uintptr_t stream);
 

@@ -5,19 +5,24 @@
 #include <stdexcept>
 #include <string>
 
+#include "attention.h"
+#include "dtype.h"
 #include "mma.cuh"
 
 namespace fastqwen {
+
+static_assert(mma::kD == kAttentionHeadDim, "the tiles are as wide as the head size the host checks");
 
 constexpr int kKVTile = 64;  // tokens per K/V tile
 constexpr int kKVTileThreads = 128;
 
 // Throws std::invalid_argument (prefixed by op) unless head_dim is 128, 1 to 8 query heads share a KV head, page_size
-// is a power of two up to 1024, the page table and pool are non-empty and dtype is fp16 (1) or bf16 (2). Returns
+// is a power of two up to 1024, the page table and pool are non-empty and dtype is fp16 or bf16. Returns
 // log2(page_size).
-inline int check_paged_attention(const std::string& op, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t page_size, int64_t max_pages, int64_t num_pages, int dtype) {
-  if (head_dim != mma::kD) throw std::invalid_argument(op + "head_dim must be 128, got " + std::to_string(head_dim));
+inline int check_paged_attention(const std::string& op, const PagedAttentionArgs& a) {
+  const int64_t head_dim = a.head_dim, num_heads = a.num_heads, num_kv_heads = a.num_kv_heads;
+  const int64_t page_size = a.page_size, max_pages = a.max_pages, num_pages = a.num_pages;
+  if (head_dim != kAttentionHeadDim) throw std::invalid_argument(op + "head_dim must be 128, got " + std::to_string(head_dim));
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 8) {
     throw std::invalid_argument(op + "num_heads must be 1 to 8 times num_kv_heads");
   }
@@ -25,7 +30,7 @@ inline int check_paged_attention(const std::string& op, int64_t head_dim, int64_
     throw std::invalid_argument(op + "page_size must be a power of two up to 1024");
   }
   if (max_pages < 1 || num_pages < 1) throw std::invalid_argument(op + "max_pages and num_pages must be >= 1");
-  if (dtype != 1 && dtype != 2) throw std::invalid_argument(op + "dtype must be float16 or bfloat16");
+  check_dtype(op, a.dtype, kHalfTypes);
   int shift = 0;
   while ((int64_t{1} << shift) < page_size) ++shift;
   return shift;

@@ -7,9 +7,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "activation.h"
 #include "common.cuh"
 #include "cuda_check.h"
+#include "dtype.h"
 #include "rope_kv.h"
 
 namespace fastqwen {
@@ -143,46 +143,41 @@ void dispatch_dim(int64_t head_dim, uintptr_t qkv, uintptr_t qw, uintptr_t kw, u
 
 }  // namespace
 
-void qk_norm_rope_store_kv(uintptr_t qkv, uintptr_t q_weight, uintptr_t k_weight, uintptr_t cos_sin,
-                           uintptr_t positions, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out_slots,
-                           uintptr_t q_out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t max_pos, int64_t num_slots, double eps, int dtype,
-                           uintptr_t stream) {
+void qk_norm_rope_store_kv(const RopeKVArgs& a) {
   const std::string op = "qk_norm_rope_store_kv: ";
-  if (num_tokens < 0) throw std::invalid_argument(op + "num_tokens must be >= 0");
-  if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0) {
+  if (a.num_tokens < 0) throw std::invalid_argument(op + "num_tokens must be >= 0");
+  if (a.num_heads < 1 || a.num_kv_heads < 1 || a.num_heads % a.num_kv_heads != 0) {
     throw std::invalid_argument(op + "num_heads must be a positive multiple of num_kv_heads");
   }
-  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
-    throw std::invalid_argument(op + "head_dim must be 64, 128 or 256, got " + std::to_string(head_dim));
+  bool dim_ok = false;
+  for (int d : kRopeKVHeadDims) dim_ok = dim_ok || a.head_dim == d;
+  if (!dim_ok) {
+    throw std::invalid_argument(op + "head_dim must be 64, 128 or 256, got " + std::to_string(a.head_dim));
   }
-  if (max_pos < 1 || num_slots < 0) throw std::invalid_argument(op + "max_pos must be >= 1 and num_slots >= 0");
-  if (dtype != kF16 && dtype != kBF16) throw std::invalid_argument(op + "dtype must be float16 or bfloat16");
-  if (!(eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0");
-  if (num_tokens * (num_heads + num_kv_heads) > (int64_t{1} << 31) * kWarpsPerBlock) {
+  if (a.max_pos < 1 || a.num_slots < 0) throw std::invalid_argument(op + "max_pos must be >= 1 and num_slots >= 0");
+  check_dtype(op, a.dtype, kHalfTypes);
+  if (!(a.eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0");
+  if (a.num_tokens * (a.num_heads + a.num_kv_heads) > (int64_t{1} << 31) * kWarpsPerBlock) {
     throw std::invalid_argument(op + "too many tokens");
   }
-  if (num_tokens == 0) return;
-  for (uintptr_t p : {qkv, q_weight, k_weight, cos_sin, positions, k_cache, v_cache, out_slots, q_out}) {
+  if (a.num_tokens == 0) return;
+  for (uintptr_t p : {a.qkv, a.q_weight, a.k_weight, a.cos_sin, a.positions, a.k_cache, a.v_cache, a.out_slots, a.q_out}) {
     if (p == 0) throw std::invalid_argument(op + "null data pointer");
   }
   // Each lane moves head_dim / 32 elements of 2 bytes at once; the index arrays are read as int64, cos/sin as fp32.
-  const uintptr_t pack = static_cast<uintptr_t>(head_dim / 32 * 2);
-  for (uintptr_t p : {qkv, q_weight, k_weight, k_cache, v_cache, q_out}) {
+  const uintptr_t pack = static_cast<uintptr_t>(a.head_dim / 32 * 2);
+  for (uintptr_t p : {a.qkv, a.q_weight, a.k_weight, a.k_cache, a.v_cache, a.q_out}) {
     if (p % pack != 0) throw std::invalid_argument(op + "q/k/v buffers must be aligned to " + std::to_string(pack) + " bytes");
   }
-  if (positions % 8 != 0 || out_slots % 8 != 0 || cos_sin % 4 != 0) {
+  if (a.positions % 8 != 0 || a.out_slots % 8 != 0 || a.cos_sin % 4 != 0) {
     throw std::invalid_argument(op + "positions / out_slots must be 8-byte and cos_sin 4-byte aligned");
   }
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  const float e = static_cast<float>(eps);
-  if (dtype == kF16) {
-    dispatch_dim<__half>(head_dim, qkv, q_weight, k_weight, cos_sin, positions, k_cache, v_cache, out_slots, q_out,
-                         num_tokens, num_heads, num_kv_heads, max_pos, num_slots, e, s);
-  } else {
-    dispatch_dim<__nv_bfloat16>(head_dim, qkv, q_weight, k_weight, cos_sin, positions, k_cache, v_cache, out_slots,
-                                q_out, num_tokens, num_heads, num_kv_heads, max_pos, num_slots, e, s);
-  }
+  auto s = reinterpret_cast<cudaStream_t>(a.stream);
+  const float e = static_cast<float>(a.eps);
+  FASTQWEN_DISPATCH_DTYPE("qk_norm_rope_store_kv: ", a.dtype, kHalfTypes, T,
+                          dispatch_dim<T>(a.head_dim, a.qkv, a.q_weight, a.k_weight, a.cos_sin, a.positions,
+                                          a.k_cache, a.v_cache, a.out_slots, a.q_out, a.num_tokens, a.num_heads,
+                                          a.num_kv_heads, a.max_pos, a.num_slots, e, s));
 }
 
 }  // namespace fastqwen

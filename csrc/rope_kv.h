@@ -3,17 +3,34 @@
 
 #include <cstdint>
 
+#include "dtype.h"
+
 namespace fastqwen {
 
-// For every token t and head: per-head RMSNorm of q and k (weights q_weight, k_weight, [head_dim]), NeoX RoPE at
-// positions[t] with cos/sin rows of cos_sin [max_pos, head_dim] (float32: cos in the first half, sin in the second),
-// q -> q_out [T, H, D]; rotated k and v -> k_cache / v_cache [num_slots, H_kv, D] at out_slots[t] (-1 = skip).
-// qkv: [T, (H + 2 H_kv) * D]. positions / out_slots: int64 [T]. Positions outside [0, max_pos) give NaN q and
-// skip the K/V write; slots >= num_slots are skipped. head_dim: 64, 128 or 256. dtype: 1 = fp16, 2 = bf16.
-void qk_norm_rope_store_kv(uintptr_t qkv, uintptr_t q_weight, uintptr_t k_weight, uintptr_t cos_sin,
-                           uintptr_t positions, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out_slots,
-                           uintptr_t q_out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t max_pos, int64_t num_slots, double eps, int dtype,
-                           uintptr_t stream);
+// The head sizes the kernel is built for (any other takes the PyTorch reference).
+constexpr int kRopeKVHeadDims[] = {64, 128, 256};
+
+// The arguments of qk_norm_rope_store_kv, by name (pointers are device addresses, stream a cudaStream_t).
+struct RopeKVArgs {
+  uintptr_t qkv = 0;        // [T, (H + 2 H_kv) * D]
+  uintptr_t q_weight = 0;   // [D]
+  uintptr_t k_weight = 0;   // [D]
+  uintptr_t cos_sin = 0;    // float32 [max_pos, D]: cos in the first half, sin in the second
+  uintptr_t positions = 0;  // int64 [T]
+  uintptr_t k_cache = 0;    // [num_slots, H_kv, D]
+  uintptr_t v_cache = 0;
+  uintptr_t out_slots = 0;  // int64 [T], -1 = no KV write
+  uintptr_t q_out = 0;      // [T, H, D]
+  int64_t num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, max_pos = 0, num_slots = 0;
+  double eps = 0.0;
+  int dtype = -1;  // a code of dtype.h: float16 or bfloat16
+  uintptr_t stream = 0;
+};
+
+// For every token t and head: per-head RMSNorm of q and k (weights q_weight, k_weight), NeoX RoPE at positions[t]
+// with cos/sin rows of cos_sin, q -> q_out; rotated k and v -> k_cache / v_cache at out_slots[t] (-1 = skip).
+// Positions outside [0, max_pos) give NaN q and skip the K/V write; slots >= num_slots are skipped. head_dim: one
+// of kRopeKVHeadDims. Throws std::invalid_argument for bad arguments.
+void qk_norm_rope_store_kv(const RopeKVArgs& args);
 
 }  // namespace fastqwen

@@ -30,6 +30,8 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "device_cache.h"
+#include "dtype.h"
 #include "sampling.h"
 
 namespace fastqwen {
@@ -41,7 +43,7 @@ constexpr int kGroups = kTile / 128;  // groups of 4 consecutive tokens per lane
 constexpr int kWarps = 8;            // warps per scan block
 constexpr int kList = 64;            // best tokens kept per filtered row
 constexpr int kStage = 32 + 128;     // per-warp staging of candidates: a partial flush plus one group of the warp
-constexpr int kMaxTop = 64;
+constexpr int kMaxTop = kSamplerMaxTopN;
 constexpr int kFinishThreads = 256;
 constexpr float kMaxGumbel = 23.0f;  // -log(E) over every E the generator can produce is below 22.9
 
@@ -173,7 +175,7 @@ __device__ __forceinline__ float load1(const T* p) {
 
 // The reference's penalties, rounding step by step as PyTorch does (no fused multiply-adds).
 __device__ __forceinline__ float penalize(float x, int v, const SamplerRow& p) {
-  const int c = v & 0x3fffffff;
+  const int c = v & kCountMask;
   if (p.repetition != 1.0f && v != 0) x = x > 0.0f ? __fdiv_rn(x, p.repetition) : __fmul_rn(x, p.repetition);
   if (p.presence != 0.0f || p.frequency != 0.0f) {
     const float sub = __fadd_rn(__fmul_rn(p.frequency, static_cast<float>(c)), c > 0 ? p.presence : 0.0f * p.presence);
@@ -978,17 +980,15 @@ void setup_scan(int dtype, DeviceInfo& d) {
   }
 }
 
-DeviceInfo& device_info() {
-  static DeviceInfo info[64];
-  int dev = 0;
-  FASTQWEN_CUDA_CHECK(cudaGetDevice(&dev));
-  DeviceInfo& d = info[dev & 63];
-  if (d.sms == 0) {
-    FASTQWEN_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
-    setup_scan<float>(0, d);
-    setup_scan<__nv_bfloat16>(2, d);
-  }
-  return d;
+const DeviceInfo& device_info() {
+  static PerDevice<DeviceInfo> info;
+  return info.get([](int device) {
+    DeviceInfo d;
+    FASTQWEN_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
+    setup_scan<float>(kF32, d);
+    setup_scan<__nv_bfloat16>(kBF16, d);
+    return d;
+  });
 }
 
 template <typename T>
@@ -1031,41 +1031,32 @@ int64_t sampler_workspace_bytes(int64_t max_rows, int64_t vocab) {
   return total;
 }
 
-void sample(uintptr_t logits, int dtype, int64_t rows, int64_t vocab, uintptr_t params, uintptr_t tokens,
-            uintptr_t logprobs, uintptr_t top_ids, uintptr_t top_logprobs, int64_t top_width, uintptr_t counts,
-            int64_t counts_rows, uintptr_t blocked, int64_t blocked_width, uintptr_t workspace,
-            int64_t workspace_bytes, uintptr_t stream) {
-  require(dtype == 0 || dtype == 2, "logits must be float32 (0) or bfloat16 (2), got dtype code " +
-                                        std::to_string(dtype));
-  require(rows >= 0 && rows < (int64_t{1} << 20), "rows must be in [0, 2^20)");
-  require(vocab >= 1 && vocab < (int64_t{1} << 31), "vocab must be in [1, 2^31)");
-  require(top_width >= 0 && top_width <= kMaxTop, "top_width must be in [0, 64]");
-  require(blocked_width >= 0, "blocked_width must be >= 0");
-  require(counts_rows >= 0, "counts_rows must be >= 0");
-  require(rows == 0 || (logits && params && tokens && workspace), "logits, params, tokens and workspace are required");
-  require(top_width == 0 || (top_ids && top_logprobs), "top_ids and top_logprobs are required when top_width > 0");
-  require(params % alignof(SamplerRow) == 0 && workspace % 16 == 0, "params and workspace must be 16-byte aligned");
+void sample(const SampleArgs& a) {
+  check_dtype("sample: logits: ", a.dtype, kSamplerLogitTypes);
+  require(a.rows >= 0 && a.rows < (int64_t{1} << 20), "rows must be in [0, 2^20)");
+  require(a.vocab >= 1 && a.vocab < (int64_t{1} << 31), "vocab must be in [1, 2^31)");
+  require(a.top_width >= 0 && a.top_width <= kMaxTop, "top_width must be in [0, " + std::to_string(kMaxTop) + "]");
+  require(a.blocked_width >= 0 && a.blocked_width < (int64_t{1} << 31), "blocked_width must be in [0, 2^31)");
+  require(a.counts_rows >= 0, "counts_rows must be >= 0");
+  require(a.rows == 0 || (a.logits && a.params && a.tokens && a.workspace),
+          "logits, params, tokens and workspace are required");
+  require(a.top_width == 0 || (a.top_ids && a.top_logprobs), "top_ids and top_logprobs are required when top_width > 0");
+  require(a.params % alignof(SamplerRow) == 0 && a.workspace % 16 == 0, "params and workspace must be 16-byte aligned");
   int64_t need = 0;
-  const Workspace ws = layout(workspace, rows, vocab, &need);
-  require(workspace_bytes >= need, "workspace has " + std::to_string(workspace_bytes) + " bytes, needs " +
-                                       std::to_string(need));
-  if (rows == 0) return;
-  auto* s = reinterpret_cast<cudaStream_t>(stream);
-  const int* c = counts_rows > 0 ? reinterpret_cast<const int*>(counts) : nullptr;
-  const int* b = blocked_width > 0 ? reinterpret_cast<const int*>(blocked) : nullptr;
-  if (dtype == 0) {
-    launch(reinterpret_cast<const float*>(logits), static_cast<int>(rows), static_cast<int>(vocab),
-           reinterpret_cast<const SamplerRow*>(params), reinterpret_cast<int64_t*>(tokens),
-           reinterpret_cast<float*>(logprobs), reinterpret_cast<int64_t*>(top_ids),
-           reinterpret_cast<float*>(top_logprobs), static_cast<int>(top_width), c, counts_rows, b,
-           static_cast<int>(blocked_width), ws, s, 0);
-  } else {
-    launch(reinterpret_cast<const __nv_bfloat16*>(logits), static_cast<int>(rows), static_cast<int>(vocab),
-           reinterpret_cast<const SamplerRow*>(params), reinterpret_cast<int64_t*>(tokens),
-           reinterpret_cast<float*>(logprobs), reinterpret_cast<int64_t*>(top_ids),
-           reinterpret_cast<float*>(top_logprobs), static_cast<int>(top_width), c, counts_rows, b,
-           static_cast<int>(blocked_width), ws, s, 2);
-  }
+  const Workspace ws = layout(a.workspace, a.rows, a.vocab, &need);
+  require(a.workspace_bytes >= need, "workspace has " + std::to_string(a.workspace_bytes) + " bytes, needs " +
+                                         std::to_string(need));
+  if (a.rows == 0) return;
+  auto* s = reinterpret_cast<cudaStream_t>(a.stream);
+  const int* c = a.counts_rows > 0 ? reinterpret_cast<const int*>(a.counts) : nullptr;
+  const int* b = a.blocked_width > 0 ? reinterpret_cast<const int*>(a.blocked) : nullptr;
+  FASTQWEN_DISPATCH_DTYPE("sample: logits: ", a.dtype, kSamplerLogitTypes, T,
+                          launch(reinterpret_cast<const T*>(a.logits), static_cast<int>(a.rows),
+                                 static_cast<int>(a.vocab), reinterpret_cast<const SamplerRow*>(a.params),
+                                 reinterpret_cast<int64_t*>(a.tokens), reinterpret_cast<float*>(a.logprobs),
+                                 reinterpret_cast<int64_t*>(a.top_ids), reinterpret_cast<float*>(a.top_logprobs),
+                                 static_cast<int>(a.top_width), c, a.counts_rows, b,
+                                 static_cast<int>(a.blocked_width), ws, s, a.dtype));
 }
 
 }  // namespace fastqwen

@@ -1,7 +1,10 @@
-// Host-side declarations of the sampler (no CUDA headers needed).
+// Host-side declarations of the sampler (no CUDA headers needed). The layouts here (SamplerRow's fields, the counts
+// table's bits) are exported to Python by the native module (csrc/bindings.cpp), which packs rows by them.
 #pragma once
 
 #include <cstdint>
+
+#include "dtype.h"
 
 namespace fastqwen {
 
@@ -16,24 +19,46 @@ struct SamplerRow {
   int32_t slot;       // row of the counts table, -1: no penalties
   float repetition, presence, frequency;
   int32_t num_blocked;  // first num_blocked entries of this row of `blocked` are set to -inf (min_tokens)
-  int32_t top_n;        // -1: no logprobs; 0..64: logprob of the token and the top_n alternatives
+  int32_t top_n;        // -1: no logprobs; 0..kSamplerMaxTopN: logprob of the token and the top_n alternatives
   int32_t reserved[2];
 };
 static_assert(sizeof(SamplerRow) == 64, "SamplerRow is 16 words");
 
+constexpr int kSamplerMaxTopN = 64;  // most alternatives a row can ask for
+// The counts table: a row per request with penalties, a word per token: bits 0..29 count the token in the output,
+// kPromptBit says it is in the prompt.
+constexpr int32_t kCountMask = (1 << 30) - 1;
+constexpr int32_t kPromptBit = 1 << 30;
+constexpr unsigned kSamplerLogitTypes = dtype_bit(kF32) | dtype_bit(kBF16);
+
+// The arguments of sample(), by name. Pointers are device addresses (0 = absent), stream a cudaStream_t.
+struct SampleArgs {
+  uintptr_t logits = 0;  // [rows, vocab], float32 or bfloat16 (dtype: a code of dtype.h)
+  int dtype = -1;
+  int64_t rows = 0, vocab = 0;
+  uintptr_t params = 0;        // SamplerRow [rows]
+  uintptr_t tokens = 0;        // int64 [rows]
+  uintptr_t logprobs = 0;      // float32 [rows]
+  uintptr_t top_ids = 0;       // int64 [rows, top_width]
+  uintptr_t top_logprobs = 0;  // float32 [rows, top_width]
+  int64_t top_width = 0;
+  uintptr_t counts = 0;  // int32 [counts_rows, vocab]
+  int64_t counts_rows = 0;
+  uintptr_t blocked = 0;  // int32 [rows, blocked_width]
+  int64_t blocked_width = 0;
+  uintptr_t workspace = 0;
+  int64_t workspace_bytes = 0;
+  uintptr_t stream = 0;
+};
+
 // Bytes of scratch memory sample() needs for up to max_rows rows of the given vocabulary size.
 int64_t sampler_workspace_bytes(int64_t max_rows, int64_t vocab);
 
-// One token per row of logits [rows, vocab] (dtype 0 = float32, 2 = bfloat16), from rows' parameters
-// (device array of SamplerRow). Writes tokens [rows] int64; when a row's top_n >= 0, logprobs [rows] float32 (log
-// softmax of the raw logits at the token) and the top_n first entries of top_ids / top_logprobs [rows, top_width]
-// (int64 / float32, the most likely raw tokens). counts [counts_rows, vocab] int32: output-token count of each slot
-// in bits 0..29, bit 30 = the token is in the prompt; the sampled token of a row with a slot is counted. blocked
-// [rows, blocked_width] int32. No host synchronization and no allocation: capturable in a CUDA graph.
-// Throws std::invalid_argument for bad arguments.
-void sample(uintptr_t logits, int dtype, int64_t rows, int64_t vocab, uintptr_t params, uintptr_t tokens,
-            uintptr_t logprobs, uintptr_t top_ids, uintptr_t top_logprobs, int64_t top_width, uintptr_t counts,
-            int64_t counts_rows, uintptr_t blocked, int64_t blocked_width, uintptr_t workspace,
-            int64_t workspace_bytes, uintptr_t stream);
+// One token per row of logits from the rows' parameters. Writes tokens; when a row's top_n >= 0, its logprob (log
+// softmax of the raw logits at the token) and the top_n first entries of its top_ids / top_logprobs row (the most
+// likely raw tokens). The sampled token of a row with a counts slot is counted in the table; a row's first
+// num_blocked ids of `blocked` cannot be drawn. No host synchronization and no allocation: capturable in a CUDA
+// graph. Throws std::invalid_argument for bad arguments.
+void sample(const SampleArgs& args);
 
 }  // namespace fastqwen

@@ -178,7 +178,7 @@ def test_graph_captures_the_sampler_seeded_sampling_matches_eager(folder):
     bans and logprobs gives the same tokens as eager decode (the draws are keyed by seed and step, not by the batch
     or the graph's padding), padding rows count nothing into any request's penalty row, and logprobs agree."""
     graph_llm, eager_llm = make_llm(folder, graphs=True), make_llm(folder, graphs=False)
-    if graph_llm.engine.runner.sampler is None:
+    if graph_llm.engine.runner.sampler.graph_hook is None:
         pytest.skip("needs the CUDA sampler")
     assert graph_llm.engine.runner.graphs is not None and graph_llm.engine.runner.graphs.post_logits is not None
     rng = random.Random(9)

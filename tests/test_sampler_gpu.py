@@ -13,17 +13,20 @@ import pytest
 import torch
 
 from fastqwen.ops._native import has_cuda_kernels
+from fastqwen import LLM, SamplingParams
 from fastqwen.ops.sampling import (
-    PROMPT_BIT,
     apply_penalties,
     block_tokens,
     compute_logprobs,
     pack_sampler_rows,
     penalty_row,
-    sample_on_gpu,
+    sample,
+    sampler_row_layout,
     sampler_workspace,
     top_k_top_p_min_p_mask,
 )
+
+from checkpoints import make_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,7 +45,7 @@ def run(logits, rows_cpu, counts=None, blocked=None, top_width=0):
     logprobs = torch.full((s,), float("nan"), device=dev)
     top_ids = torch.full((s, top_width), -7, dtype=torch.int64, device=dev) if top_width else None
     top_lp = torch.full((s, top_width), float("nan"), device=dev) if top_width else None
-    sample_on_gpu(logits, rows_cpu.to(dev), tokens, ws, logprobs, top_ids, top_lp, counts=counts, blocked=blocked)
+    sample(logits, rows_cpu.to(dev), tokens, ws, logprobs, top_ids, top_lp, counts=counts, blocked=blocked)
     torch.cuda.synchronize()
     return tokens, logprobs, top_ids, top_lp
 
@@ -257,7 +260,7 @@ def test_penalties_blocking_and_counts_match_the_references():
     for r, s in enumerate(slots):
         if s >= 0:
             counts[s] = penalty_row(prompts[r], outputs[r], vocab, torch.device("cuda"))
-    assert (counts[2, top[0][0]] & PROMPT_BIT) != 0
+    assert (counts[2, top[0][0]] & sampler_row_layout().prompt_bit) != 0
     blocked = torch.full((rows, 4), -1, dtype=torch.int32, device="cuda")
     blocked[4, 0] = top[4][4]
     blocked[5, :2] = torch.tensor(top[5][:2], dtype=torch.int32)
@@ -318,19 +321,20 @@ def test_bad_arguments_raise_value_error():
     rows = pack_sampler_rows([1.0, 0.0]).cuda()
     tokens = torch.empty(2, dtype=torch.int64, device="cuda")
     ws = sampler_workspace(2, 100, torch.device("cuda"))
+    # float16 logits are no kernel dtype: the reference runs instead, and greedy rows agree with the argmax.
+    sample(logits.half(), rows, tokens, ws)
+    assert tokens[1].item() == logits.half().float()[1].argmax().item()
     with pytest.raises(ValueError):
-        sample_on_gpu(logits.half(), rows, tokens, ws)
+        sample(logits, rows[:1], tokens, ws)
     with pytest.raises(ValueError):
-        sample_on_gpu(logits, rows[:1], tokens, ws)
+        sample(logits, rows, tokens.int(), ws)
     with pytest.raises(ValueError):
-        sample_on_gpu(logits, rows, tokens.int(), ws)
+        sample(torch.randn(2, 100_000, device="cuda"), rows, tokens, ws)  # workspace too small
     with pytest.raises(ValueError):
-        sample_on_gpu(torch.randn(2, 100_000, device="cuda"), rows, tokens, ws)  # workspace too small
-    with pytest.raises(ValueError):
-        sample_on_gpu(logits, rows, tokens, ws, top_ids=torch.empty(2, 65, dtype=torch.int64, device="cuda"),
+        sample(logits, rows, tokens, ws, top_ids=torch.empty(2, 65, dtype=torch.int64, device="cuda"),
                       top_logprobs=torch.empty(2, 65, device="cuda"))  # fmt: skip
     with pytest.raises(ValueError):
-        sample_on_gpu(logits, rows.cpu(), tokens, ws)
+        sample(logits, rows.cpu(), tokens, ws)
     for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1), dict(top_n=65), dict(repetition=0.0)):
         with pytest.raises(ValueError):
             pack_sampler_rows([1.0], **bad)
@@ -342,18 +346,18 @@ def test_capture_in_a_cuda_graph():
     gen = torch.Generator(device="cuda").manual_seed(51)
     s, vocab = 16, QWEN_VOCAB
     logits = torch.randn(s, vocab, generator=gen, device="cuda")
-    rows = torch.empty(s, 16, dtype=torch.int32, device="cuda")
+    rows = torch.empty(s, sampler_row_layout().words, dtype=torch.int32, device="cuda")
     tokens = torch.empty(s, dtype=torch.int64, device="cuda")
     ws = sampler_workspace(s, vocab, torch.device("cuda"))
     rows.copy_(pack_sampler_rows([1.0] * s, 20, 0.9, seed=1, step=0))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        sample_on_gpu(logits, rows, tokens, ws)
+        sample(logits, rows, tokens, ws)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sample_on_gpu(logits, rows, tokens, ws)
+        sample(logits, rows, tokens, ws)
     for step in range(3):
         packed = pack_sampler_rows([0.7] * s, [0, 20, 300, 5] * 4, 0.9, seed=2, step=step)
         rows.copy_(packed)
@@ -362,3 +366,79 @@ def test_capture_in_a_cuda_graph():
         got = tokens.clone()
         want, *_ = run(logits, packed)
         assert torch.equal(got, want)
+
+
+def test_top_k_past_the_vocabulary_is_off():
+    """top_k at or past the vocabulary keeps every token: the same draws as top_k off (same seeds and steps), for
+    values the kernel's int32 holds (vocab, vocab + 1, 2^31 - 1) and values it does not (2^31, 2^40, 2^70), which
+    must neither overflow nor raise."""
+    gen = torch.Generator(device="cuda").manual_seed(61)
+    n, vocab = 512, 4096
+    logits = (torch.randn(vocab, generator=gen, device="cuda") * 2)[None].expand(n, vocab).contiguous()
+    steps = list(range(n))
+    off, *_ = run(logits, pack_sampler_rows([1.0] * n, 0, 0.9, seed=7, step=steps))
+    assert len(set(off.tolist())) > 20, "the comparison needs varied draws"
+    for k in (vocab, vocab + 1, 2**31 - 1, 2**31, 2**40, 2**70):
+        tokens, *_ = run(logits, pack_sampler_rows([1.0] * n, k, 0.9, seed=7, step=steps))
+        assert torch.equal(tokens, off), k
+
+
+# ---- through the engine: huge top_k, and bans wider than the graphs' under CUDA graphs ---------------------------
+
+
+@pytest.fixture(scope="module")
+def graph_folder(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("sampler_graph"))
+    make_checkpoint(
+        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
+        layers=2, dtype=torch.bfloat16, logit_scale=8.0, seed=13,
+    )  # fmt: skip
+    return folder
+
+
+def engine(folder: str, graphs: bool) -> LLM:
+    return LLM(folder, dtype="bfloat16", device="cuda", page_size=16, num_pages=256, max_num_seqs=16,
+               disable_cuda_graph=not graphs, cuda_graph_max_bs=8)  # fmt: skip
+
+
+def test_engine_top_k_past_the_vocabulary_matches_top_k_off(graph_folder):
+    llm = engine(graph_folder, graphs=True)
+    prompts = [[5, 17, 99, 3], [250, 1, 2]]
+
+    def run_with(top_k):
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=21, max_tokens=12, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    off = run_with(0)
+    for k in (2**31, 2**40):
+        assert run_with(k) == off, k
+
+
+def test_min_tokens_with_64_stop_ids_under_graphs_matches_eager(graph_folder):
+    """min_tokens with 64 stop ids (plus EOS) bans more ids than the graphs were captured for: those steps run
+    eagerly instead of raising, later ones replay graphs, and every token equals the eager engine's; no stop id is
+    drawn before min_tokens."""
+    graph_llm, eager_llm = engine(graph_folder, graphs=True), engine(graph_folder, graphs=False)
+    assert graph_llm.engine.runner.graphs is not None and graph_llm.engine.runner.sampler.graph_hook is not None
+    rng = random.Random(3)
+    prompts = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 40))] for _ in range(5)]
+    free = eager_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    # Stop ids the free-running rows draw early (so the bans decide tokens), padded to 64 distinct ids.
+    drawn = sorted({t for o in free for t in o.token_ids[:4]})
+    stops = (drawn + [t for t in range(400) if t not in drawn])[:64]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=30, seed=50 + i, max_tokens=16, min_tokens=6,
+                       stop_token_ids=stops if i != 4 else [], repetition_penalty=1.2 if i == 1 else 1.0)
+        for i in range(5)
+    ]  # fmt: skip
+    replays = []
+    replay = graph_llm.engine.runner.graphs.replay
+    graph_llm.engine.runner.graphs.replay = lambda size: replays.append(size) or replay(size)
+    graph_outs = graph_llm.generate(prompts, params, use_tqdm=False)
+    eager_outs = eager_llm.generate(prompts, params, use_tqdm=False)
+    for i, (g, e) in enumerate(zip(graph_outs, eager_outs)):
+        assert g.token_ids == e.token_ids, i
+        assert g.finish_reason == e.finish_reason, i
+        if i != 4:
+            assert len(g.token_ids) >= 6 and not set(g.token_ids[:6]) & set(stops), i
+    assert replays, "no step replayed a graph once min_tokens was out"

@@ -8,14 +8,20 @@ import random
 import pytest
 import torch
 
-from fastqwen import LLM, SamplingParams
+from fastqwen import LLM, InvalidRequestError, SamplingParams
 from fastqwen.ops.sampling import (
     SamplingBatch,
     apply_penalties,
     block_tokens,
-    sample,
+    compute_logprobs,
+    draw_reference,
+    pack_sampler_rows,
+    penalty_row,
+    sample_reference,
+    sampler_row_layout,
     step_seed,
     top_k_top_p_min_p_mask,
+    unpack_sampler_rows,
 )
 
 from checkpoints import hf_logits, make_checkpoint
@@ -85,7 +91,7 @@ def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p, m
     target[list(kept)] = p[list(kept)] / p[list(kept)].sum()
     out = torch.empty(draws, dtype=torch.int64)
     gen = torch.Generator().manual_seed(123)
-    sample(logits.expand(draws, vocab).contiguous(), batch_of(draws, temperature, top_k, top_p, min_p), out, gen)
+    draw_reference(logits.expand(draws, vocab).contiguous(), batch_of(draws, temperature, top_k, top_p, min_p), out, gen)
     freq = torch.bincount(out, minlength=vocab).double() / draws
     for t in range(vocab):
         if t not in kept:
@@ -100,7 +106,7 @@ def test_greedy_rows_mixed_with_sampled_rows():
     batch = batch_of(6, temperature=1.0)
     batch.temperatures = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 1.0])
     out = torch.empty(6, dtype=torch.int64)
-    sample(logits, batch, out, torch.Generator().manual_seed(0))
+    draw_reference(logits, batch, out, torch.Generator().manual_seed(0))
     argmax = logits.argmax(-1)
     assert out[0] == argmax[0] and out[2] == argmax[2] and out[4] == argmax[4]
 
@@ -111,15 +117,15 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     others = torch.randn(7, 300, generator=gen)
     seed = step_seed(42, 5)
     alone = torch.empty(1, dtype=torch.int64)
-    sample(row.clone(), batch_of(1, seeds=[seed]), alone, torch.Generator().manual_seed(0))
+    draw_reference(row.clone(), batch_of(1, seeds=[seed]), alone, torch.Generator().manual_seed(0))
     mixed_logits = torch.cat([others[:3], row, others[3:]])
     mixed = torch.empty(8, dtype=torch.int64)
-    sample(mixed_logits, batch_of(8, seeds=[None, 9, None, seed, None, None, 1, None]), mixed, torch.Generator().manual_seed(99))
+    draw_reference(mixed_logits, batch_of(8, seeds=[None, 9, None, seed, None, None, 1, None]), mixed, torch.Generator().manual_seed(99))
     assert mixed[3] == alone[0]
     draws = set()
     for s in range(20):
         out = torch.empty(1, dtype=torch.int64)
-        sample(row.clone(), batch_of(1, seeds=[step_seed(s, 0)]), out)
+        draw_reference(row.clone(), batch_of(1, seeds=[step_seed(s, 0)]), out)
         draws.add(out.item())
     assert len(draws) > 3, "different seeds should give different draws"
 
@@ -234,7 +240,7 @@ def test_gpu_sampler_prepare_packs_what_the_kernel_expects(monkeypatch):
         requests.append(request)
     for step in range(2):
         sampler.prepare(requests, pad_to=8)
-        slots = [getattr(r, "_sampler_slot") if r.params.has_penalties else -1 for r in requests]
+        slots = [r.sampler.slot if r.params.has_penalties else -1 for r in requests]
         bans = [
             len(r.params.stop_token_ids) + (0 if r.params.ignore_eos else len(eos))
             if r.num_output_tokens < r.params.min_tokens else 0
@@ -253,3 +259,146 @@ def test_gpu_sampler_prepare_packs_what_the_kernel_expects(monkeypatch):
         assert torch.equal(sampler.rows[6:8], pack_sampler_rows([0.0, 0.0]))
         for r in requests:  # the next step: one more output token each
             r.token_ids.append(5)
+
+
+def test_packed_rows_round_trip_through_the_exported_layout():
+    """pack_sampler_rows writes each field where csrc/sampling.h puts it (offsets read from fastqwen._C), and
+    unpacking gives the values back; top_k past int32 is stored as off."""
+    from fastqwen.ops._native import native
+
+    layout = sampler_row_layout()
+    m = native()
+    assert layout.words == m.SAMPLER_ROW_WORDS and layout.fields == dict(m.SAMPLER_ROW_FIELDS)
+    assert len({offset for offset, _ in layout.fields.values()}) == len(layout.fields) <= layout.words
+    rows = pack_sampler_rows([0.5, 0.0], [7, 2**40], [0.9, 1.0], [0.0, 0.25], seed=[2**64 - 3, 5], step=[2**33, 0],
+                             slot=[3, -1], repetition=[1.5, 1.0], presence=[0.25, -1.0], frequency=[0.0, 2.0],
+                             num_blocked=[0, 4], top_n=[-1, 20])  # fmt: skip
+    assert rows.shape == (2, layout.words) and rows.dtype == torch.int32
+    f = unpack_sampler_rows(rows)
+    assert f["temperature"].tolist() == [0.5, 0.0] and f["top_k"].tolist() == [7, 0]
+    assert f["seed"].tolist() == [2**64 - 3, 5] and f["step"].tolist() == [2**33, 0]
+    assert f["slot"].tolist() == [3, -1] and f["num_blocked"].tolist() == [0, 4] and f["top_n"].tolist() == [-1, 20]
+    assert f["repetition"].tolist() == [1.5, 1.0] and f["presence"].tolist() == [0.25, -1.0]
+    assert f["min_p"].tolist() == [0.0, 0.25] and f["frequency"].tolist() == [0.0, 2.0]
+    with pytest.raises(ValueError):
+        pack_sampler_rows([1.0], top_n=layout.max_top_n + 1)
+
+
+def test_dtype_codes_come_from_the_extension():
+    from fastqwen.ops._native import dtype_code, native
+
+    m = native()
+    assert dtype_code(torch.float32) == m.DTYPE_F32 and dtype_code(torch.bfloat16) == m.DTYPE_BF16
+    assert dtype_code(torch.float16) == m.DTYPE_F16 and dtype_code(torch.float64) is None
+    assert set(m.KERNEL_DTYPES["sample"]) <= set(m.DTYPE_CODES.values())
+
+
+def test_sample_op_falls_back_to_the_reference_of_the_kernel_contract():
+    """ops.sample on CPU tensors runs sample_reference over the packed rows, counts table and bans: greedy rows equal
+    the independent references (penalties from token lists, then bans, then argmax), logprobs are those of the raw
+    logits, and each drawn token of a row with a slot is counted in its table row."""
+    from fastqwen import ops
+
+    gen = torch.Generator().manual_seed(8)
+    rows_n, vocab = 4, 60
+    logits = torch.randn(rows_n, vocab, generator=gen) * 2
+    prompts = [[1, 2, 3], [4], [5, 5, 6], [7]]
+    outputs = [[3, 3, 9], [10, 11], [], [12]]
+    counts = torch.zeros(6, vocab, dtype=torch.int32)
+    slots = [4, -1, 0, 2]
+    for r, slot in enumerate(slots):
+        if slot >= 0:
+            counts[slot] = penalty_row(prompts[r], outputs[r], vocab, torch.device("cpu"))
+    rep, pres, freq = [1.4, 1.0, 0.8, 1.0], [0.3, 0.0, 0.0, 1.0], [0.2, 0.0, 0.5, 0.0]
+    top = logits.topk(3, dim=-1).indices.tolist()
+    blocked = torch.full((rows_n, 3), -1, dtype=torch.int32)
+    blocked[1, :2] = torch.tensor(top[1][:2])
+    blocked[3, 0] = top[3][0]
+    rows = pack_sampler_rows([0.0] * rows_n, slot=slots, repetition=rep, presence=pres, frequency=freq,
+                             num_blocked=[0, 2, 0, 1], top_n=[3, -1, 0, 2])  # fmt: skip
+    tokens = torch.full((rows_n,), -1, dtype=torch.int64)
+    logprobs = torch.full((rows_n,), float("nan"))
+    top_ids = torch.full((rows_n, 3), -1, dtype=torch.int64)
+    top_lps = torch.full((rows_n, 3), float("nan"))
+    before = counts.clone()
+    ops.sample(logits, rows, tokens, None, logprobs, top_ids, top_lps, counts=counts, blocked=blocked)
+    want = logits.clone()
+    pen = [r for r in range(rows_n) if slots[r] >= 0]
+    apply_penalties(want, pen, [torch.tensor(prompts[r]) for r in pen], [torch.tensor(outputs[r], dtype=torch.int64)
+                    for r in pen], [rep[r] for r in pen], [pres[r] for r in pen], [freq[r] for r in pen])  # fmt: skip
+    block_tokens(want, [1, 3], [top[1][:2], top[3][:1]])
+    assert tokens.tolist() == want.argmax(dim=-1).tolist()
+    chosen, ids, lps = compute_logprobs(logits, tokens, 3)
+    for r, n in enumerate([3, -1, 0, 2]):
+        if n < 0:
+            assert logprobs[r].isnan() and (top_ids[r] == -1).all()
+            continue
+        assert logprobs[r].item() == pytest.approx(chosen[r].item())
+        assert top_ids[r, :n].tolist() == ids[r, :n].tolist() and (top_ids[r, n:] == -1).all()
+    expect = before.clone()
+    for r, slot in enumerate(slots):
+        if slot >= 0:
+            expect[slot, tokens[r]] += 1
+    assert torch.equal(counts, expect)
+    # Sampled rows: each draw inside its reference kept set, and the same (seed, step) gives the same token.
+    n = 64
+    many = logits[0].expand(n, vocab).contiguous()
+    sampled_rows = pack_sampler_rows([0.9] * n, 5, 0.8, seed=3, step=list(range(n)))
+    first, second = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    sample_reference(many, sampled_rows, first)
+    sample_reference(many, sampled_rows, second)
+    assert torch.equal(first, second) and len(set(first.tolist())) > 1
+    mask = top_k_top_p_min_p_mask(torch.softmax(many[:1] / 0.9, -1), torch.tensor([5]), torch.tensor([0.8]),
+                                  torch.tensor([0.0]))[0]  # fmt: skip
+    assert mask[first].all()
+
+
+def test_top_k_past_the_vocabulary_is_off_in_the_engine(checkpoint):
+    """top_k at or past the vocabulary, up to the largest int64, keeps every token: seeded draws equal top_k off.
+    Past int64 it is refused (a 400 over HTTP), never an overflow inside the engine."""
+    folder, _ = checkpoint
+    llm = LLM(folder, dtype="float32", device="cpu", num_pages=64)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+
+    def run_with(top_k):
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=17, max_tokens=10, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    off = run_with(0)
+    for k in (llm.engine.config.vocab_size, 2**31, 2**40, 2**63 - 1):
+        assert run_with(k) == off, k
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(top_k=2**70)
+
+
+def test_gpu_sampler_bans_wider_than_the_graphs_run_eagerly(monkeypatch):
+    """Frozen for graphs, the GPU sampler takes bans of any length on an eager step (a ban buffer of its own; the
+    captured one untouched), says such a step does not fit a graph, and refuses them only for a graph step."""
+    import fastqwen.engine.sampler as sampler_module
+    from fastqwen.engine.sampler import GRAPH_BAN_WIDTH, GpuSampler
+    from fastqwen.scheduler import Request
+
+    monkeypatch.setattr(sampler_module, "sampler_workspace", lambda rows, vocab, device: torch.empty(1))
+    sampler = GpuSampler(vocab=500, max_rows=8, device=torch.device("cpu"), eos_token_ids=[7], seed=1)
+    sampler.freeze()
+    captured = sampler.blocked
+    stops = list(range(100, 100 + 4 * GRAPH_BAN_WIDTH))
+    from fastqwen.config import GenerationDefaults
+
+    resolved = GenerationDefaults()
+    wide_params = SamplingParams(temperature=0.0, max_tokens=9, min_tokens=3, stop_token_ids=stops)
+    wide = Request(rid=0, prompt_ids=[1, 2], params=wide_params.with_defaults(resolved), arrival=0)
+    plain_params = SamplingParams(temperature=0.0, max_tokens=9).with_defaults(resolved)
+    plain = Request(rid=1, prompt_ids=[3], params=plain_params, arrival=1)
+    assert not sampler.fits_graph([plain, wide]) and sampler.fits_graph([plain])
+    sampler.prepare([plain, wide])
+    assert sampler.blocked is captured and (captured == -1).all()
+    used = sampler._launch_blocked
+    assert used.shape[1] >= len(stops) + 1 and used[1, : len(stops) + 1].tolist() == stops + [7]
+    assert sampler.rows[1, sampler_row_layout().word("num_blocked")].item() == len(stops) + 1
+    with pytest.raises(RuntimeError):
+        sampler.prepare([plain, wide], pad_to=2)
+    wide.token_ids += [11, 12, 13]  # min_tokens are out: no bans, the graphs fit again
+    assert sampler.fits_graph([plain, wide])
+    sampler.prepare([plain, wide], pad_to=2)
+    assert sampler._launch_blocked is captured

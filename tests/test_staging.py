@@ -31,7 +31,6 @@ def test_views_share_one_buffer_with_their_dtypes():
     host["positions"][:] = range(100, 110)
     host["out_slots"][:] = -1
     host["logits_indices"][:] = [4, 9]
-    host["temperatures"][:] = [0.0, 0.7]
     host["query_start"][:] = [0, 5, 9, 10]
     host["kv_lens"][:] = [5, 7, 12]
     host["page_table"][:] = [[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0]]
@@ -40,7 +39,6 @@ def test_views_share_one_buffer_with_their_dtypes():
     assert dev["input_ids"].dtype == torch.int64 and dev["input_ids"].tolist() == list(range(10))
     assert dev["positions"].tolist() == list(range(100, 110)) and dev["out_slots"].tolist() == [-1] * 10
     assert dev["logits_indices"].tolist() == [4, 9]
-    assert dev["temperatures"].dtype == torch.float32 and dev["temperatures"].tolist() == [0.0, 0.699999988079071]
     assert dev["query_start"].dtype == torch.int32 and dev["kv_lens"].tolist() == [5, 7, 12]
     assert dev["page_table"].shape == (3, 4) and dev["page_table"][2].tolist() == [4, 5, 6, 0]
-    assert layout.size == 2 * (10 * 3 + 2) + 2 + 4 + 3 + 12
+    assert layout.size == 2 * (10 * 3 + 2) + 4 + 3 + 12

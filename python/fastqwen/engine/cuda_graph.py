@@ -22,10 +22,9 @@ from typing import Callable
 
 import torch
 
+from .. import ops
 from ..kvcache import KVPool
 from ..model import ForwardBatch, Qwen3Model
-from ..ops._native import half_dtype_code, has_cuda_kernels
-from ..ops.attention import KERNEL_HEAD_DIM
 from .staging import BatchStaging, Layout
 
 log = logging.getLogger(__name__)
@@ -41,15 +40,23 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 def unsupported_reason(model: Qwen3Model) -> str | None:
-    """Why this model cannot be captured (every op of the decode step must be a kernel that never syncs), or None."""
+    """Why this model cannot be captured (every op of the decode step must be a kernel that never syncs), or None.
+    Whether each kernel applies is the ops' rule, asked of them."""
     if model.device.type != "cuda":
         return "the model is not on a GPU"
-    if not has_cuda_kernels():
+    if not ops.has_cuda_kernels():
         return "the CUDA kernels are not built or are disabled"
-    if half_dtype_code(model.dtype) is None:
-        return f"the decode kernel needs bfloat16 or float16, not {model.dtype}"
-    if model.cfg.head_dim != KERNEL_HEAD_DIM or model.decode_workspace is None:
-        return f"the decode kernel needs head_dim {KERNEL_HEAD_DIM}"
+    dtype, head_dim = model.dtype, model.cfg.head_dim
+    for name, applies in (
+        ("decode attention", ops.attention_kernel_applies(True, dtype, head_dim)),
+        ("qk-norm / RoPE / KV write", ops.rope_kv_kernel_applies(True, dtype, head_dim)),
+        ("RMSNorm", ops.rms_norm_kernel_applies(True, dtype)),
+        ("silu_and_mul", ops.silu_and_mul_kernel_applies(True, dtype)),
+    ):
+        if not applies:
+            return f"the {name} kernel does not take {str(dtype).removeprefix('torch.')} with head_dim {head_dim}"
+    if model.decode_workspace is None:
+        return "the model has no decode workspace"
     return None
 
 
@@ -59,7 +66,6 @@ def fill_padding(views: dict, start: int, end: int) -> None:
     views["positions"][start:end] = 0
     views["out_slots"][start:end] = -1
     views["kv_lens"][start:end] = 0
-    views["temperatures"][start:end] = 0.0
 
 
 class DecodeGraphs:
@@ -97,8 +103,7 @@ class DecodeGraphs:
         return ForwardBatch(
             input_ids=v["input_ids"], positions=v["positions"], out_slots=v["out_slots"],
             query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
-            logits_indices=v["logits_indices"], temperatures=v["temperatures"], is_decode=True,
-            all_greedy=False,
+            logits_indices=v["logits_indices"], is_decode=True,
         )  # fmt: skip
 
     def _run(self, batch: ForwardBatch, size: int) -> None:

@@ -24,7 +24,7 @@ from ..weights import dummy_weights, load_weights
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .cuda_graph import DecodeGraphs, unsupported_reason
 from .model_runner import ModelRunner
-from .sampler import GpuSampler
+from .sampler import make_sampler
 from .staging import staging_for
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,10 @@ class LLMEngine:
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         # The sampler's buffers (and its penalty-count table, when graphs capture it) are allocated before the KV pool
         # is sized, so the pool gets what they leave.
-        self.sampler = None
-        if GpuSampler.available(self.device):
-            self.sampler = GpuSampler(
-                cfg.vocab_size, self.staging.max_seqs, self.device, self.generation_defaults.eos_token_ids, seed
-            )
-        if self.sampler is not None and graph_bs:
+        self.sampler = make_sampler(
+            cfg.vocab_size, self.staging.max_seqs, self.device, self.generation_defaults.eos_token_ids, seed
+        )
+        if graph_bs:
             self.sampler.freeze()
         num_pages = config.num_pages
         if num_pages is None:
@@ -133,8 +131,7 @@ class LLMEngine:
         """
         cfg = self.config
         scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        post_logits = self.sampler.launch_captured if self.sampler is not None else None
-        graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs, post_logits).capture()
+        graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs, self.sampler.graph_hook).capture()
         used, seconds = graphs.memory_bytes, graphs.capture_seconds
         graphs.close()
         del graphs, scratch

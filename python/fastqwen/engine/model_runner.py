@@ -8,14 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops
 from ..kvcache import KVPool
 from ..model import ForwardBatch, Qwen3Model
-from ..ops.sampling import SamplingBatch, step_seed
 from ..scheduler import Request, ScheduledBatch
 from .messages import TokenLogprobs
 from .cuda_graph import DecodeGraphs, fill_padding
-from .sampler import GpuSampler
+from .sampler import ReferenceSampler, Sampler
 from .staging import BatchStaging, Layout, staging_for
 
 log = logging.getLogger(__name__)
@@ -43,19 +41,16 @@ class ModelRunner:
         seed: int = 0,
         staging: BatchStaging | None = None,
         cuda_graph_max_bs: int = 0,
-        sampler: GpuSampler | None = None,
+        sampler: Sampler | None = None,
     ):
         self.model = model
         self.kv = kv
         self.device = model.device
-        self.eos_token_ids = list(eos_token_ids)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
         max_model_len = model.cos_sin_cache.shape[0]
         self.staging = staging or staging_for(8192, 256, max_model_len, kv.page_size, self.device)
         self._arange = np.arange(self.staging.max_seqs + 1, dtype=np.int64)  # logits_indices / query_start of a graph
-        # The CUDA sampler on GPU (penalty counts kept on the device, engine/sampler.py); None: the references.
-        self.sampler = sampler
+        # The engine's sampler (engine/sampler.py): the CUDA one on GPU, else the references.
+        self.sampler = sampler or ReferenceSampler(model.cfg.vocab_size, self.device, eos_token_ids, seed)
         self.graphs: DecodeGraphs | None = None
         self._graph_batches: dict[int, ForwardBatch] = {}
         # Page-table rows already in the staging buffer at the last graph size: (request, pages written) per row.
@@ -65,8 +60,7 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             # The sampler (frozen by the engine) is captured after the LM head: a decode step is one replay and one
             # read-back.
-            post_logits = self.sampler.launch_captured if self.sampler is not None else None
-            self.graphs = DecodeGraphs(model, kv, self.staging, cuda_graph_max_bs, post_logits).capture()
+            self.graphs = DecodeGraphs(model, kv, self.staging, cuda_graph_max_bs, self.sampler.graph_hook).capture()
             self._graph_batches = {size: self.graphs.batch(size) for size in self.graphs.sizes}
             log.info(
                 "captured %d CUDA graphs for decode batches up to %d in %.2f s, using %.0f MiB",
@@ -82,9 +76,6 @@ class ModelRunner:
         self._tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
         self._source_rows_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self._source_rows = torch.zeros(2, self.staging.max_seqs, dtype=torch.int64, device=self.device)
-
-    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def build_batch(self, scheduled: ScheduledBatch) -> ForwardBatch:
         return self._build(scheduled)[0]
@@ -104,7 +95,7 @@ class ModelRunner:
         graphs = self.graphs
         if (
             graphs is not None and len(chunks) <= graphs.max_bs and scheduled.is_decode and all(c.samples for c in chunks)
-            and (self.sampler is None or self.sampler.fits_graph([c.request for c in chunks]))
+            and self.sampler.fits_graph([c.request for c in chunks])
         ):  # fmt: skip
             return graphs.padded_size(len(chunks))
         return 0
@@ -119,7 +110,7 @@ class ModelRunner:
         if self._table_size != size:
             self._table_size, self._table_rows = size, []
         written = self._table_rows
-        ids, positions, slots, kv_lens, temperatures = [], [], [], [], []
+        ids, positions, slots, kv_lens = [], [], [], []
         for row, chunk in enumerate(chunks):
             request, pos = chunk.request, chunk.start
             pages = request.pages
@@ -127,7 +118,6 @@ class ModelRunner:
             positions.append(pos)
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
             kv_lens.append(chunk.end)
-            temperatures.append(request.params.temperature)
             # A running request's pages only grow. The kernel reads no entry past kv_len: stale tails are harmless.
             if row < len(written) and written[row][0] is request:
                 have = written[row][1]
@@ -145,7 +135,6 @@ class ModelRunner:
         views["positions"][:n] = positions
         views["out_slots"][:n] = slots
         views["kv_lens"][:n] = kv_lens
-        views["temperatures"][:n] = temperatures
         fill_padding(views, n, size)
         views["logits_indices"][:] = self._arange[:size]
         views["query_start"][:] = self._arange[: size + 1]
@@ -154,8 +143,7 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=graph_batch.input_ids, positions=graph_batch.positions, out_slots=graph_batch.out_slots,
             query_start=graph_batch.query_start, kv_lens=graph_batch.kv_lens, page_table=graph_batch.page_table,
-            logits_indices=graph_batch.logits_indices[:n], temperatures=graph_batch.temperatures[:n],
-            is_decode=True, all_greedy=all(t == 0.0 for t in temperatures),
+            logits_indices=graph_batch.logits_indices[:n], is_decode=True,
         )  # fmt: skip
 
     def _build_eager(self, scheduled: ScheduledBatch) -> ForwardBatch:
@@ -169,7 +157,7 @@ class ModelRunner:
         views = self.staging.host_views(layout)
         input_ids, positions, out_slots = views["input_ids"], views["positions"], views["out_slots"]
         query_start, kv_lens, page_table = views["query_start"], views["kv_lens"], views["page_table"]
-        logits_indices, temperatures = views["logits_indices"], views["temperatures"]
+        logits_indices = views["logits_indices"]
         query_start[0] = 0
         t = s = max_query_len = 0
         for row, chunk in enumerate(chunks):
@@ -192,16 +180,13 @@ class ModelRunner:
             page_table[row, len(pages) :] = 0  # the reference paths gather whole rows
             if chunk.samples:
                 logits_indices[s] = t - 1
-                temperatures[s] = request.params.temperature
                 s += 1
         self.staging.upload(layout)
         v = self.staging.device_views(layout)
         return ForwardBatch(
             input_ids=v["input_ids"], positions=v["positions"], out_slots=v["out_slots"],
             query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
-            logits_indices=v["logits_indices"], temperatures=v["temperatures"], is_decode=scheduled.is_decode,
-            all_greedy=not temperatures.any(),
-            max_query_len=max_query_len,
+            logits_indices=v["logits_indices"], is_decode=scheduled.is_decode, max_query_len=max_query_len,
         )  # fmt: skip
 
     def run_model(self, batch: ForwardBatch, graph_size: int = 0) -> torch.Tensor:
@@ -228,42 +213,6 @@ class ModelRunner:
         ready.record()
         return host, ready
 
-    def _sampling_batch(self, requests: list[Request], temperatures: torch.Tensor) -> SamplingBatch:
-        params = [r.params for r in requests]
-        sampled = [p for p in params if not p.is_greedy]
-        if not sampled:  # all greedy: the argmax needs none of the per-row tensors
-            return SamplingBatch(temperatures, None, None, None, [], all_greedy=True, needs_filter=False)
-        return SamplingBatch(
-            temperatures=temperatures,
-            top_k=self._to_device([p.top_k for p in params], torch.int64),
-            top_p=self._to_device([p.top_p for p in params], torch.float32),
-            min_p=self._to_device([p.min_p for p in params], torch.float32),
-            seeds=[None if p.seed is None else step_seed(p.seed, r.num_output_tokens) for p, r in zip(params, requests)],
-            all_greedy=not sampled,
-            needs_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
-        )
-
-    def _process_logits(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Penalties and min_tokens blocking, in place on the raw logits."""
-        rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        if rows:
-            ops.apply_penalties(
-                logits,
-                rows,
-                [self._to_device(requests[i].prompt_ids, torch.int64) for i in rows],
-                [self._to_device(requests[i].output_ids, torch.int64) for i in rows],
-                [requests[i].params.repetition_penalty for i in rows],
-                [requests[i].params.presence_penalty for i in rows],
-                [requests[i].params.frequency_penalty for i in rows],
-            )
-        blocked_rows, blocked = [], []
-        for i, r in enumerate(requests):
-            if r.num_output_tokens < r.params.min_tokens:
-                blocked_rows.append(i)
-                blocked.append(r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids))
-        if blocked_rows:
-            ops.block_tokens(logits, blocked_rows, blocked)
-
     def collect(self, pending: PendingStep) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """The sampled token of each sampling row of a launched step, in order, and their logprobs if asked; waits
         for a graph step's read-back."""
@@ -288,7 +237,7 @@ class ModelRunner:
         if not chunks:
             return PendingStep([], tokens=[])
         graph_size = self._graph_size(scheduled)
-        if graph_size and self.sampler is not None:  # the graph samples too: its rows are filled before the replay
+        if graph_size and self.sampler.graph_hook is not None:  # the graph samples too: its rows are filled first
             return self._launch_graph(chunks, graph_size)
         batch, graph_size = self._build(scheduled, graph_size)
         tokens, logprobs = self._run_eager(scheduled, batch, graph_size)
@@ -296,7 +245,7 @@ class ModelRunner:
 
     def _launch_ahead(self, chunks, after: PendingStep) -> PendingStep | None:
         graphs, sampler = self.graphs, self.sampler
-        if after.host is None or graphs is None or sampler is None or len(chunks) > graphs.max_bs:
+        if after.host is None or graphs is None or sampler.graph_hook is None or len(chunks) > graphs.max_bs:
             return None
         if after.num_top >= 0:  # the step in flight wants logprobs: this launch would overwrite them before collect
             return None
@@ -337,21 +286,4 @@ class ModelRunner:
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None
         requests = [c.request for c in scheduled.chunks if c.samples]
-        if self.sampler is not None:
-            return self.sampler.sample(logits[: len(requests)], requests, self._read_back)
-        want_logprobs = [r.params.logprobs for r in requests]
-        raw = logits.clone() if any(n is not None for n in want_logprobs) else None
-        self._process_logits(logits, requests)
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
-        ops.sample(logits, self._sampling_batch(requests, batch.temperatures), tokens, generator=self.generator)
-        if raw is None:
-            return self._read_back(tokens), None
-        num_top = max(n for n in want_logprobs if n is not None)
-        chosen, top_ids, top_logprobs = ops.compute_logprobs(raw, tokens, num_top)
-        token_list = self._read_back(tokens)
-        chosen, top_ids, top_logprobs = chosen.tolist(), top_ids.tolist(), top_logprobs.tolist()
-        logprobs = [
-            None if n is None else TokenLogprobs(token_list[i], chosen[i], list(zip(top_ids[i][:n], top_logprobs[i][:n])))
-            for i, n in enumerate(want_logprobs)
-        ]
-        return token_list, logprobs
+        return self.sampler.sample(logits[: len(requests)], requests, self._read_back)

@@ -1,60 +1,191 @@
-"""Engine-side state of the CUDA sampler: persistent per-row parameter buffers, the penalty counts table with a slot
-per request that has penalties, min_tokens bans, and a seed per request.
+"""The engine's samplers: logits in, one token per sampling row out (and logprobs where asked). One interface,
+`Sampler`, two implementations; the engine makes one at start (`make_sampler`) and the model runner only ever talks
+to that one:
 
-Each step: `prepare(requests)` packs every row's parameters on the host into pinned memory and uploads them into
-persistent device buffers (one copy each); `launch(logits)` runs the kernel from those buffers only (no host
-work, no allocation); `results` reads the tokens and logprobs back. For CUDA graphs, `freeze()` fixes every buffer
-the kernel reads (counts table allocated, bans of a fixed width), `launch_captured(logits, size)` is what a decode
-graph captures after its LM head, and `prepare(requests, pad_to=size)` makes the padding rows greedy rows that
-count nothing; `fits_graph(requests)` says whether a step's bans fit the frozen width. The kernel counts each drawn
-token into its request's row of the counts table, so the table never needs the token lists again; a request whose
-row was reassigned (or whose tokens changed behind the sampler's back) gets its row rebuilt from its token lists
-once.
+- `GpuSampler`: the CUDA sampler (ops.sample's kernel) with its state on the device: persistent per-row parameter
+  buffers, a penalty counts table with a slot per request that has penalties, min_tokens bans, a seed per request.
+  It can join the decode CUDA graphs (`graph_hook`).
+- `ReferenceSampler`: the PyTorch references (penalties from the token lists, the reference draw, logprobs), for the
+  CPU and for FASTQWEN_GPU_SAMPLER=0. It holds no state between steps.
+
+GpuSampler, each step: `prepare(requests)` packs every row's parameters on the host into pinned memory and uploads
+them into persistent device buffers (one copy each); `launch(logits)` runs the kernel from those buffers only (no
+host work, no allocation); `results` reads the logprobs back. For CUDA graphs, `freeze()` fixes every buffer the
+kernel reads (counts table allocated, bans of a fixed width), `graph_hook(logits, size)` is what a decode graph
+captures after its LM head, and `prepare(requests, pad_to=size)` makes the padding rows greedy rows that count
+nothing. A step whose bans are wider than the frozen width does not replay a graph (`fits_graph` says so): it runs
+eagerly, with a ban buffer of its own that grows as needed. The kernel counts each drawn token into its request's row
+of the counts table, so the table never needs the token lists again; a request whose row was reassigned (or whose
+tokens changed behind the sampler's back) gets its row rebuilt from its token lists once. What the sampler keeps per
+request is the request's typed `sampler` field (scheduler.SamplerState).
 """
 
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import numpy as np
 import torch
 
-from .. import env
+from .. import env, ops
 from ..ops.sampling import (
-    SAMPLER_ROW_WORDS,
+    SamplingBatch,
     pack_sampler_rows,
     penalty_row,
-    sample_on_gpu,
-    sampler_available,
+    sample_kernel_applies,
+    sampler_row_layout,
     sampler_workspace,
+    step_seed,
 )
+from ..sampling_params import MAX_LOGPROBS
 from ..scheduler import Request
 from .messages import TokenLogprobs
-from ..sampling_params import MAX_LOGPROBS
 
-_SEED = "_sampler_seed"  # attributes the sampler keeps on a Request
-_SLOT = "_sampler_slot"
-_COUNTED = "_sampler_counted"
-_ROW = "_sampler_row"
+Tokens = tuple[list[int], "list[TokenLogprobs | None] | None"]
+ReadBack = Callable[[torch.Tensor], list[int]]
+
+# Ban width the graphs are captured with: EOS ids and a few stop ids. Wider steps run eagerly.
+GRAPH_BAN_WIDTH = 16
 
 
-class GpuSampler:
-    def __init__(self, vocab: int, max_rows: int, device: torch.device, eos_token_ids: list[int], seed: int = 0):
+def make_sampler(vocab: int, max_rows: int, device: torch.device, eos_token_ids: list[int], seed: int) -> "Sampler":
+    """The CUDA sampler where its kernel runs on this device (FASTQWEN_GPU_SAMPLER=0 forces the references), else
+    the reference sampler."""
+    use_gpu = sample_kernel_applies(device.type == "cuda", torch.float32)
+    if use_gpu and env.gpu_sampler():
+        return GpuSampler(vocab, max_rows, device, eos_token_ids, seed)
+    return ReferenceSampler(vocab, device, eos_token_ids, seed)
+
+
+def effective_top_k(top_k: int, vocab: int) -> int:
+    """top_k as both samplers apply it: at or above the vocabulary (or any size, even past int64) it keeps every
+    token, which is off (0)."""
+    return top_k if 0 < top_k < vocab else 0
+
+
+class Sampler:
+    """What the model runner asks of a sampler."""
+
+    # The kernel to capture after the LM head of a decode graph (logits [size, vocab], size), or None when sampling
+    # runs after the replay. A sampler with a hook also serves prepare / tokens / num_top / results for graph steps.
+    graph_hook: Callable[[torch.Tensor, int], None] | None = None
+
+    def __init__(self, vocab: int, device: torch.device, eos_token_ids: list[int]):
         self.vocab = vocab
-        self.max_rows = max_rows
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack) -> Tokens:
+        """One token per row of logits [S, vocab] (row i samples requests[i]); read_back brings a token tensor to
+        the host. Returns (tokens, logprobs or None when no row asked)."""
+        raise NotImplementedError
+
+    def fits_graph(self, requests: list[Request], ahead: int = 0) -> bool:
+        """Whether a decode step of these requests may replay a graph."""
+        return True
+
+    def can_run_ahead(self, requests: list[Request]) -> bool:
+        """Whether the step after the one in flight for these requests can be launched before its tokens are known."""
+        return False
+
+    def freeze(self) -> None:
+        """Called before the graphs are captured: every buffer graph_hook reads must stay where it is."""
+
+    def banned(self, r: Request, ahead: int = 0) -> list[int]:
+        """Token ids the request may not draw this step (`ahead` steps past its recorded tokens): its stop ids and
+        EOS until min_tokens are out."""
+        p = r.params
+        if r.num_output_tokens + ahead >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+
+
+class ReferenceSampler(Sampler):
+    """The PyTorch references of ops.sampling, from each request's token lists; unseeded rows draw from one
+    generator seeded with the engine's seed."""
+
+    def __init__(self, vocab: int, device: torch.device, eos_token_ids: list[int], seed: int = 0):
+        super().__init__(vocab, device, eos_token_ids)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack) -> Tokens:
+        want_logprobs = [r.params.logprobs for r in requests]
+        raw = logits.clone() if any(n is not None for n in want_logprobs) else None
+        self._process_logits(logits, requests)
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        ops.draw_reference(logits, self._sampling_batch(requests), tokens, generator=self.generator)
+        if raw is None:
+            return read_back(tokens), None
+        num_top = max(n for n in want_logprobs if n is not None)
+        chosen, top_ids, top_logprobs = ops.compute_logprobs(raw, tokens, num_top)
+        token_list = read_back(tokens)
+        chosen, top_ids, top_logprobs = chosen.tolist(), top_ids.tolist(), top_logprobs.tolist()
+        logprobs = [
+            None if n is None else TokenLogprobs(token_list[i], chosen[i], list(zip(top_ids[i][:n], top_logprobs[i][:n])))
+            for i, n in enumerate(want_logprobs)
+        ]
+        return token_list, logprobs
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.params for r in requests]
+        temperatures = self._to_device([p.temperature for p in params], torch.float32)
+        sampled = [p for p in params if not p.is_greedy]
+        if not sampled:  # all greedy: the argmax needs none of the per-row tensors
+            return SamplingBatch(temperatures, None, None, None, [], all_greedy=True, needs_filter=False)
+        top_k = [effective_top_k(p.top_k, self.vocab) for p in params]
+        return SamplingBatch(
+            temperatures=temperatures,
+            top_k=self._to_device(top_k, torch.int64),
+            top_p=self._to_device([p.top_p for p in params], torch.float32),
+            min_p=self._to_device([p.min_p for p in params], torch.float32),
+            seeds=[None if p.seed is None else step_seed(p.seed, r.num_output_tokens) for p, r in zip(params, requests)],
+            all_greedy=False,
+            needs_filter=any(k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for k, p in zip(top_k, params) if not p.is_greedy),
+        )
+
+    def _process_logits(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Penalties and min_tokens blocking, in place on the raw logits."""
+        rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if rows:
+            ops.apply_penalties(
+                logits,
+                rows,
+                [self._to_device(requests[i].prompt_ids, torch.int64) for i in rows],
+                [self._to_device(requests[i].output_ids, torch.int64) for i in rows],
+                [requests[i].params.repetition_penalty for i in rows],
+                [requests[i].params.presence_penalty for i in rows],
+                [requests[i].params.frequency_penalty for i in rows],
+            )
+        bans = [(i, self.banned(r)) for i, r in enumerate(requests)]
+        bans = [(i, b) for i, b in bans if b]
+        if bans:
+            ops.block_tokens(logits, [i for i, _ in bans], [b for _, b in bans])
+
+
+class GpuSampler(Sampler):
+    def __init__(self, vocab: int, max_rows: int, device: torch.device, eos_token_ids: list[int], seed: int = 0):
+        super().__init__(vocab, device, eos_token_ids)
+        self.max_rows = max_rows
         self.rng = random.Random(seed)  # seeds of requests that gave none
+        layout = sampler_row_layout()
+        self._step_words = (layout.word("step_lo"), layout.word("step_hi"))
+        self._slot_word, self._bans_word = layout.word("slot"), layout.word("num_blocked")
         pin = device.type == "cuda"
-        self.rows_host = torch.zeros(max_rows, SAMPLER_ROW_WORDS, dtype=torch.int32, pin_memory=pin)
-        self.rows = torch.zeros(max_rows, SAMPLER_ROW_WORDS, dtype=torch.int32, device=device)
+        self.rows_host = torch.zeros(max_rows, layout.words, dtype=torch.int32, pin_memory=pin)
+        self.rows = torch.zeros(max_rows, layout.words, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.logprobs = torch.zeros(max_rows, dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(max_rows, MAX_LOGPROBS, dtype=torch.int64, device=device)
         self.top_logprobs = torch.zeros(max_rows, MAX_LOGPROBS, dtype=torch.float32, device=device)
-        self.blocked_width = 8
-        self.blocked_host = torch.full((max_rows, self.blocked_width), -1, dtype=torch.int32, pin_memory=pin)
-        self.blocked = torch.full((max_rows, self.blocked_width), -1, dtype=torch.int32, device=device)
+        # Bans: the buffers the graphs read (GRAPH_BAN_WIDTH wide once frozen), and wider ones for eager steps.
+        self.blocked_host, self.blocked = self._ban_buffers(GRAPH_BAN_WIDTH)
+        self._wide_bans: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._launch_blocked = self.blocked  # what the next launch reads
         self.workspace = sampler_workspace(max_rows, vocab, device)
         self.counts: torch.Tensor | None = None  # [max_rows, vocab] int32, made on the first request with penalties
         self.slot_owner: list[Request | None] = [None] * max_rows
@@ -66,15 +197,28 @@ class GpuSampler:
         pack_sampler_rows([0.0] * max_rows, out=self.rows_host)
         self.rows.copy_(self.rows_host)
 
+    @property
+    def blocked_width(self) -> int:
+        return self.blocked.shape[1]
+
+    def graph_hook(self, logits: torch.Tensor, size: int) -> None:
+        """The kernel over a graph's padded rows, reading only frozen buffers; logprobs and top-N are always wired
+        (rows whose top_n is -1 skip them), so one graph serves every step."""
+        assert self.frozen, "freeze() before capturing"
+        ops.sample(
+            logits[:size], self.rows[:size], self.tokens[:size], self.workspace, self.logprobs[:size],
+            self.top_ids[:size], self.top_logprobs[:size], counts=self.counts, blocked=self.blocked[:size],
+        )  # fmt: skip
+
     def freeze(self) -> None:
-        """Allocate everything the kernel reads up front, before graphs capture launch_captured."""
         if self.counts is None:
             self.counts = torch.zeros(self.max_rows, self.vocab, dtype=torch.int32, device=self.device)
         self.frozen = True
 
     def fits_graph(self, requests: list[Request], ahead: int = 0) -> bool:
-        """Whether this step's min_tokens bans fit the frozen ban width (wider ones run the eager path)."""
-        return all(len(self._banned(r, ahead)) <= self.blocked_width for r in requests)
+        """Whether this step's min_tokens bans fit the captured ban width (wider ones run the eager path)."""
+        width = self.blocked_width
+        return all(len(self.banned(r, ahead)) <= width for r in requests)
 
     def can_run_ahead(self, requests: list[Request]) -> bool:
         """Whether the step after the one just prepared for these requests can be prepared before that one's tokens
@@ -86,38 +230,26 @@ class GpuSampler:
             if p.logprobs is not None:
                 return False
             if p.has_penalties:
-                slot = getattr(r, _SLOT, None)
-                if slot is None or self.slot_owner[slot] is not r or getattr(r, _COUNTED, -1) != r.num_output_tokens + 1:
+                state = r.sampler
+                if state.slot is None or self.slot_owner[state.slot] is not r or state.counted != r.num_output_tokens + 1:
                     return False
         return self.fits_graph(requests, ahead=1)
-
-    def _banned(self, r: Request, ahead: int = 0) -> list[int]:
-        """Token ids the request may not draw this step (`ahead` steps past its recorded tokens): its stop ids and
-        EOS until min_tokens are out."""
-        p = r.params
-        if r.num_output_tokens + ahead >= p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-
-    @staticmethod
-    def available(device: torch.device) -> bool:
-        return sampler_available(device) and env.gpu_sampler()
 
     # ---- per request state ------------------------------------------------------------------------------------------
 
     def _seed(self, r: Request) -> int:
         if r.params.seed is not None:
             return r.params.seed
-        seed = getattr(r, _SEED, None)
-        if seed is None:
-            seed = self.rng.getrandbits(64)
-            setattr(r, _SEED, seed)
-        return seed
+        state = r.sampler
+        if state.seed is None:
+            state.seed = self.rng.getrandbits(64)
+        return state.seed
 
     def _slot(self, r: Request, batch_ids: set[int], ahead: int = 0) -> int:
         """The request's counts row, (re)built from its token lists when it has none or it went stale."""
-        slot = getattr(r, _SLOT, None)
-        if slot is not None and self.slot_owner[slot] is r and getattr(r, _COUNTED, -1) == r.num_output_tokens + ahead:
+        state = r.sampler
+        slot = state.slot
+        if slot is not None and self.slot_owner[slot] is r and state.counted == r.num_output_tokens + ahead:
             return slot
         if ahead:
             raise RuntimeError("GpuSampler: a penalty row cannot be rebuilt ahead of its tokens (check can_run_ahead)")
@@ -126,7 +258,7 @@ class GpuSampler:
         if slot is None or self.slot_owner[slot] is not r:
             slot = self._free_slot(batch_ids)
         self.slot_owner[slot] = r
-        setattr(r, _SLOT, slot)
+        state.slot = slot
         self.counts[slot] = penalty_row(r.prompt_ids, r.output_ids, self.vocab, self.device)
         return slot
 
@@ -143,16 +275,15 @@ class GpuSampler:
 
     def _packed_row(self, r: Request) -> np.ndarray:
         """The request's row with step 0, no slot and no bans, packed (and validated) once per request."""
-        row = getattr(r, _ROW, None)
-        if row is None:
+        state = r.sampler
+        if state.row is None:
             p = r.params
-            row = pack_sampler_rows(
-                [p.temperature], [p.top_k], [p.top_p], [p.min_p], seed=[self._seed(r)], step=[0],
-                repetition=[p.repetition_penalty], presence=[p.presence_penalty], frequency=[p.frequency_penalty],
-                top_n=[-1 if p.logprobs is None else p.logprobs],
+            state.row = pack_sampler_rows(
+                [p.temperature], [effective_top_k(p.top_k, self.vocab)], [p.top_p], [p.min_p], seed=[self._seed(r)],
+                step=[0], repetition=[p.repetition_penalty], presence=[p.presence_penalty],
+                frequency=[p.frequency_penalty], top_n=[-1 if p.logprobs is None else p.logprobs],
             ).numpy()[0]  # fmt: skip
-            setattr(r, _ROW, row)
-        return row
+        return state.row
 
     def prepare(self, requests: list[Request], pad_to: int = 0, ahead: int = 0) -> None:
         """Pack and upload the rows' parameters (and refresh counts rows) for the next launch; rows from
@@ -167,68 +298,70 @@ class GpuSampler:
             host[:n] = np.stack([self._packed_row(r) for r in requests])
         steps = np.fromiter((r.num_output_tokens + ahead for r in requests), dtype=np.uint64, count=n)
         words = host.view(np.uint32)
-        words[:n, 6] = (steps & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        words[:n, 7] = (steps >> np.uint64(32)).astype(np.uint32)
+        step_lo, step_hi = self._step_words
+        words[:n, step_lo] = (steps & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        words[:n, step_hi] = (steps >> np.uint64(32)).astype(np.uint32)
         bans: list[tuple[int, list[int]]] = []
-        slots: list[tuple[Request, int]] = []
+        slots: list[Request] = []
         num_top = -1
         for i, r in enumerate(requests):  # the rare per-row extras: penalties, min_tokens bans, logprobs
             p = r.params
             if p.has_penalties:
-                slot = self._slot(r, batch_ids, ahead)
-                host[i, 8] = slot
-                slots.append((r, slot))
-            ban = self._banned(r, ahead)
+                host[i, self._slot_word] = self._slot(r, batch_ids, ahead)
+                slots.append(r)
+            ban = self.banned(r, ahead)
             if ban:
                 bans.append((i, ban))
-                host[i, 12] = len(ban)
+                host[i, self._bans_word] = len(ban)
             if p.logprobs is not None and p.logprobs > num_top:
                 num_top = p.logprobs
-        width = max((len(b) for _, b in bans), default=0)
-        if width > self.blocked_width:
-            if self.frozen:
-                raise RuntimeError("GpuSampler: bans wider than the frozen width (check fits_graph first)")
-            self._grow_blocked(width)
-        if bans:
-            blocked = self.blocked_host.numpy()
-            blocked[:n] = -1
-            for i, b in bans:
-                blocked[i, : len(b)] = b
-            self.blocked[:n].copy_(self.blocked_host[:n], non_blocking=True)
+        self._upload_bans(bans, n, graph=pad_to > 0)
         if pad_to > n:
             host[n:pad_to] = self._neutral_row
         rows = max(n, pad_to)
         self.rows[:rows].copy_(self.rows_host[:rows], non_blocking=True)
-        for r, _ in slots:
-            setattr(r, _COUNTED, r.num_output_tokens + ahead + 1)  # the launch counts the token it draws
+        for r in slots:
+            r.sampler.counted = r.num_output_tokens + ahead + 1  # the launch counts the token it draws
         self.num_rows = n
         self.num_top = num_top
 
-    def _grow_blocked(self, width: int) -> None:
-        self.blocked_width = 1 << (width - 1).bit_length()
+    def _ban_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         pin = self.device.type == "cuda"
-        self.blocked_host = torch.full((self.max_rows, self.blocked_width), -1, dtype=torch.int32, pin_memory=pin)
-        self.blocked = torch.full((self.max_rows, self.blocked_width), -1, dtype=torch.int32, device=self.device)
+        host = torch.full((self.max_rows, width), -1, dtype=torch.int32, pin_memory=pin)
+        return host, torch.full((self.max_rows, width), -1, dtype=torch.int32, device=self.device)
+
+    def _upload_bans(self, bans: list[tuple[int, list[int]]], n: int, graph: bool) -> None:
+        """Write the step's bans where its launch reads them: the captured buffers when they are wide enough (a
+        graph step always, see fits_graph), else buffers of a width of their own, grown to a power of two."""
+        width = max((len(b) for _, b in bans), default=0)
+        if width <= self.blocked_width:
+            host, dev = self.blocked_host, self.blocked
+        elif graph:
+            raise RuntimeError(f"GpuSampler: bans of {width} ids in a graph step (check fits_graph first)")
+        elif not self.frozen:  # nothing captured the buffers yet: widen them
+            self.blocked_host, self.blocked = host, dev = self._ban_buffers(1 << (width - 1).bit_length())
+        else:
+            if self._wide_bans is None or self._wide_bans[1].shape[1] < width:
+                self._wide_bans = self._ban_buffers(1 << (width - 1).bit_length())
+            host, dev = self._wide_bans
+        self._launch_blocked = dev
+        if bans:
+            blocked = host.numpy()
+            blocked[:n] = -1
+            for i, b in bans:
+                blocked[i, : len(b)] = b
+            dev[:n].copy_(host[:n], non_blocking=True)
 
     def launch(self, logits: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """The kernel over the first `rows` rows of logits, from the buffers `prepare` filled. Returns the tokens."""
         n = self.num_rows if rows is None else rows
         top = self.num_top > 0
-        sample_on_gpu(
+        ops.sample(
             logits[:n], self.rows[:n], self.tokens[:n], self.workspace, self.logprobs[:n],
             self.top_ids[:n] if top else None, self.top_logprobs[:n] if top else None,
-            counts=self.counts, blocked=self.blocked[:n],
+            counts=self.counts, blocked=self._launch_blocked[:n],
         )  # fmt: skip
         return self.tokens[:n]
-
-    def launch_captured(self, logits: torch.Tensor, size: int) -> None:
-        """The kernel over a graph's padded rows, reading only frozen buffers; logprobs and top-N are always wired
-        (rows whose top_n is -1 skip them), so one graph serves every step."""
-        assert self.frozen, "freeze() before capturing"
-        sample_on_gpu(
-            logits[:size], self.rows[:size], self.tokens[:size], self.workspace, self.logprobs[:size],
-            self.top_ids[:size], self.top_logprobs[:size], counts=self.counts, blocked=self.blocked[:size],
-        )  # fmt: skip
 
     def results(self, requests: list[Request], token_list: list[int]) -> list[TokenLogprobs | None] | None:
         """Logprobs of the step (after the tokens were read back), or None when no row asked."""
@@ -245,10 +378,8 @@ class GpuSampler:
             out.append(None if k is None else TokenLogprobs(token_list[i], chosen[i], list(zip(ids[i][:k], lps[i][:k]))))
         return out
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], read_back=None):
-        """prepare + launch + read back: (tokens, logprobs or None)."""
+    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack) -> Tokens:
         self.prepare(requests)
         tokens = self.launch(logits.contiguous() if not logits.is_contiguous() else logits)
-        token_list = read_back(tokens) if read_back is not None else tokens.tolist()
+        token_list = read_back(tokens)
         return token_list, self.results(requests, token_list)
-

@@ -28,7 +28,7 @@ class Layout:
         t, b, s = self.num_tokens, self.num_seqs, self.num_samples
         return [
             ("input_ids", 2 * t), ("positions", 2 * t), ("out_slots", 2 * t), ("logits_indices", 2 * s),
-            ("temperatures", s), ("query_start", b + 1), ("kv_lens", b), ("page_table", b * self.width),
+            ("query_start", b + 1), ("kv_lens", b), ("page_table", b * self.width),
         ]  # fmt: skip
 
     def offsets(self) -> dict[str, tuple[int, int]]:
@@ -43,8 +43,7 @@ class Layout:
         return sum(size for _, size in self._sizes())
 
 
-_VIEW_DTYPES = {"input_ids": "int64", "positions": "int64", "out_slots": "int64", "logits_indices": "int64",
-                "temperatures": "float32"}  # fmt: skip
+_VIEW_DTYPES = {"input_ids": "int64", "positions": "int64", "out_slots": "int64", "logits_indices": "int64"}
 
 
 def _views(flat, layout: Layout, view) -> dict:

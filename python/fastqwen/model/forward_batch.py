@@ -1,4 +1,5 @@
-"""ForwardBatch: everything one model step needs to know, as tensors on the model's device."""
+"""ForwardBatch: everything one model step needs to know, as tensors on the model's device. Model inputs only: how
+the logits become tokens is the sampler's business (engine/sampler.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,7 @@ class ForwardBatch:
     kv_lens: torch.Tensor  # [B] int32, cached tokens of each sequence after this step
     page_table: torch.Tensor  # [B, max_pages] int32, pages of each sequence in order
     logits_indices: torch.Tensor  # [S] int64, rows of T whose logits are needed (last token of sampling sequences)
-    temperatures: torch.Tensor  # [S] float32, 0 = greedy
     is_decode: bool  # every sequence computes exactly one token
-    all_greedy: bool  # every sampling row is greedy
     max_query_len: int = 0  # longest run of query tokens of one sequence (sizes the prefill grid); 0 = unknown
 
     @property

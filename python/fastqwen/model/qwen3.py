@@ -21,9 +21,9 @@ class Qwen3Model:
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim**-0.5
         self.cos_sin_cache = ops.rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, self.device)
-        # Split-KV decode scratch and plan, allocated once: nothing is allocated inside a step.
+        # Split-KV decode scratch and plan, allocated once (nothing is allocated inside a step), where the kernel runs.
         self.decode_workspace = None
-        if self.device.type == "cuda":
+        if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
 
     @torch.inference_mode()

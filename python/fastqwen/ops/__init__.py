@@ -1,27 +1,54 @@
 """One Python function per kernel: the CUDA kernel for GPU tensors where one exists, the PyTorch reference otherwise.
 
-Every op writes into caller-provided outputs, so nothing allocates inside a step.
+Every op writes into caller-provided outputs, so nothing allocates inside a step. Each op module also says when its
+kernel applies (`*_kernel_applies`), so that code which must know ahead (CUDA graphs) asks instead of guessing.
 """
 
-from .activation import silu_and_mul
-from .attention import DecodeWorkspace, decode_workspace, paged_attention_decode, paged_attention_prefill, plan_decode
-from .norm import fused_add_rms_norm, rms_norm
-from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache
-from .sampling import apply_penalties, block_tokens, compute_logprobs, sample
+from ._native import has_cuda_kernels
+from .activation import silu_and_mul, silu_and_mul_kernel_applies
+from .attention import (
+    DecodeWorkspace,
+    attention_kernel_applies,
+    decode_workspace,
+    paged_attention_decode,
+    paged_attention_prefill,
+    plan_decode,
+)
+from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
+from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
+from .sampling import (
+    apply_penalties,
+    block_tokens,
+    compute_logprobs,
+    draw_reference,
+    pack_sampler_rows,
+    sample,
+    sample_kernel_applies,
+    sampler_workspace,
+)
 
 __all__ = [
     "apply_penalties",
+    "attention_kernel_applies",
     "block_tokens",
     "compute_logprobs",
     "DecodeWorkspace",
     "decode_workspace",
+    "draw_reference",
     "fused_add_rms_norm",
+    "has_cuda_kernels",
+    "pack_sampler_rows",
     "paged_attention_decode",
     "paged_attention_prefill",
     "plan_decode",
     "qk_norm_rope_store_kv",
     "rms_norm",
+    "rms_norm_kernel_applies",
     "rope_cos_sin_cache",
+    "rope_kv_kernel_applies",
     "sample",
+    "sample_kernel_applies",
+    "sampler_workspace",
     "silu_and_mul",
+    "silu_and_mul_kernel_applies",
 ]

@@ -7,6 +7,9 @@ kernel and the PyTorch reference path.
 
 Setting the environment variable ``FASTQWEN_DISABLE_CUDA_KERNELS=1`` makes
 ``has_cuda_kernels()`` return False, forcing the reference path (for debugging).
+
+The contracts between Python and the kernels (dtype codes, which dtypes each kernel takes, layouts) are defined in
+csrc/ and exported by the module; ``dtype_code`` and ``kernel_reason`` read them from there.
 """
 
 from __future__ import annotations
@@ -58,15 +61,34 @@ def has_cuda_kernels() -> bool:
     return _has_cuda
 
 
-def half_dtype_code(dtype) -> int | None:
-    """The extension's code for float16 / bfloat16, None for any other dtype (those take the reference path)."""
-    import torch
+_dtype_codes: dict | None = None
+_kernel_dtypes: dict | None = None
 
-    if dtype == torch.bfloat16:
-        return 2
-    if dtype == torch.float16:
-        return 1
-    return None
+
+def dtype_code(dtype) -> int | None:
+    """The extension's code for a torch dtype (csrc/dtype.h), None for one it has no code for (or no extension)."""
+    global _dtype_codes
+    if _dtype_codes is None:
+        import torch
+
+        m = native()
+        _dtype_codes = {} if m is None else {getattr(torch, name): code for name, code in m.DTYPE_CODES.items()}
+    return _dtype_codes.get(dtype)
+
+
+def kernel_applies(kernel: str, on_gpu: bool, dtype) -> bool:
+    """Whether the CUDA kernel `kernel` (a key of _C.KERNEL_DTYPES: the dtypes csrc/ says it takes) runs for tensors
+    of this dtype, on the GPU (on_gpu) or not. Cheap: it is asked on every op call."""
+    global _kernel_dtypes
+    if not (on_gpu and has_cuda_kernels()):
+        return False
+    if _kernel_dtypes is None:
+        dtype_code(None)  # loads the codes
+        _kernel_dtypes = {
+            name: frozenset(t for t, c in _dtype_codes.items() if c in codes)
+            for name, codes in native().KERNEL_DTYPES.items()
+        }
+    return dtype in _kernel_dtypes[kernel]
 
 
 def check_tensors(op: str, device, dtype, **tensors) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._native import has_cuda_kernels, native
+from ._native import dtype_code, kernel_applies, native, stream_of
 
-__all__ = ["silu_and_mul", "silu_and_mul_reference"]
+__all__ = ["silu_and_mul", "silu_and_mul_kernel_applies", "silu_and_mul_reference"]
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -23,13 +23,9 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def _dtype_code(dtype: torch.dtype) -> int | None:
-    m = native()
-    return {
-        torch.float32: m.DTYPE_F32,
-        torch.float16: m.DTYPE_F16,
-        torch.bfloat16: m.DTYPE_BF16,
-    }.get(dtype)
+def silu_and_mul_kernel_applies(on_gpu: bool, dtype: torch.dtype) -> bool:
+    """Whether silu_and_mul runs its CUDA kernel (else the reference) for x on the GPU or not, of this dtype."""
+    return kernel_applies("silu_and_mul", on_gpu, dtype)
 
 
 def _check_out(x: torch.Tensor, out: torch.Tensor, d: int) -> None:
@@ -45,10 +41,9 @@ def _check_out(x: torch.Tensor, out: torch.Tensor, d: int) -> None:
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out = silu(x[..., :d]) * x[..., d:]`` for x of shape ``[..., 2*d]``; out is ``[..., d]``.
 
-    On a CUDA tensor, when the extension was built with CUDA kernels, this runs the
-    fused kernel (x and out must be contiguous, bf16/fp16/fp32, same device and
-    dtype; ValueError otherwise). Otherwise it runs :func:`silu_and_mul_reference`
-    and writes into ``out``. ``out`` is allocated when None; pass it to avoid
+    Where silu_and_mul_kernel_applies (bf16 / fp16 / fp32 CUDA tensors, extension built with the kernels) this runs
+    the fused kernel (x and out contiguous, on one device: ValueError otherwise); on anything else
+    :func:`silu_and_mul_reference`, written into ``out``. ``out`` is allocated when None; pass it to avoid
     allocating inside a step (CUDA graphs).
 
     Numerics: the kernel computes silu in fp32 as ``g / (1 + exp(-g))``, multiplies by
@@ -60,39 +55,22 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if x.dim() < 1 or x.shape[-1] % 2 != 0:
         raise ValueError(f"silu_and_mul: last dim of x must be even, got shape {tuple(x.shape)}")
     d = x.shape[-1] // 2
-
-    if x.is_cuda and has_cuda_kernels():
-        code = _dtype_code(x.dtype)
-        if code is None:
-            raise ValueError(f"silu_and_mul: unsupported dtype {x.dtype} (bfloat16, float16 or float32)")
-        if not x.is_contiguous():
-            raise ValueError(f"silu_and_mul: x must be contiguous (shape {tuple(x.shape)}, stride {x.stride()})")
-        if out is None:
-            out = torch.empty(tuple(x.shape[:-1]) + (d,), dtype=x.dtype, device=x.device)
-        else:
-            _check_out(x, out, d)
-            if not out.is_contiguous():
-                raise ValueError(
-                    f"silu_and_mul: out must be contiguous (shape {tuple(out.shape)}, stride {out.stride()})"
-                )
-        num_rows = out.numel() // d if d > 0 else 0
-        if num_rows == 0:
-            return out
-        if x.device.index != torch.cuda.current_device():
-            with torch.cuda.device(x.device):
-                _launch(x, out, num_rows, d, code)
-        else:
-            _launch(x, out, num_rows, d, code)
-        return out
-
-    ref = silu_and_mul_reference(x)
+    if out is not None:
+        _check_out(x, out, d)
+    if not silu_and_mul_kernel_applies(x.is_cuda, x.dtype):
+        ref = silu_and_mul_reference(x)
+        return ref if out is None else out.copy_(ref)
     if out is None:
-        return ref
-    _check_out(x, out, d)
-    out.copy_(ref)
+        out = torch.empty(tuple(x.shape[:-1]) + (d,), dtype=x.dtype, device=x.device)
+    for name, t in (("x", x), ("out", out)):  # device and dtype were checked above
+        if not t.is_contiguous():
+            raise ValueError(f"silu_and_mul: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    num_rows = out.numel() // d if d > 0 else 0
+    if num_rows == 0:
+        return out
+    if x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):
+            native().silu_and_mul(x.data_ptr(), out.data_ptr(), num_rows, d, dtype_code(x.dtype), stream_of(x))
+    else:
+        native().silu_and_mul(x.data_ptr(), out.data_ptr(), num_rows, d, dtype_code(x.dtype), stream_of(x))
     return out
-
-
-def _launch(x: torch.Tensor, out: torch.Tensor, num_rows: int, d: int, code: int) -> None:
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    native().silu_and_mul(x.data_ptr(), out.data_ptr(), num_rows, d, code, stream)

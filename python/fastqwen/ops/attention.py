@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._native import check_tensors, half_dtype_code, has_cuda_kernels, native, stream_of
-
-KERNEL_HEAD_DIM = 128
+from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
 
 
-# Mirrors kDecodeMaxSplits in csrc/attention.h: a sequence is cut into at most this many chunks.
-DECODE_MAX_SPLITS = 32
+def attention_kernel_applies(on_gpu: bool, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether paged_attention_decode / _prefill run their CUDA kernel (else the reference) for q on the GPU or not,
+    of this dtype and head size: the rule csrc/attention.h states, read from the extension."""
+    return kernel_applies("paged_attention", on_gpu, dtype) and head_dim == native().ATTENTION_HEAD_DIM
 
 
 @dataclass
@@ -26,17 +26,19 @@ class DecodeWorkspace:
     plan_decode) and the chunks' partial outputs and log-sum-exps, for batches of up to max_batch sequences."""
 
     split_offsets: torch.Tensor  # int32 [max_batch + 1]
-    part_out: torch.Tensor  # float32 [max_batch * num_heads * DECODE_MAX_SPLITS, 128]
-    part_lse: torch.Tensor  # float32 [max_batch * num_heads * DECODE_MAX_SPLITS]
+    part_out: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS, head_dim]
+    part_lse: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS]
     max_batch: int
     num_heads: int
 
 
 def decode_workspace(max_batch: int, num_heads: int, device: torch.device) -> DecodeWorkspace:
-    rows = max_batch * num_heads * DECODE_MAX_SPLITS
+    """For the decode kernel (needs the extension: its split limit and head size size the scratch)."""
+    m = native()
+    rows = max_batch * num_heads * m.DECODE_MAX_SPLITS
     return DecodeWorkspace(
         split_offsets=torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
-        part_out=torch.empty(rows, KERNEL_HEAD_DIM, dtype=torch.float32, device=device),
+        part_out=torch.empty(rows, m.ATTENTION_HEAD_DIM, dtype=torch.float32, device=device),
         part_lse=torch.empty(rows, dtype=torch.float32, device=device),
         max_batch=max_batch,
         num_heads=num_heads,
@@ -81,7 +83,7 @@ def paged_attention_decode(
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return out
-    if q.is_cuda and has_cuda_kernels() and half_dtype_code(q.dtype) is not None and head_dim == KERNEL_HEAD_DIM:
+    if attention_kernel_applies(q.is_cuda, q.dtype, head_dim):
         _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned)
         return out
     out.copy_(paged_attention_decode_reference(q, k_cache, v_cache, page_table, kv_lens, scale))
@@ -137,12 +139,27 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspa
     )  # fmt: skip
     if not planned:
         plan_decode(kv_lens, workspace)
-    native().paged_attention_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(),
-        workspace.split_offsets.data_ptr(), out.data_ptr(), workspace.part_out.data_ptr(),
-        workspace.part_lse.data_ptr(), workspace.part_lse.shape[0], batch, num_heads, k_cache.shape[2], head_dim,
-        k_cache.shape[1], page_table.shape[1], k_cache.shape[0], scale, half_dtype_code(q.dtype), stream_of(q),
-    )  # fmt: skip
+    m = native()
+    args = m.DecodeArgs()
+    _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale)
+    args.split_offsets = workspace.split_offsets.data_ptr()
+    args.part_out = workspace.part_out.data_ptr()
+    args.part_lse = workspace.part_lse.data_ptr()
+    args.workspace_rows = workspace.part_lse.shape[0]
+    m.paged_attention_decode(args)
+
+
+def _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch: int, scale: float) -> None:
+    """The fields both attention kernels take (csrc/attention.h, PagedAttentionArgs)."""
+    args.q, args.out = q.data_ptr(), out.data_ptr()
+    args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    args.page_table, args.kv_lens = page_table.data_ptr(), kv_lens.data_ptr()
+    args.batch, args.num_heads, args.head_dim = batch, q.shape[1], q.shape[2]
+    args.num_pages, args.page_size, args.num_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    args.max_pages = page_table.shape[1]
+    args.scale = scale
+    args.dtype = dtype_code(q.dtype)
+    args.stream = stream_of(q)
 
 
 def paged_attention_prefill(
@@ -166,7 +183,7 @@ def paged_attention_prefill(
     head_dim = q.shape[2]
     if q.shape[0] == 0 or query_start.shape[0] <= 1:
         return out
-    if q.is_cuda and has_cuda_kernels() and half_dtype_code(q.dtype) is not None and head_dim == KERNEL_HEAD_DIM:
+    if attention_kernel_applies(q.is_cuda, q.dtype, head_dim):
         _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len)
         return out
     return paged_attention_prefill_reference(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out)
@@ -180,11 +197,12 @@ def _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale
     )  # fmt: skip
     if max_query_len is None:
         max_query_len = int((query_start[1:] - query_start[:-1]).max())
-    native().paged_attention_prefill(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(), page_table.data_ptr(),
-        kv_lens.data_ptr(), out.data_ptr(), batch, max_query_len, q.shape[1], k_cache.shape[2], q.shape[2],
-        k_cache.shape[1], page_table.shape[1], k_cache.shape[0], scale, half_dtype_code(q.dtype), stream_of(q),
-    )  # fmt: skip
+    m = native()
+    args = m.PrefillArgs()
+    _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale)
+    args.query_start = query_start.data_ptr()
+    args.max_query_len = max_query_len
+    m.paged_attention_prefill(args)
 
 
 def paged_attention_prefill_reference(

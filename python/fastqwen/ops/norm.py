@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._native import check_tensors, half_dtype_code, has_cuda_kernels, native, stream_of
+from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,8 +25,10 @@ def _check_shapes(op: str, x: torch.Tensor, weight: torch.Tensor, other: torch.T
         raise ValueError(f"{op}: {other_name} has shape {tuple(other.shape)}, expected {tuple(x.shape)}")
 
 
-def _use_kernel(x: torch.Tensor) -> bool:
-    return x.is_cuda and has_cuda_kernels() and half_dtype_code(x.dtype) is not None
+def rms_norm_kernel_applies(on_gpu: bool, dtype: torch.dtype) -> bool:
+    """Whether rms_norm / fused_add_rms_norm run their CUDA kernel (else the reference) for x on the GPU or not, of
+    this dtype."""
+    return kernel_applies("rms_norm", on_gpu, dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,13 +36,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     if out is None:
         out = torch.empty_like(x)
     _check_shapes("rms_norm", x, weight, out, "out")
-    if not _use_kernel(x):
+    if not rms_norm_kernel_applies(x.is_cuda, x.dtype):
         out.copy_(rms_norm_reference(x, weight, eps))
         return out
     check_tensors("rms_norm", x.device, x.dtype, x=x, weight=weight, out=out)
     hidden = x.shape[-1]
     native().rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden, eps,
-                      half_dtype_code(x.dtype), stream_of(x))  # fmt: skip
+                      dtype_code(x.dtype), stream_of(x))  # fmt: skip
     return out
 
 
@@ -49,12 +51,12 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual <- x + residual, x <- RMSNorm(residual) * weight. Returns (x, residual)."""
     _check_shapes("fused_add_rms_norm", x, weight, residual, "residual")
-    if not _use_kernel(x):
+    if not rms_norm_kernel_applies(x.is_cuda, x.dtype):
         residual.add_(x)
         x.copy_(rms_norm_reference(residual, weight, eps))
         return x, residual
     check_tensors("fused_add_rms_norm", x.device, x.dtype, x=x, residual=residual, weight=weight)
     hidden = x.shape[-1]
     native().fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden,
-                                eps, half_dtype_code(x.dtype), stream_of(x))  # fmt: skip
+                                eps, dtype_code(x.dtype), stream_of(x))  # fmt: skip
     return x, residual

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from ._native import check_tensors, half_dtype_code, has_cuda_kernels, native, stream_of
+from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
 from .norm import rms_norm_reference
 
-_KERNEL_HEAD_DIMS = (64, 128, 256)
+
+def rope_kv_kernel_applies(on_gpu: bool, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether qk_norm_rope_store_kv runs its CUDA kernel (else the reference) for qkv on the GPU or not, of this
+    dtype and head size (csrc/rope_kv.h)."""
+    return kernel_applies("qk_norm_rope_store_kv", on_gpu, dtype) and head_dim in native().ROPE_KV_HEAD_DIMS
 
 
 def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -53,8 +57,8 @@ def qk_norm_rope_store_kv(
 
     k_cache / v_cache are [num_pages, page_size, H_kv, D]; token t goes to flat slot out_slots[t]
     (page * page_size + offset); slot -1 marks padding and is not written. positions and out_slots are int64;
-    cos_sin_cache is float32 [max_positions, D] from rope_cos_sin_cache. On bf16 / fp16 CUDA tensors with head_dim
-    64, 128 or 256 this is one kernel launch (csrc/rope_kv.cu); otherwise the PyTorch reference.
+    cos_sin_cache is float32 [max_positions, D] from rope_cos_sin_cache. Where rope_kv_kernel_applies (bf16 / fp16
+    CUDA tensors, head_dim 64, 128 or 256) this is one kernel launch (csrc/rope_kv.cu); otherwise the reference.
     """
     num_tokens = qkv.shape[0]
     if q_out.dim() != 3 or q_out.shape[0] != num_tokens:
@@ -75,18 +79,21 @@ def qk_norm_rope_store_kv(
             raise ValueError(f"qk_norm_rope_store_kv: {name} has shape {tuple(t.shape)}, expected {shape}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"qk_norm_rope_store_kv: cos_sin_cache must be [max_positions, {head_dim}]")
-    if qkv.is_cuda and has_cuda_kernels() and half_dtype_code(qkv.dtype) is not None and head_dim in _KERNEL_HEAD_DIMS:
+    if rope_kv_kernel_applies(qkv.is_cuda, qkv.dtype, head_dim):
         check_tensors(
             "qk_norm_rope_store_kv", qkv.device, qkv.dtype, qkv=qkv, q_weight=q_weight, k_weight=k_weight,
             k_cache=k_cache, v_cache=v_cache, q_out=q_out, cos_sin_cache=(cos_sin_cache, torch.float32),
             positions=(positions, torch.int64), out_slots=(out_slots, torch.int64),
         )  # fmt: skip
-        native().qk_norm_rope_store_kv(
-            qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos_sin_cache.data_ptr(), positions.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), out_slots.data_ptr(), q_out.data_ptr(), num_tokens, num_heads,
-            num_kv_heads, head_dim, cos_sin_cache.shape[0], k_cache.shape[0] * k_cache.shape[1], eps,
-            half_dtype_code(qkv.dtype), stream_of(qkv),
-        )  # fmt: skip
+        m = native()
+        args = m.RopeKVArgs()
+        args.qkv, args.q_weight, args.k_weight = qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr()
+        args.cos_sin, args.positions, args.out_slots = cos_sin_cache.data_ptr(), positions.data_ptr(), out_slots.data_ptr()
+        args.k_cache, args.v_cache, args.q_out = k_cache.data_ptr(), v_cache.data_ptr(), q_out.data_ptr()
+        args.num_tokens, args.num_heads, args.num_kv_heads, args.head_dim = num_tokens, num_heads, num_kv_heads, head_dim
+        args.max_pos, args.num_slots = cos_sin_cache.shape[0], k_cache.shape[0] * k_cache.shape[1]
+        args.eps, args.dtype, args.stream = eps, dtype_code(qkv.dtype), stream_of(qkv)
+        m.qk_norm_rope_store_kv(args)
         return q_out
     q = qkv[:, :q_size].reshape(num_tokens, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, num_kv_heads, head_dim)

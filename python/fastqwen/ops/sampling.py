@@ -1,17 +1,27 @@
-"""Sampling references: logit penalties, top-k / top-p / min-p filtering, per-row seeded draws, and logprobs.
+"""Sampling: the one op of the CUDA sampler kernel (``sample``, csrc/sampling.cu) and its PyTorch references.
 
-These are the oracle for the CUDA sampler. Order, per row: penalties and blocked tokens on the raw logits;
-greedy rows take the argmax of the result; sampled rows divide by the temperature, take the softmax, keep the
-intersection of the top-k set, the top-p set (computed on the top-k-renormalized probabilities) and the min-p set,
-and draw from what is kept by the exponential race argmax(p / E), E ~ Exp(1) i.i.d., which samples the
-renormalized kept distribution exactly and needs no sort and no host sync.
+``sample`` turns logits into one token per row, each row with its own parameters packed into a row of words
+(``pack_sampler_rows``, in the layout csrc/sampling.h defines and the extension exports), with penalties from a
+counts table kept on the device, min_tokens bans, logprobs and seeded draws; on anything but a CUDA tensor it runs
+``sample_reference``, the same contract in PyTorch.
+
+The references are the oracle. Order, per row: penalties and blocked tokens on the raw logits; greedy rows take the
+argmax of the result; sampled rows divide by the temperature, take the softmax, keep the intersection of the top-k
+set, the top-p set (computed on the top-k-renormalized probabilities) and the min-p set, and draw from what is kept
+by the exponential race argmax(p / E), E ~ Exp(1) i.i.d., which samples the renormalized kept distribution exactly
+and needs no sort and no host sync. The kernel's E come from Philox keyed by (seed, step), the reference's from
+torch generators: the same distribution, not the same draws.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+import numpy as np
 import torch
+
+from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
 
 
 @dataclass
@@ -45,15 +55,18 @@ def apply_penalties(
     vocab = logits.shape[1]
     for i, row in enumerate(rows):
         out_counts = torch.bincount(output_tokens[i], minlength=vocab).to(logits.dtype)
-        if repetition[i] != 1.0:
-            seen = out_counts > 0
-            seen[prompt_tokens[i]] = True
-            x = logits[row]
-            penalized = torch.where(x > 0, x / repetition[i], x * repetition[i])
-            logits[row] = torch.where(seen, penalized, x)
-        if presence[i] != 0.0 or frequency[i] != 0.0:
-            logits[row] -= frequency[i] * out_counts + presence[i] * (out_counts > 0).to(logits.dtype)
+        seen = out_counts > 0
+        seen[prompt_tokens[i]] = True
+        _penalize(logits, row, out_counts, seen, repetition[i], presence[i], frequency[i])
     return logits
+
+
+def _penalize(logits, row: int, out_counts, seen, repetition: float, presence: float, frequency: float) -> None:
+    if repetition != 1.0:
+        x = logits[row]
+        logits[row] = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    if presence != 0.0 or frequency != 0.0:
+        logits[row] -= frequency * out_counts + presence * (out_counts > 0).to(logits.dtype)
 
 
 def block_tokens(logits: torch.Tensor, rows: list[int], tokens: list[list[int]]) -> torch.Tensor:
@@ -89,13 +102,14 @@ def step_seed(seed: int, index: int) -> int:
     return mixed & (2**63 - 1)
 
 
-def sample(
+def draw_reference(
     logits: torch.Tensor,
     batch: SamplingBatch,
     out: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """logits [S, V] float32 (penalties already applied) -> out [S] int64, one token per row."""
+    """logits [S, V] float32 (penalties already applied) -> out [S] int64, one token per row: greedy rows the
+    argmax, sampled rows a draw from their kept set (the reference of everything the kernel does after penalties)."""
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         out.copy_(greedy)
@@ -131,31 +145,56 @@ def compute_logprobs(
     return chosen, top_ids, top_logprobs
 
 
-# ---- the CUDA sampler (csrc/sampling.cu) ------------------------------------------------------------------------
+
+
+# ---- the kernel's contract (csrc/sampling.h) ----------------------------------------------------------------------
 #
-# One call does penalties (from a counts table kept on the GPU), min_tokens blocking, greedy / temperature / top-k /
+# One call does penalties (from a counts table kept on the device), min_tokens blocking, greedy / temperature / top-k /
 # top-p / min-p sampling, the logprob of the drawn token and the top-N raw alternatives, for rows with different
-# parameters. Per-row parameters are a [S, 16] int32 device tensor packed by pack_sampler_rows; the draw of a row
-# depends only on its logits, its parameters, its seed and its step (Philox keyed by the seed, counted by step and
-# token id), never on the other rows. No host sync and no allocation inside, so it can be captured in a CUDA graph.
-
-SAMPLER_ROW_WORDS = 16
-SAMPLER_MAX_TOP_N = 64
-COUNT_MASK = (1 << 30) - 1  # counts table: output-token count in bits 0..29
-PROMPT_BIT = 1 << 30  # set when the token is in the prompt
+# parameters. Per-row parameters are a [S, words] int32 tensor packed by pack_sampler_rows; the draw of a row depends
+# only on its logits, its parameters, its seed and its step, never on the other rows. On the GPU: no host sync and no
+# allocation inside, so it can be captured in a CUDA graph.
 
 
-def sampler_available(device: torch.device) -> bool:
-    from ._native import has_cuda_kernels
+@dataclass(frozen=True)
+class SamplerRowLayout:
+    """The sampler row and counts table as csrc/sampling.h lays them out, read from the extension."""
 
-    return device.type == "cuda" and has_cuda_kernels()
+    words: int  # int32 words per row
+    fields: dict  # name -> (word offset, kind): "f" float32, "i" int32, "u" uint32
+    max_top_n: int  # most alternatives a row can ask for
+    count_mask: int  # counts table word: the output count in these bits ...
+    prompt_bit: int  # ... and this bit set when the token is in the prompt
+
+    def word(self, name: str) -> int:
+        return self.fields[name][0]
 
 
-def sampler_workspace(max_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """Scratch memory for sample_on_gpu with up to max_rows rows: allocate once, reuse every call."""
-    from ._native import native
+@lru_cache(maxsize=1)
+def sampler_row_layout() -> SamplerRowLayout:
+    m = native()
+    if m is None:
+        from ._native import import_error
 
+        raise RuntimeError(f"the sampler row layout comes from fastqwen._C, which did not import: {import_error()}")
+    return SamplerRowLayout(m.SAMPLER_ROW_WORDS, dict(m.SAMPLER_ROW_FIELDS), m.SAMPLER_MAX_TOP_N, m.COUNT_MASK,
+                            m.PROMPT_BIT)  # fmt: skip
+
+
+def sample_kernel_applies(on_gpu: bool, dtype: torch.dtype) -> bool:
+    """Whether sample runs the CUDA kernel (else sample_reference) for logits on the GPU or not, of this dtype."""
+    return kernel_applies("sample", on_gpu, dtype)
+
+
+def sampler_workspace(max_rows: int, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """Scratch memory for sample with up to max_rows rows: allocate once, reuse every call (None: the reference path
+    needs none)."""
+    if not sample_kernel_applies(device.type == "cuda", torch.float32):
+        return None
     return torch.empty(native().sampler_workspace_bytes(max_rows, vocab), dtype=torch.uint8, device=device)
+
+
+_INT32_MAX = 2**31 - 1
 
 
 def pack_sampler_rows(
@@ -173,23 +212,28 @@ def pack_sampler_rows(
     top_n=None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-row parameters as the kernel reads them: [S, 16] int32 (CPU, or `out`'s first S rows, e.g. pinned).
+    """Per-row parameters as the kernel reads them: [S, words] int32 (CPU, or `out`'s first S rows, e.g. pinned).
 
-    temperature 0 = greedy; top_k <= 0 off; top_p 1 off; min_p 0 off; seed any int (taken mod 2^64); step = index of
-    the draw within its request; slot = row of the counts table (-1 = no penalties); num_blocked = how many ids of
-    this row of `blocked` are banned; top_n = -1 for no logprobs, else the number of alternatives wanted.
+    temperature 0 = greedy; top_k <= 0 off, and any top_k at or above the vocabulary keeps every token (values past
+    int32 are stored as off); top_p 1 off; min_p 0 off; seed any int (taken mod 2^64); step = index of the draw
+    within its request; slot = row of the counts table (-1 = no penalties); num_blocked = how many ids of this row of
+    `blocked` are banned; top_n = -1 for no logprobs, else the number of alternatives wanted.
     Raises ValueError for values outside their ranges.
     """
-    import numpy as np
-
+    layout = sampler_row_layout()
     t = np.atleast_1d(np.asarray(temperature, dtype=np.float64))
     n = t.shape[0]
 
     def col(values, default, dtype):
-        a = np.full(n, default, dtype=dtype) if values is None else np.broadcast_to(np.asarray(values, dtype=dtype), (n,))
-        return a
+        return np.full(n, default, dtype=dtype) if values is None else np.broadcast_to(np.asarray(values, dtype=dtype), (n,))
 
-    k = col(top_k, 0, np.int64)
+    def top_k_col(values):  # Python ints of any size; past int32 a top_k keeps every token, as off does
+        if values is None:
+            return np.zeros(n, dtype=np.int64)
+        listed = [values] * n if np.ndim(values) == 0 else list(values)
+        return col([int(v) if 0 < int(v) <= _INT32_MAX else 0 for v in listed], 0, np.int64)
+
+    k = top_k_col(top_k)
     p = col(top_p, 1.0, np.float64)
     mp = col(min_p, 0.0, np.float64)
     rep = col(repetition, 1.0, np.float64)
@@ -206,108 +250,186 @@ def pack_sampler_rows(
         raise ValueError("sampler: min_p must be in [0, 1]")
     if not (np.isfinite(rep).all() and (rep > 0).all() and np.isfinite(pres).all() and np.isfinite(freq).all()):
         raise ValueError("sampler: repetition must be > 0, presence and frequency finite")
-    if not ((tn >= -1) & (tn <= SAMPLER_MAX_TOP_N)).all():
-        raise ValueError(f"sampler: top_n must be in [-1, {SAMPLER_MAX_TOP_N}]")
-    if (nb < 0).any() or (sl < -1).any() or (np.abs(k) >= 2**31).any() or (sl >= 2**31).any():
-        raise ValueError("sampler: num_blocked must be >= 0, slot >= -1, top_k and slot must fit in int32")
+    if not ((tn >= -1) & (tn <= layout.max_top_n)).all():
+        raise ValueError(f"sampler: top_n must be in [-1, {layout.max_top_n}]")
+    if (nb < 0).any() or (nb > _INT32_MAX).any() or (sl < -1).any() or (sl > _INT32_MAX).any():
+        raise ValueError("sampler: num_blocked must be >= 0, slot >= -1, and both must fit in int32")
     seeds = [0] * n if seed is None else ([seed] * n if isinstance(seed, int) else list(seed))
     steps = [0] * n if step is None else ([step] * n if isinstance(step, int) else list(step))
     if len(seeds) != n or len(steps) != n:
         raise ValueError("sampler: one seed and one step per row")
-    words = np.zeros((n, SAMPLER_ROW_WORDS), dtype=np.int32)
-    f = words.view(np.float32)
-    f[:, 0] = t
-    words[:, 1] = np.clip(k, -1, 2**31 - 1)
-    f[:, 2] = p
-    f[:, 3] = mp
+    words = np.zeros((n, layout.words), dtype=np.int32)
+    views = {"f": words.view(np.float32), "i": words, "u": words.view(np.uint32)}
+
+    def put(name, values):
+        offset, kind = layout.fields[name]
+        views[kind][:, offset] = values
+
     s64 = np.array([int(s) & (2**64 - 1) for s in seeds], dtype=np.uint64)
     st64 = np.array([int(s) & (2**64 - 1) for s in steps], dtype=np.uint64)
-    u = words.view(np.uint32)
-    u[:, 4] = (s64 & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    u[:, 5] = (s64 >> np.uint64(32)).astype(np.uint32)
-    u[:, 6] = (st64 & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    u[:, 7] = (st64 >> np.uint64(32)).astype(np.uint32)
-    words[:, 8] = sl
-    f[:, 9] = rep
-    f[:, 10] = pres
-    f[:, 11] = freq
-    words[:, 12] = nb
-    words[:, 13] = tn
+    low = np.uint64(0xFFFFFFFF)
+    put("temperature", t)
+    put("top_k", k)
+    put("top_p", p)
+    put("min_p", mp)
+    put("seed_lo", (s64 & low).astype(np.uint32))
+    put("seed_hi", (s64 >> np.uint64(32)).astype(np.uint32))
+    put("step_lo", (st64 & low).astype(np.uint32))
+    put("step_hi", (st64 >> np.uint64(32)).astype(np.uint32))
+    put("slot", sl)
+    put("repetition", rep)
+    put("presence", pres)
+    put("frequency", freq)
+    put("num_blocked", nb)
+    put("top_n", tn)
     if out is None:
         return torch.from_numpy(words)
     out[:n].numpy()[:] = words
     return out[:n]
 
 
-def sample_on_gpu(
+def unpack_sampler_rows(rows: torch.Tensor) -> dict[str, np.ndarray]:
+    """The fields of packed rows (any device), as numpy columns; seed and step as Python-int-ready uint64."""
+    layout = sampler_row_layout()
+    words = rows.detach().cpu().numpy()
+    views = {"f": words.view(np.float32), "i": words, "u": words.view(np.uint32)}
+    out = {name: views[kind][:, offset] for name, (offset, kind) in layout.fields.items()}
+    for name in ("seed", "step"):
+        out[name] = out.pop(f"{name}_lo").astype(np.uint64) | (out.pop(f"{name}_hi").astype(np.uint64) << np.uint64(32))
+    return out
+
+
+def sample(
     logits: torch.Tensor,
     rows: torch.Tensor,
     tokens: torch.Tensor,
-    workspace: torch.Tensor,
+    workspace: torch.Tensor | None = None,
     logprobs: torch.Tensor | None = None,
     top_ids: torch.Tensor | None = None,
     top_logprobs: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     blocked: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The CUDA sampler. logits [S, V] float32 or bfloat16 (raw: penalties are applied inside); rows [S, 16] int32
-    from pack_sampler_rows, on the device; writes tokens [S] int64, and for rows with top_n >= 0 logprobs [S]
+    """One token per row. logits [S, V] (raw: penalties are applied inside); rows [S, words] int32 from
+    pack_sampler_rows, on logits' device; writes tokens [S] int64, and for rows with top_n >= 0 logprobs [S]
     float32 (log-softmax of the raw logits at the token) and top_ids / top_logprobs [S, N]. counts [R, V] int32 is
-    the penalty table (see COUNT_MASK / PROMPT_BIT): the drawn token of a row with a slot is counted in it.
-    blocked [S, W] int32: min_tokens bans. Raises ValueError for bad arguments."""
-    from ._native import check_tensors, native, stream_of
+    the penalty table (see SamplerRowLayout): the drawn token of a row with a slot is counted in it. blocked [S, W]
+    int32: min_tokens bans.
 
-    if not logits.is_cuda or logits.dim() != 2:
-        raise ValueError("sample_on_gpu: logits must be a [S, V] CUDA tensor")
-    if logits.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"sample_on_gpu: logits must be float32 or bfloat16, not {logits.dtype}")
+    Where sample_kernel_applies (float32 / bfloat16 CUDA logits) this is the kernel of csrc/sampling.cu, which needs
+    a workspace from sampler_workspace; otherwise sample_reference. Raises ValueError for bad arguments."""
+    if logits.dim() != 2:
+        raise ValueError(f"sample: logits must be [S, V], got shape {tuple(logits.shape)}")
     s, vocab = logits.shape
-    dev = logits.device
-    check_tensors("sample_on_gpu", dev, None, logits=logits, rows=(rows, torch.int32), tokens=(tokens, torch.int64),
-                  workspace=(workspace, torch.uint8))  # fmt: skip
-    if tuple(rows.shape) != (s, SAMPLER_ROW_WORDS):
-        raise ValueError(f"sample_on_gpu: rows has shape {tuple(rows.shape)}, expected ({s}, {SAMPLER_ROW_WORDS})")
+    words = sampler_row_layout().words
+    if tuple(rows.shape) != (s, words):
+        raise ValueError(f"sample: rows has shape {tuple(rows.shape)}, expected ({s}, {words})")
     if tuple(tokens.shape) != (s,):
-        raise ValueError(f"sample_on_gpu: tokens has shape {tuple(tokens.shape)}, expected ({s},)")
+        raise ValueError(f"sample: tokens has shape {tuple(tokens.shape)}, expected ({s},)")
+    if not sample_kernel_applies(logits.is_cuda, logits.dtype):
+        return sample_reference(logits, rows, tokens, logprobs, top_ids, top_logprobs, counts, blocked)
+    dev = logits.device
+    if workspace is None:
+        raise ValueError("sample: the kernel needs a workspace (sampler_workspace)")
+    check_tensors("sample", dev, None, logits=logits, rows=(rows, torch.int32), tokens=(tokens, torch.int64),
+                  workspace=(workspace, torch.uint8))  # fmt: skip
+    args = native().SampleArgs()
+    args.logits, args.dtype, args.rows, args.vocab = logits.data_ptr(), dtype_code(logits.dtype), s, vocab
+    args.params, args.tokens = rows.data_ptr(), tokens.data_ptr()
+    args.workspace, args.workspace_bytes = workspace.data_ptr(), workspace.numel()
     if logprobs is not None:
-        check_tensors("sample_on_gpu", dev, None, logprobs=(logprobs, torch.float32))
+        check_tensors("sample", dev, None, logprobs=(logprobs, torch.float32))
         if tuple(logprobs.shape) != (s,):
-            raise ValueError(f"sample_on_gpu: logprobs has shape {tuple(logprobs.shape)}, expected ({s},)")
-    width = 0
+            raise ValueError(f"sample: logprobs has shape {tuple(logprobs.shape)}, expected ({s},)")
+        args.logprobs = logprobs.data_ptr()
     if top_ids is not None or top_logprobs is not None:
-        if top_ids is None or top_logprobs is None:
-            raise ValueError("sample_on_gpu: pass both top_ids and top_logprobs, or neither")
-        check_tensors("sample_on_gpu", dev, None, top_ids=(top_ids, torch.int64), top_logprobs=(top_logprobs, torch.float32))
-        width = top_ids.shape[1] if top_ids.dim() == 2 else -1
-        if top_ids.dim() != 2 or top_ids.shape[0] != s or top_logprobs.shape != top_ids.shape or width > SAMPLER_MAX_TOP_N:
-            raise ValueError(f"sample_on_gpu: top_ids / top_logprobs must both be [{s}, N <= {SAMPLER_MAX_TOP_N}]")
-    counts_rows = 0
+        _check_top(s, top_ids, top_logprobs)
+        check_tensors("sample", dev, None, top_ids=(top_ids, torch.int64), top_logprobs=(top_logprobs, torch.float32))
+        args.top_ids, args.top_logprobs, args.top_width = top_ids.data_ptr(), top_logprobs.data_ptr(), top_ids.shape[1]
     if counts is not None:
-        check_tensors("sample_on_gpu", dev, None, counts=(counts, torch.int32))
+        check_tensors("sample", dev, None, counts=(counts, torch.int32))
         if counts.dim() != 2 or counts.shape[1] != vocab:
-            raise ValueError(f"sample_on_gpu: counts must be [R, {vocab}]")
-        counts_rows = counts.shape[0]
-    blocked_width = 0
+            raise ValueError(f"sample: counts must be [R, {vocab}]")
+        args.counts, args.counts_rows = counts.data_ptr(), counts.shape[0]
     if blocked is not None:
-        check_tensors("sample_on_gpu", dev, None, blocked=(blocked, torch.int32))
+        check_tensors("sample", dev, None, blocked=(blocked, torch.int32))
         if blocked.dim() != 2 or blocked.shape[0] != s:
-            raise ValueError(f"sample_on_gpu: blocked must be [{s}, W]")
-        blocked_width = blocked.shape[1]
+            raise ValueError(f"sample: blocked must be [{s}, W]")
+        args.blocked, args.blocked_width = blocked.data_ptr(), blocked.shape[1]
+    args.stream = stream_of(logits)
+    native().sample(args)
+    return tokens
 
-    def ptr(t):
-        return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
-    native().sample(
-        ptr(logits), 0 if logits.dtype == torch.float32 else 2, s, vocab, ptr(rows), ptr(tokens), ptr(logprobs),
-        ptr(top_ids), ptr(top_logprobs), width, ptr(counts), counts_rows, ptr(blocked), blocked_width, ptr(workspace),
-        workspace.numel(), stream_of(logits),
+def _check_top(s: int, top_ids, top_logprobs) -> None:
+    limit = sampler_row_layout().max_top_n
+    if top_ids is None or top_logprobs is None:
+        raise ValueError("sample: pass both top_ids and top_logprobs, or neither")
+    if top_ids.dim() != 2 or top_ids.shape[0] != s or top_logprobs.shape != top_ids.shape or top_ids.shape[1] > limit:
+        raise ValueError(f"sample: top_ids / top_logprobs must both be [{s}, N <= {limit}]")
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor | None = None,
+    top_ids: torch.Tensor | None = None,
+    top_logprobs: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    blocked: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel's contract in PyTorch, from the same packed rows, counts table and bans: penalties from the counts
+    (output count and prompt bit), bans, draw_reference with each row's (seed, step) through step_seed, logprobs of
+    the raw logits, and the drawn token counted into the row's slot."""
+    layout = sampler_row_layout()
+    f = unpack_sampler_rows(rows)
+    s, vocab = logits.shape
+    raw = logits.float()
+    x = raw.clone()
+    slots = [int(v) if counts is not None and 0 <= v < counts.shape[0] else -1 for v in f["slot"]]
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            word = counts[slot].long()
+            _penalize(x, i, (word & layout.count_mask).to(x.dtype), word != 0, float(f["repetition"][i]),
+                      float(f["presence"][i]), float(f["frequency"][i]))  # fmt: skip
+    if blocked is not None and blocked.shape[1] > 0:
+        width = blocked.shape[1]
+        bans = [(i, blocked[i, : min(int(nb), width)].long().tolist()) for i, nb in enumerate(f["num_blocked"]) if nb > 0]
+        block_tokens(x, [i for i, _ in bans], [b for _, b in bans])
+    temps = torch.from_numpy(f["temperature"].astype(np.float32)).to(x.device)
+    top_k = torch.from_numpy(f["top_k"].astype(np.int64)).to(x.device)
+    top_p = torch.from_numpy(f["top_p"].astype(np.float32)).to(x.device)
+    min_p = torch.from_numpy(f["min_p"].astype(np.float32)).to(x.device)
+    sampled = temps > 0
+    batch = SamplingBatch(
+        temps, top_k, top_p, min_p, seeds=[step_seed(int(a), int(b)) for a, b in zip(f["seed"], f["step"])],
+        all_greedy=not bool(sampled.any()),
+        needs_filter=bool((sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0))).any()),
     )  # fmt: skip
+    drawn = torch.empty(s, dtype=torch.int64, device=x.device)
+    draw_reference(x, batch, drawn)
+    tokens.copy_(drawn)
+    top_n = f["top_n"]
+    if (top_n >= 0).any():
+        width = 0 if top_ids is None else top_ids.shape[1]
+        chosen, ids, lps = compute_logprobs(raw, drawn, min(vocab, width))
+        for i in np.nonzero(top_n >= 0)[0].tolist():
+            if logprobs is not None:
+                logprobs[i] = chosen[i]
+            n = min(int(top_n[i]), width, vocab)
+            if n:
+                top_ids[i, :n] = ids[i, :n]
+                top_logprobs[i, :n] = lps[i, :n]
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            counts[slot, drawn[i]] += 1
     return tokens
 
 
 def penalty_row(prompt_ids: list[int], output_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """A counts-table row for one request: output counts, PROMPT_BIT on prompt tokens. [V] int32 on device."""
+    """A counts-table row for one request: output counts, the prompt bit on prompt tokens. [V] int32 on device."""
     row = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab).to(torch.int32)
     if prompt_ids:
-        row[torch.tensor(prompt_ids, dtype=torch.int64)] |= PROMPT_BIT
+        row[torch.tensor(prompt_ids, dtype=torch.int64)] |= sampler_row_layout().prompt_bit
     return row.to(device, non_blocking=True)

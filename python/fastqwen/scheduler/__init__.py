@@ -1,4 +1,4 @@
-from .request import FinishReason, Request, RequestState
+from .request import FinishReason, Request, RequestState, SamplerState
 from .scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 
-__all__ = ["FinishReason", "Request", "RequestState", "ScheduledBatch", "ScheduledChunk", "Scheduler"]
+__all__ = ["FinishReason", "Request", "RequestState", "SamplerState", "ScheduledBatch", "ScheduledChunk", "Scheduler"]

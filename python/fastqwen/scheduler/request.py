@@ -15,6 +15,16 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class SamplerState:
+    """What the engine's sampler keeps for a request between steps (engine/sampler.py); the scheduler never reads it."""
+
+    seed: int | None = None  # the seed drawn once for a request that gave none
+    slot: int | None = None  # its row of the penalty counts table
+    counted: int = -1  # how many of its output tokens that row has counted (the one in flight included)
+    row: object | None = None  # its packed sampler row (numpy, step 0, no slot, no bans), packed once
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS or stop token
     LENGTH = "length"  # max_tokens or the context length
@@ -40,6 +50,7 @@ class Request:
     cached_in_tree: int = 0  # tokens of this request's prefix already inserted in the cache
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when it was first admitted: queue time = this - arrival_time
+    sampler: SamplerState = field(default_factory=SamplerState)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
