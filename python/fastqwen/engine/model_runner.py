@@ -77,9 +77,6 @@ class ModelRunner:
         self._source_rows_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self._source_rows = torch.zeros(2, self.staging.max_seqs, dtype=torch.int64, device=self.device)
 
-    def build_batch(self, scheduled: ScheduledBatch) -> ForwardBatch:
-        return self._build(scheduled)[0]
-
     def _build(self, scheduled: ScheduledBatch, size: int | None = None) -> tuple[ForwardBatch, int]:
         """The step's ForwardBatch, uploaded, and the padded graph size that replays it (0 = run eager; `size`: that
         size when the caller has it already)."""

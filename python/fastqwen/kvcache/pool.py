@@ -43,7 +43,3 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self._storage.numel() * self._storage.element_size()
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_pages * self.page_size
