@@ -165,18 +165,27 @@ def main() -> int:
     p.add_argument("--only", choices=["gpu", "cpu"], default=None, help="only the CUDA (gpu) or Python (cpu) mutants")
     p.add_argument("--work", type=Path, default=Path("/tmp/fastqwen-mutants"))
     p.add_argument("--out", type=Path, default=None, help="write mutations.log here")
+    p.add_argument("--phase", choices=["all", "build", "test"], default="all",
+                   help="build: only make the mutants (e.g. while other tests use the GPU); test: only test those made")
     args = p.parse_args()
     chosen = [m for m in MUTATIONS if args.only is None or m.cuda == (args.only == "gpu")]
-    package = installed_package()
     builds = {}
-    for mutation in chosen:
-        builds[mutation.name] = prepare(mutation, package, args.work / mutation.name, args.build_dir)
+    if args.phase != "test":
+        package = installed_package()
+        for mutation in chosen:
+            builds[mutation.name] = prepare(mutation, package, args.work / mutation.name, args.build_dir)
+    if args.phase == "build":
+        failed = [name for name, build in builds.items() if build is not None and build.wait() != 0]
+        print(f"built {len(builds) - len(failed)} of {len(builds)} mutants" + (f"; failed: {failed}" if failed else ""))
+        return 1 if failed else 0
     lines, caught = [], 0
     for mutation in chosen:
         work = args.work / mutation.name
-        build = builds[mutation.name]
-        if build is not None and build.wait() != 0:
-            verdict, tail = "ERROR (build failed)", (work / "build.log").read_text()[-2000:]
+        build = builds.get(mutation.name)
+        built = build.wait() == 0 if build is not None else not mutation.cuda or any((work / "fastqwen").glob("_C*.so"))
+        if not built:
+            log = work / "build.log"
+            verdict, tail = "ERROR (build failed)", log.read_text()[-2000:] if log.exists() else "not built"
         else:
             verdict, tail = run_tests(mutation, work)
         caught += verdict == "CAUGHT"
