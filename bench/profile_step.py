@@ -4,7 +4,8 @@ step's work (a CUDA-event timed replay of the same decode graph, sampler include
     python bench/profile_step.py --model Qwen3-8B --load-format dummy [--batch N] [--disable-overlap-schedule]
                                  [--disable-cuda-graph] [--json out]
 
-Parts (medians over the decode steps, milliseconds of host time):
+Parts (milliseconds of host time per engine.step call, means over the decode steps, so that they add up to the
+mean step call; step_ms and engine_step_call_ms are medians):
   schedule     Scheduler.schedule (a step that was not launched ahead) and Scheduler.schedule_ahead
   launch       ModelRunner.launch: fill the pinned buffers, enqueue the upload, the replay and the token copy
   collect      ModelRunner.collect: wait for the tokens; this is where the host waits for the GPU
@@ -85,31 +86,37 @@ def main() -> int:
 
     def median_ms(name: str) -> float:
         values = times.get(name, [])
-        return statistics.median(values[1:] if len(values) > 1 else values) * 1e3 if values else 0.0
+        return statistics.median(values) * 1e3 if values else 0.0
 
-    steps = len(ends)
-    # launch and both schedulers per step: their calls spread over the steps (with overlap, a step's launch may be a
-    # refused launch ahead plus an ordinary one, and schedule runs only when no step was launched ahead).
+    steps = len(times["engine_step"])
+
+    def per_step_ms(*names: str) -> float:
+        return sum(sum(times.get(name, [])) for name in names) / steps * 1e3
+
+    # Means per engine.step call, so the parts add up: every timed call runs inside engine.step, so the rest
+    # ("update") is the step's total minus its parts and cannot come out negative. (With overlap, a step's launch may
+    # be a refused launch ahead plus an ordinary one, and schedule runs only when no step was launched ahead.)
     parts = {
-        "launch": sum(times["launch"]) / steps * 1e3,
-        "collect": median_ms("collect"),
-        "schedule": (sum(times.get("schedule", [])) + sum(times.get("schedule_ahead", []))) / steps * 1e3,
+        "schedule": per_step_ms("schedule", "schedule_ahead"),
+        "launch": per_step_ms("launch"),
+        "collect": per_step_ms("collect"),
     }
-    parts["update"] = median_ms("engine_step") - sum(parts.values())
+    parts["update"] = per_step_ms("engine_step") - sum(parts.values())
     gaps = [b - a for a, b in zip(ends, ends[1:])]
     result = {
         "model": args.model,
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else str(engine.device),
         "cuda_graph": runner.graphs is not None,
         "overlap": engine.overlap,
         "prompt_tokens": args.prompt_len,
         "batch": args.batch,
         "decode_steps": steps,
         "steps_launched_ahead": engine.num_ahead_steps,
-        "step_ms": statistics.median(gaps) * 1e3,
-        "engine_step_call_ms": median_ms("engine_step"),
+        "step_ms": statistics.median(gaps) * 1e3,  # median time between the ends of consecutive steps
+        "engine_step_call_ms": median_ms("engine_step"),  # median duration of one engine.step call
+        "engine_step_call_mean_ms": per_step_ms("engine_step"),
         "gpu_ms": graph_replay_ms(runner, args.batch),
-        "host_ms": {k: round(v, 4) for k, v in parts.items()},
+        "host_ms": {k: round(v, 4) for k, v in parts.items()},  # means per engine.step call; they sum to the mean
     }
     # Host work besides the wait: with overlap it hides behind the GPU as long as it is below gpu_ms.
     result["host_ms_excluding_wait"] = round(sum(v for k, v in parts.items() if k != "collect"), 4)

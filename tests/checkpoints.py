@@ -99,8 +99,9 @@ def read_json(path: str) -> dict:
         return json.load(f)
 
 
-def engine_logits(llm, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy generation through the engine; returns the tokens and the float32 logits of every sampling step."""
+def engine_logits(llm, prompt_ids: list[int], max_tokens: int, whole_output: bool = False):
+    """Greedy generation through the engine; returns the tokens (or the whole RequestOutput, with whole_output) and
+    the float32 logits of every sampling step."""
     from fastqwen import SamplingParams
 
     runner = llm.engine.runner  # every step's logits pass through run_model, eager or CUDA-graph replay
@@ -118,7 +119,7 @@ def engine_logits(llm, prompt_ids: list[int], max_tokens: int) -> tuple[list[int
         out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
     finally:
         del runner.run_model
-    return out.token_ids, torch.cat([c for c in captured if c.shape[0] > 0]).float().cpu()
+    return out if whole_output else out.token_ids, torch.cat([c for c in captured if c.shape[0] > 0]).float().cpu()
 
 
 def hf_logits(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:

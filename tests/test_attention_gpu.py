@@ -1,9 +1,27 @@
-"""CUDA paged attention (decode and prefill/extend) against the float32 references, on fresh random inputs with
-scattered pages, lengths that are not multiples of the page size, split-KV, cached prefixes that end mid-page and
-mixed batches; outputs poisoned before each run."""
+"""CUDA paged attention (decode and prefill/extend) against references, outputs poisoned before each run.
+
+Two kinds of inputs. Random ones (scattered pages, lengths that are not multiples of the page size, split-KV, cached
+prefixes that end mid-page, mixed batches) against the float32 reference ops. And "planted" ones, up to 32k keys and
+past every split limit, against a float64 reference: one key in every 64-token tile has a large known score and a
+one-hot value, so every chunk of keys moves the output by several times the tolerance; each planted test first
+checks that about its own inputs (a mutant that skips a chunk or merges chunks with the wrong weights must fail it).
+
+Tolerances are relative to each output row's own scale (max |reference| over the 128 dims of a (token, head) row):
+u = 2^-8 for bf16, 2^-11 for fp16 (unit roundoff). The kernels round the softmax weights to the input dtype before
+P @ V (relative error <= u per weight) and round the output once (<= u); with the planted inputs' non-negative
+one-hot values that bounds the error by 2u of the row's scale, and the tests allow 4u. With random values of both
+signs the weight rounding errors do not add up coherently; the random tests allow 8u.
+
+Mutations these tests were run against (tests/mutation_check.py builds each into its own copy of the module and
+expects the named tests to fail; the log is in bench/results/2026-11-23-h100-tests/):
+  decode_skip_first_chunk, decode_merge_skips_last_chunk, decode_merge_equal_weights, decode_ignores_split_limit
+      -> test_decode_every_chunk_counts
+  prefill_skips_first_tile, prefill_no_rescale -> test_prefill_every_tile_counts
+"""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -43,11 +61,24 @@ def check(q, k_cache, v_cache, table, lens, workspace=None):
     paged_attention_decode(q, k_cache, v_cache, table, lens, scale, out, workspace)
     want = paged_attention_decode_reference(q, k_cache, v_cache, table, lens, scale)
     assert not torch.isnan(out).any(), "unwritten output"
-    # As for prefill: the softmax weights are rounded to the input dtype before P @ V, the output once more.
-    p_eps = 2**-8 if q.dtype == torch.bfloat16 else 2**-10
-    out_eps = 2**-7 if q.dtype == torch.bfloat16 else 2**-10
-    torch.testing.assert_close(out.float(), want.float(), rtol=2 * out_eps, atol=p_eps * float(v_cache.abs().max()))
+    assert_within_scale(out, want, 8 * unit_roundoff(q.dtype), "decode")
     return out
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+
+
+def assert_within_scale(out: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
+    """Every (token, head) row of out within rel times that row's own scale (max |want| over the head dim)."""
+    err = (out.double() - want.double()).abs().amax(-1)
+    scale = want.double().abs().amax(-1)
+    ratio = err / (rel * scale)
+    worst = float(ratio.max())
+    assert worst <= 1.0, (
+        f"{what}: {int((ratio > 1).sum())} of {ratio.numel()} rows differ by more than {rel:.1e} of their scale; "
+        f"worst {worst * rel:.2e} at row {divmod(int(ratio.argmax()), ratio.shape[-1])}"
+    )
 
 
 # Lengths around the split thresholds: chunks are >= 256 tokens, multiples of the 64-token tile, at most 32 per
@@ -130,11 +161,7 @@ def check_prefill(q, k_cache, v_cache, starts, table, lens, max_query_len=None):
     want = torch.empty_like(q)
     paged_attention_prefill_reference(q, k_cache, v_cache, starts, table, lens, scale, want)
     assert not torch.isnan(out).any(), "unwritten output"
-    # The kernel rounds the softmax weights to the input dtype before P @ V (relative error <= 2^-9 for bf16, 2^-11
-    # for fp16), so the absolute error is bounded by that times max |v|; the output is rounded once more (rtol).
-    p_eps = 2**-8 if q.dtype == torch.bfloat16 else 2**-10
-    out_eps = 2**-7 if q.dtype == torch.bfloat16 else 2**-10
-    torch.testing.assert_close(out.float(), want.float(), rtol=2 * out_eps, atol=p_eps * float(v_cache.abs().max()))
+    assert_within_scale(out, want, 8 * unit_roundoff(q.dtype), "prefill")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -189,3 +216,179 @@ def test_prefill_bad_arguments():
         paged_attention_prefill(q, k, v, starts, table[:1], lens, 0.1, out)
     with pytest.raises(ValueError, match="cpu"):
         paged_attention_prefill(q, k, v, starts, table, lens.cpu(), 0.1, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Planted keys: every chunk of keys counts, up to 32k keys and past every split limit.
+
+PLANT_PERIOD = 64  # one planted key per 64-token tile (the kernels' K/V tile), so every tile and chunk holds one
+PLANT_GAP = 20.0  # natural-log score of a planted key over the others: the others weigh e^-20 each
+MIN_CHUNK, KV_TILE = 256, 64  # mirrors kMinChunk in csrc/attention_decode.cu and kKVTile in csrc/paged_kv.cuh
+
+
+def decode_chunks(length: int) -> list[tuple[int, int]]:
+    """The split plan of csrc/attention_decode.cu: chunks of a multiple of 64 tokens, at least 256, at most
+    DECODE_MAX_SPLITS per sequence (so above 8192 tokens the chunks grow)."""
+    want = max(MIN_CHUNK, -(-length // DECODE_MAX_SPLITS))
+    chunk = -(-want // KV_TILE) * KV_TILE
+    return [(s, min(length, s + chunk)) for s in range(0, max(length, 1), chunk)]
+
+
+def make_planted_case(kv_heads, group, page_size, kv_lens, q_lens, dtype, seed):
+    """Paged K/V for sequences of kv_lens tokens, and queries for the last q_lens[b] tokens of each ([B, H, D] when
+    q_lens is None: decode). Every query head of KV head h is u_h plus a little noise (u_h: random signs); key p of a
+    sequence is planted when p % 64 == 0: beta * u_h with a score of PLANT_GAP + U(0, 1) + 0.5 p / len, and the value
+    e_d (one-hot; d runs through the head dim, so the keys of different tiles and chunks land in different dims).
+    The other keys and values are random and weigh e^-20 each. Returns (q, k_cache, v_cache, table, kv_lens) as
+    make_case does, plus the float64 keys and values of each sequence."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dim, heads = 128, kv_heads * group
+    u = torch.randint(0, 2, (kv_heads, dim), device="cuda", generator=gen).double() * 2 - 1
+    pages_per_seq = [-(-n // page_size) for n in kv_lens]
+    total_pages = sum(pages_per_seq) + 3
+    k_cache = torch.zeros(total_pages, page_size, kv_heads, dim, dtype=dtype, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    order = torch.randperm(total_pages, device="cuda", generator=gen)
+    table = torch.zeros(len(kv_lens), max(pages_per_seq), dtype=torch.int32, device="cuda")
+    keys, values, used = [], [], 0
+    for b, n in enumerate(kv_lens):
+        table[b, : pages_per_seq[b]] = order[used : used + pages_per_seq[b]].int()
+        used += pages_per_seq[b]
+        k = 0.3 * torch.randn(n, kv_heads, dim, device="cuda", generator=gen, dtype=torch.float64)
+        v = torch.randn(n, kv_heads, dim, device="cuda", generator=gen, dtype=torch.float64)
+        planted = torch.arange(0, n, PLANT_PERIOD, device="cuda")
+        score = PLANT_GAP + torch.rand(len(planted), kv_heads, device="cuda", generator=gen, dtype=torch.float64)
+        score += 0.5 * planted[:, None] / n
+        k[planted] = (score / math.sqrt(dim))[..., None] * u  # q . k * dim^-0.5 = score for q = u
+        v[planted] = 0
+        hot = (torch.arange(len(planted), device="cuda")[:, None] + 37 * torch.arange(kv_heads, device="cuda")) % dim
+        v[planted[:, None], torch.arange(kv_heads, device="cuda"), hot] = 1.0
+        k, v = k.to(dtype), v.to(dtype)
+        pos = torch.arange(n, device="cuda")
+        slots = table[b, pos // page_size].long() * page_size + pos % page_size
+        k_cache.view(-1, kv_heads, dim)[slots] = k
+        v_cache.view(-1, kv_heads, dim)[slots] = v
+        keys.append(k.double())
+        values.append(v.double())
+    rows = len(kv_lens) if q_lens is None else sum(q_lens)
+    q = u.repeat_interleave(group, 0) + 0.1 * torch.randn(rows, heads, dim, device="cuda", generator=gen, dtype=torch.float64)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    return q.to(dtype), k_cache, v_cache, table, lens, keys, values
+
+
+def chunk_pieces(q_rows, keys, values, chunks, scale):
+    """float64 log-sum-exp and normalized output of each chunk of keys, for query rows [R, H, D] that see all of
+    them: ([R, H, C], [R, H, C, D])."""
+    rows, heads, dim = q_rows.shape
+    kv_heads = keys.shape[1]
+    qg = q_rows.view(rows, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("rkgd,jkd->rkgj", qg, keys).reshape(rows, heads, -1) * scale
+    lse, out = [], []
+    for start, end in chunks:
+        s = scores[..., start:end]
+        lse.append(torch.logsumexp(s, -1))
+        p = torch.softmax(s, -1).view(rows, kv_heads, -1, end - start)
+        out.append(torch.einsum("rkgj,jkd->rkgd", p, values[start:end]).reshape(rows, heads, dim))
+    return torch.stack(lse, -1), torch.stack(out, -2)
+
+
+def merged(lse, out, weights=None):
+    """Chunks merged by their softmax mass (weights=None), or with the given weights [..., C] (mutants)."""
+    w = torch.softmax(lse, -1) if weights is None else weights / weights.sum(-1, keepdim=True)
+    return (w[..., None] * out).sum(-2)
+
+
+def assert_every_chunk_counts(lse, out, rel, what, margin=2.0):
+    """Skipping any one chunk, or merging the chunks with equal weights, moves some row of the output by at least
+    `margin` times the test's tolerance: so a mutant that does either fails the test."""
+    want = merged(lse, out)
+    tol = rel * want.abs().amax(-1)  # [R, H]
+    chunks = lse.shape[-1]
+    if chunks < 2:
+        return
+    for c in range(chunks):
+        keep = torch.ones(chunks, dtype=torch.bool, device=lse.device)
+        keep[c] = False
+        dropped = merged(lse[..., keep], out[..., keep, :])
+        moved = float(((dropped - want).abs().amax(-1) / tol).max())
+        assert moved >= margin, f"{what}: skipping chunk {c} of {chunks} moves the output by only {moved:.2f} x tol"
+    equal = merged(lse, out, torch.ones_like(lse))
+    moved = float(((equal - want).abs().amax(-1) / tol).max())
+    assert moved >= margin, f"{what}: an equal-weight merge of {chunks} chunks moves the output by only {moved:.2f} x tol"
+
+
+# Around and past the split limits: 256 (one chunk), 257 (two), 8192 (32 chunks of 256), 8193 / 9000 (32 chunks of
+# more than 256), 16384, 20000, 32768 (32 chunks of 512, 640, 1024).
+PLANTED_DECODE_LENGTHS = [1, 63, 64, 65, 255, 256, 257, 511, 1000, 4096, 4097, 8191, 8192, 8193, 9000, 16384, 20000, 32768]
+
+
+@pytest.mark.parametrize(
+    "dtype,group", [(torch.bfloat16, 1), (torch.bfloat16, 4), (torch.bfloat16, 8), (torch.float16, 4)]
+)
+def test_decode_every_chunk_counts(dtype, group):
+    lens = PLANTED_DECODE_LENGTHS
+    q, k_cache, v_cache, table, kv_lens, keys, values = make_planted_case(2, group, 16, lens, None, dtype, seed=group)
+    scale = 128**-0.5
+    workspace = decode_workspace(len(lens), q.shape[1], q.device)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_decode(q, k_cache, v_cache, table, kv_lens, scale, out, workspace)
+    assert not torch.isnan(out).any(), "unwritten output"
+    plans = [decode_chunks(n) for n in lens]
+    rel = 4 * unit_roundoff(dtype)
+    for b, n in enumerate(lens):
+        lse, parts = chunk_pieces(q[b : b + 1].double(), keys[b], values[b], plans[b], scale)
+        assert_every_chunk_counts(lse, parts, rel, f"length {n}")
+        assert_within_scale(out[b : b + 1], merged(lse, parts), rel, f"decode of {n} keys ({len(plans[b])} chunks)")
+    # The chunks checked above are the kernel's own (else the check would prove nothing about its chunks).
+    offsets = [0]
+    for plan in plans:
+        offsets.append(offsets[-1] + len(plan))
+    assert workspace.split_offsets[: len(lens) + 1].tolist() == offsets, "the kernel's split plan changed"
+
+
+def prefill_reference(q, keys, values, q_len, scale, block=512):
+    """float64 causal attention of the last q_len of len(keys) tokens, [q_len, H, D]."""
+    n, kv_heads, dim = keys.shape
+    heads = q.shape[1]
+    outs = []
+    for s in range(0, q_len, block):
+        e = min(q_len, s + block)
+        qg = q[s:e].double().view(e - s, kv_heads, heads // kv_heads, dim)
+        scores = torch.einsum("ikgd,jkd->ikgj", qg, keys) * scale
+        q_pos = torch.arange(n - q_len + s, n - q_len + e, device=q.device)
+        future = torch.arange(n, device=q.device)[None, :] > q_pos[:, None]  # [queries, keys]
+        scores.masked_fill_(future[:, None, None, :], float("-inf"))
+        outs.append(torch.einsum("ikgj,jkd->ikgd", torch.softmax(scores, -1), values).reshape(e - s, heads, dim))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    "q_lens,prefixes",
+    [
+        ([4096], [0]),  # a whole prompt: 64 tiles
+        ([300], [32768 - 300]),  # extend at the end of a 32768-token sequence: 512 tiles
+        ([1, 1, 129, 700, 1], [9000, 16383, 8000, 12000, 63]),  # decode rows beside extends past 8k and 16k keys
+    ],
+    ids=["prompt4096", "extend32768", "mixed"],
+)
+def test_prefill_every_tile_counts(q_lens, prefixes):
+    kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
+    q, k_cache, v_cache, table, lens, keys, values = make_planted_case(
+        2, 4, 16, kv_lens, q_lens, torch.bfloat16, seed=len(q_lens)
+    )
+    scale = 128**-0.5
+    starts = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+    out = torch.full_like(q, float("nan"))
+    paged_attention_prefill(q, k_cache, v_cache, starts, table, lens, scale, out)
+    assert not torch.isnan(out).any(), "unwritten output"
+    rel = 4 * unit_roundoff(torch.bfloat16)
+    first = 0
+    for b, (q_len, n) in enumerate(zip(q_lens, kv_lens)):
+        rows = slice(first, first + q_len)
+        first += q_len
+        # The last row sees every key: every 64-key tile of it must count.
+        tiles = [(s, min(n, s + KV_TILE)) for s in range(0, n, KV_TILE)]
+        lse, parts = chunk_pieces(q[rows][-1:].double(), keys[b], values[b], tiles, scale)
+        assert_every_chunk_counts(lse, parts, rel, f"sequence {b} ({n} keys)")
+        want = prefill_reference(q[rows], keys[b], values[b], q_len, scale)
+        assert_within_scale(out[rows], want, rel, f"prefill of {q_len} queries over {n} keys")

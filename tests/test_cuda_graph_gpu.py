@@ -1,4 +1,5 @@
-"""CUDA-graph decode against eager decode on the same engine settings: tokens, logits, padding, fallback."""
+"""CUDA-graph decode against eager decode on the same engine settings: tokens, logits, padding, fallback, and every
+captured batch size up to 256."""
 
 from __future__ import annotations
 
@@ -122,6 +123,30 @@ def test_graph_decode_matches_eager(folder, num_seqs):
         assert any(size > rows for rows, size in decode_steps), "no padded replay happened"
     if num_seqs == 17:
         assert any(size == 0 for _, size in decode_steps) and any(size > 0 for _, size in decode_steps)
+
+
+def test_graph_decode_matches_eager_at_every_captured_size(folder):
+    """One engine capturing every size up to 256 (1, 2, 4, 8 ... 64, 80 ... 256) against eager decode: 256 sequences
+    that finish one step apart, so the decode batch runs through every size from 256 down to 1 and each graph is
+    replayed, full and padded. Same tokens and logits within the tolerance at every step."""
+    rng = random.Random(256)
+    prompts = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 40))] for _ in range(256)]
+    max_tokens = [i + 2 for i in range(256)]  # the first decode step has 256 rows, the last one 1
+    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=8192, max_num_seqs=256, cuda_graph_max_bs=256)
+    graph_llm = LLM(folder, **kwargs)
+    sizes = graph_llm.engine.runner.graphs.sizes
+    assert sizes[-1] == 256 and len(sizes) > 16
+    graph_run = generate_recording(graph_llm, prompts, max_tokens)
+    del graph_llm
+    eager_run = generate_recording(LLM(folder, disable_cuda_graph=True, **kwargs), prompts, max_tokens)
+    compared, worst = compare(graph_run, eager_run)
+    print(f"every size: {compared} of {sum(max_tokens)} steps compared, largest logit difference {worst:.2e}")
+    assert compared >= 0.8 * sum(max_tokens), f"only {compared} of {sum(max_tokens)} steps compared"
+    decode_steps = [(rows, size) for rows, size, decode in graph_run[2] if decode]
+    assert all(size == 0 for _, size, _ in eager_run[2])
+    assert all(size >= rows for rows, size in decode_steps), "a decode step ran eagerly or in too small a graph"
+    assert {size for _, size in decode_steps} == set(sizes), "not every captured graph was replayed"
+    assert {rows for rows, size in decode_steps if rows == size} == set(sizes), "not every graph ran full"
 
 
 def test_padding_rows_write_no_kv_and_logits_match_eager(folder):

@@ -118,7 +118,7 @@ def test_kernel_engine_matches_reference_op_engine(bf16_checkpoint, monkeypatch)
     prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 150, 400)]  # the checkpoint holds 512
     kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=1024, max_num_batched_tokens=256)
     monkeypatch.setattr(_native, "_has_cuda", False)  # every op takes its reference path
-    reference_llm = LLM(folder, disable_cuda_graph=True, **kwargs)
+    reference_llm = LLM(folder, disable_cuda_graph=True, allow_reference_on_gpu=True, **kwargs)
     references = [engine_logits(reference_llm, p, 32) for p in prompts]
     del reference_llm
     monkeypatch.undo()

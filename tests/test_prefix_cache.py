@@ -133,6 +133,35 @@ def test_shared_prefix_workload_computes_a_fraction_of_the_prefill(folder):
     clean(cached)
 
 
+def test_eviction_takes_the_least_recently_used_prefix(folder):
+    """Through the engine: prompts A, B, C are cached in that order, then A is used again; a prompt D that needs
+    more pages than are free evicts B (least recently used), not A (used last) nor C. Afterwards A still hits the
+    cache and B does not.
+
+    Mutation check (run once on the CPU, not committed): making RadixCache.evict take the most recently used leaf
+    first (heap key -last_access) makes this test fail (A is evicted, B kept); so does evicting in insertion order
+    (A first)."""
+    rng = random.Random(6)
+    a, b, c = (words(rng, 16) for _ in range(3))  # 4 pages of 4 tokens each, all cached when the request ends
+    d = words(rng, 24)  # 6 pages
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=16)
+    cache = llm.engine.cache
+    for prompt in (a, b, c):
+        assert llm.generate([prompt], one, use_tqdm=False)[0].num_cached_tokens == 0
+    assert cache.num_pages == 12 and llm.engine.kv.allocator.num_free() == 4
+    assert llm.generate([a], one, use_tqdm=False)[0].num_cached_tokens == 12  # A is now the most recently used
+    evictions = []
+    evict = cache.evict
+    cache.evict = lambda n: evictions.append(evict(n)) or evictions[-1]
+    assert llm.generate([d], one, use_tqdm=False)[0].num_cached_tokens == 0
+    assert evictions == [4], f"D needed 2 more pages than were free; one 4-page leaf should go, freed {evictions}"
+    assert llm.generate([a], one, use_tqdm=False)[0].num_cached_tokens == 12, "A (used last) was evicted"
+    assert llm.generate([c], one, use_tqdm=False)[0].num_cached_tokens == 12, "C was evicted before B"
+    assert llm.generate([b], one, use_tqdm=False)[0].num_cached_tokens == 0, "B (least recently used) was kept"
+    clean(llm)
+
+
 # ---- property-based: the scheduler, the cache and the allocator without a model ------------------------------
 
 

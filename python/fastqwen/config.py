@@ -221,6 +221,7 @@ class EngineConfig:
     disable_cuda_graph: bool = _knob(False, "run decode steps eagerly instead of replaying captured CUDA graphs")
     cuda_graph_max_bs: int = _knob(256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
     disable_overlap_schedule: bool = _knob(False, "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
+    allow_reference_on_gpu: bool = _knob(False, "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1")
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:

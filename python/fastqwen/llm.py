@@ -26,7 +26,7 @@ class LLM:
     def __init__(self, model: str | EngineConfig, **knobs):
         """knobs: any EngineConfig field (dtype, device, page_size, max_num_seqs, max_num_batched_tokens, num_pages,
         max_model_len, load_format, gpu_memory_utilization, seed, enable_prefix_caching, disable_cuda_graph,
-        cuda_graph_max_bs, disable_overlap_schedule); config.EngineConfig documents them and their defaults."""
+        cuda_graph_max_bs, disable_overlap_schedule, allow_reference_on_gpu); config.EngineConfig documents them and their defaults."""
         self.engine = LLMEngine(EngineConfig.build(model, **knobs))
         self.frontend = Frontend.for_engine(self.engine.info)
         self._trackers: dict[int, RequestTracker] = {}  # requests queued and not finished

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Callable, Protocol
 
 from ..errors import InvalidRequestError
+from ..kvcache import InvariantError
 from .llm_engine import LLMEngine
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 
@@ -123,10 +124,14 @@ class InProcessEngineClient:
                 self._on_death(e)
 
     def _check_invariants(self) -> None:
+        """A violation takes the engine out of service: the error ends the loop (so /health answers 503 and every
+        request fails) instead of serving on a pool where a page may be shared by two requests or lost."""
         try:
             self._engine.check_invariants()
-        except AssertionError:
-            logger.critical("KV page ownership invariant FAILED while idle: pages leaked or double-owned", exc_info=True)
+        except InvariantError as e:
+            logger.error("KV page ownership invariant violated while idle, pages %s: %s; taking the engine out of "
+                         "service", e.pages, e)  # fmt: skip
+            raise
 
     def _take_commands(self) -> list[RequestDelta]:
         """Apply every queued command; a request the engine refuses comes back as an error delta."""

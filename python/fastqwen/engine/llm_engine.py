@@ -18,6 +18,7 @@ from ..config import EngineConfig, load_model_config, resolve_dtype
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
+from ..ops import _native
 from ..errors import InvalidRequestError
 from ..scheduler import Request, Scheduler
 from ..weights import dummy_weights, load_weights
@@ -50,6 +51,33 @@ def _unrecoverable(error: BaseException) -> bool:
 # KV pool size on the CPU reference path when num_pages is not given.
 _CPU_KV_BYTES = 1 << 30
 
+# Set to 1 to run the PyTorch reference ops on a GPU on purpose (the same as EngineConfig.allow_reference_on_gpu).
+ALLOW_REFERENCE_ENV = "FASTQWEN_ALLOW_REFERENCE_ON_GPU"
+
+
+def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
+    """Refuse to run on a CUDA device with a native module built without the CUDA kernels (pip found no nvcc):
+    every op would silently take its PyTorch reference, many times slower and without CUDA graphs. Allowed when the
+    caller asks for the reference path: allow_reference, FASTQWEN_ALLOW_REFERENCE_ON_GPU=1, or
+    FASTQWEN_DISABLE_CUDA_KERNELS=1 (which turns the kernels off on purpose)."""
+    if device.type != "cuda" or _native.has_cuda_kernels():
+        return
+    env = lambda name: os.environ.get(name, "") not in ("", "0")  # noqa: E731
+    if allow_reference or env(ALLOW_REFERENCE_ENV) or env("FASTQWEN_DISABLE_CUDA_KERNELS"):
+        log.warning("running the PyTorch reference ops on %s, as asked: slow, and no CUDA graphs", device)
+        return
+    if _native.native() is None:
+        why = f"the native module fastqwen._C does not import ({_native.import_error()})"
+    else:
+        why = "the native module fastqwen._C was built without the CUDA kernels (no nvcc was found at build time)"
+    raise RuntimeError(
+        f"{why}, so on {device} every op would run its slow PyTorch reference. Build the kernels: put the CUDA "
+        "toolkit's nvcc on PATH (or set CUDACXX) and reinstall with `pip install --no-build-isolation --no-deps .` "
+        "(other GPUs than Hopper: add -Ccmake.define.FASTQWEN_CUDA_ARCHS=80); `python -c \"import fastqwen._C as c; "
+        "print(c.built_with_cuda)\"` must print True. To run the reference path on the GPU anyway, pass "
+        f"allow_reference_on_gpu=True (--allow-reference-on-gpu) or set {ALLOW_REFERENCE_ENV}=1."
+    )
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | str, **knobs):
@@ -59,6 +87,7 @@ class LLMEngine:
         max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         device = config.device
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        check_kernels_for(self.device, config.allow_reference_on_gpu)
         self.config, self.generation_defaults = load_model_config(model)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
         self.max_model_len = config.max_model_len or self.config.max_position_embeddings

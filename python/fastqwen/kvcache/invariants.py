@@ -3,11 +3,17 @@ once by the prefix cache if it holds it. So free + used by requests + held only 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 
 class InvariantError(AssertionError):
-    pass
+    """pages: the pages found in violation (those named in the message), for the log of whoever takes the pool out
+    of service."""
+
+    def __init__(self, message: str, pages: list[int] | None = None):
+        super().__init__(message)
+        self.pages = pages or []
 
 
 def check_kv_invariants(allocator, cache, running, waiting) -> None:
@@ -15,28 +21,34 @@ def check_kv_invariants(allocator, cache, running, waiting) -> None:
     try:
         allocator.check()
     except RuntimeError as e:
-        raise InvariantError(f"allocator: {e}") from e
+        raise InvariantError(f"allocator: {e}", [int(t) for t in re.findall(r"page (\d+)", str(e))]) from e
     expected: Counter[int] = Counter()
     by_requests: set[int] = set()
     for request in running:
         if len(set(request.pages)) != len(request.pages):
-            raise InvariantError(f"request {request.rid} maps a page twice")
+            twice = sorted(p for p, n in Counter(request.pages).items() if n > 1)
+            raise InvariantError(f"request {request.rid} maps pages {twice} twice", twice)
         expected.update(request.pages)
         by_requests.update(request.pages)
     for request in waiting:
         if request.pages or request.cache_node is not None:
-            raise InvariantError(f"waiting request {request.rid} holds pages or a cache lock")
+            raise InvariantError(f"waiting request {request.rid} holds pages {request.pages} or a cache lock", request.pages)
     in_cache = cache.pages() if cache is not None else []
     if len(set(in_cache)) != len(in_cache):
-        raise InvariantError("the prefix cache holds a page twice")
+        twice = sorted(p for p, n in Counter(in_cache).items() if n > 1)
+        raise InvariantError(f"the prefix cache holds pages {twice} twice", twice)
     expected.update(in_cache)
     total = allocator.num_total()
-    for page in range(total):
-        if allocator.refcount(page) != expected[page]:
-            raise InvariantError(
-                f"page {page} has refcount {allocator.refcount(page)} but {expected[page]} owners "
-                f"({'in' if page in set(in_cache) else 'not in'} the cache)"
-            )
+    cached = set(in_cache)
+    wrong = [page for page in range(total) if allocator.refcount(page) != expected[page]]
+    if wrong:
+        shown = ", ".join(
+            f"page {page} has refcount {allocator.refcount(page)} but {expected[page]} owners "
+            f"({'in' if page in cached else 'not in'} the cache)"
+            for page in wrong[:16]
+        )
+        more = f" and {len(wrong) - 16} more" if len(wrong) > 16 else ""
+        raise InvariantError(f"{len(wrong)} pages with the wrong reference count: {shown}{more}", wrong)
     cache_only = len(set(in_cache) - by_requests)
     if allocator.num_free() + len(by_requests) + cache_only != total:
         raise InvariantError(

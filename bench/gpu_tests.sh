@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The test run whose log is committed: build, every test (GPU ones included), then the mutants of
+# tests/mutation_check.py (each must make its tests fail). The mutants compile while the tests run.
+#   bash bench/gpu_tests.sh OUTDIR          -> build.log, tests.log, mutations.log, summary.txt
+set -u -o pipefail
+OUT="${1:?usage: bash bench/gpu_tests.sh OUTDIR}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
+shift  # the rest: extra pytest arguments
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then  # packages missing on the machine (fastapi, uvicorn, ...)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1; head -n 12 "$OUT/nvidia-smi.txt"
+BUILD=/tmp/fastqwen-build
+start=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps -v -Cbuild-dir=$BUILD . > "$OUT/build.log" 2>&1
+build_rc=$?
+echo "build rc=$build_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log"
+(cd /tmp && python3 -c "import fastqwen._C as c, torch; print('built_with_cuda', c.built_with_cuda, '| torch', torch.__version__, '|', torch.cuda.get_device_name())") 2>&1 | tee -a "$OUT/build.log"
+[ "$build_rc" -eq 0 ] || { tail -n 40 "$OUT/build.log"; exit 1; }
+python3 tests/mutation_check.py --build-dir $BUILD --phase build > "$OUT/mutants_build.log" 2>&1 &
+mutants=$!
+date -u +"tests started %Y-%m-%dT%H:%M:%SZ" > "$OUT/tests.log"
+timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -rs -p no:cacheprovider --durations=12 tests "$@" 2>&1 | tee -a "$OUT/tests.log" | tail -n 40
+tests_rc=${PIPESTATUS[0]}
+echo "tests rc=$tests_rc" | tee -a "$OUT/tests.log"
+wait $mutants; cat "$OUT/mutants_build.log"
+timeout "${MUTANTS_TIMEOUT:-200}" python3 tests/mutation_check.py --build-dir $BUILD --phase test --out "$OUT" 2>&1 | tail -n 3
+mutants_rc=${PIPESTATUS[0]}
+echo "build rc=$build_rc tests rc=$tests_rc mutants rc=$mutants_rc" | tee "$OUT/summary.txt"
+[ "$tests_rc" -eq 0 ] && [ "$mutants_rc" -eq 0 ]
