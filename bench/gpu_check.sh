@@ -128,6 +128,9 @@ stage_serving() {
   echo "== serving: random weights behind the HTTP server"
   python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   python3 bench/make_dummy_checkpoint.py --preset Qwen3-0.6B --out /tmp/qwen3-0.6b-dummy
+  # The decode step at batch 256 with 640 cached tokens, the middle of this workload's 128..1152 (ITL's yardstick).
+  run profile_8b_b256_ctx640 150 python3 bench/profile_step.py --model Qwen3-8B --batch 256 --prompt-len 640 --steps 32 \
+    --json "$OUT/profile_8b_b256_ctx640.json"
   start_server server_8b.log /tmp/qwen3-8b-dummy
   run http_latency_8b 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 1024 4096 \
     --new-tokens 64 --url http://127.0.0.1:8000 --http-only --json "$OUT/http_latency_8b.json"
@@ -176,6 +179,9 @@ stage_serving15() {  # the engine-core process bars: HTTP against offline, same 
   python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   run throughput_8b_128x1024 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
     --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_128x1024.json"
+  # The decode step at batch 256 with 640 cached tokens, the middle of this workload's 128..1152 (ITL's yardstick).
+  run profile_8b_b256_ctx640 150 python3 bench/profile_step.py --model Qwen3-8B --batch 256 --prompt-len 640 --steps 32 \
+    --json "$OUT/profile_8b_b256_ctx640.json"
   start_server server_8b.log /tmp/qwen3-8b-dummy
   run http_latency_8b 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 256 \
     --new-tokens 64 --url http://127.0.0.1:8000 --http-only --json "$OUT/http_latency_8b.json"
