@@ -177,8 +177,9 @@ bench_serving() {  # bench_serving NAME BACKEND... : SGLang's client against the
 stage_serving15() {  # the engine-core process bars: HTTP against offline, same run (issue 15)
   echo "== serving with the engine core process: random Qwen3-8B, 128 in / 1024 out"
   python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
-  run throughput_8b_128x1024 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
-    --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_128x1024.json"
+  # 512 requests, as the HTTP runs below (256 run at once: two waves).
+  run throughput_8b_128x1024_512 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
+    --num-prompts 512 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_128x1024_512.json"
   # The decode step at batch 256 with 640 cached tokens, the middle of this workload's 128..1152 (ITL's yardstick).
   run profile_8b_b256_ctx640 150 python3 bench/profile_step.py --model Qwen3-8B --batch 256 --prompt-len 640 --steps 32 \
     --json "$OUT/profile_8b_b256_ctx640.json"
