@@ -8,6 +8,7 @@ mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 shift  # the rest: extra pytest arguments
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+export FASTQWEN_RESULTS_DIR="$OUT"  # tests record the figures they measured (tests/checkpoints.py record_result)
 if compgen -G ".whl/*.whl" > /dev/null; then  # packages missing on the machine (fastapi, uvicorn, ...)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,7 +24,7 @@ echo "build rc=$build_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.lo
 python3 tests/mutation_check.py --build-dir $BUILD --phase build > "$OUT/mutants_build.log" 2>&1 &
 mutants=$!
 date -u +"tests started %Y-%m-%dT%H:%M:%SZ" > "$OUT/tests.log"
-timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -rs -p no:cacheprovider --durations=12 tests "$@" 2>&1 | tee -a "$OUT/tests.log" | tail -n 40
+timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -v -rs -p no:cacheprovider --durations=12 tests "$@" 2>&1 | tee -a "$OUT/tests.log" | tail -n 40
 tests_rc=${PIPESTATUS[0]}
 echo "tests rc=$tests_rc" | tee -a "$OUT/tests.log"
 wait $mutants; cat "$OUT/mutants_build.log"

@@ -94,6 +94,19 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def record_result(filename: str, key: str, value) -> None:
+    """Adds key: value to FASTQWEN_RESULTS_DIR/filename (JSON) when that variable is set (bench/gpu_tests.sh sets it),
+    so a GPU run keeps the figures a test measured."""
+    folder = os.environ.get("FASTQWEN_RESULTS_DIR")
+    if not folder:
+        return
+    path = os.path.join(folder, filename)
+    data = read_json(path) if os.path.exists(path) else {}
+    data[key] = value
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -154,7 +154,9 @@ def run_tests(mutation: Mutation, work: Path) -> tuple[str, str]:
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests],
         env=env, cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
-    tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    errors = [line for line in lines if line.startswith("E  ")][:12]  # the assertion that caught it
+    tail = "\n".join(errors + lines[-3:])
     verdict = {0: "SURVIVED", 1: "CAUGHT"}.get(result.returncode, f"ERROR (pytest exit {result.returncode})")
     return verdict, tail
 

@@ -31,6 +31,8 @@ from fastqwen.ops import decode_workspace, paged_attention_decode, paged_attenti
 from fastqwen.ops._native import has_cuda_kernels, native
 from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
 
+from checkpoints import record_result
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"),
@@ -69,8 +71,9 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
 
 
-def assert_within_scale(out: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
-    """Every (token, head) row of out within rel times that row's own scale (max |want| over the head dim)."""
+def assert_within_scale(out: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> float:
+    """Every (token, head) row of out within rel times that row's own scale (max |want| over the head dim).
+    Returns the worst error as a fraction of the tolerance."""
     err = (out.double() - want.double()).abs().amax(-1)
     scale = want.double().abs().amax(-1)
     ratio = err / (rel * scale)
@@ -79,6 +82,7 @@ def assert_within_scale(out: torch.Tensor, want: torch.Tensor, rel: float, what:
         f"{what}: {int((ratio > 1).sum())} of {ratio.numel()} rows differ by more than {rel:.1e} of their scale; "
         f"worst {worst * rel:.2e} at row {divmod(int(ratio.argmax()), ratio.shape[-1])}"
     )
+    return worst
 
 
 # Lengths around the split thresholds: chunks are >= 256 tokens, multiples of the 64-token tile, at most 32 per
@@ -298,23 +302,39 @@ def merged(lse, out, weights=None):
     return (w[..., None] * out).sum(-2)
 
 
-def assert_every_chunk_counts(lse, out, rel, what, margin=2.0):
+def assert_every_chunk_counts(lse, out, rel, what, margin=2.0) -> dict:
     """Skipping any one chunk, or merging the chunks with equal weights, moves some row of the output by at least
-    `margin` times the test's tolerance: so a mutant that does either fails the test."""
+    `margin` times the test's tolerance: so a mutant that does either fails the test. Returns the smallest such
+    moves, in tolerances."""
     want = merged(lse, out)
     tol = rel * want.abs().amax(-1)  # [R, H]
     chunks = lse.shape[-1]
     if chunks < 2:
-        return
+        return {"chunks": chunks}
+    smallest_skip = float("inf")
     for c in range(chunks):
         keep = torch.ones(chunks, dtype=torch.bool, device=lse.device)
         keep[c] = False
         dropped = merged(lse[..., keep], out[..., keep, :])
         moved = float(((dropped - want).abs().amax(-1) / tol).max())
         assert moved >= margin, f"{what}: skipping chunk {c} of {chunks} moves the output by only {moved:.2f} x tol"
+        smallest_skip = min(smallest_skip, moved)
     equal = merged(lse, out, torch.ones_like(lse))
     moved = float(((equal - want).abs().amax(-1) / tol).max())
     assert moved >= margin, f"{what}: an equal-weight merge of {chunks} chunks moves the output by only {moved:.2f} x tol"
+    return {"chunks": chunks, "skip_moves_tol": round(smallest_skip, 2), "equal_merge_moves_tol": round(moved, 2)}
+
+
+def check_each(cases, check) -> None:
+    """check(case) for every case; fails afterwards listing every case that failed (a mutant's log then shows all
+    the lengths it breaks, not only the first)."""
+    failures = []
+    for case in cases:
+        try:
+            check(case)
+        except AssertionError as e:
+            failures.append(str(e).splitlines()[0])
+    assert not failures, f"{len(failures)} of {len(cases)} failed:\n" + "\n".join(failures)
 
 
 # Around and past the split limits: 256 (one chunk), 257 (two), 8192 (32 chunks of 256), 8193 / 9000 (32 chunks of
@@ -335,10 +355,18 @@ def test_decode_every_chunk_counts(dtype, group):
     assert not torch.isnan(out).any(), "unwritten output"
     plans = [decode_chunks(n) for n in lens]
     rel = 4 * unit_roundoff(dtype)
-    for b, n in enumerate(lens):
+    figures = {}
+
+    def check_sequence(b):
+        n = lens[b]
         lse, parts = chunk_pieces(q[b : b + 1].double(), keys[b], values[b], plans[b], scale)
-        assert_every_chunk_counts(lse, parts, rel, f"length {n}")
-        assert_within_scale(out[b : b + 1], merged(lse, parts), rel, f"decode of {n} keys ({len(plans[b])} chunks)")
+        figures[n] = assert_every_chunk_counts(lse, parts, rel, f"length {n}")
+        figures[n]["error_tol"] = round(
+            assert_within_scale(out[b : b + 1], merged(lse, parts), rel, f"decode of {n} keys ({len(plans[b])} chunks)"), 3
+        )
+
+    check_each(range(len(lens)), check_sequence)
+    record_result("planted_attention.json", f"decode_{str(dtype).removeprefix('torch.')}_group{group}", figures)
     # The chunks checked above are the kernel's own (else the check would prove nothing about its chunks).
     offsets = [0]
     for plan in plans:
@@ -382,13 +410,20 @@ def test_prefill_every_tile_counts(q_lens, prefixes):
     paged_attention_prefill(q, k_cache, v_cache, starts, table, lens, scale, out)
     assert not torch.isnan(out).any(), "unwritten output"
     rel = 4 * unit_roundoff(torch.bfloat16)
-    first = 0
-    for b, (q_len, n) in enumerate(zip(q_lens, kv_lens)):
-        rows = slice(first, first + q_len)
-        first += q_len
+    firsts = [sum(q_lens[:b]) for b in range(len(q_lens))]
+    figures = {}
+
+    def check_sequence(b):
+        q_len, n = q_lens[b], kv_lens[b]
+        rows = slice(firsts[b], firsts[b] + q_len)
         # The last row sees every key: every 64-key tile of it must count.
         tiles = [(s, min(n, s + KV_TILE)) for s in range(0, n, KV_TILE)]
         lse, parts = chunk_pieces(q[rows][-1:].double(), keys[b], values[b], tiles, scale)
-        assert_every_chunk_counts(lse, parts, rel, f"sequence {b} ({n} keys)")
+        figures[f"{q_len}/{n}"] = assert_every_chunk_counts(lse, parts, rel, f"sequence {b} ({n} keys)")
         want = prefill_reference(q[rows], keys[b], values[b], q_len, scale)
-        assert_within_scale(out[rows], want, rel, f"prefill of {q_len} queries over {n} keys")
+        figures[f"{q_len}/{n}"]["error_tol"] = round(
+            assert_within_scale(out[rows], want, rel, f"prefill of {q_len} queries over {n} keys"), 3
+        )
+
+    check_each(range(len(q_lens)), check_sequence)
+    record_result("planted_attention.json", f"prefill_{len(q_lens)}seq_{max(kv_lens)}", figures)

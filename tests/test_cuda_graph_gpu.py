@@ -10,7 +10,7 @@ import torch
 
 from fastqwen import LLM, SamplingParams
 
-from checkpoints import make_checkpoint
+from checkpoints import make_checkpoint, record_result
 
 pytestmark = [
     pytest.mark.gpu,
@@ -140,7 +140,9 @@ def test_graph_decode_matches_eager_at_every_captured_size(folder):
     del graph_llm
     eager_run = generate_recording(LLM(folder, disable_cuda_graph=True, **kwargs), prompts, max_tokens)
     compared, worst = compare(graph_run, eager_run)
-    print(f"every size: {compared} of {sum(max_tokens)} steps compared, largest logit difference {worst:.2e}")
+    record_result("cuda_graph_every_size.json", "graph_vs_eager", {
+        "sizes": sizes, "steps_compared": compared, "steps": sum(max_tokens), "max_logit_diff_of_largest": worst,
+    })  # fmt: skip
     assert compared >= 0.8 * sum(max_tokens), f"only {compared} of {sum(max_tokens)} steps compared"
     decode_steps = [(rows, size) for rows, size, decode in graph_run[2] if decode]
     assert all(size == 0 for _, size, _ in eager_run[2])

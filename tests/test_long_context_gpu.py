@@ -19,7 +19,7 @@ from fastqwen import LLM, ops
 from fastqwen.ops import _native
 from fastqwen.ops import attention as attention_ops
 
-from checkpoints import engine_logits, make_checkpoint
+from checkpoints import engine_logits, make_checkpoint, record_result
 
 LOGIT_TOLERANCE = 0.02  # of the largest |logit| of the reference, as in test_engine_gpu.py
 NEW_TOKENS = 8
@@ -81,31 +81,34 @@ def setup(tmp_path_factory):
     return folder, prompts, reference, skipped
 
 
-def compare(name: str, got, want) -> int:
+def compare(name: str, got, want) -> tuple[int, float]:
     """Logits within the tolerance while the tokens agree; tokens may part only where the reference's top-1 margin
-    is within twice the tolerance. Returns the number of steps compared."""
+    is within twice the tolerance. Returns the number of steps compared and the largest difference seen (as a
+    fraction of the largest reference logit)."""
     tokens, logits = got
     ref_tokens, ref_logits = want
     scale = ref_logits.abs().max().item()
     top2 = ref_logits.topk(2, dim=-1).values
-    compared = 0
+    compared, worst = 0, 0.0
     for k in range(len(ref_tokens)):
         diff = (logits[k] - ref_logits[k]).abs().max().item()
         assert diff <= LOGIT_TOLERANCE * scale, f"{name} step {k}: logits differ by {diff / scale:.3%} of the largest"
-        compared += 1
+        compared, worst = compared + 1, max(worst, diff / scale)
         if tokens[k] != ref_tokens[k]:
             margin = (top2[k, 0] - top2[k, 1]).item()
             assert margin <= 2 * LOGIT_TOLERANCE * scale, f"{name} step {k}: token differs at margin {margin:.2f}"
             break
-    return compared
+    return compared, worst
 
 
 def test_the_tolerance_sees_a_skipped_chunk(setup):
     _, _, reference, skipped = setup
+    moves = {}
     for name in PROMPT_LENS:
         ref_logits = reference[name][1]
-        moved = (skipped[name] - ref_logits[1]).abs().max().item() / ref_logits.abs().max().item()
-        print(f"{name}: skipping the first chunk moves the first decode step by {moved:.3f} of the largest logit")
+        moves[name] = round((skipped[name] - ref_logits[1]).abs().max().item() / ref_logits.abs().max().item(), 4)
+    record_result("long_context.json", "skipped_first_chunk_moves_first_decode_logits", moves)
+    for name, moved in moves.items():
         assert moved > 2 * LOGIT_TOLERANCE, f"{name}: a skipped chunk moves the logits by only {moved:.4f}"
 
 
@@ -117,13 +120,17 @@ def test_long_context_matches_reference_engine(setup, chunked):
         max_num_batched_tokens=2048 if chunked else MAX_LEN, cuda_graph_max_bs=4,
     )  # fmt: skip
     assert llm.engine.runner.graphs is not None  # decode steps replay CUDA graphs
-    total = 0
+    figures = {}
     for name in PROMPT_LENS:
-        total += compare(name, engine_logits(llm, prompts[name], NEW_TOKENS), reference[name])
+        figures[name] = compare(name, engine_logits(llm, prompts[name], NEW_TOKENS), reference[name])
     # The 32k prompt is cached now (whole pages): the hit prompt takes the pages of its first 32592 tokens from it.
     output, logits = engine_logits(llm, prompts["32k-hit"], NEW_TOKENS, whole_output=True)
     assert output.num_cached_tokens == HIT_PREFIX // PAGE * PAGE, output.num_cached_tokens
-    total += compare("32k-hit", (output.token_ids, logits), reference["32k-hit"])
-    print(f"{'chunked' if chunked else 'whole'} prefill: {total} steps compared")
+    figures["32k-hit"] = compare("32k-hit", (output.token_ids, logits), reference["32k-hit"])
+    record_result(
+        "long_context.json", "chunked_prefill" if chunked else "whole_prefill",
+        {name: {"steps_compared": n, "max_logit_diff_of_largest": round(worst, 4)} for name, (n, worst) in figures.items()},
+    )  # fmt: skip
+    total = sum(n for n, _ in figures.values())
     assert total >= 8, f"only {total} steps compared: the tokens parted too early to test decode"
     llm.engine.check_invariants()
