@@ -233,7 +233,7 @@ MIN_CHUNK, KV_TILE = 256, 64  # mirrors kMinChunk in csrc/attention_decode.cu an
 def decode_chunks(length: int) -> list[tuple[int, int]]:
     """The split plan of csrc/attention_decode.cu: chunks of a multiple of 64 tokens, at least 256, at most
     DECODE_MAX_SPLITS per sequence (so above 8192 tokens the chunks grow)."""
-    want = max(MIN_CHUNK, -(-length // DECODE_MAX_SPLITS))
+    want = max(MIN_CHUNK, -(-length // native().DECODE_MAX_SPLITS))
     chunk = -(-want // KV_TILE) * KV_TILE
     return [(s, min(length, s + chunk)) for s in range(0, max(length, 1), chunk)]
 
