@@ -31,7 +31,7 @@ class IndexedUpdate:
 class _Observer:
     """Latency metrics of one engine request, from the times its updates were produced."""
 
-    def __init__(self, metrics: Metrics | None, request: RequestTrackerTracker, prefix_cache_on: bool):
+    def __init__(self, metrics: Metrics | None, request: RequestTracker, prefix_cache_on: bool):
         self.metrics = metrics
         self.request = request
         self.prefix_cache_on = prefix_cache_on
