@@ -53,6 +53,17 @@ class ServerProcess:
         self._log.close()
 
 
+def metrics_when_idle(url: str, timeout: float = 30.0) -> str:
+    """/metrics once no request runs and no KV page is held (or the last scrape when the timeout passes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(url + "/metrics").text
+        idle = metric(text, "fastqwen:num_requests_running") == 0 and metric(text, "fastqwen:kv_cache_usage_perc") == 0
+        if idle or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
 def metric(text: str, name: str) -> float:
     """The value of the first sample of a metric in Prometheus text (labels ignored)."""
     for line in text.splitlines():

@@ -16,7 +16,7 @@ import pytest
 from fastqwen import LLM, SamplingParams
 
 from checkpoints import make_checkpoint
-from server_process import ServerProcess, metric
+from server_process import ServerProcess, metric, metrics_when_idle
 
 COMMON = ["--dtype", "float32", "--device", "cpu", "--num-pages", "2048", "--page-size", "4"]
 
@@ -70,7 +70,6 @@ def test_killing_the_core_fails_every_stream_and_the_server_exits_nonzero(folder
     srv = ServerProcess(folder, *COMMON)
     try:
         body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        ready = asyncio.Event
 
         async def scenario():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
@@ -130,12 +129,7 @@ def test_disconnected_streams_release_every_page_in_the_core(folder):
                 await asyncio.gather(*(stream_then_leave(i) for i in range(60)))
 
         asyncio.run(scenario())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            text = httpx.get(srv.url + "/metrics").text
-            if metric(text, "fastqwen:num_requests_running") == 0 and metric(text, "fastqwen:kv_cache_usage_perc") == 0:
-                break
-            time.sleep(0.2)
+        text = metrics_when_idle(srv.url)
         assert metric(text, "fastqwen:num_requests_running") == 0
         assert metric(text, "fastqwen:kv_cache_usage_perc") == 0, "every KV page must be free again"
         time.sleep(0.5)  # the core checks the page invariant once idle; a violation would end it

@@ -16,7 +16,7 @@ from fastqwen import LLM, SamplingParams
 from fastqwen.server.reasoning import split_reasoning
 
 from checkpoints import make_checkpoint
-from server_process import ServerProcess, metric
+from server_process import ServerProcess, metric, metrics_when_idle
 from test_text import CHAT_TEMPLATE
 
 API_KEY = "test-key-123"
@@ -247,12 +247,7 @@ def test_disconnected_clients_release_everything(server):
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        text = httpx.get(server.url + "/metrics").text
-        if metric(text, "fastqwen:num_requests_running") == 0 and metric(text, "fastqwen:kv_cache_usage_perc") == 0:
-            break
-        time.sleep(0.1)
+    text = metrics_when_idle(server.url, timeout=20)
     assert metric(text, "fastqwen:num_requests_running") == 0
     assert metric(text, "fastqwen:num_requests_waiting") == 0
     assert metric(text, "fastqwen:kv_cache_usage_perc") == 0, "every KV page must be free again"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogprobs
 from .errors import InvalidRequestError
-from .limits import check_fits
+from .limits import check_fits, check_token_ids
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -169,23 +169,16 @@ class Frontend:
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
-        self.check_token_ids(list(prompt), "prompt")
+        check_token_ids(list(prompt), self.info.vocab_size, "prompt")
         return list(prompt)
-
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})", param)
 
     def prepare(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
         """Validate a request without queueing it: (prompt ids, params with every default filled)."""
         ids = self.encode(prompt)
         params = (params or SamplingParams()).with_defaults(self.info.generation_defaults)
-        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        check_token_ids(params.stop_token_ids, self.info.vocab_size, "stop_token_ids")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
         if params.max_tokens is None:
             params = replace(params, max_tokens=max(1, self.info.max_model_len - len(ids)))
             if params.min_tokens > params.max_tokens:

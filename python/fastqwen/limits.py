@@ -1,9 +1,17 @@
-"""What one request may ask of the engine: its tokens must fit the context and the KV pool. Checked by the frontend
-before a request is sent, and again by the scheduler that admits it (the core trusts no one)."""
+"""What one request may ask of the engine: token ids inside the vocabulary, and tokens that fit the context and the KV
+pool. Checked by the frontend before a request is sent, and again by the engine that admits it (the core trusts no
+one)."""
 
 from __future__ import annotations
 
 from .errors import InvalidRequestError
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """Raise InvalidRequestError naming `param` if any id is outside [0, vocab_size)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, page_size: int, num_pages: int) -> None:

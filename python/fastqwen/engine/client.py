@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import replace
 from typing import Callable, Protocol
 
@@ -100,7 +101,7 @@ class InProcessEngineClient:
             while not self._stopping:
                 rejected = self._take_commands()
                 if rejected:
-                    self._on_output(StepOutput(rejected, 0.0))
+                    self._on_output(StepOutput(rejected, time.monotonic()))
                 if not engine.has_unfinished():
                     # Idle. Check that no page leaked once nothing arrived for a whole wait: the check walks every
                     # page (milliseconds, holding the GIL), so running it the moment the last request finishes would

@@ -20,6 +20,7 @@ from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
 from ..ops import _native
 from ..errors import InvalidRequestError
+from ..limits import check_token_ids
 from ..scheduler import Request, Scheduler
 from ..weights import dummy_weights, load_weights
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
@@ -211,9 +212,8 @@ class LLMEngine:
         params = request.params
         if params.max_tokens is None:
             raise InvalidRequestError("max_tokens must be set before a request reaches the engine", "max_tokens")
-        bad = [t for t in request.prompt_ids + params.stop_token_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})", "prompt")
+        check_token_ids(request.prompt_ids, self.config.vocab_size, "prompt")
+        check_token_ids(params.stop_token_ids, self.config.vocab_size, "stop_token_ids")
         self.scheduler.add(
             Request(rid=request.rid, prompt_ids=list(request.prompt_ids), params=params, arrival=next(self._arrivals),
                     arrival_time=request.arrival_time)
