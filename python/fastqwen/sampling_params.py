@@ -38,6 +38,10 @@ class SamplingParams:
     seed: the same seed and prompt give the same tokens whatever else is in the batch [unseeded].
     logprobs: None = none; N >= 0 = the logprob of each sampled token and its N most likely alternatives, from the
       model's raw distribution (before penalties and temperature), N <= 20.
+    prompt_logprobs: None = none; N >= 0 = the logprob of each prompt token given the tokens before it, and the N
+      most likely tokens at that position (raw distribution), N <= 20. The first prompt token has none (None).
+      Prompt positions whose logits are needed are recomputed even when the prefix cache holds them.
+    prompt_logprobs_start: the first prompt position whose logprob is returned (SGLang's logprob_start_len) [0].
     max_tokens: new tokens at most; None = up to the context length [16].
     min_tokens: EOS and stop tokens are blocked, and stop strings not checked, before this many new tokens.
     ignore_eos: keep going past the model's EOS tokens.
@@ -58,6 +62,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -89,6 +95,17 @@ class SamplingParams:
             self.logprobs = _int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.logprobs)}", "logprobs")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.prompt_logprobs)}", "prompt_logprobs"
+                )
+        self.prompt_logprobs_start = _int("prompt_logprobs_start", self.prompt_logprobs_start)
+        if not 0 <= self.prompt_logprobs_start <= _INT64_MAX:
+            raise InvalidRequestError(
+                f"prompt_logprobs_start must be >= 0, not {_show(self.prompt_logprobs_start)}", "prompt_logprobs_start"
+            )
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens)
             if not 1 <= self.max_tokens <= _INT64_MAX:

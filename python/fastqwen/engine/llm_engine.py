@@ -300,9 +300,18 @@ class LLMEngine:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,
+                    prompt_logprobs=self._take_prompt_logprobs(request),
                 )
             )
         return StepOutput(deltas, time.monotonic())
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request):
+        """The prompt logprobs a request asked for, once, with its first token (all are computed by then)."""
+        if request.params.prompt_logprobs is None or request.num_output_tokens != 1:
+            return None
+        taken, request.pending_prompt_logprobs = request.pending_prompt_logprobs, []
+        return taken
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler

@@ -45,6 +45,9 @@ class RequestDelta:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     first_scheduled_time: float | None = None  # time.monotonic() when it was first admitted
     error: str | None = None  # for finish_reason "error": what went wrong
+    # With the first token of a request that asked for prompt logprobs: one per prompt position from
+    # max(params.prompt_logprobs_start, 1) on (the first prompt token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -27,9 +27,15 @@ class Qwen3Model:
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv: KVPool, logits_out: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None
+    ):
         """Returns float32 logits [S, vocab] for batch.logits_indices, in logits_out when given (a CUDA graph's
-        persistent output, so that captured graphs do not each keep their own logits)."""
+        persistent output, so that captured graphs do not each keep their own logits).
+
+        extra_rows (token rows of the batch, for prompt logprobs): then returns (logits, their final hidden states
+        [E, hidden]), for the caller to project with lm_head_logits a slice at a time (a logits row is as wide as the
+        vocabulary, far larger than a hidden row)."""
         cfg, w = self.cfg, self.weights
         num_tokens = batch.num_tokens
         eps = cfg.rms_norm_eps
@@ -67,10 +73,18 @@ class Qwen3Model:
             act = ops.silu_and_mul(gate_up)
             hidden = torch.nn.functional.linear(act, layer.down)
         # Only the rows that sample reach the final norm and the LM head.
-        hidden = hidden[batch.logits_indices]
-        residual = residual[batch.logits_indices]
+        rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
+        hidden = hidden[rows]
+        residual = residual[rows]
         ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
+        if extra_rows is not None:
+            num_samples = batch.logits_indices.shape[0]
+            return self.lm_head_logits(hidden[:num_samples]), hidden[num_samples:]
         logits = torch.nn.functional.linear(hidden, w.lm_head)
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states [N, hidden]."""
+        return torch.nn.functional.linear(hidden, self.weights.lm_head).float()

@@ -253,7 +253,7 @@ class Scheduler:
         """Start a request that holds no pages from the longest cached prefix of its tokens."""
         if self.cache is None or request.pages:
             return
-        pages, node = self.cache.match_prefix(request.token_ids[:-1])
+        pages, node = self.cache.match_prefix(request.token_ids[: request.reusable_prefix])
         if not pages:
             return
         self.allocator.incref(pages)
@@ -272,7 +272,7 @@ class Scheduler:
         if self.cache is None:
             return False
         end = request.cached_len + self.page_size
-        if end > len(request.token_ids) - 1:
+        if end > request.reusable_prefix:
             return False
         for chunk in chunks:
             other = chunk.request
