@@ -31,6 +31,7 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1-based rank of `token` in its distribution, where computed (prompt logprobs)
 
 
 @dataclass

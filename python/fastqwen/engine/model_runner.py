@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops
 from ..kvcache import KVPool
 from ..model import ForwardBatch, Qwen3Model
 from ..scheduler import Request, ScheduledBatch
@@ -329,14 +328,18 @@ class ModelRunner:
         owner's pending list: the LM head runs a slice of rows at a time, so memory stays bounded whatever the chunk."""
         targets = torch.tensor(prompt_rows.targets, dtype=torch.int64).to(self.device, non_blocking=True)
         num_top = max(r.params.prompt_logprobs for r in prompt_rows.owners)
-        chosen, top_ids, top_logprobs = [], [], []
+        chosen, ranks, top_ids, top_logprobs = [], [], [], []
         for s in range(0, len(prompt_rows.rows), PROMPT_LOGPROB_SLICE):
-            logits = self.model.lm_head_logits(hidden[s : s + PROMPT_LOGPROB_SLICE])
-            c, i, lp = ops.compute_logprobs(logits, targets[s : s + PROMPT_LOGPROB_SLICE], num_top)
-            chosen += c.tolist()
-            top_ids += i.tolist()
-            top_logprobs += lp.tolist()
+            logprobs = torch.log_softmax(self.model.lm_head_logits(hidden[s : s + PROMPT_LOGPROB_SLICE]), dim=-1)
+            c = logprobs.gather(1, targets[s : s + PROMPT_LOGPROB_SLICE, None])
+            chosen += c[:, 0].tolist()
+            ranks += ((logprobs > c).sum(dim=-1) + 1).tolist()
+            if num_top:
+                lp, i = logprobs.topk(num_top, dim=-1)
+                top_ids += i.tolist()
+                top_logprobs += lp.tolist()
         for k, (request, target) in enumerate(zip(prompt_rows.owners, prompt_rows.targets)):
             n = request.params.prompt_logprobs
-            request.pending_prompt_logprobs.append(TokenLogprobs(target, chosen[k], list(zip(top_ids[k][:n], top_logprobs[k][:n]))))
+            top = list(zip(top_ids[k][:n], top_logprobs[k][:n])) if n else []
+            request.pending_prompt_logprobs.append(TokenLogprobs(target, chosen[k], top, ranks[k]))
             request.prompt_logprob_next += 1  # rows of one request are consecutive prompt positions, from its next one

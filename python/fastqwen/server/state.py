@@ -77,7 +77,9 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any], tools: list | None = None
+    ) -> str:
         tokenizer = self.engine.frontend.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids", "messages")
@@ -85,4 +87,4 @@ class ServerState:
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: pass them as request fields",
                            "chat_template_kwargs")  # fmt: skip
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None, **kwargs)
