@@ -22,6 +22,7 @@ from ..errors import InvalidRequestError
 from .async_engine import AsyncEngine, QueueFullError, ServingError, ShuttingDownError
 from .guard import RequestGuard
 from .metrics import Metrics
+from .info_api import model_card, router as info_router
 from .native_api import router as native_router
 from .openai_api import router as openai_router
 from .openapi import install_openapi
@@ -78,6 +79,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
     guarded = [Depends(require_ready)]  # the API key is checked before this, by the guard
     app.include_router(openai_router, dependencies=guarded)
     app.include_router(native_router, dependencies=guarded)
+    app.include_router(info_router, dependencies=guarded)
 
     @app.get("/health")
     async def health() -> Response:
@@ -93,16 +95,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "fastqwen",
-            "root": state.model_name,
-            "parent": None,
-            "max_model_len": state.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(state)]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
