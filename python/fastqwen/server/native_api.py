@@ -92,7 +92,7 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
         if o.logprobs is not None:
             meta.update(_logprobs(o.logprobs, decode))
             if body.logprob_start_len >= 0:
-                meta.update(_input_logprobs(o.prompt_ids, body.logprob_start_len, o.prompt_logprobs, decode))
+                meta.update(_input_logprobs(o.prompt_token_ids, body.logprob_start_len, o.prompt_logprobs, decode))
         results.append({"text": o.text if o.text is not None else "", "output_ids": o.token_ids, "meta_info": meta})
     return JSONResponse(results if batched else results[0])
 

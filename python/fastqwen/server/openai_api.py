@@ -181,7 +181,7 @@ async def completions(body: CompletionRequest, http_request: HTTPRequest) -> Res
             prompt_text = _prompt_text(state, request, prompts[prompt_of[i]])
             text = prompt_text + text
             if logprobs is not None:
-                echoed = echo_logprobs(state, o.prompt_ids, o.prompt_logprobs or [], as_ids)
+                echoed = echo_logprobs(state, o.prompt_token_ids, o.prompt_logprobs or [], as_ids)
                 logprobs = _join_logprobs(echoed, completion_logprobs(state, o.logprobs, len(prompt_text), as_ids))
         choice = {
             "index": i,
