@@ -66,5 +66,3 @@ def test_prompt_logprobs_on_gpu_equal_hf(checkpoint):
         assert rows[-1]["ours_vs_fp32"] <= 1.5 * rows[-1]["hf_bf16_vs_fp32"] + 0.02
         assert top_agree >= 0.9
     record_result("prompt_logprobs_gpu.json", "prompt_logprobs_vs_hf", rows)
-    plain = llm.generate(prompts + background, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert [o.token_ids for o in outputs[: len(prompts)]] == [o.token_ids for o in plain[: len(prompts)]]
