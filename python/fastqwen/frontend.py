@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogprobs
 from .errors import InvalidRequestError
+from .grammar import check_structured
 from .limits import check_fits, check_token_ids
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -177,6 +178,12 @@ class Frontend:
         ids = self.encode(prompt)
         params = (params or SamplingParams()).with_defaults(self.info.generation_defaults)
         check_token_ids(params.stop_token_ids, self.info.vocab_size, "stop_token_ids")
+        if params.logit_bias:
+            check_token_ids(list(params.logit_bias), self.info.vocab_size, "logit_bias")
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer.json", params.structured.field)
+            check_structured(params.structured)  # a bad schema / regex / grammar is refused here, never queued
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
         if params.max_tokens is None:
