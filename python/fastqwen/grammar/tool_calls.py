@@ -15,8 +15,9 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutput
+from .spec import JSON_OPTIONS
 
-_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function of no arguments
 
 
 def _function(tool: Any, index: int) -> dict:
@@ -64,6 +65,7 @@ def tool_call_structured(tools: list[Any], tool_choice: Any = "required") -> Str
             "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
             "required": ["name", "arguments"],
             "additionalProperties": False,
+            "x-guidance": JSON_OPTIONS,  # the compact JSON of every other schema, not llguidance's free whitespace
         }
         calls.append("%json " + json.dumps(schema, ensure_ascii=True))
     rules = ["call: " + "\n    | ".join(calls), 'block: "<tool_call>\\n" call "\\n</tool_call>"']

@@ -96,9 +96,9 @@ def bitmask_allows(mask: torch.Tensor, vocab: int) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
     """In place: in each listed row, the tokens its row of mask [S, W] does not allow can never be chosen."""
     if rows:
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        allowed = bitmask_allows(mask.to(logits.device)[index], logits.shape[1])
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        allowed = bitmask_allows(mask.to(logits.device), logits.shape[1])
+        for row in rows:  # row by row: in place, no gather / scatter of whole rows
+            logits[row].masked_fill_(~allowed[row], float("-inf"))
     return logits
 
 
