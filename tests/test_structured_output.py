@@ -13,7 +13,6 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -95,8 +94,14 @@ def server(folder):
     srv.stop()
 
 
+def _validate(instance, schema: dict) -> None:
+    import jsonschema  # a test extra (imported here so the GPU tests can share this module's helpers without it)
+
+    jsonschema.validate(instance, schema)
+
+
 def _valid_json(text: str, schema: dict) -> None:
-    jsonschema.validate(json.loads(text), schema)
+    _validate(json.loads(text), schema)
 
 
 # ---- the specs ----------------------------------------------------------------------------------------------------
@@ -271,7 +276,7 @@ def test_tool_call_spec_gives_valid_calls(llm):
             for call in calls:
                 parsed = json.loads(call)
                 assert set(parsed) == {"name", "arguments"}
-                jsonschema.validate(parsed["arguments"], schemas[parsed["name"]])
+                _validate(parsed["arguments"], schemas[parsed["name"]])
             if choice != "required":
                 assert len(calls) == 1 and json.loads(calls[0])["name"] == "get_weather"
     with pytest.raises(InvalidRequestError) as e:
