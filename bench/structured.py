@@ -3,9 +3,9 @@ in one run, on one engine, through LLM.generate (random weights, the real Qwen3 
 
 Both runs keep --in-flight requests running (max_num_seqs) over --num-prompts requests of --input-len random prompt
 tokens. The unconstrained run generates --output-len tokens per request (ignore_eos); the constrained run gives each
-request one of four JSON schemas, sized so that a request ends (grammar complete, or max_tokens) near --output-len
-tokens, and reports the tokens it actually generated. Every constrained output is checked to parse as JSON when it
-finished with "stop". Throughput = output tokens / wall time of the generate call.
+request one of four JSON schemas that need more than --output-len tokens, so it too decodes --output-len tokens
+(finish "length"), and the tokens it generated are counted. A constrained output that finished with "stop" is
+checked to parse as JSON. Throughput = output tokens / wall time of the generate call.
 
     python bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
     python bench/structured.py --model /tmp/qwen3-8b-dummy --load-format dummy --in-flight 64 --json out.json
@@ -27,24 +27,24 @@ from fastqwen.sampling_params import StructuredOutput
 
 
 def schemas(output_len: int) -> list[dict]:
-    """Four shapes: long strings in nested objects, arrays of enums and integers, free text fields."""
-    chars = max(8, output_len // 2)
+    """Four shapes, each with more required content than output_len tokens, so every request decodes its full
+    output_len under its grammar (steady-state decode with masks, what the bar is about): integer arrays, long
+    strings in nested objects, arrays of objects with enums, arrays of short strings."""
+    n = output_len
     return [
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": n, "maxItems": n},
         {"type": "object", "properties": {
-            "title": {"type": "string", "maxLength": chars // 4},
-            "body": {"type": "object", "properties": {"text": {"type": "string", "maxLength": chars},
-                                                       "lang": {"enum": ["en", "fr", "de"]}},
-                     "required": ["text", "lang"], "additionalProperties": False}},
+            "title": {"type": "string", "minLength": 4, "maxLength": 16},
+            "body": {"type": "object", "properties": {"lang": {"enum": ["en", "fr", "de"]},
+                                                       "text": {"type": "string", "minLength": 8 * n, "maxLength": 8 * n}},
+                     "required": ["lang", "text"], "additionalProperties": False}},
          "required": ["title", "body"], "additionalProperties": False},
-        {"type": "object", "properties": {
-            "values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "maxItems": output_len // 3},
-            "ok": {"type": "boolean"}}, "required": ["values", "ok"], "additionalProperties": False},
         {"type": "array", "items": {"type": "object", "properties": {
-            "k": {"enum": ["alpha", "beta", "gamma"]}, "v": {"type": "string", "maxLength": 24}},
-            "required": ["k", "v"], "additionalProperties": False}, "maxItems": output_len // 12},
-        {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 32},
-                                                    "maxItems": output_len // 10}},
-         "required": ["notes"], "additionalProperties": False},
+            "k": {"enum": ["alpha", "beta", "gamma"]}, "v": {"type": "string", "minLength": 2, "maxLength": 12}},
+            "required": ["k", "v"], "additionalProperties": False}, "minItems": n, "maxItems": n},
+        {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 20},
+                                                    "minItems": n, "maxItems": n}, "ok": {"type": "boolean"}},
+         "required": ["notes", "ok"], "additionalProperties": False},
     ]  # fmt: skip
 
 

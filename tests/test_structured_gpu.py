@@ -86,7 +86,7 @@ def test_kernel_mask_and_bias_match_reference(vocab, dtype):
 def test_engine_graphs_with_grammars(tmp_path):
     folder = str(tmp_path)
     _write_checkpoint(folder)
-    llm = LLM(folder, dtype="float32", num_pages=1024, page_size=16, max_num_seqs=64, cuda_graph_max_bs=64)
+    llm = LLM(folder, dtype="bfloat16", num_pages=1024, page_size=16, max_num_seqs=64, cuda_graph_max_bs=64)
     runner = llm.engine.runner
     replays = []
     run_model = runner.run_model
@@ -105,8 +105,8 @@ def test_engine_graphs_with_grammars(tmp_path):
     mixed = llm.generate(["free text"] * 16 + ["json"] * 48, plain + constrained, use_tqdm=False)
     del runner.run_model
     assert sum(1 for g in replays if g) > 20  # decode steps with grammar rows replayed graphs
-    # Batch shapes differ between the two runs (cuBLAS may round a logit differently): allow one sequence to differ.
-    assert sum(a.token_ids != b.token_ids for a, b in zip(mixed[:16], alone)) <= 1
+    # Batch shapes differ between the two runs (cuBLAS may round a bf16 logit differently): a few may differ.
+    assert sum(a.token_ids == b.token_ids for a, b in zip(mixed[:16], alone)) >= 12
     for i, out in enumerate(mixed[16:]):
         assert out.finish_reason == "stop", out.text
         _check(out.text, SCHEMAS[i % len(SCHEMAS)])
@@ -114,7 +114,7 @@ def test_engine_graphs_with_grammars(tmp_path):
     bias = {"65": 3.0, "66": -100, "70": 1.5}
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias=bias)] * 4
     graphed = llm.generate(["a b c", "d", "e f", "g"], params, use_tqdm=False)
-    eager = LLM(folder, dtype="float32", num_pages=256, page_size=16, disable_cuda_graph=True)
+    eager = LLM(folder, dtype="bfloat16", num_pages=256, page_size=16, disable_cuda_graph=True)
     reference = eager.generate(["a b c", "d", "e f", "g"], params, use_tqdm=False)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in reference]
     assert all(66 not in o.token_ids for o in graphed)
