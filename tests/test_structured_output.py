@@ -372,3 +372,12 @@ def test_server_refuses_bad_specs_with_400(server, path, body, field):
     r = httpx.post(server.url + path, json=payload, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field, r.json()
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400(tmp_path):
+    """The word-level test tokenizer has no decoder: llguidance cannot use it, and the request is refused up front."""
+    make_checkpoint(str(tmp_path), tied=True, seed=1)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", num_pages=64, page_size=8)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate(["t1"], SamplingParams(structured=StructuredOutput("json_object", field="guided_json")), use_tqdm=False)
+    assert e.value.param == "guided_json" and "not available" in str(e.value)

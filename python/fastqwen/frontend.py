@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogprobs
 from .errors import InvalidRequestError
-from .grammar import check_structured
+from .grammar import check_structured, check_tokenizer
 from .limits import check_fits, check_token_ids
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -184,6 +184,10 @@ class Frontend:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured output needs the model's tokenizer.json", params.structured.field)
             check_structured(params.structured)  # a bad schema / regex / grammar is refused here, never queued
+            info = self.info
+            folder = info.model if os.path.isdir(info.model) else os.path.dirname(info.model)
+            tokenizer_json = os.path.join(folder, "tokenizer.json") if folder else None
+            check_tokenizer(params.structured, tokenizer_json, info.vocab_size, info.generation_defaults.eos_token_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
         if params.max_tokens is None:

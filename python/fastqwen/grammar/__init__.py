@@ -12,13 +12,14 @@ Token ids only: no text of requests, no tensors (masks are filled into caller-ow
 """
 
 from .compiler import GrammarCompiler, GrammarMatcher, fill_bitmasks
-from .spec import check_structured, llguidance_grammar
+from .spec import check_structured, check_tokenizer, llguidance_grammar
 from .tool_calls import tool_call_structured
 
 __all__ = [
     "GrammarCompiler",
     "GrammarMatcher",
     "check_structured",
+    "check_tokenizer",
     "fill_bitmasks",
     "llguidance_grammar",
     "tool_call_structured",

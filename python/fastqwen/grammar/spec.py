@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 
 import llguidance
@@ -80,3 +81,23 @@ def _validate(kind: str, spec: str, strict: bool, field: str) -> None:
 def check_structured(structured: StructuredOutput) -> None:
     """Raise InvalidRequestError (naming structured.field) unless the spec compiles; results are cached."""
     _validate(structured.kind, structured.spec, structured.strict, structured.field)
+
+
+@lru_cache(maxsize=8)
+def tokenizer_problem(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> str | None:
+    """Why llguidance cannot work with this tokenizer.json (None: it can). Builds the grammar engine's tokenizer
+    once per model, as the engine will: a model whose tokenizer it cannot read gets 400s, not failed requests."""
+    try:
+        with open(tokenizer_json, encoding="utf-8") as f:
+            llguidance.LLTokenizer(f.read(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    except Exception as e:  # noqa: BLE001 - any failure means the same thing here
+        return str(e) or type(e).__name__
+    return None
+
+
+def check_tokenizer(structured: StructuredOutput, tokenizer_json: str | None, vocab_size: int, eos_token_ids) -> None:
+    """Raise InvalidRequestError (naming structured.field) when the model's tokenizer cannot drive a grammar."""
+    problem = "the model has no tokenizer.json" if not tokenizer_json or not os.path.isfile(tokenizer_json) else (
+        tokenizer_problem(tokenizer_json, vocab_size, tuple(eos_token_ids)))  # fmt: skip
+    if problem is not None:
+        raise InvalidRequestError(f"structured output is not available for this model: {problem}", structured.field)
