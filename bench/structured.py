@@ -26,6 +26,22 @@ from fastqwen.config import EngineConfig
 from fastqwen.sampling_params import StructuredOutput
 
 
+def plain_schemas(output_len: int) -> list[dict]:
+    """The same four shapes with free strings (no exact lengths): llguidance's fast path for JSON string bodies.
+    Not measured yet (see bench/results/2026-11-23-h100-grammar/README.md)."""
+    n = output_len
+    return [
+        {"type": "array", "items": {"type": "integer"}, "minItems": n},
+        {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "object", "properties": {
+            "lang": {"enum": ["en", "fr", "de"]}, "text": {"type": "string"}}, "required": ["lang", "text"]}},
+         "required": ["title", "body"]},
+        {"type": "array", "items": {"type": "object", "properties": {"k": {"enum": ["alpha", "beta"]}, "v": {"type": "string"}},
+                                    "required": ["k", "v"]}, "minItems": n},
+        {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": n}},
+         "required": ["notes"]},
+    ]  # fmt: skip
+
+
 def schemas(output_len: int) -> list[dict]:
     """Four shapes, each with more required content than output_len tokens, so every request decodes its full
     output_len under its grammar (steady-state decode with masks, what the bar is about): integer arrays, long
@@ -63,6 +79,8 @@ def main() -> int:
     p.add_argument("--in-flight", type=int, default=64)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--mix", choices=["exact", "plain"], default="exact",
+                   help="exact: strings and arrays of exact lengths (measured); plain: free strings")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.max_num_seqs = args.in_flight
@@ -70,7 +88,8 @@ def main() -> int:
     vocab = llm.engine.config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-    specs = [StructuredOutput("json_schema", json.dumps(s)) for s in schemas(args.output_len)]
+    mix = schemas if args.mix == "exact" else plain_schemas
+    specs = [StructuredOutput("json_schema", json.dumps(s)) for s in mix(args.output_len)]
     plain = [SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=i) for i in range(args.num_prompts)]
     constrained = [SamplingParams(temperature=1.0, max_tokens=args.output_len, seed=i, structured=specs[i % len(specs)])
                    for i in range(args.num_prompts)]  # fmt: skip

@@ -85,7 +85,8 @@ def test_kernel_mask_and_bias_match_reference(vocab, dtype):
 
 def test_engine_graphs_with_grammars(tmp_path):
     folder = str(tmp_path)
-    _write_checkpoint(folder)
+    # head_dim 128: the shape the attention kernels (and so the decode graphs) take
+    _write_checkpoint(folder, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512)
     llm = LLM(folder, dtype="bfloat16", num_pages=1024, page_size=16, max_num_seqs=64, cuda_graph_max_bs=64)
     runner = llm.engine.runner
     replays = []

@@ -60,8 +60,8 @@ SCHEMAS = [
 REGEX = r"[0-9]{3}-[a-z]{2,4}( [A-Z]{1,5})?"
 
 
-def _write_checkpoint(folder: str) -> None:
-    make_checkpoint(folder, tied=True, vocab=VOCAB, seed=5, max_positions=1024)
+def _write_checkpoint(folder: str, **shape) -> None:
+    make_checkpoint(folder, tied=True, vocab=VOCAB, seed=5, max_positions=1024, **shape)
     write_byte_level_tokenizer(folder, VOCAB)  # byte-level BPE: any text can be written, as with Qwen's
     for name, value in (("config.json", EOS), ("generation_config.json", [EOS])):
         path = os.path.join(folder, name)
