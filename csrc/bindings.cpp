@@ -62,6 +62,7 @@ py::dict sampler_row_fields() {
   add("frequency", offsetof(SamplerRow, frequency), "f");
   add("num_blocked", offsetof(SamplerRow, num_blocked), "i");
   add("top_n", offsetof(SamplerRow, top_n), "i");
+  add("masked", offsetof(SamplerRow, masked), "i");
   return f;
 }
 
@@ -155,6 +156,9 @@ void export_contracts(py::module_& m) {
       .def_readwrite("counts_rows", &fq::SampleArgs::counts_rows)
       .def_readwrite("blocked", &fq::SampleArgs::blocked)
       .def_readwrite("blocked_width", &fq::SampleArgs::blocked_width)
+      .def_readwrite("bias", &fq::SampleArgs::bias)
+      .def_readwrite("mask", &fq::SampleArgs::mask)
+      .def_readwrite("mask_words", &fq::SampleArgs::mask_words)
       .def_readwrite("workspace", &fq::SampleArgs::workspace)
       .def_readwrite("workspace_bytes", &fq::SampleArgs::workspace_bytes)
       .def_readwrite("stream", &fq::SampleArgs::stream);

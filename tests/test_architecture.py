@@ -52,6 +52,7 @@ FORBIDDEN = {
     "kvcache": ["engine", "server", "model", "scheduler", "frontend"],
     "ops": ["engine", "server", "model", "scheduler", "kvcache", "tokenizer", "frontend"],
     "tokenizer": ["engine", "server", "model", "scheduler", "kvcache", "ops", "frontend"],
+    "grammar": ["engine", "server", "model", "scheduler", "kvcache", "ops", "tokenizer", "frontend"],
 }  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogprobs
 from .errors import InvalidRequestError
+from .grammar import check_structured, check_tokenizer
 from .limits import check_fits, check_prompt_logprobs, check_token_ids
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -191,6 +192,16 @@ class Frontend:
         check_token_ids(params.stop_token_ids, self.info.vocab_size, "stop_token_ids")
         if params.prompt_logprobs is not None:
             check_prompt_logprobs(len(ids), params.prompt_logprobs_start, "prompt_logprobs")
+        if params.logit_bias:
+            check_token_ids(list(params.logit_bias), self.info.vocab_size, "logit_bias")
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer.json", params.structured.field)
+            check_structured(params.structured)  # a bad schema / regex / grammar is refused here, never queued
+            info = self.info
+            folder = info.model if os.path.isdir(info.model) else os.path.dirname(info.model)
+            tokenizer_json = os.path.join(folder, "tokenizer.json") if folder else None
+            check_tokenizer(params.structured, tokenizer_json, info.vocab_size, info.generation_defaults.eos_token_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
         if params.max_tokens is None:

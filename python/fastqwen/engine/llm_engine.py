@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+from concurrent.futures import FIRST_COMPLETED, wait
 import logging
 import os
 import time
@@ -20,8 +21,9 @@ from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
 from ..ops import _native
 from ..errors import InvalidRequestError
+from ..grammar import GrammarCompiler
 from ..limits import check_token_ids
-from ..scheduler import Request, Scheduler
+from ..scheduler import FinishReason, Request, RequestState, Scheduler
 from ..weights import dummy_weights, load_weights
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .cuda_graph import DecodeGraphs, unsupported_reason
@@ -128,6 +130,14 @@ class LLMEngine:
             self.generation_defaults.eos_token_ids,
             self.cache,
         )
+        # Structured output: grammars compile on the compiler's threads; a request waits here (not in the scheduler)
+        # until its grammar is ready, so no step ever waits on a compile while other requests could run.
+        self.grammars = GrammarCompiler(
+            os.path.join(folder, "tokenizer.json") if folder else None, cfg.vocab_size,
+            self.generation_defaults.eos_token_ids,
+        )  # fmt: skip
+        self._compiling: list[tuple[Request, object]] = []  # (request, future of its compiled grammar)
+        self._compile_failures: list[RequestDelta] = []  # reported with the next step
         self.check_every_step = env.check_invariants_every_step()
         self.runner = ModelRunner(
             self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs,
@@ -214,17 +224,49 @@ class LLMEngine:
             raise InvalidRequestError("max_tokens must be set before a request reaches the engine", "max_tokens")
         check_token_ids(request.prompt_ids, self.config.vocab_size, "prompt")
         check_token_ids(params.stop_token_ids, self.config.vocab_size, "stop_token_ids")
-        self.scheduler.add(
-            Request(rid=request.rid, prompt_ids=list(request.prompt_ids), params=params, arrival=next(self._arrivals),
-                    arrival_time=request.arrival_time)
-        )  # fmt: skip
+        if params.logit_bias:
+            check_token_ids(list(params.logit_bias), self.config.vocab_size, "logit_bias")
+        req = Request(rid=request.rid, prompt_ids=list(request.prompt_ids), params=params, arrival=next(self._arrivals),
+                      arrival_time=request.arrival_time)  # fmt: skip
+        if params.structured is not None:
+            self.scheduler.check_fits(req.num_prompt_tokens, params.max_tokens)
+            self._compiling.append((req, self.grammars.submit(params.structured)))
+            return
+        self.scheduler.add(req)
+
+    def _admit_compiled(self) -> None:
+        """Hand requests whose grammar is ready to the scheduler (a failed compile finishes its request with an
+        error). Waits (briefly) for a compile only when there is nothing else to run."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_work() and self._ahead is None:
+            wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        still = []
+        for request, future in self._compiling:
+            if not future.done():
+                still.append((request, future))
+                continue
+            try:
+                request.grammar = self.grammars.matcher(future)
+            except Exception as error:  # the frontend validated the spec; this is the tokenizer-specific rest
+                request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ERROR
+                self._compile_failures.append(RequestDelta(rid=request.rid, new_token_ids=[], new_logprobs=None,
+                                                           finish_reason="error", error=str(error)))  # fmt: skip
+                continue
+            self.scheduler.add(request)
+        self._compiling = still
 
     def abort(self, rid: int) -> bool:
         """Stop a request wherever it is; its pages are released at once. False if it is unknown or finished."""
+        for i, (request, _) in enumerate(self._compiling):
+            if request.rid == rid:
+                del self._compiling[i]
+                request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ABORT
+                return True
         return self.scheduler.abort(rid) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._ahead is not None
+        return self.scheduler.has_work() or self._ahead is not None or bool(self._compiling or self._compile_failures)
 
     def step(self) -> StepOutput:
         """One scheduler step: schedule, run the model, sample, record. A delta for every request that advanced.
@@ -270,6 +312,8 @@ class LLMEngine:
         return StepOutput(deltas, time.monotonic())
 
     def _step(self) -> StepOutput:
+        self._admit_compiled()
+        failures, self._compile_failures = self._compile_failures, []
         if self._ahead is not None:
             (scheduled, pending), self._ahead = self._ahead, None
             self._step_requests = [c.request for c in scheduled.chunks]
@@ -288,7 +332,7 @@ class LLMEngine:
         advanced = self.scheduler.update(scheduled, tokens)
         if self.check_every_step:
             self.check_invariants()
-        deltas = []
+        deltas = failures
         for request, index in advanced:
             finish = request.finish_reason
             deltas.append(
@@ -317,7 +361,7 @@ class LLMEngine:
         scheduler = self.scheduler
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + len(self._compiling),
             kv_usage=self.kv_usage(),
             num_preemptions=scheduler.num_preemptions,
             num_computed_tokens=scheduler.num_computed_tokens,

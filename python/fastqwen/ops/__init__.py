@@ -18,6 +18,8 @@ from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
 from .sampling import (
     apply_penalties,
+    apply_token_bitmask,
+    bias_tokens,
     block_tokens,
     compute_logprobs,
     draw_reference,
@@ -29,7 +31,9 @@ from .sampling import (
 
 __all__ = [
     "apply_penalties",
+    "apply_token_bitmask",
     "attention_kernel_applies",
+    "bias_tokens",
     "block_tokens",
     "compute_logprobs",
     "DecodeWorkspace",

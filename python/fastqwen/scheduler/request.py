@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..sampling_params import SamplingParams
 
@@ -23,6 +24,15 @@ class SamplerState:
     slot: int | None = None  # its row of the penalty counts table
     counted: int = -1  # how many of its output tokens that row has counted (the one in flight included)
     row: object | None = None  # its packed sampler row (numpy, step 0, no slot, no bans), packed once
+
+
+class TokenConstraint(Protocol):
+    """A request's grammar (grammar.GrammarMatcher): the sampler masks what it forbids; the scheduler feeds it each
+    committed token and stops the request once the grammar has ended."""
+
+    def advance(self, token: int) -> bool:
+        """Take a committed token; False once nothing more can follow."""
+        ...
 
 
 class FinishReason(str, enum.Enum):
@@ -55,6 +65,7 @@ class Request:
     # those computed but not yet sent (they go out with the request's first token). The model runner fills them.
     prompt_logprob_next: int = 0
     pending_prompt_logprobs: list = field(default_factory=list)
+    grammar: TokenConstraint | None = None  # structured output: set (compiled) before the request is scheduled
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -6,12 +6,13 @@ SamplingParams, so the server and the offline API reject exactly the same things
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidRequestError
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 
 # What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
@@ -73,6 +74,69 @@ class StreamOptions(_Lenient):
     _REFUSED = {"continuous_usage_stats": (_truthy, "usage is sent once, at the end (include_usage)")}
 
 
+def _schema_text(value: Any, field: str) -> str:
+    """A JSON schema given as an object or as JSON text, as text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, bool)):
+        return json.dumps(value, ensure_ascii=False)
+    raise InvalidRequestError("a JSON schema must be an object or a JSON string", field)
+
+
+def _choices_text(value: Any, field: str) -> str:
+    if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+        raise InvalidRequestError("the choices must be a list of strings", field)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": bool}} (strict false: schema keywords the compiler lacks are ignored)."""
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object", field="response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidRequestError('response_format.json_schema must be {"name": ..., "schema": {...}}', "response_format")
+        return StructuredOutput("json_schema", _schema_text(spec["schema"], "response_format"),
+                                strict=bool(spec.get("strict") or False), field="response_format")  # fmt: skip
+    raise InvalidRequestError(f'response_format.type must be "text", "json_object" or "json_schema", not {kind!r}', "response_format")
+
+
+# vLLM's structured_outputs object: key -> kind of StructuredOutput.
+_STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _structured_outputs(value: dict[str, Any]) -> StructuredOutput | None:
+    given = [k for k in (*_STRUCTURED_OUTPUTS_KEYS, "json_object", "structural_tag") if value.get(k) not in (None, False)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequestError(f"structured_outputs takes one constraint, not {', '.join(given)}", "structured_outputs")
+    key = given[0]
+    if key == "structural_tag":
+        raise InvalidRequestError("structured_outputs.structural_tag is not supported", "structured_outputs")
+    if key == "json_object":
+        return StructuredOutput("json_object", field="structured_outputs")
+    v = value[key]
+    text = _schema_text(v, "structured_outputs") if key == "json" else _choices_text(v, "structured_outputs") if key == "choice" else v
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"structured_outputs.{key} must be a string", "structured_outputs")
+    return StructuredOutput(_STRUCTURED_OUTPUTS_KEYS[key], text, field="structured_outputs")
+
+
+def only_one(candidates: list[StructuredOutput | None]) -> StructuredOutput | None:
+    given = [c for c in candidates if c is not None]
+    if len(given) > 1:
+        raise InvalidRequestError(
+            f"give one output constraint, not several ({', '.join(c.field for c in given)})", given[1].field
+        )
+    return given[0] if given else None
+
+
 class _SamplingFields(_Lenient):
     model: str | None = None
     temperature: float | None = None
@@ -92,6 +156,27 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs object.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The request's output constraint, from whichever field gave it (more than one is refused)."""
+        return only_one([
+            _response_format(self.response_format) if self.response_format else None,
+            StructuredOutput("json_schema", _schema_text(self.guided_json, "guided_json"), field="guided_json")
+            if self.guided_json is not None else None,
+            StructuredOutput("regex", self.guided_regex, field="guided_regex") if self.guided_regex is not None else None,
+            StructuredOutput("choice", _choices_text(self.guided_choice, "guided_choice"), field="guided_choice")
+            if self.guided_choice is not None else None,
+            StructuredOutput("grammar", self.guided_grammar, field="guided_grammar") if self.guided_grammar is not None else None,
+            _structured_outputs(self.structured_outputs) if self.structured_outputs else None,
+        ])  # fmt: skip
 
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt tokens, with this many alternatives
     return_tokens_as_token_ids: bool = False  # vLLM's: tokens in logprobs as "token_id:N"
@@ -137,6 +222,8 @@ class _SamplingFields(_Lenient):
             stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+            structured=self.structured(),
         )
 
 
@@ -228,6 +315,19 @@ class GenerateSamplingParams(_Lenient):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # Structured output, SGLang's names: a JSON schema (as JSON text), a regex, an EBNF grammar.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        return only_one([
+            StructuredOutput("json_schema", _schema_text(self.json_schema, "json_schema"), field="json_schema")
+            if self.json_schema is not None else None,
+            StructuredOutput("regex", self.regex, field="regex") if self.regex is not None else None,
+            StructuredOutput("grammar", self.ebnf, field="ebnf") if self.ebnf is not None else None,
+        ])  # fmt: skip
 
     _REFUSED = {
         "n": (_not_one, "send n copies of the prompt in a batch instead"),
@@ -298,5 +398,7 @@ class GenerateRequest(_Lenient):
             stop_token_ids=sp.stop_token_ids,
             skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,
+            logit_bias=sp.logit_bias,
+            structured=sp.structured(),
         )
 
