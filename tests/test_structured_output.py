@@ -381,3 +381,46 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400(tmp_path):
     with pytest.raises(InvalidRequestError) as e:
         llm.generate(["t1"], SamplingParams(structured=StructuredOutput("json_object", field="guided_json")), use_tqdm=False)
     assert e.value.param == "guided_json" and "not available" in str(e.value)
+
+
+def test_server_tool_choice_required_and_named_always_call(server):
+    """tool_choice "required" / a named function through the openai client: the random model's output is forced into
+    Qwen3's call blocks, which come back as tool_calls whose arguments follow each tool's schema, streamed or not."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "東京"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["city", "days"], "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+    ]  # fmt: skip
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    messages = [{"role": "user", "content": "weather?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        whole = client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=choice,
+                                               max_tokens=300, temperature=1.0, n=4, seed=11)  # fmt: skip
+        for c in whole.choices:
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message
+            for call in c.message.tool_calls:
+                _validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if choice is named:
+                assert [call.function.name for call in c.message.tool_calls] == ["get_weather"]
+        stream = client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=choice,
+                                                max_tokens=300, temperature=1.0, seed=11, stream=True)  # fmt: skip
+        names, arguments, finish = {}, {}, None
+        for chunk in stream:
+            for c in chunk.choices:
+                finish = c.finish_reason or finish
+                for d in c.delta.tool_calls or []:
+                    if d.function.name:
+                        names[d.index] = d.function.name
+                    arguments[d.index] = arguments.get(d.index, "") + (d.function.arguments or "")
+        assert finish == "tool_calls" and names
+        for index, name in names.items():
+            _validate(json.loads(arguments[index]), schemas[name])
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice="required",
+                                       response_format={"type": "json_object"})  # fmt: skip
+    assert err.value.body["param"] == "tool_choice"

@@ -13,11 +13,13 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.messages import TokenLogprobs
 from ..frontend import RequestOutput, RequestTracker
+from ..grammar import tool_call_structured
+from ..sampling_params import StructuredOutput
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse, stream_requests
 from .state import APIError, ServerState, client_closed_response
-from .tools import ToolCallParser, check_tools, messages_for_template, parse_tool_calls, tool_choice_constraint
+from .tools import ToolCallParser, check_tools, messages_for_template, parse_tool_calls
 
 router = APIRouter()
 
@@ -105,12 +107,15 @@ def chat_logprobs(state: ServerState, entries: list[TokenLogprobs]) -> dict[str,
     return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-async def _build(state: ServerState, body, prompts: list) -> tuple[list, list[int]]:
-    """Engine requests for every prompt x n choice (validated all before any is queued), and each one's prompt.
+async def _build(state: ServerState, body, prompts: list, structured: StructuredOutput | None = None) -> tuple[list, list[int]]:
+    """Engine requests for every prompt x n choice (validated all before any is queued), and each one's prompt;
+    `structured` replaces the body's output constraint (the tool-call grammar of tool_choice "required" / named).
 
     Tokenizing is CPU work proportional to the prompt: it runs in a worker thread, never on the event loop."""
     first = body.to_sampling_params(0)  # validates n and every field before anything else happens
     params = [first] + [body.to_sampling_params(choice) for choice in range(1, body.n)]
+    if structured is not None:
+        params = [replace(p, structured=structured) for p in params]
     state.check_sequences(len(prompts) * body.n)
 
     def make() -> tuple[list, list[int]]:
@@ -250,14 +255,14 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     state.check_model(body.model)
     body.to_sampling_params()  # a bad field is refused before the template is rendered
     choice = check_tools(body.tools, body.tool_choice)
-    constraint = tool_choice_constraint(body.tools or [], choice)
-    if constraint is not None:
-        # HOOK (grammar): "required" or a named function is enforced by constraining the output to one or more
-        # Qwen3 call blocks, <tool_call>\n{JSON matching `constraint`}\n</tool_call> (one only for a named function),
-        # so the parser below reads them as it reads free calls. Until that grammar is attached here, such a request
-        # is refused rather than answered by a model that may not call anything.
-        raise APIError(400, f"tool_choice {body.tool_choice!r} needs structured output, which is not available in this "
-                       'build: use "auto"', "tool_choice")  # fmt: skip
+    forced = None
+    if choice not in (None, "none", "auto"):
+        # "required" or a named function: the output is constrained to Qwen3's <tool_call> blocks whose JSON names an
+        # allowed function with arguments matching its schema, so the parser below always finds a valid call.
+        if body.structured() is not None:
+            raise APIError(400, f"tool_choice {body.tool_choice!r} constrains the output already; it cannot be combined "
+                           "with response_format or guided decoding", "tool_choice")  # fmt: skip
+        forced = tool_call_structured(body.tools, body.tool_choice)
     # tool_choice "none" renders no tools (vLLM's --exclude-tools-when-tool-choice-none): a model shown tools may
     # still write calls, which would then come back as content.
     tools = body.tools if choice not in (None, "none") else None
@@ -265,7 +270,11 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     kwargs = body.chat_template_kwargs or {}
     prompt = await asyncio.to_thread(state.render_chat, messages, body.add_generation_prompt, kwargs, tools)
     opened = prompt_opens_thinking(prompt)
-    requests, prompt_of = await _build(state, body, [prompt])
+    if forced is not None and opened:
+        # The grammar starts at the first output token; inside an opened <think> block the calls would be reasoning.
+        raise APIError(400, f"tool_choice {body.tool_choice!r} is not supported when the chat template opens a thinking "
+                       'block; use "auto" or disable thinking', "tool_choice")  # fmt: skip
+    requests, prompt_of = await _build(state, body, [prompt], structured=forced)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     parse_calls = tools is not None

@@ -259,23 +259,6 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
     return name
 
 
-def tool_choice_constraint(tools: list[dict[str, Any]], choice: str | None) -> dict[str, Any] | None:
-    """For "required" or a named function: the JSON schema each <tool_call> block's object must match (the name of an
-    allowed function and arguments matching its parameters). None when the model is free ("auto", "none")."""
-    if choice in (None, "none", "auto"):
-        return None
-    allowed = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
-        }
-        for f in allowed
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: an assistant turn's tool-call arguments, sent by OpenAI clients as JSON
     strings, become objects (Hugging Face's convention, which Qwen3's template renders with tojson); vLLM does the
