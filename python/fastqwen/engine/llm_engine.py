@@ -337,6 +337,13 @@ class LLMEngine:
         evictable = self.cache.evictable_pages() if self.cache is not None else 0
         return (allocator.num_used() - evictable) / allocator.num_total()
 
+    def check_alive(self) -> None:
+        """Raise EngineFault when the engine cannot step any more (a tensor-parallel rank is gone: see
+        engine/tensor_parallel.py). One engine in one process: never."""
+
+    def close(self) -> None:
+        """Stop what the engine started besides itself (the other tensor-parallel ranks; nothing here)."""
+
     def check_invariants(self) -> None:
         """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises
         kvcache.InvariantError otherwise. FASTQWEN_CHECK_INVARIANTS=1 runs it after every step."""
