@@ -162,9 +162,12 @@ class ProcessEngineClient:
         self._send_lock = threading.Lock()  # add/abort come from the event loop and from the reader (stop strings)
         self._codec = _Codec()
         spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        # Daemonic, so that it ends with this process; except with tensor parallelism, where it starts the other ranks
+        # as its children, which a daemonic process may not (stop() ends it, and its ranks exit when it does).
         self.process = spawn.Process(
-            target=core_main, args=(config, to_core, to_frontend, log_level), name="fastqwen-core", daemon=True
-        )
+            target=core_main, args=(config, to_core, to_frontend, log_level), name="fastqwen-core",
+            daemon=config.tensor_parallel_size == 1,
+        )  # fmt: skip
         self.process.start()
         logger.info("engine core process started (pid %d); loading the model there", self.process.pid)
         self.info = self._wait_for_info()
