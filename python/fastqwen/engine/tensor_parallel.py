@@ -175,6 +175,8 @@ class TensorParallelEngine:
 
     def step(self) -> StepOutput:
         self.check_alive()
+        if self._closing:  # the other ranks are gone: a collective would wait for them forever (on GPUs)
+            raise EngineFault("tensor parallel: the engine is closed")
         order = self._encoder.encode(Order(self._commands, self._checksum))
         self._commands = []
         for socket in self._orders:
