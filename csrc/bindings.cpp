@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <cstddef>
 
 #include "activation.h"
 #include "attention.h"
+#include "custom_all_reduce.h"
 #include "dtype.h"
 #include "norm.h"
 #include "page_allocator.h"
@@ -92,6 +94,9 @@ void export_contracts(py::module_& m) {
   m.attr("SAMPLER_MAX_TOP_N") = fq::kSamplerMaxTopN;
   m.attr("COUNT_MASK") = fq::kCountMask;
   m.attr("PROMPT_BIT") = fq::kPromptBit;
+  m.attr("ALL_REDUCE_MAX_RANKS") = fq::kAllReduceMaxRanks;
+  m.attr("ALL_REDUCE_MAX_BLOCKS") = fq::kAllReduceMaxBlocks;
+  m.attr("ALL_REDUCE_ALIGN") = fq::kAllReduceAlign;
 
   py::class_<fq::RopeKVArgs>(m, "RopeKVArgs", "Arguments of qk_norm_rope_store_kv (csrc/rope_kv.h).")
       .def(py::init<>())
@@ -140,6 +145,29 @@ void export_contracts(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("query_start", &fq::PrefillArgs::query_start)
       .def_readwrite("max_query_len", &fq::PrefillArgs::max_query_len);
+  py::class_<fq::AllReduceArgs>(m, "AllReduceArgs", "Arguments of custom_all_reduce (csrc/custom_all_reduce.h).")
+      .def(py::init<>())
+      .def_property(
+          "buffers",
+          [](const fq::AllReduceArgs& a) {
+            py::list out;
+            for (int p = 0; p < a.world && p < fq::kAllReduceMaxRanks; ++p) out.append(a.buffers[p]);
+            return out;
+          },
+          [](fq::AllReduceArgs& a, const std::vector<uint64_t>& ptrs) {
+            if (ptrs.size() > static_cast<size_t>(fq::kAllReduceMaxRanks)) {
+              throw std::invalid_argument("AllReduceArgs.buffers: at most ALL_REDUCE_MAX_RANKS buffers");
+            }
+            for (int p = 0; p < fq::kAllReduceMaxRanks; ++p) a.buffers[p] = p < static_cast<int>(ptrs.size()) ? ptrs[p] : 0;
+          })
+      .def_readwrite("rank", &fq::AllReduceArgs::rank)
+      .def_readwrite("world", &fq::AllReduceArgs::world)
+      .def_readwrite("data", &fq::AllReduceArgs::data)
+      .def_readwrite("numel", &fq::AllReduceArgs::numel)
+      .def_readwrite("capacity_bytes", &fq::AllReduceArgs::capacity_bytes)
+      .def_readwrite("dtype", &fq::AllReduceArgs::dtype)
+      .def_readwrite("max_blocks", &fq::AllReduceArgs::max_blocks)
+      .def_readwrite("stream", &fq::AllReduceArgs::stream);
   py::class_<fq::SampleArgs>(m, "SampleArgs", "Arguments of sample (csrc/sampling.h).")
       .def(py::init<>())
       .def_readwrite("logits", &fq::SampleArgs::logits)
@@ -248,5 +276,22 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "sample", [](const fastqwen::SampleArgs& args) { fastqwen::sample(args); }, py::arg("args"),
       "One token per row with per-row penalties, temperature, top-k/top-p/min-p and seeds (csrc/sampling.h).");
+  m.def("all_reduce_buffer_alloc", &fastqwen::all_reduce_buffer_alloc, py::arg("data_bytes"),
+        "Device memory shared with the other ranks: a zeroed signal area, then data_bytes of data.");
+  m.def("all_reduce_buffer_free", [](const py::int_& ptr) { fastqwen::all_reduce_buffer_free(to_uintptr(ptr, "ptr")); },
+        py::arg("ptr"));
+  m.def(
+      "all_reduce_ipc_handle",
+      [](const py::int_& ptr) { return py::bytes(fastqwen::all_reduce_ipc_handle(to_uintptr(ptr, "ptr"))); },
+      py::arg("ptr"), "The CUDA IPC handle of a buffer from all_reduce_buffer_alloc, as bytes.");
+  m.def(
+      "all_reduce_ipc_open", [](const py::bytes& handle) { return fastqwen::all_reduce_ipc_open(std::string(handle)); },
+      py::arg("handle"), "A peer's buffer mapped into this process (peer access enabled).");
+  m.def("all_reduce_ipc_close", [](const py::int_& ptr) { fastqwen::all_reduce_ipc_close(to_uintptr(ptr, "ptr")); },
+        py::arg("ptr"));
+  m.def(
+      "custom_all_reduce",
+      [](const fastqwen::AllReduceArgs& args) { fastqwen::custom_all_reduce(args); },
+      py::arg("args"), "In-place one-shot sum of `data` across the ranks' shared buffers (csrc/custom_all_reduce.h).");
 #endif
 }

@@ -222,6 +222,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = _knob(256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
     disable_overlap_schedule: bool = _knob(False, "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
     allow_reference_on_gpu: bool = _knob(False, "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1")
+    # ---- tensor parallelism (engine/tensor_parallel.py) ----
+    tensor_parallel_size: int = _knob(1, "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each", aliases=("--tp", "-tp"))
+    disable_custom_all_reduce: bool = _knob(False, "tensor parallelism: every all-reduce through NCCL (by default messages up to 4 MiB take the custom one-shot kernel over CUDA IPC buffers)")
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -238,6 +241,7 @@ class EngineConfig:
         need(self.num_pages is None or _positive_int(self.num_pages), "num_pages", "a positive integer")
         need(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
+        need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
         if is_preset(self.model) and self.load_format != "dummy":
             raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: use the dummy load format", "load_format")
 

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.tensor_parallel import make_engine
 from .frontend import Frontend, RequestOutput, RequestTracker, RequestUpdate
 from .tokenizer import Tokenizer
 from .errors import InvalidRequestError
@@ -26,8 +26,12 @@ class LLM:
     def __init__(self, model: str | EngineConfig, **knobs):
         """knobs: any EngineConfig field (dtype, device, page_size, max_num_seqs, max_num_batched_tokens, num_pages,
         max_model_len, load_format, gpu_memory_utilization, seed, enable_prefix_caching, disable_cuda_graph,
-        cuda_graph_max_bs, disable_overlap_schedule, allow_reference_on_gpu); config.EngineConfig documents them and their defaults."""
-        self.engine = LLMEngine(EngineConfig.build(model, **knobs))
+        cuda_graph_max_bs, disable_overlap_schedule, allow_reference_on_gpu, tensor_parallel_size,
+        disable_custom_all_reduce); config.EngineConfig documents them and their defaults.
+
+        tensor_parallel_size=N: the model split across N GPUs (or N CPU processes), this process being rank 0;
+        close() stops the other ranks (they also end with this process)."""
+        self.engine = make_engine(EngineConfig.build(model, **knobs))
         self.frontend = Frontend.for_engine(self.engine.info)
         self._trackers: dict[int, RequestTracker] = {}  # requests queued and not finished
 
@@ -103,6 +107,10 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
+
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor parallelism); the LLM cannot generate afterwards."""
+        self.engine.close()
 
     def _add(self, tracker: RequestTracker) -> None:
         self.engine.add(tracker.request)

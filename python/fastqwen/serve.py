@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from .engine import LLMEngine
     from .engine.client import InProcessEngineClient
     from .engine.core_process import ProcessEngineClient
+    from .engine.tensor_parallel import make_engine
     from .server.app import ServerConfig, begin_shutdown, create_app
     from .server.connections import ConnectionLimits, protocol_with
     from .server.log_limit import limit_log_rate
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def load_engine() -> InProcessEngineClient | ProcessEngineClient:
         if args.engine_core == "thread":
-            return InProcessEngineClient(LLMEngine(engine_config))
+            return InProcessEngineClient(make_engine(engine_config))
         return ProcessEngineClient(engine_config, logging.getLogger().level)
 
     exit_code = 0

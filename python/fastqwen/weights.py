@@ -2,6 +2,9 @@
 
 q/k/v are concatenated into one [q + 2 kv, hidden] matrix and gate/up into one [2 * intermediate, hidden] matrix
 at load, so each layer does two input projections instead of five.
+
+With tensor parallelism each rank loads only its shard (sharding.py says which rows and columns): straight from the
+safetensors file, slice by slice (safe_open's get_slice), so no rank ever holds a whole weight matrix.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .sharding import Shard
 
 
 @dataclass
@@ -31,10 +35,10 @@ class LayerWeights:
 
 @dataclass
 class Qwen3Weights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor  # [vocab, hidden]; a rank's [vocab_rows, hidden] slice under tensor parallelism
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    lm_head: torch.Tensor  # [vocab, hidden] (sliced like embed); the same tensor as embed when tied
 
     def num_bytes(self) -> int:
         seen: set[int] = set()
@@ -78,48 +82,81 @@ class _TensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         if name not in self._file_of:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_part(self, name: str, shape: tuple[int, ...], dim: int, span: tuple[int, int]) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [first, end) of a tensor whose whole shape must be `shape`; only that
+        part is read from the file."""
+        part = self._handle(name).get_slice(name)
+        _checked_shape(tuple(part.get_shape()), shape, name)
+        first, end = span
+        return part[first:end] if dim == 0 else part[:, first:end]
+
+
+def _checked_shape(have: tuple[int, ...], shape: tuple[int, ...], name: str) -> None:
+    if have != shape:
+        raise ValueError(f"tensor {name!r} has shape {have}, expected {shape} from config.json")
 
 
 def _checked(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape} from config.json")
+    _checked_shape(tuple(t.shape), shape, name)
     return t
 
 
-def load_weights(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen3Weights:
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocabulary slice padded with zero rows to the slice height every rank has."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def load_weights(
+    folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard = Shard()
+) -> Qwen3Weights:
+    """The checkpoint's weights, or this rank's shard of them (read slice by slice, never whole)."""
     src = _TensorSource(folder)
     h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    if not shard.whole:
+        shard.check(cfg)
+    heads, kv_heads, inter = shard.heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
+    q_span, kv_span = (heads[0] * d, heads[1] * d), (kv_heads[0] * d, kv_heads[1] * d)
 
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return _checked(src.get(name), shape, name).to(device=device, dtype=dtype)
+    def get(name: str, shape: tuple[int, ...], dim: int | None = None, span: tuple[int, int] | None = None):
+        if shard.whole or dim is None:
+            t = _checked(src.get(name), shape, name)
+        else:
+            t = src.get_part(name, shape, dim, span)
+        return t.to(device=device, dtype=dtype)
 
     layers = []
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
         qkv = torch.cat(
             [
-                get(p + "self_attn.q_proj.weight", (q, h)),
-                get(p + "self_attn.k_proj.weight", (kv, h)),
-                get(p + "self_attn.v_proj.weight", (kv, h)),
+                get(p + "self_attn.q_proj.weight", (q, h), 0, q_span),
+                get(p + "self_attn.k_proj.weight", (kv, h), 0, kv_span),
+                get(p + "self_attn.v_proj.weight", (kv, h), 0, kv_span),
             ]
         )
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat(
                 [
-                    get(p + "self_attn.q_proj.bias", (q,)),
-                    get(p + "self_attn.k_proj.bias", (kv,)),
-                    get(p + "self_attn.v_proj.bias", (kv,)),
+                    get(p + "self_attn.q_proj.bias", (q,), 0, q_span),
+                    get(p + "self_attn.k_proj.bias", (kv,), 0, kv_span),
+                    get(p + "self_attn.v_proj.bias", (kv,), 0, kv_span),
                 ]
             )
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (i, h)), get(p + "mlp.up_proj.weight", (i, h))])
+        gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (i, h), 0, inter), get(p + "mlp.up_proj.weight", (i, h), 0, inter)])
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (h,)),
@@ -127,22 +164,62 @@ def load_weights(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torc
                 qkv_bias=qkv_bias,
                 q_norm=get(p + "self_attn.q_norm.weight", (d,)),
                 k_norm=get(p + "self_attn.k_norm.weight", (d,)),
-                o_proj=get(p + "self_attn.o_proj.weight", (h, q)),
+                o_proj=get(p + "self_attn.o_proj.weight", (h, q), 1, q_span),
                 post_norm=get(p + "post_attention_layernorm.weight", (h,)),
                 gate_up=gate_up,
-                down=get(p + "mlp.down_proj.weight", (h, i)),
+                down=get(p + "mlp.down_proj.weight", (h, i), 1, inter),
             )
         )
-    embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
-    if cfg.tie_word_embeddings:
-        lm_head = embed
-    else:
-        lm_head = get("lm_head.weight", (cfg.vocab_size, h))
+    vocab_rows, vocab_span = shard.vocab_rows(cfg.vocab_size), shard.vocab(cfg.vocab_size)
+
+    def vocab_table(name: str) -> torch.Tensor:
+        return _pad_rows(get(name, (cfg.vocab_size, h), 0, vocab_span), vocab_rows)
+
+    embed = vocab_table("model.embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else vocab_table("lm_head.weight")
     return Qwen3Weights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
 
 
-def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Qwen3Weights:
-    """Random weights with the real shapes, made on the device (no checkpoint needed, for benchmarks)."""
+def _shard_layer(layer: LayerWeights, cfg: ModelConfig, shard: Shard) -> LayerWeights:
+    d, q, kv, i = cfg.head_dim, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    (h0, h1), (k0, k1), (i0, i1) = shard.heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
+
+    def qkv_part(t: torch.Tensor) -> torch.Tensor:
+        wq, wk, wv = t.split([q, kv, kv])
+        return torch.cat([wq[h0 * d : h1 * d], wk[k0 * d : k1 * d], wv[k0 * d : k1 * d]])
+
+    return LayerWeights(
+        input_norm=layer.input_norm,
+        qkv=qkv_part(layer.qkv),
+        qkv_bias=None if layer.qkv_bias is None else qkv_part(layer.qkv_bias),
+        q_norm=layer.q_norm,
+        k_norm=layer.k_norm,
+        o_proj=layer.o_proj[:, h0 * d : h1 * d].contiguous(),
+        post_norm=layer.post_norm,
+        gate_up=torch.cat([layer.gate_up[i0:i1], layer.gate_up[i + i0 : i + i1]]),
+        down=layer.down[:, i0:i1].contiguous(),
+    )
+
+
+def shard_weights(full: Qwen3Weights, cfg: ModelConfig, shard: Shard) -> Qwen3Weights:
+    """This rank's shard of whole weights already in memory (for dummy weights: a checkpoint is sliced on read)."""
+    if shard.whole:
+        return full
+    shard.check(cfg)
+    layers = [_shard_layer(layer, cfg, shard) for layer in full.layers]
+    vocab_rows, vocab_span = shard.vocab_rows(cfg.vocab_size), shard.vocab(cfg.vocab_size)
+    first, end = vocab_span
+    embed = _pad_rows(full.embed[first:end].clone(), vocab_rows)
+    lm_head = embed if full.lm_head is full.embed else _pad_rows(full.lm_head[first:end].clone(), vocab_rows)
+    return Qwen3Weights(embed=embed, layers=layers, final_norm=full.final_norm, lm_head=lm_head)
+
+
+def dummy_weights(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, shard: Shard = Shard()
+) -> Qwen3Weights:
+    """Random weights with the real shapes, made on the device (no checkpoint needed, for benchmarks). Under tensor
+    parallelism each rank draws every layer whole (the same numbers at any TP size) and keeps its shard: one layer
+    at a time, so no rank holds more than one whole layer beyond its shard."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
@@ -155,8 +232,8 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, se
         # Near one, like trained norms, but not exactly one so that a wrong weight shows up.
         return 1.0 + rand(n, std=0.05)
 
-    layers = [
-        LayerWeights(
+    def one_layer() -> LayerWeights:
+        layer = LayerWeights(
             input_norm=norm(h),
             qkv=rand(q + 2 * kv, h),
             qkv_bias=rand(q + 2 * kv) if cfg.attention_bias else None,
@@ -167,8 +244,12 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, se
             gate_up=rand(2 * i, h),
             down=rand(h, i),
         )
-        for _ in range(cfg.num_layers)
-    ]
+        return layer if shard.whole else _shard_layer(layer, cfg, shard)
+
+    layers = [one_layer() for _ in range(cfg.num_layers)]
     embed = rand(cfg.vocab_size, h)
     lm_head = embed if cfg.tie_word_embeddings else rand(cfg.vocab_size, h)
-    return Qwen3Weights(embed=embed, layers=layers, final_norm=norm(h), lm_head=lm_head)
+    full = Qwen3Weights(embed=embed, layers=[], final_norm=norm(h), lm_head=lm_head)
+    sharded = shard_weights(full, cfg, shard)
+    sharded.layers = layers
+    return sharded

@@ -20,10 +20,12 @@ from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
 from ..ops import _native
+from ..ops.collectives import SINGLE, ParallelGroup
 from ..errors import InvalidRequestError
 from ..grammar import GrammarCompiler
 from ..limits import check_token_ids
 from ..scheduler import FinishReason, Request, RequestState, Scheduler
+from ..sharding import Shard
 from ..weights import dummy_weights, load_weights
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .cuda_graph import DecodeGraphs, unsupported_reason
@@ -83,9 +85,14 @@ def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | str, **knobs):
-        """config: an EngineConfig, or a model path/preset plus EngineConfig's knobs as keywords."""
+    def __init__(self, config: EngineConfig | str, parallel: ParallelGroup = SINGLE, **knobs):
+        """config: an EngineConfig, or a model path/preset plus EngineConfig's knobs as keywords.
+
+        parallel: this rank's tensor-parallel group when the engine is one rank of several (engine/tensor_parallel.py
+        starts them): the engine then loads its shard of the weights and sizes its KV pool like every other rank.
+        """
         self.engine_config = config = EngineConfig.build(config, **knobs)
+        self.parallel = parallel
         model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
         max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         device = config.device
@@ -96,13 +103,16 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.config.max_position_embeddings
 
         folder = model if os.path.isdir(model) else os.path.dirname(model)
+        shard = Shard(parallel.rank, parallel.size)
+        # The model as this rank sees it: its heads and KV heads (the whole model on one rank).
+        self.rank_config = shard.rank_config(self.config)
         if config.load_format == "dummy":
-            weights = dummy_weights(self.config, self.dtype, self.device, seed)
+            weights = dummy_weights(self.config, self.dtype, self.device, seed, shard)
         else:
-            weights = load_weights(folder, self.config, self.dtype, self.device)
-        self.model = Qwen3Model(self.config, weights, self.max_model_len, max_batch=max_num_seqs)
+            weights = load_weights(folder, self.config, self.dtype, self.device, shard)
+        self.model = Qwen3Model(self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel)
 
-        cfg = self.config
+        cfg = self.rank_config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
         graph_bs = self._graph_max_bs(config.disable_cuda_graph, config.cuda_graph_max_bs, max_num_seqs)
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
@@ -119,6 +129,8 @@ class LLMEngine:
             num_pages = self._default_num_pages(
                 page_bytes, max_num_batched_tokens, max_num_seqs, config.gpu_memory_utilization, graph_bytes
             )
+            # Every rank schedules the same pages: the rank with the least memory left sets the pool's size.
+            num_pages = parallel.min_int(num_pages)
         self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.cache = RadixCache(self.kv.allocator, page_size) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
@@ -169,7 +181,7 @@ class LLMEngine:
         pool is sized from the memory left, so that memory must be known first. Capturing twice costs startup
         time (logged) and gives a measured figure where an estimate could be wrong for a new model or torch.
         """
-        cfg = self.config
+        cfg = self.rank_config
         scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs, self.sampler.graph_hook).capture()
         used, seconds = graphs.memory_bytes, graphs.capture_seconds
@@ -184,7 +196,7 @@ class LLMEngine:
     def _default_num_pages(
         self, page_bytes: int, max_tokens: int, max_seqs: int, utilization: float, graph_bytes: int = 0
     ) -> int:
-        cfg = self.config
+        cfg = self.rank_config
         if self.device.type != "cuda":
             return max(1, _CPU_KV_BYTES // page_bytes)
         torch.cuda.synchronize(self.device)
@@ -239,7 +251,11 @@ class LLMEngine:
         error). Waits (briefly) for a compile only when there is nothing else to run."""
         if not self._compiling:
             return
-        if not self.scheduler.has_work() and self._ahead is None:
+        if not self.parallel.single:
+            # Every rank must admit a request at the same step (their schedulers make the same choices), and compile
+            # times differ between processes: under tensor parallelism a step waits for the grammars it was sent.
+            wait([f for _, f in self._compiling])
+        elif not self.scheduler.has_work() and self._ahead is None:
             wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
         still = []
         for request, future in self._compiling:
@@ -292,9 +308,13 @@ class LLMEngine:
         failed = list({id(r): r for r in self._step_requests}.values())
         self._failed_steps += 1
         unrecoverable = _unrecoverable(error)
-        if unrecoverable or not failed or self._failed_steps >= MAX_FAILED_STEPS:
+        if unrecoverable or not failed or self._failed_steps >= MAX_FAILED_STEPS or not self.parallel.single:
+            # Under tensor parallelism the ranks must stay in step: a rank that failed may have left the others
+            # inside a collective, so the whole engine goes down.
             reason = "an unrecoverable error" if unrecoverable else (
-                "no request to pin it on" if not failed else f"the {self._failed_steps}th failure in a row")
+                "no request to pin it on" if not failed else
+                "a failure on one rank of several" if not self.parallel.single else
+                f"the {self._failed_steps}th failure in a row")
             raise EngineFault(f"a step failed with {reason}: {error!r}") from error
         log.error("a step failed; failing its %d requests (the engine goes on)", len(failed), exc_info=error)
         self._ahead = None  # its requests are this step's; the GPU finishes it before anything later on the stream
@@ -373,6 +393,13 @@ class LLMEngine:
         allocator = self.kv.allocator
         evictable = self.cache.evictable_pages() if self.cache is not None else 0
         return (allocator.num_used() - evictable) / allocator.num_total()
+
+    def check_alive(self) -> None:
+        """Raise EngineFault when the engine cannot step any more (a tensor-parallel rank is gone: see
+        engine/tensor_parallel.py). One engine in one process: never."""
+
+    def close(self) -> None:
+        """Stop what the engine started besides itself (the other tensor-parallel ranks; nothing here)."""
 
     def check_invariants(self) -> None:
         """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises

@@ -7,6 +7,7 @@ import torch
 from .. import ops
 from ..config import ModelConfig
 from ..kvcache import KVPool
+from ..ops.collectives import SINGLE, ParallelGroup
 from ..weights import Qwen3Weights
 from .forward_batch import ForwardBatch
 
@@ -14,9 +15,16 @@ from .forward_batch import ForwardBatch
 
 
 class Qwen3Model:
-    def __init__(self, cfg: ModelConfig, weights: Qwen3Weights, max_positions: int, max_batch: int = 256):
+    def __init__(
+        self, cfg: ModelConfig, weights: Qwen3Weights, max_positions: int, max_batch: int = 256,
+        parallel: ParallelGroup = SINGLE,
+    ):  # fmt: skip
+        """cfg: the model as this rank sees it (sharding.Shard.rank_config: its own head counts); weights: its shard.
+        Under tensor parallelism the row-parallel o_proj and down are followed by an all-reduce, the embedding and
+        the LM head are vocabulary-parallel (parallel.embed, parallel.gather_vocab)."""
         self.cfg = cfg
         self.weights = weights
+        self.parallel = parallel
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim**-0.5
@@ -39,7 +47,7 @@ class Qwen3Model:
         cfg, w = self.cfg, self.weights
         num_tokens = batch.num_tokens
         eps = cfg.rms_norm_eps
-        residual = w.embed[batch.input_ids]  # indexing copies, so the in-place residual adds never touch embed
+        residual = self.parallel.embed(w.embed, batch.input_ids)  # a copy: the in-place residual adds never touch embed
         hidden = torch.empty_like(residual)
         q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         attn = torch.empty_like(q)
@@ -67,11 +75,11 @@ class Qwen3Model:
                     q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
                     batch.max_query_len or None,  # the batch builder knows it: no read-back
                 )
-            hidden = torch.nn.functional.linear(attn.view(num_tokens, -1), layer.o_proj)
+            hidden = self.parallel.all_reduce(torch.nn.functional.linear(attn.view(num_tokens, -1), layer.o_proj))
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             gate_up = torch.nn.functional.linear(hidden, layer.gate_up)
             act = ops.silu_and_mul(gate_up)
-            hidden = torch.nn.functional.linear(act, layer.down)
+            hidden = self.parallel.all_reduce(torch.nn.functional.linear(act, layer.down))
         # Only the rows that sample reach the final norm and the LM head.
         rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
         hidden = hidden[rows]
@@ -80,11 +88,11 @@ class Qwen3Model:
         if extra_rows is not None:
             num_samples = batch.logits_indices.shape[0]
             return self.lm_head_logits(hidden[:num_samples]), hidden[num_samples:]
-        logits = torch.nn.functional.linear(hidden, w.lm_head)
+        logits = self.parallel.gather_vocab(torch.nn.functional.linear(hidden, w.lm_head), cfg.vocab_size)
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""
-        return torch.nn.functional.linear(hidden, self.weights.lm_head).float()
+        return self.parallel.gather_vocab(torch.nn.functional.linear(hidden, self.weights.lm_head), self.cfg.vocab_size).float()
