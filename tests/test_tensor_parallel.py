@@ -14,16 +14,19 @@ import signal
 import time
 
 import httpx
+import re
+
 import pytest
 import torch
 from safetensors import safe_open
 
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import load_model_config
+from fastqwen.sampling_params import StructuredOutput
 from fastqwen.sharding import Shard
 from fastqwen.weights import _TensorSource, dummy_weights, load_weights, shard_weights
 
-from checkpoints import engine_logits, hf_greedy, make_checkpoint
+from checkpoints import engine_logits, hf_greedy, make_checkpoint, write_byte_level_tokenizer
 from server_process import ServerProcess
 
 VOCAB = 390  # not a multiple of 4: the last rank's vocabulary slice is padded
@@ -36,6 +39,7 @@ def model(tmp_path_factory):
     """4 query heads, 2 KV heads: TP=2 splits the KV heads, TP=4 replicates each on two ranks."""
     folder = str(tmp_path_factory.mktemp("tp"))
     hf = make_checkpoint(folder, tied=False, num_heads=4, num_kv_heads=2, vocab=VOCAB, seed=3, max_shard_size="40KB")
+    write_byte_level_tokenizer(folder, VOCAB)  # for the structured-output case (grammars need the tokenizer)
     return folder, hf, [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
 
 
@@ -155,6 +159,13 @@ def test_tp2_matches_hf_and_one_rank(model):
         first = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
         second = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
         assert first == second and len(set(map(tuple, first))) > 1
+        # Structured output: each rank compiles its own grammars, and must still admit them at the same step.
+        regex = "[0-9]{3}-[a-z]{2,4}"
+        constrained = [SamplingParams(temperature=1.0, max_tokens=16, seed=s, structured=StructuredOutput("regex", regex)) for s in (4, 5)]
+        outs = llm.generate(["a", "b", PROMPTS[0]], constrained + [sampled[0]], use_tqdm=False)
+        for out in outs[:2]:
+            assert re.fullmatch(regex, out.text), out.text
+        assert outs[2].token_ids == first[0]
         llm.engine.check_invariants()
         assert llm.engine.kv.num_pages == 128
     finally:
