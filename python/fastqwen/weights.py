@@ -1,12 +1,19 @@
-"""Weights: safetensors checkpoints (single or sharded), tied embeddings, fused q/k/v and gate/up, dummy weights.
+"""Weights: safetensors checkpoints (single or sharded), tied embeddings, fused q/k/v and gate/up, dummy weights,
+FP8 weights.
 
 q/k/v are concatenated into one [q + 2 kv, hidden] matrix and gate/up into one [2 * intermediate, hidden] matrix
-at load, so each layer does two input projections instead of five.
+at load, so each layer does two input projections instead of five. Each projection is an ops.LinearWeight.
+
+FP8 (fp8=True): the projections are float8_e4m3fn with one float32 scale per 128x128 block. A checkpoint in Qwen's
+FP8 layout (`<name>.weight` e4m3 and `<name>.weight_scale_inv` [ceil(out/128), ceil(in/128)]) loads as it is;
+dense projections are quantized on load (amax / 448 per block). Embeddings, norms and the LM head stay dense, as in
+Qwen's own FP8 checkpoints. With fp8=False an FP8 checkpoint is dequantized on load to the model dtype.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -14,19 +21,21 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .ops.linear import FP8_BLOCK, LinearWeight, quantize_fp8
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] when attention_bias
+    qkv: LinearWeight  # [q_size + 2 * kv_size, hidden], with its bias when attention_bias
     q_norm: torch.Tensor  # [head_dim]
     k_norm: torch.Tensor  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: LinearWeight  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: LinearWeight  # [2 * intermediate, hidden]
+    down: LinearWeight  # [hidden, intermediate]
 
 
 @dataclass
@@ -34,7 +43,7 @@ class Qwen3Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    lm_head: LinearWeight  # [vocab, hidden], dense; its weight is the embed tensor itself when tied
 
     def num_bytes(self) -> int:
         seen: set[int] = set()
@@ -48,10 +57,12 @@ class Qwen3Weights:
     def _tensors(self):
         yield self.embed
         yield self.final_norm
-        yield self.lm_head
+        yield from self.lm_head.tensors()
         for layer in self.layers:
             for t in vars(layer).values():
-                if t is not None:
+                if isinstance(t, LinearWeight):
+                    yield from t.tensors()
+                elif t is not None:
                     yield t
 
 
@@ -93,23 +104,65 @@ def _checked(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor
     return t
 
 
-def load_weights(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen3Weights:
+def _blocks(n: int) -> int:
+    return -(-n // FP8_BLOCK)
+
+
+def _fused(parts: list[LinearWeight | torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype, fp8: bool,
+           name: str) -> LinearWeight:  # fmt: skip
+    """Row-concatenates a projection's parts (each an FP8 LinearWeight or a dense tensor) into one LinearWeight:
+    FP8 parts are kept as they are when every part is FP8 and all but the last fill whole 128-row blocks (their
+    block scales then concatenate too); otherwise the parts are dequantized, and quantized again when fp8."""
+    all_fp8 = all(isinstance(p, LinearWeight) for p in parts)
+    if fp8 and all_fp8 and all(p.out_features % FP8_BLOCK == 0 for p in parts[:-1]):
+        weight = torch.cat([p.weight for p in parts])
+        return LinearWeight(weight, torch.cat([p.scale for p in parts]), bias)
+    if fp8 and any(isinstance(p, LinearWeight) for p in parts):
+        log.warning("%s: FP8 parts that do not fill whole 128-row blocks (or mixed with dense ones) are "
+                    "dequantized and quantized again as one matrix", name)  # fmt: skip
+    dense = torch.cat([p.dequantize(torch.float32) if isinstance(p, LinearWeight) else p.float() for p in parts])
+    if fp8:
+        return LinearWeight(*quantize_fp8(dense), bias)
+    return LinearWeight(dense.to(dtype), None, bias)
+
+
+def load_weights(
+    folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False
+) -> Qwen3Weights:
+    """Loads a checkpoint (dense, or Qwen's FP8 layout); fp8 chooses FP8 projections (see the module docstring)."""
     src = _TensorSource(folder)
     h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return _checked(src.get(name), shape, name).to(device=device, dtype=dtype)
+        """A dense tensor of `dtype` (an FP8 one with block scales is dequantized)."""
+        part = get_part(name.removesuffix(".weight"), shape) if name.endswith(".weight") else None
+        if isinstance(part, LinearWeight):
+            return part.dequantize(dtype)
+        t = part if part is not None else _checked(src.get(name), shape, name).to(device)
+        return t.to(dtype=dtype)
+
+    def get_part(prefix: str, shape: tuple[int, int]) -> LinearWeight | torch.Tensor:
+        """`prefix.weight`: an FP8 LinearWeight when the checkpoint has its weight_scale_inv, else the raw tensor on
+        the device (an e4m3 tensor without scales is refused: its values mean nothing alone)."""
+        name, scale_name = prefix + ".weight", prefix + ".weight_scale_inv"
+        t = _checked(src.get(name), shape, name)
+        if scale_name not in src:
+            if t.dtype.is_floating_point and t.element_size() == 1:
+                raise ValueError(f"tensor {name!r} is {t.dtype} but the checkpoint has no {scale_name!r}: FP8 "
+                                 "weights need their block scales (Qwen's FP8 layout)")  # fmt: skip
+            return t.to(device)
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"tensor {name!r} has block scales but dtype {t.dtype}; only float8_e4m3fn is supported")
+        scale = _checked(src.get(scale_name), (_blocks(shape[0]), _blocks(shape[1])), scale_name)
+        return LinearWeight(t.to(device), scale.to(device=device, dtype=torch.float32))
+
+    def projection(prefixes: list[str], shapes: list[tuple[int, int]], bias: torch.Tensor | None = None) -> LinearWeight:
+        parts = [get_part(p, s) for p, s in zip(prefixes, shapes)]
+        return _fused(parts, bias, dtype, fp8, prefixes[0])
 
     layers = []
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        qkv = torch.cat(
-            [
-                get(p + "self_attn.q_proj.weight", (q, h)),
-                get(p + "self_attn.k_proj.weight", (kv, h)),
-                get(p + "self_attn.v_proj.weight", (kv, h)),
-            ]
-        )
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat(
@@ -119,30 +172,32 @@ def load_weights(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torc
                     get(p + "self_attn.v_proj.bias", (kv,)),
                 ]
             )
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (i, h)), get(p + "mlp.up_proj.weight", (i, h))])
+        attn = p + "self_attn."
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (h,)),
-                qkv=qkv,
-                qkv_bias=qkv_bias,
+                qkv=projection([attn + "q_proj", attn + "k_proj", attn + "v_proj"], [(q, h), (kv, h), (kv, h)], qkv_bias),
                 q_norm=get(p + "self_attn.q_norm.weight", (d,)),
                 k_norm=get(p + "self_attn.k_norm.weight", (d,)),
-                o_proj=get(p + "self_attn.o_proj.weight", (h, q)),
+                o_proj=projection([attn + "o_proj"], [(h, q)]),
                 post_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=gate_up,
-                down=get(p + "mlp.down_proj.weight", (h, i)),
+                gate_up=projection([p + "mlp.gate_proj", p + "mlp.up_proj"], [(i, h), (i, h)]),
+                down=projection([p + "mlp.down_proj"], [(h, i)]),
             )
         )
     embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
     if cfg.tie_word_embeddings:
-        lm_head = embed
+        lm_head = LinearWeight(embed)
     else:
-        lm_head = get("lm_head.weight", (cfg.vocab_size, h))
+        lm_head = LinearWeight(get("lm_head.weight", (cfg.vocab_size, h)))
     return Qwen3Weights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
 
 
-def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Qwen3Weights:
-    """Random weights with the real shapes, made on the device (no checkpoint needed, for benchmarks)."""
+def dummy_weights(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, fp8: bool = False
+) -> Qwen3Weights:
+    """Random weights with the real shapes, made on the device (no checkpoint needed, for benchmarks); with fp8 the
+    projections are quantized as they are made."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
@@ -155,20 +210,23 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, se
         # Near one, like trained norms, but not exactly one so that a wrong weight shows up.
         return 1.0 + rand(n, std=0.05)
 
+    def proj(rows: int, cols: int, bias: torch.Tensor | None = None) -> LinearWeight:
+        w = rand(rows, cols)
+        return LinearWeight(*quantize_fp8(w), bias) if fp8 else LinearWeight(w, None, bias)
+
     layers = [
         LayerWeights(
             input_norm=norm(h),
-            qkv=rand(q + 2 * kv, h),
-            qkv_bias=rand(q + 2 * kv) if cfg.attention_bias else None,
+            qkv=proj(q + 2 * kv, h, rand(q + 2 * kv) if cfg.attention_bias else None),
             q_norm=norm(d),
             k_norm=norm(d),
-            o_proj=rand(h, q),
+            o_proj=proj(h, q),
             post_norm=norm(h),
-            gate_up=rand(2 * i, h),
-            down=rand(h, i),
+            gate_up=proj(2 * i, h),
+            down=proj(h, i),
         )
         for _ in range(cfg.num_layers)
     ]
     embed = rand(cfg.vocab_size, h)
-    lm_head = embed if cfg.tie_word_embeddings else rand(cfg.vocab_size, h)
+    lm_head = LinearWeight(embed if cfg.tie_word_embeddings else rand(cfg.vocab_size, h))
     return Qwen3Weights(embed=embed, layers=layers, final_norm=norm(h), lm_head=lm_head)

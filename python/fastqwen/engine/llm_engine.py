@@ -14,7 +14,7 @@ import time
 import torch
 
 from .. import env
-from ..config import EngineConfig, load_model_config, resolve_dtype
+from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_quantization
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
@@ -94,10 +94,11 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.config.max_position_embeddings
 
         folder = model if os.path.isdir(model) else os.path.dirname(model)
+        self.fp8 = resolve_quantization(config.quantization, self.config)
         if config.load_format == "dummy":
-            weights = dummy_weights(self.config, self.dtype, self.device, seed)
+            weights = dummy_weights(self.config, self.dtype, self.device, seed, fp8=self.fp8)
         else:
-            weights = load_weights(folder, self.config, self.dtype, self.device)
+            weights = load_weights(folder, self.config, self.dtype, self.device, fp8=self.fp8)
         self.model = Qwen3Model(self.config, weights, self.max_model_len, max_batch=max_num_seqs)
 
         cfg = self.config

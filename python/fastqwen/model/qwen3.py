@@ -25,6 +25,8 @@ class Qwen3Model:
         self.decode_workspace = None
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
+        projections = [getattr(layer, n) for layer in weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
+        ops.prepare_linear(projections + [weights.lm_head], self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,7 +47,7 @@ class Qwen3Model:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
             else:
                 ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = torch.nn.functional.linear(hidden, layer.qkv, layer.qkv_bias)
+            qkv = ops.linear(hidden, layer.qkv)
             k_cache, v_cache = kv.k(index), kv.v(index)
             ops.qk_norm_rope_store_kv(
                 qkv, layer.q_norm, layer.k_norm, self.cos_sin_cache, batch.positions,
@@ -61,16 +63,16 @@ class Qwen3Model:
                     q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
                     batch.max_query_len or None,  # the batch builder knows it: no read-back
                 )
-            hidden = torch.nn.functional.linear(attn.view(num_tokens, -1), layer.o_proj)
+            hidden = ops.linear(attn.view(num_tokens, -1), layer.o_proj)
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            gate_up = torch.nn.functional.linear(hidden, layer.gate_up)
+            gate_up = ops.linear(hidden, layer.gate_up)
             act = ops.silu_and_mul(gate_up)
-            hidden = torch.nn.functional.linear(act, layer.down)
+            hidden = ops.linear(act, layer.down)
         # Only the rows that sample reach the final norm and the LM head.
         hidden = hidden[batch.logits_indices]
         residual = residual[batch.logits_indices]
         ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
-        logits = torch.nn.functional.linear(hidden, w.lm_head)
+        logits = ops.linear(hidden, w.lm_head)
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
