@@ -19,7 +19,7 @@ for stage in "$@"; do
       echo "build rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log" ;;
     tests)
       FASTQWEN_RESULTS_DIR="$OUT" run tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gemv_gpu.py \
-        tests/test_engine_gpu.py tests/test_cuda_graph_gpu.py ;;
+        ${FP8W_MORE_TESTS:-} ;;
     gemv) run bench_gemv 150 python3 bench/bench_gemv.py --json "$OUT/bench_gemv.json" ;;
     latency)
       for q in none fp8; do

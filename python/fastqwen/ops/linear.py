@@ -182,12 +182,17 @@ def _scaled_mm_weight_scale(w: LinearWeight) -> torch.Tensor:
 
 
 def _fp8_gemm(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    m = x.shape[0]
+    padded = -(-m // 16) * 16  # cuBLASLt refuses block-scaled GEMMs whose token count (scale_a's stride) is unaligned
+    if padded != m:
+        x = F.pad(x, (0, 0, 0, padded - m))
     q, sx = quantize_activations(x)
-    sx = sx.t().contiguous().t()  # [M, K/128] with stride [1, M]
+    scale_a = torch.empty_strided(sx.shape, (1, padded), dtype=torch.float32, device=x.device)
+    scale_a.copy_(sx)  # [M, K/128] with stride [1, M]
     y = F.scaled_mm(
-        q, w.weight.t(), sx, F.ScalingType.BlockWise1x128, _scaled_mm_weight_scale(w), F.ScalingType.BlockWise128x128,
-        output_dtype=x.dtype,
-    )  # fmt: skip
+        q, w.weight.t(), scale_a, F.ScalingType.BlockWise1x128, _scaled_mm_weight_scale(w),
+        F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
+    )[:m]  # fmt: skip
     return y if w.bias is None else y + w.bias
 
 
@@ -202,11 +207,14 @@ def fp8_gemm_supported(device: torch.device, dtype: torch.dtype, w: LinearWeight
     if _scaled_mm_ok is None:
         try:
             gen = torch.Generator(device=device).manual_seed(0)
-            probe = LinearWeight(*quantize_fp8(torch.randn(256, 256, device=device, generator=gen)))
-            probe_x = torch.randn(32, 256, device=device, dtype=dtype, generator=gen)
-            got = _fp8_gemm(probe_x, probe).float()
-            want = linear_reference(probe_x, probe).float()
-            _scaled_mm_ok = bool(((got - want).norm() / want.norm()) < 0.1)
+            probe = LinearWeight(*quantize_fp8(torch.randn(384, 640, device=device, generator=gen)))
+            errors = []
+            for tokens in (17, 64, 301):  # token counts that are and are not multiples of the alignment
+                probe_x = torch.randn(tokens, 640, device=device, dtype=dtype, generator=gen)
+                got = _fp8_gemm(probe_x, probe).float()
+                want = linear_reference(probe_x, probe).float()
+                errors.append(((got - want).norm() / want.norm()).item())
+            _scaled_mm_ok = max(errors) < 0.1
             if not _scaled_mm_ok:
                 log.warning("FP8 block-scaled GEMM gives wrong results here; FP8 prefill dequantizes instead")
         except (RuntimeError, NotImplementedError, TypeError, AttributeError) as e:
