@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fastqwen.config import ModelConfig
 from fastqwen.ops._native import has_cuda_kernels
-from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, linear, quantize_fp8, _fp8_gemm
+from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, gemv, quantize_fp8, _fp8_gemm
 
 from common import copy_bandwidth, graph_of, report, time_fn
 
@@ -55,9 +55,9 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
         x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
         outs = [torch.empty(m, rows, device="cuda", dtype=torch.bfloat16) for _ in range(nbuf)]
         variants = {
-            "gemv_bf16": (bf16, lambda w, o: linear(x, w, o)),
+            "gemv_bf16": (bf16, lambda w, o: gemv(x, w, o)),
             "cublas_bf16": (bf16, lambda w, o: torch.matmul(x, w.weight.t(), out=o)),
-            "gemv_fp8": (fp8, lambda w, o: linear(x, w, o)),
+            "gemv_fp8": (fp8, lambda w, o: gemv(x, w, o)),
             "fp8_gemm": (fp8, (lambda w, o: o.copy_(_fp8_gemm(x, w))) if scaled_mm
                          else (lambda w, o: torch.matmul(x, w.dequantize(torch.bfloat16).t(), out=o))),
         }  # fmt: skip

@@ -16,6 +16,7 @@
 #include "activation.h"
 #include "attention.h"
 #include "dtype.h"
+#include "fp8_quant.h"
 #include "gemv.h"
 #include "norm.h"
 #include "page_allocator.h"
@@ -82,6 +83,7 @@ void export_contracts(py::module_& m) {
   kernel_dtypes["paged_attention"] = codes(fq::kHalfTypes);
   kernel_dtypes["sample"] = codes(fq::kSamplerLogitTypes);
   kernel_dtypes["gemv"] = codes(fq::kHalfTypes);
+  kernel_dtypes["quantize_fp8_tokens"] = codes(fq::kHalfTypes);
   m.attr("KERNEL_DTYPES") = kernel_dtypes;
   m.attr("ATTENTION_HEAD_DIM") = fq::kAttentionHeadDim;
   py::list rope_dims;
@@ -206,6 +208,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("stream"),
       "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
       "block scales (fp8); fp32 accumulation.");
+  m.def(
+      "quantize_fp8_tokens",
+      [](const py::int_& q, const py::int_& scale_t, const py::int_& x, int64_t m, int64_t padded_m, int64_t k,
+         int dtype, const py::int_& stream) {
+        fastqwen::quantize_fp8_tokens(to_uintptr(q, "q"), to_uintptr(scale_t, "scale_t"), to_uintptr(x, "x"), m,
+                                      padded_m, k, dtype, to_uintptr(stream, "stream"));
+      },
+      py::arg("q"), py::arg("scale_t"), py::arg("x"), py::arg("m"), py::arg("padded_m"), py::arg("k"),
+      py::arg("dtype"), py::arg("stream"),
+      "Per-token e4m3 quantization of x [m, k] in groups of 128 columns: q [padded_m, k], scale_t float32 "
+      "[k / 128, padded_m] (rows past m: zeros, scale 1).");
   m.def(
       "silu_and_mul",
       [](const py::int_& x_ptr, const py::int_& out_ptr, int64_t num_rows, int64_t d, int dtype,

@@ -114,8 +114,9 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
 }
 
 // Grid: one block per kRows output rows. MT: the token count rounded up to a power of two (loops stop at m).
+// One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
 template <typename T, bool FP8, int MT>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
+__global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
                                                            const T* __restrict__ bias, int m, int n, int k) {

@@ -31,6 +31,7 @@ __all__ = [
     "GEMV_MAX_TOKENS",
     "LinearWeight",
     "dequantize_fp8",
+    "gemv",
     "gemv_kernel_applies",
     "linear",
     "linear_reference",
@@ -44,8 +45,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 FP8_BLOCK = 128  # scale granularity: one float32 scale per 128x128 block of the weight
 # Largest number of tokens (rows of x) that takes the GEMV kernel; cuBLAS (or the FP8 GEMM) above. Chosen from
-# bench/bench_gemv.py on the H100 (bench/results/2026-11-23-h100-fp8w/).
+# bench/bench_gemv.py on the H100 (bench/results/2026-11-23-h100-fp8w/bench_gemv.json, Qwen3-8B shapes): dense, the
+# kernel beats cuBLAS at one token (by 9% over a layer's four projections) and ties at two; FP8, it beats the
+# block-scaled GEMM up to 8 tokens. The kernel itself takes up to GEMV_MAX_TOKENS (csrc/gemv.h).
 GEMV_MAX_TOKENS = 16
+DENSE_GEMV_MAX_TOKENS = 1
+FP8_GEMV_MAX_TOKENS = 8
 
 
 @dataclass
@@ -128,15 +133,29 @@ def linear_reference(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def gemv_kernel_applies(x: torch.Tensor, w: LinearWeight) -> bool:
-    """Whether linear(x, w) runs the GEMV kernel: a CUDA tensor of bf16/fp16 with at most GEMV_MAX_TOKENS rows, a
-    weight whose row length suits 16-byte loads, the kernels built."""
-    if x.dim() != 2 or not (0 < x.shape[0] <= GEMV_MAX_TOKENS):
+def _gemv_fits(x: torch.Tensor, w: LinearWeight, max_tokens: int) -> bool:
+    if x.dim() != 2 or not (0 < x.shape[0] <= max_tokens) or x.shape[1] != w.in_features:
         return False
     if not kernel_applies("gemv", x.is_cuda, x.dtype):
         return False
-    dense_ok = w.weight.dtype == x.dtype
-    return (w.is_fp8 or dense_ok) and w.in_features % 16 == 0 and x.shape[1] == w.in_features
+    return (w.is_fp8 or w.weight.dtype == x.dtype) and w.in_features % 16 == 0
+
+
+def gemv_kernel_applies(x: torch.Tensor, w: LinearWeight) -> bool:
+    """Whether linear(x, w) runs the GEMV kernel: a CUDA tensor of bf16/fp16 with at most DENSE_GEMV_MAX_TOKENS rows
+    (FP8_GEMV_MAX_TOKENS for an FP8 weight), a weight whose row length suits 16-byte loads, the kernels built."""
+    return _gemv_fits(x, w, FP8_GEMV_MAX_TOKENS if w.is_fp8 else DENSE_GEMV_MAX_TOKENS)
+
+
+def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMV kernel itself at any token count it takes (1 to GEMV_MAX_TOKENS), whatever linear() would pick: for
+    tests and benchmarks. ValueError where the kernel does not apply."""
+    if not _gemv_fits(x, w, GEMV_MAX_TOKENS):
+        raise ValueError(f"gemv: the kernel does not apply to x {tuple(x.shape)} {x.dtype} on {x.device} and a "
+                         f"{w.weight.dtype} weight {tuple(w.weight.shape)}")  # fmt: skip
+    if out is None:
+        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
+    return _gemv(x.contiguous(), w, out)
 
 
 def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor) -> torch.Tensor:
@@ -147,6 +166,8 @@ def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor) -> torch.Tensor:
         check_tensors("linear", x.device, torch.float32, scale=scale)
     if bias is not None:
         check_tensors("linear", x.device, x.dtype, bias=bias)
+    if tuple(out.shape) != (x.shape[0], w.out_features):
+        raise ValueError(f"linear: out must be [{x.shape[0]}, {w.out_features}], got {tuple(out.shape)}")
     native().gemv(
         out.data_ptr(), x.data_ptr(), w.weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
         0 if bias is None else bias.data_ptr(), x.shape[0], w.out_features, w.in_features,
@@ -181,14 +202,25 @@ def _scaled_mm_weight_scale(w: LinearWeight) -> torch.Tensor:
     return w._scaled_mm_scale
 
 
+def _quantize_for_gemm(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [padded, K], float32 scales [padded, K/128] with stride [1, padded]); rows past x's are zero."""
+    m, k = x.shape
+    if kernel_applies("quantize_fp8_tokens", x.is_cuda, x.dtype) and padded <= 65535:
+        q = torch.empty(padded, k, dtype=FP8_DTYPE, device=x.device)
+        scale_t = torch.empty(k // FP8_BLOCK, padded, dtype=torch.float32, device=x.device)
+        check_tensors("linear", x.device, None, x=x)
+        native().quantize_fp8_tokens(q.data_ptr(), scale_t.data_ptr(), x.data_ptr(), m, padded, k,
+                                     dtype_code(x.dtype), stream_of(x))  # fmt: skip
+        return q, scale_t.t()
+    q, sx = quantize_activations(F.pad(x, (0, 0, 0, padded - m)))
+    scale_a = torch.empty_strided(sx.shape, (1, padded), dtype=torch.float32, device=x.device)
+    return q, scale_a.copy_(sx)
+
+
 def _fp8_gemm(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     m = x.shape[0]
     padded = -(-m // 16) * 16  # cuBLASLt refuses block-scaled GEMMs whose token count (scale_a's stride) is unaligned
-    if padded != m:
-        x = F.pad(x, (0, 0, 0, padded - m))
-    q, sx = quantize_activations(x)
-    scale_a = torch.empty_strided(sx.shape, (1, padded), dtype=torch.float32, device=x.device)
-    scale_a.copy_(sx)  # [M, K/128] with stride [1, M]
+    q, scale_a = _quantize_for_gemm(x.contiguous(), padded)
     y = F.scaled_mm(
         q, w.weight.t(), scale_a, F.ScalingType.BlockWise1x128, _scaled_mm_weight_scale(w),
         F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
@@ -237,9 +269,7 @@ def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) ->
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x must be [tokens, {w.in_features}], got {tuple(x.shape)}")
     if gemv_kernel_applies(x, w):
-        if out is None:
-            out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
-        return _gemv(x.contiguous(), w, out)
+        return gemv(x, w, out)
     if not w.is_fp8 and w.weight.dtype == x.dtype:
         y = F.linear(x, w.weight, w.bias)
     elif w.is_fp8 and x.is_cuda and fp8_gemm_supported(x.device, x.dtype, w):
