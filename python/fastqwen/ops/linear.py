@@ -4,7 +4,7 @@ A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values w
 128x128 blocks (Qwen's official FP8 layout: `weight_scale_inv[row // 128, col // 128]` multiplies the block), so that
 `W ~= weight.float() * scale` blockwise. Dispatch, for y = x @ W^T (+ bias):
 
-- few tokens (at most GEMV_MAX_TOKENS rows, decode) on the GPU: the hand-written GEMV kernel (csrc/gemv.cu), which
+- few tokens (DENSE_GEMV_MAX_TOKENS / FP8_GEMV_MAX_TOKENS rows, decode) on the GPU: the hand-written GEMV kernel (csrc/gemv.cu), which
   streams each weight byte once and, for FP8, dequantizes in registers (bf16 activations, fp32 accumulation);
 - more tokens, dense: cuBLAS through torch;
 - more tokens, FP8: an FP8 tensor-core GEMM through `torch.nn.functional.scaled_mm` with per-token activation scales
@@ -45,12 +45,13 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 FP8_BLOCK = 128  # scale granularity: one float32 scale per 128x128 block of the weight
 # Largest number of tokens (rows of x) that takes the GEMV kernel; cuBLAS (or the FP8 GEMM) above. Chosen from
-# bench/bench_gemv.py on the H100 (bench/results/2026-11-23-h100-fp8w/bench_gemv.json, Qwen3-8B shapes): dense, the
-# kernel beats cuBLAS at one token (by 9% over a layer's four projections) and ties at two; FP8, it beats the
-# block-scaled GEMM up to 8 tokens. The kernel itself takes up to GEMV_MAX_TOKENS (csrc/gemv.h).
+# bench/bench_gemv.py on the H100 (bench/results/2026-11-23-h100-fp8w/run3/bench_gemv.json, Qwen3-8B shapes): dense,
+# the kernel beats cuBLAS at one token (by 10% over a layer's four projections) and ties at two; FP8, it beats the
+# block-scaled GEMM (with the fused activation quantizer) at one and two tokens and loses by 5% at four. The kernel
+# itself takes up to GEMV_MAX_TOKENS (csrc/gemv.h).
 GEMV_MAX_TOKENS = 16
 DENSE_GEMV_MAX_TOKENS = 1
-FP8_GEMV_MAX_TOKENS = 8
+FP8_GEMV_MAX_TOKENS = 2
 
 
 @dataclass
