@@ -4,8 +4,9 @@ A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values w
 128x128 blocks (Qwen's official FP8 layout: `weight_scale_inv[row // 128, col // 128]` multiplies the block), so that
 `W ~= weight.float() * scale` blockwise. Dispatch, for y = x @ W^T (+ bias):
 
-- few tokens (DENSE_GEMV_MAX_TOKENS / FP8_GEMV_MAX_TOKENS rows, decode) on the GPU: the hand-written GEMV kernel (csrc/gemv.cu), which
-  streams each weight byte once and, for FP8, dequantizes in registers (bf16 activations, fp32 accumulation);
+- few tokens (DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS: decode) on the GPU: the hand-written GEMV kernel
+  (csrc/gemv.cu), which streams each weight byte once and, for FP8, dequantizes in registers (bf16 activations, fp32
+  accumulation);
 - more tokens, dense: cuBLAS through torch;
 - more tokens, FP8: an FP8 tensor-core GEMM through `torch.nn.functional.scaled_mm` with per-token activation scales
   on 1x128 groups and the weight's 128x128 block scales, where this torch and GPU support that scaling (probed once);
