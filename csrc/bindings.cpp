@@ -18,6 +18,8 @@
 #include "attention.h"
 #include "custom_all_reduce.h"
 #include "dtype.h"
+#include "fp8_quant.h"
+#include "gemv.h"
 #include "norm.h"
 #include "page_allocator.h"
 #include "rope_kv.h"
@@ -83,12 +85,16 @@ void export_contracts(py::module_& m) {
   kernel_dtypes["qk_norm_rope_store_kv"] = codes(fq::kHalfTypes);
   kernel_dtypes["paged_attention"] = codes(fq::kHalfTypes);
   kernel_dtypes["sample"] = codes(fq::kSamplerLogitTypes);
+  kernel_dtypes["gemv"] = codes(fq::kHalfTypes);
+  kernel_dtypes["quantize_fp8_tokens"] = codes(fq::kHalfTypes);
   m.attr("KERNEL_DTYPES") = kernel_dtypes;
   m.attr("ATTENTION_HEAD_DIM") = fq::kAttentionHeadDim;
   py::list rope_dims;
   for (int d : fq::kRopeKVHeadDims) rope_dims.append(d);
   m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
+  m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
+  m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;
   m.attr("SAMPLER_ROW_WORDS") = static_cast<int>(sizeof(fq::SamplerRow) / 4);
   m.attr("SAMPLER_ROW_FIELDS") = sampler_row_fields();
   m.attr("SAMPLER_MAX_TOP_N") = fq::kSamplerMaxTopN;
@@ -223,6 +229,28 @@ PYBIND11_MODULE(_C, m) {
       .def("__repr__", &PageAllocator::repr);
 
 #if FASTQWEN_WITH_CUDA
+  m.def(
+      "gemv",
+      [](const py::int_& out, const py::int_& x, const py::int_& w, const py::int_& scale, const py::int_& bias,
+         int64_t m, int64_t n, int64_t k, int dtype, bool fp8, const py::int_& stream) {
+        fastqwen::gemv(to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(w, "w"), to_uintptr(scale, "scale"),
+                       to_uintptr(bias, "bias"), m, n, k, dtype, fp8, to_uintptr(stream, "stream"));
+      },
+      py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("m"), py::arg("n"),
+      py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("stream"),
+      "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
+      "block scales (fp8); fp32 accumulation.");
+  m.def(
+      "quantize_fp8_tokens",
+      [](const py::int_& q, const py::int_& scale_t, const py::int_& x, int64_t m, int64_t padded_m, int64_t k,
+         int dtype, const py::int_& stream) {
+        fastqwen::quantize_fp8_tokens(to_uintptr(q, "q"), to_uintptr(scale_t, "scale_t"), to_uintptr(x, "x"), m,
+                                      padded_m, k, dtype, to_uintptr(stream, "stream"));
+      },
+      py::arg("q"), py::arg("scale_t"), py::arg("x"), py::arg("m"), py::arg("padded_m"), py::arg("k"),
+      py::arg("dtype"), py::arg("stream"),
+      "Per-token e4m3 quantization of x [m, k] in groups of 128 columns: q [padded_m, k], scale_t float32 "
+      "[k / 128, padded_m] (rows past m: zeros, scale 1).");
   m.def(
       "silu_and_mul",
       [](const py::int_& x_ptr, const py::int_& out_ptr, int64_t num_rows, int64_t d, int dtype,

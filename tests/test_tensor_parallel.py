@@ -68,25 +68,25 @@ def test_shards_put_back_together_are_the_checkpoint(model, size):
     folder, hf, _ = model
     cfg, _ = load_model_config(folder)
     hf_state = {k: v.float() for k, v in hf.state_dict().items()}
-    shards = [load_weights(folder, cfg, torch.float32, torch.device("cpu"), Shard(r, size)) for r in range(size)]
+    shards = [load_weights(folder, cfg, torch.float32, torch.device("cpu"), shard=Shard(r, size)) for r in range(size)]
     rows = Shard(0, size).vocab_rows(VOCAB)
     embed = torch.cat([w.embed for w in shards])
     assert all(w.embed.shape[0] == rows for w in shards)
     torch.testing.assert_close(embed[:VOCAB], hf_state["model.embed_tokens.weight"], rtol=0, atol=0)
     assert not embed[VOCAB:].any(), "the vocabulary padding must be zeros"
-    torch.testing.assert_close(torch.cat([w.lm_head for w in shards])[:VOCAB], hf_state["lm_head.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([w.lm_head.weight for w in shards])[:VOCAB], hf_state["lm_head.weight"], rtol=0, atol=0)
     d, q_per = cfg.head_dim, cfg.num_heads // size
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        q_rows = torch.cat([w.layers[n].qkv[: q_per * d] for w in shards])
+        q_rows = torch.cat([w.layers[n].qkv.weight[: q_per * d] for w in shards])
         torch.testing.assert_close(q_rows, hf_state[p + "self_attn.q_proj.weight"], rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([w.layers[n].o_proj for w in shards], 1), hf_state[p + "self_attn.o_proj.weight"], rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([w.layers[n].down for w in shards], 1), hf_state[p + "mlp.down_proj.weight"], rtol=0, atol=0)
-        gate = torch.cat([w.layers[n].gate_up[: w.layers[n].gate_up.shape[0] // 2] for w in shards])
+        torch.testing.assert_close(torch.cat([w.layers[n].o_proj.weight for w in shards], 1), hf_state[p + "self_attn.o_proj.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat([w.layers[n].down.weight for w in shards], 1), hf_state[p + "mlp.down_proj.weight"], rtol=0, atol=0)
+        gate = torch.cat([w.layers[n].gate_up.weight[: w.layers[n].gate_up.weight.shape[0] // 2] for w in shards])
         torch.testing.assert_close(gate, hf_state[p + "mlp.gate_proj.weight"], rtol=0, atol=0)
         for r, w in enumerate(shards):
             k0, k1 = Shard(r, size).kv_heads(cfg)
-            k = w.layers[n].qkv[q_per * d : q_per * d + (k1 - k0) * d]
+            k = w.layers[n].qkv.weight[q_per * d : q_per * d + (k1 - k0) * d]
             torch.testing.assert_close(k, hf_state[p + "self_attn.k_proj.weight"][k0 * d : k1 * d], rtol=0, atol=0)
 
 
@@ -96,7 +96,7 @@ def test_sharded_load_reads_matrices_by_slices_only(model, monkeypatch):
     whole = []
     get = _TensorSource.get
     monkeypatch.setattr(_TensorSource, "get", lambda self, name: whole.append(name) or get(self, name))
-    load_weights(folder, cfg, torch.float32, torch.device("cpu"), Shard(1, 2))
+    load_weights(folder, cfg, torch.float32, torch.device("cpu"), shard=Shard(1, 2))
     assert whole and all(name.endswith("norm.weight") for name in whole), whole
 
 
@@ -108,7 +108,8 @@ def test_dummy_weights_are_the_same_numbers_at_any_size(model):
         expected = shard_weights(full, cfg, Shard(rank, 2))
         for a, b in zip(mine.layers, expected.layers):
             for name, t in vars(a).items():
-                torch.testing.assert_close(t, getattr(b, name), rtol=0, atol=0, msg=name)
+                t, other = (t.weight, getattr(b, name).weight) if name in ("qkv", "o_proj", "gate_up", "down") else (t, getattr(b, name))
+                torch.testing.assert_close(t, other, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(mine.embed, expected.embed, rtol=0, atol=0)
 
 
@@ -216,3 +217,15 @@ def test_server_tp2_matches_hf_and_exits_when_a_rank_dies(model):
         assert not any(alive(pid) for pid in core)
     finally:
         server.stop()
+
+
+def test_fp8_weights_are_refused_across_ranks(model):
+    """FP8 projections are not sharded (their 128x128 block scales would have to split with them): refused, never
+    loaded wrong."""
+    folder = model[0]
+    cfg, _ = load_model_config(folder)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        dummy_weights(cfg, torch.float32, torch.device("cpu"), fp8=True, shard=Shard(0, 2))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        load_weights(folder, cfg, torch.float32, torch.device("cpu"), fp8=True, shard=Shard(1, 2))
+    load_weights(folder, cfg, torch.float32, torch.device("cpu"), fp8=True)  # one rank: fine

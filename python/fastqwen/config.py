@@ -57,6 +57,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    quantization: str | None = None  # the checkpoint's own: None (dense) or "fp8" (Qwen's block-scaled FP8 layout)
 
     @property
     def q_size(self) -> int:
@@ -94,6 +95,7 @@ class ModelConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=_as_id_list(eos),
             bos_token_id=cfg.get("bos_token_id"),
+            quantization=checkpoint_quantization(cfg.get("quantization_config")),
         )
 
     @classmethod
@@ -140,6 +142,46 @@ class GenerationDefaults:
             repetition_penalty=cfg.get("repetition_penalty"),
             do_sample=cfg.get("do_sample"),
         )
+
+
+# ---- quantized checkpoints -----------------------------------------------------------------------------------------
+
+FP8_WEIGHT_BLOCK = [128, 128]
+
+
+def checkpoint_quantization(qcfg: Any) -> str | None:
+    """The quantization a config.json's quantization_config describes: None for none, "fp8" for Qwen's FP8 layout
+    (e4m3 weights, 128x128 block scales in weight_scale_inv, activations quantized dynamically). Anything else is
+    refused with the reason: running it as if it were dense would generate garbage."""
+    if qcfg in (None, {}):
+        return None
+    if not isinstance(qcfg, dict):
+        raise ValueError(f"config.json's quantization_config must be an object, not {qcfg!r}")
+    method = qcfg.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"this checkpoint is quantized with quant_method={method!r}, which fastqwen cannot run; it runs dense "
+            "checkpoints and FP8 ones in Qwen's layout (quant_method 'fp8', e4m3, weight_block_size [128, 128])"
+        )
+    problems = []
+    if qcfg.get("fmt", "e4m3") != "e4m3":
+        problems.append(f"fmt={qcfg.get('fmt')!r} (only 'e4m3')")
+    if qcfg.get("weight_block_size") != FP8_WEIGHT_BLOCK:
+        problems.append(f"weight_block_size={qcfg.get('weight_block_size')!r} (only {FP8_WEIGHT_BLOCK}; per-tensor "
+                        "or per-channel FP8 scales are not supported)")  # fmt: skip
+    if qcfg.get("activation_scheme", "dynamic") != "dynamic":
+        problems.append(f"activation_scheme={qcfg.get('activation_scheme')!r} (only 'dynamic')")
+    if problems:
+        raise ValueError("unsupported FP8 checkpoint: " + "; ".join(problems))
+    return "fp8"
+
+
+def resolve_quantization(requested: str, cfg: ModelConfig) -> bool:
+    """Whether the projections run in FP8: 'auto' follows the checkpoint, 'fp8' quantizes a dense one on load, 'none'
+    dequantizes an FP8 one on load."""
+    if requested == "auto":
+        return cfg.quantization == "fp8"
+    return requested == "fp8"
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -221,6 +263,7 @@ class EngineConfig:
     disable_cuda_graph: bool = _knob(False, "run decode steps eagerly instead of replaying captured CUDA graphs")
     cuda_graph_max_bs: int = _knob(256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
     disable_overlap_schedule: bool = _knob(False, "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
+    quantization: str = _knob("auto", "projection weights: auto = as the checkpoint has them; fp8 = FP8 e4m3 weights with 128x128 block scales (Qwen's FP8 checkpoints as they are, dense ones quantized on load); none = dense (an FP8 checkpoint is dequantized on load)", choices=("auto", "fp8", "none"))
     allow_reference_on_gpu: bool = _knob(False, "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1")
     # ---- tensor parallelism (engine/tensor_parallel.py) ----
     tensor_parallel_size: int = _knob(1, "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each", aliases=("--tp", "-tp"))
@@ -240,6 +283,7 @@ class EngineConfig:
         need(self.max_model_len is None or (_positive_int(self.max_model_len) and self.max_model_len >= 2), "max_model_len", "an integer >= 2")
         need(self.num_pages is None or _positive_int(self.num_pages), "num_pages", "a positive integer")
         need(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
+        need(self.quantization in ("auto", "fp8", "none"), "quantization", "'auto', 'fp8' or 'none'")
         need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
         if is_preset(self.model) and self.load_format != "dummy":

@@ -15,7 +15,7 @@ import time
 import torch
 
 from .. import env
-from ..config import EngineConfig, load_model_config, resolve_dtype
+from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_quantization
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
@@ -106,10 +106,11 @@ class LLMEngine:
         shard = Shard(parallel.rank, parallel.size)
         # The model as this rank sees it: its heads and KV heads (the whole model on one rank).
         self.rank_config = shard.rank_config(self.config)
+        self.fp8 = resolve_quantization(config.quantization, self.config)
         if config.load_format == "dummy":
-            weights = dummy_weights(self.config, self.dtype, self.device, seed, shard)
+            weights = dummy_weights(self.config, self.dtype, self.device, seed, fp8=self.fp8, shard=shard)
         else:
-            weights = load_weights(folder, self.config, self.dtype, self.device, shard)
+            weights = load_weights(folder, self.config, self.dtype, self.device, fp8=self.fp8, shard=shard)
         self.model = Qwen3Model(self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel)
 
         cfg = self.rank_config

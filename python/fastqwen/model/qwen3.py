@@ -33,6 +33,8 @@ class Qwen3Model:
         self.decode_workspace = None
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
+        projections = [getattr(layer, n) for layer in weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
+        ops.prepare_linear(projections + [weights.lm_head], self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -59,7 +61,7 @@ class Qwen3Model:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
             else:
                 ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = torch.nn.functional.linear(hidden, layer.qkv, layer.qkv_bias)
+            qkv = ops.linear(hidden, layer.qkv)
             k_cache, v_cache = kv.k(index), kv.v(index)
             ops.qk_norm_rope_store_kv(
                 qkv, layer.q_norm, layer.k_norm, self.cos_sin_cache, batch.positions,
@@ -75,11 +77,11 @@ class Qwen3Model:
                     q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
                     batch.max_query_len or None,  # the batch builder knows it: no read-back
                 )
-            hidden = self.parallel.all_reduce(torch.nn.functional.linear(attn.view(num_tokens, -1), layer.o_proj))
+            hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            gate_up = torch.nn.functional.linear(hidden, layer.gate_up)
+            gate_up = ops.linear(hidden, layer.gate_up)
             act = ops.silu_and_mul(gate_up)
-            hidden = self.parallel.all_reduce(torch.nn.functional.linear(act, layer.down))
+            hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
         # Only the rows that sample reach the final norm and the LM head.
         rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
         hidden = hidden[rows]
@@ -88,11 +90,11 @@ class Qwen3Model:
         if extra_rows is not None:
             num_samples = batch.logits_indices.shape[0]
             return self.lm_head_logits(hidden[:num_samples]), hidden[num_samples:]
-        logits = self.parallel.gather_vocab(torch.nn.functional.linear(hidden, w.lm_head), cfg.vocab_size)
+        logits = self.parallel.gather_vocab(ops.linear(hidden, w.lm_head), cfg.vocab_size)
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""
-        return self.parallel.gather_vocab(torch.nn.functional.linear(hidden, self.weights.lm_head), self.cfg.vocab_size).float()
+        return self.parallel.gather_vocab(ops.linear(hidden, self.weights.lm_head), self.cfg.vocab_size).float()

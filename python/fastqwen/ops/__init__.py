@@ -14,6 +14,7 @@ from .attention import (
     paged_attention_prefill,
     plan_decode,
 )
+from .linear import LinearWeight, gemv_kernel_applies, linear, linear_reference, prepare_linear
 from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
 from .sampling import (
@@ -41,6 +42,11 @@ __all__ = [
     "draw_reference",
     "fused_add_rms_norm",
     "has_cuda_kernels",
+    "linear",
+    "linear_reference",
+    "LinearWeight",
+    "gemv_kernel_applies",
+    "prepare_linear",
     "pack_sampler_rows",
     "paged_attention_decode",
     "paged_attention_prefill",
