@@ -164,7 +164,7 @@ def load_model_config(model: str) -> tuple[ModelConfig, GenerationDefaults]:
     if not os.path.isfile(config_file):
         raise InvalidRequestError(
             f"unknown model {model!r}: pass a checkpoint folder, a config.json, or a preset "
-            f"({', '.join(PRESETS)}) with load_format='dummy'",
+            f"({', '.join(PRESETS)}) with the dummy load format",
             "model",
         )
     with open(config_file) as f:
@@ -206,7 +206,7 @@ class EngineConfig:
     """Every engine knob and its default, in one place. `LLM(model, **knobs)`, `python -m fastqwen.serve` and the
     benchmarks all build one of these; the command-line flags are generated from the fields below."""
 
-    model: str = _knob(MISSING, "checkpoint folder, config.json, or a preset (" + ", ".join(PRESETS) + ") with --load-format dummy")
+    model: str = _knob(MISSING, "checkpoint folder, Hugging Face hub id (e.g. Qwen/Qwen3-8B: the local cache first, downloaded when missing), config.json, or a preset (" + ", ".join(PRESETS) + ") with --load-format dummy")
     dtype: str | torch.dtype = _knob("auto", "weight and KV dtype; auto = the checkpoint's", choices=("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"))
     device: str | None = _knob(None, "cuda or cpu (default: cuda when available)")
     load_format: str = _knob("auto", "dummy = random weights with the model's shapes", choices=("auto", "safetensors", "dummy"))
@@ -222,6 +222,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = _knob(256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
     disable_overlap_schedule: bool = _knob(False, "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
     allow_reference_on_gpu: bool = _knob(False, "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1")
+    # ---- model sources (model_source.py resolves them before anything loads) ----
+    revision: str | None = _knob(None, "hub revision (branch, tag or commit) of a --model given as a Hugging Face hub id")
+    tokenizer: str | None = _knob(None, "tokenizer folder or hub id (default: the model's own)")
+    chat_template: str | None = _knob(None, "chat template: a jinja file, or the template itself (default: the tokenizer's)")
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -238,8 +242,11 @@ class EngineConfig:
         need(self.num_pages is None or _positive_int(self.num_pages), "num_pages", "a positive integer")
         need(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
-        if is_preset(self.model) and self.load_format != "dummy":
-            raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: use the dummy load format", "load_format")
+        for name in ("revision", "tokenizer", "chat_template"):
+            need(getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""), name, "a non-empty string")
+        if is_preset(self.model) and "/" not in self.model and self.load_format != "dummy":  # "Qwen/Qwen3-8B" is a hub id
+            raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: pass a checkpoint folder or a "
+                              f"hub id (Qwen/{self.model}), or use the dummy load format", "load_format")  # fmt: skip
 
     @classmethod
     def build(cls, model: "str | EngineConfig", **knobs) -> "EngineConfig":

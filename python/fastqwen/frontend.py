@@ -158,9 +158,9 @@ class Frontend:
 
     @classmethod
     def for_engine(cls, info: EngineInfo) -> "Frontend":
-        """With the tokenizer of the checkpoint folder the engine loaded, if it has one."""
-        folder = info.model if os.path.isdir(info.model) else os.path.dirname(info.model)
-        return cls(info, Tokenizer.from_folder(folder) if folder else None)
+        """With the tokenizer the engine was configured with (by default the checkpoint folder's, if it has one)."""
+        folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
+        return cls(info, Tokenizer.from_folder(folder, info.chat_template) if folder else None)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

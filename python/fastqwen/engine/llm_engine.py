@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .. import env
+from .. import env, model_source
 from ..config import EngineConfig, load_model_config, resolve_dtype
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
@@ -83,7 +83,8 @@ def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig | str, **knobs):
         """config: an EngineConfig, or a model path/preset plus EngineConfig's knobs as keywords."""
-        self.engine_config = config = EngineConfig.build(config, **knobs)
+        # A hub id becomes its local snapshot, the chat template its text; a missing file fails here, before loading.
+        self.engine_config = config = model_source.resolve(EngineConfig.build(config, **knobs))
         model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
         max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         device = config.device
@@ -205,6 +206,8 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             kv_bytes=self.kv.num_bytes,
+            tokenizer=self.engine_config.tokenizer,
+            chat_template=self.engine_config.chat_template,
         )
 
     def add(self, request: EngineRequest) -> None:
