@@ -66,6 +66,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the checkpoint, counted from the shapes (the LM head once more when it is not tied)."""
+        h = self.hidden_size
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * self.head_dim  # + q/k norms
+        if self.attention_bias:
+            attention += self.q_size + 2 * self.kv_size
+        layer = attention + 3 * h * self.intermediate_size + 2 * h  # MLP, two norms
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer + h
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type")

@@ -142,6 +142,32 @@ class LLMEngine:
         self.num_ahead_steps = 0
         self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
         self._failed_steps = 0  # in a row
+        self._log_summary()
+
+    def _log_summary(self) -> None:
+        """What an operator checks first: which model, how big, and how much KV room it got."""
+        cfg, kv = self.config, self.kv
+        log.info(
+            "model %s: %s parameters (%s weights), %d layers, hidden %d, %d query / %d KV heads, context %d tokens, "
+            "on %s", self.engine_config.model, f"{n / 1e9:.2f} B" if (n := cfg.num_parameters) >= 1e9 else f"{n / 1e6:.2f} M",
+            "random" if self.engine_config.load_format == "dummy" else "checkpoint", cfg.num_layers, cfg.hidden_size,
+            cfg.num_heads, cfg.num_kv_heads, self.max_model_len, self.device,
+        )  # fmt: skip
+        tokens = kv.num_pages * kv.page_size
+        graphs = self.runner.graphs
+        log.info(
+            "%s; KV cache %d pages x %d tokens = %d tokens (%.2f GiB), %.1f full-context requests; prefix cache %s; "
+            "CUDA graphs %s", str(self.dtype).removeprefix("torch."), kv.num_pages, kv.page_size, tokens,
+            kv.num_bytes / 2**30, tokens / self.max_model_len, "on" if self.cache is not None else "off",
+            f"for decode batches {graphs.sizes[0]}..{graphs.max_bs} ({len(graphs.sizes)} sizes, captured in "
+            f"{graphs.capture_seconds:.1f} s)" if graphs is not None else "off",
+        )  # fmt: skip
+        if tokens < self.max_model_len:
+            log.warning(
+                "the KV cache holds %d tokens, fewer than one request of the full context (%d): longer requests are "
+                "refused. Give it more memory (--kv-cache-memory-fraction, --num-pages) or lower --max-model-len",
+                tokens, self.max_model_len,
+            )  # fmt: skip
 
     def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
         """The largest decode batch to capture; 0 = no CUDA graphs."""
@@ -187,7 +213,8 @@ class LLMEngine:
         if budget < page_bytes:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after loading weights); "
-                "lower max_num_batched_tokens or use a smaller model"
+                "lower max_num_batched_tokens (--max-num-batched-tokens) or max_num_seqs (--max-num-seqs), raise "
+                "gpu_memory_utilization (--kv-cache-memory-fraction), or use a smaller model"
             )
         return budget // page_bytes
 
@@ -305,7 +332,7 @@ class LLMEngine:
                     first_scheduled_time=request.first_scheduled_time,
                 )
             )
-        return StepOutput(deltas, time.monotonic())
+        return StepOutput(deltas, time.monotonic(), scheduled.num_tokens)
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler

@@ -57,6 +57,7 @@ class StepOutput:
 
     deltas: list[RequestDelta]
     time: float  # time.monotonic() when the step ended
+    num_tokens: int = 0  # tokens the step computed (prefill chunks and decodes)
 
 
 @dataclass
