@@ -207,3 +207,17 @@ def test_think_blocks_are_shown_dimmed_on_a_terminal():
             renderer.write(piece)
         renderer.finish()
         assert out.getvalue() == expected
+
+
+def test_access_log_skips_probe_polls():
+    import logging
+
+    from fastqwen.server.http_conventions import _SkipProbes
+
+    def line(path):  # uvicorn's access-log record
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", "GET", path, "1.1", 200), None)  # fmt: skip
+
+    keep = _SkipProbes()
+    assert not keep.filter(line("/health")) and not keep.filter(line("/metrics?x=1"))
+    assert keep.filter(line("/v1/completions")) and keep.filter(line("/healthz"))

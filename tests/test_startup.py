@@ -44,8 +44,6 @@ def _cases(root, good: str) -> dict[str, tuple[list[str], list[str]]]:
         "no weights": ([no_weights], ["--model", "no model.safetensors"]),
         "bad config": ([bad_config], ["--model", "model_type='llama'"]),
         "unknown hub id offline": (["nobody-here/no-such-model"], ["--model", "not in the Hugging Face cache", "HF_HUB_OFFLINE"]),
-        "bare preset": (["Qwen3-0.6B"], ["--load-format", "preset"]),
-        "bad chat template": ([good, "--chat-template", "{% if %}"], ["--chat-template", "does not parse"]),
         "weights fail to load in the core": ([corrupt], ["the model failed to load", "SafetensorError"]),
     }
 
@@ -75,14 +73,23 @@ def test_startup_failures_exit_nonzero_with_the_cause_last(tmp_path, folder):
         assert "Uvicorn running" not in out + err and "ready:" not in out + err, name
 
 
-def test_fastqwen_command_usage():
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "python")}
-    result = subprocess.run([sys.executable, "-m", "fastqwen", "frobnicate"], capture_output=True, text=True, env=env)
-    assert result.returncode == 2 and "unknown command 'frobnicate'" in result.stderr
-    from fastqwen.cli import _model_first
+def test_fastqwen_command_usage(capsys):
+    from fastqwen.cli import _model_first, main
 
+    assert main(["frobnicate"]) == 2 and "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert main([]) == 2 and "fastqwen serve MODEL" in capsys.readouterr().out
     assert _model_first(["Qwen/Qwen3-8B", "--port", "9"]) == ["--model", "Qwen/Qwen3-8B", "--port", "9"]
     assert _model_first(["--model", "m"]) == ["--model", "m"]
+
+
+def test_config_errors_speak_in_flags(capsys):
+    """Errors found before the server starts (no process needed: the same path as the cases above)."""
+    from fastqwen.serve import main
+
+    assert main(["--model", "Qwen3-0.6B"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("python -m fastqwen.serve: error: --load-format: ")
+    assert main(["--model", "Qwen3-0.6B", "--load-format", "dummy", "--chat-template", "{% if %}"]) == 2
+    assert "error: --chat-template: the chat template does not parse" in capsys.readouterr().err
 
 
 def test_serve_and_python_m_serve_take_the_same_flags():

@@ -13,7 +13,8 @@ import os
 import re
 from dataclasses import replace
 
-from .config import ConfigError, EngineConfig, is_preset
+from .config import PRESETS, ConfigError, EngineConfig, is_preset
+from .errors import InvalidRequestError
 
 # What a checkpoint needs from the hub; nothing else is downloaded (no .bin, .pth, .gguf or ONNX copies).
 _CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
@@ -29,6 +30,14 @@ class ModelSourceError(ConfigError):
 
 class MissingFileError(ModelSourceError, FileNotFoundError):
     """A path, a config.json or the weights that are not there."""
+
+
+class UnknownModelError(MissingFileError, InvalidRequestError):
+    """A model name that is no path, no hub id and no preset (also the offline API's InvalidRequestError)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message, field)
+        self.param = field
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -101,7 +110,9 @@ def _local_folder(name: str, revision: str | None, patterns: list[str], field: s
     if os.path.exists(name):
         return name
     if not looks_like_hub_id(name):
-        raise MissingFileError(f"{name!r} is not a local path, and not a Hugging Face hub id (owner/name) either", field)
+        presets = f", nor a preset ({', '.join(PRESETS)}) with the dummy load format" if field == "model" else ""
+        raise UnknownModelError(f"unknown {field} {name!r}: not a local path, nor a Hugging Face hub id (owner/name)"
+                                f"{presets}", field)  # fmt: skip
     try:
         import huggingface_hub
         from huggingface_hub.utils import HfHubHTTPError
