@@ -163,9 +163,9 @@ def test_request_and_stats_log_lines(server):
 
 
 def _chat(args: list[str], stdin: str) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "python")}
+    # The same interpreter and import path as this test (as ServerProcess does), so the package under test runs.
     result = subprocess.run([sys.executable, "-m", "fastqwen", "chat", *args], input=stdin, capture_output=True,
-                            text=True, env=env, timeout=300)  # fmt: skip
+                            text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "(conversation reset)" in result.stderr  # status lines go to stderr, replies alone to stdout
     return result.stdout.split("\n")

@@ -50,7 +50,6 @@ def _cases(root, good: str) -> dict[str, tuple[list[str], list[str]]]:
 
 def test_startup_failures_exit_nonzero_with_the_cause_last(tmp_path, folder):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-hub-cache")}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "python"), env.get("PYTHONPATH", "")])
     started = time.monotonic()
     runs = {}
     for name, (args, _) in _cases(str(tmp_path), folder).items():  # all at once: the suite waits for the slowest

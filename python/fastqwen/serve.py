@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     limit_log_rate(args.max_log_lines_per_second)  # after uvicorn.Config, which sets up uvicorn's log handlers
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        return 130
     except SystemExit as e:  # uvicorn exits this way when it cannot bind (it logged why)
         return fail(e.code if isinstance(e.code, int) and e.code else 1,
                     f"the HTTP server could not start on {host}:{args.port} (see above; --host, --port)")
