@@ -67,6 +67,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the checkpoint, counted from the shapes (the LM head once more when it is not tied)."""
+        h = self.hidden_size
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * self.head_dim  # + q/k norms
+        if self.attention_bias:
+            attention += self.q_size + 2 * self.kv_size
+        layer = attention + 3 * h * self.intermediate_size + 2 * h  # MLP, two norms
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer + h
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type")
@@ -206,7 +217,7 @@ def load_model_config(model: str) -> tuple[ModelConfig, GenerationDefaults]:
     if not os.path.isfile(config_file):
         raise InvalidRequestError(
             f"unknown model {model!r}: pass a checkpoint folder, a config.json, or a preset "
-            f"({', '.join(PRESETS)}) with load_format='dummy'",
+            f"({', '.join(PRESETS)}) with the dummy load format",
             "model",
         )
     with open(config_file) as f:
@@ -248,7 +259,7 @@ class EngineConfig:
     """Every engine knob and its default, in one place. `LLM(model, **knobs)`, `python -m fastqwen.serve` and the
     benchmarks all build one of these; the command-line flags are generated from the fields below."""
 
-    model: str = _knob(MISSING, "checkpoint folder, config.json, or a preset (" + ", ".join(PRESETS) + ") with --load-format dummy")
+    model: str = _knob(MISSING, "checkpoint folder, Hugging Face hub id (e.g. Qwen/Qwen3-8B: the local cache first, downloaded when missing), config.json, or a preset (" + ", ".join(PRESETS) + ") with --load-format dummy")
     dtype: str | torch.dtype = _knob("auto", "weight and KV dtype; auto = the checkpoint's", choices=("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"))
     device: str | None = _knob(None, "cuda or cpu (default: cuda when available)")
     load_format: str = _knob("auto", "dummy = random weights with the model's shapes", choices=("auto", "safetensors", "dummy"))
@@ -268,6 +279,10 @@ class EngineConfig:
     # ---- tensor parallelism (engine/tensor_parallel.py) ----
     tensor_parallel_size: int = _knob(1, "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each", aliases=("--tp", "-tp"))
     disable_custom_all_reduce: bool = _knob(False, "tensor parallelism: every all-reduce through NCCL (by default messages up to 4 MiB take the custom one-shot kernel over CUDA IPC buffers)")
+    # ---- model sources (model_source.py resolves them before anything loads) ----
+    revision: str | None = _knob(None, "hub revision (branch, tag or commit) of a --model given as a Hugging Face hub id")
+    tokenizer: str | None = _knob(None, "tokenizer folder or hub id (default: the model's own)")
+    chat_template: str | None = _knob(None, "chat template: a jinja file, or the template itself (default: the tokenizer's)")
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -286,8 +301,11 @@ class EngineConfig:
         need(self.quantization in ("auto", "fp8", "none"), "quantization", "'auto', 'fp8' or 'none'")
         need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
-        if is_preset(self.model) and self.load_format != "dummy":
-            raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: use the dummy load format", "load_format")
+        for name in ("revision", "tokenizer", "chat_template"):
+            need(getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""), name, "a non-empty string")
+        if is_preset(self.model) and "/" not in self.model and self.load_format != "dummy":  # "Qwen/Qwen3-8B" is a hub id
+            raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: pass a checkpoint folder or a "
+                              f"hub id (Qwen/{self.model}), or use the dummy load format", "load_format")  # fmt: skip
 
     @classmethod
     def build(cls, model: "str | EngineConfig", **knobs) -> "EngineConfig":

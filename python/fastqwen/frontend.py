@@ -171,9 +171,9 @@ class Frontend:
 
     @classmethod
     def for_engine(cls, info: EngineInfo) -> "Frontend":
-        """With the tokenizer of the checkpoint folder the engine loaded, if it has one."""
-        folder = info.model if os.path.isdir(info.model) else os.path.dirname(info.model)
-        return cls(info, Tokenizer.from_folder(folder) if folder else None)
+        """With the tokenizer the engine was configured with (by default the checkpoint folder's, if it has one)."""
+        folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
+        return cls(info, Tokenizer.from_folder(folder, info.chat_template) if folder else None)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -199,7 +199,7 @@ class Frontend:
                 raise InvalidRequestError("structured output needs the model's tokenizer.json", params.structured.field)
             check_structured(params.structured)  # a bad schema / regex / grammar is refused here, never queued
             info = self.info
-            folder = info.model if os.path.isdir(info.model) else os.path.dirname(info.model)
+            folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
             tokenizer_json = os.path.join(folder, "tokenizer.json") if folder else None
             check_tokenizer(params.structured, tokenizer_json, info.vocab_size, info.generation_defaults.eos_token_ids)
         if params.stop and self.tokenizer is None:

@@ -87,7 +87,7 @@ class _TensorSource:
         else:
             raise FileNotFoundError(
                 f"no model.safetensors or model.safetensors.index.json in {folder!r} "
-                "(use load_format='dummy' for random weights)"
+                "(the dummy load format gives random weights)"
             )
         self._handles: dict[str, object] = {}
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .. import env
+from .. import env, model_source
 from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_quantization
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
@@ -91,7 +91,8 @@ class LLMEngine:
         parallel: this rank's tensor-parallel group when the engine is one rank of several (engine/tensor_parallel.py
         starts them): the engine then loads its shard of the weights and sizes its KV pool like every other rank.
         """
-        self.engine_config = config = EngineConfig.build(config, **knobs)
+        # A hub id becomes its local snapshot, the chat template its text; a missing file fails here, before loading.
+        self.engine_config = config = model_source.resolve(EngineConfig.build(config, **knobs))
         self.parallel = parallel
         model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
         max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
@@ -145,8 +146,9 @@ class LLMEngine:
         )
         # Structured output: grammars compile on the compiler's threads; a request waits here (not in the scheduler)
         # until its grammar is ready, so no step ever waits on a compile while other requests could run.
+        tokenizer_folder = config.tokenizer or folder  # --tokenizer (model_source resolved it to a folder)
         self.grammars = GrammarCompiler(
-            os.path.join(folder, "tokenizer.json") if folder else None, cfg.vocab_size,
+            os.path.join(tokenizer_folder, "tokenizer.json") if tokenizer_folder else None, cfg.vocab_size,
             self.generation_defaults.eos_token_ids,
         )  # fmt: skip
         self._compiling: list[tuple[Request, object]] = []  # (request, future of its compiled grammar)
@@ -164,6 +166,32 @@ class LLMEngine:
         self.num_ahead_steps = 0
         self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
         self._failed_steps = 0  # in a row
+        self._log_summary()
+
+    def _log_summary(self) -> None:
+        """What an operator checks first: which model, how big, and how much KV room it got."""
+        cfg, kv = self.config, self.kv
+        log.info(
+            "model %s: %s parameters (%s weights), %d layers, hidden %d, %d query / %d KV heads, context %d tokens, "
+            "on %s", self.engine_config.model, f"{n / 1e9:.2f} B" if (n := cfg.num_parameters) >= 1e9 else f"{n / 1e6:.2f} M",
+            "random" if self.engine_config.load_format == "dummy" else "checkpoint", cfg.num_layers, cfg.hidden_size,
+            cfg.num_heads, cfg.num_kv_heads, self.max_model_len, self.device,
+        )  # fmt: skip
+        tokens = kv.num_pages * kv.page_size
+        graphs = self.runner.graphs
+        log.info(
+            "%s; KV cache %d pages x %d tokens = %d tokens (%.2f GiB), %.1f full-context requests; prefix cache %s; "
+            "CUDA graphs %s", str(self.dtype).removeprefix("torch."), kv.num_pages, kv.page_size, tokens,
+            kv.num_bytes / 2**30, tokens / self.max_model_len, "on" if self.cache is not None else "off",
+            f"for decode batches {graphs.sizes[0]}..{graphs.max_bs} ({len(graphs.sizes)} sizes, captured in "
+            f"{graphs.capture_seconds:.1f} s)" if graphs is not None else "off",
+        )  # fmt: skip
+        if tokens < self.max_model_len:
+            log.warning(
+                "the KV cache holds %d tokens, fewer than one request of the full context (%d): longer requests are "
+                "refused. Give it more memory (--kv-cache-memory-fraction, --num-pages) or lower --max-model-len",
+                tokens, self.max_model_len,
+            )  # fmt: skip
 
     def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
         """The largest decode batch to capture; 0 = no CUDA graphs."""
@@ -209,7 +237,8 @@ class LLMEngine:
         if budget < page_bytes:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after loading weights); "
-                "lower max_num_batched_tokens or use a smaller model"
+                "lower max_num_batched_tokens (--max-num-batched-tokens) or max_num_seqs (--max-num-seqs), raise "
+                "gpu_memory_utilization (--kv-cache-memory-fraction), or use a smaller model"
             )
         return budget // page_bytes
 
@@ -228,6 +257,8 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             kv_bytes=self.kv.num_bytes,
+            tokenizer=self.engine_config.tokenizer,
+            chat_template=self.engine_config.chat_template,
         )
 
     def add(self, request: EngineRequest) -> None:
@@ -368,7 +399,7 @@ class LLMEngine:
                     prompt_logprobs=self._take_prompt_logprobs(request),
                 )
             )
-        return StepOutput(deltas, time.monotonic())
+        return StepOutput(deltas, time.monotonic(), scheduled.num_tokens)
 
     @staticmethod
     def _take_prompt_logprobs(request: Request):

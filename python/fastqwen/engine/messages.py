@@ -61,6 +61,7 @@ class StepOutput:
 
     deltas: list[RequestDelta]
     time: float  # time.monotonic() when the step ended
+    num_tokens: int = 0  # tokens the step computed (prefill chunks and decodes)
 
 
 @dataclass
@@ -89,3 +90,7 @@ class EngineInfo:
     dtype: str = ""  # of weights and KV, e.g. "bfloat16"
     device: str = ""  # e.g. "cuda:0"
     kv_bytes: int = 0  # the KV pool's size in bytes
+    # Passed through from EngineConfig for the frontend (the engine never reads them): the tokenizer folder, when not
+    # the model's, and a chat template that replaces the tokenizer's.
+    tokenizer: str | None = None
+    chat_template: str | None = None

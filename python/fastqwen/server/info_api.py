@@ -19,9 +19,10 @@ from .tools import check_tools, messages_for_template
 router = APIRouter()
 
 
-def model_card(state: ServerState) -> dict[str, Any]:
+def model_card(state: ServerState, name: str | None = None) -> dict[str, Any]:
+    """The model under `name` (one of its served names; the primary one by default)."""
     return {
-        "id": state.model_name,
+        "id": name or state.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "fastqwen",
@@ -34,9 +35,9 @@ def model_card(state: ServerState) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, http_request: HTTPRequest) -> dict[str, Any]:
     state: ServerState = http_request.app.state.server
-    if model_id != state.model_name:
+    if model_id not in state.model_names:
         raise APIError(404, f"The model `{model_id}` does not exist.", "model")
-    return model_card(state)
+    return model_card(state, model_id)
 
 
 class TokenizeRequest(BaseModel):

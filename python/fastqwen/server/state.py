@@ -48,6 +48,7 @@ def client_closed_response() -> Response:
 class ServerState:
     def __init__(self, model_name: str, metrics: Metrics, max_sequences_per_request: int = 256):
         self.model_name = model_name
+        self.model_names: tuple[str, ...] = (model_name,)  # every name `model` may take, model_name first
         self.metrics = metrics
         self.max_sequences_per_request = max_sequences_per_request
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
@@ -56,6 +57,7 @@ class ServerState:
         self.created = 0  # unix time the model finished loading
         self.draining = False
         self.incremental_streaming_output = False  # /generate streams: only the new part in each event
+        self.stats_task: asyncio.Task | None = None  # the periodic stats line
 
     @property
     def has_tokenizer(self) -> bool:
@@ -74,7 +76,7 @@ class ServerState:
             raise APIError(400, "the request has no prompt", "prompt")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def render_chat(
