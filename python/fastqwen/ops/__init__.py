@@ -14,6 +14,7 @@ from .attention import (
     paged_attention_prefill,
     plan_decode,
 )
+from .kv_fp8 import FP8_KV_DTYPE, dequantize_kv, is_fp8, quantize_kv
 from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
 from .sampling import (
@@ -34,14 +35,18 @@ __all__ = [
     "compute_logprobs",
     "DecodeWorkspace",
     "decode_workspace",
+    "dequantize_kv",
     "draw_reference",
+    "FP8_KV_DTYPE",
     "fused_add_rms_norm",
     "has_cuda_kernels",
+    "is_fp8",
     "pack_sampler_rows",
     "paged_attention_decode",
     "paged_attention_prefill",
     "plan_decode",
     "qk_norm_rope_store_kv",
+    "quantize_kv",
     "rms_norm",
     "rms_norm_kernel_applies",
     "rope_cos_sin_cache",
