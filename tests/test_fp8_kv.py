@@ -278,3 +278,28 @@ def test_fp8_pool_preemption_and_prefix_cache_change_nothing(checkpoint):
     assert small.engine.scheduler.num_preemptions > 0, "the small pool never preempted"
     for llm in (plain, cached, small):
         llm.engine.check_invariants()
+
+
+def test_extension_rejects_a_bad_kv_cache():
+    """The kernels' own checks (csrc/dtype.h, check_kv_cache), reached before anything touches a device."""
+    from fastqwen.ops._native import native
+
+    m = native()
+    if m is None or not m.built_with_cuda:
+        pytest.skip("needs the extension built with the CUDA kernels")
+    args = m.PrefillArgs()
+    args.head_dim, args.num_heads, args.num_kv_heads, args.page_size, args.max_pages, args.num_pages = 128, 8, 2, 16, 1, 1
+    args.batch, args.max_query_len, args.dtype = 1, 1, m.DTYPE_BF16
+    args.kv_dtype = m.DTYPE_F16
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        m.paged_attention_prefill(args)
+    args.kv_dtype = m.DTYPE_CODES["float8_e4m3fn"]
+    for k_scale, v_scale in ((0.0, 1.0), (1.0, float("nan")), (float("inf"), 1.0)):
+        args.k_scale, args.v_scale = k_scale, v_scale
+        with pytest.raises(ValueError, match="k_scale and v_scale"):
+            m.paged_attention_prefill(args)
+    rope = m.RopeKVArgs()
+    rope.num_tokens, rope.num_heads, rope.num_kv_heads, rope.head_dim, rope.max_pos = 1, 8, 2, 128, 16
+    rope.dtype, rope.kv_dtype = m.DTYPE_BF16, m.DTYPE_F32
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        m.qk_norm_rope_store_kv(rope)
