@@ -10,12 +10,16 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <cstddef>
 
 #include "activation.h"
 #include "attention.h"
+#include "custom_all_reduce.h"
 #include "dtype.h"
+#include "fp8_quant.h"
+#include "gemv.h"
 #include "norm.h"
 #include "page_allocator.h"
 #include "rope_kv.h"
@@ -62,6 +66,7 @@ py::dict sampler_row_fields() {
   add("frequency", offsetof(SamplerRow, frequency), "f");
   add("num_blocked", offsetof(SamplerRow, num_blocked), "i");
   add("top_n", offsetof(SamplerRow, top_n), "i");
+  add("masked", offsetof(SamplerRow, masked), "i");
   return f;
 }
 
@@ -82,17 +87,24 @@ void export_contracts(py::module_& m) {
   // What the KV caches of those two kernels may hold: q's own type, or FP8 e4m3 (with per-tensor scales).
   kernel_dtypes["kv_cache"] = codes(fq::kKVCacheTypes);
   kernel_dtypes["sample"] = codes(fq::kSamplerLogitTypes);
+  kernel_dtypes["gemv"] = codes(fq::kHalfTypes);
+  kernel_dtypes["quantize_fp8_tokens"] = codes(fq::kHalfTypes);
   m.attr("KERNEL_DTYPES") = kernel_dtypes;
   m.attr("ATTENTION_HEAD_DIM") = fq::kAttentionHeadDim;
   py::list rope_dims;
   for (int d : fq::kRopeKVHeadDims) rope_dims.append(d);
   m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
+  m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
+  m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;
   m.attr("SAMPLER_ROW_WORDS") = static_cast<int>(sizeof(fq::SamplerRow) / 4);
   m.attr("SAMPLER_ROW_FIELDS") = sampler_row_fields();
   m.attr("SAMPLER_MAX_TOP_N") = fq::kSamplerMaxTopN;
   m.attr("COUNT_MASK") = fq::kCountMask;
   m.attr("PROMPT_BIT") = fq::kPromptBit;
+  m.attr("ALL_REDUCE_MAX_RANKS") = fq::kAllReduceMaxRanks;
+  m.attr("ALL_REDUCE_MAX_BLOCKS") = fq::kAllReduceMaxBlocks;
+  m.attr("ALL_REDUCE_ALIGN") = fq::kAllReduceAlign;
 
   py::class_<fq::RopeKVArgs>(m, "RopeKVArgs", "Arguments of qk_norm_rope_store_kv (csrc/rope_kv.h).")
       .def(py::init<>())
@@ -147,6 +159,29 @@ void export_contracts(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("query_start", &fq::PrefillArgs::query_start)
       .def_readwrite("max_query_len", &fq::PrefillArgs::max_query_len);
+  py::class_<fq::AllReduceArgs>(m, "AllReduceArgs", "Arguments of custom_all_reduce (csrc/custom_all_reduce.h).")
+      .def(py::init<>())
+      .def_property(
+          "buffers",
+          [](const fq::AllReduceArgs& a) {
+            py::list out;
+            for (int p = 0; p < a.world && p < fq::kAllReduceMaxRanks; ++p) out.append(a.buffers[p]);
+            return out;
+          },
+          [](fq::AllReduceArgs& a, const std::vector<uint64_t>& ptrs) {
+            if (ptrs.size() > static_cast<size_t>(fq::kAllReduceMaxRanks)) {
+              throw std::invalid_argument("AllReduceArgs.buffers: at most ALL_REDUCE_MAX_RANKS buffers");
+            }
+            for (int p = 0; p < fq::kAllReduceMaxRanks; ++p) a.buffers[p] = p < static_cast<int>(ptrs.size()) ? ptrs[p] : 0;
+          })
+      .def_readwrite("rank", &fq::AllReduceArgs::rank)
+      .def_readwrite("world", &fq::AllReduceArgs::world)
+      .def_readwrite("data", &fq::AllReduceArgs::data)
+      .def_readwrite("numel", &fq::AllReduceArgs::numel)
+      .def_readwrite("capacity_bytes", &fq::AllReduceArgs::capacity_bytes)
+      .def_readwrite("dtype", &fq::AllReduceArgs::dtype)
+      .def_readwrite("max_blocks", &fq::AllReduceArgs::max_blocks)
+      .def_readwrite("stream", &fq::AllReduceArgs::stream);
   py::class_<fq::SampleArgs>(m, "SampleArgs", "Arguments of sample (csrc/sampling.h).")
       .def(py::init<>())
       .def_readwrite("logits", &fq::SampleArgs::logits)
@@ -163,6 +198,9 @@ void export_contracts(py::module_& m) {
       .def_readwrite("counts_rows", &fq::SampleArgs::counts_rows)
       .def_readwrite("blocked", &fq::SampleArgs::blocked)
       .def_readwrite("blocked_width", &fq::SampleArgs::blocked_width)
+      .def_readwrite("bias", &fq::SampleArgs::bias)
+      .def_readwrite("mask", &fq::SampleArgs::mask)
+      .def_readwrite("mask_words", &fq::SampleArgs::mask_words)
       .def_readwrite("workspace", &fq::SampleArgs::workspace)
       .def_readwrite("workspace_bytes", &fq::SampleArgs::workspace_bytes)
       .def_readwrite("stream", &fq::SampleArgs::stream);
@@ -199,6 +237,28 @@ PYBIND11_MODULE(_C, m) {
       .def("__repr__", &PageAllocator::repr);
 
 #if FASTQWEN_WITH_CUDA
+  m.def(
+      "gemv",
+      [](const py::int_& out, const py::int_& x, const py::int_& w, const py::int_& scale, const py::int_& bias,
+         int64_t m, int64_t n, int64_t k, int dtype, bool fp8, const py::int_& stream) {
+        fastqwen::gemv(to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(w, "w"), to_uintptr(scale, "scale"),
+                       to_uintptr(bias, "bias"), m, n, k, dtype, fp8, to_uintptr(stream, "stream"));
+      },
+      py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("m"), py::arg("n"),
+      py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("stream"),
+      "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
+      "block scales (fp8); fp32 accumulation.");
+  m.def(
+      "quantize_fp8_tokens",
+      [](const py::int_& q, const py::int_& scale_t, const py::int_& x, int64_t m, int64_t padded_m, int64_t k,
+         int dtype, const py::int_& stream) {
+        fastqwen::quantize_fp8_tokens(to_uintptr(q, "q"), to_uintptr(scale_t, "scale_t"), to_uintptr(x, "x"), m,
+                                      padded_m, k, dtype, to_uintptr(stream, "stream"));
+      },
+      py::arg("q"), py::arg("scale_t"), py::arg("x"), py::arg("m"), py::arg("padded_m"), py::arg("k"),
+      py::arg("dtype"), py::arg("stream"),
+      "Per-token e4m3 quantization of x [m, k] in groups of 128 columns: q [padded_m, k], scale_t float32 "
+      "[k / 128, padded_m] (rows past m: zeros, scale 1).");
   m.def(
       "silu_and_mul",
       [](const py::int_& x_ptr, const py::int_& out_ptr, int64_t num_rows, int64_t d, int dtype,
@@ -252,5 +312,22 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "sample", [](const fastqwen::SampleArgs& args) { fastqwen::sample(args); }, py::arg("args"),
       "One token per row with per-row penalties, temperature, top-k/top-p/min-p and seeds (csrc/sampling.h).");
+  m.def("all_reduce_buffer_alloc", &fastqwen::all_reduce_buffer_alloc, py::arg("data_bytes"),
+        "Device memory shared with the other ranks: a zeroed signal area, then data_bytes of data.");
+  m.def("all_reduce_buffer_free", [](const py::int_& ptr) { fastqwen::all_reduce_buffer_free(to_uintptr(ptr, "ptr")); },
+        py::arg("ptr"));
+  m.def(
+      "all_reduce_ipc_handle",
+      [](const py::int_& ptr) { return py::bytes(fastqwen::all_reduce_ipc_handle(to_uintptr(ptr, "ptr"))); },
+      py::arg("ptr"), "The CUDA IPC handle of a buffer from all_reduce_buffer_alloc, as bytes.");
+  m.def(
+      "all_reduce_ipc_open", [](const py::bytes& handle) { return fastqwen::all_reduce_ipc_open(std::string(handle)); },
+      py::arg("handle"), "A peer's buffer mapped into this process (peer access enabled).");
+  m.def("all_reduce_ipc_close", [](const py::int_& ptr) { fastqwen::all_reduce_ipc_close(to_uintptr(ptr, "ptr")); },
+        py::arg("ptr"));
+  m.def(
+      "custom_all_reduce",
+      [](const fastqwen::AllReduceArgs& args) { fastqwen::custom_all_reduce(args); },
+      py::arg("args"), "In-place one-shot sum of `data` across the ranks' shared buffers (csrc/custom_all_reduce.h).");
 #endif
 }

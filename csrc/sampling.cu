@@ -1,4 +1,4 @@
-// The sampler: penalties, min_tokens blocking, greedy / temperature / top-k / top-p / min-p with per-row
+// The sampler: penalties, min_tokens blocking, logit bias, grammar masks, greedy / temperature / top-k / top-p / min-p with per-row
 // counter-based randomness, the logprob of the drawn token and the top-N raw alternatives. Three kernels, all
 // launched every call (graph-capturable, no host sync, scratch from a caller-allocated workspace):
 //
@@ -101,15 +101,28 @@ __device__ __forceinline__ float exp1_of(uint32_t t) {
 struct Row {
   SamplerRow p;
   int vocab;
-  bool sampled, filtered, race, greedy, need_list, need_raw_list, need_z, need_lse, pen, blocking;
+  bool sampled, filtered, race, greedy, need_list, need_raw_list, need_z, need_lse, pen, blocking, masking;
   int k_eff;
   const int* counts;  // this row's counts, or null
   const int* blocked;
+  const float* bias;      // this row's values for `blocked`, or null: bans
+  const uint32_t* mask;   // this row's allowed-token bits, or null
   float inv_t;
 };
 
+// The per-row logit adjustments after the penalties: bans / biases (sparse ids) and grammar bitmasks.
+struct Adjust {
+  const int* blocked;
+  const float* bias;
+  int blocked_width;
+  const uint32_t* mask;
+  int mask_words;
+};
+
 __device__ __forceinline__ Row make_row(const SamplerRow* params, int row, int vocab, const int* counts,
-                                        int64_t counts_rows, const int* blocked, int blocked_width) {
+                                        int64_t counts_rows, const Adjust& adj) {
+  const int* blocked = adj.blocked;
+  const int blocked_width = adj.blocked_width;
   Row r;
   r.p = params[row];
   r.vocab = vocab;
@@ -125,8 +138,11 @@ __device__ __forceinline__ Row make_row(const SamplerRow* params, int row, int v
   r.blocking = blocked != nullptr && nb > 0;
   r.p.num_blocked = r.blocking ? nb : 0;
   r.blocked = r.blocking ? blocked + static_cast<int64_t>(row) * blocked_width : nullptr;
+  r.bias = r.blocking && adj.bias != nullptr ? adj.bias + static_cast<int64_t>(row) * blocked_width : nullptr;
+  r.masking = adj.mask != nullptr && r.p.masked != 0;
+  r.mask = r.masking ? adj.mask + static_cast<int64_t>(row) * adj.mask_words : nullptr;
   if (r.p.top_n > kMaxTop) r.p.top_n = kMaxTop;
-  const bool differs = r.pen || r.blocking;
+  const bool differs = r.pen || r.blocking || r.masking;
   r.need_lse = r.p.top_n >= 0;
   r.need_list = r.filtered || (r.p.top_n > 0 && !differs);
   r.need_raw_list = r.p.top_n > 0 && differs;
@@ -203,8 +219,15 @@ __device__ __forceinline__ void process4(const Row& r, int64_t id0, bool counts_
       const int64_t off = static_cast<int64_t>(__ldg(r.blocked + b)) - id0;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        if (off == j) x[j] = -INFINITY;
+        if (off == j) x[j] = r.bias ? __fadd_rn(x[j], __ldg(r.bias + b)) : -INFINITY;
     }
+  }
+  if (r.masking && id0 < r.vocab) {
+    // id0 is a multiple of 4: the 4 tokens' bits are in one word.
+    const uint32_t bits = __ldg(r.mask + (id0 >> 5)) >> (id0 & 31);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (!((bits >> j) & 1u)) x[j] = -INFINITY;
   }
 }
 
@@ -506,15 +529,15 @@ constexpr int scan_smem_bytes() {
 template <typename T, bool ASYNC>
 __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__ logits, const SamplerRow* params,
                                                           int vocab, bool vec_ok, const int* counts,
-                                                          int64_t counts_rows, bool counts_vec, const int* blocked,
-                                                          int blocked_width, Workspace ws) {
+                                                          int64_t counts_rows, bool counts_vec, Adjust adj,
+                                                          Workspace ws) {
   __shared__ uint64_t stage[2][kWarps][kStage];
   __shared__ uint64_t lists[kWarps][kList];
   __shared__ uint64_t best_smem;
   __shared__ unsigned long long block_thr[2];  // the block's thresholds of list and raw_list (see offer_tile)
   const int row = blockIdx.y, cta = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const Row r = make_row(params, row, vocab, counts, counts_rows, blocked, blocked_width);
+  const Row r = make_row(params, row, vocab, counts, counts_rows, adj);
   const T* x_row = logits + static_cast<int64_t>(row) * vocab;
   if (threadIdx.x == 0) best_smem = 0, block_thr[0] = 0, block_thr[1] = 0;
   __syncthreads();
@@ -565,7 +588,7 @@ __global__ void __launch_bounds__(kWarps * 32) scan_kernel(const T* __restrict__
       if (first) raw_list.seed(x);
       raw_list.offer_tile(x, base, vocab, stage[1][warp], &block_thr[1], lane);
     }
-    if (r.pen || r.blocking) {
+    if (r.pen || r.blocking || r.masking) {
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) process4(r, base + (g * 32 + lane) * 4, counts_vec, x[g]);
     }
@@ -879,13 +902,13 @@ __device__ __forceinline__ WarpList merge_row_lists(const uint64_t* src, int cta
 template <typename T>
 __global__ void __launch_bounds__(kFinishThreads) finish_kernel(
     const T* __restrict__ logits, const SamplerRow* params, int vocab, int ctas, bool vec_ok, const int* counts,
-    int64_t counts_rows, bool counts_vec, const int* blocked, int blocked_width, Workspace ws, int64_t* tokens,
+    int64_t counts_rows, bool counts_vec, Adjust adj, Workspace ws, int64_t* tokens,
     float* logprobs, int64_t* top_ids, float* top_logprobs, int top_width) {
   __shared__ SelectSmem sm;
   __shared__ uint64_t lists[kFinishThreads / 32][kList];
   const int row = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const Row r = make_row(params, row, vocab, counts, counts_rows, blocked, blocked_width);
+  const Row r = make_row(params, row, vocab, counts, counts_rows, adj);
   WarpList list, raw_list;
   const int64_t at = static_cast<int64_t>(row) * ws.max_ctas * kList;
   if (r.need_list) list = merge_row_lists(ws.cand + at, ctas, lists, warp, lane);
@@ -994,7 +1017,7 @@ const DeviceInfo& device_info() {
 template <typename T>
 void launch(const T* logits, int rows, int vocab, const SamplerRow* params, int64_t* tokens, float* logprobs,
             int64_t* top_ids, float* top_logprobs, int top_width, const int* counts, int64_t counts_rows,
-            const int* blocked, int blocked_width, const Workspace& ws, cudaStream_t stream, int dtype) {
+            const Adjust& adj, const Workspace& ws, cudaStream_t stream, int dtype) {
   const DeviceInfo& info = device_info();
   // At most one wave of scan blocks (a partial second wave would cost as much as the first); a row's result does
   // not depend on this (see the file comment).
@@ -1005,14 +1028,14 @@ void launch(const T* logits, int rows, int vocab, const SamplerRow* params, int6
   const bool counts_vec = counts != nullptr && vocab % 4 == 0 && (reinterpret_cast<uintptr_t>(counts) % 16) == 0;
   if (use_async()) {
     scan_kernel<T, true><<<dim3(ctas, rows), kWarps * 32, scan_smem_bytes<T>(), stream>>>(
-        logits, params, vocab, vec_ok, counts, counts_rows, counts_vec, blocked, blocked_width, ws);
+        logits, params, vocab, vec_ok, counts, counts_rows, counts_vec, adj, ws);
   } else {
     scan_kernel<T, false><<<dim3(ctas, rows), kWarps * 32, 0, stream>>>(
-        logits, params, vocab, vec_ok, counts, counts_rows, counts_vec, blocked, blocked_width, ws);
+        logits, params, vocab, vec_ok, counts, counts_rows, counts_vec, adj, ws);
   }
   cuda_check_launch("sample (scan)");
   finish_kernel<T><<<rows, kFinishThreads, 0, stream>>>(logits, params, vocab, ctas, vec_ok, counts, counts_rows,
-                                                         counts_vec, blocked, blocked_width, ws, tokens, logprobs,
+                                                         counts_vec, adj, ws, tokens, logprobs,
                                                          top_ids, top_logprobs, top_width);
   cuda_check_launch("sample (finish)");
 }
@@ -1038,6 +1061,8 @@ void sample(const SampleArgs& a) {
   require(a.top_width >= 0 && a.top_width <= kMaxTop, "top_width must be in [0, " + std::to_string(kMaxTop) + "]");
   require(a.blocked_width >= 0 && a.blocked_width < (int64_t{1} << 31), "blocked_width must be in [0, 2^31)");
   require(a.counts_rows >= 0, "counts_rows must be >= 0");
+  require(a.mask == 0 || a.mask_words == (a.vocab + 31) / 32, "mask_words must be (vocab + 31) / 32");
+  require(a.mask % 4 == 0 && a.bias % 4 == 0, "mask and bias must be 4-byte aligned");
   require(a.rows == 0 || (a.logits && a.params && a.tokens && a.workspace),
           "logits, params, tokens and workspace are required");
   require(a.top_width == 0 || (a.top_ids && a.top_logprobs), "top_ids and top_logprobs are required when top_width > 0");
@@ -1050,13 +1075,14 @@ void sample(const SampleArgs& a) {
   auto* s = reinterpret_cast<cudaStream_t>(a.stream);
   const int* c = a.counts_rows > 0 ? reinterpret_cast<const int*>(a.counts) : nullptr;
   const int* b = a.blocked_width > 0 ? reinterpret_cast<const int*>(a.blocked) : nullptr;
+  const Adjust adj{b, b ? reinterpret_cast<const float*>(a.bias) : nullptr, static_cast<int>(a.blocked_width),
+                   reinterpret_cast<const uint32_t*>(a.mask), static_cast<int>(a.mask_words)};
   FASTQWEN_DISPATCH_DTYPE("sample: logits: ", a.dtype, kSamplerLogitTypes, T,
                           launch(reinterpret_cast<const T*>(a.logits), static_cast<int>(a.rows),
                                  static_cast<int>(a.vocab), reinterpret_cast<const SamplerRow*>(a.params),
                                  reinterpret_cast<int64_t*>(a.tokens), reinterpret_cast<float*>(a.logprobs),
                                  reinterpret_cast<int64_t*>(a.top_ids), reinterpret_cast<float*>(a.top_logprobs),
-                                 static_cast<int>(a.top_width), c, a.counts_rows, b,
-                                 static_cast<int>(a.blocked_width), ws, s, a.dtype));
+                                 static_cast<int>(a.top_width), c, a.counts_rows, adj, ws, s, a.dtype));
 }
 
 }  // namespace fastqwen

@@ -18,9 +18,10 @@ struct SamplerRow {
   uint32_t step_lo, step_hi;  // index of this draw within the request
   int32_t slot;       // row of the counts table, -1: no penalties
   float repetition, presence, frequency;
-  int32_t num_blocked;  // first num_blocked entries of this row of `blocked` are set to -inf (min_tokens)
+  int32_t num_blocked;  // first num_blocked entries of this row of `blocked`: banned (-inf), or biased by `bias`
   int32_t top_n;        // -1: no logprobs; 0..kSamplerMaxTopN: logprob of the token and the top_n alternatives
-  int32_t reserved[2];
+  int32_t masked;       // non-zero: only the tokens whose bit is set in this row of `mask` can be drawn (grammar)
+  int32_t reserved;
 };
 static_assert(sizeof(SamplerRow) == 64, "SamplerRow is 16 words");
 
@@ -44,8 +45,11 @@ struct SampleArgs {
   int64_t top_width = 0;
   uintptr_t counts = 0;  // int32 [counts_rows, vocab]
   int64_t counts_rows = 0;
-  uintptr_t blocked = 0;  // int32 [rows, blocked_width]
+  uintptr_t blocked = 0;  // int32 [rows, blocked_width]: token ids
   int64_t blocked_width = 0;
+  uintptr_t bias = 0;  // float32 [rows, blocked_width]: added to the logit of each `blocked` entry (0 = absent: -inf)
+  uintptr_t mask = 0;  // int32 [rows, mask_words]: bit (t % 32) of word t / 32 allows token t (rows with `masked`)
+  int64_t mask_words = 0;  // (vocab + 31) / 32 when mask is given
   uintptr_t workspace = 0;
   int64_t workspace_bytes = 0;
   uintptr_t stream = 0;
@@ -57,7 +61,8 @@ int64_t sampler_workspace_bytes(int64_t max_rows, int64_t vocab);
 // One token per row of logits from the rows' parameters. Writes tokens; when a row's top_n >= 0, its logprob (log
 // softmax of the raw logits at the token) and the top_n first entries of its top_ids / top_logprobs row (the most
 // likely raw tokens). The sampled token of a row with a counts slot is counted in the table; a row's first
-// num_blocked ids of `blocked` cannot be drawn. No host synchronization and no allocation: capturable in a CUDA
+// num_blocked ids of `blocked` cannot be drawn (or, with `bias`, get its value added after the penalties); a row
+// with `masked` draws only tokens its mask row allows. Logprobs stay those of the raw logits. No host synchronization and no allocation: capturable in a CUDA
 // graph. Throws std::invalid_argument for bad arguments.
 void sample(const SampleArgs& args);
 

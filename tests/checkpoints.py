@@ -165,3 +165,52 @@ def write_byte_level_tokenizer(folder: str, vocab_size: int = 320) -> None:
     )
     tok.train_from_iterator(MULTILINGUAL_TEXT * 4, trainer)
     tok.save(os.path.join(folder, "tokenizer.json"))
+
+
+FP8_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def block_dequantize_f64(values: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """float64 W[r, c] = values[r, c] * scale[r // block, c // block], block by block (the reference for loaders)."""
+    out = torch.empty(values.shape, dtype=torch.float64)
+    for bi in range(scale.shape[0]):
+        for bj in range(scale.shape[1]):
+            rows, cols = slice(bi * block, (bi + 1) * block), slice(bj * block, (bj + 1) * block)
+            out[rows, cols] = values[rows, cols].double() * scale[bi, bj].double()
+    return out
+
+
+def make_fp8_checkpoint(folder: str, *, seed: int = 0, scale_dtype: torch.dtype = torch.bfloat16, **shape):
+    """A random checkpoint in Qwen's FP8 layout: every projection `<p>.weight` is float8_e4m3fn with
+    `<p>.weight_scale_inv` [ceil(out/128), ceil(in/128)] (scale_dtype), config.json has quantization_config;
+    embeddings, norms and the LM head are dense. Returns (the HF model holding the dequantized weights in float32,
+    {projection weight name: float64 dequantized weight})."""
+    from safetensors.torch import save_file
+
+    shape = {"hidden": 128, "intermediate": 256, "num_heads": 2, "num_kv_heads": 1, "head_dim": 128, **shape}
+    hf = make_checkpoint(folder, tied=False, seed=seed, **shape)
+    gen = torch.Generator().manual_seed(seed + 100)
+    tensors, reference = {}, {}
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if not any(name.endswith(p + ".weight") for p in FP8_PROJECTIONS):
+                tensors[name] = tensor.contiguous()
+                continue
+            rows, cols = tensor.shape
+            values = (torch.randn(rows, cols, generator=gen) * 96).clamp(-448, 448).to(torch.float8_e4m3fn)
+            blocks = (-(-rows // 128), -(-cols // 128))
+            scale = ((0.5 + torch.rand(blocks, generator=gen)) * (0.08 / 96)).to(scale_dtype)
+            tensors[name], tensors[name + "_scale_inv"] = values, scale
+            reference[name] = block_dequantize_f64(values, scale)
+            state[name].copy_(reference[name].float())  # the HF model runs the dequantized weights
+    os.remove(os.path.join(folder, "model.safetensors"))
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(folder, "config.json")
+    config = read_json(config_path)
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}  # fmt: skip
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return hf, reference

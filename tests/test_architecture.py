@@ -52,6 +52,11 @@ FORBIDDEN = {
     "kvcache": ["engine", "server", "model", "scheduler", "frontend"],
     "ops": ["engine", "server", "model", "scheduler", "kvcache", "tokenizer", "frontend"],
     "tokenizer": ["engine", "server", "model", "scheduler", "kvcache", "ops", "frontend"],
+    "grammar": ["engine", "server", "model", "scheduler", "kvcache", "ops", "tokenizer", "frontend"],
+    # Resolved before anything loads, from the entry points and the engine: it knows files, not the machinery.
+    "model_source": ["engine", "server", "model", "scheduler", "kvcache", "ops", "tokenizer", "frontend", "llm"],
+    # A client of the offline LLM or of a server's HTTP API, never of the server's internals.
+    "chat": ["server", "engine", "scheduler", "model", "kvcache", "ops"],
 }  # fmt: skip
 
 

@@ -172,7 +172,7 @@ def test_exact_sse_framing(server):
 
 def test_error_statuses(server, client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="t1", max_tokens=0)
+        client.completions.create(model=MODEL, prompt="t1", max_tokens=-1)  # 0 is allowed: the prompt only
     assert err.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=MODEL, prompt="t1 t2", max_tokens=5000)

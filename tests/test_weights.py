@@ -23,9 +23,9 @@ def test_sharded_checkpoint_loads_like_single(tmp_path):
     cfg, _ = load_model_config(single)
     a = load_weights(single, cfg, torch.float32, torch.device("cpu"))
     b = load_weights(sharded, cfg, torch.float32, torch.device("cpu"))
-    assert torch.equal(a.lm_head, b.lm_head)
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
     for la, lb in zip(a.layers, b.layers):
-        assert torch.equal(la.qkv, lb.qkv) and torch.equal(la.gate_up, lb.gate_up)
+        assert torch.equal(la.qkv.weight, lb.qkv.weight) and torch.equal(la.gate_up.weight, lb.gate_up.weight)
 
 
 def test_fused_projections_match_hf_tensors(tmp_path):
@@ -35,13 +35,13 @@ def test_fused_projections_match_hf_tensors(tmp_path):
     assert gen.eos_token_ids == EOS_IDS
     w = load_weights(folder, cfg, torch.float32, torch.device("cpu"))
     attn = hf.model.layers[1].self_attn
-    q, k, v = w.layers[1].qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+    q, k, v = w.layers[1].qkv.weight.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
     assert torch.equal(q, attn.q_proj.weight) and torch.equal(k, attn.k_proj.weight)
     assert torch.equal(v, attn.v_proj.weight)
-    gate, up = w.layers[1].gate_up.chunk(2)
+    gate, up = w.layers[1].gate_up.weight.chunk(2)
     assert torch.equal(gate, hf.model.layers[1].mlp.gate_proj.weight)
     assert torch.equal(up, hf.model.layers[1].mlp.up_proj.weight)
-    assert w.lm_head is w.embed, "tied embeddings must share one tensor"
+    assert w.lm_head.weight is w.embed, "tied embeddings must share one tensor"
 
 
 @pytest.mark.parametrize("dtype,expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)])
@@ -51,7 +51,7 @@ def test_dtype_selection(tmp_path, dtype, expected):
     cfg, _ = load_model_config(folder)
     assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.bfloat16  # from config.json's dtype
     w = load_weights(folder, cfg, resolve_dtype(dtype, cfg, torch.device("cpu")), torch.device("cpu"))
-    assert w.embed.dtype == expected and w.layers[0].qkv.dtype == expected
+    assert w.embed.dtype == expected and w.layers[0].qkv.weight.dtype == expected
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", cfg, torch.device("cpu"))
 

@@ -57,6 +57,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    quantization: str | None = None  # the checkpoint's own: None (dense) or "fp8" (Qwen's block-scaled FP8 layout)
 
     @property
     def q_size(self) -> int:
@@ -65,6 +66,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the checkpoint, counted from the shapes (the LM head once more when it is not tied)."""
+        h = self.hidden_size
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * self.head_dim  # + q/k norms
+        if self.attention_bias:
+            attention += self.q_size + 2 * self.kv_size
+        layer = attention + 3 * h * self.intermediate_size + 2 * h  # MLP, two norms
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer + h
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -94,6 +106,7 @@ class ModelConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=_as_id_list(eos),
             bos_token_id=cfg.get("bos_token_id"),
+            quantization=checkpoint_quantization(cfg.get("quantization_config")),
         )
 
     @classmethod
@@ -142,6 +155,46 @@ class GenerationDefaults:
         )
 
 
+# ---- quantized checkpoints -----------------------------------------------------------------------------------------
+
+FP8_WEIGHT_BLOCK = [128, 128]
+
+
+def checkpoint_quantization(qcfg: Any) -> str | None:
+    """The quantization a config.json's quantization_config describes: None for none, "fp8" for Qwen's FP8 layout
+    (e4m3 weights, 128x128 block scales in weight_scale_inv, activations quantized dynamically). Anything else is
+    refused with the reason: running it as if it were dense would generate garbage."""
+    if qcfg in (None, {}):
+        return None
+    if not isinstance(qcfg, dict):
+        raise ValueError(f"config.json's quantization_config must be an object, not {qcfg!r}")
+    method = qcfg.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"this checkpoint is quantized with quant_method={method!r}, which fastqwen cannot run; it runs dense "
+            "checkpoints and FP8 ones in Qwen's layout (quant_method 'fp8', e4m3, weight_block_size [128, 128])"
+        )
+    problems = []
+    if qcfg.get("fmt", "e4m3") != "e4m3":
+        problems.append(f"fmt={qcfg.get('fmt')!r} (only 'e4m3')")
+    if qcfg.get("weight_block_size") != FP8_WEIGHT_BLOCK:
+        problems.append(f"weight_block_size={qcfg.get('weight_block_size')!r} (only {FP8_WEIGHT_BLOCK}; per-tensor "
+                        "or per-channel FP8 scales are not supported)")  # fmt: skip
+    if qcfg.get("activation_scheme", "dynamic") != "dynamic":
+        problems.append(f"activation_scheme={qcfg.get('activation_scheme')!r} (only 'dynamic')")
+    if problems:
+        raise ValueError("unsupported FP8 checkpoint: " + "; ".join(problems))
+    return "fp8"
+
+
+def resolve_quantization(requested: str, cfg: ModelConfig) -> bool:
+    """Whether the projections run in FP8: 'auto' follows the checkpoint, 'fp8' quantizes a dense one on load, 'none'
+    dequantizes an FP8 one on load."""
+    if requested == "auto":
+        return cfg.quantization == "fp8"
+    return requested == "fp8"
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -164,7 +217,7 @@ def load_model_config(model: str) -> tuple[ModelConfig, GenerationDefaults]:
     if not os.path.isfile(config_file):
         raise InvalidRequestError(
             f"unknown model {model!r}: pass a checkpoint folder, a config.json, or a preset "
-            f"({', '.join(PRESETS)}) with load_format='dummy'",
+            f"({', '.join(PRESETS)}) with the dummy load format",
             "model",
         )
     with open(config_file) as f:
@@ -218,7 +271,7 @@ class EngineConfig:
     """Every engine knob and its default, in one place. `LLM(model, **knobs)`, `python -m fastqwen.serve` and the
     benchmarks all build one of these; the command-line flags are generated from the fields below."""
 
-    model: str = _knob(MISSING, "checkpoint folder, config.json, or a preset (" + ", ".join(PRESETS) + ") with --load-format dummy")
+    model: str = _knob(MISSING, "checkpoint folder, Hugging Face hub id (e.g. Qwen/Qwen3-8B: the local cache first, downloaded when missing), config.json, or a preset (" + ", ".join(PRESETS) + ") with --load-format dummy")
     dtype: str | torch.dtype = _knob("auto", "weight and KV dtype; auto = the checkpoint's", choices=("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"))
     device: str | None = _knob(None, "cuda or cpu (default: cuda when available)")
     load_format: str = _knob("auto", "dummy = random weights with the model's shapes", choices=("auto", "safetensors", "dummy"))
@@ -233,9 +286,17 @@ class EngineConfig:
     disable_cuda_graph: bool = _knob(False, "run decode steps eagerly instead of replaying captured CUDA graphs")
     cuda_graph_max_bs: int = _knob(256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
     disable_overlap_schedule: bool = _knob(False, "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
+    quantization: str = _knob("auto", "projection weights: auto = as the checkpoint has them; fp8 = FP8 e4m3 weights with 128x128 block scales (Qwen's FP8 checkpoints as they are, dense ones quantized on load); none = dense (an FP8 checkpoint is dequantized on load)", choices=("auto", "fp8", "none"))
     allow_reference_on_gpu: bool = _knob(False, "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1")
     # KV cache precision (issue 20).
     kv_cache_dtype: str = _knob("auto", "KV cache dtype: auto = the model's; fp8_e4m3 (alias fp8) = e4m3 with one scale per layer for K and for V (1.0, or the checkpoint's k_scale / v_scale), twice the tokens in the same memory", choices=KV_CACHE_DTYPES)
+    # ---- tensor parallelism (engine/tensor_parallel.py) ----
+    tensor_parallel_size: int = _knob(1, "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each", aliases=("--tp", "-tp"))
+    disable_custom_all_reduce: bool = _knob(False, "tensor parallelism: every all-reduce through NCCL (by default messages up to 4 MiB take the custom one-shot kernel over CUDA IPC buffers)")
+    # ---- model sources (model_source.py resolves them before anything loads) ----
+    revision: str | None = _knob(None, "hub revision (branch, tag or commit) of a --model given as a Hugging Face hub id")
+    tokenizer: str | None = _knob(None, "tokenizer folder or hub id (default: the model's own)")
+    chat_template: str | None = _knob(None, "chat template: a jinja file, or the template itself (default: the tokenizer's)")
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -252,9 +313,14 @@ class EngineConfig:
         need(self.num_pages is None or _positive_int(self.num_pages), "num_pages", "a positive integer")
         need(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
+        need(self.quantization in ("auto", "fp8", "none"), "quantization", "'auto', 'fp8' or 'none'")
         need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
-        if is_preset(self.model) and self.load_format != "dummy":
-            raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: use the dummy load format", "load_format")
+        need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
+        for name in ("revision", "tokenizer", "chat_template"):
+            need(getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""), name, "a non-empty string")
+        if is_preset(self.model) and "/" not in self.model and self.load_format != "dummy":  # "Qwen/Qwen3-8B" is a hub id
+            raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: pass a checkpoint folder or a "
+                              f"hub id (Qwen/{self.model}), or use the dummy load format", "load_format")  # fmt: skip
 
     @classmethod
     def build(cls, model: "str | EngineConfig", **knobs) -> "EngineConfig":

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 
 from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogprobs
 from .errors import InvalidRequestError
-from .limits import check_fits, check_token_ids
+from .grammar import check_structured, check_tokenizer
+from .limits import check_fits, check_prompt_logprobs, check_token_ids
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -37,6 +38,8 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # for finish_reason "error"
+    # For params.prompt_logprobs: one per prompt position from params.prompt_logprobs_start on; None for position 0.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -49,6 +52,7 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprobs] | None
     finished: bool
     output: RequestOutput | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first update, when the request asked for them
 
 
 class RequestTracker:
@@ -67,6 +71,7 @@ class RequestTracker:
         self.error: str | None = None
         self.num_cached_tokens = 0
         self.first_scheduled_time: float | None = None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def rid(self) -> int:
@@ -98,6 +103,11 @@ class RequestTracker:
         if delta.first_scheduled_time is not None:
             self.first_scheduled_time = delta.first_scheduled_time
         params = self.request.params
+        new_prompt_logprobs = None
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            # Position 0 has no logprob (nothing precedes it), as in vLLM's prompt_logprobs.
+            new_prompt_logprobs = [None] * (params.prompt_logprobs_start == 0) + list(delta.prompt_logprobs)
+            self.prompt_logprobs = new_prompt_logprobs
         for i, token in enumerate(delta.new_token_ids):
             self.output_ids.append(token)
             if self.logprobs is not None and delta.new_logprobs is not None:
@@ -110,7 +120,9 @@ class RequestTracker:
                     break
         if not self.finished and delta.finish_reason is not None:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
-        return self._update(delta.new_token_ids[: len(self.output_ids)], delta.new_logprobs)
+        update = self._update(delta.new_token_ids[: len(self.output_ids)], delta.new_logprobs)
+        update.prompt_logprobs = new_prompt_logprobs
+        return update
 
     def abort(self, reason: str = "abort", error: str | None = None) -> RequestUpdate | None:
         """Finish it here (the caller aborts it in the engine); None if it had finished already."""
@@ -145,6 +157,7 @@ class RequestTracker:
             num_completion_tokens=len(self.output_ids),
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -158,9 +171,9 @@ class Frontend:
 
     @classmethod
     def for_engine(cls, info: EngineInfo) -> "Frontend":
-        """With the tokenizer of the checkpoint folder the engine loaded, if it has one."""
-        folder = info.model if os.path.isdir(info.model) else os.path.dirname(info.model)
-        return cls(info, Tokenizer.from_folder(folder) if folder else None)
+        """With the tokenizer the engine was configured with (by default the checkpoint folder's, if it has one)."""
+        folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
+        return cls(info, Tokenizer.from_folder(folder, info.chat_template) if folder else None)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -177,6 +190,18 @@ class Frontend:
         ids = self.encode(prompt)
         params = (params or SamplingParams()).with_defaults(self.info.generation_defaults)
         check_token_ids(params.stop_token_ids, self.info.vocab_size, "stop_token_ids")
+        if params.prompt_logprobs is not None:
+            check_prompt_logprobs(len(ids), params.prompt_logprobs_start, "prompt_logprobs")
+        if params.logit_bias:
+            check_token_ids(list(params.logit_bias), self.info.vocab_size, "logit_bias")
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer.json", params.structured.field)
+            check_structured(params.structured)  # a bad schema / regex / grammar is refused here, never queued
+            info = self.info
+            folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
+            tokenizer_json = os.path.join(folder, "tokenizer.json") if folder else None
+            check_tokenizer(params.structured, tokenizer_json, info.vocab_size, info.generation_defaults.eos_token_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
         if params.max_tokens is None:

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from .errors import InvalidRequestError
 
+# Prompt logprobs are kept per prompt token (with up to 20 alternatives each) until the request's first token goes
+# out, in the engine and again in the response: longer prompts are refused rather than held in memory.
+MAX_PROMPT_LOGPROB_TOKENS = 32768
+
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """Raise InvalidRequestError naming `param` if any id is outside [0, vocab_size)."""
@@ -33,4 +37,18 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, page
             f"the request needs up to {total} tokens of KV ({pages} pages) but the KV pool has only {num_pages} "
             "pages: lower max_tokens or give the pool more memory",
             "max_tokens",
+        )
+
+
+def check_prompt_logprobs(num_prompt_tokens: int, start: int, param: str) -> None:
+    """Raise InvalidRequestError naming `param` for prompt logprobs the server will not hold: too many of them, or a
+    start past the prompt."""
+    if start >= num_prompt_tokens:
+        raise InvalidRequestError(
+            f"prompt logprobs start at position {start}, but the prompt has only {num_prompt_tokens} tokens", param
+        )
+    if num_prompt_tokens - start > MAX_PROMPT_LOGPROB_TOKENS:
+        raise InvalidRequestError(
+            f"prompt logprobs are limited to {MAX_PROMPT_LOGPROB_TOKENS} prompt tokens per request; this one asks "
+            f"for {num_prompt_tokens - start}", param
         )

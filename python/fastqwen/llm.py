@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.tensor_parallel import make_engine
 from .frontend import Frontend, RequestOutput, RequestTracker, RequestUpdate
 from .tokenizer import Tokenizer
 from .errors import InvalidRequestError
@@ -26,8 +27,12 @@ class LLM:
     def __init__(self, model: str | EngineConfig, **knobs):
         """knobs: any EngineConfig field (dtype, device, page_size, max_num_seqs, max_num_batched_tokens, num_pages,
         max_model_len, load_format, gpu_memory_utilization, seed, enable_prefix_caching, disable_cuda_graph,
-        cuda_graph_max_bs, disable_overlap_schedule, allow_reference_on_gpu); config.EngineConfig documents them and their defaults."""
-        self.engine = LLMEngine(EngineConfig.build(model, **knobs))
+        cuda_graph_max_bs, disable_overlap_schedule, allow_reference_on_gpu, tensor_parallel_size,
+        disable_custom_all_reduce); config.EngineConfig documents them and their defaults.
+
+        tensor_parallel_size=N: the model split across N GPUs (or N CPU processes), this process being rank 0;
+        close() stops the other ranks (they also end with this process)."""
+        self.engine = make_engine(EngineConfig.build(model, **knobs))
         self.frontend = Frontend.for_engine(self.engine.info)
         self._trackers: dict[int, RequestTracker] = {}  # requests queued and not finished
 
@@ -59,10 +64,11 @@ class LLM:
         trackers = [self.frontend.new_request(p, sp) for p, sp in zip(prompts, params_list)]  # all validated first
         for tracker in trackers:
             self._add(tracker)
-        bar = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm or len(trackers) < 2)
+        bar = tqdm(total=len(trackers), desc="generate", unit="req", disable=not use_tqdm or len(trackers) < 2)
+        progress = _Throughput(bar, {t.rid: t.num_prompt_tokens for t in trackers})
         try:
             while self.engine.has_unfinished():
-                bar.update(sum(update.finished for update in self.step()))
+                progress.update(self.step())
         except BaseException:
             for tracker in trackers:
                 self.abort(tracker.rid)
@@ -104,6 +110,10 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor parallelism); the LLM cannot generate afterwards."""
+        self.engine.close()
+
     def _add(self, tracker: RequestTracker) -> None:
         self.engine.add(tracker.request)
         self._trackers[tracker.rid] = tracker
@@ -129,3 +139,36 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+class _Throughput:
+    """The progress bar's postfix: prompt and output tokens per second of the requests finished so far (prompt
+    tokens count once their request has produced its first update)."""
+
+    _EVERY_S = 0.5  # how often the postfix is rewritten
+
+    def __init__(self, bar: tqdm, prompt_lengths: dict[int, int]):
+        self.bar = bar
+        self.started = time.monotonic()
+        self.shown = self.started
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self._unstarted = dict(prompt_lengths)  # request id -> prompt tokens, until its first token
+
+    def update(self, updates: list[RequestUpdate]) -> None:
+        finished = 0
+        for update in updates:
+            self.output_tokens += len(update.new_token_ids)
+            self.prompt_tokens += self._unstarted.pop(update.request_id, 0)
+            finished += update.finished
+        if self.bar.disable:
+            return
+        now = time.monotonic()
+        if now - self.shown >= self._EVERY_S or finished:
+            self.shown = now
+            elapsed = max(now - self.started, 1e-9)
+            self.bar.set_postfix_str(
+                f"in: {self.prompt_tokens / elapsed:,.0f} tok/s, out: {self.output_tokens / elapsed:,.0f} tok/s",
+                refresh=False,
+            )
+        self.bar.update(finished)

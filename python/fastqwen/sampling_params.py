@@ -18,6 +18,47 @@ MIN_TOP_P = 1e-6  # under 1 / vocab for any vocabulary below a million: keeps th
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias; OpenAI's values are in [-100, 100]
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_STRUCTURED_CHARS = 1 << 20  # a schema, regex or grammar of at most 1 MiB of text
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutput:
+    """A constraint on the output, compiled to a grammar by fastqwen.grammar (llguidance) and enforced token by
+    token: the request can only sample tokens that keep its output a prefix of the language, and ends (finish
+    reason "stop") once the output is complete and nothing can follow, or on EOS, which is allowed only then.
+
+    kind: "json_schema" (spec: the schema as JSON text), "json_object" (any JSON object; spec ignored), "regex",
+      "choice" (spec: a JSON list of strings: exactly one of them), "grammar" (a Lark grammar as llguidance reads it,
+      with %json{...} schemas inside allowed, or a GBNF / EBNF grammar with `root ::= ...`).
+    strict: for json_schema, refuse schema keywords the compiler does not implement (False: ignore them).
+    field: the request field it came from, named in errors (e.g. "response_format").
+    JSON is generated compactly, with ", " and ": " separators and no other whitespace.
+    """
+
+    kind: str
+    spec: str = ""
+    strict: bool = True
+    field: str = "structured"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, not {_show(self.kind)}", self.field)
+        if not isinstance(self.spec, str):
+            raise InvalidRequestError(f"the {self.kind} must be given as text", self.field)
+        if len(self.spec) > MAX_STRUCTURED_CHARS:
+            raise InvalidRequestError(f"the {self.kind} is longer than {MAX_STRUCTURED_CHARS} characters", self.field)
+        if self.kind == "json_object":
+            self.spec = ""
+        elif not self.spec:
+            raise InvalidRequestError(f"the {self.kind} is empty", self.field)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What its compiled grammar is cached by."""
+        return (self.kind, self.spec, self.strict)
 
 
 @dataclass
@@ -38,6 +79,10 @@ class SamplingParams:
     seed: the same seed and prompt give the same tokens whatever else is in the batch [unseeded].
     logprobs: None = none; N >= 0 = the logprob of each sampled token and its N most likely alternatives, from the
       model's raw distribution (before penalties and temperature), N <= 20.
+    prompt_logprobs: None = none; N >= 0 = the logprob of each prompt token given the tokens before it, and the N
+      most likely tokens at that position (raw distribution), N <= 20. The first prompt token has none (None).
+      Prompt positions whose logits are needed are recomputed even when the prefix cache holds them.
+    prompt_logprobs_start: the first prompt position whose logprob is returned (SGLang's logprob_start_len) [0].
     max_tokens: new tokens at most; None = up to the context length [16].
     min_tokens: EOS and stop tokens are blocked, and stop strings not checked, before this many new tokens.
     ignore_eos: keep going past the model's EOS tokens.
@@ -47,6 +92,9 @@ class SamplingParams:
       dropped, so the list is never longer than the vocabulary.
     skip_special_tokens: leave special tokens out of the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+    logit_bias: {token id: value in [-100, 100]}, at most 1024 entries, added to the logits (after penalties)
+      before sampling; token ids may be given as strings (OpenAI's JSON keys). Logprobs stay those of the raw model.
+    structured: a StructuredOutput the output must follow (JSON schema, regex, choice, grammar).
     """
 
     temperature: float | None = None
@@ -58,6 +106,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -65,6 +115,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _optional_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -89,6 +141,17 @@ class SamplingParams:
             self.logprobs = _int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.logprobs)}", "logprobs")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.prompt_logprobs)}", "prompt_logprobs"
+                )
+        self.prompt_logprobs_start = _int("prompt_logprobs_start", self.prompt_logprobs_start)
+        if not 0 <= self.prompt_logprobs_start <= _INT64_MAX:
+            raise InvalidRequestError(
+                f"prompt_logprobs_start must be >= 0, not {_show(self.prompt_logprobs_start)}", "prompt_logprobs_start"
+            )
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens)
             if not 1 <= self.max_tokens <= _INT64_MAX:
@@ -117,6 +180,9 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids must be a list of integers", "stop_token_ids")
         # dict.fromkeys: duplicates dropped, order kept (the ban list of min_tokens is never wider than the vocabulary)
         self.stop_token_ids = list(dict.fromkeys(_int("stop_token_ids", t) for t in (self.stop_token_ids or [])))
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured must be a StructuredOutput", "structured")
 
     def with_defaults(self, defaults: GenerationDefaults) -> "SamplingParams":
         """A copy with every unset field filled: from generation_config.json, else the neutral value."""
@@ -138,6 +204,7 @@ class SamplingParams:
             repetition_penalty=float(pick(self.repetition_penalty, defaults.repetition_penalty, 1.0)),
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
         )
 
     @property
@@ -147,6 +214,30 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} with int keys (strings of digits accepted, as OpenAI's JSON sends them), values in range."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, not {len(bias)}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str):
+            text = key.strip()
+            if not (text.isascii() and text.lstrip("-").isdigit()):
+                raise InvalidRequestError(f"logit_bias keys must be token ids, not {_show(key)}", "logit_bias")
+            key = int(text)
+        token = _int("logit_bias", key)
+        if token < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids >= 0, not {token}", "logit_bias")
+        if value is None:
+            raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], not null", "logit_bias")
+        out[token] = _optional_float("logit_bias", value, *LOGIT_BIAS_RANGE)
+    return out
 
 
 def _int(name: str, value) -> int:

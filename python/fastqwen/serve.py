@@ -1,4 +1,8 @@
-"""python -m fastqwen.serve --model PATH_OR_PRESET: the OpenAI-compatible HTTP server."""
+"""python -m fastqwen.serve --model PATH_OR_HUB_ID (or `fastqwen serve MODEL`): the OpenAI-compatible HTTP server.
+
+A start that cannot succeed ends within seconds, with exit status 1 or 2 and a last line that names the cause and the
+flag to change: the model source is checked before anything is loaded, and a load that fails in the engine ends the
+process rather than leaving a server that answers 503 forever. The ready line appears once the model can serve."""
 
 from __future__ import annotations
 
@@ -6,13 +10,13 @@ import argparse
 import logging
 import sys
 
-from . import env
+from . import env, model_source
 from .config import ConfigError, EngineConfig
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m fastqwen.serve",
+        prog=prog,
         description="Serve a Qwen3 model over an OpenAI-compatible HTTP API (plus SGLang's /generate).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -20,15 +24,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
-    server.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists (default: --model)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", help="the model id responses carry and /v1/models lists (default: --model); more names are aliases that requests may use too")
     server.add_argument("--max-queued-requests", type=int, default=None, help="waiting requests beyond this get 503 with Retry-After (default: no limit)")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set FASTQWEN_API_KEY)")
     server.add_argument("--timeout-keep-alive", type=int, default=75, help="seconds an idle HTTP connection is kept open; longer than clients' own pool expiry (httpx: 5 s), so the client, not the server, closes it and never sends a request on a connection the server is closing")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take to finish; then each gets a 503 (streams: an error event and [DONE])")
     server.add_argument("--incremental-streaming-output", action="store_true", help="/generate streams send only the new text and output ids in each event (SGLang's flag); by default each event carries the whole output so far, as SGLang's clients expect")
-    server.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request (off by default: at hundreds of requests a second it costs throughput, and every /health poll is a line)")
+    server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN", help="answer CORS preflights and add CORS headers for these browser origins ('*' for any); off by default")
     server.add_argument("--engine-core", default="process", choices=["process", "thread"], help="run the engine core in a process of its own (default), or in a thread of the server process")
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
+    ops = p.add_argument_group("logs and metrics")
+    ops.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="verbosity of fastqwen's own logs (the ready line shows at every level)")
+    ops.add_argument("--uvicorn-log-level", default="warning", choices=["debug", "info", "warning", "error"], help="verbosity of the HTTP server's (uvicorn's) own logs")
+    ops.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request, except /health and /metrics polls (off by default: at hundreds of requests a second it costs throughput)")
+    ops.add_argument("--enable-request-log", action="store_true", help="log one line per finished request: its x-request-id, finish reason, token counts, queue time, TTFT and total time")
+    ops.add_argument("--stats-interval", type=float, default=5.0, help="seconds between stats lines (throughput, running, waiting, KV use, prefix-cache hit rate, preemptions) while busy; 0 = none")
+    ops.add_argument("--disable-log-stats", dest="stats_interval", action="store_const", const=0.0, help="no stats lines (vLLM's flag; the same as --stats-interval 0)")
+    ops.add_argument("--metrics-compat", default="fastqwen", choices=["fastqwen", "vllm"], help="/metrics names: fastqwen:... or vllm:... (vLLM's names and labels, so its Grafana dashboard, KEDA triggers and gateway queries work unchanged)")
     limits = p.add_argument_group("server limits (what one client can take)")
     limits.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413 before they are read")
     limits.add_argument("--max-sequences-per-request", type=int, default=256, help="prompts x n of one HTTP request; more get 400")
@@ -40,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("max_request_body_bytes", "max_sequences_per_request", "max_connections", "header_timeout", "body_timeout"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.stats_interval < 0:
+        p.error("--stats-interval must be >= 0")
     return args
 
 
@@ -59,43 +72,67 @@ def _raise_fd_limit(needed: int) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
+def _one_line(error: BaseException) -> str:
+    """An error as one line, in the command line's words where it names a knob."""
+    if isinstance(error, ConfigError):
+        text = f"{EngineConfig.flag(error.field)}: {error}"
+    elif type(error).__name__ == "CoreStartError":  # its message already says what failed and why
+        text = str(error)
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
 
-    from .engine import LLMEngine
-    from .engine.client import InProcessEngineClient
-    from .engine.core_process import ProcessEngineClient
-    from .server.app import ServerConfig, begin_shutdown, create_app
-    from .server.connections import ConnectionLimits, protocol_with
-    from .server.log_limit import limit_log_rate
+
+def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") -> int:
+    args = parse_args(argv, prog)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def fail(status: int, message: str) -> int:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)  # the last line: what to fix
+        return status
 
     try:
-        engine_config = EngineConfig.from_cli(args)
-    except ConfigError as e:  # said in the command line's words
-        print(f"python -m fastqwen.serve: error: {EngineConfig.flag(e.field)}: {e}", file=sys.stderr)
-        return 2
+        # Checked here, in a second, before the engine starts: the path or hub id, config.json, the weights, the
+        # tokenizer and the chat template. A hub id not in the cache is downloaded now (HF_HUB_OFFLINE=1: never).
+        engine_config = model_source.resolve(EngineConfig.from_cli(args))
+    except ConfigError as e:
+        return fail(2, _one_line(e))
+
+    import uvicorn
+
+    from .engine.client import InProcessEngineClient
+    from .engine.core_process import ProcessEngineClient
+    from .engine.tensor_parallel import make_engine
+    from .server.app import ServerConfig, begin_shutdown, create_app
+    from .server.connections import ConnectionLimits, protocol_with
+    from .server.http_conventions import quiet_probe_access_logs
+    from .server.log_limit import limit_log_rate
 
     def load_engine() -> InProcessEngineClient | ProcessEngineClient:
         if args.engine_core == "thread":
-            return InProcessEngineClient(LLMEngine(engine_config))
+            return InProcessEngineClient(make_engine(engine_config))
         return ProcessEngineClient(engine_config, logging.getLogger().level)
 
     exit_code = 0
+    failure: BaseException | None = None
 
     def on_engine_death(error: BaseException) -> None:
         # Every request in flight has had its 503; exit non-zero so a supervisor restarts the server.
-        nonlocal exit_code
+        nonlocal exit_code, failure
         logging.getLogger("fastqwen.server").critical("the engine is not running (%r): shutting down with exit status 1", error)
-        exit_code = 1
+        exit_code, failure = 1, error
         server.should_exit = True
 
     api_key = args.api_key or env.api_key()
+    names = args.served_model_name or [args.model]
+    host = f"[{args.host}]" if ":" in args.host else args.host
     config = ServerConfig(
-        args.served_model_name or args.model, api_key, args.max_queued_requests,
+        names[0], api_key, args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes, max_sequences_per_request=args.max_sequences_per_request,
         on_engine_death=on_engine_death, incremental_streaming_output=args.incremental_streaming_output,
+        model_aliases=tuple(names[1:]), metrics_compat=args.metrics_compat, request_log=args.enable_request_log,
+        stats_interval=args.stats_interval, allowed_origins=tuple(args.allowed_origins or ()),
+        url=f"http://{host}:{args.port}",
     )  # fmt: skip
     app = create_app(config, load_engine)
 
@@ -106,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             begin_shutdown(app, args.shutdown_timeout)
             super().handle_exit(sig, frame)
 
+        def _log_started_message(self, listeners) -> None:
+            pass  # "Uvicorn running on ..." would come before the model is loaded; the app logs the ready line
+
     limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
     _raise_fd_limit(args.max_connections + 256)
     server = Server(
@@ -114,15 +154,25 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             http=protocol_with(limits),
-            log_level=args.log_level,
+            log_level=args.uvicorn_log_level,
             access_log=args.enable_access_log,
             # Past --shutdown-timeout the app ends its own requests; the grace lets those last events go out.
             timeout_graceful_shutdown=args.shutdown_timeout + 5,
             timeout_keep_alive=args.timeout_keep_alive,
         )
     )
+    quiet_probe_access_logs()
     limit_log_rate(args.max_log_lines_per_second)  # after uvicorn.Config, which sets up uvicorn's log handlers
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        return 130
+    except SystemExit as e:  # uvicorn exits this way when it cannot bind (it logged why)
+        return fail(e.code if isinstance(e.code, int) and e.code else 1,
+                    f"the HTTP server could not start on {host}:{args.port} (see above; --host, --port)")
+    if failure is not None:
+        loading = app.state.server.load_error is not None
+        return fail(exit_code, ("the model failed to load: " if loading else "the engine stopped: ") + _one_line(failure))
     return exit_code
 
 

@@ -1,12 +1,23 @@
-"""Weights: safetensors checkpoints (single or sharded), tied embeddings, fused q/k/v and gate/up, dummy weights.
+"""Weights: safetensors checkpoints (single or sharded), tied embeddings, fused q/k/v and gate/up, dummy weights,
+FP8 weights.
 
 q/k/v are concatenated into one [q + 2 kv, hidden] matrix and gate/up into one [2 * intermediate, hidden] matrix
-at load, so each layer does two input projections instead of five.
+at load, so each layer does two input projections instead of five. Each projection is an ops.LinearWeight.
+
+FP8 (fp8=True): the projections are float8_e4m3fn with one float32 scale per 128x128 block. A checkpoint in Qwen's
+FP8 layout (`<name>.weight` e4m3 and `<name>.weight_scale_inv` [ceil(out/128), ceil(in/128)]) loads as it is;
+dense projections are quantized on load (amax / 448 per block). Embeddings, norms and the LM head stay dense, as in
+Qwen's own FP8 checkpoints. With fp8=False an FP8 checkpoint is dequantized on load to the model dtype.
+
+With tensor parallelism each rank loads only its shard (sharding.py says which rows and columns): straight from the
+safetensors file, slice by slice (safe_open's get_slice), so no rank ever holds a whole weight matrix. FP8 weights
+are not sharded yet: FP8 with more than one rank is refused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -14,27 +25,30 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .ops.linear import FP8_BLOCK, LinearWeight, quantize_fp8
+from .sharding import Shard
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] when attention_bias
+    qkv: LinearWeight  # [q_size + 2 * kv_size, hidden], with its bias when attention_bias
     q_norm: torch.Tensor  # [head_dim]
     k_norm: torch.Tensor  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: LinearWeight  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: LinearWeight  # [2 * intermediate, hidden]
+    down: LinearWeight  # [hidden, intermediate]
 
 
 @dataclass
 class Qwen3Weights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor  # [vocab, hidden]; a rank's [vocab_rows, hidden] slice under tensor parallelism
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    lm_head: LinearWeight  # [vocab, hidden] (sliced like embed), dense; its weight is the embed tensor itself when tied
 
     def num_bytes(self) -> int:
         seen: set[int] = set()
@@ -48,10 +62,12 @@ class Qwen3Weights:
     def _tensors(self):
         yield self.embed
         yield self.final_norm
-        yield self.lm_head
+        yield from self.lm_head.tensors()
         for layer in self.layers:
             for t in vars(layer).values():
-                if t is not None:
+                if isinstance(t, LinearWeight):
+                    yield from t.tensors()
+                elif t is not None:
                     yield t
 
 
@@ -71,45 +87,119 @@ class _TensorSource:
         else:
             raise FileNotFoundError(
                 f"no model.safetensors or model.safetensors.index.json in {folder!r} "
-                "(use load_format='dummy' for random weights)"
+                "(the dummy load format gives random weights)"
             )
         self._handles: dict[str, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         if name not in self._file_of:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_part(self, name: str, shape: tuple[int, ...], dim: int, span: tuple[int, int]) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [first, end) of a tensor whose whole shape must be `shape`; only that
+        part is read from the file."""
+        part = self._handle(name).get_slice(name)
+        _checked_shape(tuple(part.get_shape()), shape, name)
+        first, end = span
+        return part[first:end] if dim == 0 else part[:, first:end]
+
+
+def _checked_shape(have: tuple[int, ...], shape: tuple[int, ...], name: str) -> None:
+    if have != shape:
+        raise ValueError(f"tensor {name!r} has shape {have}, expected {shape} from config.json")
 
 
 def _checked(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape} from config.json")
+    _checked_shape(tuple(t.shape), shape, name)
     return t
 
 
-def load_weights(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen3Weights:
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocabulary slice padded with zero rows to the slice height every rank has."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def _blocks(n: int) -> int:
+    return -(-n // FP8_BLOCK)
+
+
+def _fused(parts: list[LinearWeight | torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype, fp8: bool,
+           name: str) -> LinearWeight:  # fmt: skip
+    """Row-concatenates a projection's parts (each an FP8 LinearWeight or a dense tensor) into one LinearWeight:
+    FP8 parts are kept as they are when every part is FP8 and all but the last fill whole 128-row blocks (their
+    block scales then concatenate too); otherwise the parts are dequantized, and quantized again when fp8."""
+    all_fp8 = all(isinstance(p, LinearWeight) for p in parts)
+    if fp8 and all_fp8 and all(p.out_features % FP8_BLOCK == 0 for p in parts[:-1]):
+        weight = torch.cat([p.weight for p in parts])
+        return LinearWeight(weight, torch.cat([p.scale for p in parts]), bias)
+    if fp8 and any(isinstance(p, LinearWeight) for p in parts):
+        log.warning("%s: FP8 parts that do not fill whole 128-row blocks (or mixed with dense ones) are "
+                    "dequantized and quantized again as one matrix", name)  # fmt: skip
+    dense = torch.cat([p.dequantize(torch.float32) if isinstance(p, LinearWeight) else p.float() for p in parts])
+    if fp8:
+        return LinearWeight(*quantize_fp8(dense), bias)
+    return LinearWeight(dense.to(dtype), None, bias)
+
+
+def _refuse_fp8_shards(cfg: ModelConfig, fp8: bool, shard: Shard) -> None:
+    if not shard.whole and (fp8 or cfg.quantization is not None):
+        raise ValueError("FP8 weights with tensor parallelism are not supported yet: serve this model on one GPU, or "
+                         "a dense checkpoint with --quantization none")  # fmt: skip
+
+
+def load_weights(
+    folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False, shard: Shard = Shard()
+) -> Qwen3Weights:
+    """Loads a checkpoint (dense, or Qwen's FP8 layout); fp8 chooses FP8 projections (see the module docstring).
+    With a shard of several ranks: this rank's part only, read slice by slice, never whole."""
+    _refuse_fp8_shards(cfg, fp8, shard)
+    if not shard.whole:
+        return _load_shard(folder, cfg, dtype, device, shard)
     src = _TensorSource(folder)
     h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return _checked(src.get(name), shape, name).to(device=device, dtype=dtype)
+        """A dense tensor of `dtype` (an FP8 one with block scales is dequantized)."""
+        part = get_part(name.removesuffix(".weight"), shape) if name.endswith(".weight") else None
+        if isinstance(part, LinearWeight):
+            return part.dequantize(dtype)
+        t = part if part is not None else _checked(src.get(name), shape, name).to(device)
+        return t.to(dtype=dtype)
+
+    def get_part(prefix: str, shape: tuple[int, int]) -> LinearWeight | torch.Tensor:
+        """`prefix.weight`: an FP8 LinearWeight when the checkpoint has its weight_scale_inv, else the raw tensor on
+        the device (an e4m3 tensor without scales is refused: its values mean nothing alone)."""
+        name, scale_name = prefix + ".weight", prefix + ".weight_scale_inv"
+        t = _checked(src.get(name), shape, name)
+        if scale_name not in src:
+            if t.dtype.is_floating_point and t.element_size() == 1:
+                raise ValueError(f"tensor {name!r} is {t.dtype} but the checkpoint has no {scale_name!r}: FP8 "
+                                 "weights need their block scales (Qwen's FP8 layout)")  # fmt: skip
+            return t.to(device)
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"tensor {name!r} has block scales but dtype {t.dtype}; only float8_e4m3fn is supported")
+        scale = _checked(src.get(scale_name), (_blocks(shape[0]), _blocks(shape[1])), scale_name)
+        return LinearWeight(t.to(device), scale.to(device=device, dtype=torch.float32))
+
+    def projection(prefixes: list[str], shapes: list[tuple[int, int]], bias: torch.Tensor | None = None) -> LinearWeight:
+        parts = [get_part(p, s) for p, s in zip(prefixes, shapes)]
+        return _fused(parts, bias, dtype, fp8, prefixes[0])
 
     layers = []
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        qkv = torch.cat(
-            [
-                get(p + "self_attn.q_proj.weight", (q, h)),
-                get(p + "self_attn.k_proj.weight", (kv, h)),
-                get(p + "self_attn.v_proj.weight", (kv, h)),
-            ]
-        )
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat(
@@ -119,30 +209,127 @@ def load_weights(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torc
                     get(p + "self_attn.v_proj.bias", (kv,)),
                 ]
             )
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (i, h)), get(p + "mlp.up_proj.weight", (i, h))])
+        attn = p + "self_attn."
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (h,)),
-                qkv=qkv,
-                qkv_bias=qkv_bias,
+                qkv=projection([attn + "q_proj", attn + "k_proj", attn + "v_proj"], [(q, h), (kv, h), (kv, h)], qkv_bias),
                 q_norm=get(p + "self_attn.q_norm.weight", (d,)),
                 k_norm=get(p + "self_attn.k_norm.weight", (d,)),
-                o_proj=get(p + "self_attn.o_proj.weight", (h, q)),
+                o_proj=projection([attn + "o_proj"], [(h, q)]),
                 post_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=gate_up,
-                down=get(p + "mlp.down_proj.weight", (h, i)),
+                gate_up=projection([p + "mlp.gate_proj", p + "mlp.up_proj"], [(i, h), (i, h)]),
+                down=projection([p + "mlp.down_proj"], [(h, i)]),
             )
         )
     embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
     if cfg.tie_word_embeddings:
-        lm_head = embed
+        lm_head = LinearWeight(embed)
     else:
-        lm_head = get("lm_head.weight", (cfg.vocab_size, h))
+        lm_head = LinearWeight(get("lm_head.weight", (cfg.vocab_size, h)))
     return Qwen3Weights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
 
 
-def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Qwen3Weights:
-    """Random weights with the real shapes, made on the device (no checkpoint needed, for benchmarks)."""
+def _load_shard(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard) -> Qwen3Weights:
+    """This rank's shard of a dense checkpoint (read slice by slice, never whole)."""
+    src = _TensorSource(folder)
+    h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    if not shard.whole:
+        shard.check(cfg)
+    heads, kv_heads, inter = shard.heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
+    q_span, kv_span = (heads[0] * d, heads[1] * d), (kv_heads[0] * d, kv_heads[1] * d)
+
+    def get(name: str, shape: tuple[int, ...], dim: int | None = None, span: tuple[int, int] | None = None):
+        if shard.whole or dim is None:
+            t = _checked(src.get(name), shape, name)
+        else:
+            t = src.get_part(name, shape, dim, span)
+        return t.to(device=device, dtype=dtype)
+
+    layers = []
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        qkv = torch.cat(
+            [
+                get(p + "self_attn.q_proj.weight", (q, h), 0, q_span),
+                get(p + "self_attn.k_proj.weight", (kv, h), 0, kv_span),
+                get(p + "self_attn.v_proj.weight", (kv, h), 0, kv_span),
+            ]
+        )
+        qkv_bias = None
+        if cfg.attention_bias:
+            qkv_bias = torch.cat(
+                [
+                    get(p + "self_attn.q_proj.bias", (q,), 0, q_span),
+                    get(p + "self_attn.k_proj.bias", (kv,), 0, kv_span),
+                    get(p + "self_attn.v_proj.bias", (kv,), 0, kv_span),
+                ]
+            )
+        gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (i, h), 0, inter), get(p + "mlp.up_proj.weight", (i, h), 0, inter)])
+        layers.append(
+            LayerWeights(
+                input_norm=get(p + "input_layernorm.weight", (h,)),
+                qkv=LinearWeight(qkv, None, qkv_bias),
+                q_norm=get(p + "self_attn.q_norm.weight", (d,)),
+                k_norm=get(p + "self_attn.k_norm.weight", (d,)),
+                o_proj=LinearWeight(get(p + "self_attn.o_proj.weight", (h, q), 1, q_span)),
+                post_norm=get(p + "post_attention_layernorm.weight", (h,)),
+                gate_up=LinearWeight(gate_up),
+                down=LinearWeight(get(p + "mlp.down_proj.weight", (h, i), 1, inter)),
+            )
+        )
+    vocab_rows, vocab_span = shard.vocab_rows(cfg.vocab_size), shard.vocab(cfg.vocab_size)
+
+    def vocab_table(name: str) -> torch.Tensor:
+        return _pad_rows(get(name, (cfg.vocab_size, h), 0, vocab_span), vocab_rows)
+
+    embed = vocab_table("model.embed_tokens.weight")
+    lm_head = LinearWeight(embed if cfg.tie_word_embeddings else vocab_table("lm_head.weight"))
+    return Qwen3Weights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
+
+
+def _shard_layer(layer: LayerWeights, cfg: ModelConfig, shard: Shard) -> LayerWeights:
+    d, q, kv, i = cfg.head_dim, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    (h0, h1), (k0, k1), (i0, i1) = shard.heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
+
+    def qkv_part(t: torch.Tensor) -> torch.Tensor:
+        wq, wk, wv = t.split([q, kv, kv])
+        return torch.cat([wq[h0 * d : h1 * d], wk[k0 * d : k1 * d], wv[k0 * d : k1 * d]])
+
+    return LayerWeights(
+        input_norm=layer.input_norm,
+        qkv=LinearWeight(qkv_part(layer.qkv.weight), None, None if layer.qkv.bias is None else qkv_part(layer.qkv.bias)),
+        q_norm=layer.q_norm,
+        k_norm=layer.k_norm,
+        o_proj=LinearWeight(layer.o_proj.weight[:, h0 * d : h1 * d].contiguous()),
+        post_norm=layer.post_norm,
+        gate_up=LinearWeight(torch.cat([layer.gate_up.weight[i0:i1], layer.gate_up.weight[i + i0 : i + i1]])),
+        down=LinearWeight(layer.down.weight[:, i0:i1].contiguous()),
+    )
+
+
+def shard_weights(full: Qwen3Weights, cfg: ModelConfig, shard: Shard) -> Qwen3Weights:
+    """This rank's shard of whole weights already in memory (for dummy weights: a checkpoint is sliced on read)."""
+    if shard.whole:
+        return full
+    shard.check(cfg)
+    layers = [_shard_layer(layer, cfg, shard) for layer in full.layers]
+    vocab_rows, vocab_span = shard.vocab_rows(cfg.vocab_size), shard.vocab(cfg.vocab_size)
+    first, end = vocab_span
+    embed = _pad_rows(full.embed[first:end].clone(), vocab_rows)
+    tied = full.lm_head.weight is full.embed
+    lm_head = LinearWeight(embed if tied else _pad_rows(full.lm_head.weight[first:end].clone(), vocab_rows))
+    return Qwen3Weights(embed=embed, layers=layers, final_norm=full.final_norm, lm_head=lm_head)
+
+
+def dummy_weights(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, fp8: bool = False, shard: Shard = Shard()
+) -> Qwen3Weights:
+    """Random weights with the real shapes, made on the device (no checkpoint needed, for benchmarks); with fp8 the
+    projections are quantized as they are made. Under tensor parallelism each rank draws every layer whole (the same
+    numbers at any TP size) and keeps its shard: one layer at a time, so no rank holds more than one whole layer
+    beyond its shard."""
+    _refuse_fp8_shards(cfg, fp8, shard)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
@@ -155,23 +342,30 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, se
         # Near one, like trained norms, but not exactly one so that a wrong weight shows up.
         return 1.0 + rand(n, std=0.05)
 
-    layers = [
-        LayerWeights(
+    def proj(rows: int, cols: int, bias: torch.Tensor | None = None) -> LinearWeight:
+        w = rand(rows, cols)
+        return LinearWeight(*quantize_fp8(w), bias) if fp8 else LinearWeight(w, None, bias)
+
+    def one_layer() -> LayerWeights:
+        layer = LayerWeights(
             input_norm=norm(h),
-            qkv=rand(q + 2 * kv, h),
-            qkv_bias=rand(q + 2 * kv) if cfg.attention_bias else None,
+            qkv=proj(q + 2 * kv, h, rand(q + 2 * kv) if cfg.attention_bias else None),
             q_norm=norm(d),
             k_norm=norm(d),
-            o_proj=rand(h, q),
+            o_proj=proj(h, q),
             post_norm=norm(h),
-            gate_up=rand(2 * i, h),
-            down=rand(h, i),
+            gate_up=proj(2 * i, h),
+            down=proj(h, i),
         )
-        for _ in range(cfg.num_layers)
-    ]
+        return layer if shard.whole else _shard_layer(layer, cfg, shard)
+
+    layers = [one_layer() for _ in range(cfg.num_layers)]
     embed = rand(cfg.vocab_size, h)
-    lm_head = embed if cfg.tie_word_embeddings else rand(cfg.vocab_size, h)
-    return Qwen3Weights(embed=embed, layers=layers, final_norm=norm(h), lm_head=lm_head)
+    lm_head = LinearWeight(embed if cfg.tie_word_embeddings else rand(cfg.vocab_size, h))
+    full = Qwen3Weights(embed=embed, layers=[], final_norm=norm(h), lm_head=lm_head)
+    sharded = shard_weights(full, cfg, shard)
+    sharded.layers = layers
+    return sharded
 
 
 # Where checkpoints quantized for an FP8 KV cache keep each layer's scales (scalar tensors), as vLLM reads them.

@@ -91,6 +91,7 @@ class InProcessEngineClient:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._engine.close()
 
     # ---- the engine thread --------------------------------------------------------------------------------
 
@@ -103,6 +104,7 @@ class InProcessEngineClient:
                 if rejected:
                     self._on_output(StepOutput(rejected, time.monotonic()))
                 if not engine.has_unfinished():
+                    engine.check_alive()
                     # Idle. Check that no page leaked once nothing arrived for a whole wait: the check walks every
                     # page (milliseconds, holding the GIL), so running it the moment the last request finishes would
                     # delay that request's final output and the next request's first step.

@@ -13,8 +13,9 @@ request), "stats" (while idle), "failed" (the core could not start: the error te
 If the core dies, the frontend's reader thread sees the process gone within a poll interval and reports it through
 on_death: every request in flight gets an error and the server exits non-zero, so a supervisor restarts it.
 
-Tensor parallelism slots in here: rank 0's core schedules and broadcasts each step's batch to the other ranks' cores,
-which follow; the frontend still talks to rank 0 alone.
+With tensor parallelism this process is rank 0 (engine/tensor_parallel.py): it starts the other ranks as its own
+children and sends them each step's commands; the frontend still talks to rank 0 alone. If a rank dies, this process
+ends (EngineFault), and so the server does too.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def core_main(config: EngineConfig, to_core: str, to_frontend: str, log_level: i
     outbox.connect(to_frontend)
     codec = _Codec()
     try:
-        from .llm_engine import LLMEngine
+        from .tensor_parallel import make_engine
 
-        engine = LLMEngine(config)
+        engine = make_engine(config)
     except BaseException as e:
         logger.exception("the engine could not start")
         outbox.send_multipart([b"failed", codec.encode(f"{type(e).__name__}: {e}")])
@@ -94,6 +95,7 @@ def core_main(config: EngineConfig, to_core: str, to_frontend: str, log_level: i
     outbox.send_multipart([b"info", codec.encode(engine.info)])
     try:
         _serve(engine, inbox, outbox, codec)
+        engine.close()
     finally:
         inbox.close(linger=0)
         outbox.close(linger=2000)
@@ -127,6 +129,7 @@ def _serve(engine, inbox, outbox, codec: _Codec) -> None:
             step = CoreStep(StepOutput(rejected, time.monotonic()), CoreStats(engine.stats(), num_received))
             outbox.send_multipart([b"step", codec.encode(step)])
         if not engine.has_unfinished():
+            engine.check_alive()  # a tensor-parallel rank that died while idle ends the core now, not at the next step
             if busy:  # just went idle: check that no page leaked (an InvariantError ends the core: never serve on
                 busy = False  # a corrupt pool)
                 engine.check_invariants()
@@ -159,9 +162,12 @@ class ProcessEngineClient:
         self._send_lock = threading.Lock()  # add/abort come from the event loop and from the reader (stop strings)
         self._codec = _Codec()
         spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        # Daemonic, so that it ends with this process; except with tensor parallelism, where it starts the other ranks
+        # as its children, which a daemonic process may not (stop() ends it, and its ranks exit when it does).
         self.process = spawn.Process(
-            target=core_main, args=(config, to_core, to_frontend, log_level), name="fastqwen-core", daemon=True
-        )
+            target=core_main, args=(config, to_core, to_frontend, log_level), name="fastqwen-core",
+            daemon=config.tensor_parallel_size == 1,
+        )  # fmt: skip
         self.process.start()
         logger.info("engine core process started (pid %d); loading the model there", self.process.pid)
         self.info = self._wait_for_info()

@@ -7,21 +7,25 @@ from __future__ import annotations
 
 import gc
 import itertools
+from concurrent.futures import FIRST_COMPLETED, wait
 import logging
 import os
 import time
 
 import torch
 
-from .. import env
-from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_kv_cache_dtype
+from .. import env, model_source
+from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
 from ..ops import _native
+from ..ops.collectives import SINGLE, ParallelGroup
 from ..errors import InvalidRequestError
+from ..grammar import GrammarCompiler
 from ..limits import check_token_ids
-from ..scheduler import Request, Scheduler
+from ..scheduler import FinishReason, Request, RequestState, Scheduler
+from ..sharding import Shard
 from ..weights import dummy_weights, load_kv_scales, load_weights
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .cuda_graph import DecodeGraphs, unsupported_reason
@@ -81,9 +85,15 @@ def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | str, **knobs):
-        """config: an EngineConfig, or a model path/preset plus EngineConfig's knobs as keywords."""
-        self.engine_config = config = EngineConfig.build(config, **knobs)
+    def __init__(self, config: EngineConfig | str, parallel: ParallelGroup = SINGLE, **knobs):
+        """config: an EngineConfig, or a model path/preset plus EngineConfig's knobs as keywords.
+
+        parallel: this rank's tensor-parallel group when the engine is one rank of several (engine/tensor_parallel.py
+        starts them): the engine then loads its shard of the weights and sizes its KV pool like every other rank.
+        """
+        # A hub id becomes its local snapshot, the chat template its text; a missing file fails here, before loading.
+        self.engine_config = config = model_source.resolve(EngineConfig.build(config, **knobs))
+        self.parallel = parallel
         model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
         max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         device = config.device
@@ -95,13 +105,17 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.config.max_position_embeddings
 
         folder = model if os.path.isdir(model) else os.path.dirname(model)
+        shard = Shard(parallel.rank, parallel.size)
+        # The model as this rank sees it: its heads and KV heads (the whole model on one rank).
+        self.rank_config = shard.rank_config(self.config)
+        self.fp8 = resolve_quantization(config.quantization, self.config)
         if config.load_format == "dummy":
-            weights = dummy_weights(self.config, self.dtype, self.device, seed)
+            weights = dummy_weights(self.config, self.dtype, self.device, seed, fp8=self.fp8, shard=shard)
         else:
-            weights = load_weights(folder, self.config, self.dtype, self.device)
-        self.model = Qwen3Model(self.config, weights, self.max_model_len, max_batch=max_num_seqs)
+            weights = load_weights(folder, self.config, self.dtype, self.device, fp8=self.fp8, shard=shard)
+        self.model = Qwen3Model(self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel)
 
-        cfg = self.config
+        cfg = self.rank_config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
         graph_bs = self._graph_max_bs(config.disable_cuda_graph, config.cuda_graph_max_bs, max_num_seqs)
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
@@ -123,6 +137,8 @@ class LLMEngine:
             num_pages = self._default_num_pages(
                 page_bytes, max_num_batched_tokens, max_num_seqs, config.gpu_memory_utilization, graph_bytes
             )
+            # Every rank schedules the same pages: the rank with the least memory left sets the pool's size.
+            num_pages = parallel.min_int(num_pages)
         self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
                          self.device, k_scales, v_scales)  # fmt: skip
         self.cache = RadixCache(self.kv.allocator, page_size) if config.enable_prefix_caching else None
@@ -135,6 +151,15 @@ class LLMEngine:
             self.generation_defaults.eos_token_ids,
             self.cache,
         )
+        # Structured output: grammars compile on the compiler's threads; a request waits here (not in the scheduler)
+        # until its grammar is ready, so no step ever waits on a compile while other requests could run.
+        tokenizer_folder = config.tokenizer or folder  # --tokenizer (model_source resolved it to a folder)
+        self.grammars = GrammarCompiler(
+            os.path.join(tokenizer_folder, "tokenizer.json") if tokenizer_folder else None, cfg.vocab_size,
+            self.generation_defaults.eos_token_ids,
+        )  # fmt: skip
+        self._compiling: list[tuple[Request, object]] = []  # (request, future of its compiled grammar)
+        self._compile_failures: list[RequestDelta] = []  # reported with the next step
         self.check_every_step = env.check_invariants_every_step()
         self.runner = ModelRunner(
             self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs,
@@ -148,6 +173,32 @@ class LLMEngine:
         self.num_ahead_steps = 0
         self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
         self._failed_steps = 0  # in a row
+        self._log_summary()
+
+    def _log_summary(self) -> None:
+        """What an operator checks first: which model, how big, and how much KV room it got."""
+        cfg, kv = self.config, self.kv
+        log.info(
+            "model %s: %s parameters (%s weights), %d layers, hidden %d, %d query / %d KV heads, context %d tokens, "
+            "on %s", self.engine_config.model, f"{n / 1e9:.2f} B" if (n := cfg.num_parameters) >= 1e9 else f"{n / 1e6:.2f} M",
+            "random" if self.engine_config.load_format == "dummy" else "checkpoint", cfg.num_layers, cfg.hidden_size,
+            cfg.num_heads, cfg.num_kv_heads, self.max_model_len, self.device,
+        )  # fmt: skip
+        tokens = kv.num_pages * kv.page_size
+        graphs = self.runner.graphs
+        log.info(
+            "%s; KV cache %d pages x %d tokens = %d tokens (%.2f GiB), %.1f full-context requests; prefix cache %s; "
+            "CUDA graphs %s", str(self.dtype).removeprefix("torch."), kv.num_pages, kv.page_size, tokens,
+            kv.num_bytes / 2**30, tokens / self.max_model_len, "on" if self.cache is not None else "off",
+            f"for decode batches {graphs.sizes[0]}..{graphs.max_bs} ({len(graphs.sizes)} sizes, captured in "
+            f"{graphs.capture_seconds:.1f} s)" if graphs is not None else "off",
+        )  # fmt: skip
+        if tokens < self.max_model_len:
+            log.warning(
+                "the KV cache holds %d tokens, fewer than one request of the full context (%d): longer requests are "
+                "refused. Give it more memory (--kv-cache-memory-fraction, --num-pages) or lower --max-model-len",
+                tokens, self.max_model_len,
+            )  # fmt: skip
 
     def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
         """The largest decode batch to capture; 0 = no CUDA graphs."""
@@ -166,7 +217,7 @@ class LLMEngine:
         pool is sized from the memory left, so that memory must be known first. Capturing twice costs startup
         time (logged) and gives a measured figure where an estimate could be wrong for a new model or torch.
         """
-        cfg = self.config
+        cfg = self.rank_config
         scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs, self.sampler.graph_hook).capture()
         used, seconds = graphs.memory_bytes, graphs.capture_seconds
@@ -181,7 +232,7 @@ class LLMEngine:
     def _default_num_pages(
         self, page_bytes: int, max_tokens: int, max_seqs: int, utilization: float, graph_bytes: int = 0
     ) -> int:
-        cfg = self.config
+        cfg = self.rank_config
         if self.device.type != "cuda":
             return max(1, _CPU_KV_BYTES // page_bytes)
         torch.cuda.synchronize(self.device)
@@ -193,7 +244,8 @@ class LLMEngine:
         if budget < page_bytes:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after loading weights); "
-                "lower max_num_batched_tokens or use a smaller model"
+                "lower max_num_batched_tokens (--max-num-batched-tokens) or max_num_seqs (--max-num-seqs), raise "
+                "gpu_memory_utilization (--kv-cache-memory-fraction), or use a smaller model"
             )
         return budget // page_bytes
 
@@ -212,6 +264,8 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             kv_bytes=self.kv.num_bytes,
+            tokenizer=self.engine_config.tokenizer,
+            chat_template=self.engine_config.chat_template,
         )
 
     def add(self, request: EngineRequest) -> None:
@@ -221,17 +275,53 @@ class LLMEngine:
             raise InvalidRequestError("max_tokens must be set before a request reaches the engine", "max_tokens")
         check_token_ids(request.prompt_ids, self.config.vocab_size, "prompt")
         check_token_ids(params.stop_token_ids, self.config.vocab_size, "stop_token_ids")
-        self.scheduler.add(
-            Request(rid=request.rid, prompt_ids=list(request.prompt_ids), params=params, arrival=next(self._arrivals),
-                    arrival_time=request.arrival_time)
-        )  # fmt: skip
+        if params.logit_bias:
+            check_token_ids(list(params.logit_bias), self.config.vocab_size, "logit_bias")
+        req = Request(rid=request.rid, prompt_ids=list(request.prompt_ids), params=params, arrival=next(self._arrivals),
+                      arrival_time=request.arrival_time)  # fmt: skip
+        if params.structured is not None:
+            self.scheduler.check_fits(req.num_prompt_tokens, params.max_tokens)
+            self._compiling.append((req, self.grammars.submit(params.structured)))
+            return
+        self.scheduler.add(req)
+
+    def _admit_compiled(self) -> None:
+        """Hand requests whose grammar is ready to the scheduler (a failed compile finishes its request with an
+        error). Waits (briefly) for a compile only when there is nothing else to run."""
+        if not self._compiling:
+            return
+        if not self.parallel.single:
+            # Every rank must admit a request at the same step (their schedulers make the same choices), and compile
+            # times differ between processes: under tensor parallelism a step waits for the grammars it was sent.
+            wait([f for _, f in self._compiling])
+        elif not self.scheduler.has_work() and self._ahead is None:
+            wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        still = []
+        for request, future in self._compiling:
+            if not future.done():
+                still.append((request, future))
+                continue
+            try:
+                request.grammar = self.grammars.matcher(future)
+            except Exception as error:  # the frontend validated the spec; this is the tokenizer-specific rest
+                request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ERROR
+                self._compile_failures.append(RequestDelta(rid=request.rid, new_token_ids=[], new_logprobs=None,
+                                                           finish_reason="error", error=str(error)))  # fmt: skip
+                continue
+            self.scheduler.add(request)
+        self._compiling = still
 
     def abort(self, rid: int) -> bool:
         """Stop a request wherever it is; its pages are released at once. False if it is unknown or finished."""
+        for i, (request, _) in enumerate(self._compiling):
+            if request.rid == rid:
+                del self._compiling[i]
+                request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ABORT
+                return True
         return self.scheduler.abort(rid) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._ahead is not None
+        return self.scheduler.has_work() or self._ahead is not None or bool(self._compiling or self._compile_failures)
 
     def step(self) -> StepOutput:
         """One scheduler step: schedule, run the model, sample, record. A delta for every request that advanced.
@@ -257,9 +347,13 @@ class LLMEngine:
         failed = list({id(r): r for r in self._step_requests}.values())
         self._failed_steps += 1
         unrecoverable = _unrecoverable(error)
-        if unrecoverable or not failed or self._failed_steps >= MAX_FAILED_STEPS:
+        if unrecoverable or not failed or self._failed_steps >= MAX_FAILED_STEPS or not self.parallel.single:
+            # Under tensor parallelism the ranks must stay in step: a rank that failed may have left the others
+            # inside a collective, so the whole engine goes down.
             reason = "an unrecoverable error" if unrecoverable else (
-                "no request to pin it on" if not failed else f"the {self._failed_steps}th failure in a row")
+                "no request to pin it on" if not failed else
+                "a failure on one rank of several" if not self.parallel.single else
+                f"the {self._failed_steps}th failure in a row")
             raise EngineFault(f"a step failed with {reason}: {error!r}") from error
         log.error("a step failed; failing its %d requests (the engine goes on)", len(failed), exc_info=error)
         self._ahead = None  # its requests are this step's; the GPU finishes it before anything later on the stream
@@ -277,6 +371,8 @@ class LLMEngine:
         return StepOutput(deltas, time.monotonic())
 
     def _step(self) -> StepOutput:
+        self._admit_compiled()
+        failures, self._compile_failures = self._compile_failures, []
         if self._ahead is not None:
             (scheduled, pending), self._ahead = self._ahead, None
             self._step_requests = [c.request for c in scheduled.chunks]
@@ -295,7 +391,7 @@ class LLMEngine:
         advanced = self.scheduler.update(scheduled, tokens)
         if self.check_every_step:
             self.check_invariants()
-        deltas = []
+        deltas = failures
         for request, index in advanced:
             finish = request.finish_reason
             deltas.append(
@@ -307,15 +403,24 @@ class LLMEngine:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,
+                    prompt_logprobs=self._take_prompt_logprobs(request),
                 )
             )
-        return StepOutput(deltas, time.monotonic())
+        return StepOutput(deltas, time.monotonic(), scheduled.num_tokens)
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request):
+        """The prompt logprobs a request asked for, once, with its first token (all are computed by then)."""
+        if request.params.prompt_logprobs is None or request.num_output_tokens != 1:
+            return None
+        taken, request.pending_prompt_logprobs = request.pending_prompt_logprobs, []
+        return taken
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + len(self._compiling),
             kv_usage=self.kv_usage(),
             num_preemptions=scheduler.num_preemptions,
             num_computed_tokens=scheduler.num_computed_tokens,
@@ -327,6 +432,13 @@ class LLMEngine:
         allocator = self.kv.allocator
         evictable = self.cache.evictable_pages() if self.cache is not None else 0
         return (allocator.num_used() - evictable) / allocator.num_total()
+
+    def check_alive(self) -> None:
+        """Raise EngineFault when the engine cannot step any more (a tensor-parallel rank is gone: see
+        engine/tensor_parallel.py). One engine in one process: never."""
+
+    def close(self) -> None:
+        """Stop what the engine started besides itself (the other tensor-parallel ranks; nothing here)."""
 
     def check_invariants(self) -> None:
         """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises

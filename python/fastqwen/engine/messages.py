@@ -31,6 +31,7 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1-based rank of `token` in its distribution, where computed (prompt logprobs)
 
 
 @dataclass
@@ -45,6 +46,9 @@ class RequestDelta:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     first_scheduled_time: float | None = None  # time.monotonic() when it was first admitted
     error: str | None = None  # for finish_reason "error": what went wrong
+    # With the first token of a request that asked for prompt logprobs: one per prompt position from
+    # max(params.prompt_logprobs_start, 1) on (the first prompt token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,6 +61,7 @@ class StepOutput:
 
     deltas: list[RequestDelta]
     time: float  # time.monotonic() when the step ended
+    num_tokens: int = 0  # tokens the step computed (prefill chunks and decodes)
 
 
 @dataclass
@@ -85,3 +90,7 @@ class EngineInfo:
     dtype: str = ""  # of weights and KV, e.g. "bfloat16"
     device: str = ""  # e.g. "cuda:0"
     kv_bytes: int = 0  # the KV pool's size in bytes
+    # Passed through from EngineConfig for the frontend (the engine never reads them): the tokenizer folder, when not
+    # the model's, and a chat template that replaces the tokenizer's.
+    tokenizer: str | None = None
+    chat_template: str | None = None

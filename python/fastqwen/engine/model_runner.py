@@ -18,6 +18,19 @@ from .staging import BatchStaging, Layout, staging_for
 
 log = logging.getLogger(__name__)
 
+# Prompt-logprob rows projected through the LM head at once: each is a float32 logits row as wide as the vocabulary.
+PROMPT_LOGPROB_SLICE = 256
+
+
+@dataclass
+class PromptRows:
+    """The token rows of an eager step whose logits give prompt logprobs: row i predicts targets[i], a prompt
+    token of owners[i]."""
+
+    rows: list[int]
+    targets: list[int]
+    owners: list[Request]
+
 
 @dataclass
 class PendingStep:
@@ -85,6 +98,25 @@ class ModelRunner:
         if size:
             return self._build_graph_decode(scheduled.chunks, size), size
         return self._build_eager(scheduled), 0
+
+    @staticmethod
+    def _prompt_rows(scheduled: ScheduledBatch) -> PromptRows | None:
+        """The rows of this (eager) step whose logits some request needs for its prompt logprobs. A graph step never
+        has any: its chunks all sample, at the last prompt position or later."""
+        rows, targets, owners = [], [], []
+        t = 0
+        for chunk in scheduled.chunks:
+            request, start, end = chunk.request, chunk.start, chunk.end
+            if request.wants_prompt_logprobs:
+                # The logits at position q give the logprob of token q + 1; only prompt tokens count.
+                first = max(request.prompt_logprob_next, start + 1)
+                last = min(end, request.num_prompt_tokens - 1)
+                for target in range(first, last + 1):
+                    rows.append(t + target - 1 - start)
+                    targets.append(request.token_ids[target])
+                    owners.append(request)
+            t += end - start
+        return PromptRows(rows, targets, owners) if rows else None
 
     def _graph_size(self, scheduled: ScheduledBatch) -> int:
         """The captured size that replays this step, or 0 when it runs eagerly."""
@@ -279,8 +311,35 @@ class ModelRunner:
         return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
 
     def _run_eager(self, scheduled: ScheduledBatch, batch: ForwardBatch, graph_size: int):
-        logits = self.run_model(batch, graph_size)
+        prompt_rows = None if graph_size else self._prompt_rows(scheduled)
+        if prompt_rows is None:
+            logits = self.run_model(batch, graph_size)
+        else:
+            rows = torch.tensor(prompt_rows.rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            logits, hidden = self.model.forward(batch, self.kv, extra_rows=rows)
+            self._record_prompt_logprobs(hidden, prompt_rows)
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None
         requests = [c.request for c in scheduled.chunks if c.samples]
         return self.sampler.sample(logits[: len(requests)], requests, self._read_back)
+
+    def _record_prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: PromptRows) -> None:
+        """Logprobs of the prompt tokens these rows predict (raw distribution, as for sampled tokens), appended to each
+        owner's pending list: the LM head runs a slice of rows at a time, so memory stays bounded whatever the chunk."""
+        targets = torch.tensor(prompt_rows.targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        num_top = max(r.params.prompt_logprobs for r in prompt_rows.owners)
+        chosen, ranks, top_ids, top_logprobs = [], [], [], []
+        for s in range(0, len(prompt_rows.rows), PROMPT_LOGPROB_SLICE):
+            logprobs = torch.log_softmax(self.model.lm_head_logits(hidden[s : s + PROMPT_LOGPROB_SLICE]), dim=-1)
+            c = logprobs.gather(1, targets[s : s + PROMPT_LOGPROB_SLICE, None])
+            chosen += c[:, 0].tolist()
+            ranks += ((logprobs > c).sum(dim=-1) + 1).tolist()
+            if num_top:
+                lp, i = logprobs.topk(num_top, dim=-1)
+                top_ids += i.tolist()
+                top_logprobs += lp.tolist()
+        for k, (request, target) in enumerate(zip(prompt_rows.owners, prompt_rows.targets)):
+            n = request.params.prompt_logprobs
+            top = list(zip(top_ids[k][:n], top_logprobs[k][:n])) if n else []
+            request.pending_prompt_logprobs.append(TokenLogprobs(target, chosen[k], top, ranks[k]))
+            request.prompt_logprob_next += 1  # rows of one request are consecutive prompt positions, from its next one

@@ -18,6 +18,13 @@ eagerly, with a ban buffer of its own that grows as needed. The kernel counts ea
 of the counts table, so the table never needs the token lists again; a request whose row was reassigned (or whose
 tokens changed behind the sampler's back) gets its row rebuilt from its token lists once. What the sampler keeps per
 request is the request's typed `sampler` field (scheduler.SamplerState).
+
+logit_bias entries and bans share one sparse list per row (id, value; a ban's value is -inf), fixed-width for the
+graphs (GRAPH_BAN_WIDTH) and eager above it. Structured output: a request with a grammar (`Request.grammar`) gets its
+row of a token bitmask (int32 words, vocab / 32) computed on the host before each draw (grammar.fill_bitmasks) and
+uploaded with the rows; a per-row flag tells the kernel which rows read it, so unconstrained rows cost nothing. The
+mask of a step depends on the token of the step before, so a batch holding a constrained request is never launched
+ahead (can_run_ahead): such steps run one after the other, with no extra device-to-host sync.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import numpy as np
 import torch
 
 from .. import env, ops
+from ..grammar import fill_bitmasks
 from ..ops.sampling import (
     SamplingBatch,
     pack_sampler_rows,
@@ -45,8 +53,9 @@ from .messages import TokenLogprobs
 Tokens = tuple[list[int], "list[TokenLogprobs | None] | None"]
 ReadBack = Callable[[torch.Tensor], list[int]]
 
-# Ban width the graphs are captured with: EOS ids and a few stop ids. Wider steps run eagerly.
-GRAPH_BAN_WIDTH = 16
+# Width of the sparse bias / ban list the graphs are captured with: EOS ids, stop ids and a modest logit_bias. Wider
+# steps run eagerly.
+GRAPH_BAN_WIDTH = 64
 
 
 def make_sampler(vocab: int, max_rows: int, device: torch.device, eos_token_ids: list[int], seed: int) -> "Sampler":
@@ -99,6 +108,15 @@ class Sampler:
         if r.num_output_tokens + ahead >= p.min_tokens:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+
+    def adjustments(self, r: Request, ahead: int = 0) -> tuple[list[int], list[float]]:
+        """The request's sparse logit changes this step: its logit_bias, then its bans (value -inf)."""
+        bias = r.params.logit_bias or {}
+        bans = self.banned(r, ahead)
+        return list(bias) + bans, list(bias.values()) + [float("-inf")] * len(bans)
+
+    def mask_words(self) -> int:
+        return (self.vocab + 31) // 32
 
 
 class ReferenceSampler(Sampler):
@@ -161,10 +179,18 @@ class ReferenceSampler(Sampler):
                 [requests[i].params.presence_penalty for i in rows],
                 [requests[i].params.frequency_penalty for i in rows],
             )
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(requests) if r.params.logit_bias]
+        if biased:
+            ops.bias_tokens(logits, [i for i, _ in biased], [list(b) for _, b in biased], [list(b.values()) for _, b in biased])
         bans = [(i, self.banned(r)) for i, r in enumerate(requests)]
         bans = [(i, b) for i, b in bans if b]
         if bans:
             ops.block_tokens(logits, [i for i, _ in bans], [b for _, b in bans])
+        constrained = [(r.grammar, i) for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            mask = np.zeros((len(requests), self.mask_words()), dtype=np.int32)
+            fill_bitmasks(constrained, mask)
+            ops.apply_token_bitmask(logits, [i for _, i in constrained], torch.from_numpy(mask))
 
 
 class GpuSampler(Sampler):
@@ -175,6 +201,7 @@ class GpuSampler(Sampler):
         layout = sampler_row_layout()
         self._step_words = (layout.word("step_lo"), layout.word("step_hi"))
         self._slot_word, self._bans_word = layout.word("slot"), layout.word("num_blocked")
+        self._masked_word = layout.word("masked")
         pin = device.type == "cuda"
         self.rows_host = torch.zeros(max_rows, layout.words, dtype=torch.int32, pin_memory=pin)
         self.rows = torch.zeros(max_rows, layout.words, dtype=torch.int32, device=device)
@@ -182,10 +209,14 @@ class GpuSampler(Sampler):
         self.logprobs = torch.zeros(max_rows, dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(max_rows, MAX_LOGPROBS, dtype=torch.int64, device=device)
         self.top_logprobs = torch.zeros(max_rows, MAX_LOGPROBS, dtype=torch.float32, device=device)
-        # Bans: the buffers the graphs read (GRAPH_BAN_WIDTH wide once frozen), and wider ones for eager steps.
-        self.blocked_host, self.blocked = self._ban_buffers(GRAPH_BAN_WIDTH)
-        self._wide_bans: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._launch_blocked = self.blocked  # what the next launch reads
+        # Bans and biases: the buffers the graphs read (GRAPH_BAN_WIDTH wide once frozen), and wider ones for eager
+        # steps: ids (blocked) and the value each adds (bias, -inf for a ban).
+        self.blocked_host, self.blocked, self.bias_host, self.bias = self._ban_buffers(GRAPH_BAN_WIDTH)
+        self._wide_bans: tuple[torch.Tensor, ...] | None = None
+        self._launch_blocked, self._launch_bias = self.blocked, self.bias  # what the next launch reads
+        # Grammar bitmasks, a row per sampling row; only rows flagged `masked` are read.
+        self.mask_host = torch.zeros(max_rows, self.mask_words(), dtype=torch.int32, pin_memory=pin)
+        self.mask = torch.zeros(max_rows, self.mask_words(), dtype=torch.int32, device=device)
         self.workspace = sampler_workspace(max_rows, vocab, device)
         self.counts: torch.Tensor | None = None  # [max_rows, vocab] int32, made on the first request with penalties
         self.slot_owner: list[Request | None] = [None] * max_rows
@@ -208,6 +239,7 @@ class GpuSampler(Sampler):
         ops.sample(
             logits[:size], self.rows[:size], self.tokens[:size], self.workspace, self.logprobs[:size],
             self.top_ids[:size], self.top_logprobs[:size], counts=self.counts, blocked=self.blocked[:size],
+            bias=self.bias[:size], mask=self.mask[:size],
         )  # fmt: skip
 
     def freeze(self) -> None:
@@ -216,18 +248,19 @@ class GpuSampler(Sampler):
         self.frozen = True
 
     def fits_graph(self, requests: list[Request], ahead: int = 0) -> bool:
-        """Whether this step's min_tokens bans fit the captured ban width (wider ones run the eager path)."""
+        """Whether this step's logit_bias entries and min_tokens bans fit the captured width (wider ones run the
+        eager path)."""
         width = self.blocked_width
-        return all(len(self.banned(r, ahead)) <= width for r in requests)
+        return all(len(r.params.logit_bias or ()) + len(self.banned(r, ahead)) <= width for r in requests)
 
     def can_run_ahead(self, requests: list[Request]) -> bool:
         """Whether the step after the one just prepared for these requests can be prepared before that one's tokens
         reach the host: no row wants logprobs (they would overwrite the buffers the host has still to read), the
-        bans fit the graphs, and every penalty row is counted on the device up to the token in flight (a row rebuilt
-        from the token lists would miss it)."""
+        bans fit the graphs, no row has a grammar (its mask needs the token in flight), and every penalty row is
+        counted on the device up to the token in flight (a row rebuilt from the token lists would miss it)."""
         for r in requests:
             p = r.params
-            if p.logprobs is not None:
+            if p.logprobs is not None or r.grammar is not None:
                 return False
             if p.has_penalties:
                 state = r.sampler
@@ -301,21 +334,31 @@ class GpuSampler(Sampler):
         step_lo, step_hi = self._step_words
         words[:n, step_lo] = (steps & np.uint64(0xFFFFFFFF)).astype(np.uint32)
         words[:n, step_hi] = (steps >> np.uint64(32)).astype(np.uint32)
-        bans: list[tuple[int, list[int]]] = []
+        bans: list[tuple[int, list[int], list[float]]] = []
         slots: list[Request] = []
+        constrained: list[tuple[object, int]] = []
         num_top = -1
-        for i, r in enumerate(requests):  # the rare per-row extras: penalties, min_tokens bans, logprobs
+        for i, r in enumerate(requests):  # the rare per-row extras: penalties, bias and bans, grammars, logprobs
             p = r.params
             if p.has_penalties:
                 host[i, self._slot_word] = self._slot(r, batch_ids, ahead)
                 slots.append(r)
-            ban = self.banned(r, ahead)
-            if ban:
-                bans.append((i, ban))
-                host[i, self._bans_word] = len(ban)
+            if p.logit_bias or p.min_tokens:
+                ids, values = self.adjustments(r, ahead)
+                if ids:
+                    bans.append((i, ids, values))
+                    host[i, self._bans_word] = len(ids)
+            if r.grammar is not None:
+                if ahead:
+                    raise RuntimeError("GpuSampler: a grammar row cannot be prepared ahead of its token (check can_run_ahead)")
+                constrained.append((r.grammar, i))
+                host[i, self._masked_word] = 1
             if p.logprobs is not None and p.logprobs > num_top:
                 num_top = p.logprobs
         self._upload_bans(bans, n, graph=pad_to > 0)
+        if constrained:
+            fill_bitmasks(constrained, self.mask_host.numpy()[:n])
+            self.mask[:n].copy_(self.mask_host[:n], non_blocking=True)
         if pad_to > n:
             host[n:pad_to] = self._neutral_row
         rows = max(n, pad_to)
@@ -325,32 +368,38 @@ class GpuSampler(Sampler):
         self.num_rows = n
         self.num_top = num_top
 
-    def _ban_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ban_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids host, ids device, values host, values device), [max_rows, width] each."""
         pin = self.device.type == "cuda"
         host = torch.full((self.max_rows, width), -1, dtype=torch.int32, pin_memory=pin)
-        return host, torch.full((self.max_rows, width), -1, dtype=torch.int32, device=self.device)
+        values = torch.zeros((self.max_rows, width), dtype=torch.float32, pin_memory=pin)
+        return (host, torch.full((self.max_rows, width), -1, dtype=torch.int32, device=self.device), values,
+                torch.zeros((self.max_rows, width), dtype=torch.float32, device=self.device))  # fmt: skip
 
-    def _upload_bans(self, bans: list[tuple[int, list[int]]], n: int, graph: bool) -> None:
+    def _upload_bans(self, bans: list[tuple[int, list[int], list[float]]], n: int, graph: bool) -> None:
         """Write the step's bans where its launch reads them: the captured buffers when they are wide enough (a
         graph step always, see fits_graph), else buffers of a width of their own, grown to a power of two."""
-        width = max((len(b) for _, b in bans), default=0)
+        width = max((len(b) for _, b, _ in bans), default=0)
         if width <= self.blocked_width:
-            host, dev = self.blocked_host, self.blocked
+            host, dev, vhost, vdev = self.blocked_host, self.blocked, self.bias_host, self.bias
         elif graph:
             raise RuntimeError(f"GpuSampler: bans of {width} ids in a graph step (check fits_graph first)")
         elif not self.frozen:  # nothing captured the buffers yet: widen them
-            self.blocked_host, self.blocked = host, dev = self._ban_buffers(1 << (width - 1).bit_length())
+            buffers = self._ban_buffers(1 << (width - 1).bit_length())
+            self.blocked_host, self.blocked, self.bias_host, self.bias = host, dev, vhost, vdev = buffers
         else:
             if self._wide_bans is None or self._wide_bans[1].shape[1] < width:
                 self._wide_bans = self._ban_buffers(1 << (width - 1).bit_length())
-            host, dev = self._wide_bans
-        self._launch_blocked = dev
+            host, dev, vhost, vdev = self._wide_bans
+        self._launch_blocked, self._launch_bias = dev, vdev
         if bans:
-            blocked = host.numpy()
+            blocked, values = host.numpy(), vhost.numpy()
             blocked[:n] = -1
-            for i, b in bans:
+            for i, b, v in bans:
                 blocked[i, : len(b)] = b
+                values[i, : len(v)] = v
             dev[:n].copy_(host[:n], non_blocking=True)
+            vdev[:n].copy_(vhost[:n], non_blocking=True)
 
     def launch(self, logits: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """The kernel over the first `rows` rows of logits, from the buffers `prepare` filled. Returns the tokens."""
@@ -359,7 +408,7 @@ class GpuSampler(Sampler):
         ops.sample(
             logits[:n], self.rows[:n], self.tokens[:n], self.workspace, self.logprobs[:n],
             self.top_ids[:n] if top else None, self.top_logprobs[:n] if top else None,
-            counts=self.counts, blocked=self._launch_blocked[:n],
+            counts=self.counts, blocked=self._launch_blocked[:n], bias=self._launch_bias[:n], mask=self.mask[:n],
         )  # fmt: skip
         return self.tokens[:n]
 

@@ -7,6 +7,7 @@ import torch
 from .. import ops
 from ..config import ModelConfig
 from ..kvcache import KVPool
+from ..ops.collectives import SINGLE, ParallelGroup
 from ..weights import Qwen3Weights
 from .forward_batch import ForwardBatch
 
@@ -14,9 +15,16 @@ from .forward_batch import ForwardBatch
 
 
 class Qwen3Model:
-    def __init__(self, cfg: ModelConfig, weights: Qwen3Weights, max_positions: int, max_batch: int = 256):
+    def __init__(
+        self, cfg: ModelConfig, weights: Qwen3Weights, max_positions: int, max_batch: int = 256,
+        parallel: ParallelGroup = SINGLE,
+    ):  # fmt: skip
+        """cfg: the model as this rank sees it (sharding.Shard.rank_config: its own head counts); weights: its shard.
+        Under tensor parallelism the row-parallel o_proj and down are followed by an all-reduce, the embedding and
+        the LM head are vocabulary-parallel (parallel.embed, parallel.gather_vocab)."""
         self.cfg = cfg
         self.weights = weights
+        self.parallel = parallel
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim**-0.5
@@ -25,15 +33,23 @@ class Qwen3Model:
         self.decode_workspace = None
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
+        projections = [getattr(layer, n) for layer in weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
+        ops.prepare_linear(projections + [weights.lm_head], self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv: KVPool, logits_out: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None
+    ):
         """Returns float32 logits [S, vocab] for batch.logits_indices, in logits_out when given (a CUDA graph's
-        persistent output, so that captured graphs do not each keep their own logits)."""
+        persistent output, so that captured graphs do not each keep their own logits).
+
+        extra_rows (token rows of the batch, for prompt logprobs): then returns (logits, their final hidden states
+        [E, hidden]), for the caller to project with lm_head_logits a slice at a time (a logits row is as wide as the
+        vocabulary, far larger than a hidden row)."""
         cfg, w = self.cfg, self.weights
         num_tokens = batch.num_tokens
         eps = cfg.rms_norm_eps
-        residual = w.embed[batch.input_ids]  # indexing copies, so the in-place residual adds never touch embed
+        residual = self.parallel.embed(w.embed, batch.input_ids)  # a copy: the in-place residual adds never touch embed
         hidden = torch.empty_like(residual)
         q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         attn = torch.empty_like(q)
@@ -45,7 +61,7 @@ class Qwen3Model:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
             else:
                 ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = torch.nn.functional.linear(hidden, layer.qkv, layer.qkv_bias)
+            qkv = ops.linear(hidden, layer.qkv)
             k_cache, v_cache = kv.k(index), kv.v(index)
             k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
             ops.qk_norm_rope_store_kv(
@@ -63,16 +79,24 @@ class Qwen3Model:
                     batch.max_query_len or None,  # the batch builder knows it: no read-back
                     k_scale=k_scale, v_scale=v_scale,
                 )
-            hidden = torch.nn.functional.linear(attn.view(num_tokens, -1), layer.o_proj)
+            hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            gate_up = torch.nn.functional.linear(hidden, layer.gate_up)
+            gate_up = ops.linear(hidden, layer.gate_up)
             act = ops.silu_and_mul(gate_up)
-            hidden = torch.nn.functional.linear(act, layer.down)
+            hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
         # Only the rows that sample reach the final norm and the LM head.
-        hidden = hidden[batch.logits_indices]
-        residual = residual[batch.logits_indices]
+        rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
+        hidden = hidden[rows]
+        residual = residual[rows]
         ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
-        logits = torch.nn.functional.linear(hidden, w.lm_head)
+        if extra_rows is not None:
+            num_samples = batch.logits_indices.shape[0]
+            return self.lm_head_logits(hidden[:num_samples]), hidden[num_samples:]
+        logits = self.parallel.gather_vocab(ops.linear(hidden, w.lm_head), cfg.vocab_size)
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states [N, hidden]."""
+        return self.parallel.gather_vocab(ops.linear(hidden, self.weights.lm_head), self.cfg.vocab_size).float()

@@ -15,10 +15,13 @@ from .attention import (
     plan_decode,
 )
 from .kv_fp8 import FP8_KV_DTYPE, dequantize_kv, is_fp8, quantize_kv
+from .linear import LinearWeight, gemv_kernel_applies, linear, linear_reference, prepare_linear
 from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
 from .sampling import (
     apply_penalties,
+    apply_token_bitmask,
+    bias_tokens,
     block_tokens,
     compute_logprobs,
     draw_reference,
@@ -30,7 +33,9 @@ from .sampling import (
 
 __all__ = [
     "apply_penalties",
+    "apply_token_bitmask",
     "attention_kernel_applies",
+    "bias_tokens",
     "block_tokens",
     "compute_logprobs",
     "DecodeWorkspace",
@@ -41,6 +46,11 @@ __all__ = [
     "fused_add_rms_norm",
     "has_cuda_kernels",
     "is_fp8",
+    "linear",
+    "linear_reference",
+    "LinearWeight",
+    "gemv_kernel_applies",
+    "prepare_linear",
     "pack_sampler_rows",
     "paged_attention_decode",
     "paged_attention_prefill",

@@ -77,6 +77,31 @@ def block_tokens(logits: torch.Tensor, rows: list[int], tokens: list[list[int]])
     return logits
 
 
+def bias_tokens(logits: torch.Tensor, rows: list[int], tokens: list[list[int]], values: list[list[float]]) -> torch.Tensor:
+    """In place: each listed token of each listed row gets its value added to its logit (logit_bias)."""
+    for row, ids, vals in zip(rows, tokens, values):
+        if ids:
+            index = torch.tensor(ids, dtype=torch.int64, device=logits.device)
+            logits[row, index] += torch.tensor(vals, dtype=logits.dtype, device=logits.device)
+    return logits
+
+
+def bitmask_allows(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, W] int32 token bitmasks (bit t % 32 of word t / 32 allows token t) -> [S, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    bits = (mask[:, :, None] >> shifts) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
+    """In place: in each listed row, the tokens its row of mask [S, W] does not allow can never be chosen."""
+    if rows:
+        allowed = bitmask_allows(mask.to(logits.device), logits.shape[1])
+        for row in rows:  # row by row: in place, no gather / scatter of whole rows
+            logits[row].masked_fill_(~allowed[row], float("-inf"))
+    return logits
+
+
 def top_k_top_p_min_p_mask(
     probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -210,6 +235,7 @@ def pack_sampler_rows(
     frequency=None,
     num_blocked=None,
     top_n=None,
+    masked=None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row parameters as the kernel reads them: [S, words] int32 (CPU, or `out`'s first S rows, e.g. pinned).
@@ -217,7 +243,8 @@ def pack_sampler_rows(
     temperature 0 = greedy; top_k <= 0 off, and any top_k at or above the vocabulary keeps every token (values past
     int32 are stored as off); top_p 1 off; min_p 0 off; seed any int (taken mod 2^64); step = index of the draw
     within its request; slot = row of the counts table (-1 = no penalties); num_blocked = how many ids of this row of
-    `blocked` are banned; top_n = -1 for no logprobs, else the number of alternatives wanted.
+    `blocked` are banned (or biased); top_n = -1 for no logprobs, else the number of alternatives wanted; masked = 1
+    for a row whose row of the token bitmask applies.
     Raises ValueError for values outside their ranges.
     """
     layout = sampler_row_layout()
@@ -242,6 +269,7 @@ def pack_sampler_rows(
     tn = col(top_n, -1, np.int64)
     nb = col(num_blocked, 0, np.int64)
     sl = col(slot, -1, np.int64)
+    mk = col(masked, 0, np.int64)
     if not (np.isfinite(t).all() and (t >= 0).all()):
         raise ValueError("sampler: temperature must be finite and >= 0")
     if not ((p > 0) & (p <= 1)).all():
@@ -282,6 +310,7 @@ def pack_sampler_rows(
     put("frequency", freq)
     put("num_blocked", nb)
     put("top_n", tn)
+    put("masked", (mk != 0).astype(np.int32))
     if out is None:
         return torch.from_numpy(words)
     out[:n].numpy()[:] = words
@@ -309,12 +338,16 @@ def sample(
     top_logprobs: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     blocked: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row. logits [S, V] (raw: penalties are applied inside); rows [S, words] int32 from
     pack_sampler_rows, on logits' device; writes tokens [S] int64, and for rows with top_n >= 0 logprobs [S]
     float32 (log-softmax of the raw logits at the token) and top_ids / top_logprobs [S, N]. counts [R, V] int32 is
     the penalty table (see SamplerRowLayout): the drawn token of a row with a slot is counted in it. blocked [S, W]
-    int32: min_tokens bans.
+    int32: min_tokens bans, or with bias [S, W] float32 the logit_bias values added to those ids (-inf bans).
+    mask [S, ceil(V / 32)] int32: grammar bitmasks, applied to the rows whose `masked` field is set. Order: penalties,
+    bias and bans, mask.
 
     Where sample_kernel_applies (float32 / bfloat16 CUDA logits) this is the kernel of csrc/sampling.cu, which needs
     a workspace from sampler_workspace; otherwise sample_reference. Raises ValueError for bad arguments."""
@@ -327,7 +360,7 @@ def sample(
     if tuple(tokens.shape) != (s,):
         raise ValueError(f"sample: tokens has shape {tuple(tokens.shape)}, expected ({s},)")
     if not sample_kernel_applies(logits.is_cuda, logits.dtype):
-        return sample_reference(logits, rows, tokens, logprobs, top_ids, top_logprobs, counts, blocked)
+        return sample_reference(logits, rows, tokens, logprobs, top_ids, top_logprobs, counts, blocked, bias, mask)
     dev = logits.device
     if workspace is None:
         raise ValueError("sample: the kernel needs a workspace (sampler_workspace)")
@@ -356,6 +389,18 @@ def sample(
         if blocked.dim() != 2 or blocked.shape[0] != s:
             raise ValueError(f"sample: blocked must be [{s}, W]")
         args.blocked, args.blocked_width = blocked.data_ptr(), blocked.shape[1]
+        if bias is not None:
+            check_tensors("sample", dev, None, bias=(bias, torch.float32))
+            if tuple(bias.shape) != tuple(blocked.shape):
+                raise ValueError(f"sample: bias must have blocked's shape {tuple(blocked.shape)}")
+            args.bias = bias.data_ptr()
+    elif bias is not None:
+        raise ValueError("sample: bias goes with blocked (the ids it applies to)")
+    if mask is not None:
+        check_tensors("sample", dev, None, mask=(mask, torch.int32))
+        if tuple(mask.shape) != (s, (vocab + 31) // 32):
+            raise ValueError(f"sample: mask must be [{s}, {(vocab + 31) // 32}]")
+        args.mask, args.mask_words = mask.data_ptr(), mask.shape[1]
     args.stream = stream_of(logits)
     native().sample(args)
     return tokens
@@ -378,9 +423,11 @@ def sample_reference(
     top_logprobs: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     blocked: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kernel's contract in PyTorch, from the same packed rows, counts table and bans: penalties from the counts
-    (output count and prompt bit), bans, draw_reference with each row's (seed, step) through step_seed, logprobs of
+    """The kernel's contract in PyTorch, from the same packed rows, counts table, bans / biases and masks: penalties
+    from the counts (output count and prompt bit), biases, bans, grammar masks, draw_reference with each row's (seed, step) through step_seed, logprobs of
     the raw logits, and the drawn token counted into the row's slot."""
     layout = sampler_row_layout()
     f = unpack_sampler_rows(rows)
@@ -396,7 +443,15 @@ def sample_reference(
     if blocked is not None and blocked.shape[1] > 0:
         width = blocked.shape[1]
         bans = [(i, blocked[i, : min(int(nb), width)].long().tolist()) for i, nb in enumerate(f["num_blocked"]) if nb > 0]
-        block_tokens(x, [i for i, _ in bans], [b for _, b in bans])
+        if bias is None:
+            block_tokens(x, [i for i, _ in bans], [b for _, b in bans])
+        else:  # -inf entries are bans, the others biases; a ban wins over a bias of the same id
+            values = [bias[i, : len(b)].tolist() for i, b in bans]
+            biased = [([t for t, v in zip(b, vs) if v != float("-inf")], [v for v in vs if v != float("-inf")]) for (_, b), vs in zip(bans, values)]
+            bias_tokens(x, [i for i, _ in bans], [ids for ids, _ in biased], [vs for _, vs in biased])
+            block_tokens(x, [i for i, _ in bans], [[t for t, v in zip(b, vs) if v == float("-inf")] for (_, b), vs in zip(bans, values)])
+    if mask is not None:
+        apply_token_bitmask(x, [i for i, m in enumerate(f["masked"]) if m != 0], mask)
     temps = torch.from_numpy(f["temperature"].astype(np.float32)).to(x.device)
     top_k = torch.from_numpy(f["top_k"].astype(np.int64)).to(x.device)
     top_p = torch.from_numpy(f["top_p"].astype(np.float32)).to(x.device)

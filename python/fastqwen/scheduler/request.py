@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..sampling_params import SamplingParams
 
@@ -23,6 +24,15 @@ class SamplerState:
     slot: int | None = None  # its row of the penalty counts table
     counted: int = -1  # how many of its output tokens that row has counted (the one in flight included)
     row: object | None = None  # its packed sampler row (numpy, step 0, no slot, no bans), packed once
+
+
+class TokenConstraint(Protocol):
+    """A request's grammar (grammar.GrammarMatcher): the sampler masks what it forbids; the scheduler feeds it each
+    committed token and stops the request once the grammar has ended."""
+
+    def advance(self, token: int) -> bool:
+        """Take a committed token; False once nothing more can follow."""
+        ...
 
 
 class FinishReason(str, enum.Enum):
@@ -51,10 +61,33 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when it was first admitted: queue time = this - arrival_time
     sampler: SamplerState = field(default_factory=SamplerState)
+    # Prompt logprobs (params.prompt_logprobs): the next prompt position whose logprob is still to be computed, and
+    # those computed but not yet sent (they go out with the request's first token). The model runner fills them.
+    prompt_logprob_next: int = 0
+    pending_prompt_logprobs: list = field(default_factory=list)
+    grammar: TokenConstraint | None = None  # structured output: set (compiled) before the request is scheduled
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprob_next = max(self.params.prompt_logprobs_start, 1)  # the first token has none
+        else:
+            self.prompt_logprob_next = len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Some prompt positions still need their logits computed."""
+        return self.prompt_logprob_next < len(self.prompt_ids)
+
+    @property
+    def reusable_prefix(self) -> int:
+        """How many leading tokens may come from the prefix cache: all but the last, and none whose logits a prompt
+        logprob still needs (the logprob of position p comes from the logits at p - 1)."""
+        limit = len(self.token_ids) - 1
+        if self.wants_prompt_logprobs:
+            limit = min(limit, self.prompt_logprob_next - 1)
+        return limit
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -206,6 +206,8 @@ class Scheduler:
             request.token_ids.append(token)
             advanced.append((request, index))
             reason = self._stop_reason(request, token)
+            if request.grammar is not None and not request.grammar.advance(token) and reason is not FinishReason.STOP:
+                request.stop_reason, reason = None, FinishReason.STOP  # the grammar is complete: nothing can follow
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
@@ -253,7 +255,7 @@ class Scheduler:
         """Start a request that holds no pages from the longest cached prefix of its tokens."""
         if self.cache is None or request.pages:
             return
-        pages, node = self.cache.match_prefix(request.token_ids[:-1])
+        pages, node = self.cache.match_prefix(request.token_ids[: request.reusable_prefix])
         if not pages:
             return
         self.allocator.incref(pages)
@@ -272,7 +274,7 @@ class Scheduler:
         if self.cache is None:
             return False
         end = request.cached_len + self.page_size
-        if end > len(request.token_ids) - 1:
+        if end > request.reusable_prefix:
             return False
         for chunk in chunks:
             other = chunk.request

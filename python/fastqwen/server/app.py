@@ -22,12 +22,18 @@ from ..errors import InvalidRequestError
 from .async_engine import AsyncEngine, QueueFullError, ServingError, ShuttingDownError
 from .guard import RequestGuard
 from .metrics import Metrics
+from .info_api import model_card, router as info_router
 from .native_api import router as native_router
 from .openai_api import router as openai_router
+from . import http_conventions
 from .openapi import install_openapi
+from .stats_log import log_stats
 from .state import APIError, ServerState, error_response
 
 logger = logging.getLogger("fastqwen.server")
+# The ready line is shown at any --log-level: it is what an operator waits for.
+ready_logger = logging.getLogger("fastqwen.ready")
+ready_logger.setLevel(logging.INFO)
 
 
 @dataclass
@@ -43,12 +49,20 @@ class ServerConfig:
     # server should exit non-zero, so a supervisor restarts it.
     incremental_streaming_output: bool = False  # /generate streams send only the new text and ids
     on_engine_death: Callable[[BaseException], None] | None = None
+    # ---- operations (issue 17) ----
+    model_aliases: tuple[str, ...] = ()  # more names `model` may take; responses carry model_name
+    metrics_compat: str = "fastqwen"  # metric name prefix: "fastqwen" or "vllm" (vLLM's names, for its dashboards)
+    request_log: bool = False  # one log line per finished request
+    stats_interval: float = 5.0  # seconds between stats lines while busy; 0 = none
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty = no CORS headers, preflights refused
+    url: str | None = None  # where the server listens, for the ready line
 
 
 def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) -> FastAPI:
     """load_engine runs in a worker thread at startup; until it returns, /health and every API answer 503."""
-    metrics = Metrics(config.model_name)
+    metrics = Metrics(config.model_name, config.metrics_compat, config.request_log)
     state = ServerState(config.model_name, metrics, config.max_sequences_per_request)
+    state.model_names = (config.model_name, *[a for a in config.model_aliases if a != config.model_name])
     state.incremental_streaming_output = config.incremental_streaming_output
 
     @contextlib.asynccontextmanager
@@ -60,12 +74,15 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
         finally:
             state.draining = True
             loading.cancel()
+            if state.stats_task is not None:
+                state.stats_task.cancel()
             if state.engine is not None:
                 state.engine.stop()
 
     app = FastAPI(title="fastqwen", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
+    http_conventions.install(app, list(config.allowed_origins))  # outside the guard
 
     async def require_ready(request: HTTPRequest) -> None:
         if state.engine is None:
@@ -78,8 +95,9 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
     guarded = [Depends(require_ready)]  # the API key is checked before this, by the guard
     app.include_router(openai_router, dependencies=guarded)
     app.include_router(native_router, dependencies=guarded)
+    app.include_router(info_router, dependencies=guarded)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if state.load_error is not None:
             return JSONResponse({"status": "failed", "error": str(state.load_error)}, status_code=503)
@@ -93,18 +111,9 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "fastqwen",
-            "root": state.model_name,
-            "parent": None,
-            "max_model_len": state.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(state, name) for name in state.model_names]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -176,15 +185,11 @@ async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: 
     metrics.bind(async_engine)
     state.created = int(time.time())
     state.engine = async_engine
+    if config.stats_interval > 0:
+        state.stats_task = asyncio.create_task(log_stats(metrics, client.stats, config.stats_interval))
     info = client.info
-    logger.info(
-        "loaded %s in %.1f s: %s on %s, KV cache %d pages x %d tokens = %d tokens (%.2f GiB)",
-        config.model_name,
-        time.monotonic() - started,
-        info.dtype,
-        info.device,
-        info.num_pages,
-        info.page_size,
-        info.num_pages * info.page_size,
-        info.kv_bytes / 2**30,
-    )
+    ready_logger.info(
+        "ready: serving %s%s, loaded in %.1f s (%s on %s, KV cache %d tokens, %.2f GiB)",
+        " and ".join(repr(n) for n in state.model_names), f" at {config.url}" if config.url else "",
+        time.monotonic() - started, info.dtype, info.device, info.num_pages * info.page_size, info.kv_bytes / 2**30,
+    )  # fmt: skip

@@ -151,6 +151,8 @@ class AsyncEngine:
     # ---- called in the engine's thread --------------------------------------------------------------------
 
     def _on_output(self, output: StepOutput) -> None:
+        if self.metrics is not None:
+            self.metrics.on_step(output.num_tokens)
         updates = []
         for delta in output.deltas:
             tracker = self._trackers.get(delta.rid)

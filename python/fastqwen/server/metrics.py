@@ -1,59 +1,212 @@
-"""Prometheus metrics, named like vLLM's (prefix fastqwen:) so existing dashboards map over."""
+"""Prometheus metrics with vLLM's names, labels and meanings, under the prefix `fastqwen:` by default or `vllm:` with
+--metrics-compat vllm, so that vLLM's Grafana dashboard, KEDA triggers and gateway queries read them unchanged.
+
+Per-request figures are observed by the server as each request's updates arrive (serving.py); engine state
+(running, waiting, KV use, preemptions) is read from the engine's latest stats at scrape time. Plain running totals
+are kept next to the Prometheus objects for the periodic stats line (stats_log.py). No `_created` series.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import logging
+import threading
+from dataclasses import dataclass
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# One series per metric, not two: Prometheus computes rates from the counter itself.
+prometheus_client.disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                         480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+PREFIXES = {"fastqwen": "fastqwen:", "vllm": "vllm:"}
+
+request_log = logging.getLogger("fastqwen.requests")
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        scale *= 10
+
+
+@dataclass
+class RequestTimes:
+    """When one engine request reached each stage (time.monotonic())."""
+
+    arrival: float
+    scheduled: float | None  # first admitted
+    first_token: float
+    finished: float
+
+
+@dataclass
+class Totals:
+    """Running totals, for the stats line (Prometheus counters are not meant to be read back)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    finished: int = 0
 
 
 class Metrics:
-    def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
+    def __init__(self, model_name: str, compat: str = "fastqwen", request_log_on: bool = False):
+        if compat not in PREFIXES:
+            raise ValueError(f"metrics naming must be one of {', '.join(PREFIXES)}, not {compat!r}")
+        self.prefix = prefix = PREFIXES[compat]
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        self.request_log_on = request_log_on
+        self.totals = Totals()
+        self._lock = threading.Lock()  # totals are added to on the event loop and read by the stats line
         labels = ["model_name"]
-        r = self.registry
-
-        def gauge(name, doc):
-            return Gauge(f"fastqwen:{name}", doc, labels, registry=r).labels(model_name)
 
         def counter(name, doc):
-            return Counter(f"fastqwen:{name}", doc, labels, registry=r).labels(model_name)
+            return Counter(prefix + name, doc, labels, registry=r).labels(model_name)
 
-        def histogram(name, doc):
-            return Histogram(f"fastqwen:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        def histogram(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.running = gauge("num_requests_running", "Requests holding KV pages and computing.")
-        self.waiting = gauge("num_requests_waiting", "Requests queued for admission.")
-        self.kv_usage = gauge(
-            "kv_cache_usage_perc",
-            "Fraction of KV pages held by requests (0 to 1); pages only the prefix cache holds count as free.",
-        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.aborted = counter("num_aborted_requests", "Requests aborted before they finished (disconnects).")
-        self._success = Counter(
-            "fastqwen:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
-        )
-        self._model_name = model_name
+        self._success = Counter(prefix + "request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)  # fmt: skip
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.")
-        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
-        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first admission.")
+        # vLLM's older name for the same per-token gaps, which its Grafana dashboard still charts.
+        self.tpot = histogram("time_per_output_token_seconds", "Time between consecutive tokens of a request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_TIME_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first admission.", _REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first admission to the first token.", _REQUEST_TIME_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.", _REQUEST_TIME_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Time from first admission to the last token.", _REQUEST_TIME_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds", "Mean time per output token of each request (decode time / (output tokens - 1)).")
+        # Token-count histograms need the context length for their buckets: made in bind(), once the model is loaded.
+        self.request_prompt_tokens = self.request_generation_tokens = self.request_max_tokens = None
+        self.request_max_num_generation_tokens = self.iteration_tokens = None
+        self._engine_state = None
 
     def bind(self, async_engine) -> None:
-        """Gauges read the engine's state when scraped, so they are current even while the engine is idle."""
-        client = async_engine.client
-        self.running.set_function(lambda: client.stats().num_running)
-        self.waiting.set_function(lambda: client.stats().num_waiting)
-        self.kv_usage.set_function(lambda: client.stats().kv_usage)
+        """Once the model is loaded: the token-count histograms, and the engine's state read at each scrape (current
+        even while the engine is idle)."""
+        info = async_engine.client.info
+        buckets = token_buckets(info.max_model_len)
+
+        def tokens(name, doc, bucket_values=buckets):
+            return Histogram(self.prefix + name, doc, ["model_name"], buckets=bucket_values, registry=self.registry).labels(self.model_name)
+
+        self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens of each finished request.")
+        self.request_generation_tokens = tokens("request_generation_tokens", "Generated tokens of each finished request.")
+        self.request_max_tokens = tokens("request_params_max_tokens", "max_tokens of each finished request.")
+        self.request_max_num_generation_tokens = tokens("request_max_num_generation_tokens", "Most tokens a finished request could have generated (its max_tokens).")
+        self.iteration_tokens = tokens("iteration_tokens_total", "Tokens computed in each engine step (prefill and decode).",
+                                       token_buckets(max(info.max_model_len, 8192)))  # fmt: skip
+        self._engine_state = _EngineState(self.prefix, self.model_name, async_engine.client)
+        self.registry.register(self._engine_state)
+
+    # ---- observations -----------------------------------------------------------------------------------------
+
+    def on_first_token(self, request, ttft: float) -> None:
+        """request: the frontend's RequestTracker."""
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(request.num_prompt_tokens)
+        with self._lock:
+            self.totals.prompt_tokens += request.num_prompt_tokens
+        if request.first_scheduled_time is not None:
+            self.queue_time.observe(request.first_scheduled_time - request.arrival_time)
+
+    def on_prefix_lookup(self, queried: int, hit: int) -> None:
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
+        with self._lock:
+            self.totals.prefix_queries += queried
+            self.totals.prefix_hits += hit
+
+    def on_tokens(self, count: int, gap: float | None) -> None:
+        """count new tokens of a request, `gap` seconds after its previous ones (None for its first)."""
+        if gap is not None:
+            self.itl.observe(gap)
+            self.tpot.observe(gap)
+        self.generation_tokens.inc(count)
+        with self._lock:
+            self.totals.generation_tokens += count
+
+    def on_step(self, num_tokens: int) -> None:
+        if self.iteration_tokens is not None and num_tokens:
+            self.iteration_tokens.observe(num_tokens)
+
+    def on_request_finished(self, request, output, times: RequestTimes, request_id: str | None = None) -> None:
+        """request: the RequestTracker; output: its RequestOutput; request_id: the HTTP request's x-request-id."""
+        self.e2e.observe(times.finished - times.arrival)
+        self._success.labels(self.model_name, output.finish_reason).inc()
+        start = times.scheduled if times.scheduled is not None else times.arrival
+        self.prefill_time.observe(max(0.0, times.first_token - start))
+        self.decode_time.observe(times.finished - times.first_token)
+        self.inference_time.observe(times.finished - start)
+        if output.num_completion_tokens > 1:
+            self.request_tpot.observe((times.finished - times.first_token) / (output.num_completion_tokens - 1))
+        if self.request_prompt_tokens is not None:
+            self.request_prompt_tokens.observe(output.num_prompt_tokens)
+            self.request_generation_tokens.observe(output.num_completion_tokens)
+            max_tokens = request.request.params.max_tokens or 0
+            self.request_max_tokens.observe(max_tokens)
+            self.request_max_num_generation_tokens.observe(max_tokens)
+        with self._lock:
+            self.totals.finished += 1
+        if self.request_log_on:
+            request_log.info(
+                "request %s%s: %s, prompt %d tokens (%d cached), output %d tokens, queue %.1f ms, TTFT %.1f ms, "
+                "total %.3f s", request.rid, f" (x-request-id {request_id})" if request_id else "",
+                output.finish_reason, output.num_prompt_tokens, output.num_cached_tokens, output.num_completion_tokens,
+                1000 * ((times.scheduled or times.arrival) - times.arrival), 1000 * (times.first_token - times.arrival),
+                times.finished - times.arrival,
+            )  # fmt: skip
 
     def on_abort(self) -> None:
         self.aborted.inc()
 
-    def on_finish(self, finish_reason: str) -> None:
-        self._success.labels(self._model_name, finish_reason).inc()
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineState:
+    """A collector that reads the engine's latest stats at scrape time."""
+
+    def __init__(self, prefix: str, model_name: str, client):
+        self.prefix, self.model_name, self.client = prefix, model_name, client
+
+    def collect(self):
+        stats, info, p, name = self.client.stats(), self.client.info, self.prefix, [self.model_name]
+
+        def gauge(metric, doc, value):
+            family = GaugeMetricFamily(p + metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests holding KV pages and computing.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests queued for admission.", stats.num_waiting)
+        usage_doc = "Fraction of KV pages held by requests (0 to 1); pages only the prefix cache holds count as free."
+        yield gauge("kv_cache_usage_perc", usage_doc, stats.kv_usage)
+        yield gauge("gpu_cache_usage_perc", usage_doc + " (vLLM's older name)", stats.kv_usage)
+        preemptions = CounterMetricFamily(p + "num_preemptions", "Requests preempted (their pages released, to be recomputed).",
+                                          labels=["model_name"])  # fmt: skip
+        preemptions.add_metric(name, stats.num_preemptions)
+        yield preemptions
+        config_labels = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"]
+        config = GaugeMetricFamily(p + "cache_config_info", "The KV cache's configuration, in its labels.", labels=config_labels)
+        config.add_metric([str(info.page_size), str(info.num_pages), info.dtype, str(info.prefix_caching)], 1)
+        yield config

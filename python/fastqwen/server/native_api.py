@@ -45,10 +45,24 @@ def _meta(rid: str, output: RequestOutput | None, prompt_tokens: int, completion
     }
 
 
-def _logprobs(output_logprobs) -> dict[str, Any]:
+def _logprobs(output_logprobs, decode=None) -> dict[str, Any]:
+    """SGLang's [logprob, token id, text] triples; the text is None unless return_text_in_logprobs (decode given)."""
+    text = decode or (lambda _: None)
     return {
-        "output_token_logprobs": [[e.logprob, e.token, None] for e in output_logprobs],
-        "output_top_logprobs": [[[lp, t, None] for t, lp in e.top] for e in output_logprobs],
+        "output_token_logprobs": [[e.logprob, e.token, text(e.token)] for e in output_logprobs],
+        "output_top_logprobs": [[[lp, t, text(t)] for t, lp in e.top] for e in output_logprobs],
+    }
+
+
+def _input_logprobs(prompt_ids: list[int], start: int, entries, decode=None) -> dict[str, Any]:
+    """SGLang's input_token_logprobs from logprob_start_len on: the first prompt token's logprob is None."""
+    text = decode or (lambda _: None)
+    entries = entries or []
+    return {
+        "input_token_logprobs": [
+            [None if e is None else e.logprob, t, text(t)] for e, t in zip(entries, prompt_ids[start:])
+        ],
+        "input_top_logprobs": [None if e is None else [[lp, t, text(t)] for t, lp in e.top] for e in entries],
     }
 
 
@@ -66,18 +80,26 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
     started = time.monotonic()
     rids = [body.rid or f"gen-{r.rid}" for r in requests]
     if body.stream:
-        body_iter = _stream(state, requests[0], rids[0], started, body.return_logprob, state.incremental_streaming_output)
+        body_iter = _stream(state, body, requests[0], rids[0], started, state.incremental_streaming_output)
         return StreamingUpdatesResponse(body_iter, state.engine, requests)
     outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
     if outputs is None:
         return client_closed_response()
+    decode = _decoder(state) if body.return_text_in_logprobs else None
     results = []
     for rid, o in zip(rids, outputs):
         meta = _meta(rid, o, o.num_prompt_tokens, o.num_completion_tokens, started)
         if o.logprobs is not None:
-            meta.update(_logprobs(o.logprobs))
+            meta.update(_logprobs(o.logprobs, decode))
+            if body.logprob_start_len >= 0:
+                meta.update(_input_logprobs(o.prompt_token_ids, body.logprob_start_len, o.prompt_logprobs, decode))
         results.append({"text": o.text if o.text is not None else "", "output_ids": o.token_ids, "meta_info": meta})
     return JSONResponse(results if batched else results[0])
+
+
+def _decoder(state: ServerState):
+    tokenizer = state.engine.frontend.tokenizer
+    return (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else None
 
 
 def _json_items(values) -> str:
@@ -107,9 +129,12 @@ class _Cumulative:
         return self.lists[key]
 
 
-async def _stream(state: ServerState, request, rid: str, started: float, with_logprobs: bool, incremental: bool) -> AsyncIterator[str]:
+async def _stream(state: ServerState, body: GenerateRequest, request, rid: str, started: float, incremental: bool) -> AsyncIterator[str]:
     out = _Cumulative(incremental)
     count = 0
+    with_logprobs = body.return_logprob
+    decode = _decoder(state) if body.return_text_in_logprobs else None
+    input_logprobs = None  # once known (with the first token), in every cumulative event; in the first incremental one
     async for batch in stream_requests(state.engine, [request], state.metrics):
         updates = [item.timed.update for item in batch]
         count += sum(len(u.new_token_ids) for u in updates)
@@ -118,8 +143,14 @@ async def _stream(state: ServerState, request, rid: str, started: float, with_lo
         meta = _meta(rid, updates[-1].output, request.num_prompt_tokens, count, started)
         meta_json = json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
         if with_logprobs:
-            new = _logprobs([e for u in updates for e in (u.new_logprobs or [])])
+            new = _logprobs([e for u in updates for e in (u.new_logprobs or [])], decode)
             fields = "".join(f',"{key}":[{out.add_items(key, values)}]' for key, values in new.items())
+            first = next((u for u in updates if u.prompt_logprobs is not None), None)
+            if body.logprob_start_len >= 0 and (first is not None or (input_logprobs and not incremental)):
+                if first is not None:
+                    inputs = _input_logprobs(request.prompt_ids, body.logprob_start_len, first.prompt_logprobs, decode)
+                    input_logprobs = "".join(f',"{k}":{json.dumps(v, ensure_ascii=False, separators=(",", ":"))}' for k, v in inputs.items())
+                fields += input_logprobs
             meta_json = meta_json[:-1] + fields + "}"
         yield f'data: {{"text":"{text}","output_ids":[{ids}],"meta_info":{meta_json}}}\n\n'
     yield SSE_DONE

@@ -112,6 +112,7 @@ _SUCCESS = {  # (path, method) -> the 200 body's model, and whether the route ca
     ("/v1/chat/completions", "post"): (ChatCompletionResponse, True),
     ("/generate", "post"): (GenerateResponse | list[GenerateResponse], True),
     ("/v1/models", "get"): (ModelList, False),
+    ("/v1/models/{model_id}", "get"): (ModelCard, False),
     ("/health", "get"): (Health, False),
 }
 # One server-sent event: `data` is a JSON chunk, an error object, or [DONE] last.
@@ -167,6 +168,8 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
                 if status == "401" and not api_key:
                     continue
                 responses[status] = {"description": description, "content": {"application/json": {"schema": error_ref}}}
+            if path == "/v1/models/{model_id}":
+                responses["404"] = {"description": "unknown model", "content": {"application/json": {"schema": error_ref}}}
             if api_key:
                 operation["security"] = [{"bearer": []}]
     return doc

@@ -6,12 +6,13 @@ SamplingParams, so the server and the offline API reject exactly the same things
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidRequestError
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 
 # What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
@@ -33,9 +34,107 @@ _MESSAGE_SCHEMA = {
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    # Fields other servers accept that would change the result here and are not implemented: a request that sets
+    # one (to anything but its neutral value) gets a 400 naming it, never a result that ignored it.
+    # name -> (is it set?, why it is refused)
+    _REFUSED: dict = {}
+
+    def check_refused(self) -> None:
+        extra = self.model_extra or {}
+        for name, (is_set, why) in self._REFUSED.items():
+            value = extra.get(name, getattr(self, name, None))
+            if value is not None and is_set(value):
+                raise InvalidRequestError(f"{name} is not supported: {why}", name)
+
+
+def _truthy(value) -> bool:
+    return bool(value)
+
+
+def _not_one(value) -> bool:
+    return value != 1
+
+
+_NOT_IMPLEMENTED = "this server does not implement it"
+# Refused by every OpenAI-style endpoint.
+_REFUSED_SAMPLING = {
+    "use_beam_search": (_truthy, "beam search is not implemented"),
+    "length_penalty": (_not_one, "it only applies to beam search, which is not implemented"),
+    "truncate_prompt_tokens": (_truthy, "prompts are never truncated; shorten the prompt"),
+    "allowed_token_ids": (_truthy, _NOT_IMPLEMENTED),
+    "bad_words": (_truthy, _NOT_IMPLEMENTED),
+    "stop_regex": (_truthy, _NOT_IMPLEMENTED),
+    "lora_request": (_truthy, "LoRA adapters are not supported"),
+    "priority": (_truthy, "requests are served in arrival order"),
+}
+
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    _REFUSED = {"continuous_usage_stats": (_truthy, "usage is sent once, at the end (include_usage)")}
+
+
+def _schema_text(value: Any, field: str) -> str:
+    """A JSON schema given as an object or as JSON text, as text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, bool)):
+        return json.dumps(value, ensure_ascii=False)
+    raise InvalidRequestError("a JSON schema must be an object or a JSON string", field)
+
+
+def _choices_text(value: Any, field: str) -> str:
+    if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+        raise InvalidRequestError("the choices must be a list of strings", field)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": bool}} (strict false: schema keywords the compiler lacks are ignored)."""
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object", field="response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidRequestError('response_format.json_schema must be {"name": ..., "schema": {...}}', "response_format")
+        return StructuredOutput("json_schema", _schema_text(spec["schema"], "response_format"),
+                                strict=bool(spec.get("strict") or False), field="response_format")  # fmt: skip
+    raise InvalidRequestError(f'response_format.type must be "text", "json_object" or "json_schema", not {kind!r}', "response_format")
+
+
+# vLLM's structured_outputs object: key -> kind of StructuredOutput.
+_STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _structured_outputs(value: dict[str, Any]) -> StructuredOutput | None:
+    given = [k for k in (*_STRUCTURED_OUTPUTS_KEYS, "json_object", "structural_tag") if value.get(k) not in (None, False)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequestError(f"structured_outputs takes one constraint, not {', '.join(given)}", "structured_outputs")
+    key = given[0]
+    if key == "structural_tag":
+        raise InvalidRequestError("structured_outputs.structural_tag is not supported", "structured_outputs")
+    if key == "json_object":
+        return StructuredOutput("json_object", field="structured_outputs")
+    v = value[key]
+    text = _schema_text(v, "structured_outputs") if key == "json" else _choices_text(v, "structured_outputs") if key == "choice" else v
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"structured_outputs.{key} must be a string", "structured_outputs")
+    return StructuredOutput(_STRUCTURED_OUTPUTS_KEYS[key], text, field="structured_outputs")
+
+
+def only_one(candidates: list[StructuredOutput | None]) -> StructuredOutput | None:
+    given = [c for c in candidates if c is not None]
+    if len(given) > 1:
+        raise InvalidRequestError(
+            f"give one output constraint, not several ({', '.join(c.field for c in given)})", given[1].field
+        )
+    return given[0] if given else None
 
 
 class _SamplingFields(_Lenient):
@@ -57,14 +156,50 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs object.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The request's output constraint, from whichever field gave it (more than one is refused)."""
+        return only_one([
+            _response_format(self.response_format) if self.response_format else None,
+            StructuredOutput("json_schema", _schema_text(self.guided_json, "guided_json"), field="guided_json")
+            if self.guided_json is not None else None,
+            StructuredOutput("regex", self.guided_regex, field="guided_regex") if self.guided_regex is not None else None,
+            StructuredOutput("choice", _choices_text(self.guided_choice, "guided_choice"), field="guided_choice")
+            if self.guided_choice is not None else None,
+            StructuredOutput("grammar", self.guided_grammar, field="guided_grammar") if self.guided_grammar is not None else None,
+            _structured_outputs(self.structured_outputs) if self.structured_outputs else None,
+        ])  # fmt: skip
+
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt tokens, with this many alternatives
+    return_tokens_as_token_ids: bool = False  # vLLM's: tokens in logprobs as "token_id:N"
 
     def check_common(self) -> None:
         if self.n < 1 or self.n > 128:
             raise InvalidRequestError(f"n must be in [1, 128], not {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+        if self.stream_options is not None:
+            self.stream_options.check_refused()
+        self.check_refused()
+        best_of = (self.model_extra or {}).get("best_of")
+        if best_of is not None and best_of != 1:
+            raise InvalidRequestError(
+                "best_of is not supported (vLLM's current engine dropped it too): ask for n choices and pick", "best_of"
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs cannot be streamed: ask without stream", "prompt_logprobs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, choice: int, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         seed = self.seed
         if seed is not None and choice > 0:
             # Each of the n choices draws differently, and reproducibly.
@@ -79,6 +214,7 @@ class _SamplingFields(_Lenient):
             frequency_penalty=self.frequency_penalty or 0.0,
             seed=seed,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
@@ -86,14 +222,23 @@ class _SamplingFields(_Lenient):
             stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+            structured=self.structured(),
         )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0: no new tokens, the prompt only (lm-eval's loglikelihood sends it with echo)
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+
+    _REFUSED = {**_REFUSED_SAMPLING, "suffix": (_truthy, "Qwen3 has no fill-in-the-middle format")}
+
+    @property
+    def prompt_only(self) -> bool:
+        return self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -109,7 +254,14 @@ class CompletionRequest(_SamplingFields):
         self.check_common()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {self.logprobs}", "logprobs")
-        return self.sampling_params(self.max_tokens, self.logprobs, choice)
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be at least 0, not {self.max_tokens}", "max_tokens")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # echo's logprobs cover the prompt too
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        # max_tokens 0: the engine prefills (and samples one token, dropped by the endpoint).
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, choice, prompt_logprobs)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -120,6 +272,23 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    _REFUSED = {
+        **_REFUSED_SAMPLING,
+        "functions": (_truthy, "the legacy functions field is not supported: pass tools"),
+        "function_call": (_truthy, "the legacy function_call field is not supported: pass tool_choice"),
+        "echo": (_truthy, "chat completions do not echo the prompt"),
+        "continue_final_message": (_truthy, _NOT_IMPLEMENTED),
+        "chat_template": (_truthy, "the checkpoint's own chat template is always used"),
+        "documents": (_truthy, _NOT_IMPLEMENTED),
+        "audio": (_truthy, "this model has no audio output"),
+        "modalities": (lambda m: list(m) != ["text"], "this model only writes text"),
+        "reasoning_effort": (_truthy, "Qwen3 thinks or not: use chat_template_kwargs {\"enable_thinking\": false}"),
+        "web_search_options": (_truthy, _NOT_IMPLEMENTED),
+    }
 
     def to_sampling_params(self, choice: int = 0) -> SamplingParams:
         self.check_common()
@@ -146,6 +315,25 @@ class GenerateSamplingParams(_Lenient):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # Structured output, SGLang's names: a JSON schema (as JSON text), a regex, an EBNF grammar.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        return only_one([
+            StructuredOutput("json_schema", _schema_text(self.json_schema, "json_schema"), field="json_schema")
+            if self.json_schema is not None else None,
+            StructuredOutput("regex", self.regex, field="regex") if self.regex is not None else None,
+            StructuredOutput("grammar", self.ebnf, field="ebnf") if self.ebnf is not None else None,
+        ])  # fmt: skip
+
+    _REFUSED = {
+        "n": (_not_one, "send n copies of the prompt in a batch instead"),
+        "stop_regex": (_truthy, _NOT_IMPLEMENTED),
+        "custom_params": (_truthy, "custom logit processors are not supported"),
+    }
 
 
 class GenerateRequest(_Lenient):
@@ -158,6 +346,18 @@ class GenerateRequest(_Lenient):
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # the first prompt position with a logprob; -1: none of the prompt's
+    return_text_in_logprobs: bool = False
+
+    _REFUSED = {
+        "image_data": (_truthy, "this model reads text only"),
+        "audio_data": (_truthy, "this model reads text only"),
+        "input_embeds": (_truthy, _NOT_IMPLEMENTED),
+        "lora_path": (_truthy, "LoRA adapters are not supported"),
+        "session_params": (_truthy, _NOT_IMPLEMENTED),
+        "return_hidden_states": (_truthy, _NOT_IMPLEMENTED),
+        "custom_logit_processor": (_truthy, "custom logit processors are not supported"),
+    }
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """(prompts, batched)."""
@@ -172,6 +372,13 @@ class GenerateRequest(_Lenient):
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params
+        self.check_refused()
+        sp.check_refused()
+        if self.logprob_start_len < -1:
+            raise InvalidRequestError(f"logprob_start_len must be -1 or more, not {self.logprob_start_len}", "logprob_start_len")
+        prompt_logprobs = None
+        if self.return_logprob and self.logprob_start_len >= 0:
+            prompt_logprobs = self.top_logprobs_num
         return SamplingParams(
             temperature=sp.temperature,
             top_k=sp.top_k,
@@ -182,6 +389,8 @@ class GenerateRequest(_Lenient):
             frequency_penalty=sp.frequency_penalty,
             seed=sp.sampling_seed,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
+            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs_start=max(self.logprob_start_len, 0),
             max_tokens=sp.max_new_tokens,
             min_tokens=sp.min_new_tokens,
             ignore_eos=sp.ignore_eos,
@@ -189,5 +398,7 @@ class GenerateRequest(_Lenient):
             stop_token_ids=sp.stop_token_ids,
             skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,
+            logit_bias=sp.logit_bias,
+            structured=sp.structured(),
         )
 

@@ -14,7 +14,8 @@ from fastapi.responses import StreamingResponse
 
 from ..frontend import RequestOutput, RequestTracker
 from .async_engine import AsyncEngine, ServingError, TimedUpdate, take_waiting
-from .metrics import Metrics
+from .http_conventions import current_request_id
+from .metrics import Metrics, RequestTimes
 from .state import error_body
 
 logger = logging.getLogger("fastqwen.server")
@@ -35,28 +36,25 @@ class _Observer:
         self.metrics = metrics
         self.request = request
         self.prefix_cache_on = prefix_cache_on
+        self.request_id = current_request_id()  # the HTTP request's x-request-id, for the per-request log
+        self.first: float | None = None
         self.last: float | None = None
 
     def see(self, timed: TimedUpdate) -> None:
         m = self.metrics
         if m is None:
             return
-        update, now = timed.update, timed.time
-        if self.last is None:
-            m.ttft.observe(now - self.request.arrival_time)
-            m.prompt_tokens.inc(self.request.num_prompt_tokens)
+        update, now, request = timed.update, timed.time, self.request
+        if self.first is None:
+            self.first = now
+            m.on_first_token(request, now - request.arrival_time)
             if self.prefix_cache_on:
-                m.prefix_queries.inc(self.request.num_prompt_tokens)
-                m.prefix_hits.inc(self.request.num_cached_tokens)
-            if self.request.first_scheduled_time is not None:
-                m.queue_time.observe(self.request.first_scheduled_time - self.request.arrival_time)
-        else:
-            m.itl.observe(now - self.last)
+                m.on_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+        m.on_tokens(len(update.new_token_ids), None if self.last is None else now - self.last)
         self.last = now
-        m.generation_tokens.inc(len(update.new_token_ids))
         if update.finished:
-            m.e2e.observe(now - self.request.arrival_time)
-            m.on_finish(update.output.finish_reason)
+            times = RequestTimes(request.arrival_time, request.first_scheduled_time, self.first, now)
+            m.on_request_finished(request, update.output, times, self.request_id)
 
 
 async def stream_requests(

@@ -48,6 +48,7 @@ def client_closed_response() -> Response:
 class ServerState:
     def __init__(self, model_name: str, metrics: Metrics, max_sequences_per_request: int = 256):
         self.model_name = model_name
+        self.model_names: tuple[str, ...] = (model_name,)  # every name `model` may take, model_name first
         self.metrics = metrics
         self.max_sequences_per_request = max_sequences_per_request
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
@@ -56,6 +57,7 @@ class ServerState:
         self.created = 0  # unix time the model finished loading
         self.draining = False
         self.incremental_streaming_output = False  # /generate streams: only the new part in each event
+        self.stats_task: asyncio.Task | None = None  # the periodic stats line
 
     @property
     def has_tokenizer(self) -> bool:
@@ -74,10 +76,12 @@ class ServerState:
             raise APIError(400, "the request has no prompt", "prompt")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any], tools: list | None = None
+    ) -> str:
         tokenizer = self.engine.frontend.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids", "messages")
@@ -85,4 +89,4 @@ class ServerState:
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: pass them as request fields",
                            "chat_template_kwargs")  # fmt: skip
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None, **kwargs)

@@ -13,19 +13,21 @@ from .detokenizer import IncrementalDetokenizer
 
 
 class Tokenizer:
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, chat_template: str | None = None):
+        """chat_template: jinja source that replaces the folder's own template."""
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer.json in {folder!r}")
         self._tok = _HFTokenizer.from_file(path)
         template, special = load_chat_template(folder)
+        template = chat_template or template
         self.chat_template = ChatTemplate(template, special) if template else None
 
     @classmethod
-    def from_folder(cls, folder: str) -> "Tokenizer | None":
+    def from_folder(cls, folder: str, chat_template: str | None = None) -> "Tokenizer | None":
         """The folder's tokenizer, or None when it has no tokenizer.json (a dummy preset, for example)."""
         if os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            return cls(folder)
+            return cls(folder, chat_template)
         return None
 
     @property

@@ -1,0 +1,101 @@
+"""GPU benchmark of the projections at decode batch sizes: the GEMV kernel (bf16 and FP8 weight-only) against cuBLAS
+bf16 (F.linear) and the FP8 large-batch path (scaled_mm with per-token scales, or dequantize + GEMM), on Qwen3
+projection shapes, batch 1..16.
+
+Bytes per call: the weight (FP8: values and block scales), x and out. Weights rotate among enough buffers that they
+exceed twice the L2, so the weights come from HBM. Each sample is one CUDA-graph replay of a pass over the buffers
+(GPU time without launch gaps), divided by the number of calls; medians over --iters samples. Bandwidth is printed as
+a fraction of a device-to-device copy of 1 GiB measured in the same run (read + write).
+
+    python bench/bench_gemv.py [--presets Qwen3-8B] [--batches 1 2 4 8 16] [--json out.json] [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from fastqwen.config import ModelConfig
+from fastqwen.ops._native import has_cuda_kernels
+from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, gemv, quantize_fp8, _fp8_gemm
+
+from common import copy_bandwidth, graph_of, report, time_fn
+
+L2_BYTES = 50 * 1024 * 1024
+
+
+def shapes(preset: str) -> dict[str, tuple[int, int]]:
+    cfg = ModelConfig.from_preset(preset)
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (cfg.vocab_size, h)}
+
+
+def weight_bytes(w: LinearWeight) -> int:
+    return sum(t.numel() * t.element_size() for t in w.tensors())
+
+
+def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: float) -> list[dict]:
+    dense = torch.randn(rows, cols, device="cuda") * 0.02
+    nbuf = max(2, math.ceil(2 * L2_BYTES / (rows * cols)))  # the FP8 copies alone exceed twice the L2
+    bf16 = [LinearWeight(dense.to(torch.bfloat16)) for _ in range(nbuf)]
+    fp8 = [LinearWeight(*quantize_fp8(dense)) for _ in range(nbuf)]
+    del dense
+    scaled_mm = fp8_gemm_supported(torch.device("cuda"), torch.bfloat16, fp8[0])
+    for w in fp8:
+        if scaled_mm:
+            from fastqwen.ops.linear import _scaled_mm_weight_scale
+
+            _scaled_mm_weight_scale(w)
+    rows_out = []
+    for m in batches:
+        x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
+        outs = [torch.empty(m, rows, device="cuda", dtype=torch.bfloat16) for _ in range(nbuf)]
+        variants = {
+            "gemv_bf16": (bf16, lambda w, o: gemv(x, w, o)),
+            "cublas_bf16": (bf16, lambda w, o: torch.matmul(x, w.weight.t(), out=o)),
+            "gemv_fp8": (fp8, lambda w, o: gemv(x, w, o)),
+            "fp8_gemm": (fp8, (lambda w, o: o.copy_(_fp8_gemm(x, w))) if scaled_mm
+                         else (lambda w, o: torch.matmul(x, w.dequantize(torch.bfloat16).t(), out=o))),
+        }  # fmt: skip
+        row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
+        for name, (weights, call) in variants.items():
+            def one_pass(weights=weights, call=call):
+                for w, o in zip(weights, outs):
+                    call(w, o)
+
+            ms = time_fn(graph_of(one_pass).replay, iters) / nbuf
+            moved = weight_bytes(weights[0]) + 2 * m * (rows + cols)
+            row[f"{name}_us"] = round(ms * 1e3, 2)
+            row[f"{name}_frac_copy"] = round(moved / (ms * 1e-3) / 1e9 / copy_gbs, 3)
+        rows_out.append(row)
+        print(row, flush=True)
+    return rows_out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["Qwen3-8B"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available() or not has_cuda_kernels():
+        print("needs a GPU and the CUDA kernels", file=sys.stderr)
+        return 1
+    copy_gbs = copy_bandwidth(20)
+    result = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1), "shapes": {}}
+    for preset in args.presets:
+        for name, (rows, cols) in shapes(preset).items():
+            print(f"-- {preset} {name} [{rows}, {cols}]", flush=True)
+            result["shapes"][f"{preset}/{name}"] = bench_shape(rows, cols, args.batches, args.iters, copy_gbs)
+            torch.cuda.empty_cache()
+    report(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
+# throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
+#   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite]
+# (FP8W_MORE_TESTS: more test files; FP8W_THROUGHPUT: the quantizations to run; FP8W_PROMPTS: requests per run)
+set -u -o pipefail
+OUT="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+run() { local name="$1" limit="$2"; shift 2; echo "-- $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?" | tee -a "$OUT/$name.log"; tail -n 25 "$OUT/$name.log"; }
+for stage in "$@"; do
+  case "$stage" in
+    build)
+      nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
+      start=$(date +%s); python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1
+      echo "build rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log" ;;
+    tests)
+      FASTQWEN_RESULTS_DIR="$OUT" run tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gemv_gpu.py \
+        ${FP8W_MORE_TESTS:-} ;;
+    gemv) run bench_gemv 150 python3 bench/bench_gemv.py --batches 1 2 4 8 16 --iters 20 --json "$OUT/bench_gemv.json" ;;
+    latency)
+      for q in none fp8; do
+        run "latency_8b_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy --quantization "$q" \
+          --prompt-lens 128 1024 --new-tokens 64 --json "$OUT/latency_8b_$q.json"
+      done ;;
+    throughput)
+      for q in ${FP8W_THROUGHPUT:-none fp8}; do
+        run "throughput_8b_128x1024_$q" 200 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
+          --quantization "$q" --workload fixed --num-prompts ${FP8W_PROMPTS:-512} --input-len 128 --output-len 1024 \
+          --json "$OUT/throughput_8b_128x1024_$q.json"
+      done ;;
+    http)  # the server and an offline engine side by side (small KV pools), each measured in turn by one latency.py
+      python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy > /dev/null
+      for q in none fp8; do
+        python3 -m fastqwen.serve --model /tmp/qwen3-8b-dummy --load-format dummy --quantization "$q" --port 8000 \
+          --max-model-len 8192 --num-pages 2048 > "$OUT/server_$q.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 240); do
+          python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code != 200)" 2>/dev/null && break
+          sleep 1
+        done
+        run "latency_8b_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy --quantization "$q" \
+          --num-pages 2048 --prompt-lens 128 1024 --new-tokens 64 --url http://127.0.0.1:8000 --json "$OUT/latency_8b_$q.json"
+        kill -TERM "$pid"; wait "$pid"
+      done ;;
+    suite) FASTQWEN_RESULTS_DIR="$OUT" run suite 400 python3 -m pytest -q -p no:cacheprovider tests ;;
+  esac
+done

@@ -1,0 +1,131 @@
+"""Structured output's cost: output throughput of a JSON-schema request mix against the same requests unconstrained,
+in one run, on one engine, through LLM.generate (random weights, the real Qwen3 tokenizer).
+
+Both runs keep --in-flight requests running (max_num_seqs) over --num-prompts requests of --input-len random prompt
+tokens. The unconstrained run generates --output-len tokens per request (ignore_eos); the constrained run gives each
+request one of four JSON schemas that need more than --output-len tokens, so it too decodes --output-len tokens
+(finish "length"), and the tokens it generated are counted. A constrained output that finished with "stop" is
+checked to parse as JSON. Throughput = output tokens / wall time of the generate call.
+
+    python bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+    python bench/structured.py --model /tmp/qwen3-8b-dummy --load-format dummy --in-flight 64 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from fastqwen import LLM, SamplingParams
+from fastqwen.config import EngineConfig
+from fastqwen.sampling_params import StructuredOutput
+
+
+def plain_schemas(output_len: int) -> list[dict]:
+    """The same four shapes with free strings (no exact lengths): llguidance's fast path for JSON string bodies.
+    Not measured yet (see bench/results/2026-11-23-h100-grammar/README.md)."""
+    n = output_len
+    return [
+        {"type": "array", "items": {"type": "integer"}, "minItems": n},
+        {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "object", "properties": {
+            "lang": {"enum": ["en", "fr", "de"]}, "text": {"type": "string"}}, "required": ["lang", "text"]}},
+         "required": ["title", "body"]},
+        {"type": "array", "items": {"type": "object", "properties": {"k": {"enum": ["alpha", "beta"]}, "v": {"type": "string"}},
+                                    "required": ["k", "v"]}, "minItems": n},
+        {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": n}},
+         "required": ["notes"]},
+    ]  # fmt: skip
+
+
+def schemas(output_len: int) -> list[dict]:
+    """Four shapes, each with more required content than output_len tokens, so every request decodes its full
+    output_len under its grammar (steady-state decode with masks, what the bar is about): integer arrays, long
+    strings in nested objects, arrays of objects with enums, arrays of short strings."""
+    n = output_len
+    return [
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": n, "maxItems": n},
+        {"type": "object", "properties": {
+            "title": {"type": "string", "minLength": 4, "maxLength": 16},
+            "body": {"type": "object", "properties": {"lang": {"enum": ["en", "fr", "de"]},
+                                                       "text": {"type": "string", "minLength": 8 * n, "maxLength": 8 * n}},
+                     "required": ["lang", "text"], "additionalProperties": False}},
+         "required": ["title", "body"], "additionalProperties": False},
+        {"type": "array", "items": {"type": "object", "properties": {
+            "k": {"enum": ["alpha", "beta", "gamma"]}, "v": {"type": "string", "minLength": 2, "maxLength": 12}},
+            "required": ["k", "v"], "additionalProperties": False}, "minItems": n, "maxItems": n},
+        {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 20},
+                                                    "minItems": n, "maxItems": n}, "ok": {"type": "boolean"}},
+         "required": ["notes", "ok"], "additionalProperties": False},
+    ]  # fmt: skip
+
+
+def run(llm: LLM, prompts, params) -> tuple[float, list]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, outs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineConfig.add_cli_arguments(p, load_format="dummy", max_model_len=4096)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--in-flight", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--mix", choices=["exact", "plain"], default="exact",
+                   help="exact: strings and arrays of exact lengths (measured); plain: free strings")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    args.max_num_seqs = args.in_flight
+    llm = LLM(EngineConfig.from_cli(args))
+    vocab = llm.engine.config.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    mix = schemas if args.mix == "exact" else plain_schemas
+    specs = [StructuredOutput("json_schema", json.dumps(s)) for s in mix(args.output_len)]
+    plain = [SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=i) for i in range(args.num_prompts)]
+    constrained = [SamplingParams(temperature=1.0, max_tokens=args.output_len, seed=i, structured=specs[i % len(specs)])
+                   for i in range(args.num_prompts)]  # fmt: skip
+    # Warm-up: graphs, the grammar compiles (cached from here on), the allocator.
+    run(llm, prompts[: args.in_flight], [SamplingParams(max_tokens=8, ignore_eos=True)] * args.in_flight)
+    run(llm, prompts[: len(specs)], [SamplingParams(max_tokens=8, structured=s) for s in specs])
+    results = {}
+    for name, params in (("unconstrained", plain), ("json_schema", constrained), ("unconstrained_again", plain)):
+        ahead0 = llm.engine.num_ahead_steps
+        seconds, outs = run(llm, prompts, params)
+        tokens = sum(len(o.token_ids) for o in outs)
+        entry = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                 "ahead_steps": llm.engine.num_ahead_steps - ahead0}  # fmt: skip
+        if name == "json_schema":
+            finished = [o for o in outs if o.finish_reason == "stop"]
+            bad = 0
+            for o in finished:
+                try:
+                    json.loads(o.text)
+                except ValueError:
+                    bad += 1
+            entry.update(stopped=len(finished), length=len(outs) - len(finished), invalid_json=bad,
+                         sample=outs[0].text[:300])
+        results[name] = entry
+        print(name, json.dumps(entry, ensure_ascii=False), flush=True)
+    base = (results["unconstrained"]["tokens_per_s"] + results["unconstrained_again"]["tokens_per_s"]) / 2
+    cost = 1.0 - results["json_schema"]["tokens_per_s"] / base
+    summary = {"device": torch.cuda.get_device_name(), "model": args.model, "vocab": vocab, "in_flight": args.in_flight,
+               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+               "runs": results, "structured_cost": cost}  # fmt: skip
+    print(f"structured output costs {100 * cost:.1f}% of the unconstrained output throughput ({base:.0f} tok/s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, ensure_ascii=False)
+    return 1 if results["json_schema"].get("invalid_json") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

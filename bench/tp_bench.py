@@ -1,0 +1,107 @@
+"""The custom all-reduce against NCCL's at decode message sizes, on 2 GPUs (or --world N): microseconds per call,
+each timed as 100 calls replayed from one CUDA graph (as decode runs them), the median of rank 0's replays.
+
+The engine-level figures of the tensor-parallel bars come from the existing benchmarks, which take --tp:
+    python bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 --prompt-lens 128   # TPOT and its limit
+    python bench/throughput.py --model Qwen3-32B --load-format dummy --tp 2 --workload fixed \\
+        --num-prompts 256 --input-len 128 --output-len 1024
+(latency.py's limit is rank 0's weight bytes, half the model's at TP=2, over the copy bandwidth measured in the run.)
+
+    python bench/tp_bench.py [--world 2] [--hidden 5120] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+
+import torch
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+CALLS_PER_GRAPH = 100
+
+
+def _rank(rank: int, world: int, port: int, hidden: int, results) -> None:
+    import torch.distributed as dist
+
+    from fastqwen.ops.collectives import ParallelGroup
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
+    group = ParallelGroup.connect(rank, world, store, device)
+    rows = []
+    for batch in BATCHES:
+        x = torch.randn(batch, hidden, device=device).to(torch.bfloat16)
+        row = {"batch": batch, "bytes": x.numel() * x.element_size()}
+        paths = {"nccl": lambda: group.device_group.allreduce([x]).wait()}
+        if group.custom is not None and group.custom.applies(x):
+            paths["custom"] = lambda: group.custom(x)
+        for name, call in paths.items():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(CALLS_PER_GRAPH):
+                    call()
+            group.barrier()
+            times = []
+            for _ in range(20):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                group.barrier()  # the ranks start each replay together
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+            row[f"{name}_us"] = round(statistics.median(times), 2)
+            del graph
+        if "custom_us" in row:
+            row["nccl_over_custom"] = round(row["nccl_us"] / row["custom_us"], 2)
+        rows.append(row)
+    group.barrier()
+    if rank == 0:
+        results.put(rows)
+    group.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=5120, help="hidden size (Qwen3-32B: 5120, Qwen3-8B: 4096)")
+    p.add_argument("--port", type=int, default=29511)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if torch.cuda.device_count() < args.world:
+        print(f"needs {args.world} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
+        return 1
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args.world, args.port, args.hidden, results)) for r in range(args.world)]
+    for proc in procs:
+        proc.start()
+    rows = results.get(timeout=600)
+    for proc in procs:
+        proc.join(60)
+    out = {"device": torch.cuda.get_device_name(0), "world": args.world, "hidden": args.hidden, "dtype": "bfloat16",
+           "calls_per_graph": CALLS_PER_GRAPH, "rows": rows}  # fmt: skip
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

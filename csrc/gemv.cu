@@ -1,0 +1,241 @@
+// Small-batch GEMV (1 to 16 tokens): out = x @ W^T for dense bf16/fp16 weights and for FP8 weight-only.
+//
+// Decode is bound by reading the weights, so the kernel streams each weight byte once: a block of kWarps warps owns
+// kRows output rows, its warps split the row length (K) between them (split-K inside the block, so that layers with
+// few output rows still fill the GPU), and each lane issues 16-byte loads of all kRows rows, kUnroll chunks ahead,
+// bypassing L1 so that the activations x stay there for the other rows. FP8 weights are converted in registers
+// (hardware e4m3x2 -> f16x2) and each 16-element chunk's dot product is multiplied by its block's scale; every
+// product and sum is fp32. The warps' partial sums meet in shared memory; one rounding to the output type.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "common.cuh"
+#include "cuda_check.h"
+#include "gemv.h"
+
+namespace fastqwen {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kRows = 4;
+constexpr int kUnroll = 2;
+
+// 16 bytes of the weight, not kept in L1 (read once; x is what L1 should hold).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+__device__ __forceinline__ float2 to_float2(uint32_t bits, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+// Two e4m3 values (the low 16 bits) to floats.
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t bits) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits & 0xffffu), __NV_E4M3);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// 8 activations (one 16-byte load) as floats.
+template <typename T>
+__device__ __forceinline__ void load_x8(const T* p, float (&out)[8]) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = to_float2(words[i], T{});
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// Weight elements per 16-byte chunk.
+template <bool FP8>
+constexpr int chunk_elems() {
+  return FP8 ? 16 : 8;
+}
+
+// acc[i][r] += dot(x[i, chunk c], W[row r, chunk c]) for the chunk's weights w[r] (already loaded).
+template <typename T, bool FP8, int MT>
+__device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m, int k, int c, const uint4 (&w)[kRows],
+                                                 const float (&scale)[kRows], float (&acc)[MT][kRows]) {
+  constexpr int E = chunk_elems<FP8>();
+  float wf[kRows][E];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const uint32_t words[4] = {w[r].x, w[r].y, w[r].z, w[r].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (FP8) {
+        const float2 lo = fp8x2_to_float2(words[i]);
+        const float2 hi = fp8x2_to_float2(words[i] >> 16);
+        wf[r][4 * i] = lo.x;
+        wf[r][4 * i + 1] = lo.y;
+        wf[r][4 * i + 2] = hi.x;
+        wf[r][4 * i + 3] = hi.y;
+      } else {
+        const float2 f = to_float2(words[i], T{});
+        wf[r][2 * i] = f.x;
+        wf[r][2 * i + 1] = f.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    if (i >= m) break;  // uniform across the block
+    const T* xi = x + static_cast<int64_t>(i) * k + static_cast<int64_t>(c) * E;
+    float part[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) part[r] = 0.0f;
+#pragma unroll
+    for (int h = 0; h < E / 8; ++h) {
+      float xf[8];
+      load_x8(xi + 8 * h, xf);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part[r] = fmaf(xf[e], wf[r][8 * h + e], part[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[i][r] = FP8 ? fmaf(scale[r], part[r], acc[i][r]) : acc[i][r] + part[r];
+  }
+}
+
+// Grid: one block per kRows output rows. MT: the token count rounded up to a power of two (loops stop at m).
+// One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
+template <typename T, bool FP8, int MT>
+__global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
+                                                           const uint8_t* __restrict__ w,
+                                                           const float* __restrict__ scale,
+                                                           const T* __restrict__ bias, int m, int n, int k) {
+  constexpr int E = chunk_elems<FP8>();
+  constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row0 = blockIdx.x * kRows;
+  const int num_chunks = k / E;
+  const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
+
+  const uint4* rows[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = min(row0 + r, n - 1);  // rows past the end re-read the last one; their sums are dropped
+    rows[r] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * k * kRowBytesPerElem);
+  }
+  float acc[MT][kRows];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[i][r] = 0.0f;
+
+  // Chunk c = (step * kWarps + warp) * 32 + lane: the block's warps read one contiguous run of each row per step.
+  constexpr int kStride = kWarps * 32;
+  for (int base = warp * 32 + lane; base < num_chunks; base += kStride * kUnroll) {
+    uint4 wv[kUnroll][kRows];
+    float sv[kUnroll][kRows];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = base + u * kStride;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        wv[u][r] = c < num_chunks ? load_stream(rows[r] + c) : make_uint4(0, 0, 0, 0);
+        if constexpr (FP8) {
+          const int row = min(row0 + r, n - 1);
+          sv[u][r] = c < num_chunks ? __ldg(scale + (row / kGemvFp8Block) * scale_cols + c * E / kGemvFp8Block) : 0.0f;
+        } else {
+          sv[u][r] = 1.0f;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = base + u * kStride;
+      if (c < num_chunks) accumulate_chunk<T, FP8, MT>(x, m, k, c, wv[u], sv[u], acc);
+    }
+  }
+
+  __shared__ float partial[kWarps][MT * kRows];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (i < m) {
+        const float s = warp_sum(acc[i][r]);
+        if (lane == 0) partial[warp][i * kRows + r] = s;
+      }
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < MT * kRows; t += blockDim.x) {
+    const int i = t / kRows, r = t % kRows, row = row0 + r;
+    if (i >= m || row >= n) continue;
+    float s = 0.0f;
+#pragma unroll
+    for (int q = 0; q < kWarps; ++q) s += partial[q][t];
+    if (bias != nullptr) s += Cvt<T>::to_f(bias[row]);
+    out[static_cast<int64_t>(i) * n + row] = Cvt<T>::from_f(s);
+  }
+}
+
+template <typename T, bool FP8, int MT>
+void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+               cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((n + kRows - 1) / kRows);
+  gemv_kernel<T, FP8, MT><<<blocks, kWarps * 32, 0, stream>>>(
+      reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
+}
+
+template <typename T, bool FP8>
+void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+            cudaStream_t stream) {
+  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, stream);
+  if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, stream);
+  if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, stream);
+  if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, stream);
+  return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, stream);
+}
+
+}  // namespace
+
+void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
+          int dtype, bool fp8, uintptr_t stream) {
+  const std::string op = "gemv: ";
+  check_dtype(op, dtype, kHalfTypes);
+  if (m < 1 || m > kGemvMaxTokens) {
+    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
+  }
+  if (n < 1 || k < 1 || n > (1 << 30) || k > (1 << 30)) {
+    throw std::invalid_argument(op + "bad shape n=" + std::to_string(n) + " k=" + std::to_string(k));
+  }
+  const int multiple = fp8 ? 16 : 8;
+  if (k % multiple != 0) {
+    throw std::invalid_argument(op + "k must be a multiple of " + std::to_string(multiple) + ", got " + std::to_string(k));
+  }
+  if (out == 0 || x == 0 || w == 0 || (fp8 && scale == 0)) throw std::invalid_argument(op + "null data pointer");
+  if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
+    if (fp8) {
+      launch<T, true>(out, x, w, scale, bias, mi, ni, ki, s);
+    } else {
+      launch<T, false>(out, x, w, scale, bias, mi, ni, ki, s);
+    }
+  });
+  cuda_check_launch("gemv kernel launch");
+}
+
+}  // namespace fastqwen

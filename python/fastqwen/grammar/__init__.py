@@ -1,0 +1,26 @@
+"""Structured output: StructuredOutput specs (sampling_params.py) compiled by llguidance into matchers over the
+model's tokenizer, and the per-step token bitmasks the samplers apply.
+
+- `spec.py`: a spec to llguidance's grammar text, and `check_structured` (the frontend's validation: a bad schema,
+  regex or grammar is an InvalidRequestError naming the request field, before anything reaches the engine).
+- `compiler.py`: `GrammarCompiler`, the engine's: compiles on worker threads (never inside a step), caches the
+  compiled grammar by (kind, spec, strict), hands each request its own `GrammarMatcher`; `fill_bitmasks` computes
+  the masks of a step's constrained rows in parallel (llguidance's executor, outside the GIL).
+- `tool_calls.py`: the spec that forces Qwen3's <tool_call> blocks for tool_choice "required" or a named function.
+
+Token ids only: no text of requests, no tensors (masks are filled into caller-owned int32 host memory).
+"""
+
+from .compiler import GrammarCompiler, GrammarMatcher, fill_bitmasks
+from .spec import check_structured, check_tokenizer, llguidance_grammar
+from .tool_calls import tool_call_structured
+
+__all__ = [
+    "GrammarCompiler",
+    "GrammarMatcher",
+    "check_structured",
+    "check_tokenizer",
+    "fill_bitmasks",
+    "llguidance_grammar",
+    "tool_call_structured",
+]

@@ -1,0 +1,103 @@
+"""A StructuredOutput as llguidance grammar text, and its validation (no tokenizer needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from ..errors import InvalidRequestError
+from ..sampling_params import StructuredOutput
+
+# Compact, bounded JSON: a model (even a random one) cannot stall in whitespace, and ", " / ": " is how models and
+# json.dumps write it.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_MAX_ERROR_CHARS = 600
+
+
+def _error(structured: StructuredOutput, message: str) -> InvalidRequestError:
+    message = message.strip()
+    if len(message) > _MAX_ERROR_CHARS:
+        message = message[: _MAX_ERROR_CHARS - 3] + "..."
+    return InvalidRequestError(f"invalid {structured.kind.replace('_', ' ')}: {message}", structured.field)
+
+
+def _json_schema(structured: StructuredOutput, schema) -> str:
+    if not isinstance(schema, (dict, bool)):
+        raise _error(structured, "a JSON schema is an object (or true / false)")
+    options = {**JSON_OPTIONS, "lenient": not structured.strict}
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    except (ValueError, TypeError) as e:
+        raise _error(structured, str(e)) from None
+
+
+def _choice_lark(structured: StructuredOutput) -> str:
+    try:
+        choices = json.loads(structured.spec)
+    except ValueError:
+        raise _error(structured, "the choices must be a JSON list of strings") from None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise _error(structured, "the choices must be a non-empty list of non-empty strings")
+    # Lark string literals take JSON's escapes; ensure_ascii keeps every character printable in the grammar.
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=True) for c in dict.fromkeys(choices))
+
+
+def llguidance_grammar(structured: StructuredOutput) -> str:
+    """llguidance's grammar text for the spec; raises InvalidRequestError for input that is not even well formed
+    (bad JSON). Whether the grammar compiles is check_structured's question."""
+    kind = structured.kind
+    if kind == "json_object":
+        return _json_schema(structured, {"type": "object"})
+    if kind == "json_schema":
+        try:
+            schema = json.loads(structured.spec)
+        except ValueError as e:
+            raise _error(structured, f"the schema is not valid JSON ({e})") from None
+        return _json_schema(structured, schema)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(structured.spec)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark(_choice_lark(structured))
+    try:  # "grammar": Lark as llguidance reads it, or GBNF / EBNF (`root ::= ...`) converted to it
+        lark = any_to_lark(structured.spec)
+    except Exception as e:  # the converter raises its own error types for bad GBNF
+        raise _error(structured, f"not a Lark or GBNF grammar ({e})") from None
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+@lru_cache(maxsize=256)
+def _validate(kind: str, spec: str, strict: bool, field: str) -> None:
+    structured = StructuredOutput(kind, spec, strict, field)
+    grammar = llguidance_grammar(structured)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise _error(structured, messages[0] if messages else "it does not compile")
+
+
+def check_structured(structured: StructuredOutput) -> None:
+    """Raise InvalidRequestError (naming structured.field) unless the spec compiles; results are cached."""
+    _validate(structured.kind, structured.spec, structured.strict, structured.field)
+
+
+@lru_cache(maxsize=8)
+def tokenizer_problem(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> str | None:
+    """Why llguidance cannot work with this tokenizer.json (None: it can). Builds the grammar engine's tokenizer
+    once per model, as the engine will: a model whose tokenizer it cannot read gets 400s, not failed requests."""
+    try:
+        with open(tokenizer_json, encoding="utf-8") as f:
+            llguidance.LLTokenizer(f.read(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    except Exception as e:  # noqa: BLE001 - any failure means the same thing here
+        return str(e) or type(e).__name__
+    return None
+
+
+def check_tokenizer(structured: StructuredOutput, tokenizer_json: str | None, vocab_size: int, eos_token_ids) -> None:
+    """Raise InvalidRequestError (naming structured.field) when the model's tokenizer cannot drive a grammar."""
+    problem = "the model has no tokenizer.json" if not tokenizer_json or not os.path.isfile(tokenizer_json) else (
+        tokenizer_problem(tokenizer_json, vocab_size, tuple(eos_token_ids)))  # fmt: skip
+    if problem is not None:
+        raise InvalidRequestError(f"structured output is not available for this model: {problem}", structured.field)

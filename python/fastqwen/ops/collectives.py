@@ -1,0 +1,114 @@
+"""The collectives of a tensor-parallel forward pass: what the model calls between its sharded matmuls.
+
+`ParallelGroup` wraps one rank's process groups: `device` (NCCL on GPUs, gloo on the CPU) for the tensors of the
+forward, `cpu` (gloo) for small host-side agreements (the KV pool size, the custom all-reduce's IPC handles). Its
+all-reduce takes the custom kernel (ops/custom_all_reduce.py) for messages it accepts and the device group otherwise.
+`SINGLE` is the one-rank group: every collective is the identity, so the model reads the same at any TP size.
+
+The process groups are made directly from a store (not torch.distributed's global default group), so one process
+can run several engines one after the other (tests do) and an engine's groups die with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from .custom_all_reduce import CustomAllReduce, custom_all_reduce_supported
+
+_TIMEOUT = datetime.timedelta(minutes=30)  # loading a large checkpoint on one rank may keep the others waiting
+
+
+class ParallelGroup:
+    def __init__(self, rank: int = 0, size: int = 1, device_group=None, cpu_group=None,
+                 custom: CustomAllReduce | None = None):  # fmt: skip
+        self.rank, self.size = rank, size
+        self.device_group, self.cpu_group = device_group, cpu_group
+        self.custom = custom
+
+    @classmethod
+    def connect(cls, rank: int, size: int, store, device: torch.device, custom_all_reduce: bool = True) -> "ParallelGroup":
+        """Rank `rank`'s groups over `store` (a torch.distributed Store shared by the ranks). On a GPU the device
+        group is NCCL and, for 2, 4 or 8 ranks and unless turned off, small all-reduces take the custom kernel."""
+        cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, _TIMEOUT)
+        if device.type == "cuda":
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
+            group = cls(rank, size, nccl, cpu)
+            warm = torch.zeros(16, device=device)
+            group.device_group.allreduce([warm]).wait()  # creates the communicator before any graph capture
+            torch.cuda.synchronize(device)
+            if custom_all_reduce and custom_all_reduce_supported(size):
+                group.custom = CustomAllReduce(rank, size, device, group.all_gather_bytes)
+            return group
+        return cls(rank, size, cpu, cpu)
+
+    @property
+    def single(self) -> bool:
+        return self.size == 1
+
+    # ---- in the forward pass (captured in CUDA graphs on the GPU) ---------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place (every rank gets the same result)."""
+        if self.size == 1:
+            return x
+        if self.custom is not None and self.custom.applies(x):
+            return self.custom(x)
+        self.device_group.allreduce([x]).wait()
+        return x
+
+    def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of a vocabulary-parallel embedding: this rank's slice [rank * rows, (rank + 1) * rows) of the table
+        looks up the ids it holds, zeros for the others, and the all-reduce adds the ranks' rows (exact: one is
+        the row, the rest are zeros). A new tensor, never a view of the table."""
+        if self.size == 1:
+            return table[ids]
+        rows = table.shape[0]
+        local = ids - self.rank * rows
+        held = (local >= 0) & (local < rows)
+        out = table[local.clamp(0, rows - 1)]
+        out.masked_fill_(~held.unsqueeze(-1), 0)
+        return self.all_reduce(out)
+
+    def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
+        """[S, vocab] from every rank's [S, rows] slice of a vocabulary-parallel LM head's output (the padding past
+        the vocabulary dropped)."""
+        if self.size == 1:
+            return local
+        gathered = torch.empty((self.size, *local.shape), dtype=local.dtype, device=local.device)
+        self.device_group._allgather_base(gathered.view(-1), local.contiguous().view(-1)).wait()
+        return gathered.permute(1, 0, 2).reshape(local.shape[0], -1)[:, :vocab]
+
+    # ---- on the host -------------------------------------------------------------------------------------------
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's value (each rank's KV pool fits its own free memory: the smallest wins)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.cpu_group.allreduce([t], options).wait()
+        return int(t.item())
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's bytes (of the same length on every rank), in rank order."""
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(self.size * len(data), dtype=torch.uint8)
+        self.cpu_group._allgather_base(out, mine).wait()
+        return [bytes(chunk.tolist()) for chunk in out.view(self.size, len(data))]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.cpu_group.allreduce([torch.zeros(1)]).wait()
+
+    def close(self) -> None:
+        if self.custom is not None:
+            self.barrier()  # no peer still reads this rank's buffer
+            self.custom.close()
+            self.custom = None
+
+
+SINGLE = ParallelGroup()

@@ -1,0 +1,79 @@
+"""The custom all-reduce (csrc/custom_all_reduce.cu): a one-shot sum across the GPUs of one host, for messages up to
+a threshold (decode's hidden states); NCCL takes the larger ones.
+
+Each rank allocates one buffer (a signal area and a data area), shares its CUDA IPC handle with the others through
+the CPU process group, and opens theirs. A call copies the input into the rank's own buffer, waits for every peer at
+a barrier, sums every rank's buffer in rank order (so every rank gets bitwise the same result) back into the input,
+and waits at a second barrier. It never allocates and keeps its round counters on the device, so decode CUDA graphs
+capture it. Every rank must make the same calls in the same order (the engine's ranks run the same steps).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._native import check_tensors, dtype_code, has_cuda_kernels, native, stream_of
+
+# Above this many bytes NCCL is used. One-shot reads world x the message on every rank; past a few MB the ring's
+# bandwidth wins. Decode of 256 sequences of Qwen3-32B is 2.5 MiB of bf16.
+DEFAULT_MAX_BYTES = 4 * 2**20
+_BLOCKS = 36
+
+
+def custom_all_reduce_supported(world: int) -> bool:
+    """Whether the kernel exists for this many ranks (built with CUDA; 2, 4 or 8 ranks)."""
+    return has_cuda_kernels() and world in (2, 4, 8)
+
+
+class CustomAllReduce:
+    """One rank's side. `exchange(handle: bytes) -> list[bytes]` gathers every rank's handle in rank order (the
+    engine passes an all-gather over its CPU process group)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, exchange, max_bytes: int = DEFAULT_MAX_BYTES):
+        if not custom_all_reduce_supported(world):
+            raise ValueError(f"the custom all-reduce needs the CUDA kernels and 2, 4 or 8 ranks, not {world}")
+        m = native()
+        align = m.ALL_REDUCE_ALIGN
+        self.max_bytes = max_bytes - max_bytes % align
+        self.rank, self.world, self.device = rank, world, device
+        with torch.cuda.device(device):
+            self._own = m.all_reduce_buffer_alloc(self.max_bytes)
+            handles = exchange(m.all_reduce_ipc_handle(self._own))
+            self._opened = [m.all_reduce_ipc_open(h) for r, h in enumerate(handles) if r != rank]
+        peers = iter(self._opened)
+        self._args = m.AllReduceArgs()
+        self._args.buffers = [self._own if r == rank else next(peers) for r in range(world)]
+        self._args.rank, self._args.world = rank, world
+        self._args.capacity_bytes = self.max_bytes
+        self._args.max_blocks = _BLOCKS
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether the kernel takes this tensor (else the caller uses NCCL)."""
+        nbytes = x.numel() * x.element_size()
+        return (
+            self._own is not None and x.is_cuda and x.device == self.device and x.is_contiguous()
+            and dtype_code(x.dtype) is not None and 0 < nbytes <= self.max_bytes
+            and nbytes % native().ALL_REDUCE_ALIGN == 0 and x.data_ptr() % native().ALL_REDUCE_ALIGN == 0
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x across the ranks, in place; returns x."""
+        if not self.applies(x):
+            raise ValueError(f"custom_all_reduce: does not take a {tuple(x.shape)} {x.dtype} tensor on {x.device}")
+        check_tensors("custom_all_reduce", self.device, None, x=x)
+        args = self._args
+        args.data, args.numel, args.dtype, args.stream = x.data_ptr(), x.numel(), dtype_code(x.dtype), stream_of(x)
+        native().custom_all_reduce(args)
+        return x
+
+    def close(self) -> None:
+        """Unmap the peers' buffers and free this rank's (after the device is done with them)."""
+        if self._own is None:
+            return
+        m = native()
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            for ptr in self._opened:
+                m.all_reduce_ipc_close(ptr)
+            m.all_reduce_buffer_free(self._own)
+        self._own, self._opened = None, []

@@ -1,0 +1,283 @@
+"""Linear layers: one weight container (`LinearWeight`) and one dispatch (`linear`) for every projection and the LM head.
+
+A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values with float32 dequantization scales on
+128x128 blocks (Qwen's official FP8 layout: `weight_scale_inv[row // 128, col // 128]` multiplies the block), so that
+`W ~= weight.float() * scale` blockwise. Dispatch, for y = x @ W^T (+ bias):
+
+- few tokens (DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS: decode) on the GPU: the hand-written GEMV kernel
+  (csrc/gemv.cu), which streams each weight byte once and, for FP8, dequantizes in registers (bf16 activations, fp32
+  accumulation);
+- more tokens, dense: cuBLAS through torch;
+- more tokens, FP8: an FP8 tensor-core GEMM through `torch.nn.functional.scaled_mm` with per-token activation scales
+  on 1x128 groups and the weight's 128x128 block scales, where this torch and GPU support that scaling (probed once);
+  otherwise the stated fallback: dequantize the weight to the activation dtype and run the cuBLAS GEMM;
+- anywhere else (CPU, no kernels): `linear_reference`, which dequantizes and multiplies in float32.
+
+Sharding for tensor parallelism slices these containers along their rows or columns; it lives elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
+
+__all__ = [
+    "FP8_BLOCK",
+    "FP8_MAX",
+    "GEMV_MAX_TOKENS",
+    "LinearWeight",
+    "dequantize_fp8",
+    "gemv",
+    "gemv_kernel_applies",
+    "linear",
+    "linear_reference",
+    "prepare_linear",
+    "quantize_fp8",
+]
+
+log = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+FP8_BLOCK = 128  # scale granularity: one float32 scale per 128x128 block of the weight
+# Largest number of tokens (rows of x) that takes the GEMV kernel; cuBLAS (or the FP8 GEMM) above. Chosen from
+# bench/bench_gemv.py on the H100 (bench/results/2026-11-23-h100-fp8w/run3/bench_gemv.json, Qwen3-8B shapes): dense,
+# the kernel beats cuBLAS at one token (by 10% over a layer's four projections) and ties at two; FP8, it beats the
+# block-scaled GEMM (with the fused activation quantizer) at one and two tokens and loses by 5% at four. The kernel
+# itself takes up to GEMV_MAX_TOKENS (csrc/gemv.h).
+GEMV_MAX_TOKENS = 16
+DENSE_GEMV_MAX_TOKENS = 1
+FP8_GEMV_MAX_TOKENS = 2
+
+
+@dataclass
+class LinearWeight:
+    """A projection's weight [out, in] (dense, or float8_e4m3fn with `scale`), and its optional bias [out]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None  # FP8 only: float32 [ceil(out / 128), ceil(in / 128)]
+    bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight.dim() != 2:
+            raise ValueError(f"LinearWeight: weight must be 2-D [out, in], got shape {tuple(self.weight.shape)}")
+        rows, cols = self.weight.shape
+        if self.is_fp8:
+            want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+            if self.scale is None or tuple(self.scale.shape) != want or self.scale.dtype != torch.float32:
+                got = None if self.scale is None else (tuple(self.scale.shape), self.scale.dtype)
+                raise ValueError(f"LinearWeight: an FP8 weight [{rows}, {cols}] needs float32 block scales {want}, got {got}")
+        elif self.scale is not None:
+            raise ValueError(f"LinearWeight: a {self.weight.dtype} weight takes no scale")
+        if self.bias is not None and tuple(self.bias.shape) != (rows,):
+            raise ValueError(f"LinearWeight: bias must be [{rows}], got {tuple(self.bias.shape)}")
+        self._scaled_mm_scale: torch.Tensor | None = None  # the scale in the layout scaled_mm wants, made on first use
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == FP8_DTYPE
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a dense [out, in] tensor of `dtype` (dequantized in float32, then rounded once)."""
+        if not self.is_fp8:
+            return self.weight.to(dtype)
+        return dequantize_fp8(self.weight, self.scale).to(dtype)
+
+    def tensors(self):
+        yield self.weight
+        for t in (self.scale, self.bias):
+            if t is not None:
+                yield t
+
+
+def _expand_blocks(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return scale.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 [out, in] from e4m3 values and their 128x128 block scales."""
+    return weight.float() * _expand_blocks(scale.float(), *weight.shape)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense [out, in] weight to (float8_e4m3fn values, float32 [ceil(out/128), ceil(in/128)] scales), one scale
+    per 128x128 block: amax / 448, so that the block's largest magnitude maps to e4m3's largest finite value. Each
+    dequantized element is within half an e4m3 step (relative 2^-4) of the input, or 2^-9 * scale near zero."""
+    rows, cols = weight.shape
+    w = weight.float()
+    pr, pc = -(-rows // FP8_BLOCK) * FP8_BLOCK, -(-cols // FP8_BLOCK) * FP8_BLOCK
+    padded = F.pad(w, (0, pc - cols, 0, pr - rows))
+    blocks = padded.view(pr // FP8_BLOCK, FP8_BLOCK, pc // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / _expand_blocks(scale, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.contiguous(), scale.contiguous()
+
+
+def linear_reference(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    """The PyTorch reference: dequantize, multiply in float32, add the bias, round once to x's dtype."""
+    y = x.float() @ w.dequantize(torch.float32).t()
+    if w.bias is not None:
+        y = y + w.bias.float()
+    return y.to(x.dtype)
+
+
+def _gemv_fits(x: torch.Tensor, w: LinearWeight, max_tokens: int) -> bool:
+    if x.dim() != 2 or not (0 < x.shape[0] <= max_tokens) or x.shape[1] != w.in_features:
+        return False
+    if not kernel_applies("gemv", x.is_cuda, x.dtype):
+        return False
+    return (w.is_fp8 or w.weight.dtype == x.dtype) and w.in_features % 16 == 0
+
+
+def gemv_kernel_applies(x: torch.Tensor, w: LinearWeight) -> bool:
+    """Whether linear(x, w) runs the GEMV kernel: a CUDA tensor of bf16/fp16 with at most DENSE_GEMV_MAX_TOKENS rows
+    (FP8_GEMV_MAX_TOKENS for an FP8 weight), a weight whose row length suits 16-byte loads, the kernels built."""
+    return _gemv_fits(x, w, FP8_GEMV_MAX_TOKENS if w.is_fp8 else DENSE_GEMV_MAX_TOKENS)
+
+
+def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMV kernel itself at any token count it takes (1 to GEMV_MAX_TOKENS), whatever linear() would pick: for
+    tests and benchmarks. ValueError where the kernel does not apply."""
+    if not _gemv_fits(x, w, GEMV_MAX_TOKENS):
+        raise ValueError(f"gemv: the kernel does not apply to x {tuple(x.shape)} {x.dtype} on {x.device} and a "
+                         f"{w.weight.dtype} weight {tuple(w.weight.shape)}")  # fmt: skip
+    if out is None:
+        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
+    return _gemv(x.contiguous(), w, out)
+
+
+def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor) -> torch.Tensor:
+    check_tensors("linear", x.device, None, x=x, weight=w.weight, out=(out, x.dtype))
+    scale = w.scale if w.is_fp8 else None
+    bias = w.bias
+    if scale is not None:
+        check_tensors("linear", x.device, torch.float32, scale=scale)
+    if bias is not None:
+        check_tensors("linear", x.device, x.dtype, bias=bias)
+    if tuple(out.shape) != (x.shape[0], w.out_features):
+        raise ValueError(f"linear: out must be [{x.shape[0]}, {w.out_features}], got {tuple(out.shape)}")
+    native().gemv(
+        out.data_ptr(), x.data_ptr(), w.weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
+        0 if bias is None else bias.data_ptr(), x.shape[0], w.out_features, w.in_features,
+        dtype_code(x.dtype), w.is_fp8, stream_of(x),
+    )  # fmt: skip
+    return out
+
+
+# ---- FP8 GEMM for many tokens -------------------------------------------------------------------------------------
+
+_scaled_mm_ok: bool | None = None  # decided on first use: does this torch + GPU run 1x128 x 128x128 block scaling
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 128) -> (e4m3 [M, K], float32 scales [M, K/128]), one scale per token and 128 columns."""
+    m, k = x.shape
+    groups = x.float().view(m, k // FP8_BLOCK, FP8_BLOCK)
+    amax = groups.abs().amax(dim=2, keepdim=True).clamp_min(1e-12)
+    scale = amax / FP8_MAX
+    q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
+    return q, scale.view(m, k // FP8_BLOCK)
+
+
+def _scaled_mm_weight_scale(w: LinearWeight) -> torch.Tensor:
+    """The block scales as scaled_mm takes them for the [K, N] operand: [round_up(K/128, 4), N/128], stride [1, L4]."""
+    if w._scaled_mm_scale is None:
+        nb, kb = w.scale.shape
+        l4 = -(-kb // 4) * 4
+        padded = torch.zeros(nb, l4, dtype=torch.float32, device=w.scale.device)
+        padded[:, :kb] = w.scale
+        w._scaled_mm_scale = padded.t()
+    return w._scaled_mm_scale
+
+
+def _quantize_for_gemm(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [padded, K], float32 scales [padded, K/128] with stride [1, padded]); rows past x's are zero."""
+    m, k = x.shape
+    if kernel_applies("quantize_fp8_tokens", x.is_cuda, x.dtype) and padded <= 65535:
+        q = torch.empty(padded, k, dtype=FP8_DTYPE, device=x.device)
+        scale_t = torch.empty(k // FP8_BLOCK, padded, dtype=torch.float32, device=x.device)
+        check_tensors("linear", x.device, None, x=x)
+        native().quantize_fp8_tokens(q.data_ptr(), scale_t.data_ptr(), x.data_ptr(), m, padded, k,
+                                     dtype_code(x.dtype), stream_of(x))  # fmt: skip
+        return q, scale_t.t()
+    q, sx = quantize_activations(F.pad(x, (0, 0, 0, padded - m)))
+    scale_a = torch.empty_strided(sx.shape, (1, padded), dtype=torch.float32, device=x.device)
+    return q, scale_a.copy_(sx)
+
+
+def _fp8_gemm(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    m = x.shape[0]
+    padded = -(-m // 16) * 16  # cuBLASLt refuses block-scaled GEMMs whose token count (scale_a's stride) is unaligned
+    q, scale_a = _quantize_for_gemm(x.contiguous(), padded)
+    y = F.scaled_mm(
+        q, w.weight.t(), scale_a, F.ScalingType.BlockWise1x128, _scaled_mm_weight_scale(w),
+        F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
+    )[:m]  # fmt: skip
+    return y if w.bias is None else y + w.bias
+
+
+def fp8_gemm_supported(device: torch.device, dtype: torch.dtype, w: LinearWeight) -> bool:
+    """Whether the tensor-core FP8 GEMM runs here: shapes in whole 128 blocks and a torch/GPU that accepts the
+    block scaling (tried once on a small problem; a failure is logged and the dequantize fallback used)."""
+    global _scaled_mm_ok
+    if not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if w.in_features % FP8_BLOCK or w.out_features % FP8_BLOCK:
+        return False
+    if _scaled_mm_ok is None:
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            probe = LinearWeight(*quantize_fp8(torch.randn(384, 640, device=device, generator=gen)))
+            errors = []
+            for tokens in (17, 64, 301):  # token counts that are and are not multiples of the alignment
+                probe_x = torch.randn(tokens, 640, device=device, dtype=dtype, generator=gen)
+                got = _fp8_gemm(probe_x, probe).float()
+                want = linear_reference(probe_x, probe).float()
+                errors.append(((got - want).norm() / want.norm()).item())
+            _scaled_mm_ok = max(errors) < 0.1
+            if not _scaled_mm_ok:
+                log.warning("FP8 block-scaled GEMM gives wrong results here; FP8 prefill dequantizes instead")
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError) as e:
+            log.warning("FP8 block-scaled GEMM (scaled_mm 1x128 x 128x128) unavailable (%s); FP8 prefill and large "
+                        "batches dequantize the weight and run a bf16 GEMM instead", str(e).splitlines()[0])  # fmt: skip
+            _scaled_mm_ok = False
+    return _scaled_mm_ok
+
+
+def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
+    """Called once before any step (and before CUDA graphs are captured, where nothing may synchronize or allocate
+    for later): probes the FP8 GEMM and lays out the block scales it takes, for every FP8 weight in `weights`."""
+    for w in weights:
+        if w.is_fp8 and fp8_gemm_supported(device, dtype, w):
+            _scaled_mm_weight_scale(w)
+
+
+def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for x [M, in] -> [M, out] of x's dtype; into `out` when given (and the GEMV runs)."""
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"linear: x must be [tokens, {w.in_features}], got {tuple(x.shape)}")
+    if gemv_kernel_applies(x, w):
+        return gemv(x, w, out)
+    if not w.is_fp8 and w.weight.dtype == x.dtype:
+        y = F.linear(x, w.weight, w.bias)
+    elif w.is_fp8 and x.is_cuda and fp8_gemm_supported(x.device, x.dtype, w):
+        y = _fp8_gemm(x, w)
+    elif w.is_fp8 and x.is_cuda:
+        y = F.linear(x, w.dequantize(x.dtype), w.bias)  # the stated fallback: one dequantized copy per call
+    else:
+        y = linear_reference(x, w)
+    return y if out is None else out.copy_(y)

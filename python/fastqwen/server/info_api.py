@@ -1,0 +1,125 @@
+"""The small endpoints clients of vLLM and SGLang expect beside generation: one model's card (/v1/models/{id}),
+/tokenize and /detokenize in vLLM's shapes (prompts and chat messages), /version, and SGLang's /server_info
+(alias /get_server_info)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter, Request as HTTPRequest
+from pydantic import BaseModel, ConfigDict
+
+from .. import __version__
+from ..limits import check_token_ids
+from .state import APIError, ServerState
+from .tools import check_tools, messages_for_template
+
+router = APIRouter()
+
+
+def model_card(state: ServerState, name: str | None = None) -> dict[str, Any]:
+    """The model under `name` (one of its served names; the primary one by default)."""
+    return {
+        "id": name or state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "fastqwen",
+        "root": state.model_name,
+        "parent": None,
+        "max_model_len": state.max_model_len,
+    }
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, http_request: HTTPRequest) -> dict[str, Any]:
+    state: ServerState = http_request.app.state.server
+    if model_id not in state.model_names:
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+    return model_card(state, model_id)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template first."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False  # Qwen3's tokenizer adds none either way
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
+def _tokenizer(state: ServerState):
+    if not state.has_tokenizer:
+        raise APIError(400, "this model has no tokenizer.json", None)
+    return state.engine.frontend.tokenizer
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, http_request: HTTPRequest) -> dict[str, Any]:
+    state: ServerState = http_request.app.state.server
+    state.check_model(body.model)
+    tokenizer = _tokenizer(state)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", "prompt")
+
+    def run() -> list[int]:
+        text = body.prompt
+        if body.messages is not None:
+            choice = check_tools(body.tools, None)
+            text = state.render_chat(messages_for_template(body.messages), body.add_generation_prompt,
+                                     body.chat_template_kwargs or {}, body.tools if choice else None)  # fmt: skip
+        return tokenizer.encode(text)
+
+    ids = await asyncio.to_thread(run)  # CPU work proportional to the prompt: never on the event loop
+    strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, http_request: HTTPRequest) -> dict[str, Any]:
+    state: ServerState = http_request.app.state.server
+    state.check_model(body.model)
+    tokenizer = _tokenizer(state)
+    check_token_ids(body.tokens, state.engine.frontend.info.vocab_size, "tokens")
+    return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(http_request: HTTPRequest) -> dict[str, Any]:
+    """SGLang's server information: what the engine was started with and where it stands."""
+    state: ServerState = http_request.app.state.server
+    info = state.engine.frontend.info
+    defaults = dataclasses.asdict(info.generation_defaults)
+    return {
+        "version": __version__,
+        "model_path": info.model,
+        "served_model_name": state.model_name,
+        "context_length": info.max_model_len,
+        "vocab_size": info.vocab_size,
+        "page_size": info.page_size,
+        "max_total_num_tokens": info.num_pages * info.page_size,
+        "dtype": info.dtype,
+        "device": info.device,
+        "disable_radix_cache": not info.prefix_caching,
+        "kv_cache_bytes": info.kv_bytes,
+        "default_sampling_params": defaults,
+        "internal_states": [dataclasses.asdict(state.engine.client.stats())],
+    }

@@ -1,0 +1,231 @@
+"""Tensor parallelism on the CPU (gloo), against Hugging Face transformers, float32, greedy, token-exact.
+
+The shard math and the loader first (in this process): every rank's slice, put back together, is the checkpoint's
+tensor; KV heads are replicated when there are more ranks than KV heads; matrices are read by slices, never whole.
+Then whole engines of 2 and 4 ranks (one process each): through the offline LLM and through the server, HF's greedy
+tokens exactly, logits within float32 tolerance of one rank's, sampled tokens the same on every rank (rank 0
+checksums each step against the others), and a rank that dies ends the engine instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fastqwen import LLM, SamplingParams
+from fastqwen.config import load_model_config
+from fastqwen.sampling_params import StructuredOutput
+from fastqwen.sharding import Shard
+from fastqwen.weights import _TensorSource, dummy_weights, load_weights, shard_weights
+
+from checkpoints import engine_logits, hf_greedy, make_checkpoint, write_byte_level_tokenizer
+from server_process import ServerProcess
+
+VOCAB = 390  # not a multiple of 4: the last rank's vocabulary slice is padded
+NEW_TOKENS = 24
+PROMPTS = [[5, 17, 200, 3], list(range(1, 30)), [300, 2, 2, 9, 41, 7, 100]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """4 query heads, 2 KV heads: TP=2 splits the KV heads, TP=4 replicates each on two ranks."""
+    folder = str(tmp_path_factory.mktemp("tp"))
+    hf = make_checkpoint(folder, tied=False, num_heads=4, num_kv_heads=2, vocab=VOCAB, seed=3, max_shard_size="40KB")
+    write_byte_level_tokenizer(folder, VOCAB)  # for the structured-output case (grammars need the tokenizer)
+    return folder, hf, [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+# ---- the shard math and the loader (no processes) -----------------------------------------------------------
+
+
+def test_kv_heads_follow_the_query_heads_they_serve(model):
+    cfg, _ = load_model_config(model[0])
+    group = cfg.num_heads // cfg.num_kv_heads
+    for size in (1, 2, 4):
+        for rank in range(size):
+            shard = Shard(rank, size)
+            q0, q1 = shard.heads(cfg)
+            k0, k1 = shard.kv_heads(cfg)
+            # Every query head this rank holds reads a KV head this rank holds, at the same local GQA offset.
+            assert {q // group for q in range(q0, q1)} == set(range(k0, k1))
+            local = shard.rank_config(cfg)
+            assert local.num_heads == q1 - q0 and local.num_kv_heads == k1 - k0
+    assert [Shard(r, 4).kv_heads(cfg) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # replicated
+    with pytest.raises(ValueError, match="attention heads"):
+        Shard(0, 3).check(cfg)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_shards_put_back_together_are_the_checkpoint(model, size):
+    folder, hf, _ = model
+    cfg, _ = load_model_config(folder)
+    hf_state = {k: v.float() for k, v in hf.state_dict().items()}
+    shards = [load_weights(folder, cfg, torch.float32, torch.device("cpu"), shard=Shard(r, size)) for r in range(size)]
+    rows = Shard(0, size).vocab_rows(VOCAB)
+    embed = torch.cat([w.embed for w in shards])
+    assert all(w.embed.shape[0] == rows for w in shards)
+    torch.testing.assert_close(embed[:VOCAB], hf_state["model.embed_tokens.weight"], rtol=0, atol=0)
+    assert not embed[VOCAB:].any(), "the vocabulary padding must be zeros"
+    torch.testing.assert_close(torch.cat([w.lm_head.weight for w in shards])[:VOCAB], hf_state["lm_head.weight"], rtol=0, atol=0)
+    d, q_per = cfg.head_dim, cfg.num_heads // size
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        q_rows = torch.cat([w.layers[n].qkv.weight[: q_per * d] for w in shards])
+        torch.testing.assert_close(q_rows, hf_state[p + "self_attn.q_proj.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat([w.layers[n].o_proj.weight for w in shards], 1), hf_state[p + "self_attn.o_proj.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat([w.layers[n].down.weight for w in shards], 1), hf_state[p + "mlp.down_proj.weight"], rtol=0, atol=0)
+        gate = torch.cat([w.layers[n].gate_up.weight[: w.layers[n].gate_up.weight.shape[0] // 2] for w in shards])
+        torch.testing.assert_close(gate, hf_state[p + "mlp.gate_proj.weight"], rtol=0, atol=0)
+        for r, w in enumerate(shards):
+            k0, k1 = Shard(r, size).kv_heads(cfg)
+            k = w.layers[n].qkv.weight[q_per * d : q_per * d + (k1 - k0) * d]
+            torch.testing.assert_close(k, hf_state[p + "self_attn.k_proj.weight"][k0 * d : k1 * d], rtol=0, atol=0)
+
+
+def test_sharded_load_reads_matrices_by_slices_only(model, monkeypatch):
+    folder = model[0]
+    cfg, _ = load_model_config(folder)
+    whole = []
+    get = _TensorSource.get
+    monkeypatch.setattr(_TensorSource, "get", lambda self, name: whole.append(name) or get(self, name))
+    load_weights(folder, cfg, torch.float32, torch.device("cpu"), shard=Shard(1, 2))
+    assert whole and all(name.endswith("norm.weight") for name in whole), whole
+
+
+def test_dummy_weights_are_the_same_numbers_at_any_size(model):
+    cfg, _ = load_model_config(model[0])
+    full = dummy_weights(cfg, torch.float32, torch.device("cpu"), seed=5)
+    for rank in range(2):
+        mine = dummy_weights(cfg, torch.float32, torch.device("cpu"), seed=5, shard=Shard(rank, 2))
+        expected = shard_weights(full, cfg, Shard(rank, 2))
+        for a, b in zip(mine.layers, expected.layers):
+            for name, t in vars(a).items():
+                t, other = (t.weight, getattr(b, name).weight) if name in ("qkv", "o_proj", "gate_up", "down") else (t, getattr(b, name))
+                torch.testing.assert_close(t, other, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(mine.embed, expected.embed, rtol=0, atol=0)
+
+
+# ---- whole engines: one process per rank ---------------------------------------------------------------------
+
+
+def children(pid: int) -> list[int]:
+    """Child processes of pid, whichever of its threads started them (Linux /proc)."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return found
+
+
+def is_rank(pid: int) -> bool:
+    """A spawned engine process, not multiprocessing's resource tracker."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"resource_tracker" not in f.read()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_tp2_matches_hf_and_one_rank(model):
+    folder, _, expected = model
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    single = LLM(folder, dtype="float32", device="cpu", num_pages=128, page_size=4)
+    tokens_1, logits_1 = engine_logits(single, PROMPTS[1], NEW_TOKENS)
+    llm = LLM(folder, dtype="float32", device="cpu", num_pages=128, page_size=4, tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected
+        tokens_2, logits_2 = engine_logits(llm, PROMPTS[1], NEW_TOKENS)
+        assert tokens_2 == tokens_1 and tokens_1[: len(expected[1])] == expected[1]  # (ignore_eos runs on past EOS)
+        torch.testing.assert_close(logits_2, logits_1, rtol=1e-4, atol=1e-4)
+        # Sampled tokens: every rank must draw the same ones (a rank that drew another would fail the step checksum
+        # and end the engine), and with seeds the draws repeat.
+        sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+        first = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
+        second = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
+        assert first == second and len(set(map(tuple, first))) > 1
+        # Structured output: each rank compiles its own grammars, and must still admit them at the same step.
+        regex = "[0-9]{3}-[a-z]{2,4}"
+        constrained = [SamplingParams(temperature=1.0, max_tokens=16, seed=s, structured=StructuredOutput("regex", regex)) for s in (4, 5)]
+        outs = llm.generate(["a", "b", PROMPTS[0]], constrained + [sampled[0]], use_tqdm=False)
+        for out in outs[:2]:
+            assert re.fullmatch(regex, out.text), out.text
+        assert outs[2].token_ids == first[0]
+        llm.engine.check_invariants()
+        assert llm.engine.kv.num_pages == 128
+    finally:
+        llm.close()
+    assert not any(p.is_alive() for p in llm.engine.processes)
+
+
+def test_tp4_replicates_kv_heads_and_matches_hf(model):
+    folder, _, expected = model
+    llm = LLM(folder, dtype="float32", device="cpu", num_pages=128, tensor_parallel_size=4)
+    try:
+        assert llm.engine.rank_config.num_kv_heads == 1 and llm.engine.rank_config.num_heads == 1
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected
+    finally:
+        llm.close()
+
+
+def test_a_rank_that_dies_ends_the_engine(model):
+    folder = model[0]
+    llm = LLM(folder, dtype="float32", device="cpu", num_pages=128, tensor_parallel_size=2)
+    rank1 = llm.engine.processes[0]
+    llm.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    llm.step()
+    os.kill(rank1.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1|tensor parallel|Connection|peer"):
+        while llm.has_unfinished():
+            llm.step()
+    assert time.monotonic() - started < 30
+
+
+def test_server_tp2_matches_hf_and_exits_when_a_rank_dies(model):
+    folder, _, expected = model
+    server = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "256", "--tp", "2")
+    try:
+        body = {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
+        response = httpx.post(server.url + "/generate", json=body, timeout=60)
+        assert [r["output_ids"] for r in response.json()] == expected
+        core = [c for c in children(server.proc.pid) if is_rank(c)]
+        ranks = [pid for c in core for pid in children(c) if is_rank(pid)]
+        assert len(core) == 1 and len(ranks) == 1, "expected the core process and its rank 1"
+        os.kill(ranks[0], signal.SIGKILL)
+        assert server.proc.wait(30) != 0, "the server must exit non-zero when a rank dies"
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in core) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in core)
+    finally:
+        server.stop()
+
+
+def test_fp8_weights_are_refused_across_ranks(model):
+    """FP8 projections are not sharded (their 128x128 block scales would have to split with them): refused, never
+    loaded wrong."""
+    folder = model[0]
+    cfg, _ = load_model_config(folder)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        dummy_weights(cfg, torch.float32, torch.device("cpu"), fp8=True, shard=Shard(0, 2))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        load_weights(folder, cfg, torch.float32, torch.device("cpu"), fp8=True, shard=Shard(1, 2))
+    load_weights(folder, cfg, torch.float32, torch.device("cpu"), fp8=True)  # one rank: fine

@@ -1,0 +1,165 @@
+"""Tensor parallelism on GPUs (skipped without 2): the custom all-reduce against a float64 sum and against NCCL at
+every size up to its threshold (eager and replayed from a CUDA graph, 2 and 4 ranks where there are GPUs for them),
+and a TP=2 engine against TP=1 on the same machine, teacher-forced (tokens equal except where the top-2 margin is
+within the observed logit difference, the rule of the CUDA graph tests)."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import traceback
+
+import pytest
+import torch
+
+from fastqwen import LLM
+
+from checkpoints import make_checkpoint, record_result
+from test_cuda_graph_gpu import generate_recording, workload
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+# Message sizes in elements: tiny, decode of 1..256 sequences of hidden 4096 and 5120, and the threshold itself.
+SIZES = [8, 64, 1000 * 8, 4096, 5120, 4096 * 8, 5120 * 32, 4096 * 256, 5120 * 256]
+
+
+def _worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None:
+    try:
+        import torch.distributed as dist
+
+        from fastqwen.ops.collectives import ParallelGroup
+
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
+        group = ParallelGroup.connect(rank, world, store, device)
+        assert group.custom is not None, "the custom all-reduce did not start"
+        dtype = getattr(torch, dtype_name)
+        limit = group.custom.max_bytes // torch.empty((), dtype=dtype).element_size()
+        for numel in [n for n in SIZES if n <= limit] + [limit]:
+            inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(1000 * r + numel)).to(dtype) for r in range(world)]
+            reference = torch.stack([x.double() for x in inputs]).sum(0)
+            mine = inputs[rank].to(device)
+            custom = mine.clone()
+            assert group.custom.applies(custom)
+            group.custom(custom)
+            nccl = mine.clone()
+            group.device_group.allreduce([nccl]).wait()
+            # Float32 accumulation, one rounding: within one unit in the last place of the result.
+            ulp = torch.finfo(dtype).eps * reference.abs().clamp_min(torch.finfo(dtype).tiny)
+            err = (custom.double().cpu() - reference).abs()
+            assert (err <= ulp).all(), f"{dtype_name} {numel}: custom off the float64 sum by {(err / ulp).max():.2f} ulp"
+            err_nccl = (nccl.double().cpu() - reference).abs()
+            assert (err <= err_nccl + ulp).all(), f"{dtype_name} {numel}: custom further from the sum than NCCL"
+            # Every rank holds bitwise the same result.
+            everyone = torch.empty(world * numel, dtype=dtype, device=device)
+            group.device_group._allgather_base(everyone, custom).wait()
+            assert all(torch.equal(chunk, custom) for chunk in everyone.view(world, numel)), "ranks disagree"
+        # Captured in a CUDA graph and replayed with new inputs each time (the round counters live on the device).
+        numel = 5120 * 4
+        static = torch.zeros(numel, dtype=dtype, device=device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            group.all_reduce(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            group.all_reduce(static)
+        for replay in range(5):
+            values = [torch.full((numel,), float(r + replay), dtype=dtype) for r in range(world)]
+            static.copy_(values[rank].to(device))
+            graph.replay()
+            torch.cuda.synchronize()
+            expected = sum(float(r + replay) for r in range(world))
+            assert torch.all(static.float().cpu() == expected), f"replay {replay}: {static[:4].tolist()} != {expected}"
+        group.barrier()
+    except BaseException:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def _run_ranks(world: int, dtype_name: str) -> None:
+    port = 29400 + world + len(dtype_name)
+    ctx = multiprocessing.get_context("spawn")
+    failures = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, dtype_name, failures)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    assert not hung, f"{len(hung)} ranks hung"
+    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_custom_all_reduce_matches_the_sum_and_nccl(world, dtype_name):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _run_ranks(world, dtype_name)
+
+
+# TP rounds each rank's partial o_proj / down sums to bf16 before adding them: a few bf16 steps per layer. Stated
+# tolerance: 5% of the largest |logit| (the graph tests' 1% is for identical arithmetic).
+TOLERANCE = 0.05
+
+
+def compare(tp_run, single_run) -> tuple[int, float]:
+    """Per request: logits within the tolerance at every step compared, and identical tokens up to the first step
+    whose TP=1 top-1 margin is at most twice that step's largest logit difference (only there may the argmaxes
+    differ). Returns the steps compared and the largest logit difference relative to the largest |logit|."""
+    compared, worst = 0, 0.0
+    for t_out, t_logits, s_out, s_logits in zip(tp_run[0], tp_run[1], single_run[0], single_run[1]):
+        scale = s_logits.abs().max().item()
+        top2 = s_logits.topk(2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        for k, (t_tok, s_tok) in enumerate(zip(t_out.token_ids, s_out.token_ids)):
+            diff = (t_logits[k] - s_logits[k]).abs().max().item()
+            worst = max(worst, diff / scale)
+            assert diff <= TOLERANCE * scale, f"request {t_out.request_id} step {k}: logits differ by {diff:.4f}"
+            if diff > 0 and margins[k] <= 2 * diff:
+                break
+            assert t_tok == s_tok, f"request {t_out.request_id} step {k}: margin {margins[k]:.3f}"
+            compared += 1
+    return compared, worst
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tp_gpu"))
+    make_checkpoint(
+        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
+        layers=4, dtype=torch.bfloat16, logit_scale=8.0, seed=13,
+    )  # fmt: skip
+    return folder
+
+
+def test_tp2_matches_tp1_teacher_forced(folder):
+    prompts, max_tokens = workload(24, seed=3)
+    knobs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, max_num_seqs=32, cuda_graph_max_bs=16)
+    single = LLM(folder, **knobs)
+    one = generate_recording(single, prompts, max_tokens)
+    del single
+    torch.cuda.empty_cache()
+    llm = LLM(folder, tensor_parallel_size=2, **knobs)
+    try:
+        assert llm.engine.parallel.custom is not None
+        two = generate_recording(llm, prompts, max_tokens)
+        assert any(size for _, size, _ in two[2]), "no decode step replayed a CUDA graph"
+    finally:
+        llm.close()
+    compared, worst = compare(two, one)
+    assert compared >= len(prompts)
+    record_result("tensor_parallel.json", "tp2_vs_tp1", {"steps_compared": compared, "worst_logit_diff_rel": worst})
