@@ -278,6 +278,7 @@ def test_queue_limit_answers_503_early(folder, llm):
     finally:
         srv.stop()
     ok = [(p, r) for p, r, _ in results if r.status_code == 200]
+    ok_times = sorted(dt for _, r, dt in results if r.status_code == 200)
     rejected = [(r, dt) for _, r, dt in results if r.status_code == 503]
     assert len(ok) + len(rejected) == 200
     # At least the queue's 16 (requests on their way to the engine core count as waiting until it admits them).
@@ -286,7 +287,9 @@ def test_queue_limit_answers_503_early(folder, llm):
         assert r.json()["choices"][0]["text"] == expected[tuple(prompt)]
     for r, dt in rejected:
         assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == 503
-    assert sorted(dt for _, dt in rejected)[len(rejected) // 2] < 2.0, "503s must come back early"
+    # Early: before the served requests (the same machine's load slows both), and never after a long wait.
+    median_rejected = sorted(dt for _, dt in rejected)[len(rejected) // 2]
+    assert median_rejected < ok_times[len(ok_times) // 2] and median_rejected < 10.0, (median_rejected, ok_times)
 
 
 def test_sigterm_drains_running_requests(folder):

@@ -160,6 +160,12 @@ def test_tp2_matches_hf_and_one_rank(model):
         first = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
         second = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
         assert first == second and len(set(map(tuple, first))) > 1
+        # Prompt logprobs: the LM head over prompt positions is vocabulary-parallel too (gathered, then log-softmax).
+        lp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+        got, want = llm.generate([PROMPTS[1]], lp, use_tqdm=False)[0], single.generate([PROMPTS[1]], lp, use_tqdm=False)[0]
+        assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(PROMPTS[1])
+        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
         # Structured output: each rank compiles its own grammars, and must still admit them at the same step.
         regex = "[0-9]{3}-[a-z]{2,4}"
         constrained = [SamplingParams(temperature=1.0, max_tokens=16, seed=s, structured=StructuredOutput("regex", regex)) for s in (4, 5)]

@@ -35,6 +35,9 @@ class StructuredOutput:
       with %json{...} schemas inside allowed, or a GBNF / EBNF grammar with `root ::= ...`).
     strict: for json_schema, refuse schema keywords the compiler does not implement (False: ignore them).
     field: the request field it came from, named in errors (e.g. "response_format").
+    thinking: (open id, close id) of a reasoning model's <think> / </think> tokens: the constrained output may then
+      follow a thinking block, which the grammar leaves free (as vLLM applies structured output after the reasoning).
+    thinking_open: the prompt already opened the block: the output starts inside it and must close it first.
     JSON is generated compactly, with ", " and ": " separators and no other whitespace.
     """
 
@@ -42,6 +45,8 @@ class StructuredOutput:
     spec: str = ""
     strict: bool = True
     field: str = "structured"
+    thinking: tuple[int, int] | None = None
+    thinking_open: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -56,9 +61,9 @@ class StructuredOutput:
             raise InvalidRequestError(f"the {self.kind} is empty", self.field)
 
     @property
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple:
         """What its compiled grammar is cached by."""
-        return (self.kind, self.spec, self.strict)
+        return (self.kind, self.spec, self.strict, self.thinking, self.thinking_open)
 
 
 @dataclass

@@ -21,6 +21,8 @@ ends (EngineFault), and so the server does too.
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import multiprocessing
 import os
 import tempfile
@@ -77,6 +79,9 @@ _TO_FRONTEND = {b"info": EngineInfo, b"step": CoreStep, b"stats": CoreStats, b"f
 def core_main(config: EngineConfig, to_core: str, to_frontend: str, log_level: int) -> None:
     """The core process's entry point: load the engine, report its info, then serve steps until told to stop."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    # Ctrl-C reaches the whole process group: the core ends quietly (the frontend reports the shutdown), not with a
+    # KeyboardInterrupt traceback from wherever it happened to be.
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(to_core)

@@ -97,7 +97,7 @@ class GrammarCompiler:
             return self._tokenizer
 
     def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), llguidance_grammar(structured), log_level=0)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), llguidance_grammar(structured, tuple(self.eos_token_ids)), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {structured.kind.replace('_', ' ')}: {matcher.get_error()}", structured.field)
         return matcher

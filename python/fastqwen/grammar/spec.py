@@ -46,9 +46,30 @@ def _choice_lark(structured: StructuredOutput) -> str:
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=True) for c in dict.fromkeys(choices))
 
 
-def llguidance_grammar(structured: StructuredOutput) -> str:
+def llguidance_grammar(structured: StructuredOutput, eos_token_ids: tuple[int, ...] = ()) -> str:
     """llguidance's grammar text for the spec; raises InvalidRequestError for input that is not even well formed
-    (bad JSON). Whether the grammar compiles is check_structured's question."""
+    (bad JSON). Whether the grammar compiles is check_structured's question. eos_token_ids: never allowed inside a
+    thinking block (the answer must follow it)."""
+    grammar = _constraint_grammar(structured)
+    if structured.thinking is None:
+        return grammar
+    return _after_thinking(grammar, structured, eos_token_ids)
+
+
+def _after_thinking(grammar: str, structured: StructuredOutput, eos_token_ids: tuple[int, ...]) -> str:
+    """The constraint behind an optional thinking block (an opened one, which must close, with thinking_open): any
+    tokens but the closing one and EOS, then it, then up to two newlines, then the constraint as a nested grammar."""
+    inner = json.loads(grammar)["grammars"]
+    if len(inner) != 1:  # nested grammars refer to each other by index, which a wrapper in front would shift
+        raise _error(structured, "this grammar cannot follow a thinking block; disable thinking for this request")
+    start, end = structured.thinking
+    excluded = ",".join(str(t) for t in sorted({end, *eos_token_ids}))
+    block = f"<[^{excluded}]>* <[{end}]> /\\n{{0,2}}/"
+    lark = f"start: {block} @constraint\n" if structured.thinking_open else f"start: (<[{start}]> {block})? @constraint\n"
+    return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": lark}, {**inner[0], "name": "constraint"}]})
+
+
+def _constraint_grammar(structured: StructuredOutput) -> str:
     kind = structured.kind
     if kind == "json_object":
         return _json_schema(structured, {"type": "object"})
@@ -72,7 +93,7 @@ def llguidance_grammar(structured: StructuredOutput) -> str:
 @lru_cache(maxsize=256)
 def _validate(kind: str, spec: str, strict: bool, field: str) -> None:
     structured = StructuredOutput(kind, spec, strict, field)
-    grammar = llguidance_grammar(structured)
+    grammar = _constraint_grammar(structured)  # the thinking wrapper needs the tokenizer: the engine's compile checks it
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise _error(structured, messages[0] if messages else "it does not compile")
@@ -81,6 +102,8 @@ def _validate(kind: str, spec: str, strict: bool, field: str) -> None:
 def check_structured(structured: StructuredOutput) -> None:
     """Raise InvalidRequestError (naming structured.field) unless the spec compiles; results are cached."""
     _validate(structured.kind, structured.spec, structured.strict, structured.field)
+    if structured.thinking is not None:
+        llguidance_grammar(structured)  # the wrapper's own refusal, before the request is queued
 
 
 @lru_cache(maxsize=8)

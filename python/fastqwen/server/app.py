@@ -172,6 +172,9 @@ async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: 
     try:
         started = time.monotonic()
         client = await asyncio.to_thread(load_engine)
+    except asyncio.CancelledError:  # Ctrl-C or a shutdown while loading: not a load failure
+        logger.info("loading stopped: the server is shutting down")
+        raise
     except BaseException as e:
         state.load_error = e
         logger.exception("loading the model failed")

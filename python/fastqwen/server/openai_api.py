@@ -16,7 +16,7 @@ from ..frontend import RequestOutput, RequestTracker
 from ..grammar import tool_call_structured
 from ..sampling_params import StructuredOutput
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
+from .reasoning import CLOSE as THINK_CLOSE, ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse, stream_requests
 from .state import APIError, ServerState, client_closed_response
 from .tools import ToolCallParser, check_tools, messages_for_template, parse_tool_calls
@@ -249,6 +249,16 @@ async def _stream_completion(state, body, requests, prompts, prompt_of, header, 
     yield SSE_DONE
 
 
+def _after_thinking(state: ServerState, structured: StructuredOutput | None, prompt: str, opened: bool) -> StructuredOutput | None:
+    """A chat constraint applies to the answer: a reasoning model (its tokenizer has <think> and </think>) may think
+    first, as vLLM does with a reasoning parser, unless the prompt closed the block already (Qwen3 with
+    enable_thinking false); with the block opened by the prompt, the output must close it first."""
+    thinking = state.thinking_tokens()
+    if structured is None or thinking is None or (not opened and prompt.rstrip().endswith(THINK_CLOSE)):
+        return structured
+    return replace(structured, thinking=thinking, thinking_open=opened)
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest) -> Response:
     state: ServerState = http_request.app.state.server
@@ -270,11 +280,8 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     kwargs = body.chat_template_kwargs or {}
     prompt = await asyncio.to_thread(state.render_chat, messages, body.add_generation_prompt, kwargs, tools)
     opened = prompt_opens_thinking(prompt)
-    if forced is not None and opened:
-        # The grammar starts at the first output token; inside an opened <think> block the calls would be reasoning.
-        raise APIError(400, f"tool_choice {body.tool_choice!r} is not supported when the chat template opens a thinking "
-                       'block; use "auto" or disable thinking', "tool_choice")  # fmt: skip
-    requests, prompt_of = await _build(state, body, [prompt], structured=forced)
+    structured = _after_thinking(state, forced or body.structured(), prompt, opened)
+    requests, prompt_of = await _build(state, body, [prompt], structured=structured)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     parse_calls = tools is not None

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .async_engine import AsyncEngine
 from .metrics import Metrics
+from .reasoning import CLOSE as THINK_CLOSE, OPEN as THINK_OPEN
 
 
 class APIError(Exception):
@@ -78,6 +79,14 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def thinking_tokens(self) -> tuple[int, int] | None:
+        """The ids of <think> and </think> when the tokenizer has both (a reasoning model such as Qwen3)."""
+        tokenizer = self.engine.frontend.tokenizer
+        if tokenizer is None:
+            return None
+        ids = tokenizer.token_id(THINK_OPEN), tokenizer.token_id(THINK_CLOSE)
+        return None if None in ids else ids
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any], tools: list | None = None

@@ -40,6 +40,10 @@ class Tokenizer:
         # the server's event loop (encode holds the GIL throughout: seconds for a 10 MB prompt).
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (added tokens included), None if it has none."""
+        return self._tok.token_to_id(token)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

