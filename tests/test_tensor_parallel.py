@@ -235,3 +235,6 @@ def test_fp8_weights_are_refused_across_ranks(model):
     with pytest.raises(ValueError, match="tensor parallelism"):
         load_weights(folder, cfg, torch.float32, torch.device("cpu"), fp8=True, shard=Shard(1, 2))
     load_weights(folder, cfg, torch.float32, torch.device("cpu"), fp8=True)  # one rank: fine
+    # Through the engine: the cause itself, not "a rank could not start".
+    with pytest.raises(ValueError, match="FP8 weights with tensor parallelism"):
+        LLM(folder, dtype="float32", device="cpu", num_pages=64, tensor_parallel_size=2, quantization="fp8")

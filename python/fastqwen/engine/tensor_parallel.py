@@ -153,9 +153,9 @@ class TensorParallelEngine:
         except BaseException as e:
             reason = self._failed_report() or self.failure
             self.close(kill=True)
-            if reason:
+            if reason and not isinstance(e, (ValueError, OSError)):
                 raise RuntimeError(f"tensor parallel: a rank could not start: {reason}") from e
-            raise
+            raise  # rank 0's own refusal of the model or its files (every rank meets the same): the cause, as it is
 
     # ---- the engine's interface -----------------------------------------------------------------------------
 

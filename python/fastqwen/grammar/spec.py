@@ -59,7 +59,10 @@ def llguidance_grammar(structured: StructuredOutput, eos_token_ids: tuple[int, .
 def _after_thinking(grammar: str, structured: StructuredOutput, eos_token_ids: tuple[int, ...]) -> str:
     """The constraint behind an optional thinking block (an opened one, which must close, with thinking_open): any
     tokens but the closing one and EOS, then it, then up to two newlines, then the constraint as a nested grammar."""
-    inner = json.loads(grammar)["grammars"]
+    try:
+        inner = json.loads(grammar)["grammars"]
+    except ValueError:  # Lark text (what llguidance's grammar_from_lark gives back), not a grammar list
+        inner = [{"lark_grammar": grammar}]
     if len(inner) != 1:  # nested grammars refer to each other by index, which a wrapper in front would shift
         raise _error(structured, "this grammar cannot follow a thinking block; disable thinking for this request")
     start, end = structured.thinking

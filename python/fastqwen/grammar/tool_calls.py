@@ -46,9 +46,13 @@ def _chosen_name(tool_choice: Any) -> str | None:
     raise InvalidRequestError('tool_choice must be "required" or {"type": "function", "function": {"name": ...}} here', "tool_choice")
 
 
-def tool_call_structured(tools: list[Any], tool_choice: Any = "required") -> StructuredOutput:
+def tool_call_structured(tools: list[Any], tool_choice: Any = "required", call_tokens: bool = False) -> StructuredOutput:
     """The spec of one or more <tool_call> blocks over `tools` (OpenAI's shape) for tool_choice "required", or of
-    exactly one call of the named function. Raises InvalidRequestError (field "tools" or "tool_choice")."""
+    exactly one call of the named function. Raises InvalidRequestError (field "tools" or "tool_choice").
+
+    call_tokens: the tokenizer has <tool_call> and </tool_call> as tokens of their own (Qwen3's does): the grammar
+    then asks for those tokens, as the model writes them. (Spelled as text, llguidance would offer the token for the
+    forced text and then refuse it, since it keeps added tokens apart from text.)"""
     if not isinstance(tools, list) or not tools:
         raise InvalidRequestError("tool_choice needs a non-empty list of tools", "tools")
     functions = [_function(t, i) for i, t in enumerate(tools)]
@@ -68,7 +72,8 @@ def tool_call_structured(tools: list[Any], tool_choice: Any = "required") -> Str
             "x-guidance": JSON_OPTIONS,  # the compact JSON of every other schema, not llguidance's free whitespace
         }
         calls.append("%json " + json.dumps(schema, ensure_ascii=True))
-    rules = ["call: " + "\n    | ".join(calls), 'block: "<tool_call>\\n" call "\\n</tool_call>"']
+    block = 'block: <tool_call> "\\n" call "\\n" </tool_call>' if call_tokens else 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+    rules = ["call: " + "\n    | ".join(calls), block]
     start = "start: block" if name is not None else 'start: block ("\\n" block)*'
     lark = "%llguidance {}\n" + "\n".join([start] + rules) + "\n"
     return StructuredOutput("grammar", lark, strict=True, field="tools")

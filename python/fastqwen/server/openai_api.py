@@ -272,7 +272,7 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
         if body.structured() is not None:
             raise APIError(400, f"tool_choice {body.tool_choice!r} constrains the output already; it cannot be combined "
                            "with response_format or guided decoding", "tool_choice")  # fmt: skip
-        forced = tool_call_structured(body.tools, body.tool_choice)
+        forced = tool_call_structured(body.tools, body.tool_choice, state.token_ids("<tool_call>", "</tool_call>") is not None)
     # tool_choice "none" renders no tools (vLLM's --exclude-tools-when-tool-choice-none): a model shown tools may
     # still write calls, which would then come back as content.
     tools = body.tools if choice not in (None, "none") else None

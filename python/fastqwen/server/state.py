@@ -80,13 +80,17 @@ class ServerState:
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def thinking_tokens(self) -> tuple[int, int] | None:
-        """The ids of <think> and </think> when the tokenizer has both (a reasoning model such as Qwen3)."""
+    def token_ids(self, *tokens: str) -> tuple[int, ...] | None:
+        """The ids of these tokens when the tokenizer has every one of them as a token of its own, else None."""
         tokenizer = self.engine.frontend.tokenizer
         if tokenizer is None:
             return None
-        ids = tokenizer.token_id(THINK_OPEN), tokenizer.token_id(THINK_CLOSE)
+        ids = tuple(tokenizer.token_id(t) for t in tokens)
         return None if None in ids else ids
+
+    def thinking_tokens(self) -> tuple[int, int] | None:
+        """The ids of <think> and </think> when the tokenizer has both (a reasoning model such as Qwen3)."""
+        return self.token_ids(THINK_OPEN, THINK_CLOSE)
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any], tools: list | None = None

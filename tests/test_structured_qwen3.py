@@ -60,6 +60,20 @@ def test_thinking_block_is_free_and_the_answer_constrained(setup):
     assert not _accepts(compiler, plain, enc("<think>\nhmm</think>\n\n" + answer))  # no thinking without the wrapper
 
 
+@pytest.mark.parametrize(
+    "kind, spec, answer, wrong",
+    [("regex", "[0-9]{2}-[a-z]+", "42-ok", "4-ok"), ("choice", json.dumps(["yes", "no"]), "no", "maybe"),
+     ("grammar", 'start: "a" NUM\nNUM: /[0-9]+/', "a123", "b1")],
+)  # fmt: skip
+def test_every_kind_can_follow_thinking(setup, kind, spec, answer, wrong):
+    tokenizer, thinking, compiler = setup
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    structured = StructuredOutput(kind, spec, thinking=thinking)
+    assert _accepts(compiler, structured, enc("<think>\nhm</think>\n\n" + answer))
+    assert _accepts(compiler, structured, enc(answer))
+    assert not _accepts(compiler, structured, enc("<think>\nhm</think>\n\n" + wrong))
+
+
 @pytest.mark.parametrize("opened", [False, True])
 def test_random_walks_end_in_valid_answers(setup, opened):
     """Tokens drawn at random from each step's mask (biased towards closing the block so walks finish): the text
@@ -158,3 +172,94 @@ def test_chat_constraint_applies_after_thinking(thinking_server):
     for choice in httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"]:
         assert choice["message"].get("reasoning_content") is None
         jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+
+
+# ---- tool calls with Qwen3's tokenizer: <tool_call> and </tool_call> are tokens of their own ---------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def test_tool_call_grammar_walks_with_qwen3_tokens(setup):
+    """With the call tokens in the grammar every allowed token is accepted (spelled as text, llguidance offers the
+    <tool_call> token and then refuses it), and every walk is a valid call."""
+    import jsonschema
+
+    from fastqwen.grammar import tool_call_structured
+    from fastqwen.server.tools import parse_tool_calls
+
+    tokenizer, _, compiler = setup
+    call_open = tokenizer.token_to_id("<tool_call>")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    mask = np.zeros((1, (VOCAB + 31) // 32), dtype=np.int32)
+    rng = random.Random(11)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        compiled = compiler.submit(tool_call_structured(TOOLS, choice, call_tokens=True))
+        for walk in range(6):
+            matcher, ids = compiler.matcher(compiled), []
+            for _ in range(300):
+                fill_bitmasks([(matcher, 0)], mask)
+                allowed = [int(t) for t in np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:VOCAB])]
+                if EOS in allowed:
+                    break
+                # Short strings and few calls, so walks end: prefer closing quotes, braces and </tool_call>.
+                closing = [t for t in allowed if tokenizer.decode([t], skip_special_tokens=False) in ('"', "}", "</tool_call>", '"}')]
+                token = rng.choice(closing) if closing and rng.random() < 0.5 else rng.choice(allowed)
+                assert matcher.matcher.consume_token(token), matcher.matcher.get_error()
+                ids.append(token)
+                if matcher.matcher.is_stopped():
+                    break
+            assert matcher.accepting and ids[0] == call_open
+            content, calls = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
+            assert calls and not content.strip(), content
+            for call in calls:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory):
+    """A tiny random model with Qwen3's whole vocabulary, real tokenizer and chat template."""
+    import shutil
+
+    from checkpoints import make_checkpoint
+    from server_process import ServerProcess
+
+    folder = str(tmp_path_factory.mktemp("qwen3tok"))
+    make_checkpoint(folder, tied=True, vocab=VOCAB, seed=4, max_positions=2048)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(os.path.dirname(QWEN_TOKENIZER), name), folder)
+    for name, value in (("config.json", EOS), ("generation_config.json", [EOS, 151643])):
+        with open(os.path.join(folder, name)) as f:
+            data = json.load(f)
+        data["eos_token_id"] = value
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(data, f)
+    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--served-model-name", "m")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_required_tool_call_through_qwen3s_template(qwen3_server, thinking):
+    """tool_choice "required" with Qwen3's own tokenizer and template, thinking off (closed block in the prompt) and
+    on (the model may think first: nudged to close the block soon): a valid call every time."""
+    import jsonschema
+    import openai
+
+    from tokenizers import Tokenizer
+
+    close_id = Tokenizer.from_file(QWEN_TOKENIZER).token_to_id("</think>")
+    client = openai.OpenAI(base_url=qwen3_server.url + "/v1", api_key="none", max_retries=0)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    extra = {"chat_template_kwargs": {"enable_thinking": thinking}, "logit_bias": {str(close_id): 8} if thinking else None}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "weather in Paris?"}], tools=TOOLS,
+                                       tool_choice="required", n=4, max_tokens=200, temperature=1.0, seed=2,
+                                       extra_body={k: v for k, v in extra.items() if v is not None})  # fmt: skip
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
