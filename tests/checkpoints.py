@@ -135,6 +135,33 @@ def engine_logits(llm, prompt_ids: list[int], max_tokens: int, whole_output: boo
     return out if whole_output else out.token_ids, torch.cat([c for c in captured if c.shape[0] > 0]).float().cpu()
 
 
+def teacher_forced_match(llm, prompts: list[list[int]], references: list, tolerance: float) -> tuple[int, float]:
+    """The margin rule against reference (tokens, logits) per prompt (engine_logits of a reference engine), returning
+    (decisive steps, worst logit error as a fraction of the reference's largest |logit|). (1) Teacher-forced: every
+    prefix of the reference sequence in one batch; each step whose reference top-1 margin exceeds twice the
+    tolerance must give the reference's token. (2) Free-running: logits within the tolerance while tokens agree."""
+    from fastqwen import SamplingParams
+
+    decisive, worst = 0, 0.0
+    for prompt, (ref_tokens, ref_logits) in zip(prompts, references):
+        scale = ref_logits.abs().max().item()
+        top2 = ref_logits.topk(2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        prefixes = [prompt + ref_tokens[:k] for k in range(len(ref_tokens))]
+        one_step = llm.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        for k, out in enumerate(one_step):
+            if margins[k] > 2 * tolerance * scale:
+                decisive += 1
+                assert out.token_ids[0] == ref_tokens[k], f"step {k}: margin {margins[k]:.2f}"
+        tokens, logits = engine_logits(llm, prompt, len(ref_tokens))
+        agree = next((k for k in range(len(tokens)) if tokens[k] != ref_tokens[k]), len(tokens))
+        compared = min(agree + 1, len(tokens))  # step k's logits depend only on the tokens before it
+        error = (logits[:compared] - ref_logits[:compared]).abs().max().item() / scale
+        worst = max(worst, error)
+        assert error <= tolerance, error
+    return decisive, worst
+
+
 def hf_logits(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
     """HF logits at the positions where the engine sampled new_ids (teacher forcing), float32 on the CPU."""
     device = next(model.parameters()).device

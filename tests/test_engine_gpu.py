@@ -13,7 +13,7 @@ from fastqwen import LLM, SamplingParams
 
 from fastqwen.ops import _native
 
-from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint
+from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint, teacher_forced_match
 
 # Stated tolerance: every bf16 logit within 2% of the largest |logit| of HF's bf16 logits.
 LOGIT_TOLERANCE = 0.02
@@ -124,21 +124,7 @@ def test_kernel_engine_matches_reference_op_engine(bf16_checkpoint, monkeypatch)
     monkeypatch.undo()
     kernel_llm = LLM(folder, **kwargs)
     assert kernel_llm.engine.runner.graphs is not None
-    decisive = 0
-    for prompt, (ref_tokens, ref_logits) in zip(prompts, references):
-        scale = ref_logits.abs().max().item()
-        top2 = ref_logits.topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-        prefixes = [prompt + ref_tokens[:k] for k in range(len(ref_tokens))]
-        one_step = kernel_llm.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        for k, out in enumerate(one_step):
-            if margins[k] > 2 * LOGIT_TOLERANCE * scale:
-                decisive += 1
-                assert out.token_ids[0] == ref_tokens[k], f"step {k}: margin {margins[k]:.2f}"
-        tokens, logits = engine_logits(kernel_llm, prompt, 32)
-        agree = next((k for k in range(len(tokens)) if tokens[k] != ref_tokens[k]), len(tokens))
-        compared = min(agree + 1, len(tokens))  # step k's logits depend only on the tokens before it
-        assert (logits[:compared] - ref_logits[:compared]).abs().max().item() <= LOGIT_TOLERANCE * scale
+    decisive, _ = teacher_forced_match(kernel_llm, prompts, references, LOGIT_TOLERANCE)
     assert decisive >= 30, f"only {decisive} of 96 steps were decisive: the test checks too little"
     kernel_llm.engine.kv.allocator.check()
 

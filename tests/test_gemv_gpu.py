@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from fastqwen import LLM, SamplingParams
+from fastqwen import LLM
 from fastqwen.config import ModelConfig
 from fastqwen.ops import _native
 from fastqwen.ops.linear import (
     FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS, LinearWeight, fp8_gemm_supported, gemv, gemv_kernel_applies, linear,
-    quantize_activations, quantize_fp8,
+    quantize_fp8,
 )
 
-from checkpoints import engine_logits, make_fp8_checkpoint, record_result
+from checkpoints import engine_logits, make_fp8_checkpoint, record_result, teacher_forced_match
 
 pytestmark = [
     pytest.mark.gpu,
@@ -161,22 +161,6 @@ def test_fp8_engine_matches_dequantized_engine(tmp_path, monkeypatch, path):
     assert fp8_llm.engine.model.weights.layers[0].qkv.is_fp8 and fp8_llm.engine.runner.graphs is not None
     if path == "scaled_mm" and not linear_module._scaled_mm_ok:
         pytest.skip("this torch/GPU has no block-scaled FP8 GEMM")
-    decisive, worst = 0, 0.0
-    for prompt, (ref_tokens, ref_logits) in zip(prompts, references):
-        scale = ref_logits.abs().max().item()
-        top2 = ref_logits.topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-        prefixes = [prompt + ref_tokens[:k] for k in range(len(ref_tokens))]
-        one_step = fp8_llm.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        for k, out in enumerate(one_step):
-            if margins[k] > 2 * tolerance * scale:
-                decisive += 1
-                assert out.token_ids[0] == ref_tokens[k], f"step {k}: margin {margins[k]:.2f}"
-        tokens, logits = engine_logits(fp8_llm, prompt, 32)
-        agree = next((k for k in range(len(tokens)) if tokens[k] != ref_tokens[k]), len(tokens))
-        compared = min(agree + 1, len(tokens))
-        error = (logits[:compared] - ref_logits[:compared]).abs().max().item() / scale
-        worst = max(worst, error)
-        assert error <= tolerance, error
+    decisive, worst = teacher_forced_match(fp8_llm, prompts, references, tolerance)
     record_result("gemv_gpu.json", f"fp8_engine_vs_dequantized_{path}", {"max_logit_error_frac": worst, "decisive": decisive})
     assert decisive >= min_decisive, f"only {decisive} of 96 steps were decisive: the test checks too little"

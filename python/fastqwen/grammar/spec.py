@@ -94,19 +94,17 @@ def _constraint_grammar(structured: StructuredOutput) -> str:
 
 
 @lru_cache(maxsize=256)
-def _validate(kind: str, spec: str, strict: bool, field: str) -> None:
-    structured = StructuredOutput(kind, spec, strict, field)
-    grammar = _constraint_grammar(structured)  # the thinking wrapper needs the tokenizer: the engine's compile checks it
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+def _validate(key: tuple, field: str) -> None:
+    structured = StructuredOutput(*key[:3], field, *key[3:])
+    # Without a tokenizer, the thinking wrapper's token references are only warned about; the rest is checked.
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance_grammar(structured))
     if is_error:
         raise _error(structured, messages[0] if messages else "it does not compile")
 
 
 def check_structured(structured: StructuredOutput) -> None:
     """Raise InvalidRequestError (naming structured.field) unless the spec compiles; results are cached."""
-    _validate(structured.kind, structured.spec, structured.strict, structured.field)
-    if structured.thinking is not None:
-        llguidance_grammar(structured)  # the wrapper's own refusal, before the request is queued
+    _validate(structured.key, structured.field)
 
 
 @lru_cache(maxsize=8)

@@ -263,16 +263,15 @@ def _after_thinking(state: ServerState, structured: StructuredOutput | None, pro
 async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest) -> Response:
     state: ServerState = http_request.app.state.server
     state.check_model(body.model)
-    body.to_sampling_params()  # a bad field is refused before the template is rendered
+    constraint = body.to_sampling_params().structured  # a bad field is refused before the template is rendered
     choice = check_tools(body.tools, body.tool_choice)
-    forced = None
     if choice not in (None, "none", "auto"):
         # "required" or a named function: the output is constrained to Qwen3's <tool_call> blocks whose JSON names an
         # allowed function with arguments matching its schema, so the parser below always finds a valid call.
-        if body.structured() is not None:
+        if constraint is not None:
             raise APIError(400, f"tool_choice {body.tool_choice!r} constrains the output already; it cannot be combined "
                            "with response_format or guided decoding", "tool_choice")  # fmt: skip
-        forced = tool_call_structured(body.tools, body.tool_choice, state.token_ids("<tool_call>", "</tool_call>") is not None)
+        constraint = tool_call_structured(body.tools, body.tool_choice, state.token_ids("<tool_call>", "</tool_call>") is not None)
     # tool_choice "none" renders no tools (vLLM's --exclude-tools-when-tool-choice-none): a model shown tools may
     # still write calls, which would then come back as content.
     tools = body.tools if choice not in (None, "none") else None
@@ -280,7 +279,7 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     kwargs = body.chat_template_kwargs or {}
     prompt = await asyncio.to_thread(state.render_chat, messages, body.add_generation_prompt, kwargs, tools)
     opened = prompt_opens_thinking(prompt)
-    structured = _after_thinking(state, forced or body.structured(), prompt, opened)
+    structured = _after_thinking(state, constraint, prompt, opened)
     requests, prompt_of = await _build(state, body, [prompt], structured=structured)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
