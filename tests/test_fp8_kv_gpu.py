@@ -20,13 +20,13 @@ import random
 import pytest
 import torch
 
-from fastqwen import LLM, SamplingParams
+from fastqwen import LLM
 from fastqwen.ops import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store_kv, rope_cos_sin_cache
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
 from fastqwen.ops.kv_fp8 import FP8_KV_DTYPE, quantize_kv
 
-from checkpoints import engine_logits, make_checkpoint, record_result
+from checkpoints import engine_logits, make_checkpoint, record_result, teacher_forced_match
 from test_attention_gpu import assert_within_scale, make_case, unit_roundoff
 
 FP8_ATTENTION_TOLERANCE = 2.0**-2
@@ -174,27 +174,10 @@ def test_engine_fp8_kv_against_bf16_kv(checkpoint):
     fp8 = LLM(checkpoint, kv_cache_dtype="fp8_e4m3", **kwargs)
     assert fp8.engine.kv.k(0).dtype == FP8_KV_DTYPE and fp8.engine.runner.graphs is not None
     rng = random.Random(3)
-    decisive = steps = 0
-    worst = 0.0
-    for n in (6, 33, 150, 400):
-        prompt = [rng.randrange(0, 380) for _ in range(n)]
-        ref_tokens, ref_logits = engine_logits(bf16, prompt, 32)
-        scale = ref_logits.abs().max().item()
-        top2 = ref_logits.topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-        prefixes = [prompt + ref_tokens[:k] for k in range(len(ref_tokens))]
-        one_step = fp8.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        for k, out in enumerate(one_step):
-            steps += 1
-            if margins[k] > 2 * FP8_LOGIT_TOLERANCE * scale:
-                decisive += 1
-                assert out.token_ids[0] == ref_tokens[k], f"step {k}: margin {margins[k]:.2f}"
-        tokens, logits = engine_logits(fp8, prompt, 32)
-        agree = next((k for k in range(len(tokens)) if tokens[k] != ref_tokens[k]), len(tokens))
-        compared = min(agree + 1, len(tokens))
-        err = (logits[:compared] - ref_logits[:compared]).abs().max().item() / scale
-        worst = max(worst, err)
-        assert err <= FP8_LOGIT_TOLERANCE, f"prompt of {n}: logits differ by {err:.3f} of the largest"
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 33, 150, 400)]
+    references = [engine_logits(bf16, prompt, 32) for prompt in prompts]
+    steps = sum(len(tokens) for tokens, _ in references)
+    decisive, worst = teacher_forced_match(fp8, prompts, references, FP8_LOGIT_TOLERANCE)
     record_result("fp8_kv.json", "engine_worst_logit_error_fraction", worst)
     record_result("fp8_kv.json", "engine_decisive_steps", [decisive, steps])
     assert decisive >= 10, f"only {decisive} of {steps} steps were decisive: the test checks too little"
