@@ -8,6 +8,8 @@
 #            (= the stages latency, then throughput)
 #   serving  the HTTP server: batch-1 latency through HTTP, bench/serving.py at concurrency 1/8/64/256
 #   compare  bench/profile_step.py at batch 1 and 256 for this tree and for BASE_TREE (an older tree), same run
+#   structured  the structured-output GPU tests, then bench/structured.py (random Qwen3-8B, Qwen3's tokenizer, 64 in
+#            flight): the free-string JSON-schema mix and the exact-length one, each against unconstrained
 #   serving15  offline throughput, then the server (engine core process) with bench/serving.py and SGLang's
 #            bench_serving (SGL_TOOLS=folder) at 128/1024 c=256, 1024/1024 c=64, and 1024 in flight
 # Every stage after `tests` builds first if the package is not installed yet.
@@ -63,9 +65,13 @@ run() {  # run NAME TIMEOUT CMD...: logs to OUT/NAME.log, records a failure in b
 stage_tests() {
   build
   echo "== tests"
-  FASTQWEN_RESULTS_DIR="$OUT" timeout 480 python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 | tail -n 60 | tee "$OUT/tests.log"
+  FASTQWEN_RESULTS_DIR="$OUT" timeout 480 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
   tests_rc=$?
   echo "tests rc=$tests_rc" | tee -a "$OUT/tests.log"
+  # The device's reply keeps the end of stdout: the failures' short tracebacks first (trimmed), the summary last.
+  awk '/= (FAILURES|ERRORS) =/,/short test summary/' "$OUT/tests.log" | grep -E "^(E  |_____|tests/[a-z_0-9]+\.py:[0-9]+)" \
+    | cut -c1-220 | head -n 160
+  grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT/tests.log" | cut -c1-260 | tail -n 70
 }
 
 stage_kernels() {
@@ -199,10 +205,19 @@ stage_serving15() {  # the engine-core process bars: HTTP against offline, same 
   stop_server
 }
 
+stage_structured() {  # issue 16's bar: a JSON-schema mix at 64 in flight against the same requests unconstrained
+  FASTQWEN_RESULTS_DIR="$OUT" run structured_tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_structured_gpu.py
+  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  for mix in plain exact; do
+    run "structured_8b_$mix" 200 python3 bench/structured.py --model /tmp/qwen3-8b-dummy --load-format dummy \
+      --in-flight 64 --mix "$mix" --json "$OUT/structured_8b_$mix.json"
+  done
+}
+
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
@@ -210,6 +225,8 @@ for stage in $STAGES; do
 done
 
 echo "== summary: build rc=$build_rc tests rc=$tests_rc bench rc=$bench_rc serving rc=$serve_rc" | tee "$OUT/summary.txt"
+# The device returns at most 8 files from $OUT: everything goes back as one archive.
+tar czf /tmp/gpu_check_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_check_results.tgz "$OUT/results.tgz"
 if [ "$build_rc" -ne 0 ] || [ "$tests_rc" -ne 0 ]; then
   exit 1
 fi

@@ -6,8 +6,10 @@ staging.py) and writes float32 logits into one persistent [max_bs, vocab] buffer
 views, one upload, one launch. Padding rows have out_slots = -1 (their K/V are written nowhere) and kv_lens = 0
 (attention reads nothing and returns zeros); their logits are computed and ignored.
 
-A post-logits hook (logits view [size, vocab], size) runs inside the capture after the LM head: work that turns the
-logits into tokens on persistent buffers (the sampler) can join the graph that way.
+A post-logits hook (logits view [size, vocab], size) is captured as a second graph per size, replayed right after the
+forward's: work that turns the logits into tokens on persistent buffers (the sampler). `replay` runs both;
+`replay_forward` runs the forward alone, for a step whose sampler must wait for the host (a grammar's mask needs the
+token of the step before: see ModelRunner.sample_deferred).
 
 All graphs share one memory pool and are captured largest first, so the smaller ones reuse the largest one's
 activation memory.
@@ -84,6 +86,7 @@ class DecodeGraphs:
         self.max_bs = self.sizes[-1]
         self.post_logits = post_logits
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the post-logits hook's, by size
         self.logits: torch.Tensor | None = None
         self.capture_seconds = 0.0
         self.memory_bytes = 0
@@ -107,10 +110,7 @@ class DecodeGraphs:
         )  # fmt: skip
 
     def _run(self, batch: ForwardBatch, size: int) -> None:
-        out = self.logits[:size]
-        self.model.forward(batch, self.kv, logits_out=out)
-        if self.post_logits is not None:
-            self.post_logits(out, size)
+        self.model.forward(batch, self.kv, logits_out=self.logits[:size])
 
     @torch.inference_mode()
     def capture(self) -> "DecodeGraphs":
@@ -134,11 +134,18 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 self._run(batch, size)  # warm-up outside the capture: cuBLAS settles its kernels and workspace
+                if self.post_logits is not None:
+                    self.post_logits(self.logits[:size], size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._run(batch, size)
-            torch.cuda.current_stream(device).wait_stream(stream)  # the next upload must not overtake the warm-up
             self.graphs[size] = graph
+            if self.post_logits is not None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.post_logits(self.logits[:size], size)
+                self.sample_graphs[size] = graph
+            torch.cuda.current_stream(device).wait_stream(stream)  # the next upload must not overtake the warm-up
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the warm-ups' blocks in the general pool are not the graphs' memory
         self.capture_seconds = time.perf_counter() - start
@@ -146,13 +153,22 @@ class DecodeGraphs:
         return self
 
     def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of this padded size on the inputs already uploaded; returns logits [size, vocab]."""
+        """Run the graphs of this padded size (forward, then the post-logits hook's) on the inputs already uploaded;
+        returns logits [size, vocab]."""
+        self.graphs[size].replay()
+        if size in self.sample_graphs:
+            self.sample_graphs[size].replay()
+        return self.logits[:size]
+
+    def replay_forward(self, size: int) -> torch.Tensor:
+        """The forward's graph alone: logits [size, vocab], the hook not run."""
         self.graphs[size].replay()
         return self.logits[:size]
 
     def close(self) -> None:
         """Release the graphs and their memory (the pool goes when no graph and no tensor of it is left)."""
-        for graph in self.graphs.values():
+        for graph in [*self.graphs.values(), *self.sample_graphs.values()]:
             graph.reset()
         self.graphs.clear()
+        self.sample_graphs.clear()
         self.logits = None

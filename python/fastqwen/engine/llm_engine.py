@@ -376,6 +376,8 @@ class LLMEngine:
         if self._ahead is not None:
             (scheduled, pending), self._ahead = self._ahead, None
             self._step_requests = [c.request for c in scheduled.chunks]
+            if pending.deferred:  # its forward runs; its sampler needed the step just recorded (grammar masks)
+                self.runner.sample_deferred(pending)
         else:
             scheduled = self.scheduler.schedule()
             self._step_requests = [c.request for c in scheduled.chunks]

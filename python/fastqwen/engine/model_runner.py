@@ -35,7 +35,8 @@ class PromptRows:
 @dataclass
 class PendingStep:
     """A launched step. An eager step is complete (tokens set); a graph step's tokens are on their way to `host`,
-    in pinned memory, and `ready` fires when they are there."""
+    in pinned memory, and `ready` fires when they are there. A deferred step has run its forward only: its sampler
+    waits for ModelRunner.sample_deferred, once the step before it is recorded."""
 
     requests: list[Request]  # the sampling rows, in order
     tokens: list[int] | None = None
@@ -43,6 +44,7 @@ class PendingStep:
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     num_top: int = -1  # the sampler's logprobs width at launch (-1: no row asked)
+    deferred: bool = False
 
 
 class ModelRunner:
@@ -259,6 +261,9 @@ class ModelRunner:
         `after`: the graph step in flight whose sampled tokens this one's rows read, for a decode step chosen by
         Scheduler.schedule_ahead before those tokens reached the host. Such a step runs only as a graph replay with
         the CUDA sampler; None when it cannot (the caller then runs it the ordinary way, once `after` is recorded).
+        When its sampler needs what `after` decides (a grammar's mask, logprob buffers not read yet, a counts row to
+        rebuild), only its forward runs now: the step comes back deferred, and sample_deferred finishes it once
+        `after` is recorded.
         """
         chunks = scheduled.chunks
         if after is not None:
@@ -276,16 +281,47 @@ class ModelRunner:
         graphs, sampler = self.graphs, self.sampler
         if after.host is None or graphs is None or sampler.graph_hook is None or len(chunks) > graphs.max_bs:
             return None
-        if after.num_top >= 0:  # the step in flight wants logprobs: this launch would overwrite them before collect
-            return None
         requests = [c.request for c in chunks]
-        if not sampler.can_run_ahead(requests):
-            return None
         source = {id(r): row for row, r in enumerate(after.requests)}
         if any(id(r) not in source for r in requests):
             return None
         size = graphs.padded_size(len(chunks))
-        return self._launch_graph(chunks, size, [source[id(r)] for r in requests])
+        source_rows = [source[id(r)] for r in requests]
+        # A step in flight that wants logprobs must be read before another sampler launch overwrites them.
+        if after.num_top < 0 and sampler.can_run_ahead(requests):
+            return self._launch_graph(chunks, size, source_rows)
+        return self._launch_forward(chunks, size, source_rows)
+
+    def _launch_forward(self, chunks, size: int, source_rows: list[int]) -> PendingStep:
+        """The forward of a step launched ahead, without its sampler: its input tokens are copied on the device from
+        the step in flight, as for _launch_graph."""
+        self.staging.wait_uploaded()
+        batch = self._build_graph_decode(chunks, size, ahead=True)
+        self._copy_input_tokens(batch, source_rows, self._flip)
+        self.graphs.replay_forward(size)
+        return PendingStep([c.request for c in chunks], deferred=True)
+
+    def sample_deferred(self, pending: PendingStep) -> None:
+        """Sample a deferred step on its forward's logits (still in the graphs' buffer: the next forward is launched
+        after this) and start its read-back. Called once the step before it is recorded, so its rows are prepared as
+        any step's: grammar masks from the tokens committed so far, penalty counts up to date. The host computes the
+        masks while the GPU runs the step's forward."""
+        requests = pending.requests
+        n = len(requests)
+        self.sampler.prepare(requests)
+        self.sampler.launch(self.graphs.logits[:n])
+        pending.host, pending.ready = self._start_read_back(self.sampler.tokens[:n])
+        pending.num_top = self.sampler.num_top
+        pending.deferred = False
+
+    def _copy_input_tokens(self, batch: ForwardBatch, source_rows: list[int], flip: int) -> None:
+        """Each row's input token, on the device, from the row of the sampler's last draw that sampled it."""
+        n = len(source_rows)
+        rows_host = self._source_rows_host[flip][:n]
+        rows_host.numpy()[:] = source_rows
+        rows = self._source_rows[flip, :n]
+        rows.copy_(rows_host, non_blocking=True)
+        torch.index_select(self.sampler.tokens, 0, rows, out=batch.input_ids[:n])
 
     def _launch_graph(self, chunks, size: int, source_rows: list[int] | None = None) -> PendingStep:
         """Replay the decode graph of `size` (sampler included) and start the read-back of its tokens. A step
@@ -301,11 +337,7 @@ class ModelRunner:
         self.sampler.prepare(requests, pad_to=size, ahead=int(ahead))
         batch = self._build_graph_decode(chunks, size, ahead=ahead)
         if ahead:
-            rows_host = self._source_rows_host[flip][:n]
-            rows_host.numpy()[:] = source_rows
-            rows = self._source_rows[flip, :n]
-            rows.copy_(rows_host, non_blocking=True)
-            torch.index_select(self.sampler.tokens, 0, rows, out=batch.input_ids[:n])
+            self._copy_input_tokens(batch, source_rows, flip)
         self.run_model(batch, size)
         host, ready = self._start_read_back(self.sampler.tokens[:n])
         return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)

@@ -23,8 +23,10 @@ logit_bias entries and bans share one sparse list per row (id, value; a ban's va
 graphs (GRAPH_BAN_WIDTH) and eager above it. Structured output: a request with a grammar (`Request.grammar`) gets its
 row of a token bitmask (int32 words, vocab / 32) computed on the host before each draw (grammar.fill_bitmasks) and
 uploaded with the rows; a per-row flag tells the kernel which rows read it, so unconstrained rows cost nothing. The
-mask of a step depends on the token of the step before, so a batch holding a constrained request is never launched
-ahead (can_run_ahead): such steps run one after the other, with no extra device-to-host sync.
+mask of a step depends on the token of the step before, so a batch holding a constrained request is never sampled
+ahead (can_run_ahead): the engine launches such a step's forward ahead and its sampler once the step before is
+recorded (ModelRunner.sample_deferred), so the host computes the masks while the GPU runs the forward, with no extra
+device-to-host sync.
 """
 
 from __future__ import annotations
@@ -218,6 +220,10 @@ class GpuSampler(Sampler):
         self.mask_host = torch.zeros(max_rows, self.mask_words(), dtype=torch.int32, pin_memory=pin)
         self.mask = torch.zeros(max_rows, self.mask_words(), dtype=torch.int32, device=device)
         self.workspace = sampler_workspace(max_rows, vocab, device)
+        # Recorded after each prepare's uploads: the next prepare refills the pinned buffers only once they are read
+        # (a deferred step's sampler uploads after its forward, which the caller's own upload wait does not cover).
+        self._uploaded = torch.cuda.Event() if pin else None
+        self._uploaded_pending = False
         self.counts: torch.Tensor | None = None  # [max_rows, vocab] int32, made on the first request with penalties
         self.slot_owner: list[Request | None] = [None] * max_rows
         self.num_rows = 0
@@ -326,6 +332,8 @@ class GpuSampler(Sampler):
         if max(n, pad_to) > self.max_rows:
             raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
         batch_ids = {id(r) for r in requests}
+        if self._uploaded_pending:
+            self._uploaded.synchronize()
         host = self.rows_host.numpy()
         if n:
             host[:n] = np.stack([self._packed_row(r) for r in requests])
@@ -348,7 +356,7 @@ class GpuSampler(Sampler):
                 if ids:
                     bans.append((i, ids, values))
                     host[i, self._bans_word] = len(ids)
-            if r.grammar is not None:
+            if r.grammar is not None and not r.finished:  # (a request finished since its step was chosen: no mask)
                 if ahead:
                     raise RuntimeError("GpuSampler: a grammar row cannot be prepared ahead of its token (check can_run_ahead)")
                 constrained.append((r.grammar, i))
@@ -363,6 +371,9 @@ class GpuSampler(Sampler):
             host[n:pad_to] = self._neutral_row
         rows = max(n, pad_to)
         self.rows[:rows].copy_(self.rows_host[:rows], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+            self._uploaded_pending = True
         for r in slots:
             r.sampler.counted = r.num_output_tokens + ahead + 1  # the launch counts the token it draws
         self.num_rows = n
