@@ -133,12 +133,14 @@ def test_fp8_activation_quantizer_matches_reference(tokens):
 
 
 # FP8 engine vs the engine on the same weights dequantized to bf16, teacher-forced, under the margin rule.
-# Weight-only (the FP8 GEMM off: prefill dequantizes the weight, decode runs the GEMV): the two differ only in where the
-# dequantized weight is rounded, so test_engine_gpu.py's 2% of the largest |logit| applies. With the block-scaled FP8
+# Weight-only (the FP8 GEMM off: prefill dequantizes the weight, decode runs the GEMV): the two differ in where the
+# dequantized weight is rounded (the GEMV never rounds it to bf16) and so in every bf16 rounding after it: the
+# distance between two bf16 engines, which engine_bf16_parity.json puts at 0.5 to 0.71 of logits up to ~40 (HF bf16
+# against float32: 1.9%). Stated: 3% (2.26% measured on the H100, 2026-11-23). With the block-scaled FP8
 # GEMM, prefill rounds activations to e4m3 (up to 2^-4 = 6.25% per element; 2.6% relative error per GEMM in
 # test_fp8_large_batch_path) in each of the 4 layers' 4 GEMMs: stated tolerance 15% (0.097 measured on the H100,
 # bench/results/2026-11-23-h100-fp8w/run3/gemv_gpu.json), where few steps have margins above twice that.
-FP8_TOLERANCE = {"weight_only": (0.02, 30), "scaled_mm": (0.15, 0)}  # (logit tolerance, decisive steps required)
+FP8_TOLERANCE = {"weight_only": (0.03, 30), "scaled_mm": (0.15, 0)}  # (logit tolerance, decisive steps required)
 
 
 @pytest.mark.parametrize("path", ["weight_only", "scaled_mm"])
@@ -150,7 +152,7 @@ def test_fp8_engine_matches_dequantized_engine(tmp_path, monkeypatch, path):
     make_fp8_checkpoint(folder, seed=9, hidden=256, intermediate=512, num_heads=2, num_kv_heads=1, head_dim=128,
                         layers=4, logit_scale=8.0)  # fmt: skip
     rng = random.Random(7)
-    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 150, 400)]
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 150, 400, 40, 90, 250)]  # 192 steps
     kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=1024, max_num_batched_tokens=256)
     dense_llm = LLM(folder, quantization="none", **kwargs)
     assert not dense_llm.engine.model.weights.layers[0].qkv.is_fp8
@@ -164,4 +166,4 @@ def test_fp8_engine_matches_dequantized_engine(tmp_path, monkeypatch, path):
         pytest.skip("this torch/GPU has no block-scaled FP8 GEMM")
     decisive, worst = teacher_forced_match(fp8_llm, prompts, references, tolerance)
     record_result("gemv_gpu.json", f"fp8_engine_vs_dequantized_{path}", {"max_logit_error_frac": worst, "decisive": decisive})
-    assert decisive >= min_decisive, f"only {decisive} of 96 steps were decisive: the test checks too little"
+    assert decisive >= min_decisive, f"only {decisive} of 192 steps were decisive: the test checks too little"
