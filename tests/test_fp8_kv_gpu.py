@@ -9,7 +9,7 @@ as tests/test_attention_gpu.py does):
 - stated e4m3 tolerance: against the bf16 kernel on the unquantized pool. Every cached entry moves by at most 2^-4 of
   itself; an output row may move by FP8_ATTENTION_TOLERANCE = 2^-2 of its scale (four such units), and the rare row
   whose softmax weights shift most (a long context averages V down to a small row scale while the weights move with
-  every quantized key) by FP8_ATTENTION_OUTLIER = 2^-1, at most 1 row in 500. Measured on the H100 (2026-11-23): at
+  every quantized key) by FP8_ATTENTION_OUTLIER = 2^-1, at most 1 row in 500 (or one row of a smaller case). Measured on the H100 (2026-11-23): at
   most 4 rows of 5,008 above 2^-2 of their scale, the worst at 0.38.
 The engine: every logit within FP8_LOGIT_TOLERANCE = 0.1 of the largest |logit| of the bf16-KV engine's, and by the
 margin rule (tests/test_engine_gpu.py) the same greedy token wherever the bf16-KV top-1 margin exceeds twice that.
@@ -51,7 +51,8 @@ def assert_e4m3_tolerance(out: torch.Tensor, unquantized: torch.Tensor, what: st
     worst = assert_within_scale(out, unquantized, FP8_ATTENTION_OUTLIER, what) * FP8_ATTENTION_OUTLIER / FP8_ATTENTION_TOLERANCE
     err = (out.double() - unquantized.double()).abs().amax(-1)
     over = int((err > FP8_ATTENTION_TOLERANCE * unquantized.double().abs().amax(-1)).sum())
-    assert over * 500 <= err.numel(), f"{what}: {over} of {err.numel()} rows differ by more than {FP8_ATTENTION_TOLERANCE} of their scale"
+    allowed = max(1, err.numel() // 500)
+    assert over <= allowed, f"{what}: {over} of {err.numel()} rows differ by more than {FP8_ATTENTION_TOLERANCE} of their scale"
     return worst
 
 
