@@ -4,7 +4,8 @@ For each op and token count: the median time per call of our kernel, of the refe
 reference under torch.compile, each captured in a CUDA graph over enough rotating buffers that the inputs exceed
 twice the L2 (so the figure is HBM traffic, not cache hits, and launch gaps are out), plus our kernel launched from
 Python one call at a time. Bandwidth counts each compulsory byte once (inputs read, outputs written) and is
-compared with a device-to-device copy measured in the same run.
+compared with a device-to-device copy measured in the same run. The attention rows run on a bf16 and on an FP8 (e4m3)
+KV pool (--kv-dtypes); an FP8 row counts the bytes it actually reads, one per cached entry.
 
     python bench/kernels.py [--tokens 1 16 256 4096 16384] [--json out.json]
 """
@@ -29,6 +30,7 @@ from fastqwen.ops import (
     rope_cos_sin_cache,
 )
 from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
+from fastqwen.ops.kv_fp8 import quantize_kv
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.norm import rms_norm_reference
 from fastqwen.ops.rope_kv import apply_rope_reference
@@ -146,17 +148,26 @@ def bench_qk(tokens: int, copy_gbs: float, iters: int) -> dict:
 
 
 DECODE_CASES = [(64, 4096), (1, 16384), (256, 512), (1, 128), (16, 4096)]  # (batch, cached tokens)
+KV_DTYPES = ("bf16", "fp8")  # the KV pool: the model's bf16, or e4m3 (one byte an entry)
 
 
-def bench_decode(batch: int, length: int, copy_gbs: float, iters: int) -> dict:
-    """Paged decode attention, Qwen3-8B heads, page 16, pages scattered over the pool."""
-    kv_bytes = batch * length * KV_HEADS * HEAD_DIM * 2 * 2
+def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache = torch.randn(pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DT)
+    v_cache = torch.randn_like(k_cache)
+    if kv == "fp8":
+        k_cache, v_cache = quantize_kv(k_cache, 1.0), quantize_kv(v_cache, 1.0)
+    return k_cache, v_cache
+
+
+def bench_decode(batch: int, length: int, copy_gbs: float, iters: int, kv: str = "bf16") -> dict:
+    """Paged decode attention, Qwen3-8B heads, page 16, pages scattered over the pool. Bandwidth counts the bytes
+    actually read and written: K and V at the pool's width (2 bytes an entry, 1 for FP8), q and out in bf16."""
+    kv_bytes = batch * length * KV_HEADS * HEAD_DIM * 2 * (1 if kv == "fp8" else 2)
     per = kv_bytes + 2 * batch * HEADS * HEAD_DIM * 2
     nbuf = buffers_needed(per)
     pages_each = -(-length // PAGE)
     pool_pages = nbuf * batch * pages_each
-    k_cache = torch.randn(pool_pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DT)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = kv_pool(pool_pages, kv)
     order = torch.randperm(pool_pages, device="cuda", dtype=torch.int64).to(torch.int32)
     tables = order.view(nbuf, batch, pages_each)
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
@@ -177,8 +188,8 @@ def bench_decode(batch: int, length: int, copy_gbs: float, iters: int) -> dict:
             for i in range(nbuf)
         ],
     }
-    row = {"op": "paged_attention_decode", "batch": batch, "tokens": length, "splits": splits, "buffers": nbuf,
-           "bytes_per_call": per}  # fmt: skip
+    row = {"op": "paged_attention_decode", "kv_dtype": kv, "batch": batch, "tokens": length, "splits": splits,
+           "buffers": nbuf, "bytes_per_call": per}  # fmt: skip
     graph = graph_of(variants["ours"])
     us = time_fn(graph.replay, iters) / nbuf * 1e3
     del graph
@@ -195,7 +206,7 @@ def bench_decode(batch: int, length: int, copy_gbs: float, iters: int) -> dict:
 PREFILL_CASES = [(1, 4096, 0), (1, 512, 4096), (8, 512, 0), (1, 16384, 0)]  # (sequences, new tokens, cached prefix)
 
 
-def bench_prefill(batch: int, new: int, prefix: int, iters: int) -> dict:
+def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16") -> dict:
     """Causal prefill / extend attention, Qwen3-8B heads, page 16, pages scattered; against PyTorch's
     scaled_dot_product_attention (flash backend) on the same shapes in contiguous layout, K/V expanded to all heads.
     Compute-bound: FLOPs = 4 * H * D * (keys each query sees, summed)."""
@@ -205,8 +216,7 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int) -> dict:
     pages_each = -(-total // PAGE)
     nbuf = 2
     pool_pages = nbuf * batch * pages_each
-    k_cache = torch.randn(pool_pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DT)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = kv_pool(pool_pages, kv)
     tables = torch.randperm(pool_pages, device="cuda").to(torch.int32).view(nbuf, batch, pages_each)
     lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
     starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * new
@@ -225,10 +235,13 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int) -> dict:
     graph = graph_of(ours)
     us = time_fn(graph.replay, iters) / nbuf * 1e3
     del graph
-    row = {"op": "paged_attention_prefill", "batch": batch, "new_tokens": new, "prefix": prefix, "flops": flops,
-           "ours_us": us, "ours_tflops": flops / (us * 1e-6) / 1e12}  # fmt: skip
+    row = {"op": "paged_attention_prefill", "kv_dtype": kv, "batch": batch, "new_tokens": new, "prefix": prefix,
+           "flops": flops, "ours_us": us, "ours_tflops": flops / (us * 1e-6) / 1e12}  # fmt: skip
     del k_cache, v_cache, qs, outs, want
     torch.cuda.empty_cache()
+    if kv != "bf16":
+        row["sdpa_flash_error"] = "compared on the bf16 rows only"
+        return row
     # The same attention, contiguous [B, H, S, D], through the flash backend (bottom-right causal for the extend).
     q = torch.randn(nbuf, batch, HEADS, new, HEAD_DIM, device="cuda", dtype=DT)
     k = torch.randn(nbuf, batch, HEADS, total, HEAD_DIM, device="cuda", dtype=DT)
@@ -267,6 +280,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 4096, 8192, 16384])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--ops", nargs="+", default=["norms", "qk", "decode", "prefill", "sample"], choices=["norms", "qk", "decode", "prefill", "sample"])
+    ap.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES, help="KV pools of the attention rows")
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
@@ -280,8 +294,8 @@ def main() -> int:
             rows += bench_norms(tokens, copy_gbs, args.iters)
         if "qk" in args.ops:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
-    decode_rows = [bench_decode(b, n, copy_gbs, args.iters) for b, n in DECODE_CASES] if "decode" in args.ops else []
-    prefill_rows = [bench_prefill(b, n, p, args.iters) for b, n, p in PREFILL_CASES] if "prefill" in args.ops else []
+    decode_rows = [bench_decode(b, n, copy_gbs, args.iters, kv) for b, n in DECODE_CASES for kv in args.kv_dtypes] if "decode" in args.ops else []
+    prefill_rows = [bench_prefill(b, n, p, args.iters, kv) for b, n, p in PREFILL_CASES for kv in args.kv_dtypes] if "prefill" in args.ops else []
     sample_rows = bench_sample_cases(copy_gbs, args.iters) if "sample" in args.ops else []
     tflops = matmul_tflops(args.iters)
     print(f"device: {device}   torch {torch.__version__}   d2d copy (read+write): {copy_gbs:.0f} GB/s   "
@@ -294,14 +308,14 @@ def main() -> int:
         )
     for r in decode_rows:
         print(
-            f"paged_attention_decode B={r['batch']:<4} L={r['tokens']:<6} splits {r['splits']:<3} | {r['ours_us']:>8.2f} us "
+            f"paged_attention_decode {r['kv_dtype']:<4} B={r['batch']:<4} L={r['tokens']:<6} splits {r['splits']:<3} | {r['ours_us']:>8.2f} us "
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
         )
     for r in prefill_rows:
         sdpa = (f"SDPA flash {r['sdpa_flash_us']:>8.1f} us {r['sdpa_flash_tflops']:>5.0f} TFLOP/s | ours/sdpa {r['ours_vs_sdpa']:.2f}"
                 if "sdpa_flash_us" in r else f"SDPA flash: {r.get('sdpa_flash_error')}")  # fmt: skip
         print(
-            f"paged_attention_prefill B={r['batch']:<2} new={r['new_tokens']:<5} prefix={r['prefix']:<5} | "
+            f"paged_attention_prefill {r['kv_dtype']:<4} B={r['batch']:<2} new={r['new_tokens']:<5} prefix={r['prefix']:<5} | "
             f"{r['ours_us']:>8.1f} us {r['ours_tflops']:>5.0f} TFLOP/s | {sdpa}"
         )
     print_sample_rows(sample_rows)

@@ -13,13 +13,17 @@ constexpr int kAttentionHeadDim = 128;
 constexpr int kDecodeMaxSplits = 32;
 
 // What both kernels take, by name. Pointers are device addresses, stream a cudaStream_t.
-// q, out: [tokens, H, 128]; k_cache, v_cache: [num_pages, page_size, H_kv, 128]; page_table: int32 [B, max_pages];
+// q, out: [tokens, H, 128]; k_cache, v_cache: [num_pages, page_size, H_kv, 128] of kv_dtype; page_table: int32 [B, max_pages];
 // kv_lens: int32 [B], every cached token of sequence b including this step's.
 struct PagedAttentionArgs {
   uintptr_t q = 0, out = 0, k_cache = 0, v_cache = 0, page_table = 0, kv_lens = 0;
   int64_t batch = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0, max_pages = 0, num_pages = 0;
   double scale = 0.0;
-  int dtype = -1;  // a code of dtype.h: float16 or bfloat16
+  int dtype = -1;  // a code of dtype.h: float16 or bfloat16 (q and out)
+  // The caches' type: dtype, or float8_e4m3fn holding K / k_scale and V / v_scale (one scale per tensor, so per
+  // layer). The FP8 path dequantizes in registers and runs the tensor cores in fp16, where every e4m3 value is exact.
+  int kv_dtype = -1;
+  double k_scale = 1.0, v_scale = 1.0;
   uintptr_t stream = 0;
 };
 

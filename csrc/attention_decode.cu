@@ -11,12 +11,14 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "attention.h"
 #include "common.cuh"
 #include "cuda_check.h"
 #include "device_cache.h"
 #include "dtype.h"
+#include "kv_fp8.cuh"
 #include "mma.cuh"
 #include "paged_kv.cuh"
 
@@ -26,12 +28,10 @@ using namespace mma;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTile = kKVTile;  // tokens per pipeline stage, 16 per warp
+constexpr int kTile = kKVTile;  // the unit chunks are cut in (a stage holds one or two of them)
 constexpr int kStages = 3;
 constexpr int kChunks = kD / 8;
 constexpr int kMinChunk = 256;  // tokens; shorter sequences are not split
-constexpr int kStageElems = 2 * kTile * kD;  // K and V of one stage
-constexpr size_t kSmemBytes = (kStages * kStageElems + 16 * kD) * 2;  // stages + the 16-row Q tile
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
@@ -93,17 +93,54 @@ struct Params {
   float* part_lse;
   int batch, num_heads, num_kv_heads, group, page_shift, max_pages;
   int64_t num_pages;
-  float scale_log2;
+  float scale_log2;  // softmax scale * k_scale * log2(e)
+  float v_scale;
 };
 
+// The pipeline's shape for cache element type C. A stage holds 32 KB of K and V either way: 64 tokens of a 16-bit
+// cache, 128 of an FP8 one, so both move as many bytes per stage and keep as many in flight.
+template <typename C>
+struct Shape {
+  static constexpr bool kFp8 = kIsFp8<C>;
+  static constexpr int kTile = kFp8 ? 2 * kKVTile : kKVTile;  // tokens per stage
+  static constexpr int kWarpKeys = kTile / kWarps;             // 16 or 32: one or two m16n8k16 key steps
+  static constexpr int kSteps = kWarpKeys / 16;
+  static constexpr int kStageElems = 2 * kTile * kD;           // K and V of one stage
+  static constexpr int kQBytes = kFp8 ? 0 : 16 * kD * 2;       // the FP8 path keeps Q in registers
+  static constexpr size_t kSmemBytes = kStages * kStageElems * sizeof(C) + kQBytes;
+};
+
+// Q of this lane for the FP8 path, as the A fragments of the 8 k-steps over the head (rows >= 8 are zero, G <= 8).
+// The B fragments come from e4m3 rows read by ldmatrix in 2-byte units, so lane (g, c) holds dims 4c .. 4c + 3 of
+// each 16: k-step slot (2c, 2c + 1) is dims (4c, 4c + 1) and slot (2c + 8, 2c + 9) dims (4c + 2, 4c + 3). A dot
+// product does not care in which order the dims are summed, so Q takes the same order.
 template <typename T>
+__device__ __forceinline__ void load_q_fp16(unsigned (&qa)[kD / 16][2], const T* q_row, bool valid, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    qa[kk][0] = qa[kk][1] = 0u;
+    if (valid) {
+      const Pack<T, 4> v = *reinterpret_cast<const Pack<T, 4>*>(q_row + kk * 16 + (lane & 3) * 4);
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] = fminf(fmaxf(Cvt<T>::to_f(v.v[e]), -65504.0f), 65504.0f);  // fp16's range
+      qa[kk][0] = Mma<__half>::pack(x[0], x[1]);
+      qa[kk][1] = Mma<__half>::pack(x[2], x[3]);
+    }
+  }
+}
+
+template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
+  using S = Shape<C>;
+  using M = typename std::conditional<S::kFp8, __half, T>::type;  // the tensor cores' input type
+  constexpr int kTile = S::kTile;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // 16 rows; rows >= G are zero
-  T* sKV = sQ + 16 * kD;
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // 16 rows; rows >= G are zero (16-bit caches only)
+  C* sKV = reinterpret_cast<C*>(smem_raw + S::kQBytes);
   const T* q = static_cast<const T*>(p.q);
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const C* k_cache = static_cast<const C*>(p.k_cache);
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = p.group;
   const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
@@ -124,17 +161,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     const int n_tiles = (max(end - start, 0) + kTile - 1) / kTile;
     const int* pages = p.page_table + static_cast<int64_t>(b) * p.max_pages;
 
-    // Q rows: G heads of 16 chunks; the rest of the 16-row tile zero.
-    for (int c = tid; c < 16 * kChunks; c += kThreads) {
-      const int row = c / kChunks, chunk = c % kChunks;
-      const bool valid = row < G;
-      const T* src = valid ? q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + row) * kD + chunk * 8 : q;
-      cp_async16(sQ + swz(row, chunk), src, valid);
+    if constexpr (!S::kFp8) {
+      // Q rows: G heads of 16 chunks; the rest of the 16-row tile zero.
+      for (int c = tid; c < 16 * kChunks; c += kThreads) {
+        const int row = c / kChunks, chunk = c % kChunks;
+        const bool valid = row < G;
+        const T* src = valid ? q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + row) * kD + chunk * 8 : q;
+        cp_async16(sQ + swz(row, chunk), src, valid);
+      }
     }
     auto load_tile = [&](int t) {
-      T* dk = sKV + (t % kStages) * kStageElems;
-      load_kv_tile(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, end, p.page_shift, p.max_pages,
-                   p.num_pages, p.num_kv_heads, kvh, tid);
+      C* dk = sKV + (t % kStages) * S::kStageElems;
+      load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, end, p.page_shift,
+                          p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
     };
     // Prologue: Q with tile 0, then tiles 1 .. kStages - 2, one commit group each.
 #pragma unroll
@@ -149,33 +188,66 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[d][e] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-    unsigned qa[kD / 16][4];
+    unsigned qa[kD / 16][4];     // 16-bit caches: from shared memory at the first tile
+    unsigned qa8[kD / 16][2];    // FP8: rows 0..7 of each A fragment (rows 8..15 are zero)
+    if constexpr (S::kFp8) {
+      const int row = lane >> 2;
+      load_q_fp16(qa8, q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + min(row, G - 1)) * kD, row < G, lane);
+    }
 
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait<kStages - 2>();  // tile t (and Q) landed for this thread
       __syncthreads();               // ... for every thread; and every warp is done with tile t - 1's buffer
       if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
       cp_async_commit();
-      if (t == 0) {
+      const C* tk = sKV + (t % kStages) * S::kStageElems + warp * S::kWarpKeys * kD;  // this warp's keys
+      const C* tv = tk + kTile * kD;
+      float s[2 * S::kSteps][4];
 #pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) ldsm_x4(qa[kk], sQ + swz(lane & 15, kk * 2 + (lane >> 4)));
-      }
-      const T* tk = sKV + (t % kStages) * kStageElems + warp * 16 * kD;  // this warp's 16 keys
-      const T* tv = tk + kTile * kD;
-      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+      for (int ni = 0; ni < 2 * S::kSteps; ++ni)
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        unsigned bk[4];
-        ldsm_x4(bk, tk + swz((lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
-        Mma<T>::run(s[0], qa[kk], bk[0], bk[1]);
-        Mma<T>::run(s[1], qa[kk], bk[2], bk[3]);
+        for (int e = 0; e < 4; ++e) s[ni][e] = 0.0f;
+      if constexpr (!S::kFp8) {
+        if (t == 0) {
+#pragma unroll
+          for (int kk = 0; kk < kD / 16; ++kk) ldsm_x4(qa[kk], sQ + swz(lane & 15, kk * 2 + (lane >> 4)));
+        }
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          unsigned bk[4];
+          ldsm_x4(bk, tk + swz((lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+          Mma<M>::run(s[0], qa[kk], bk[0], bk[1]);
+          Mma<M>::run(s[1], qa[kk], bk[2], bk[3]);
+        }
+      } else {
+        // e4m3 rows of 128 bytes. ldmatrix matrix i (lanes 8i .. 8i + 7 give its rows): keys (i & 1) * 8 + 0..7 of
+        // the step, 16-byte chunk 2 jj + (i >> 1); each register is 4 e4m3 dims of one key: a k16 B fragment.
+        const int key_in_step = ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+        for (int step = 0; step < S::kSteps; ++step) {
+          const int key = step * 16 + key_in_step;
+#pragma unroll
+          for (int jj = 0; jj < kD / 32; ++jj) {
+            unsigned r[4];
+            ldsm_x4(r, tk + key * kD + (((jj * 2 + (lane >> 4)) ^ (key & 7)) << 4));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const unsigned a[4] = {qa8[jj * 2 + h][0], 0u, qa8[jj * 2 + h][1], 0u};
+#pragma unroll
+              for (int nt = 0; nt < 2; ++nt) {
+                const unsigned x = r[2 * h + nt];
+                Mma<M>::run(s[step * 2 + nt], a, fp8x2_to_half2(x), fp8x2_to_half2(x >> 16));
+              }
+            }
+          }
+        }
       }
-      const int key0 = start + t * kTile + warp * 16;
+      const int key0 = start + t * kTile + warp * S::kWarpKeys;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = -INFINITY;
 #pragma unroll
-        for (int ni = 0; ni < 2; ++ni) {
+        for (int ni = 0; ni < 2 * S::kSteps; ++ni) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float x = s[ni][h * 2 + e] * p.scale_log2;
@@ -192,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         m_run[h] = m_new;
         float sum = 0.0f;
 #pragma unroll
-        for (int ni = 0; ni < 2; ++ni) {
+        for (int ni = 0; ni < 2 * S::kSteps; ++ni) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float pv = fast_exp2(s[ni][h * 2 + e] - m_use);
@@ -207,23 +279,51 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
           o[d][h * 2 + 1] *= alpha;
         }
       }
-      unsigned pa[4] = {Mma<T>::pack(s[0][0], s[0][1]), Mma<T>::pack(s[0][2], s[0][3]),
-                        Mma<T>::pack(s[1][0], s[1][1]), Mma<T>::pack(s[1][2], s[1][3])};
 #pragma unroll
-      for (int dp = 0; dp < kD / 16; ++dp) {
-        unsigned bv[4];
-        ldsm_x4_trans(bv, tv + swz((lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
-        Mma<T>::run(o[2 * dp], pa, bv[0], bv[1]);
-        Mma<T>::run(o[2 * dp + 1], pa, bv[2], bv[3]);
+      for (int step = 0; step < S::kSteps; ++step) {
+        unsigned pa[4] = {Mma<M>::pack(s[2 * step][0], s[2 * step][1]), Mma<M>::pack(s[2 * step][2], s[2 * step][3]),
+                          Mma<M>::pack(s[2 * step + 1][0], s[2 * step + 1][1]),
+                          Mma<M>::pack(s[2 * step + 1][2], s[2 * step + 1][3])};
+        if constexpr (!S::kFp8) {
+#pragma unroll
+          for (int dp = 0; dp < kD / 16; ++dp) {
+            unsigned bv[4];
+            ldsm_x4_trans(bv, tv + swz((lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
+            Mma<M>::run(o[2 * dp], pa, bv[0], bv[1]);
+            Mma<M>::run(o[2 * dp + 1], pa, bv[2], bv[3]);
+          }
+        } else {
+          // Transposed, in 2-byte units: a register holds keys 2c and 2c + 1 at dims 2g and 2g + 1 of a 16-dim
+          // chunk; regrouped by dim, each half is a B fragment. Output n-tile 2 blk + par holds dims 2n + par of
+          // chunk blk (see out_dim below).
+          const int key = step * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+          for (int jj = 0; jj < kD / 32; ++jj) {
+            unsigned r[4];
+            ldsm_x4_trans(r, tv + key * kD + (((jj * 2 + (lane >> 4)) ^ (key & 7)) << 4));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int blk = jj * 2 + h;
+              const unsigned lo_keys = __byte_perm(r[2 * h], 0u, 0x3120);      // keys 2c, 2c + 1
+              const unsigned hi_keys = __byte_perm(r[2 * h + 1], 0u, 0x3120);  // keys 2c + 8, 2c + 9
+              Mma<M>::run(o[2 * blk], pa, fp8x2_to_half2(lo_keys), fp8x2_to_half2(hi_keys));
+              Mma<M>::run(o[2 * blk + 1], pa, fp8x2_to_half2(lo_keys >> 16), fp8x2_to_half2(hi_keys >> 16));
+            }
+          }
+        }
       }
     }
     cp_async_wait<0>();
     __syncthreads();  // the pipeline buffers are free: reuse them to merge the four warps
 
+    // The head dim of accumulator o[d][e] (e = 0, 1; rows g and g + 8 alike).
+    auto out_dim = [&](int d, int e) {
+      return S::kFp8 ? (d >> 1) * 16 + (lane & 3) * 4 + e * 2 + (d & 1) : d * 8 + (lane & 3) * 2 + e;
+    };
     // Per warp and row: the running max and sum (quad-reduced), and the unnormalized output of rows < G.
-    float* sm_m = reinterpret_cast<float*>(sKV);  // [kWarps][16]
-    float* sm_l = sm_m + kWarps * 16;              // [kWarps][16]
-    float* sm_o = sm_l + kWarps * 16;              // [kWarps][8][kD]
+    float* sm_m = reinterpret_cast<float*>(smem_raw);  // [kWarps][16]
+    float* sm_l = sm_m + kWarps * 16;                   // [kWarps][16]
+    float* sm_o = sm_l + kWarps * 16;                   // [kWarps][8][kD]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = l_run[h];
@@ -237,8 +337,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       if (row < G) {
 #pragma unroll
         for (int d = 0; d < 16; ++d) {
-          sm_o[(warp * 8 + row) * kD + d * 8 + (lane & 3) * 2] = o[d][h * 2];
-          sm_o[(warp * 8 + row) * kD + d * 8 + (lane & 3) * 2 + 1] = o[d][h * 2 + 1];
+          sm_o[(warp * 8 + row) * kD + out_dim(d, 0)] = o[d][h * 2];
+          sm_o[(warp * 8 + row) * kD + out_dim(d, 1)] = o[d][h * 2 + 1];
         }
       }
     }
@@ -257,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
           acc += sm_o[(w * 8 + row) * kD + d] * scale;
         }
       }
-      const float result = l_all > 0.0f ? acc / l_all : 0.0f;
+      const float result = l_all > 0.0f ? acc / l_all * p.v_scale : 0.0f;
       const int64_t head_row = static_cast<int64_t>(b) * p.num_heads + kvh * G + row;
       if (num_splits == 1) {
         static_cast<T*>(p.out)[head_row * kD + d] = Cvt<T>::from_f(result);
@@ -294,23 +394,24 @@ __global__ void merge_kernel(const float* __restrict__ part_out, const float* __
   out[static_cast<int64_t>(blockIdx.x) * kD + d] = Cvt<T>::from_f(w_sum > 0.0f ? o / w_sum : 0.0f);
 }
 
-template <typename T>
+template <typename T, typename C>
 void launch(const Params& p, cudaStream_t stream) {
   // Persistent grid: as many blocks as fit on the device at once, found once per kernel and device (the opt-in to
   // large shared memory is per device too).
+  constexpr size_t kSmemBytes = Shape<C>::kSmemBytes;
   static PerDevice<int> grids;
   const int grid = grids.get([](int device) {
-    cuda_check(cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cuda_check(cudaFuncSetAttribute(decode_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kSmemBytes)),
                "paged_attention_decode: cudaFuncSetAttribute");
     int sms = 0, per_sm = 0;
     cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
                "paged_attention_decode: cudaDeviceGetAttribute");
-    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<T>, kThreads, kSmemBytes),
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<T, C>, kThreads, kSmemBytes),
                "paged_attention_decode: occupancy");
     return std::max(1, sms * per_sm);
   });
-  decode_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  decode_kernel<T, C><<<grid, kThreads, kSmemBytes, stream>>>(p);
   cuda_check_launch("paged_attention_decode kernel launch");
   merge_kernel<T><<<static_cast<unsigned>(p.batch * p.num_heads), kD, 0, stream>>>(
       p.part_out, p.part_lse, p.split_offsets, static_cast<T*>(p.out), p.num_heads);
@@ -346,15 +447,17 @@ void paged_attention_decode(const DecodeArgs& a) {
   for (uintptr_t ptr : {a.page_table, a.kv_lens, a.split_offsets, a.part_lse}) {
     if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "page_table, kv_lens and split_offsets must be int32");
   }
+  const bool fp8 = a.kv_dtype == kFP8E4M3;
   Params p{reinterpret_cast<const void*>(a.q), reinterpret_cast<const void*>(a.k_cache),
            reinterpret_cast<const void*>(a.v_cache), reinterpret_cast<const int*>(a.page_table),
            reinterpret_cast<const int*>(a.kv_lens), reinterpret_cast<const int*>(a.split_offsets),
            reinterpret_cast<void*>(a.out), reinterpret_cast<float*>(a.part_out), reinterpret_cast<float*>(a.part_lse),
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
-           static_cast<float>(a.scale) * kLog2e};
+           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0)};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
-  FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T, launch<T>(p, s));
+  FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
+                          fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));
 }
 
 }  // namespace fastqwen

@@ -9,12 +9,14 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "attention.h"
 #include "common.cuh"
 #include "cuda_check.h"
 #include "device_cache.h"
 #include "dtype.h"
+#include "kv_fp8.cuh"
 #include "mma.cuh"
 #include "paged_kv.cuh"
 
@@ -27,7 +29,6 @@ constexpr int kBN = kKVTile;  // keys per tile
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunks = kD / 8;  // 16-byte chunks per row
-constexpr size_t kSmemBytes = (kBM + 4 * kBN) * kD * 2;  // Q + two K and two V tiles, 2-byte elements
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
@@ -41,18 +42,45 @@ struct Params {
   void* out;
   int num_heads, num_kv_heads, group, page_shift, max_pages;
   int64_t num_pages;
-  float scale_log2;
+  float scale_log2;  // softmax scale * k_scale * log2(e)
+  float v_scale;
 };
 
-template <typename T>
+// An e4m3 K or V tile (64 rows of 128 bytes, swizzled by load_kv_tile) to fp16 (swizzled [64][128]), by the block:
+// each thread turns 8 bytes into one 16-byte chunk, 8 chunks of each tile. Every warp reads every key of a tile, so
+// the block converts each once, here, rather than each warp in registers.
+__device__ __forceinline__ void convert_fp8_tile(__half* dst, const Fp8E4M3* src, int tid) {
+#pragma unroll
+  for (int i = 0; i < kBN * kChunks / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    const int key = c / kChunks, chunk = c % kChunks;
+    const uint2 raw = *reinterpret_cast<const uint2*>(src + key * kD + (((chunk >> 1) ^ (key & 7)) << 4) + (chunk & 1) * 8);
+    const uint4 out = {fp8x2_to_half2(raw.x), fp8x2_to_half2(raw.x >> 16), fp8x2_to_half2(raw.y),
+                       fp8x2_to_half2(raw.y >> 16)};
+    *reinterpret_cast<uint4*>(dst + swz(key, chunk)) = out;
+  }
+}
+
+// Shared memory: the Q tile and K, V in the tensor cores' type (double-buffered for 16-bit caches, which cp.async
+// fills directly; single for FP8, converted from double-buffered e4m3 tiles).
+template <typename C>
+constexpr size_t smem_bytes() {
+  return kIsFp8<C> ? (kBM + 2 * kBN) * kD * 2 + 4 * kBN * kD : (kBM + 4 * kBN) * kD * 2;
+}
+
+template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
+  constexpr bool kFp8 = kIsFp8<C>;
+  using M = typename std::conditional<kFp8, __half, T>::type;  // the tensor cores' input type
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kBM * kD;
-  T* sV = sK + 2 * kBN * kD;
+  M* sQ = reinterpret_cast<M*>(smem_raw);
+  M* sK = sQ + kBM * kD;
+  M* sV = sK + (kFp8 ? 1 : 2) * kBN * kD;
+  C* rawK = reinterpret_cast<C*>(sV + (kFp8 ? 1 : 2) * kBN * kD);  // FP8: two e4m3 K tiles, then two V tiles
+  C* rawV = rawK + 2 * kBN * kD;
   const T* q = static_cast<const T*>(p.q);
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const C* k_cache = static_cast<const C*>(p.k_cache);
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   T* out = static_cast<T*>(p.out);
 
   const int b = blockIdx.z, kvh = blockIdx.y;
@@ -74,7 +102,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
     const int full_end = prefix + row0 / G + 1;            // keys every row of the tile sees
     const int n_kv_tiles = (kv_end + kBN - 1) / kBN;
 
-    // Q tile: 128 rows x 16 chunks, 16 per thread; rows past the sequence are zero.
+    // Q tile: 128 rows x 16 chunks, 16 per thread; rows past the sequence are zero. For FP8 caches Q goes to fp16
+    // through registers (saturated to fp16's range).
 #pragma unroll
     for (int i = 0; i < kBM * kChunks / kThreads; ++i) {
       const int c = tid + i * kThreads;
@@ -83,12 +112,32 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
       const bool valid = pr < rows;
       const T* src = q;
       if (valid) src = q + ((static_cast<int64_t>(q0) + pr / G) * p.num_heads + kvh * G + pr % G) * kD + chunk * 8;
-      cp_async16(sQ + swz(row, chunk), src, valid);
+      if constexpr (kFp8) {
+        uint4 h = {0u, 0u, 0u, 0u};
+        if (valid) {
+          const Pack<T, 8> v = *reinterpret_cast<const Pack<T, 8>*>(src);
+          unsigned w[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            w[e] = Mma<__half>::pack(fminf(fmaxf(Cvt<T>::to_f(v.v[2 * e]), -65504.0f), 65504.0f),
+                                     fminf(fmaxf(Cvt<T>::to_f(v.v[2 * e + 1]), -65504.0f), 65504.0f));
+          }
+          h = {w[0], w[1], w[2], w[3]};
+        }
+        *reinterpret_cast<uint4*>(sQ + swz(row, chunk)) = h;
+      } else {
+        cp_async16(sQ + swz(row, chunk), src, valid);
+      }
     }
-    // K and V tile j into buffer j & 1.
+    // K and V tile j into buffer j & 1 (the e4m3 buffers for FP8 caches).
     auto load_kv = [&](int j) {
-      load_kv_tile(sK + (j & 1) * kBN * kD, sV + (j & 1) * kBN * kD, k_cache, v_cache, pages, j * kBN, kv_end,
-                   p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
+      if constexpr (kFp8) {
+        load_kv_tile(rawK + (j & 1) * kBN * kD, rawV + (j & 1) * kBN * kD, k_cache, v_cache, pages, j * kBN, kv_end,
+                     p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
+      } else {
+        load_kv_tile(sK + (j & 1) * kBN * kD, sV + (j & 1) * kBN * kD, k_cache, v_cache, pages, j * kBN, kv_end,
+                     p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
+      }
     };
     if (n_kv_tiles > 0) load_kv(0);
     cp_async_commit();
@@ -120,8 +169,16 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
       __syncthreads();  // tile j (and Q) visible to all; every warp is done with the buffer tile j + 1 overwrites
       if (j + 1 < n_kv_tiles) load_kv(j + 1);
       cp_async_commit();
-      const T* tk = sK + (j & 1) * kBN * kD;
-      const T* tv = sV + (j & 1) * kBN * kD;
+      const M* tk = sK;
+      const M* tv = sV;
+      if constexpr (kFp8) {
+        convert_fp8_tile(sK, rawK + (j & 1) * kBN * kD, tid);
+        convert_fp8_tile(sV, rawV + (j & 1) * kBN * kD, tid);
+        __syncthreads();  // the fp16 tiles are whole (the next loop top keeps them until every warp is done)
+      } else {
+        tk += (j & 1) * kBN * kD;
+        tv += (j & 1) * kBN * kD;
+      }
 
       // S = Q K^T for this warp's 32 rows x 64 keys.
       float s[2][8][4];
@@ -142,8 +199,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
           ldsm_x4(bk, tk + swz(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi) {
-            Mma<T>::run(s[mi][2 * np], a[mi], bk[0], bk[1]);
-            Mma<T>::run(s[mi][2 * np + 1], a[mi], bk[2], bk[3]);
+            Mma<M>::run(s[mi][2 * np], a[mi], bk[0], bk[1]);
+            Mma<M>::run(s[mi][2 * np + 1], a[mi], bk[2], bk[3]);
           }
         }
       }
@@ -196,10 +253,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
         unsigned a[2][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
-          a[mi][0] = Mma<T>::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-          a[mi][1] = Mma<T>::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-          a[mi][2] = Mma<T>::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-          a[mi][3] = Mma<T>::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+          a[mi][0] = Mma<M>::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+          a[mi][1] = Mma<M>::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+          a[mi][2] = Mma<M>::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+          a[mi][3] = Mma<M>::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
         }
 #pragma unroll
         for (int dp = 0; dp < kD / 16; ++dp) {
@@ -207,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
           ldsm_x4_trans(bv, tv + swz(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi) {
-            Mma<T>::run(o[mi][2 * dp], a[mi], bv[0], bv[1]);
-            Mma<T>::run(o[mi][2 * dp + 1], a[mi], bv[2], bv[3]);
+            Mma<M>::run(o[mi][2 * dp], a[mi], bv[0], bv[1]);
+            Mma<M>::run(o[mi][2 * dp + 1], a[mi], bv[2], bv[3]);
           }
         }
       }
@@ -222,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
         float l = l_run[mi][h];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv = l > 0.0f ? 1.0f / l * p.v_scale : 0.0f;
         const int pr = row0 + warp * 32 + mi * 16 + (lane >> 2) + h * 8;
         if (pr < rows) {
           T* dst = out + ((static_cast<int64_t>(q0) + pr / G) * p.num_heads + kvh * G + pr % G) * kD + (lane & 3) * 2;
@@ -237,17 +294,18 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_kernel(const Params p) {
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void launch(const Params& p, int64_t batch, int64_t grid_x, cudaStream_t stream) {
+  constexpr size_t kSmemBytes = smem_bytes<C>();
   static PerDevice<bool> configured;  // the opt-in to more than 48 KB of dynamic shared memory, per kernel and device
   configured.get([](int) {
-    cuda_check(cudaFuncSetAttribute(prefill_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cuda_check(cudaFuncSetAttribute(prefill_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kSmemBytes)),
                "paged_attention_prefill: cudaFuncSetAttribute");
     return true;
   });
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(batch));
-  prefill_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  prefill_kernel<T, C><<<grid, kThreads, kSmemBytes, stream>>>(p);
   cuda_check_launch("paged_attention_prefill kernel launch");
 }
 
@@ -268,16 +326,18 @@ void paged_attention_prefill(const PrefillArgs& a) {
     if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "query_start, page_table and kv_lens must be int32");
   }
   const int64_t group = a.num_heads / a.num_kv_heads;
+  const bool fp8 = a.kv_dtype == kFP8E4M3;
   Params p{reinterpret_cast<const void*>(a.q), reinterpret_cast<const void*>(a.k_cache),
            reinterpret_cast<const void*>(a.v_cache), reinterpret_cast<const int*>(a.query_start),
            reinterpret_cast<const int*>(a.page_table), reinterpret_cast<const int*>(a.kv_lens),
            reinterpret_cast<void*>(a.out), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(group), shift, static_cast<int>(a.max_pages), a.num_pages,
-           static_cast<float>(a.scale) * kLog2e};
+           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0)};
   // Enough blocks for the longest sequence's tiles; each block loops if a sequence has more (bad max_query_len).
   const int64_t grid_x = std::min<int64_t>((a.max_query_len * group + kBM - 1) / kBM, 65535);
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
-  FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill: ", a.dtype, kHalfTypes, T, launch<T>(p, a.batch, grid_x, s));
+  FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill: ", a.dtype, kHalfTypes, T,
+                          fp8 ? launch<T, Fp8E4M3>(p, a.batch, grid_x, s) : launch<T, T>(p, a.batch, grid_x, s));
 }
 
 }  // namespace fastqwen

@@ -41,7 +41,7 @@ uintptr_t to_uintptr(const py::int_& v, const char* name) {
 
 py::tuple codes(unsigned allowed) {
   py::list out;
-  for (int c = fastqwen::kF32; c <= fastqwen::kBF16; ++c) {
+  for (int c = fastqwen::kF32; c <= fastqwen::kLastDType; ++c) {
     if (fastqwen::dtype_allowed(c, allowed)) out.append(c);
   }
   return py::tuple(out);
@@ -76,7 +76,7 @@ void export_contracts(py::module_& m) {
   m.attr("DTYPE_F16") = static_cast<int>(fq::kF16);
   m.attr("DTYPE_BF16") = static_cast<int>(fq::kBF16);
   py::dict dtype_codes;
-  for (int c = fq::kF32; c <= fq::kBF16; ++c) dtype_codes[fq::dtype_name(c)] = c;
+  for (int c = fq::kF32; c <= fq::kLastDType; ++c) dtype_codes[fq::dtype_name(c)] = c;
   m.attr("DTYPE_CODES") = dtype_codes;
   // The dtype codes each kernel takes (on anything else the Python op runs its reference).
   py::dict kernel_dtypes;
@@ -84,6 +84,8 @@ void export_contracts(py::module_& m) {
   kernel_dtypes["rms_norm"] = codes(fq::kHalfTypes);
   kernel_dtypes["qk_norm_rope_store_kv"] = codes(fq::kHalfTypes);
   kernel_dtypes["paged_attention"] = codes(fq::kHalfTypes);
+  // What the KV caches of those two kernels may hold: q's own type, or FP8 e4m3 (with per-tensor scales).
+  kernel_dtypes["kv_cache"] = codes(fq::kKVCacheTypes);
   kernel_dtypes["sample"] = codes(fq::kSamplerLogitTypes);
   kernel_dtypes["gemv"] = codes(fq::kHalfTypes);
   kernel_dtypes["quantize_fp8_tokens"] = codes(fq::kHalfTypes);
@@ -123,6 +125,9 @@ void export_contracts(py::module_& m) {
       .def_readwrite("num_slots", &fq::RopeKVArgs::num_slots)
       .def_readwrite("eps", &fq::RopeKVArgs::eps)
       .def_readwrite("dtype", &fq::RopeKVArgs::dtype)
+      .def_readwrite("kv_dtype", &fq::RopeKVArgs::kv_dtype)
+      .def_readwrite("k_scale", &fq::RopeKVArgs::k_scale)
+      .def_readwrite("v_scale", &fq::RopeKVArgs::v_scale)
       .def_readwrite("stream", &fq::RopeKVArgs::stream);
   py::class_<fq::PagedAttentionArgs>(m, "PagedAttentionArgs", "What both attention kernels take (csrc/attention.h).")
       .def_readwrite("q", &fq::PagedAttentionArgs::q)
@@ -140,6 +145,9 @@ void export_contracts(py::module_& m) {
       .def_readwrite("num_pages", &fq::PagedAttentionArgs::num_pages)
       .def_readwrite("scale", &fq::PagedAttentionArgs::scale)
       .def_readwrite("dtype", &fq::PagedAttentionArgs::dtype)
+      .def_readwrite("kv_dtype", &fq::PagedAttentionArgs::kv_dtype)
+      .def_readwrite("k_scale", &fq::PagedAttentionArgs::k_scale)
+      .def_readwrite("v_scale", &fq::PagedAttentionArgs::v_scale)
       .def_readwrite("stream", &fq::PagedAttentionArgs::stream);
   py::class_<fq::DecodeArgs, fq::PagedAttentionArgs>(m, "DecodeArgs", "Arguments of paged_attention_decode.")
       .def(py::init<>())

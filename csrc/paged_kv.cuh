@@ -7,6 +7,7 @@
 
 #include "attention.h"
 #include "dtype.h"
+#include "kv_fp8.cuh"
 #include "mma.cuh"
 
 namespace fastqwen {
@@ -17,8 +18,8 @@ constexpr int kKVTile = 64;  // tokens per K/V tile
 constexpr int kKVTileThreads = 128;
 
 // Throws std::invalid_argument (prefixed by op) unless head_dim is 128, 1 to 8 query heads share a KV head, page_size
-// is a power of two up to 1024, the page table and pool are non-empty and dtype is fp16 or bf16. Returns
-// log2(page_size).
+// is a power of two up to 1024, the page table and pool are non-empty, dtype is fp16 or bf16, the caches hold dtype
+// or fp8 e4m3 and the scales are positive and finite. Returns log2(page_size).
 inline int check_paged_attention(const std::string& op, const PagedAttentionArgs& a) {
   const int64_t head_dim = a.head_dim, num_heads = a.num_heads, num_kv_heads = a.num_kv_heads;
   const int64_t page_size = a.page_size, max_pages = a.max_pages, num_pages = a.num_pages;
@@ -31,21 +32,25 @@ inline int check_paged_attention(const std::string& op, const PagedAttentionArgs
   }
   if (max_pages < 1 || num_pages < 1) throw std::invalid_argument(op + "max_pages and num_pages must be >= 1");
   check_dtype(op, a.dtype, kHalfTypes);
+  check_kv_cache(op, a.dtype, a.kv_dtype, a.k_scale, a.v_scale);
   int shift = 0;
   while ((int64_t{1} << shift) < page_size) ++shift;
   return shift;
 }
 
-// Tokens [first, first + 64) of KV head kvh, K into dk and V into dv (swizzled [64][128] tiles), by a 128-thread
-// block, 8 cp.async chunks of each per thread. Tokens at or past `end`, and page ids outside the table or the pool,
-// are zero-filled: masked by the caller anyway, and a zero V row keeps 0 * garbage from making NaN.
-template <typename T>
-__device__ __forceinline__ void load_kv_tile(T* dk, T* dv, const T* k_cache, const T* v_cache, const int* pages,
+// Keys [first, first + kKeys) of KV head kvh, K into dk and V into dv (swizzled tiles of kKeys rows of 128 elements:
+// row r's 16-byte chunk c sits at chunk c ^ (r % 8)), by a 128-thread block with cp.async. Tokens at or past `end`,
+// and page ids outside the table or the pool, are zero-filled: masked by the caller anyway, and a zero V row keeps
+// 0 * garbage from making NaN.
+template <int kKeys = kKVTile, typename C>
+__device__ __forceinline__ void load_kv_tile(C* dk, C* dv, const C* k_cache, const C* v_cache, const int* pages,
                                              int first, int end, int page_shift, int max_pages, int64_t num_pages,
                                              int num_kv_heads, int kvh, int tid) {
-  constexpr int kChunks = mma::kD / 8;
+  constexpr int kPerChunk = 16 / sizeof(C);  // elements per 16-byte chunk
+  constexpr int kChunks = mma::kD / kPerChunk;
+  static_assert(kKeys * kChunks % kKVTileThreads == 0, "whole chunks per thread");
 #pragma unroll
-  for (int i = 0; i < kKVTile * kChunks / kKVTileThreads; ++i) {
+  for (int i = 0; i < kKeys * kChunks / kKVTileThreads; ++i) {
     const int c = tid + i * kKVTileThreads;
     const int key = c / kChunks, chunk = c % kChunks;
     const int pos = first + key;
@@ -56,10 +61,11 @@ __device__ __forceinline__ void load_kv_tile(T* dk, T* dv, const T* k_cache, con
     int64_t offset = 0;
     if (valid) {
       const int64_t slot = (static_cast<int64_t>(page) << page_shift) + (pos & ((1 << page_shift) - 1));
-      offset = (slot * num_kv_heads + kvh) * mma::kD + chunk * 8;
+      offset = (slot * num_kv_heads + kvh) * mma::kD + chunk * kPerChunk;
     }
-    mma::cp_async16(dk + mma::swz(key, chunk), k_cache + offset, valid);
-    mma::cp_async16(dv + mma::swz(key, chunk), v_cache + offset, valid);
+    const int dst = key * mma::kD + ((chunk ^ (key & 7)) * kPerChunk);
+    mma::cp_async16(dk + dst, k_cache + offset, valid);
+    mma::cp_async16(dv + dst, v_cache + offset, valid);
   }
 }
 

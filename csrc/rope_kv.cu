@@ -10,6 +10,7 @@
 #include "common.cuh"
 #include "cuda_check.h"
 #include "dtype.h"
+#include "kv_fp8.cuh"
 #include "rope_kv.h"
 
 namespace fastqwen {
@@ -18,13 +19,29 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 // Heads per warp: at large batches 4, so that each warp has 4 heads' loads in flight and reads cos/sin once for
 // them; at small batches 1, so that the few heads there are spread over more warps and finish sooner.
-template <typename T, int D, int kHeadsPerWarp>
+// The caches hold T, or e4m3 of the value divided by the tensor's scale (csrc/kv_fp8.cuh).
+template <typename T, typename C, int kEpl>
+__device__ __forceinline__ void store_kv(C* dst, const Pack<T, kEpl>& x, float scale) {
+  if constexpr (kIsFp8<C>) {
+    Pack<uint16_t, kEpl / 2> q;  // pairs of e4m3 bytes, low byte first
+#pragma unroll
+    for (int k = 0; k < kEpl / 2; ++k) {
+      q.v[k] = static_cast<uint16_t>(fp8_from_float(Cvt<T>::to_f(x.v[2 * k]) / scale).bits |
+                                     (fp8_from_float(Cvt<T>::to_f(x.v[2 * k + 1]) / scale).bits << 8));
+    }
+    *reinterpret_cast<Pack<uint16_t, kEpl / 2>*>(dst) = q;
+  } else {
+    *reinterpret_cast<Pack<T, kEpl>*>(dst) = x;
+  }
+}
+
+template <typename T, typename C, int D, int kHeadsPerWarp>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     qk_norm_rope_kernel(const T* __restrict__ qkv, const T* __restrict__ q_weight, const T* __restrict__ k_weight,
                         const float* __restrict__ cos_sin, const int64_t* __restrict__ positions,
-                        T* __restrict__ k_cache, T* __restrict__ v_cache, const int64_t* __restrict__ out_slots,
+                        C* __restrict__ k_cache, C* __restrict__ v_cache, const int64_t* __restrict__ out_slots,
                         T* __restrict__ q_out, int num_tokens, int num_heads, int num_kv_heads, int64_t max_pos,
-                        int64_t num_slots, float eps) {
+                        int64_t num_slots, float eps, float k_scale, float v_scale) {
   constexpr int kEpl = D / 32;  // elements per lane
   constexpr int kHalf = D / 2;
   using P = Pack<T, kEpl>;
@@ -94,50 +111,53 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     if (is_q) {
       reinterpret_cast<P*>(q_out + (static_cast<int64_t>(t) * num_heads + h) * D)[lane] = out;
     } else {
-      const int64_t dst = (slot * num_kv_heads + (h - num_heads)) * D;
-      reinterpret_cast<P*>(k_cache + dst)[lane] = out;
-      reinterpret_cast<P*>(v_cache + dst)[lane] = v[i];
+      const int64_t dst = (slot * num_kv_heads + (h - num_heads)) * D + lane * kEpl;
+      store_kv(k_cache + dst, out, k_scale);
+      store_kv(v_cache + dst, v[i], v_scale);
     }
   }
 }
 
-template <typename T, int D, int kHeadsPerWarp>
+// The scalars every launcher passes on.
+struct Scalars {
+  int64_t tokens, heads, kv_heads, max_pos, num_slots;
+  float eps, k_scale, v_scale;
+};
+
+template <typename T, typename C, int D, int kHeadsPerWarp>
 void launch_hpw(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions, uintptr_t k_cache,
-            uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, int64_t tokens, int64_t heads, int64_t kv_heads,
-            int64_t max_pos, int64_t num_slots, float eps, cudaStream_t stream) {
+                uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, const Scalars& n, cudaStream_t stream) {
+  const int64_t tokens = n.tokens, heads = n.heads, kv_heads = n.kv_heads;
   const int64_t groups = (heads + kv_heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
   const int64_t blocks = (tokens * groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  qk_norm_rope_kernel<T, D, kHeadsPerWarp><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+  qk_norm_rope_kernel<T, C, D, kHeadsPerWarp><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
       reinterpret_cast<const T*>(qkv), reinterpret_cast<const T*>(qw), reinterpret_cast<const T*>(kw),
       reinterpret_cast<const float*>(cos_sin), reinterpret_cast<const int64_t*>(positions),
-      reinterpret_cast<T*>(k_cache), reinterpret_cast<T*>(v_cache), reinterpret_cast<const int64_t*>(slots),
+      reinterpret_cast<C*>(k_cache), reinterpret_cast<C*>(v_cache), reinterpret_cast<const int64_t*>(slots),
       reinterpret_cast<T*>(q_out), static_cast<int>(tokens), static_cast<int>(heads), static_cast<int>(kv_heads),
-      max_pos, num_slots, eps);
+      n.max_pos, n.num_slots, n.eps, n.k_scale, n.v_scale);
   cuda_check_launch("qk_norm_rope_store_kv kernel launch");
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void launch(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions, uintptr_t k_cache,
-            uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, int64_t tokens, int64_t heads, int64_t kv_heads,
-            int64_t max_pos, int64_t num_slots, float eps, cudaStream_t stream) {
+            uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, const Scalars& n, cudaStream_t stream) {
   // Below about 32 warps per SM (H100: 132 SMs) one head per warp; above, four.
-  if (tokens * (heads + kv_heads) < 4096) {
-    launch_hpw<T, D, 1>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads,
-                        max_pos, num_slots, eps, stream);
+  if (n.tokens * (n.heads + n.kv_heads) < 4096) {
+    launch_hpw<T, C, D, 1>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, n, stream);
   } else {
-    launch_hpw<T, D, 4>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads,
-                        max_pos, num_slots, eps, stream);
+    launch_hpw<T, C, D, 4>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, n, stream);
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_dim(int64_t head_dim, uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, uintptr_t positions,
-                  uintptr_t k_cache, uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, int64_t tokens, int64_t heads,
-                  int64_t kv_heads, int64_t max_pos, int64_t num_slots, float eps, cudaStream_t s) {
+                  uintptr_t k_cache, uintptr_t v_cache, uintptr_t slots, uintptr_t q_out, const Scalars& n,
+                  cudaStream_t s) {
   switch (head_dim) {
-    case 64: launch<T, 64>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads, max_pos, num_slots, eps, s); break;
-    case 128: launch<T, 128>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads, max_pos, num_slots, eps, s); break;
-    default: launch<T, 256>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, tokens, heads, kv_heads, max_pos, num_slots, eps, s); break;
+    case 64: launch<T, C, 64>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, n, s); break;
+    case 128: launch<T, C, 128>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, n, s); break;
+    default: launch<T, C, 256>(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, q_out, n, s); break;
   }
 }
 
@@ -156,6 +176,7 @@ void qk_norm_rope_store_kv(const RopeKVArgs& a) {
   }
   if (a.max_pos < 1 || a.num_slots < 0) throw std::invalid_argument(op + "max_pos must be >= 1 and num_slots >= 0");
   check_dtype(op, a.dtype, kHalfTypes);
+  check_kv_cache(op, a.dtype, a.kv_dtype, a.k_scale, a.v_scale);
   if (!(a.eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0");
   if (a.num_tokens * (a.num_heads + a.num_kv_heads) > (int64_t{1} << 31) * kWarpsPerBlock) {
     throw std::invalid_argument(op + "too many tokens");
@@ -164,20 +185,30 @@ void qk_norm_rope_store_kv(const RopeKVArgs& a) {
   for (uintptr_t p : {a.qkv, a.q_weight, a.k_weight, a.cos_sin, a.positions, a.k_cache, a.v_cache, a.out_slots, a.q_out}) {
     if (p == 0) throw std::invalid_argument(op + "null data pointer");
   }
-  // Each lane moves head_dim / 32 elements of 2 bytes at once; the index arrays are read as int64, cos/sin as fp32.
+  // Each lane moves head_dim / 32 elements of 2 bytes (1 in an FP8 cache) at once; the index arrays are read as
+  // int64, cos/sin as fp32.
+  const bool fp8 = a.kv_dtype == kFP8E4M3;
   const uintptr_t pack = static_cast<uintptr_t>(a.head_dim / 32 * 2);
-  for (uintptr_t p : {a.qkv, a.q_weight, a.k_weight, a.k_cache, a.v_cache, a.q_out}) {
+  const uintptr_t cache_pack = fp8 ? pack / 2 : pack;
+  for (uintptr_t p : {a.qkv, a.q_weight, a.k_weight, a.q_out}) {
     if (p % pack != 0) throw std::invalid_argument(op + "q/k/v buffers must be aligned to " + std::to_string(pack) + " bytes");
+  }
+  for (uintptr_t p : {a.k_cache, a.v_cache}) {
+    if (p % cache_pack != 0) {
+      throw std::invalid_argument(op + "the caches must be aligned to " + std::to_string(cache_pack) + " bytes");
+    }
   }
   if (a.positions % 8 != 0 || a.out_slots % 8 != 0 || a.cos_sin % 4 != 0) {
     throw std::invalid_argument(op + "positions / out_slots must be 8-byte and cos_sin 4-byte aligned");
   }
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
-  const float e = static_cast<float>(a.eps);
+  const Scalars n{a.num_tokens, a.num_heads, a.num_kv_heads, a.max_pos, a.num_slots, static_cast<float>(a.eps),
+                  static_cast<float>(fp8 ? a.k_scale : 1.0), static_cast<float>(fp8 ? a.v_scale : 1.0)};
   FASTQWEN_DISPATCH_DTYPE("qk_norm_rope_store_kv: ", a.dtype, kHalfTypes, T,
-                          dispatch_dim<T>(a.head_dim, a.qkv, a.q_weight, a.k_weight, a.cos_sin, a.positions,
-                                          a.k_cache, a.v_cache, a.out_slots, a.q_out, a.num_tokens, a.num_heads,
-                                          a.num_kv_heads, a.max_pos, a.num_slots, e, s));
+                          fp8 ? dispatch_dim<T, Fp8E4M3>(a.head_dim, a.qkv, a.q_weight, a.k_weight, a.cos_sin,
+                                                         a.positions, a.k_cache, a.v_cache, a.out_slots, a.q_out, n, s)
+                              : dispatch_dim<T, T>(a.head_dim, a.qkv, a.q_weight, a.k_weight, a.cos_sin, a.positions,
+                                                   a.k_cache, a.v_cache, a.out_slots, a.q_out, n, s));
 }
 
 }  // namespace fastqwen

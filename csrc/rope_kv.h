@@ -24,6 +24,10 @@ struct RopeKVArgs {
   int64_t num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, max_pos = 0, num_slots = 0;
   double eps = 0.0;
   int dtype = -1;  // a code of dtype.h: float16 or bfloat16
+  // The caches' type: dtype, or float8_e4m3fn, written as K / k_scale and V / v_scale rounded to nearest even and
+  // saturated to +-448 (csrc/kv_fp8.cuh).
+  int kv_dtype = -1;
+  double k_scale = 1.0, v_scale = 1.0;
   uintptr_t stream = 0;
 };
 

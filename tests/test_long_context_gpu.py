@@ -36,7 +36,8 @@ pytestmark = [
 ]
 
 
-def decode_skipping_first_chunk(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace=None, planned=False):
+def decode_skipping_first_chunk(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace=None, planned=False,
+                                k_scale=1.0, v_scale=1.0):
     """The reference decode op with the bug the tests must see: each sequence's first 1/32 of keys is left out."""
     lens = kv_lens.tolist()
     skip = torch.tensor([max(256, -(-n // 32)) if n > 256 else 0 for n in lens], device=kv_lens.device)
@@ -46,7 +47,8 @@ def decode_skipping_first_chunk(q, k_cache, v_cache, page_table, kv_lens, scale,
     for b, s in enumerate(skip.tolist()):
         rest = page_table[b, s // PAGE :]
         shifted[b, : rest.shape[0]] = rest
-    out.copy_(attention_ops.paged_attention_decode_reference(q, k_cache, v_cache, shifted, kv_lens - skip.int(), scale))
+    out.copy_(attention_ops.paged_attention_decode_reference(q, k_cache, v_cache, shifted, kv_lens - skip.int(), scale,
+                                                                      k_scale, v_scale))
     return out
 
 

@@ -244,6 +244,18 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
     return _DTYPES[dtype]
 
 
+# KV cache dtypes: auto = the model's dtype; fp8_e4m3 (and its alias fp8, vLLM's spelling) = torch.float8_e4m3fn.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8_e4m3", "fp8"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
+
+
 # ---- engine knobs ------------------------------------------------------------------------------------------------
 
 
@@ -276,6 +288,8 @@ class EngineConfig:
     disable_overlap_schedule: bool = _knob(False, "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
     quantization: str = _knob("auto", "projection weights: auto = as the checkpoint has them; fp8 = FP8 e4m3 weights with 128x128 block scales (Qwen's FP8 checkpoints as they are, dense ones quantized on load); none = dense (an FP8 checkpoint is dequantized on load)", choices=("auto", "fp8", "none"))
     allow_reference_on_gpu: bool = _knob(False, "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1")
+    # KV cache precision (issue 20).
+    kv_cache_dtype: str = _knob("auto", "KV cache dtype: auto = the model's; fp8_e4m3 (alias fp8) = e4m3 with one scale per layer for K and for V (1.0, or the checkpoint's k_scale / v_scale), twice the tokens in the same memory", choices=KV_CACHE_DTYPES)
     # ---- tensor parallelism (engine/tensor_parallel.py) ----
     tensor_parallel_size: int = _knob(1, "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each", aliases=("--tp", "-tp"))
     disable_custom_all_reduce: bool = _knob(False, "tensor parallelism: every all-reduce through NCCL (by default messages up to 4 MiB take the custom one-shot kernel over CUDA IPC buffers)")
@@ -298,6 +312,7 @@ class EngineConfig:
         need(self.max_model_len is None or (_positive_int(self.max_model_len) and self.max_model_len >= 2), "max_model_len", "an integer >= 2")
         need(self.num_pages is None or _positive_int(self.num_pages), "num_pages", "a positive integer")
         need(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
         need(self.quantization in ("auto", "fp8", "none"), "quantization", "'auto', 'fp8' or 'none'")
         need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")

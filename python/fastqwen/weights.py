@@ -366,3 +366,30 @@ def dummy_weights(
     sharded = shard_weights(full, cfg, shard)
     sharded.layers = layers
     return sharded
+
+
+# Where checkpoints quantized for an FP8 KV cache keep each layer's scales (scalar tensors), as vLLM reads them.
+_KV_SCALE_NAMES = {
+    "k": ("self_attn.k_scale", "self_attn.k_proj.output_scale", "self_attn.kv_scale"),
+    "v": ("self_attn.v_scale", "self_attn.v_proj.output_scale", "self_attn.kv_scale"),
+}
+
+
+def load_kv_scales(folder: str, num_layers: int) -> tuple[list[float] | None, list[float] | None]:
+    """Per-layer K and V scales of an FP8 KV cache (cached value = value / scale), or None for each that the
+    checkpoint does not provide for every layer."""
+    src = _TensorSource(folder)
+    found = {}
+    for which, names in _KV_SCALE_NAMES.items():
+        scales = []
+        for n in range(num_layers):
+            name = next((f"model.layers.{n}.{s}" for s in names if f"model.layers.{n}.{s}" in src), None)
+            if name is None:
+                break
+            value = src.get(name).float()
+            if value.numel() != 1:
+                raise ValueError(f"tensor {name!r} must hold one scale, not {value.numel()}")
+            scales.append(float(value.item()))
+        found[which] = scales if len(scales) == num_layers else None
+    return found["k"], found["v"]
+

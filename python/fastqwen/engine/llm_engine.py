@@ -15,7 +15,7 @@ import time
 import torch
 
 from .. import env, model_source
-from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_quantization
+from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
 from ..model import Qwen3Model
@@ -26,7 +26,7 @@ from ..grammar import GrammarCompiler
 from ..limits import check_token_ids
 from ..scheduler import FinishReason, Request, RequestState, Scheduler
 from ..sharding import Shard
-from ..weights import dummy_weights, load_weights
+from ..weights import dummy_weights, load_kv_scales, load_weights
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .cuda_graph import DecodeGraphs, unsupported_reason
 from .model_runner import ModelRunner
@@ -101,6 +101,7 @@ class LLMEngine:
         check_kernels_for(self.device, config.allow_reference_on_gpu)
         self.config, self.generation_defaults = load_model_config(model)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or self.config.max_position_embeddings
 
         folder = model if os.path.isdir(model) else os.path.dirname(model)
@@ -117,7 +118,12 @@ class LLMEngine:
         cfg = self.rank_config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
         graph_bs = self._graph_max_bs(config.disable_cuda_graph, config.cuda_graph_max_bs, max_num_seqs)
-        page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        k_scales = v_scales = None
+        if self.kv_dtype != self.dtype and config.load_format != "dummy":
+            k_scales, v_scales = load_kv_scales(folder, cfg.num_layers)
+            log.info("FP8 KV cache: K scales %s, V scales %s", "from the checkpoint" if k_scales else "1.0",
+                     "from the checkpoint" if v_scales else "1.0")  # fmt: skip
         # The sampler's buffers (and its penalty-count table, when graphs capture it) are allocated before the KV pool
         # is sized, so the pool gets what they leave.
         self.sampler = make_sampler(
@@ -133,7 +139,8 @@ class LLMEngine:
             )
             # Every rank schedules the same pages: the rank with the least memory left sets the pool's size.
             num_pages = parallel.min_int(num_pages)
-        self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
+                         self.device, k_scales, v_scales)  # fmt: skip
         self.cache = RadixCache(self.kv.allocator, page_size) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv.allocator,
@@ -211,7 +218,7 @@ class LLMEngine:
         time (logged) and gives a measured figure where an estimate could be wrong for a new model or torch.
         """
         cfg = self.rank_config
-        scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs, self.sampler.graph_hook).capture()
         used, seconds = graphs.memory_bytes, graphs.capture_seconds
         graphs.close()

@@ -63,19 +63,21 @@ class Qwen3Model:
                 ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = ops.linear(hidden, layer.qkv)
             k_cache, v_cache = kv.k(index), kv.v(index)
+            k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
             ops.qk_norm_rope_store_kv(
                 qkv, layer.q_norm, layer.k_norm, self.cos_sin_cache, batch.positions,
-                k_cache, v_cache, batch.out_slots, eps, q_out=q,
+                k_cache, v_cache, batch.out_slots, eps, q_out=q, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
             if batch.is_decode:
                 ops.paged_attention_decode(
                     q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn,
-                    self.decode_workspace, planned=decode_kernel,
+                    self.decode_workspace, planned=decode_kernel, k_scale=k_scale, v_scale=v_scale,
                 )  # fmt: skip
             else:
                 ops.paged_attention_prefill(
                     q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
                     batch.max_query_len or None,  # the batch builder knows it: no read-back
+                    k_scale=k_scale, v_scale=v_scale,
                 )
             hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)

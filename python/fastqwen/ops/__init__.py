@@ -14,6 +14,7 @@ from .attention import (
     paged_attention_prefill,
     plan_decode,
 )
+from .kv_fp8 import FP8_KV_DTYPE, dequantize_kv, is_fp8, quantize_kv
 from .linear import LinearWeight, gemv_kernel_applies, linear, linear_reference, prepare_linear
 from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
@@ -39,9 +40,12 @@ __all__ = [
     "compute_logprobs",
     "DecodeWorkspace",
     "decode_workspace",
+    "dequantize_kv",
     "draw_reference",
+    "FP8_KV_DTYPE",
     "fused_add_rms_norm",
     "has_cuda_kernels",
+    "is_fp8",
     "linear",
     "linear_reference",
     "LinearWeight",
@@ -52,6 +56,7 @@ __all__ = [
     "paged_attention_prefill",
     "plan_decode",
     "qk_norm_rope_store_kv",
+    "quantize_kv",
     "rms_norm",
     "rms_norm_kernel_applies",
     "rope_cos_sin_cache",

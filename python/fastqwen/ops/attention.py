@@ -2,7 +2,9 @@
 
 K/V caches are [num_pages, page_size, H_kv, D]; page_table[b, i] is the i-th page of sequence b; kv_lens[b] counts
 every cached token of b including this step's. Query heads are grouped: head h reads KV head h // (H / H_kv).
-The references compute in float32 and round the output once.
+The caches hold q's dtype, or FP8 e4m3 with one scale per tensor (k_scale, v_scale: ops/kv_fp8.py); the FP8 kernels
+read e4m3, turn it into fp16 in registers (exact) and run the tensor cores in fp16 (q is rounded to fp16, exact for
+|q| in [2^-14, 65504]). The references compute in float32 on the dequantized cache and round the output once.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
+from .kv_fp8 import dequantize_kv, gather_rows, is_fp8
 
 
-def attention_kernel_applies(on_gpu: bool, dtype: torch.dtype, head_dim: int) -> bool:
+def attention_kernel_applies(on_gpu: bool, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
     """Whether paged_attention_decode / _prefill run their CUDA kernel (else the reference) for q on the GPU or not,
-    of this dtype and head size: the rule csrc/attention.h states, read from the extension."""
-    return kernel_applies("paged_attention", on_gpu, dtype) and head_dim == native().ATTENTION_HEAD_DIM
+    of this dtype and head size, over caches of kv_dtype (default: q's): the rule csrc/attention.h states, read from
+    the extension."""
+    if not (kernel_applies("paged_attention", on_gpu, dtype) and head_dim == native().ATTENTION_HEAD_DIM):
+        return False
+    return kv_dtype is None or kv_dtype == dtype or (is_fp8(kv_dtype) and kernel_applies("kv_cache", on_gpu, kv_dtype))
 
 
 @dataclass
@@ -56,11 +62,12 @@ def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace) -> None:
     native().paged_attention_decode_plan(kv_lens.data_ptr(), workspace.split_offsets.data_ptr(), batch, stream_of(kv_lens))
 
 
-def _gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, kv_len: int) -> torch.Tensor:
+def _gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+    """float32 [kv_len, H_kv, D]: the sequence's cached rows, dequantized."""
     page_size = cache.shape[1]
     pos = torch.arange(kv_len, device=cache.device)
     slots = page_table_row[pos // page_size].long() * page_size + pos % page_size
-    return cache.view(-1, cache.shape[2], cache.shape[3])[slots]  # [kv_len, H_kv, D]
+    return dequantize_kv(gather_rows(cache.view(-1, cache.shape[2], cache.shape[3]), slots), scale)
 
 
 def paged_attention_decode(
@@ -73,36 +80,39 @@ def paged_attention_decode(
     out: torch.Tensor,
     workspace: DecodeWorkspace | None = None,
     planned: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; sequence b attends to its kv_lens[b] cached tokens.
 
-    page_table and kv_lens are int32. On bf16 / fp16 CUDA tensors with head_dim 128 this is the kernel in
-    csrc/attention_decode.cu; it needs a workspace (one is made when none is given) whose plan is made here unless
-    planned=True says plan_decode already ran for these kv_lens this step. Otherwise the reference.
+    page_table and kv_lens are int32. On bf16 / fp16 CUDA tensors with head_dim 128 (caches of q's dtype or FP8
+    e4m3, whose values are e4m3 * k_scale and * v_scale) this is the kernel in csrc/attention_decode.cu; it needs a
+    workspace (one is made when none is given) whose plan is made here unless planned=True says plan_decode already
+    ran for these kv_lens this step. Otherwise the reference.
     """
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return out
-    if attention_kernel_applies(q.is_cuda, q.dtype, head_dim):
-        _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned)
+    if attention_kernel_applies(q.is_cuda, q.dtype, head_dim, k_cache.dtype):
+        _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned, k_scale, v_scale)
         return out
-    out.copy_(paged_attention_decode_reference(q, k_cache, v_cache, page_table, kv_lens, scale))
+    out.copy_(paged_attention_decode_reference(q, k_cache, v_cache, page_table, kv_lens, scale, k_scale, v_scale))
     return out
 
 
 def paged_attention_decode_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
-    scale: float,
+    scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """float32 math over gathered pages; returns [B, H, D] in q's dtype."""
+    """float32 math over gathered (and dequantized) pages; returns [B, H, D] in q's dtype."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     max_kv = int(kv_lens.max())
     pos = torch.arange(max_kv, device=q.device)
     slots = page_table[:, pos // page_size].long() * page_size + pos % page_size  # [B, max_kv]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].float()  # [B, max_kv, H_kv, D]
-    values = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()
+    keys = dequantize_kv(gather_rows(k_cache.view(-1, num_kv_heads, head_dim), slots), k_scale)  # [B, max_kv, H_kv, D]
+    values = dequantize_kv(gather_rows(v_cache.view(-1, num_kv_heads, head_dim), slots), v_scale)
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,bjkd->bkgj", qg, keys) * scale
     invalid = pos[None, :] >= kv_lens[:, None].long()  # [B, max_kv]
@@ -117,15 +127,17 @@ def _check_paged(op: str, batch: int, q, out, k_cache, v_cache, page_table, kv_l
         raise ValueError(f"{op}: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"{op}: k_cache and v_cache must both be [pages, page_size, H_kv, 128]")
+    if k_cache.dtype != v_cache.dtype or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
+        raise ValueError(f"{op}: the caches must both hold {q.dtype} or float8_e4m3fn, not {k_cache.dtype} and {v_cache.dtype}")
     if page_table.dim() != 2 or page_table.shape[0] != batch or kv_lens.shape != (batch,):
         raise ValueError(f"{op}: page_table must be [B, max_pages] and kv_lens [B], for B = {batch} sequences")
     check_tensors(
-        op, q.device, q.dtype, q=q, k_cache=k_cache, v_cache=v_cache, out=out,
+        op, q.device, q.dtype, q=q, out=out, k_cache=(k_cache, None), v_cache=(v_cache, None),
         page_table=(page_table, torch.int32), kv_lens=(kv_lens, torch.int32), **more,
     )  # fmt: skip
 
 
-def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned) -> None:
+def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned, k_scale, v_scale) -> None:
     batch, num_heads, head_dim = q.shape
     _check_paged("paged_attention_decode", batch, q, out, k_cache, v_cache, page_table, kv_lens)
     if workspace is None:
@@ -141,7 +153,7 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspa
         plan_decode(kv_lens, workspace)
     m = native()
     args = m.DecodeArgs()
-    _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale)
+    _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale, k_scale, v_scale)
     args.split_offsets = workspace.split_offsets.data_ptr()
     args.part_out = workspace.part_out.data_ptr()
     args.part_lse = workspace.part_lse.data_ptr()
@@ -149,7 +161,7 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspa
     m.paged_attention_decode(args)
 
 
-def _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch: int, scale: float) -> None:
+def _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch: int, scale, k_scale, v_scale) -> None:
     """The fields both attention kernels take (csrc/attention.h, PagedAttentionArgs)."""
     args.q, args.out = q.data_ptr(), out.data_ptr()
     args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -158,7 +170,8 @@ def _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch: int,
     args.num_pages, args.page_size, args.num_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     args.max_pages = page_table.shape[1]
     args.scale = scale
-    args.dtype = dtype_code(q.dtype)
+    args.dtype, args.kv_dtype = dtype_code(q.dtype), dtype_code(k_cache.dtype)
+    args.k_scale, args.v_scale = k_scale, v_scale
     args.stream = stream_of(q)
 
 
@@ -172,24 +185,29 @@ def paged_attention_prefill(
     scale: float,
     out: torch.Tensor,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, H, D] packed by sequence (query_start [B+1]) -> out [T, H, D].
 
     The q tokens of sequence b are the last (query_start[b+1] - query_start[b]) of its kv_lens[b] tokens, so the
     causal mask is aligned to the end: query i sees keys 0 .. kv_len - q_len + i. On bf16 / fp16 CUDA tensors with
     head_dim 128 this is the tensor-core kernel in csrc/attention_prefill.cu; max_query_len (the longest q_len)
-    sizes its grid and is read back from the device when not given. Otherwise the reference.
+    sizes its grid and is read back from the device when not given. FP8 caches as in paged_attention_decode.
+    Otherwise the reference.
     """
     head_dim = q.shape[2]
     if q.shape[0] == 0 or query_start.shape[0] <= 1:
         return out
-    if attention_kernel_applies(q.is_cuda, q.dtype, head_dim):
-        _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len)
+    if attention_kernel_applies(q.is_cuda, q.dtype, head_dim, k_cache.dtype):
+        _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale)
         return out
-    return paged_attention_prefill_reference(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out)
+    return paged_attention_prefill_reference(
+        q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, k_scale, v_scale
+    )
 
 
-def _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len) -> None:
+def _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale) -> None:
     batch = query_start.shape[0] - 1
     _check_paged(
         "paged_attention_prefill", batch, q, out, k_cache, v_cache, page_table, kv_lens,
@@ -199,7 +217,7 @@ def _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale
         max_query_len = int((query_start[1:] - query_start[:-1]).max())
     m = native()
     args = m.PrefillArgs()
-    _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale)
+    _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale, k_scale, v_scale)
     args.query_start = query_start.data_ptr()
     args.max_query_len = max_query_len
     m.paged_attention_prefill(args)
@@ -214,8 +232,10 @@ def paged_attention_prefill_reference(
     kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """float32 math per sequence over gathered pages, written into out."""
+    """float32 math per sequence over gathered (and dequantized) pages, written into out."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -226,8 +246,8 @@ def paged_attention_prefill_reference(
         q_len = e - s
         if q_len == 0:
             continue
-        keys = _gather_kv(k_cache, page_table[b], kv_len).float()
-        values = _gather_kv(v_cache, page_table[b], kv_len).float()
+        keys = _gather_kv(k_cache, page_table[b], kv_len, k_scale)
+        values = _gather_kv(v_cache, page_table[b], kv_len, v_scale)
         qg = q[s:e].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("ikgd,jkd->kgij", qg, keys) * scale  # [H_kv, g, q_len, kv_len]
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)

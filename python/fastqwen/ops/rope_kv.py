@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
+from .kv_fp8 import is_fp8, store_rows
 from .norm import rms_norm_reference
 
 
@@ -52,13 +53,17 @@ def qk_norm_rope_store_kv(
     out_slots: torch.Tensor,
     eps: float,
     q_out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """qkv [T, (H + 2 * H_kv) * D] -> q_out [T, H, D] (normed, rotated); K (normed, rotated) and V to the caches.
 
     k_cache / v_cache are [num_pages, page_size, H_kv, D]; token t goes to flat slot out_slots[t]
     (page * page_size + offset); slot -1 marks padding and is not written. positions and out_slots are int64;
-    cos_sin_cache is float32 [max_positions, D] from rope_cos_sin_cache. Where rope_kv_kernel_applies (bf16 / fp16
-    CUDA tensors, head_dim 64, 128 or 256) this is one kernel launch (csrc/rope_kv.cu); otherwise the reference.
+    cos_sin_cache is float32 [max_positions, D] from rope_cos_sin_cache. The caches hold qkv's dtype, or FP8 e4m3 of
+    K / k_scale and V / v_scale (ops/kv_fp8.py: K rounded to qkv's dtype first, as it is for a 16-bit cache). Where
+    rope_kv_kernel_applies (bf16 / fp16 CUDA tensors, head_dim 64, 128 or 256) this is one kernel launch
+    (csrc/rope_kv.cu); otherwise the reference.
     """
     num_tokens = qkv.shape[0]
     if q_out.dim() != 3 or q_out.shape[0] != num_tokens:
@@ -79,10 +84,15 @@ def qk_norm_rope_store_kv(
             raise ValueError(f"qk_norm_rope_store_kv: {name} has shape {tuple(t.shape)}, expected {shape}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"qk_norm_rope_store_kv: cos_sin_cache must be [max_positions, {head_dim}]")
+    if k_cache.dtype != v_cache.dtype or not (k_cache.dtype == qkv.dtype or is_fp8(k_cache.dtype)):
+        raise ValueError(f"qk_norm_rope_store_kv: the caches must both hold {qkv.dtype} or float8_e4m3fn, "
+                         f"not {k_cache.dtype} and {v_cache.dtype}")  # fmt: skip
+    if not (k_scale > 0 and v_scale > 0 and k_scale < float("inf") and v_scale < float("inf")):
+        raise ValueError(f"qk_norm_rope_store_kv: k_scale and v_scale must be positive and finite, not {k_scale}, {v_scale}")
     if rope_kv_kernel_applies(qkv.is_cuda, qkv.dtype, head_dim):
         check_tensors(
             "qk_norm_rope_store_kv", qkv.device, qkv.dtype, qkv=qkv, q_weight=q_weight, k_weight=k_weight,
-            k_cache=k_cache, v_cache=v_cache, q_out=q_out, cos_sin_cache=(cos_sin_cache, torch.float32),
+            k_cache=(k_cache, None), v_cache=(v_cache, None), q_out=q_out, cos_sin_cache=(cos_sin_cache, torch.float32),
             positions=(positions, torch.int64), out_slots=(out_slots, torch.int64),
         )  # fmt: skip
         m = native()
@@ -93,6 +103,7 @@ def qk_norm_rope_store_kv(
         args.num_tokens, args.num_heads, args.num_kv_heads, args.head_dim = num_tokens, num_heads, num_kv_heads, head_dim
         args.max_pos, args.num_slots = cos_sin_cache.shape[0], k_cache.shape[0] * k_cache.shape[1]
         args.eps, args.dtype, args.stream = eps, dtype_code(qkv.dtype), stream_of(qkv)
+        args.kv_dtype, args.k_scale, args.v_scale = dtype_code(k_cache.dtype), k_scale, v_scale
         m.qk_norm_rope_store_kv(args)
         return q_out
     q = qkv[:, :q_size].reshape(num_tokens, num_heads, head_dim)
@@ -103,6 +114,6 @@ def qk_norm_rope_store_kv(
     k = apply_rope_reference(rms_norm_reference(k, k_weight, eps), cos_sin)
     valid = out_slots >= 0
     slots = out_slots[valid].long()
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(v_cache.dtype)
+    store_rows(k_cache.view(-1, num_kv_heads, head_dim), slots, k[valid], k_scale)
+    store_rows(v_cache.view(-1, num_kv_heads, head_dim), slots, v[valid], v_scale)
     return q_out

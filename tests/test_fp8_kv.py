@@ -1,0 +1,305 @@
+"""The FP8 (e4m3) KV cache on the CPU reference path: the storage rule, the reference ops on an FP8 pool, the pool's
+size, checkpoint scales, and the whole engine (against Hugging Face float32, and its own invariances).
+
+Stated tolerance: e4m3 keeps 3 mantissa bits, so every cached K and V entry is within 2^-4 of its value (relative,
+in e4m3's normal range). The engine with an FP8 pool keeps every logit within FP8_LOGIT_TOLERANCE = 0.1 of the
+largest |logit| of the float32 truth (these small random models measure 5% to 7%: about one e4m3 rounding unit), and
+by the margin rule (tests/test_engine_gpu.py) gives the truth's token at every step whose top-1 margin exceeds
+twice that.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fastqwen import LLM, SamplingParams
+from fastqwen.config import ConfigError, EngineConfig
+from fastqwen.kvcache import KVPool
+from fastqwen.ops import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store_kv, rope_cos_sin_cache
+from fastqwen.ops.kv_fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
+
+from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint
+
+FP8_LOGIT_TOLERANCE = 0.1
+
+
+def e4m3_values() -> torch.Tensor:
+    """Every finite e4m3fn value, from its definition (sign, 4-bit exponent of bias 7, 3-bit mantissa; exponent 15
+    with mantissa 7 is NaN), in float64: independent of torch's conversion."""
+    values = []
+    for bits in range(256):
+        sign = -1.0 if bits & 0x80 else 1.0
+        exponent, mantissa = (bits >> 3) & 0xF, bits & 7
+        if exponent == 15 and mantissa == 7:
+            continue
+        if exponent == 0:
+            values.append(sign * mantissa / 8 * 2.0**-6)
+        else:
+            values.append(sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    return torch.tensor(sorted(set(values)), dtype=torch.float64)
+
+
+def nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest, ties to the even mantissa, saturating at +-448, in float64."""
+    grid = e4m3_values()
+    x = x.double().clamp(-448.0, 448.0)
+    index = torch.searchsorted(grid, x).clamp(1, len(grid) - 1)
+    lo, hi = grid[index - 1], grid[index]
+    pick_hi = (hi - x) < (x - lo)
+    tie = (hi - x) == (x - lo)
+    # At a tie the even mantissa wins: the value whose last mantissa bit is zero.
+    hi_even = torch.tensor([_mantissa_even(v) for v in hi.tolist()], dtype=torch.bool)
+    return torch.where(pick_hi | (tie & hi_even), hi, lo)
+
+
+def _mantissa_even(v: float) -> bool:
+    if v == 0:
+        return True
+    a = abs(v)
+    if a < 2.0**-6:
+        return round(a / 2.0**-9) % 2 == 0
+    e = math.floor(math.log2(a))
+    return round((a / 2.0**e - 1) * 8) % 2 == 0
+
+
+def test_quantize_rounds_to_nearest_e4m3_and_saturates():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([
+        torch.randn(4000, generator=gen) * 30, torch.randn(1000, generator=gen) * 0.01,  # normal and subnormal range
+        e4m3_values().float()[1:] * 0.5 + e4m3_values().float()[:-1] * 0.5,  # exact midpoints: ties to even
+        torch.tensor([1000.0, -1e6, 448.0, 460.0, 0.0]),  # saturation, and what the FP8 pool must not turn into NaN
+    ])  # fmt: skip
+    for scale in (1.0, 0.25, 3.0):
+        got = dequantize_kv(quantize_kv(x, scale), scale).double()
+        want = nearest_e4m3(x.double() / scale) * scale
+        assert torch.equal(got, want), f"scale {scale}: {int((got != want).sum())} values differ"
+    assert not torch.isnan(dequantize_kv(quantize_kv(x, 1.0), 1.0)).any()
+
+
+def scattered_fp8_case(page_size: int, lens: list[int], seed: int, heads: int = 4, kv_heads: int = 2, dim: int = 128):
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in lens]
+    total = sum(pages) + 3
+    k = torch.randn(total, page_size, kv_heads, dim, generator=gen) * 2
+    v = torch.randn(total, page_size, kv_heads, dim, generator=gen)
+    order = torch.randperm(total, generator=gen).tolist()
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.tensor(order[used : used + n], dtype=torch.int32)
+        used += n
+    return k, v, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def attention_float64(q, keys, values, scale, q_pos):
+    """q [n, H, D] at positions q_pos over keys/values [L, H_kv, D] (already dequantized), causal, float64."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    scores.masked_fill_(torch.arange(keys.shape[0])[None, None, :] > torch.tensor(q_pos)[None, :, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_reference_attention_reads_the_fp8_pool(page_size):
+    """Decode and prefill on an FP8 pool with scales equal float64 attention over the e4m3 values times the scales
+    (decoded from the bytes by definition, not by torch)."""
+    lens = [1, 5, 70, 130]
+    k, v, table, kv_lens = scattered_fp8_case(page_size, lens, seed=page_size)
+    k_scale, v_scale = 0.5, 2.0
+    k8, v8 = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
+    grid = e4m3_values()
+    decode = lambda t, s: _decode_bytes(t, grid) * s  # noqa: E731
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(len(lens), 4, 128, generator=gen)
+    scale = 128**-0.5
+    out = torch.empty_like(q)
+    paged_attention_decode(q, k8, v8, table, kv_lens, scale, out, k_scale=k_scale, v_scale=v_scale)
+    q_new = [1, 3, 70, 9]
+    qp = torch.randn(sum(q_new), 4, 128, generator=gen)
+    starts = torch.tensor([0] + q_new).cumsum(0).to(torch.int32)
+    out_p = torch.empty_like(qp)
+    paged_attention_prefill(qp, k8, v8, starts, table, kv_lens, scale, out_p, k_scale=k_scale, v_scale=v_scale)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = table[b, pos // page_size].long() * page_size + pos % page_size
+        keys = decode(k8.view(-1, 2, 128)[slots], k_scale)
+        values = decode(v8.view(-1, 2, 128)[slots], v_scale)
+        want = attention_float64(q[b : b + 1], keys, values, scale, [n - 1])
+        torch.testing.assert_close(out[b : b + 1].double(), want, rtol=1e-5, atol=1e-5)
+        s, e = int(starts[b]), int(starts[b + 1])
+        want_p = attention_float64(qp[s:e], keys, values, scale, list(range(n - (e - s), n)))
+        torch.testing.assert_close(out_p[s:e].double(), want_p, rtol=1e-5, atol=1e-5)
+
+
+def _decode_bytes(t: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """e4m3 tensor -> float64 by its bit pattern."""
+    bits = t.view(torch.uint8).long()
+    sign = torch.where(bits & 0x80 != 0, -1.0, 1.0).double()
+    exponent, mantissa = (bits >> 3) & 0xF, (bits & 7).double()
+    normal = (1 + mantissa / 8) * torch.pow(2.0, (exponent - 7).double())
+    sub = mantissa / 8 * 2.0**-6
+    return sign * torch.where(exponent == 0, sub, normal)
+
+
+def test_reference_write_stores_e4m3_of_k_over_scale():
+    """qk_norm_rope_store_kv into an FP8 pool stores exactly the quantized K and V of the same call into a float32
+    pool (and skips slot -1)."""
+    heads, kv_heads, dim, tokens = 4, 2, 64, 6
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3
+    qw, kw = 1 + 0.2 * torch.randn(dim, generator=gen), 1 + 0.2 * torch.randn(dim, generator=gen)
+    cos_sin = rope_cos_sin_cache(dim, 64, 1e6, torch.device("cpu"))
+    positions = torch.arange(tokens) * 7
+    slots = torch.tensor([3, 0, -1, 9, 12, 5])
+    k32, v32 = torch.zeros(4, 4, kv_heads, dim), torch.zeros(4, 4, kv_heads, dim)
+    k8, v8 = torch.zeros(4, 4, kv_heads, dim, dtype=FP8_KV_DTYPE), torch.zeros(4, 4, kv_heads, dim, dtype=FP8_KV_DTYPE)
+    q_a, q_b = torch.empty(tokens, heads, dim), torch.empty(tokens, heads, dim)
+    qk_norm_rope_store_kv(qkv, qw, kw, cos_sin, positions, k32, v32, slots, 1e-6, q_a)
+    qk_norm_rope_store_kv(qkv, qw, kw, cos_sin, positions, k8, v8, slots, 1e-6, q_b, k_scale=0.5, v_scale=4.0)
+    assert torch.equal(q_a, q_b)
+    assert torch.equal(k8.view(torch.uint8), quantize_kv(k32, 0.5).view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), quantize_kv(v32, 4.0).view(torch.uint8))
+    assert k8.view(-1, kv_heads, dim)[[1, 2, 4]].view(torch.uint8).eq(0).all(), "a slot nobody wrote changed"
+
+
+def test_pool_holds_twice_the_tokens():
+    bf16 = KVPool.bytes_per_page(36, 16, 8, 128, torch.bfloat16)
+    fp8 = KVPool.bytes_per_page(36, 16, 8, 128, FP8_KV_DTYPE)
+    assert bf16 == 2 * fp8 == 36 * 2 * 16 * 8 * 128 * 2
+    with pytest.raises(ValueError, match="only an FP8 pool"):
+        KVPool(2, 4, 16, 2, 64, torch.bfloat16, torch.device("cpu"), k_scales=[2.0, 1.0])
+    with pytest.raises(ValueError, match="positive"):
+        KVPool(2, 4, 16, 2, 64, FP8_KV_DTYPE, torch.device("cpu"), v_scales=[0.0, 1.0])
+    with pytest.raises(ValueError, match="one scale per layer"):
+        KVPool(2, 4, 16, 2, 64, FP8_KV_DTYPE, torch.device("cpu"), k_scales=[1.0])
+
+
+def test_kv_cache_dtype_knob():
+    assert EngineConfig("Qwen3-0.6B", load_format="dummy", kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match="kv_cache_dtype") as err:
+        EngineConfig("Qwen3-0.6B", load_format="dummy", kv_cache_dtype="fp8_e5m2")
+    assert err.value.field == "kv_cache_dtype"
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(["--model", "Qwen3-0.6B", "--load-format", "dummy", "--kv-cache-dtype", "fp8_e4m3"])
+    assert EngineConfig.from_cli(args).kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "x", "--kv-cache-dtype", "int8"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("fp8kv"))
+    hf = make_checkpoint(folder, tied=False, num_heads=4, num_kv_heads=2, layers=2, seed=3, logit_scale=4.0)
+    return folder, hf
+
+
+def test_engine_pool_size_and_scales(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    auto = LLM(folder, dtype="bfloat16", device="cpu")
+    fp8 = LLM(folder, dtype="bfloat16", device="cpu", kv_cache_dtype="fp8_e4m3")
+    assert fp8.engine.kv.k(0).dtype == FP8_KV_DTYPE and auto.engine.kv.k(0).dtype == torch.bfloat16
+    assert fp8.engine.kv.num_pages == 2 * auto.engine.kv.num_pages  # the same memory, twice the tokens
+    assert fp8.engine.kv.k_scales == [1.0, 1.0] == fp8.engine.kv.v_scales
+    # A checkpoint with vLLM's per-layer scales: they reach the pool.
+    import shutil
+
+    scaled = str(tmp_path / "scaled")
+    shutil.copytree(folder, scaled)
+    tensors = load_file(f"{scaled}/model.safetensors")
+    for n, (ks, vs) in enumerate([(0.5, 2.0), (0.25, 1.5)]):
+        tensors[f"model.layers.{n}.self_attn.k_scale"] = torch.tensor(ks)
+        tensors[f"model.layers.{n}.self_attn.v_scale"] = torch.tensor(vs)
+    save_file(tensors, f"{scaled}/model.safetensors", metadata={"format": "pt"})
+    llm = LLM(scaled, dtype="float32", device="cpu", num_pages=64, kv_cache_dtype="fp8_e4m3")
+    assert llm.engine.kv.k_scales == [0.5, 0.25] and llm.engine.kv.v_scales == [2.0, 1.5]
+    plain = LLM(scaled, dtype="float32", device="cpu", num_pages=64)  # a 16-bit pool ignores them
+    assert plain.engine.kv.k_scales == [1.0, 1.0]
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.token_ids) >= 1
+
+
+def test_engine_with_fp8_pool_follows_float32_truth(checkpoint):
+    """Teacher-forced on HF float32's greedy sequence (every prefix in one batch, so prefixes hit the prefix cache
+    and extend it mid-page), every decisive step gives HF's token; logits within the stated tolerance while the
+    free-running tokens agree."""
+    folder, hf = checkpoint
+    llm = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=1024, kv_cache_dtype="fp8_e4m3")
+    rng = random.Random(0)
+    decisive = 0
+    for n in (5, 17, 40, 64, 90, 120):
+        prompt = [rng.randrange(0, 380) for _ in range(n)]
+        expected = hf_greedy(hf, prompt, 32)
+        reference = hf_logits(hf, prompt, expected)
+        scale = reference.abs().max().item()
+        top2 = reference.topk(2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        prefixes = [prompt + expected[:k] for k in range(len(expected))]
+        one_step = llm.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        for k, out in enumerate(one_step):
+            if margins[k] > 2 * FP8_LOGIT_TOLERANCE * scale:
+                decisive += 1
+                assert out.token_ids[0] == expected[k], f"step {k}: margin {margins[k]:.2f}"
+        tokens, logits = engine_logits(llm, prompt, len(expected))
+        agree = next((k for k in range(len(expected)) if tokens[k] != expected[k]), len(expected))
+        compared = min(agree + 1, len(expected))
+        assert (logits[:compared] - reference[:compared]).abs().max().item() <= FP8_LOGIT_TOLERANCE * scale
+    assert decisive >= 10, f"only {decisive} of 192 steps were decisive: the test checks too little"
+    print(f"decisive steps: {decisive}")
+    llm.engine.check_invariants()
+
+
+def test_fp8_pool_preemption_and_prefix_cache_change_nothing(checkpoint):
+    """With an FP8 pool, as with a 16-bit one: outputs do not depend on preemption (recompute) or on the prefix cache."""
+    folder, _ = checkpoint
+    rng = random.Random(4)
+    shared = [rng.randrange(0, 380) for _ in range(21)]
+    prompts = [shared + [rng.randrange(0, 380) for _ in range(rng.randint(2, 12))] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", page_size=4, kv_cache_dtype="fp8_e4m3")
+    plain = LLM(folder, num_pages=1024, enable_prefix_caching=False, **kw)
+    expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    cached = LLM(folder, num_pages=1024, **kw)
+    cached.generate(prompts[:1], params, use_tqdm=False)
+    outputs = cached.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.num_cached_tokens >= 20 for o in outputs), "the shared prefix did not come from the cache"
+    small = LLM(folder, num_pages=30, enable_prefix_caching=False, **kw)
+    assert [o.token_ids for o in small.generate(prompts, params, use_tqdm=False)] == expected
+    assert small.engine.scheduler.num_preemptions > 0, "the small pool never preempted"
+    for llm in (plain, cached, small):
+        llm.engine.check_invariants()
+
+
+def test_extension_rejects_a_bad_kv_cache():
+    """The kernels' own checks (csrc/dtype.h, check_kv_cache), reached before anything touches a device."""
+    from fastqwen.ops._native import native
+
+    m = native()
+    if m is None or not m.built_with_cuda:
+        pytest.skip("needs the extension built with the CUDA kernels")
+    args = m.PrefillArgs()
+    args.head_dim, args.num_heads, args.num_kv_heads, args.page_size, args.max_pages, args.num_pages = 128, 8, 2, 16, 1, 1
+    args.batch, args.max_query_len, args.dtype = 1, 1, m.DTYPE_BF16
+    args.kv_dtype = m.DTYPE_F16
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        m.paged_attention_prefill(args)
+    args.kv_dtype = m.DTYPE_CODES["float8_e4m3fn"]
+    for k_scale, v_scale in ((0.0, 1.0), (1.0, float("nan")), (float("inf"), 1.0)):
+        args.k_scale, args.v_scale = k_scale, v_scale
+        with pytest.raises(ValueError, match="k_scale and v_scale"):
+            m.paged_attention_prefill(args)
+    rope = m.RopeKVArgs()
+    rope.num_tokens, rope.num_heads, rope.num_kv_heads, rope.head_dim, rope.max_pos = 1, 8, 2, 128, 16
+    rope.dtype, rope.kv_dtype = m.DTYPE_BF16, m.DTYPE_F32
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        m.qk_norm_rope_store_kv(rope)
