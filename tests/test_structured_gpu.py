@@ -161,3 +161,39 @@ def test_grammar_steps_overlap_and_match_the_serial_schedule(tmp_path):
         if params[i].structured is not None:
             assert out.finish_reason == "stop", out.text
             _check(out.text, SCHEMAS[i % len(SCHEMAS)])
+
+
+def test_constrained_decode_steps_do_not_sync(tmp_path):
+    """The bar's second half: a grammar adds no device-to-host sync to a decode step. Once every request decodes,
+    each step runs under torch's sync debug mode "error" (a synchronizing CUDA call raises, and the engine would fail
+    the step's requests): the masks go host-to-device from pinned memory, and the step's one read-back is its tokens,
+    into pinned memory behind an event."""
+    folder = str(tmp_path)
+    _write_checkpoint(folder, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512)
+    llm = LLM(folder, dtype="bfloat16", num_pages=1024, page_size=16, max_num_seqs=16, cuda_graph_max_bs=16)
+    engine = llm.engine
+    step = engine.step
+    checked = []
+
+    def step_checking_syncs():
+        s = engine.scheduler
+        if s.waiting or engine._compiling or not s.running or any(r.num_output_tokens < 1 for r in s.running):
+            return step()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            output = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(len(output.deltas))
+        return output
+
+    engine.step = step_checking_syncs
+    params = [SamplingParams(temperature=1.0, max_tokens=160, seed=i,
+                             structured=StructuredOutput("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)])))
+              for i in range(16)]  # fmt: skip
+    outs = llm.generate(["json"] * 16, params, use_tqdm=False)
+    del engine.step
+    assert len(checked) > 20, checked
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "stop", (out.finish_reason, out.error)
+        _check(out.text, SCHEMAS[i % len(SCHEMAS)])
