@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -64,6 +65,31 @@ def schemas(output_len: int) -> list[dict]:
     ]  # fmt: skip
 
 
+class MaskClock:
+    """Host time the engine spends filling grammar bitmasks (engine.sampler.fill_bitmasks, timed in place)."""
+
+    def __init__(self):
+        import fastqwen.engine.sampler as sampler_module
+
+        self.seconds, self.calls, self.rows = 0.0, 0, 0
+        fill = sampler_module.fill_bitmasks
+
+        def timed(rows, out):
+            start = time.perf_counter()
+            fill(rows, out)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            self.rows += len(rows)
+
+        sampler_module.fill_bitmasks = timed
+
+    def take(self) -> dict:
+        taken = {"mask_seconds": self.seconds, "mask_calls": self.calls,
+                 "mask_ms_per_call": 1e3 * self.seconds / max(1, self.calls), "mask_rows_per_call": self.rows / max(1, self.calls)}  # fmt: skip
+        self.seconds, self.calls, self.rows = 0.0, 0, 0
+        return taken
+
+
 def run(llm: LLM, prompts, params) -> tuple[float, list]:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -96,13 +122,15 @@ def main() -> int:
     # Warm-up: graphs, the grammar compiles (cached from here on), the allocator.
     run(llm, prompts[: args.in_flight], [SamplingParams(max_tokens=8, ignore_eos=True)] * args.in_flight)
     run(llm, prompts[: len(specs)], [SamplingParams(max_tokens=8, structured=s) for s in specs])
+    clock = MaskClock()
     results = {}
     for name, params in (("unconstrained", plain), ("json_schema", constrained), ("unconstrained_again", plain)):
         ahead0 = llm.engine.num_ahead_steps
+        clock.take()
         seconds, outs = run(llm, prompts, params)
         tokens = sum(len(o.token_ids) for o in outs)
         entry = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-                 "ahead_steps": llm.engine.num_ahead_steps - ahead0}  # fmt: skip
+                 "ahead_steps": llm.engine.num_ahead_steps - ahead0, **clock.take()}  # fmt: skip
         if name == "json_schema":
             finished = [o for o in outs if o.finish_reason == "stop"]
             bad = 0
@@ -117,7 +145,8 @@ def main() -> int:
         print(name, json.dumps(entry, ensure_ascii=False), flush=True)
     base = (results["unconstrained"]["tokens_per_s"] + results["unconstrained_again"]["tokens_per_s"]) / 2
     cost = 1.0 - results["json_schema"]["tokens_per_s"] / base
-    summary = {"device": torch.cuda.get_device_name(), "model": args.model, "vocab": vocab, "in_flight": args.in_flight,
+    summary = {"device": torch.cuda.get_device_name(), "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+               "model": args.model, "vocab": vocab, "in_flight": args.in_flight,
                "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                "runs": results, "structured_cost": cost}  # fmt: skip
     print(f"structured output costs {100 * cost:.1f}% of the unconstrained output throughput ({base:.0f} tok/s)")
