@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -192,6 +193,43 @@ def test_grammar_ends_the_request_even_with_ignore_eos(llm):
     structured = StructuredOutput("choice", '["done"]')
     out = llm.generate(["x"], SamplingParams(max_tokens=50, ignore_eos=True, structured=structured), use_tqdm=False)[0]
     assert out.text == "done" and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_requests_with_one_spec_spread_over_independent_compiles(folder, llm):
+    """llguidance's copies of one compiled grammar share its lexer behind one lock; the compiler spreads the requests
+    of one spec round robin over `lexer_groups` compiles of their own (so their masks can be filled in parallel).
+    Walking the same tokens, a matcher of every compile gives the same masks; and the engine's outputs do not
+    depend on how many compiles there are."""
+    from fastqwen.grammar import GrammarCompiler, fill_bitmasks
+
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMAS[0]))
+    compiler = GrammarCompiler(os.path.join(folder, "tokenizer.json"), VOCAB, [EOS], lexer_groups=3)
+    futures = [compiler.submit(spec) for _ in range(7)]
+    for f in futures:
+        f.result()
+    futures += [compiler.submit(spec) for _ in range(6)]  # every compile is done now: round robin over all three
+    assert len({id(f) for f in futures}) == 3
+    assert [futures.index(f) for f in futures[7:]] == [1, 2, 0, 1, 2, 0]  # (7 % 3 = 1: the next one is group 1)
+    matchers = [compiler.matcher(f) for f in futures[7:10]]
+    masks = np.zeros((3, (VOCAB + 31) // 32), dtype=np.int32)
+    rng = random.Random(4)
+    for _ in range(30):
+        fill_bitmasks([(m, i) for i, m in enumerate(matchers)], masks)
+        assert (masks == masks[0]).all()
+        allowed = np.flatnonzero(np.unpackbits(masks[0].view(np.uint8), bitorder="little")[:VOCAB])
+        token = int(allowed[rng.randrange(len(allowed))])
+        if not all([m.advance(token) for m in matchers]):
+            break
+    compiler.close()
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured=spec) for i in range(6)]
+    one = LLM(folder, dtype="float32", device="cpu", num_pages=512, page_size=8, max_num_seqs=8)
+    one.engine.grammars.lexer_groups = 1
+    groups, llm.engine.grammars.lexer_groups = llm.engine.grammars.lexer_groups, 4
+    try:
+        spread = [o.token_ids for o in llm.generate(["x"] * 6, params, use_tqdm=False)]
+    finally:
+        llm.engine.grammars.lexer_groups = groups
+    assert spread == [o.token_ids for o in one.generate(["x"] * 6, params, use_tqdm=False)]
 
 
 def test_mask_reference_against_plain_arithmetic():

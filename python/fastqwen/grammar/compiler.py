@@ -1,5 +1,6 @@
 """The engine's grammar side: compile off the step (worker threads), cache by spec, one matcher per request, and the
-step's bitmasks computed in parallel."""
+step's bitmasks computed in parallel (requests with one spec spread over independent compiles, so that their masks
+can be)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,17 @@ from .spec import llguidance_grammar
 
 log = logging.getLogger(__name__)
 
-CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
+CACHE_SIZE = 128  # specs whose compiled grammars are kept (least recently used dropped)
+
+
+def default_lexer_groups() -> int:
+    """As many independent compiles of a spec as llguidance's mask executor has threads (80% of the CPUs), at most 16.
+
+    llguidance's copies of one compiled matcher share its lexer behind one lock (LLMatcher.deep_copy is a shallow
+    clone of the parser), so the masks of requests copied from one compile are computed one after the other, however
+    many threads the executor has. Requests with the same spec are spread over this many independent compiles, whose
+    masks are computed in parallel."""
+    return max(1, min(16, (os.cpu_count() or 1) * 80 // 100))
 
 
 class GrammarMatcher:
@@ -73,16 +84,26 @@ class GrammarCompiler:
     tokens allowed once the output is complete.
     """
 
-    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_token_ids: list[int], threads: int = 2):
+    def __init__(
+        self,
+        tokenizer_json: str | None,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        threads: int = 2,
+        lexer_groups: int | None = None,
+    ):
         self.tokenizer_json = tokenizer_json if tokenizer_json and os.path.isfile(tokenizer_json) else None
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.mask_words = (vocab_size + 31) // 32
+        self.lexer_groups = lexer_groups or default_lexer_groups()
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[tuple, Future] = collections.OrderedDict()
+        # Per spec: the futures of its independent compiles (up to lexer_groups, made as requests come) and the
+        # number of requests handed out, which picks the next one round robin.
+        self._cache: collections.OrderedDict[tuple, tuple[list[Future], list[int]]] = collections.OrderedDict()
 
     @property
     def available(self) -> bool:
@@ -103,23 +124,32 @@ class GrammarCompiler:
         return matcher
 
     def submit(self, structured: StructuredOutput) -> Future:
-        """A future of the compiled grammar (shared by every request with the same spec; `matcher` makes a request's
-        own). Compiles on a worker thread unless it is cached."""
+        """A future of a compiled grammar for one request (`matcher` makes the request's own from it): the spec's
+        compiles are shared round robin by the requests with that spec (see default_lexer_groups). Compiles on a
+        worker thread unless that compile is cached."""
         if not self.available:
             raise InvalidRequestError("structured output needs the checkpoint's tokenizer.json", structured.field)
         key = structured.key
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = self._cache[key] = ([], [0])
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
                 self._cache.move_to_end(key)
-                return future
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="fastqwen-grammar")
-            future = self._pool.submit(self._compile, structured)
-            self._cache[key] = future
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return future
+            futures, handed = entry
+            group = handed[0] % self.lexer_groups
+            handed[0] += 1
+            if group >= len(futures):  # (> only when lexer_groups grew since this spec was first seen)
+                group = len(futures)
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="fastqwen-grammar")
+                futures.append(self._pool.submit(self._compile, structured))
+            chosen = futures[group]
+            if not chosen.done():  # while it compiles, a finished compile serves (the request need not wait)
+                chosen = next((f for f in futures if f.done() and f.exception() is None), chosen)
+            return chosen
 
     @staticmethod
     def matcher(compiled: Future) -> GrammarMatcher:
