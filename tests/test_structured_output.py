@@ -207,9 +207,10 @@ def test_requests_with_one_spec_spread_over_independent_compiles(folder, llm):
     futures = [compiler.submit(spec) for _ in range(7)]
     for f in futures:
         f.result()
+    # (while a compile runs, a finished one may serve: the first seven need not cycle)
     futures += [compiler.submit(spec) for _ in range(6)]  # every compile is done now: round robin over all three
     assert len({id(f) for f in futures}) == 3
-    assert [futures.index(f) for f in futures[7:]] == [1, 2, 0, 1, 2, 0]  # (7 % 3 = 1: the next one is group 1)
+    assert len({id(f) for f in futures[7:10]}) == 3 and futures[10:13] == futures[7:10]
     matchers = [compiler.matcher(f) for f in futures[7:10]]
     masks = np.zeros((3, (VOCAB + 31) // 32), dtype=np.int32)
     rng = random.Random(4)
