@@ -207,6 +207,8 @@ stage_serving15() {  # the engine-core process bars: HTTP against offline, same 
 
 stage_structured() {  # issue 16's bar: a JSON-schema mix at 64 in flight against the same requests unconstrained
   FASTQWEN_RESULTS_DIR="$OUT" run structured_tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_structured_gpu.py
+  # host side: the masks of 64 rows with every request of a spec on one compile, then spread (the engine's default)
+  run grammar_masks 120 python3 bench/grammar_masks.py --rows 64 --steps 40 --lexer-groups 1 0
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   for mix in plain exact; do
     run "structured_8b_$mix" 200 python3 bench/structured.py --model /tmp/qwen3-8b-dummy --load-format dummy \
