@@ -46,10 +46,13 @@ for stage in $STAGES; do
   build
   case "$stage" in
     tests)
-      FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rs -p no:cacheprovider \
-        tests/test_tensor_parallel_gpu.py tests/test_tensor_parallel.py tests/test_cuda_graph_gpu.py 2>&1 \
-        | tail -n 60 | tee "$OUT/tests.log"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
+      FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
+        tests/test_tensor_parallel_gpu.py tests/test_tensor_parallel.py tests/test_cuda_graph_gpu.py \
+        > "$OUT/tests.log" 2>&1 || rc=1
+      # The device's reply keeps the end of stdout: the failures' short tracebacks first, the summary last.
+      awk '/= (FAILURES|ERRORS) =/,/short test summary/' "$OUT/tests.log" | grep -E "^(E  |_____|tests/[a-z_0-9]+\.py:[0-9]+)" \
+        | cut -c1-220 | head -n 120
+      grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT/tests.log" | cut -c1-260 | tail -n 40 ;;
     allreduce)
       run allreduce_h5120 150 python3 bench/tp_bench.py --hidden 5120 --json "$OUT/allreduce_h5120.json"
       run allreduce_h4096 150 python3 bench/tp_bench.py --hidden 4096 --port 29512 --json "$OUT/allreduce_h4096.json" ;;
@@ -70,4 +73,6 @@ for stage in $STAGES; do
   esac
 done
 echo "== summary rc=$rc" | tee "$OUT/summary.txt"
+# The device returns at most 8 files from $OUT: everything goes back as one archive.
+tar czf /tmp/gpu_check_tp_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_check_tp_results.tgz "$OUT/results.tgz"
 exit "$rc"
