@@ -23,7 +23,7 @@ from fastqwen.kvcache import KVPool
 from fastqwen.ops import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store_kv, rope_cos_sin_cache
 from fastqwen.ops.kv_fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 
-from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint
+from checkpoints import hf_greedy, hf_logits, make_checkpoint, teacher_forced_match
 
 FP8_LOGIT_TOLERANCE = 0.1
 
@@ -235,24 +235,12 @@ def test_engine_with_fp8_pool_follows_float32_truth(checkpoint):
     folder, hf = checkpoint
     llm = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=1024, kv_cache_dtype="fp8_e4m3")
     rng = random.Random(0)
-    decisive = 0
-    for n in (5, 17, 40, 64, 90, 120):
-        prompt = [rng.randrange(0, 380) for _ in range(n)]
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (5, 17, 40, 64, 90, 120)]
+    references = []
+    for prompt in prompts:
         expected = hf_greedy(hf, prompt, 32)
-        reference = hf_logits(hf, prompt, expected)
-        scale = reference.abs().max().item()
-        top2 = reference.topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-        prefixes = [prompt + expected[:k] for k in range(len(expected))]
-        one_step = llm.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        for k, out in enumerate(one_step):
-            if margins[k] > 2 * FP8_LOGIT_TOLERANCE * scale:
-                decisive += 1
-                assert out.token_ids[0] == expected[k], f"step {k}: margin {margins[k]:.2f}"
-        tokens, logits = engine_logits(llm, prompt, len(expected))
-        agree = next((k for k in range(len(expected)) if tokens[k] != expected[k]), len(expected))
-        compared = min(agree + 1, len(expected))
-        assert (logits[:compared] - reference[:compared]).abs().max().item() <= FP8_LOGIT_TOLERANCE * scale
+        references.append((expected, hf_logits(hf, prompt, expected)))
+    decisive, _ = teacher_forced_match(llm, prompts, references, FP8_LOGIT_TOLERANCE)
     assert decisive >= 10, f"only {decisive} of 192 steps were decisive: the test checks too little"
     print(f"decisive steps: {decisive}")
     llm.engine.check_invariants()
