@@ -22,6 +22,7 @@ STAGES="${*:-tests kernels offline serving}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
+. bench/device_out.sh
 export PYTHONUNBUFFERED=1
 
 echo "== repo: $(pwd)   python: $(python3 --version 2>&1)   stages: $STAGES"
@@ -68,10 +69,7 @@ stage_tests() {
   FASTQWEN_RESULTS_DIR="$OUT" timeout 480 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
   tests_rc=$?
   echo "tests rc=$tests_rc" | tee -a "$OUT/tests.log"
-  # The device's reply keeps the end of stdout: the failures' short tracebacks first (trimmed), the summary last.
-  awk '/= (FAILURES|ERRORS) =/,/short test summary/' "$OUT/tests.log" | grep -E "^(E  |_____|tests/[a-z_0-9]+\.py:[0-9]+)" \
-    | cut -c1-220 | head -n 160
-  grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT/tests.log" | cut -c1-260 | tail -n 70
+  pytest_report "$OUT/tests.log"
 }
 
 stage_kernels() {
@@ -227,8 +225,7 @@ for stage in $STAGES; do
 done
 
 echo "== summary: build rc=$build_rc tests rc=$tests_rc bench rc=$bench_rc serving rc=$serve_rc" | tee "$OUT/summary.txt"
-# The device returns at most 8 files from $OUT: everything goes back as one archive.
-tar czf /tmp/gpu_check_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_check_results.tgz "$OUT/results.tgz"
+pack_out "$OUT"
 if [ "$build_rc" -ne 0 ] || [ "$tests_rc" -ne 0 ]; then
   exit 1
 fi

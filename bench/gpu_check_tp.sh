@@ -16,6 +16,7 @@ STAGES="${*:-tests allreduce latency throughput}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
+. bench/device_out.sh
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -49,10 +50,7 @@ for stage in $STAGES; do
       FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
         tests/test_tensor_parallel_gpu.py tests/test_tensor_parallel.py tests/test_cuda_graph_gpu.py \
         > "$OUT/tests.log" 2>&1 || rc=1
-      # The device's reply keeps the end of stdout: the failures' short tracebacks first, the summary last.
-      awk '/= (FAILURES|ERRORS) =/,/short test summary/' "$OUT/tests.log" | grep -E "^(E  |_____|tests/[a-z_0-9]+\.py:[0-9]+)" \
-        | cut -c1-220 | head -n 120
-      grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT/tests.log" | cut -c1-260 | tail -n 40 ;;
+      pytest_report "$OUT/tests.log" 40 ;;
     allreduce)
       run allreduce_h5120 150 python3 bench/tp_bench.py --hidden 5120 --json "$OUT/allreduce_h5120.json"
       run allreduce_h4096 150 python3 bench/tp_bench.py --hidden 4096 --port 29512 --json "$OUT/allreduce_h4096.json" ;;
@@ -73,6 +71,5 @@ for stage in $STAGES; do
   esac
 done
 echo "== summary rc=$rc" | tee "$OUT/summary.txt"
-# The device returns at most 8 files from $OUT: everything goes back as one archive.
-tar czf /tmp/gpu_check_tp_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_check_tp_results.tgz "$OUT/results.tgz"
+pack_out "$OUT"
 exit "$rc"

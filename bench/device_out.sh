@@ -1,0 +1,16 @@
+# Shared by the device scripts (sourced): what a device call sends back. The reply keeps only the end of stdout and
+# at most 8 files from $OUT.
+
+# pytest_report LOG [LINES]: a pytest log's failures as short tracebacks (trimmed), then its summary lines last.
+pytest_report() {
+  awk '/= (FAILURES|ERRORS) =/,/short test summary/' "$1" | grep -E "^(E  |_____|tests/[a-z_0-9]+\.py:[0-9]+)" \
+    | cut -c1-220 | head -n 160
+  grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$1" | cut -c1-260 | tail -n "${2:-70}"
+}
+
+# pack_out OUT: everything under OUT replaced by one archive, OUT/results.tgz.
+pack_out() {
+  local archive
+  archive="$(mktemp /tmp/results.XXXXXX.tgz)"
+  tar czf "$archive" -C "$1" . && find "$1" -mindepth 1 -delete && mv "$archive" "$1/results.tgz"
+}
