@@ -222,8 +222,7 @@ class GpuSampler(Sampler):
         self.workspace = sampler_workspace(max_rows, vocab, device)
         # Recorded after each prepare's uploads: the next prepare refills the pinned buffers only once they are read
         # (a deferred step's sampler uploads after its forward, which the caller's own upload wait does not cover).
-        self._uploaded = torch.cuda.Event() if pin else None
-        self._uploaded_pending = False
+        self._uploaded = torch.cuda.Event() if pin else None  # (waiting on it before its first record returns at once)
         self.counts: torch.Tensor | None = None  # [max_rows, vocab] int32, made on the first request with penalties
         self.slot_owner: list[Request | None] = [None] * max_rows
         self.num_rows = 0
@@ -332,7 +331,7 @@ class GpuSampler(Sampler):
         if max(n, pad_to) > self.max_rows:
             raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
         batch_ids = {id(r) for r in requests}
-        if self._uploaded_pending:
+        if self._uploaded is not None:
             self._uploaded.synchronize()
         host = self.rows_host.numpy()
         if n:
@@ -373,7 +372,6 @@ class GpuSampler(Sampler):
         self.rows[:rows].copy_(self.rows_host[:rows], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
-            self._uploaded_pending = True
         for r in slots:
             r.sampler.counted = r.num_output_tokens + ahead + 1  # the launch counts the token it draws
         self.num_rows = n
