@@ -175,7 +175,7 @@ def bench_decode(batch: int, length: int, copy_gbs: float, iters: int, kv: str =
     outs = torch.empty_like(qs)
     # The engine plans the split once per step for all layers: planned outside the timed calls.
     workspace = decode_workspace(batch, HEADS, torch.device("cuda"))
-    plan_decode(lens, workspace)
+    plan_decode(lens, workspace, k_cache.dtype)
     splits = int(workspace.split_offsets[1] - workspace.split_offsets[0])
     scale = HEAD_DIM**-0.5
     paged_attention_decode(qs[0], k_cache, v_cache, tables[0], lens, scale, outs[0], workspace, planned=True)

@@ -28,7 +28,8 @@ struct PagedAttentionArgs {
 };
 
 // Decode: one query token per sequence. A sequence is cut into chunks whose length depends only on its own length
-// (at most kDecodeMaxSplits); paged_attention_decode_plan writes the chunk offsets (int32 [B + 1]) once per step,
+// and the cache's type (at least 256 tokens, 512 for an FP8 cache, whose tiles hold twice the tokens; at most
+// kDecodeMaxSplits chunks); paged_attention_decode_plan writes the chunk offsets (int32 [B + 1]) once per step,
 // on the device, and paged_attention_decode reads them, so the pair can be captured in a CUDA graph. Split sequences
 // leave per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
 // kDecodeMaxSplits, merged by a second kernel.
@@ -37,7 +38,9 @@ struct DecodeArgs : PagedAttentionArgs {
   int64_t workspace_rows = 0;
 };
 
-void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, uintptr_t stream);
+// kv_fp8: whether the decode this plan is for reads an FP8 cache (its chunks are longer).
+void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, bool kv_fp8,
+                                 uintptr_t stream);
 
 void paged_attention_decode(const DecodeArgs& args);
 

@@ -31,19 +31,23 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTile = kKVTile;  // the unit chunks are cut in (a stage holds one or two of them)
 constexpr int kStages = 3;
 constexpr int kChunks = kD / 8;
-constexpr int kMinChunk = 256;  // tokens; shorter sequences are not split
+// Tokens; shorter sequences are not split. An FP8 chunk is twice as long, so that a block streams as many bytes per
+// work item either way (its pipeline stages hold twice the tokens): the per-item costs (pipeline fill, merge of the
+// warps, partial write) are paid once per 64 KB of each of K and V in both cases.
+constexpr int kMinChunk = 256;
+constexpr int kMinChunkFp8 = 2 * kMinChunk;
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
-// The chunk length of a sequence of len tokens: a multiple of the tile, at least kMinChunk, and at most
-// kDecodeMaxSplits chunks in all.
-__device__ __forceinline__ int chunk_len(int len) {
-  const int want = max(kMinChunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
+// The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
+// kMinChunkFp8 for an FP8 cache), and at most kDecodeMaxSplits chunks in all.
+__device__ __forceinline__ int chunk_len(int len, int min_chunk) {
+  const int want = max(min_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
   return (want + kTile - 1) / kTile * kTile;
 }
 
 // split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks. One block.
-__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch) {
+__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch, int min_chunk) {
   __shared__ int warp_sums[32];
   __shared__ int carry;
   if (threadIdx.x == 0) carry = 0;
@@ -52,7 +56,8 @@ __global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ s
   for (int base = 0; base < batch; base += blockDim.x) {
     const int b = base + threadIdx.x;
     const int len = b < batch ? max(kv_lens[b], 0) : 0;
-    const int n = b < batch ? max(1, (len + chunk_len(len) - 1) / chunk_len(len)) : 0;
+    const int clen = chunk_len(len, min_chunk);
+    const int n = b < batch ? max(1, (len + clen - 1) / clen) : 0;
     int incl = n;  // inclusive scan over the block
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -156,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     const int split = chunk_index - p.split_offsets[b];
     const int num_splits = p.split_offsets[b + 1] - p.split_offsets[b];
     const int len = max(p.kv_lens[b], 0);
-    const int clen = chunk_len(len);
+    const int clen = chunk_len(len, S::kFp8 ? kMinChunkFp8 : kMinChunk);  // as the plan cut it
     const int start = split * clen, end = min(len, start + clen);
     const int n_tiles = (max(end - start, 0) + kTile - 1) / kTile;
     const int* pages = p.page_table + static_cast<int64_t>(b) * p.max_pages;
@@ -420,13 +425,15 @@ void launch(const Params& p, cudaStream_t stream) {
 
 }  // namespace
 
-void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, uintptr_t stream) {
+void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, bool kv_fp8,
+                                 uintptr_t stream) {
   if (batch < 0 || batch > (int64_t{1} << 20)) throw std::invalid_argument("paged_attention_decode_plan: bad batch");
   if (kv_lens == 0 || split_offsets == 0 || kv_lens % 4 != 0 || split_offsets % 4 != 0) {
     throw std::invalid_argument("paged_attention_decode_plan: kv_lens and split_offsets must be int32 buffers");
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch));
+      reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
+      kv_fp8 ? kMinChunkFp8 : kMinChunk);
   cuda_check_launch("paged_attention_decode_plan launch");
 }
 

@@ -293,11 +293,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("args"), "Per-head RMSNorm of q and k, NeoX RoPE, q to q_out, k and v to their cache slots (-1 = skip).");
   m.def(
       "paged_attention_decode_plan",
-      [](const py::int_& kv_lens, const py::int_& split_offsets, int64_t batch, const py::int_& stream) {
+      [](const py::int_& kv_lens, const py::int_& split_offsets, int64_t batch, bool kv_fp8, const py::int_& stream) {
         fastqwen::paged_attention_decode_plan(to_uintptr(kv_lens, "kv_lens"), to_uintptr(split_offsets, "split_offsets"),
-                                              batch, to_uintptr(stream, "stream"));
+                                              batch, kv_fp8, to_uintptr(stream, "stream"));
       },
-      py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("stream"),
+      py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("kv_fp8"), py::arg("stream"),
       "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },

@@ -123,7 +123,7 @@ def test_decode_shared_workspace_planned_once():
     lens = [4000, 20, 9000]
     q, k, v, table, kv_lens = make_case(len(lens), 2, 4, 16, lens, torch.bfloat16, seed=3)
     workspace = decode_workspace(8, q.shape[1], q.device)
-    plan_decode(kv_lens, workspace)
+    plan_decode(kv_lens, workspace, k.dtype)
     first = torch.empty_like(q)
     paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, first, workspace, planned=True)
     second = check(q, k, v, table, kv_lens, workspace)

@@ -41,8 +41,9 @@ pytestmark = [
 ]
 
 SCALE = 128**-0.5
-# Lengths around the page, tile (64 tokens; an FP8 stage holds 128) and split (256-token chunks) boundaries.
-LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 257, 511, 1000, 4097, 5000]
+# Lengths around the page, tile (64 tokens; an FP8 stage holds 128) and split (FP8 chunks of at least 512 tokens)
+# boundaries.
+LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 257, 511, 512, 513, 1000, 1025, 4097, 5000, 16385]
 
 
 def assert_e4m3_tolerance(out: torch.Tensor, unquantized: torch.Tensor, what: str) -> float:
@@ -117,6 +118,31 @@ def test_decode_fp8(dtype, group, page_size):
     paged_attention_decode(q, k.to(dtype), v.to(dtype), table, kv_lens, SCALE, unquantized)
     worst = assert_e4m3_tolerance(out, unquantized, "decode fp8 vs 16-bit kernel")
     record_result("fp8_kv.json", f"decode_{dtype}_g{group}_p{page_size}_worst_fraction_of_tolerance", worst)
+
+
+def test_fp8_decode_plan_cuts_longer_chunks():
+    """An FP8 cache's chunks are at least 512 tokens (a stage holds 128 of its tokens, so a work item streams as many
+    bytes as a 16-bit one's 256-token chunk); at most DECODE_MAX_SPLITS chunks a sequence, multiples of the 64-token
+    tile; the 16-bit plan is unchanged."""
+    from fastqwen.ops import decode_workspace, plan_decode
+
+    lens = [4000, 20, 9000, 512, 513, 20000]
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    workspace = decode_workspace(8, 8, torch.device("cuda"))
+
+    def chunks(min_chunk):
+        out = []
+        for n in lens:
+            want = max(min_chunk, -(-n // 32))
+            clen = -(-want // 64) * 64
+            out.append(max(1, -(-n // clen)))
+        return out
+
+    for dtype, min_chunk in ((FP8_KV_DTYPE, 512), (torch.bfloat16, 256)):
+        plan_decode(kv_lens, workspace, dtype)
+        offsets = workspace.split_offsets[: len(lens) + 1].tolist()
+        assert [b - a for a, b in zip(offsets, offsets[1:])] == chunks(min_chunk), dtype
+    assert chunks(512) == [8, 1, 18, 1, 2, 32]
 
 
 def test_decode_fp8_is_batch_invariant():

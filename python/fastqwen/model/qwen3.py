@@ -55,7 +55,7 @@ class Qwen3Model:
         attn = torch.empty_like(q)
         decode_kernel = batch.is_decode and self.decode_workspace is not None
         if decode_kernel:  # the split plan of this step, once for all layers, on the device
-            ops.plan_decode(batch.kv_lens, self.decode_workspace)
+            ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
         for index, layer in enumerate(w.layers):
             if index == 0:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)

@@ -51,15 +51,18 @@ def decode_workspace(max_batch: int, num_heads: int, device: torch.device) -> De
     )
 
 
-def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace) -> None:
+def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace, kv_dtype: torch.dtype) -> None:
     """Once per step, before the layers: how each sequence is cut into chunks, from kv_lens on the device (no host
-    sync, so it can be captured in a CUDA graph). The cut depends only on each sequence's own length, which keeps a
-    request's attention independent of the batch it runs in."""
+    sync, so it can be captured in a CUDA graph). The cut depends only on each sequence's own length (and on the
+    cache's type kv_dtype: FP8 chunks are longer), which keeps a request's attention independent of the batch it runs
+    in."""
     batch = kv_lens.shape[0]
     if batch > workspace.max_batch:
         raise ValueError(f"plan_decode: batch {batch} exceeds the workspace's {workspace.max_batch}")
     check_tensors("plan_decode", workspace.split_offsets.device, torch.int32, kv_lens=kv_lens)
-    native().paged_attention_decode_plan(kv_lens.data_ptr(), workspace.split_offsets.data_ptr(), batch, stream_of(kv_lens))
+    native().paged_attention_decode_plan(
+        kv_lens.data_ptr(), workspace.split_offsets.data_ptr(), batch, is_fp8(kv_dtype), stream_of(kv_lens)
+    )
 
 
 def _gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
@@ -150,7 +153,7 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspa
         split_offsets=(workspace.split_offsets, torch.int32),
     )  # fmt: skip
     if not planned:
-        plan_decode(kv_lens, workspace)
+        plan_decode(kv_lens, workspace, k_cache.dtype)
     m = native()
     args = m.DecodeArgs()
     _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale, k_scale, v_scale)
