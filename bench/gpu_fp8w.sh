@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
 # throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
-#   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite]
+#   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl]
 # (FP8W_MORE_TESTS: more test files; FP8W_THROUGHPUT: the quantizations to run; FP8W_PROMPTS: requests per run)
 set -u -o pipefail
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
@@ -48,5 +48,14 @@ for stage in "$@"; do
         kill -TERM "$pid"; wait "$pid"
       done ;;
     suite) FASTQWEN_RESULTS_DIR="$OUT" run suite 400 python3 -m pytest -q -p no:cacheprovider tests ;;
+    pdl)  # batch-1 latency with the GEMV's programmatic dependent launch off, then on (the default), in one run
+      for q in none fp8; do
+        for pdl in 0 1; do
+          FASTQWEN_PDL=$pdl run "latency_8b_${q}_pdl$pdl" 150 python3 bench/latency.py --model Qwen3-8B \
+            --load-format dummy --quantization "$q" --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_8b_${q}_pdl$pdl.json"
+        done
+      done ;;
   esac
 done
+# The device returns at most 8 files from $OUT: everything goes back as one archive.
+tar czf /tmp/gpu_fp8w_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_fp8w_results.tgz "$OUT/results.tgz"

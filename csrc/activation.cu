@@ -26,6 +26,7 @@ __device__ __forceinline__ T silu_mul(T g, T u) {
 // are more rows than gridDim.y). VEC == 1 is the scalar path.
 template <typename T, int VEC>
 __global__ void silu_and_mul_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t num_rows, int64_t d) {
+  griddep_launch_dependents();  // the down projection's GEMV may start streaming its weights (see common.cuh)
   using P = Pack<T, VEC>;
   const int64_t nvec = d / VEC;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

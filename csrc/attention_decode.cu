@@ -381,6 +381,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 template <typename T>
 __global__ void merge_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                              const int* __restrict__ split_offsets, T* __restrict__ out, int num_heads) {
+  griddep_launch_dependents();  // o_proj's GEMV may start streaming its weights (see common.cuh)
   const int b = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
   const int first = split_offsets[b], n = split_offsets[b + 1] - first;
   if (n <= 1) return;

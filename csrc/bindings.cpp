@@ -248,6 +248,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("stream"),
       "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
       "block scales (fp8); fp32 accumulation.");
+  m.def("set_gemv_programmatic_launch", &fastqwen::set_gemv_programmatic_launch, py::arg("enabled"),
+        "Whether gemv may start while the kernel before it finishes (programmatic dependent launch, sm_90+).");
   m.def(
       "quantize_fp8_tokens",
       [](const py::int_& q, const py::int_& scale_t, const py::int_& x, int64_t m, int64_t padded_m, int64_t k,

@@ -45,6 +45,24 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90 and later; no-ops below). A kernel launched with programmatic stream
+// serialization may start while the kernel before it on the stream still runs, once every block of that kernel has
+// called griddep_launch_dependents() (or ended); it must call griddep_wait() before it reads anything the kernel
+// before wrote (or writes anything it reads): that waits for its completion and for its memory. Kernels that a
+// dependent launch may follow call griddep_launch_dependents() at their start; for a kernel launched the ordinary
+// way after them it changes nothing.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Sum over the block; every thread gets the result. blockDim.x must be a multiple of 32.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float partial[32];

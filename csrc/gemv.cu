@@ -6,6 +6,11 @@
 // bypassing L1 so that the activations x stay there for the other rows. FP8 weights are converted in registers
 // (hardware e4m3x2 -> f16x2) and each 16-element chunk's dot product is multiplied by its block's scale; every
 // product and sum is fp32. The warps' partial sums meet in shared memory; one rounding to the output type.
+//
+// On sm_90 the kernel is launched with programmatic stream serialization (set_gemv_programmatic_launch): it may start
+// while the kernel before it (an RMSNorm, SiLU-and-mul or the attention merge, which allow it) is still running, and
+// loads its first weight chunks, which nothing before it writes, before griddep_wait(); x is read and out written
+// only after. The start-up of each projection then hides under the end of the kernel before it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -16,6 +21,7 @@
 
 #include "common.cuh"
 #include "cuda_check.h"
+#include "device_cache.h"
 #include "gemv.h"
 
 namespace fastqwen {
@@ -142,6 +148,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 
   // Chunk c = (step * kWarps + warp) * 32 + lane: the block's warps read one contiguous run of each row per step.
   constexpr int kStride = kWarps * 32;
+  bool waited = false;  // for the kernel before (programmatic launch): only the weights may be read until then
   for (int base = warp * 32 + lane; base < num_chunks; base += kStride * kUnroll) {
     uint4 wv[kUnroll][kRows];
     float sv[kUnroll][kRows];
@@ -159,12 +166,17 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
         }
       }
     }
+    if (!waited) {
+      griddep_wait();
+      waited = true;
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = base + u * kStride;
       if (c < num_chunks) accumulate_chunk<T, FP8, MT>(x, m, k, c, wv[u], sv[u], acc);
     }
   }
+  if (!waited) griddep_wait();  // (a lane with no chunk) before out is written
 
   __shared__ float partial[kWarps][MT * kRows];
 #pragma unroll
@@ -189,13 +201,36 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   }
 }
 
+bool g_programmatic_launch = true;  // set_gemv_programmatic_launch
+
+// Whether the current device takes programmatic stream serialization (compute capability 9.0 and later).
+bool programmatic_launch_supported() {
+  static PerDevice<int> supported;
+  return supported.get([](int device) {
+    int major = 0;
+    cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemv: cudaDeviceGetAttribute");
+    return major >= 9 ? 1 : 0;
+  }) != 0;
+}
+
 template <typename T, bool FP8, int MT>
 void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
                cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((n + kRows - 1) / kRows);
-  gemv_kernel<T, FP8, MT><<<blocks, kWarps * 32, 0, stream>>>(
-      reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
-      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = g_programmatic_launch && programmatic_launch_supported() ? 1 : 0;
+  cuda_check(cudaLaunchKernelEx(&config, gemv_kernel<T, FP8, MT>, reinterpret_cast<T*>(out),
+                                reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+                                reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k),
+             "gemv kernel launch");
 }
 
 template <typename T, bool FP8>
@@ -209,6 +244,8 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
 }
 
 }  // namespace
+
+void set_gemv_programmatic_launch(bool enabled) { g_programmatic_launch = enabled; }
 
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
           int dtype, bool fp8, uintptr_t stream) {

@@ -21,4 +21,9 @@ constexpr int kGemvFp8Block = 128;
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
           int dtype, bool fp8, uintptr_t stream);
 
+// Whether gemv launches with programmatic stream serialization on devices that take it (compute capability 9.0+):
+// it may then start streaming its weights while the kernel before it finishes (on by default; a process-wide switch,
+// FASTQWEN_PDL=0 turns it off at import).
+void set_gemv_programmatic_launch(bool enabled);
+
 }  // namespace fastqwen

@@ -21,6 +21,7 @@ template <typename T, int VEC, int VPT, bool FUSED>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(T* out, const T* x,  // out == x in the fused form
                                                         T* __restrict__ residual, const T* __restrict__ weight,
                                                         int hidden, float eps) {
+  griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights (see common.cuh)
   using P = Pack<T, VEC>;
   const int64_t row = blockIdx.x;
   const int nvec = hidden / VEC;
@@ -87,6 +88,7 @@ template <typename T, bool FUSED>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_generic_kernel(T* out, const T* x, T* residual,
                                                                        const T* __restrict__ weight, int hidden,
                                                                        float eps) {
+  griddep_launch_dependents();
   const int64_t base = static_cast<int64_t>(blockIdx.x) * hidden;
   const T* src = FUSED ? residual : x;
   float sum_sq = 0.0f;

@@ -74,6 +74,63 @@ def test_gemv_lm_head_odd_rows_bias_and_fp16(fp8):
         check_all_batches(w, dtype, gen, max_batch=4 if rows > 100000 else GEMV_MAX_TOKENS)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_programmatic_launch_waits_for_the_kernel_before(fp8):
+    """With programmatic dependent launch the GEMV starts while the RMSNorm or SiLU-and-mul before it still runs and
+    must not read x until that kernel is done: a chain norm -> GEMV -> SiLU-and-mul -> GEMV, eager and replayed in a
+    CUDA graph with fresh inputs each time, gives bitwise the results of the same chain launched without it."""
+    from fastqwen import ops
+
+    native = _native.native()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    hidden, inter = 4096, 12288
+    make = lambda rows, cols: LinearWeight((torch.randn(rows, cols, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))  # noqa: E731
+    up, down = make(2 * inter, hidden), make(hidden, inter)
+    if fp8:
+        up, down = LinearWeight(*quantize_fp8(up.weight)), LinearWeight(*quantize_fp8(down.weight))
+    norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    inputs = torch.randn(20, 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    x_in = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+    normed = torch.empty_like(x_in)
+    act = torch.empty(1, inter, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.empty(1, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        ops.rms_norm(x_in, norm_w, 1e-6, out=normed)
+        gemv(normed, up, out=gate_up)
+        ops.silu_and_mul(gate_up, out=act)
+        gemv(act, down, out=out)
+
+    def run_all(graph: bool) -> torch.Tensor:
+        results = []
+        g = None
+        if graph:
+            x_in.copy_(inputs[0])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                chain()
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+        for i in range(inputs.shape[0]):
+            x_in.copy_(inputs[i])
+            g.replay() if graph else chain()
+            results.append(out.clone())
+        return torch.cat(results)
+
+    try:
+        native.set_gemv_programmatic_launch(False)
+        want = run_all(graph=False)
+        native.set_gemv_programmatic_launch(True)
+        assert torch.equal(run_all(graph=False), want)
+        assert torch.equal(run_all(graph=True), want)
+    finally:
+        native.set_gemv_programmatic_launch(True)
+
+
 def test_gemv_refuses_bad_arguments():
     w = LinearWeight(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(2, 129, device="cuda", dtype=torch.bfloat16)[:, 1:]  # misaligned rows: not contiguous

@@ -31,6 +31,12 @@ def gpu_sampler() -> bool:
     return _flag("FASTQWEN_GPU_SAMPLER", True)
 
 
+def programmatic_launch() -> bool:
+    """FASTQWEN_PDL=0: the GEMV kernel waits for the kernel before it to end before it starts (no programmatic
+    dependent launch; for comparison)."""
+    return _flag("FASTQWEN_PDL", True)
+
+
 def api_key() -> str | None:
     """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("FASTQWEN_API_KEY") or None
