@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fastqwen.config import ModelConfig
 from fastqwen.ops._native import has_cuda_kernels
-from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, gemv, quantize_fp8, _fp8_gemm
+from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, gemv, linear_silu_and_mul, quantize_fp8, _fp8_gemm
 
 from common import copy_bandwidth, graph_of, report, time_fn
 
@@ -38,7 +38,8 @@ def weight_bytes(w: LinearWeight) -> int:
     return sum(t.numel() * t.element_size() for t in w.tensors())
 
 
-def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: float) -> list[dict]:
+def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: float, gate_up: bool = False) -> list[dict]:
+    """gate_up: also the GEMV with the SiLU-and-mul epilogue (out half as wide), as the MLP runs it."""
     dense = torch.randn(rows, cols, device="cuda") * 0.02
     nbuf = max(2, math.ceil(2 * L2_BYTES / (rows * cols)))  # the FP8 copies alone exceed twice the L2
     bf16 = [LinearWeight(dense.to(torch.bfloat16)) for _ in range(nbuf)]
@@ -61,6 +62,9 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
             "fp8_gemm": (fp8, (lambda w, o: o.copy_(_fp8_gemm(x, w))) if scaled_mm
                          else (lambda w, o: torch.matmul(x, w.dequantize(torch.bfloat16).t(), out=o))),
         }  # fmt: skip
+        if gate_up:
+            variants["gemv_silu_bf16"] = (bf16, lambda w, o: linear_silu_and_mul(x, w, gemv_only=True))
+            variants["gemv_silu_fp8"] = (fp8, lambda w, o: linear_silu_and_mul(x, w, gemv_only=True))
         row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
         for name, (weights, call) in variants.items():
             def one_pass(weights=weights, call=call):
@@ -68,7 +72,7 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
                     call(w, o)
 
             ms = time_fn(graph_of(one_pass).replay, iters) / nbuf
-            moved = weight_bytes(weights[0]) + 2 * m * (rows + cols)
+            moved = weight_bytes(weights[0]) + 2 * m * ((rows // 2 if "silu" in name else rows) + cols)
             row[f"{name}_us"] = round(ms * 1e3, 2)
             row[f"{name}_frac_copy"] = round(moved / (ms * 1e-3) / 1e9 / copy_gbs, 3)
         rows_out.append(row)
@@ -91,7 +95,8 @@ def main() -> int:
     for preset in args.presets:
         for name, (rows, cols) in shapes(preset).items():
             print(f"-- {preset} {name} [{rows}, {cols}]", flush=True)
-            result["shapes"][f"{preset}/{name}"] = bench_shape(rows, cols, args.batches, args.iters, copy_gbs)
+            result["shapes"][f"{preset}/{name}"] = bench_shape(rows, cols, args.batches, args.iters, copy_gbs,
+                                                               gate_up=name == "gate_up")
             torch.cuda.empty_cache()
     report(result, args.json)
     return 0

@@ -58,4 +58,5 @@ for stage in "$@"; do
   esac
 done
 # The device returns at most 8 files from $OUT: everything goes back as one archive.
-tar czf /tmp/gpu_fp8w_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_fp8w_results.tgz "$OUT/results.tgz"
+source bench/device_out.sh
+pack_out "$OUT"

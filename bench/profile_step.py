@@ -47,6 +47,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--batch", type=int, default=1, help="decode batch size (that many requests at once)")
+    p.add_argument("--kernels", action="store_true", help="also list the decode graph's kernels (torch.profiler)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the capture's time and memory
@@ -120,6 +121,8 @@ def main() -> int:
     }
     # Host work besides the wait: with overlap it hides behind the GPU as long as it is below gpu_ms.
     result["host_ms_excluding_wait"] = round(sum(v for k, v in parts.items() if k != "collect"), 4)
+    if args.kernels and runner.graphs is not None:
+        result["kernels"] = graph_kernels(runner, args.batch)
     report(result, args.json)
     return 0
 
@@ -139,6 +142,36 @@ def graph_replay_ms(runner, batch: int) -> float | None:
         end.synchronize()
         samples.append(begin.elapsed_time(end))
     return statistics.median(samples[5:])
+
+
+def graph_kernels(runner, batch: int, replays: int = 10) -> dict:
+    """The kernels of the decode graph's replays as the profiler saw them: per kernel name, calls and GPU time per
+    replay; and the replay's span against the sum of its kernels (the rest is the gaps between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = runner.graphs
+    size = graphs.padded_size(batch)
+    for _ in range(3):
+        graphs.replay(size)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.replay(size)
+            torch.cuda.synchronize()  # (replays apart: a span is one replay)
+    events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+    events.sort(key=lambda e: e.time_range.start)
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.device_time)  # us
+    busy = sum(e.device_time for e in events) / replays
+    span = (events[-1].time_range.end - events[0].time_range.start) / replays if events else 0.0
+    rows = sorted(((name, len(t) / replays, sum(t) / replays) for name, t in by_name.items()), key=lambda r: -r[2])
+    for name, calls, us in rows[:25]:
+        print(f"{us:9.1f} us  {calls:6.1f} calls  {us / calls:7.2f} us each  {name[:110]}", file=sys.stderr)
+    print(f"kernels {len(events) / replays:.0f} per replay, busy {busy:.1f} us of a {span:.1f} us span (the span "
+          "includes the host's sync between replays: compare busy with gpu_ms)", file=sys.stderr)
+    return {"per_replay_kernels": len(events) / replays, "busy_us": busy,
+            "by_name": [{"name": n, "calls": c, "us": round(u, 2)} for n, c, u in rows]}
 
 
 if __name__ == "__main__":

@@ -11,22 +11,17 @@
 #include "activation.h"
 #include "common.cuh"
 #include "cuda_check.h"
+#include "launch.cuh"
 
 namespace fastqwen {
 namespace {
-
-template <typename T>
-__device__ __forceinline__ T silu_mul(T g, T u) {
-  const float gf = Cvt<T>::to_f(g);
-  const float uf = Cvt<T>::to_f(u);
-  return Cvt<T>::from_f(gf / (1.0f + expf(-gf)) * uf);
-}
 
 // Grid: x over column chunks of VEC elements, y over rows (strided when there
 // are more rows than gridDim.y). VEC == 1 is the scalar path.
 template <typename T, int VEC>
 __global__ void silu_and_mul_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t num_rows, int64_t d) {
-  griddep_launch_dependents();  // the down projection's GEMV may start streaming its weights (see common.cuh)
+  griddep_wait();               // x comes from the kernel before (see common.cuh)
+  griddep_launch_dependents();  // the down projection's GEMV may start streaming its weights
   using P = Pack<T, VEC>;
   const int64_t nvec = d / VEC;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -60,12 +55,12 @@ void launch(uintptr_t x, uintptr_t out, int64_t num_rows, int64_t d, cudaStream_
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(num_rows < kMaxGridY ? num_rows : kMaxGridY));
   const T* xp = reinterpret_cast<const T*>(x);
   T* op = reinterpret_cast<T*>(out);
+  constexpr const char* kWhat = "silu_and_mul kernel launch";
   if (vec_ok) {
-    silu_and_mul_kernel<T, kVec><<<grid, threads, 0, stream>>>(xp, op, num_rows, d);
+    launch_programmatic(silu_and_mul_kernel<T, kVec>, grid, dim3(threads), 0, stream, kWhat, xp, op, num_rows, d);
   } else {
-    silu_and_mul_kernel<T, 1><<<grid, threads, 0, stream>>>(xp, op, num_rows, d);
+    launch_programmatic(silu_and_mul_kernel<T, 1>, grid, dim3(threads), 0, stream, kWhat, xp, op, num_rows, d);
   }
-  cuda_check_launch("silu_and_mul kernel launch");
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "device_cache.h"
 #include "dtype.h"
 #include "kv_fp8.cuh"
+#include "launch.cuh"
 #include "mma.cuh"
 #include "paged_kv.cuh"
 
@@ -31,12 +32,15 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTile = kKVTile;  // the unit chunks are cut in (a stage holds one or two of them)
 constexpr int kStages = 3;
 constexpr int kChunks = kD / 8;
-// Tokens; shorter sequences are not split. An FP8 chunk is twice as long, so that a block streams as many bytes per
-// work item either way (its pipeline stages hold twice the tokens): the per-item costs (pipeline fill, merge of the
-// warps, partial write) are paid once per 64 KB of each of K and V in both cases.
+// Tokens; shorter sequences are not split. An FP8 chunk is four times as long: a work item then streams twice the
+// bytes of a 16-bit one, so the per-item costs (pipeline fill, merge of the warps, partial write) weigh less beside
+// the conversions the FP8 tiles add (measured on an H100 at batch 64 x 4,096: 72% of the copy bandwidth with 256-token
+// FP8 chunks, 83% with 512, 87% with 1,024).
 constexpr int kMinChunk = 256;
-constexpr int kMinChunkFp8 = 2 * kMinChunk;
+constexpr int kMinChunkFp8 = 4 * kMinChunk;
 constexpr float kLog2e = 1.4426950408889634f;
+// The minimum chunks in use, [kv_fp8]: the constants above unless a benchmark set others (see attention.h).
+int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
@@ -100,6 +104,7 @@ struct Params {
   int64_t num_pages;
   float scale_log2;  // softmax scale * k_scale * log2(e)
   float v_scale;
+  int min_chunk;     // as the plan was made with
 };
 
 // The pipeline's shape for cache element type C. A stage holds 32 KB of K and V either way: 64 tokens of a 16-bit
@@ -148,6 +153,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   const C* v_cache = static_cast<const C*>(p.v_cache);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = p.group;
+  griddep_wait();               // q and the new token's K and V come from the kernel before (see common.cuh)
+  griddep_launch_dependents();  // the merge may start (it waits for this kernel's end)
   const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
 
   for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
@@ -161,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     const int split = chunk_index - p.split_offsets[b];
     const int num_splits = p.split_offsets[b + 1] - p.split_offsets[b];
     const int len = max(p.kv_lens[b], 0);
-    const int clen = chunk_len(len, S::kFp8 ? kMinChunkFp8 : kMinChunk);  // as the plan cut it
+    const int clen = chunk_len(len, p.min_chunk);  // as the plan cut it
     const int start = split * clen, end = min(len, start + clen);
     const int n_tiles = (max(end - start, 0) + kTile - 1) / kTile;
     const int* pages = p.page_table + static_cast<int64_t>(b) * p.max_pages;
@@ -381,7 +388,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 template <typename T>
 __global__ void merge_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                              const int* __restrict__ split_offsets, T* __restrict__ out, int num_heads) {
-  griddep_launch_dependents();  // o_proj's GEMV may start streaming its weights (see common.cuh)
+  griddep_wait();               // the chunks' results come from the decode kernel (see common.cuh)
+  griddep_launch_dependents();  // o_proj's GEMV may start streaming its weights
   const int b = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
   const int first = split_offsets[b], n = split_offsets[b + 1] - first;
   if (n <= 1) return;
@@ -417,11 +425,11 @@ void launch(const Params& p, cudaStream_t stream) {
                "paged_attention_decode: occupancy");
     return std::max(1, sms * per_sm);
   });
-  decode_kernel<T, C><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  cuda_check_launch("paged_attention_decode kernel launch");
-  merge_kernel<T><<<static_cast<unsigned>(p.batch * p.num_heads), kD, 0, stream>>>(
-      p.part_out, p.part_lse, p.split_offsets, static_cast<T*>(p.out), p.num_heads);
-  cuda_check_launch("paged_attention_decode merge launch");
+  launch_programmatic(decode_kernel<T, C>, dim3(grid), dim3(kThreads), kSmemBytes, stream,
+                      "paged_attention_decode kernel launch", p);
+  launch_programmatic(merge_kernel<T>, dim3(static_cast<unsigned>(p.batch * p.num_heads)), dim3(kD), 0, stream,
+                      "paged_attention_decode merge launch", p.part_out, p.part_lse, p.split_offsets,
+                      static_cast<T*>(p.out), p.num_heads);
 }
 
 }  // namespace
@@ -434,8 +442,17 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
-      kv_fp8 ? kMinChunkFp8 : kMinChunk);
+      g_min_chunk[kv_fp8 ? 1 : 0]);
   cuda_check_launch("paged_attention_decode_plan launch");
+}
+
+void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens) {
+  if (tokens == 0) tokens = kv_fp8 ? kMinChunkFp8 : kMinChunk;
+  if (tokens < kTile || tokens > (int64_t{1} << 16) || tokens % kTile != 0) {
+    throw std::invalid_argument("set_paged_attention_decode_min_chunk: tokens must be a multiple of " +
+                                std::to_string(kTile) + " in [" + std::to_string(kTile) + ", 65536]");
+  }
+  g_min_chunk[kv_fp8 ? 1 : 0] = static_cast<int>(tokens);
 }
 
 void paged_attention_decode(const DecodeArgs& a) {
@@ -462,7 +479,8 @@ void paged_attention_decode(const DecodeArgs& a) {
            reinterpret_cast<void*>(a.out), reinterpret_cast<float*>(a.part_out), reinterpret_cast<float*>(a.part_lse),
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
-           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0)};
+           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
+           g_min_chunk[fp8 ? 1 : 0]};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

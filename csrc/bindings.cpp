@@ -240,16 +240,17 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "gemv",
       [](const py::int_& out, const py::int_& x, const py::int_& w, const py::int_& scale, const py::int_& bias,
-         int64_t m, int64_t n, int64_t k, int dtype, bool fp8, const py::int_& stream) {
+         int64_t m, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up, const py::int_& stream) {
         fastqwen::gemv(to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(w, "w"), to_uintptr(scale, "scale"),
-                       to_uintptr(bias, "bias"), m, n, k, dtype, fp8, to_uintptr(stream, "stream"));
+                       to_uintptr(bias, "bias"), m, n, k, dtype, fp8, silu_gate_up, to_uintptr(stream, "stream"));
       },
       py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("m"), py::arg("n"),
-      py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("stream"),
+      py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("silu_gate_up"), py::arg("stream"),
       "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
-      "block scales (fp8); fp32 accumulation.");
-  m.def("set_gemv_programmatic_launch", &fastqwen::set_gemv_programmatic_launch, py::arg("enabled"),
-        "Whether gemv may start while the kernel before it finishes (programmatic dependent launch, sm_90+).");
+      "block scales (fp8); fp32 accumulation. silu_gate_up: W = [gate; up], out [m, n / 2] = silu(gate) * up.");
+  m.def("set_programmatic_launch", &fastqwen::set_programmatic_launch, py::arg("enabled"),
+        "Whether the decode step's kernels may start while the kernel before them finishes (programmatic dependent "
+        "launch, sm_90+).");
   m.def(
       "quantize_fp8_tokens",
       [](const py::int_& q, const py::int_& scale_t, const py::int_& x, int64_t m, int64_t padded_m, int64_t k,
@@ -301,6 +302,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("kv_fp8"), py::arg("stream"),
       "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
+  m.def("set_paged_attention_decode_min_chunk", &fastqwen::set_paged_attention_decode_min_chunk, py::arg("kv_fp8"),
+        py::arg("tokens"), "The shortest split-KV decode chunk, for benchmarks (set before planning).");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),

@@ -34,6 +34,15 @@ __device__ __forceinline__ float round_to(float v) {
   return Cvt<T>::to_f(Cvt<T>::from_f(v));
 }
 
+// The Qwen3 MLP activation of one element: silu(g) * u in fp32, one rounding (silu_and_mul, and the GEMV that
+// computes the gate and up projections together, so that both give the same bits).
+template <typename T>
+__device__ __forceinline__ T silu_mul(T g, T u) {
+  const float gf = Cvt<T>::to_f(g);
+  const float uf = Cvt<T>::to_f(u);
+  return Cvt<T>::from_f(gf / (1.0f + expf(-gf)) * uf);
+}
+
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
@@ -45,12 +54,15 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Programmatic dependent launch (sm_90 and later; no-ops below). A kernel launched with programmatic stream
-// serialization may start while the kernel before it on the stream still runs, once every block of that kernel has
-// called griddep_launch_dependents() (or ended); it must call griddep_wait() before it reads anything the kernel
-// before wrote (or writes anything it reads): that waits for its completion and for its memory. Kernels that a
-// dependent launch may follow call griddep_launch_dependents() at their start; for a kernel launched the ordinary
-// way after them it changes nothing.
+// Programmatic dependent launch (sm_90 and later; no-ops below; launch.cuh launches). A kernel launched with
+// programmatic stream serialization may start while the kernel before it on the stream still runs, once every block
+// of that kernel has called griddep_launch_dependents() (or ended). The rule every kernel of a decode step keeps:
+//   - griddep_wait() before reading anything the kernel right before it wrote (or writing anything that kernel
+//     reads): it waits for that kernel's completion and memory;
+//   - griddep_launch_dependents() only after its own griddep_wait() (a kernel launched the ordinary way has waited
+//     by the time it starts).
+// So when a kernel starts, the kernel before it has passed its wait, and every kernel before that one has completed:
+// what they wrote (the step's inputs, the decode plan, the weights) may be read before griddep_wait().
 __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -7,10 +7,14 @@
 // (hardware e4m3x2 -> f16x2) and each 16-element chunk's dot product is multiplied by its block's scale; every
 // product and sum is fp32. The warps' partial sums meet in shared memory; one rounding to the output type.
 //
-// On sm_90 the kernel is launched with programmatic stream serialization (set_gemv_programmatic_launch): it may start
-// while the kernel before it (an RMSNorm, SiLU-and-mul or the attention merge, which allow it) is still running, and
-// loads its first weight chunks, which nothing before it writes, before griddep_wait(); x is read and out written
-// only after. The start-up of each projection then hides under the end of the kernel before it.
+// With SILU_GATE_UP, W stacks the gate and up projections ([gate; up], 2d rows) and out is silu(gate) * up ([m, d]):
+// a block takes kRows / 2 rows of each half and multiplies the two in its epilogue, rounded as silu_and_mul rounds,
+// so the MLP's activation needs neither its own kernel nor the 2d-wide intermediate.
+//
+// On sm_90 the kernel is launched with programmatic dependent launch (launch.cuh): it may start while the kernel
+// before it is still running, and loads its first weight chunks, which nothing before it writes, before
+// griddep_wait(); x is read and out written only after. The start-up of each projection then hides under the end of
+// the kernel before it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -23,6 +27,7 @@
 #include "cuda_check.h"
 #include "device_cache.h"
 #include "gemv.h"
+#include "launch.cuh"
 
 namespace fastqwen {
 namespace {
@@ -119,26 +124,31 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
   }
 }
 
-// Grid: one block per kRows output rows. MT: the token count rounded up to a power of two (loops stop at m).
-// One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
-template <typename T, bool FP8, int MT>
+// Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
+// at m). One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
+template <typename T, bool FP8, int MT, bool SILU_GATE_UP>
 __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
                                                            const T* __restrict__ bias, int m, int n, int k) {
   constexpr int E = chunk_elems<FP8>();
   constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
+  constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;  // outputs per block
+  const int n_out = SILU_GATE_UP ? n / 2 : n;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row0 = blockIdx.x * kRows;
+  const int out0 = blockIdx.x * kOut;
   const int num_chunks = k / E;
   const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
 
+  // Weight row of slot r: output out0 + r; with SILU_GATE_UP, slots kOut.. are the same outputs' up rows. Outputs
+  // past the end re-read the last one; their sums are dropped.
+  int row_of[kRows];
   const uint4* rows[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int row = min(row0 + r, n - 1);  // rows past the end re-read the last one; their sums are dropped
-    rows[r] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * k * kRowBytesPerElem);
+    row_of[r] = min(out0 + r % kOut, n_out - 1) + (r / kOut) * n_out;
+    rows[r] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row_of[r]) * k * kRowBytesPerElem);
   }
   float acc[MT][kRows];
 #pragma unroll
@@ -159,7 +169,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
       for (int r = 0; r < kRows; ++r) {
         wv[u][r] = c < num_chunks ? load_stream(rows[r] + c) : make_uint4(0, 0, 0, 0);
         if constexpr (FP8) {
-          const int row = min(row0 + r, n - 1);
+          const int row = row_of[r];
           sv[u][r] = c < num_chunks ? __ldg(scale + (row / kGemvFp8Block) * scale_cols + c * E / kGemvFp8Block) : 0.0f;
         } else {
           sv[u][r] = 1.0f;
@@ -168,6 +178,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     }
     if (!waited) {
       griddep_wait();
+      griddep_launch_dependents();  // (after the wait: see common.cuh)
       waited = true;
     }
 #pragma unroll
@@ -176,7 +187,10 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
       if (c < num_chunks) accumulate_chunk<T, FP8, MT>(x, m, k, c, wv[u], sv[u], acc);
     }
   }
-  if (!waited) griddep_wait();  // (a lane with no chunk) before out is written
+  if (!waited) {  // (a lane with no chunk) before out is written
+    griddep_wait();
+    griddep_launch_dependents();
+  }
 
   __shared__ float partial[kWarps][MT * kRows];
 #pragma unroll
@@ -190,65 +204,55 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     }
   }
   __syncthreads();
-  for (int t = threadIdx.x; t < MT * kRows; t += blockDim.x) {
-    const int i = t / kRows, r = t % kRows, row = row0 + r;
-    if (i >= m || row >= n) continue;
-    float s = 0.0f;
+  for (int t = threadIdx.x; t < MT * kOut; t += blockDim.x) {
+    const int i = t / kOut, o = t % kOut, j = out0 + o;
+    if (i >= m || j >= n_out) continue;
+    // The projection's outputs j (and, with SILU_GATE_UP, n_out + j), rounded to T as a separate GEMM would round.
+    T y[kRows / kOut];
 #pragma unroll
-    for (int q = 0; q < kWarps; ++q) s += partial[q][t];
-    if (bias != nullptr) s += Cvt<T>::to_f(bias[row]);
-    out[static_cast<int64_t>(i) * n + row] = Cvt<T>::from_f(s);
+    for (int half = 0; half < kRows / kOut; ++half) {
+      float s = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kWarps; ++q) s += partial[q][i * kRows + half * kOut + o];
+      if (bias != nullptr) s += Cvt<T>::to_f(bias[half * n_out + j]);
+      y[half] = Cvt<T>::from_f(s);
+    }
+    if constexpr (SILU_GATE_UP) {
+      out[static_cast<int64_t>(i) * n_out + j] = silu_mul(y[0], y[1]);
+    } else {
+      out[static_cast<int64_t>(i) * n_out + j] = y[0];
+    }
   }
-}
-
-bool g_programmatic_launch = true;  // set_gemv_programmatic_launch
-
-// Whether the current device takes programmatic stream serialization (compute capability 9.0 and later).
-bool programmatic_launch_supported() {
-  static PerDevice<int> supported;
-  return supported.get([](int device) {
-    int major = 0;
-    cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "gemv: cudaDeviceGetAttribute");
-    return major >= 9 ? 1 : 0;
-  }) != 0;
 }
 
 template <typename T, bool FP8, int MT>
 void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-               cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((n + kRows - 1) / kRows);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(kWarps * 32);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = g_programmatic_launch && programmatic_launch_supported() ? 1 : 0;
-  cuda_check(cudaLaunchKernelEx(&config, gemv_kernel<T, FP8, MT>, reinterpret_cast<T*>(out),
-                                reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
-                                reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k),
-             "gemv kernel launch");
+               bool silu_gate_up, cudaStream_t stream) {
+  const int outputs_per_block = silu_gate_up ? kRows / 2 : kRows;
+  const int n_out = silu_gate_up ? n / 2 : n;
+  const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
+  auto kernel = silu_gate_up ? gemv_kernel<T, FP8, MT, true> : gemv_kernel<T, FP8, MT, false>;
+  launch_programmatic(kernel, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch", reinterpret_cast<T*>(out),
+                      reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+                      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
 }
 
 template <typename T, bool FP8>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-            cudaStream_t stream) {
-  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, stream);
-  if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, stream);
-  if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, stream);
-  if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, stream);
-  return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, stream);
+            bool silu_gate_up, cudaStream_t stream) {
+  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
 }
 
 }  // namespace
 
-void set_gemv_programmatic_launch(bool enabled) { g_programmatic_launch = enabled; }
+void set_programmatic_launch(bool enabled) { g_programmatic_launch = enabled; }
 
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
-          int dtype, bool fp8, uintptr_t stream) {
+          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream) {
   const std::string op = "gemv: ";
   check_dtype(op, dtype, kHalfTypes);
   if (m < 1 || m > kGemvMaxTokens) {
@@ -261,18 +265,20 @@ void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bi
   if (k % multiple != 0) {
     throw std::invalid_argument(op + "k must be a multiple of " + std::to_string(multiple) + ", got " + std::to_string(k));
   }
+  if (silu_gate_up && n % 2 != 0) {
+    throw std::invalid_argument(op + "silu_gate_up needs the gate and up rows stacked (n even), got n=" + std::to_string(n));
+  }
   if (out == 0 || x == 0 || w == 0 || (fp8 && scale == 0)) throw std::invalid_argument(op + "null data pointer");
   if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
     if (fp8) {
-      launch<T, true>(out, x, w, scale, bias, mi, ni, ki, s);
+      launch<T, true>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
     } else {
-      launch<T, false>(out, x, w, scale, bias, mi, ni, ki, s);
+      launch<T, false>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
     }
   });
-  cuda_check_launch("gemv kernel launch");
 }
 
 }  // namespace fastqwen

@@ -8,6 +8,7 @@
 #include "common.cuh"
 #include "cuda_check.h"
 #include "dtype.h"
+#include "launch.cuh"
 #include "norm.h"
 
 namespace fastqwen {
@@ -21,7 +22,6 @@ template <typename T, int VEC, int VPT, bool FUSED>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(T* out, const T* x,  // out == x in the fused form
                                                         T* __restrict__ residual, const T* __restrict__ weight,
                                                         int hidden, float eps) {
-  griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights (see common.cuh)
   using P = Pack<T, VEC>;
   const int64_t row = blockIdx.x;
   const int nvec = hidden / VEC;
@@ -35,6 +35,8 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(T* out, const T* 
     const int v = threadIdx.x + i * blockDim.x;
     if (v < nvec) wv[i] = w[v];
   }
+  griddep_wait();               // x (and the residual) come from the kernels before (see common.cuh)
+  griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   // All loads first: with the residual stores interleaved, the compiler would have to assume a store may alias
   // the next load and serialize them.
   P vals[VPT];
@@ -88,6 +90,7 @@ template <typename T, bool FUSED>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_generic_kernel(T* out, const T* x, T* residual,
                                                                        const T* __restrict__ weight, int hidden,
                                                                        float eps) {
+  griddep_wait();
   griddep_launch_dependents();
   const int64_t base = static_cast<int64_t>(blockIdx.x) * hidden;
   const T* src = FUSED ? residual : x;
@@ -120,14 +123,19 @@ bool launch_packed(T* out, const T* x, T* residual, const T* weight, int64_t row
   const int per_thread = (nvec + threads - 1) / threads;
   if (per_thread > 8) return false;
   const dim3 grid(static_cast<unsigned>(rows));
+  constexpr const char* kWhat = FUSED ? "fused_add_rms_norm kernel launch" : "rms_norm kernel launch";
   if (per_thread <= 1) {
-    rms_norm_kernel<T, kVec, 1, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+    launch_programmatic(rms_norm_kernel<T, kVec, 1, FUSED>, grid, threads, 0, stream, kWhat, out, x, residual, weight,
+                        hidden, eps);
   } else if (per_thread <= 2) {
-    rms_norm_kernel<T, kVec, 2, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+    launch_programmatic(rms_norm_kernel<T, kVec, 2, FUSED>, grid, threads, 0, stream, kWhat, out, x, residual, weight,
+                        hidden, eps);
   } else if (per_thread <= 4) {
-    rms_norm_kernel<T, kVec, 4, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+    launch_programmatic(rms_norm_kernel<T, kVec, 4, FUSED>, grid, threads, 0, stream, kWhat, out, x, residual, weight,
+                        hidden, eps);
   } else {
-    rms_norm_kernel<T, kVec, 8, FUSED><<<grid, threads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+    launch_programmatic(rms_norm_kernel<T, kVec, 8, FUSED>, grid, threads, 0, stream, kWhat, out, x, residual, weight,
+                        hidden, eps);
   }
   return true;
 }
@@ -143,10 +151,11 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight, in
   auto* r = reinterpret_cast<T*>(residual);
   auto* w = reinterpret_cast<const T*>(weight);
   const int h = static_cast<int>(hidden);
+  constexpr const char* kWhat = FUSED ? "fused_add_rms_norm kernel launch" : "rms_norm kernel launch";
   if (!(packed_ok && launch_packed<T, FUSED>(o, xp, r, w, rows, h, eps, stream))) {
-    rms_norm_generic_kernel<T, FUSED><<<static_cast<unsigned>(rows), kMaxThreads, 0, stream>>>(o, xp, r, w, h, eps);
+    launch_programmatic(rms_norm_generic_kernel<T, FUSED>, dim3(static_cast<unsigned>(rows)), dim3(kMaxThreads), 0,
+                        stream, kWhat, o, xp, r, w, h, eps);
   }
-  cuda_check_launch(FUSED ? "fused_add_rms_norm kernel launch" : "rms_norm kernel launch");
 }
 
 void check_args(const char* op, uintptr_t a, uintptr_t b, uintptr_t weight, int64_t rows, int64_t hidden, double eps,

@@ -11,6 +11,7 @@
 #include "cuda_check.h"
 #include "dtype.h"
 #include "kv_fp8.cuh"
+#include "launch.cuh"
 #include "rope_kv.h"
 
 namespace fastqwen {
@@ -57,6 +58,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const bool slot_ok = slot >= 0 && slot < num_slots;
   const int64_t pos = positions[t];
   const bool pos_ok = pos >= 0 && pos < max_pos;
+  griddep_wait();               // qkv comes from the kernel before (the step's slots and positions did not)
+  griddep_launch_dependents();  // (see common.cuh)
 
   // Issue every load first: the heads' inputs (k heads are skipped when their token writes no KV), v, weights.
   P in[kHeadsPerWarp], v[kHeadsPerWarp];
@@ -130,13 +133,13 @@ void launch_hpw(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, ui
   const int64_t tokens = n.tokens, heads = n.heads, kv_heads = n.kv_heads;
   const int64_t groups = (heads + kv_heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
   const int64_t blocks = (tokens * groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  qk_norm_rope_kernel<T, C, D, kHeadsPerWarp><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-      reinterpret_cast<const T*>(qkv), reinterpret_cast<const T*>(qw), reinterpret_cast<const T*>(kw),
+  launch_programmatic(
+      qk_norm_rope_kernel<T, C, D, kHeadsPerWarp>, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32), 0,
+      stream, "qk_norm_rope_store_kv kernel launch", reinterpret_cast<const T*>(qkv), reinterpret_cast<const T*>(qw), reinterpret_cast<const T*>(kw),
       reinterpret_cast<const float*>(cos_sin), reinterpret_cast<const int64_t*>(positions),
       reinterpret_cast<C*>(k_cache), reinterpret_cast<C*>(v_cache), reinterpret_cast<const int64_t*>(slots),
       reinterpret_cast<T*>(q_out), static_cast<int>(tokens), static_cast<int>(heads), static_cast<int>(kv_heads),
       n.max_pos, n.num_slots, n.eps, n.k_scale, n.v_scale);
-  cuda_check_launch("qk_norm_rope_store_kv kernel launch");
 }
 
 template <typename T, typename C, int D>

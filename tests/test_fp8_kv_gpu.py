@@ -41,9 +41,9 @@ pytestmark = [
 ]
 
 SCALE = 128**-0.5
-# Lengths around the page, tile (64 tokens; an FP8 stage holds 128) and split (FP8 chunks of at least 512 tokens)
+# Lengths around the page, tile (64 tokens; an FP8 stage holds 128) and split (FP8 chunks of at least 1,024 tokens)
 # boundaries.
-LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 257, 511, 512, 513, 1000, 1025, 4097, 5000, 16385]
+LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 257, 511, 512, 513, 1000, 1023, 1024, 1025, 2049, 4097, 5000, 16385]
 
 
 def assert_e4m3_tolerance(out: torch.Tensor, unquantized: torch.Tensor, what: str) -> float:
@@ -121,9 +121,9 @@ def test_decode_fp8(dtype, group, page_size):
 
 
 def test_fp8_decode_plan_cuts_longer_chunks():
-    """An FP8 cache's chunks are at least 512 tokens (a stage holds 128 of its tokens, so a work item streams as many
-    bytes as a 16-bit one's 256-token chunk); at most DECODE_MAX_SPLITS chunks a sequence, multiples of the 64-token
-    tile; the 16-bit plan is unchanged."""
+    """An FP8 cache's chunks are at least 1,024 tokens (a work item streams twice the bytes of a 16-bit one's 256-token
+    chunk: the per-item pipeline fill and merge weigh less beside the conversions' extra work); at most
+    DECODE_MAX_SPLITS chunks a sequence, multiples of the 64-token tile; the 16-bit plan is unchanged."""
     from fastqwen.ops import decode_workspace, plan_decode
 
     lens = [4000, 20, 9000, 512, 513, 20000]
@@ -138,11 +138,11 @@ def test_fp8_decode_plan_cuts_longer_chunks():
             out.append(max(1, -(-n // clen)))
         return out
 
-    for dtype, min_chunk in ((FP8_KV_DTYPE, 512), (torch.bfloat16, 256)):
+    for dtype, min_chunk in ((FP8_KV_DTYPE, 1024), (torch.bfloat16, 256)):
         plan_decode(kv_lens, workspace, dtype)
         offsets = workspace.split_offsets[: len(lens) + 1].tolist()
         assert [b - a for a, b in zip(offsets, offsets[1:])] == chunks(min_chunk), dtype
-    assert chunks(512) == [8, 1, 18, 1, 2, 32]
+    assert chunks(1024) == [4, 1, 9, 1, 1, 20] and chunks(256) == [16, 1, 29, 2, 3, 32]
 
 
 def test_decode_fp8_is_batch_invariant():

@@ -15,10 +15,10 @@ from fastqwen.config import ModelConfig
 from fastqwen.ops import _native
 from fastqwen.ops.linear import (
     FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS, LinearWeight, fp8_gemm_supported, gemv, gemv_kernel_applies, linear,
-    quantize_fp8,
+    linear_silu_and_mul, quantize_fp8,
 )
 
-from checkpoints import engine_logits, make_fp8_checkpoint, record_result, teacher_forced_match
+from checkpoints import engine_logits, make_checkpoint, make_fp8_checkpoint, record_result, teacher_forced_match
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,6 +75,71 @@ def test_gemv_lm_head_odd_rows_bias_and_fp16(fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemv_silu_epilogue_is_bitwise_silu_and_mul_of_the_gemv(fp8):
+    """linear_silu_and_mul's GEMV (gate and up rows in one block, silu(gate) * up in the epilogue) against the GEMV's
+    plain output put through the silu_and_mul kernel: the same bits, on the MLP shapes of the presets, an odd
+    intermediate size with a bias, and fp16, at every token count the kernel takes."""
+    from fastqwen import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cases = [(2 * ModelConfig.from_preset(p).intermediate_size, ModelConfig.from_preset(p).hidden_size, torch.bfloat16,
+              False) for p in ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B")]
+    cases += [(2 * 1001, 384, torch.float16, True), (2, 128, torch.bfloat16, True)]
+    for rows, cols, dtype, bias in cases:
+        dense = torch.randn(rows, cols, device="cuda", generator=gen) * 0.05
+        b = torch.randn(rows, device="cuda", generator=gen).to(dtype) if bias else None
+        w = LinearWeight(*quantize_fp8(dense), b) if fp8 else LinearWeight(dense.to(dtype), None, b)
+        x_all = torch.randn(GEMV_MAX_TOKENS, cols, device="cuda", generator=gen).to(dtype)
+        for m in range(1, GEMV_MAX_TOKENS + 1):
+            x = x_all[:m].contiguous()
+            got = linear_silu_and_mul(x, w, gemv_only=True)
+            want = ops.silu_and_mul(gemv(x, w))
+            assert got.shape == (m, rows // 2) and torch.equal(got, want), f"{rows}x{cols} {dtype} batch {m}"
+        # What linear_silu_and_mul picks at any size equals the two ops (the GEMV where it applies, else cuBLAS).
+        x = x_all[:3].contiguous()
+        torch.testing.assert_close(linear_silu_and_mul(x, w), ops.silu_and_mul(linear(x, w)), rtol=0, atol=0)
+        del dense, w
+    with pytest.raises(ValueError, match="even rows"):
+        linear_silu_and_mul(x_all[:1, :128], LinearWeight(torch.randn(3, 128, device="cuda", dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path, quantization):
+    """Under programmatic dependent launch every kernel of a decode step (RMSNorm, the GEMVs with and without the SiLU
+    epilogue, q/k-norm + RoPE + KV write, decode attention and its merge) may start before the kernel before it ends,
+    and must wait for its inputs. Same checkpoint, CUDA-graph decode at batch 1 (the GEMV path) and at 5 (cuBLAS
+    beside the PDL kernels), with PDL off and then on: the same logits, bit for bit, at every step."""
+    native = _native.native()
+    folder = str(tmp_path)
+    make_checkpoint(folder, tied=False, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=128,
+                    layers=3, logit_scale=4.0, seed=13, max_positions=2048)  # fmt: skip
+    rng = random.Random(3)
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (5, 300, 17, 64, 1000)]
+    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, quantization=quantization)
+
+    def run() -> tuple[list, list]:
+        llm = LLM(folder, **kwargs)  # the graphs are captured with the launch mode set now
+        assert llm.engine.runner.graphs is not None
+        alone = [engine_logits(llm, p, 24) for p in prompts[:2]]
+        from fastqwen import SamplingParams
+
+        together = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        return alone, [o.token_ids for o in together]
+
+    try:
+        native.set_programmatic_launch(False)
+        want_alone, want_together = run()
+        native.set_programmatic_launch(True)
+        got_alone, got_together = run()
+    finally:
+        native.set_programmatic_launch(True)
+    for (want_tokens, want_logits), (got_tokens, got_logits) in zip(want_alone, got_alone):
+        assert got_tokens == want_tokens
+        assert torch.equal(got_logits, want_logits)
+    assert got_together == want_together
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_programmatic_launch_waits_for_the_kernel_before(fp8):
     """With programmatic dependent launch the GEMV starts while the RMSNorm or SiLU-and-mul before it still runs and
     must not read x until that kernel is done: a chain norm -> GEMV -> SiLU-and-mul -> GEMV, eager and replayed in a
@@ -101,6 +166,7 @@ def test_programmatic_launch_waits_for_the_kernel_before(fp8):
         gemv(normed, up, out=gate_up)
         ops.silu_and_mul(gate_up, out=act)
         gemv(act, down, out=out)
+        out.copy_(gemv(linear_silu_and_mul(out, up, gemv_only=True), down))
 
     def run_all(graph: bool) -> torch.Tensor:
         results = []
@@ -122,26 +188,28 @@ def test_programmatic_launch_waits_for_the_kernel_before(fp8):
         return torch.cat(results)
 
     try:
-        native.set_gemv_programmatic_launch(False)
+        native.set_programmatic_launch(False)
         want = run_all(graph=False)
-        native.set_gemv_programmatic_launch(True)
+        native.set_programmatic_launch(True)
         assert torch.equal(run_all(graph=False), want)
         assert torch.equal(run_all(graph=True), want)
     finally:
-        native.set_gemv_programmatic_launch(True)
+        native.set_programmatic_launch(True)
 
 
 def test_gemv_refuses_bad_arguments():
     w = LinearWeight(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(2, 129, device="cuda", dtype=torch.bfloat16)[:, 1:]  # misaligned rows: not contiguous
     with pytest.raises(ValueError):
-        _native.native().gemv(0, 0, 0, 0, 0, 1, 64, 128, _native.dtype_code(torch.bfloat16), False, 0)
+        _native.native().gemv(0, 0, 0, 0, 0, 1, 64, 128, _native.dtype_code(torch.bfloat16), False, False, 0)
     with pytest.raises(ValueError, match="m must be"):
-        _native.native().gemv(1, 16, 16, 0, 0, 17, 64, 128, _native.dtype_code(torch.bfloat16), False, 0)
+        _native.native().gemv(1, 16, 16, 0, 0, 17, 64, 128, _native.dtype_code(torch.bfloat16), False, False, 0)
     with pytest.raises(ValueError, match="multiple of 16"):
-        _native.native().gemv(16, 16, 16, 16, 0, 1, 64, 120, _native.dtype_code(torch.bfloat16), True, 0)
+        _native.native().gemv(16, 16, 16, 16, 0, 1, 64, 120, _native.dtype_code(torch.bfloat16), True, False, 0)
     with pytest.raises(ValueError, match="dtype"):
-        _native.native().gemv(16, 16, 16, 0, 0, 1, 64, 128, _native.dtype_code(torch.float32), False, 0)
+        _native.native().gemv(16, 16, 16, 0, 0, 1, 64, 128, _native.dtype_code(torch.float32), False, False, 0)
+    with pytest.raises(ValueError, match="n even"):
+        _native.native().gemv(16, 16, 16, 0, 0, 1, 63, 128, _native.dtype_code(torch.bfloat16), False, True, 0)
     got = gemv(x, w)  # a strided x is made contiguous first
     torch.testing.assert_close(got.float(), x.float() @ w.weight.float().t(), rtol=RTOL, atol=1e-3)
     with pytest.raises(ValueError, match="does not apply"):

@@ -32,8 +32,8 @@ def gpu_sampler() -> bool:
 
 
 def programmatic_launch() -> bool:
-    """FASTQWEN_PDL=0: the GEMV kernel waits for the kernel before it to end before it starts (no programmatic
-    dependent launch; for comparison)."""
+    """FASTQWEN_PDL=0: each kernel of a decode step waits for the kernel before it to end before it starts (no
+    programmatic dependent launch; for comparison)."""
     return _flag("FASTQWEN_PDL", True)
 
 

@@ -81,8 +81,7 @@ class Qwen3Model:
                 )
             hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            gate_up = ops.linear(hidden, layer.gate_up)
-            act = ops.silu_and_mul(gate_up)
+            act = ops.linear_silu_and_mul(hidden, layer.gate_up)
             hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
         # Only the rows that sample reach the final norm and the LM head.
         rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])

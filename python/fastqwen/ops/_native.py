@@ -35,8 +35,8 @@ def native() -> ModuleType | None:
                     from fastqwen import _C  # type: ignore[attr-defined]
 
                     _module = _C
-                    if hasattr(_C, "set_gemv_programmatic_launch"):  # (a build with the CUDA kernels)
-                        _C.set_gemv_programmatic_launch(env.programmatic_launch())
+                    if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
+                        _C.set_programmatic_launch(env.programmatic_launch())
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
                     _module = None
                     _import_error = e

@@ -13,6 +13,10 @@ A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values w
   otherwise the stated fallback: dequantize the weight to the activation dtype and run the cuBLAS GEMM;
 - anywhere else (CPU, no kernels): `linear_reference`, which dequantizes and multiplies in float32.
 
+`linear_silu_and_mul` is the MLP's gate and up projections with its activation: where the GEMV runs, the kernel
+multiplies silu(gate) by up in its epilogue (no activation kernel, no 2d-wide intermediate); elsewhere `linear` then
+`silu_and_mul`, with the same bits.
+
 Sharding for tensor parallelism slices these containers along their rows or columns; it lives elsewhere.
 """
 
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
+from .activation import silu_and_mul
 
 __all__ = [
     "FP8_BLOCK",
@@ -36,6 +41,7 @@ __all__ = [
     "gemv_kernel_applies",
     "linear",
     "linear_reference",
+    "linear_silu_and_mul",
     "prepare_linear",
     "quantize_fp8",
 ]
@@ -160,7 +166,7 @@ def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> t
     return _gemv(x.contiguous(), w, out)
 
 
-def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor) -> torch.Tensor:
+def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor, silu_gate_up: bool = False) -> torch.Tensor:
     check_tensors("linear", x.device, None, x=x, weight=w.weight, out=(out, x.dtype))
     scale = w.scale if w.is_fp8 else None
     bias = w.bias
@@ -168,12 +174,13 @@ def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor) -> torch.Tensor:
         check_tensors("linear", x.device, torch.float32, scale=scale)
     if bias is not None:
         check_tensors("linear", x.device, x.dtype, bias=bias)
-    if tuple(out.shape) != (x.shape[0], w.out_features):
-        raise ValueError(f"linear: out must be [{x.shape[0]}, {w.out_features}], got {tuple(out.shape)}")
+    width = w.out_features // 2 if silu_gate_up else w.out_features
+    if tuple(out.shape) != (x.shape[0], width):
+        raise ValueError(f"linear: out must be [{x.shape[0]}, {width}], got {tuple(out.shape)}")
     native().gemv(
         out.data_ptr(), x.data_ptr(), w.weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
         0 if bias is None else bias.data_ptr(), x.shape[0], w.out_features, w.in_features,
-        dtype_code(x.dtype), w.is_fp8, stream_of(x),
+        dtype_code(x.dtype), w.is_fp8, silu_gate_up, stream_of(x),
     )  # fmt: skip
     return out
 
@@ -264,6 +271,22 @@ def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
     for w in weights:
         if w.is_fp8 and fp8_gemm_supported(device, dtype, w):
             _scaled_mm_weight_scale(w)
+
+
+def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = False) -> torch.Tensor:
+    """silu_and_mul(linear(x, w)) for w the gate and up projections stacked ([gate; up], as Qwen3's MLP keeps them):
+    [M, out / 2]. Where linear would run the GEMV, one GEMV kernel computes both halves and multiplies them in its
+    epilogue, bit for bit what the two ops give. gemv_only: the GEMV at any token count it takes (tests, benchmarks;
+    ValueError where it does not apply)."""
+    if w.out_features % 2 != 0:
+        raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
+    fits = _gemv_fits(x, w, GEMV_MAX_TOKENS) if gemv_only else gemv_kernel_applies(x, w)
+    if fits:
+        out = torch.empty(x.shape[0], w.out_features // 2, dtype=x.dtype, device=x.device)
+        return _gemv(x.contiguous(), w, out, silu_gate_up=True)
+    if gemv_only:
+        raise ValueError(f"linear_silu_and_mul: the GEMV does not apply to x {tuple(x.shape)} {x.dtype} on {x.device}")
+    return silu_and_mul(linear(x, w))
 
 
 def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:
