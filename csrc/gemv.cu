@@ -20,6 +20,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -33,8 +35,12 @@ namespace fastqwen {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kRows = 4;
-constexpr int kUnroll = 2;
+// Weight rows per block: 4, or 6 where that fits the grid in fewer waves (rows_per_block below), with loads one chunk
+// ahead instead of two to stay within the 64 registers of 8 blocks per SM.
+template <int R>
+constexpr int unroll_for_rows() {
+  return R == 4 ? 2 : 1;
+}
 
 // 16 bytes of the weight, not kept in L1 (read once; x is what L1 should hold).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
@@ -78,7 +84,7 @@ constexpr int chunk_elems() {
 }
 
 // acc[i][r] += dot(x[i, chunk c], W[row r, chunk c]) for the chunk's weights w[r] (already loaded).
-template <typename T, bool FP8, int MT>
+template <typename T, bool FP8, int MT, int kRows>
 __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m, int k, int c, const uint4 (&w)[kRows],
                                                  const float (&scale)[kRows], float (&acc)[MT][kRows]) {
   constexpr int E = chunk_elems<FP8>();
@@ -126,7 +132,7 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
 
 // Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
 // at m). One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
-template <typename T, bool FP8, int MT, bool SILU_GATE_UP>
+template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows>
 __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
@@ -134,6 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   constexpr int E = chunk_elems<FP8>();
   constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;  // outputs per block
+  constexpr int kUnroll = unroll_for_rows<kRows>();
   const int n_out = SILU_GATE_UP ? n / 2 : n;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -184,7 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = base + u * kStride;
-      if (c < num_chunks) accumulate_chunk<T, FP8, MT>(x, m, k, c, wv[u], sv[u], acc);
+      if (c < num_chunks) accumulate_chunk<T, FP8, MT, kRows>(x, m, k, c, wv[u], sv[u], acc);
     }
   }
   if (!waited) {  // (a lane with no chunk) before out is written
@@ -225,16 +232,57 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   }
 }
 
+// Blocks of the kernel resident per SM, times the SMs (once per kernel and device).
+template <typename T, bool FP8, int MT, bool SILU, int R>
+int resident_blocks() {
+  static PerDevice<int> slots;
+  return slots.get([](int device) {
+    int sms = 0, per_sm = 0;
+    cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemv: cudaDeviceGetAttribute");
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, FP8, MT, SILU, R>, kWarps * 32, 0),
+               "gemv: occupancy");
+    return std::max(1, sms * per_sm);
+  });
+}
+
+// The grid's waves: full waves stream at the full rate, a partial last wave at a fraction of it. 6 rows a block
+// where that makes the waves fuller than 4 do (Qwen3-8B's qkv, 6,144 rows on an H100: 1,536 blocks of 4 are 1.45
+// waves of 1,056; 1,024 blocks of 6 are one).
+template <typename T, bool FP8, int MT, bool SILU>
+int rows_per_block(int weight_rows) {
+  if (MT != 1) return 4;  // (more tokens: fewer blocks per SM, and 4 rows already fill them)
+  auto fill = [](int blocks, int slots) {
+    const double waves = static_cast<double>(blocks) / slots;
+    return waves / std::ceil(waves);
+  };
+  const int b4 = (weight_rows + 3) / 4, b6 = (weight_rows + 5) / 6;
+  return fill(b6, resident_blocks<T, FP8, MT, SILU, 6>()) > fill(b4, resident_blocks<T, FP8, MT, SILU, 4>()) + 0.05 ? 6
+                                                                                                                     : 4;
+}
+
+template <typename T, bool FP8, int MT, bool SILU, int R>
+void launch_rows(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+                 cudaStream_t stream) {
+  const int outputs_per_block = SILU ? R / 2 : R;
+  const int n_out = SILU ? n / 2 : n;
+  const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
+  launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
+                      reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+                      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
+}
+
+template <typename T, bool FP8, int MT, bool SILU>
+void launch_silu(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+                 cudaStream_t stream) {
+  if (rows_per_block<T, FP8, MT, SILU>(n) == 6) return launch_rows<T, FP8, MT, SILU, 6>(out, x, w, scale, bias, m, n, k, stream);
+  launch_rows<T, FP8, MT, SILU, 4>(out, x, w, scale, bias, m, n, k, stream);
+}
+
 template <typename T, bool FP8, int MT>
 void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
                bool silu_gate_up, cudaStream_t stream) {
-  const int outputs_per_block = silu_gate_up ? kRows / 2 : kRows;
-  const int n_out = silu_gate_up ? n / 2 : n;
-  const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
-  auto kernel = silu_gate_up ? gemv_kernel<T, FP8, MT, true> : gemv_kernel<T, FP8, MT, false>;
-  launch_programmatic(kernel, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch", reinterpret_cast<T*>(out),
-                      reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
-                      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
+  if (silu_gate_up) return launch_silu<T, FP8, MT, true>(out, x, w, scale, bias, m, n, k, stream);
+  launch_silu<T, FP8, MT, false>(out, x, w, scale, bias, m, n, k, stream);
 }
 
 template <typename T, bool FP8>
