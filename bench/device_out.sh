@@ -1,5 +1,14 @@
-# Shared by the device scripts (sourced): what a device call sends back. The reply keeps only the end of stdout and
-# at most 8 files from $OUT.
+# Shared by the device scripts (sourced): the wheels a call carries, and what it sends back. The reply keeps only the
+# end of stdout and at most 8 files from $OUT.
+
+# use_carried_wheels: the wheels in .whl/ (packages missing on the machine: fastapi, uvicorn, ...) into /tmp/site,
+# put on PYTHONPATH. Nothing when none were carried.
+use_carried_wheels() {
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+}
 
 # pytest_report LOG [LINES]: a pytest log's failures as short tracebacks (trimmed), then its summary lines last.
 pytest_report() {

@@ -11,10 +11,8 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. bench/device_out.sh
+use_carried_wheels
 rc=0
 if ! python3 -c "import fastqwen._C" 2> /dev/null; then
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1

@@ -27,12 +27,7 @@ export PYTHONUNBUFFERED=1
 
 echo "== repo: $(pwd)   python: $(python3 --version 2>&1)   stages: $STAGES"
 
-# Optional extra wheels shipped with the checkout (e.g. packages missing on the machine).
-if compgen -G ".whl/*.whl" > /dev/null; then
-  echo "== installing wheels from .whl/ into /tmp/site"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+use_carried_wheels
 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 head -n 12 "$OUT/nvidia-smi.txt"

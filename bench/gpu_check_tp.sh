@@ -19,10 +19,7 @@ cd "$(dirname "$0")/.."
 . bench/device_out.sh
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+use_carried_wheels
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 nvidia-smi topo -m >> "$OUT/nvidia-smi.txt" 2>&1 || true
 rc=0

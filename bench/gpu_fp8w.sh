@@ -7,10 +7,8 @@ set -u -o pipefail
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. bench/device_out.sh
+use_carried_wheels
 run() { local name="$1" limit="$2"; shift 2; echo "-- $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?" | tee -a "$OUT/$name.log"; tail -n 25 "$OUT/$name.log"; }
 for stage in "$@"; do
   case "$stage" in
@@ -58,5 +56,4 @@ for stage in "$@"; do
   esac
 done
 # The device returns at most 8 files from $OUT: everything goes back as one archive.
-source bench/device_out.sh
 pack_out "$OUT"

@@ -9,10 +9,8 @@ shift  # the rest: extra pytest arguments
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 export FASTQWEN_RESULTS_DIR="$OUT"  # tests record the figures they measured (tests/checkpoints.py record_result)
-if compgen -G ".whl/*.whl" > /dev/null; then  # packages missing on the machine (fastapi, uvicorn, ...)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. bench/device_out.sh
+use_carried_wheels
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1; head -n 12 "$OUT/nvidia-smi.txt"
 BUILD=/tmp/fastqwen-build
 start=$(date +%s)
