@@ -103,6 +103,72 @@ def test_gemv_silu_epilogue_is_bitwise_silu_and_mul_of_the_gemv(fp8):
         linear_silu_and_mul(x_all[:1, :128], LinearWeight(torch.randn(3, 128, device="cuda", dtype=torch.bfloat16)))
 
 
+def norm_projection_reference(residual, add, gamma, eps, w: LinearWeight, silu_gate_up: bool):
+    """float64: the new residual (residual + add, rounded to the dtype as the model keeps it), RMSNorm'd without
+    rounding, projected (and silu(gate) * up)."""
+    r = residual if add is None else (residual + add)
+    r = r.double()
+    normed = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
+    y = normed @ w.dequantize(torch.float64).t()
+    if w.bias is not None:
+        y = y + w.bias.double()
+    if silu_gate_up:
+        g, u = y.chunk(2, dim=-1)
+        y = g * torch.sigmoid(g) * u
+    return y
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemv_folded_rms_norm_matches_float64(fp8):
+    """rms_norm_linear / add_rms_norm_linear on the GEMV: the residual add (new residual written bit for bit as the
+    dtype's sum, inputs untouched), the RMSNorm folded into the dot products, the projection (and the SiLU epilogue),
+    against float64 math, on the 8B qkv and gate_up shapes, the 0.6B LM head, an odd size with a bias and fp16, at
+    every token count the folded kernel takes; then the ops' other path (more tokens) against the separate ops."""
+    from fastqwen import ops
+    from fastqwen.ops.linear import GEMV_NORM_MAX_TOKENS, add_rms_norm_linear, rms_norm_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    cfg8 = ModelConfig.from_preset("Qwen3-8B")
+    cases = [(cfg8.q_size + 2 * cfg8.kv_size, 4096, torch.bfloat16, False, False),
+             (2 * cfg8.intermediate_size, 4096, torch.bfloat16, False, True),
+             (151936, 1024, torch.bfloat16, False, False),
+             (1001, 384, torch.float16, True, False), (2 * 3, 128, torch.bfloat16, True, True)]  # fmt: skip
+    eps = 1e-6
+    for rows, cols, dtype, bias, silu in cases:
+        dense = torch.randn(rows, cols, device="cuda", generator=gen) * 0.05
+        b = torch.randn(rows, device="cuda", generator=gen).to(dtype) if bias else None
+        w = LinearWeight(*quantize_fp8(dense), b) if fp8 else LinearWeight(dense.to(dtype), None, b)
+        gamma = (1 + 0.2 * torch.randn(cols, device="cuda", generator=gen)).to(dtype)
+        what = f"{rows}x{cols} {dtype} silu={silu}"
+        for m in range(1, GEMV_NORM_MAX_TOKENS + 1):
+            residual = (3 * torch.randn(m, cols, device="cuda", generator=gen)).to(dtype)
+            add = torch.randn(m, cols, device="cuda", generator=gen).to(dtype)
+            before = (residual.clone(), add.clone())
+            residual_out = torch.full_like(residual, float("nan"))
+            got, new = add_rms_norm_linear(add, residual, gamma, eps, w, residual_out, silu, gemv_only=True)
+            assert new is residual_out and torch.equal(residual_out, residual + add), f"{what} batch {m}: residual"
+            assert torch.equal(residual, before[0]) and torch.equal(add, before[1]), f"{what}: inputs changed"
+            want = norm_projection_reference(residual, add, gamma, eps, w, silu)
+            tol = dict(rtol=2 * RTOL if silu else RTOL, atol=1e-4 * want.abs().max().item())
+            torch.testing.assert_close(got.double(), want, **tol, msg=f"{what} batch {m}: add + norm")
+            got = rms_norm_linear(residual, gamma, eps, w, silu, gemv_only=True)
+            want = norm_projection_reference(residual, None, gamma, eps, w, silu)
+            torch.testing.assert_close(got.double(), want, **tol, msg=f"{what} batch {m}: norm")
+        # Past the folded kernel's token limit the ops are the separate norm and projection, bit for bit.
+        residual = torch.randn(3, cols, device="cuda", generator=gen).to(dtype)
+        separate = ops.linear(ops.rms_norm(residual, gamma, eps), w)
+        separate = ops.silu_and_mul(separate) if silu else separate
+        assert torch.equal(rms_norm_linear(residual, gamma, eps, w, silu), separate), what
+        with pytest.raises(ValueError, match="does not apply"):
+            rms_norm_linear(residual, gamma, eps, w, silu, gemv_only=True)
+        del dense, w
+    x = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
+    w = LinearWeight(torch.randn(8, 128, device="cuda", dtype=torch.bfloat16))
+    gamma = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual_out must not be"):
+        add_rms_norm_linear(x, x.clone(), gamma, eps, w, residual_out=x, gemv_only=True)
+
+
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
 def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path, quantization):
     """Under programmatic dependent launch every kernel of a decode step (RMSNorm, the GEMVs with and without the SiLU
