@@ -2,7 +2,8 @@
 # Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
 # throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
 #   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl]
-# (FP8W_MORE_TESTS: more test files; FP8W_THROUGHPUT: the quantizations to run; FP8W_PROMPTS: requests per run)
+# (FP8W_MORE_TESTS: more test files; FP8W_GEMV_BATCHES: token counts of the GEMV benchmark; FP8W_THROUGHPUT: the
+# quantizations to run; FP8W_PROMPTS: requests per run)
 set -u -o pipefail
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ for stage in "$@"; do
     tests)
       FASTQWEN_RESULTS_DIR="$OUT" run tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gemv_gpu.py \
         ${FP8W_MORE_TESTS:-} ;;
-    gemv) run bench_gemv 150 python3 bench/bench_gemv.py --batches 1 2 4 8 16 --iters 20 --json "$OUT/bench_gemv.json" ;;
+    gemv) run bench_gemv 150 python3 bench/bench_gemv.py --batches ${FP8W_GEMV_BATCHES:-1 2 4 8 16} --iters 20 --json "$OUT/bench_gemv.json" ;;
     latency)
       for q in none fp8; do
         run "latency_8b_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy --quantization "$q" \
