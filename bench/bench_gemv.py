@@ -21,10 +21,7 @@ import torch.nn.functional as F
 
 from fastqwen.config import ModelConfig
 from fastqwen.ops._native import has_cuda_kernels
-from fastqwen.ops.linear import (
-    GEMV_NORM_MAX_TOKENS, LinearWeight, add_rms_norm_linear, fp8_gemm_supported, gemv, linear_silu_and_mul,
-    quantize_fp8, _fp8_gemm,
-)  # fmt: skip
+from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, gemv, linear_silu_and_mul, quantize_fp8, _fp8_gemm
 
 from common import copy_bandwidth, graph_of, report, time_fn
 
@@ -68,15 +65,6 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
         if gate_up:
             variants["gemv_silu_bf16"] = (bf16, lambda w, o: linear_silu_and_mul(x, w, gemv_only=True))
             variants["gemv_silu_fp8"] = (fp8, lambda w, o: linear_silu_and_mul(x, w, gemv_only=True))
-        if m <= GEMV_NORM_MAX_TOKENS:  # the layer's residual add and RMSNorm folded in, as the decode step runs it
-            residual, residual_out = torch.randn_like(x), torch.empty_like(x)
-            gamma = torch.ones(cols, device="cuda", dtype=torch.bfloat16)
-
-            def with_norm(w, o):
-                add_rms_norm_linear(x, residual, gamma, 1e-6, w, residual_out, silu_gate_up=gate_up, gemv_only=True)
-
-            variants["gemv_norm_bf16"] = (bf16, with_norm)
-            variants["gemv_norm_fp8"] = (fp8, with_norm)
         row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
         for name, (weights, call) in variants.items():
             def one_pass(weights=weights, call=call):
@@ -84,8 +72,7 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
                     call(w, o)
 
             ms = time_fn(graph_of(one_pass).replay, iters) / nbuf
-            out_rows = rows // 2 if "silu" in name or ("norm" in name and gate_up) else rows
-            moved = weight_bytes(weights[0]) + 2 * m * (out_rows + (3 if "norm" in name else 1) * cols)
+            moved = weight_bytes(weights[0]) + 2 * m * ((rows // 2 if "silu" in name else rows) + cols)
             row[f"{name}_us"] = round(ms * 1e3, 2)
             row[f"{name}_frac_copy"] = round(moved / (ms * 1e-3) / 1e9 / copy_gbs, 3)
         rows_out.append(row)

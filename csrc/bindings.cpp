@@ -96,7 +96,6 @@ void export_contracts(py::module_& m) {
   m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
   m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
-  m.attr("GEMV_NORM_MAX_TOKENS") = fq::kGemvNormMaxTokens;
   m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;
   m.attr("SAMPLER_ROW_WORDS") = static_cast<int>(sizeof(fq::SamplerRow) / 4);
   m.attr("SAMPLER_ROW_FIELDS") = sampler_row_fields();
@@ -242,23 +241,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "gemv",
       [](const py::int_& out, const py::int_& x, const py::int_& w, const py::int_& scale, const py::int_& bias,
-         int64_t m, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up, const py::int_& stream,
-         const py::int_& norm_weight, const py::int_& add, const py::int_& sum_out, double eps) {
-        fastqwen::GemvNormArgs norm;
-        norm.weight = to_uintptr(norm_weight, "norm_weight");
-        norm.add = to_uintptr(add, "add");
-        norm.sum_out = to_uintptr(sum_out, "sum_out");
-        norm.eps = eps;
+         int64_t m, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up, const py::int_& stream) {
         fastqwen::gemv(to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(w, "w"), to_uintptr(scale, "scale"),
-                       to_uintptr(bias, "bias"), m, n, k, dtype, fp8, silu_gate_up, to_uintptr(stream, "stream"), norm);
+                       to_uintptr(bias, "bias"), m, n, k, dtype, fp8, silu_gate_up, to_uintptr(stream, "stream"));
       },
       py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("m"), py::arg("n"),
       py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("silu_gate_up"), py::arg("stream"),
-      py::arg("norm_weight") = 0, py::arg("add") = 0, py::arg("sum_out") = 0, py::arg("eps") = 0.0,
       "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
-      "block scales (fp8); fp32 accumulation. silu_gate_up: W = [gate; up], out [m, n / 2] = silu(gate) * up. "
-      "norm_weight: x is the residual stream and the projection is of RMSNorm(x + add) * norm_weight (add optional; "
-      "m <= GEMV_NORM_MAX_TOKENS), x + add written to sum_out when given.");
+      "block scales (fp8); fp32 accumulation. silu_gate_up: W = [gate; up], out [m, n / 2] = silu(gate) * up.");
   m.def("set_programmatic_launch", &fastqwen::set_programmatic_launch, py::arg("enabled"),
         "Whether the decode step's kernels may start while the kernel before them finishes (programmatic dependent "
         "launch, sm_90+).");

@@ -11,12 +11,6 @@
 // a block takes kRows / 2 rows of each half and multiplies the two in its epilogue, rounded as silu_and_mul rounds,
 // so the MLP's activation needs neither its own kernel nor the 2d-wide intermediate.
 //
-// With NORM, x is the residual stream and the kernel computes the projection of RMSNorm(x [+ add]) * norm_weight, the
-// RMSNorm before it folded in: each block reads all of x for its rows anyway, so it sums the squares on the way
-// (fp32) and scales its dot products of x * norm_weight by the inverse RMS in the epilogue; x + add (rounded to T,
-// the new residual) is written by block 0. That saves the norm's kernel and its wait, and the normalized row is
-// never rounded (closer to exact than the norm kernel then the GEMV; not the same bits).
-//
 // On sm_90 the kernel is launched with programmatic dependent launch (launch.cuh): it may start while the kernel
 // before it is still running, and loads its first weight chunks, which nothing before it writes, before
 // griddep_wait(); x is read and out written only after. The start-up of each projection then hides under the end of
@@ -43,9 +37,9 @@ namespace {
 constexpr int kWarps = 4;
 // Weight rows per block: 4, or 6 where that fits the grid in fewer waves (rows_per_block below), with loads one chunk
 // ahead instead of two to stay within the 64 registers of 8 blocks per SM.
-template <int R, bool FP8_NORM = false>
+template <int R>
 constexpr int unroll_for_rows() {
-  return R == 4 && !FP8_NORM ? 2 : 1;
+  return R == 4 ? 2 : 1;
 }
 
 // 16 bytes of the weight, not kept in L1 (read once; x is what L1 should hold).
@@ -83,146 +77,70 @@ __device__ __forceinline__ void load_x8(const T* p, float (&out)[8]) {
   }
 }
 
-// The RMSNorm folded into the GEMV (NORM): norm_weight [k]; add [m, k] added to x first, or null; sum_out [m, k]
-// receives x + add (from block 0), or null.
-template <typename T>
-struct GemvNorm {
-  const T* weight;
-  const T* add;
-  T* sum_out;
-  float eps;
-};
-
 // Weight elements per 16-byte chunk.
 template <bool FP8>
 constexpr int chunk_elems() {
   return FP8 ? 16 : 8;
 }
 
-// Elements 8h .. 8h + 7 of a 16-byte weight chunk (16 e4m3 or 8 16-bit values) as floats.
-template <typename T, bool FP8>
-__device__ __forceinline__ void weights8(const uint4& w, int h, float (&out)[8]) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-  if constexpr (FP8) {
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint32_t word = words[2 * h + q];
-      const float2 lo = fp8x2_to_float2(word);
-      const float2 hi = fp8x2_to_float2(word >> 16);
-      out[4 * q] = lo.x;
-      out[4 * q + 1] = lo.y;
-      out[4 * q + 2] = hi.x;
-      out[4 * q + 3] = hi.y;
-    }
-  } else {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float2 f = to_float2(words[q], T{});
-      out[2 * q] = f.x;
-      out[2 * q + 1] = f.y;
-    }
-  }
-}
-
-// Activations 8h .. 8h + 7 of chunk c of token i as floats. With NORM: x + norm.add first (rounded to T as
-// fused_add_rms_norm rounds the residual; block 0 writes it to norm.sum_out), its squares summed into ss, and
-// multiplied by the norm's weight.
-template <typename T, bool FP8, bool NORM>
-__device__ __forceinline__ void activations8(const T* __restrict__ x, int i, int k, int c, int h,
-                                             const GemvNorm<T>& norm, float& ss, float (&xf)[8]) {
-  const int64_t offset = static_cast<int64_t>(i) * k + static_cast<int64_t>(c) * chunk_elems<FP8>() + 8 * h;
-  load_x8(x + offset, xf);
-  if constexpr (NORM) {
-    if (norm.add != nullptr) {
-      float af[8];
-      load_x8(norm.add + offset, af);
-      Pack<T, 8> sum;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        sum.v[e] = Cvt<T>::from_f(xf[e] + af[e]);
-        xf[e] = Cvt<T>::to_f(sum.v[e]);
-      }
-      if (norm.sum_out != nullptr && blockIdx.x == 0) *reinterpret_cast<Pack<T, 8>*>(norm.sum_out + offset) = sum;
-    }
-    float gf[8];
-    load_x8(norm.weight + (offset - static_cast<int64_t>(i) * k), gf);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      ss = fmaf(xf[e], xf[e], ss);
-      xf[e] *= gf[e];
-    }
-  }
-}
-
-// acc[i][r] += dot(x[i, chunk c], W[row r, chunk c]) for the chunk's weights w[r] (already loaded), times the row's
-// block scale for FP8. The products of each 8-element slice are summed in order, then the slices, then the chunk
-// into acc.
-template <typename T, bool FP8, int MT, int kRows, bool NORM>
+// acc[i][r] += dot(x[i, chunk c], W[row r, chunk c]) for the chunk's weights w[r] (already loaded).
+template <typename T, bool FP8, int MT, int kRows>
 __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m, int k, int c, const uint4 (&w)[kRows],
-                                                 const float (&scale)[kRows], float (&acc)[MT][kRows],
-                                                 const GemvNorm<T>& norm, float (&ss)[MT]) {
+                                                 const float (&scale)[kRows], float (&acc)[MT][kRows]) {
   constexpr int E = chunk_elems<FP8>();
-  if constexpr (MT == 1) {
-    // One token (64 registers): a slice of x against each row's slice, converted as it is used, keeps few values live.
+  float wf[kRows][E];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const uint32_t words[4] = {w[r].x, w[r].y, w[r].z, w[r].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (FP8) {
+        const float2 lo = fp8x2_to_float2(words[i]);
+        const float2 hi = fp8x2_to_float2(words[i] >> 16);
+        wf[r][4 * i] = lo.x;
+        wf[r][4 * i + 1] = lo.y;
+        wf[r][4 * i + 2] = hi.x;
+        wf[r][4 * i + 3] = hi.y;
+      } else {
+        const float2 f = to_float2(words[i], T{});
+        wf[r][2 * i] = f.x;
+        wf[r][2 * i + 1] = f.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    if (i >= m) break;  // uniform across the block
+    const T* xi = x + static_cast<int64_t>(i) * k + static_cast<int64_t>(c) * E;
     float part[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) part[r] = 0.0f;
 #pragma unroll
     for (int h = 0; h < E / 8; ++h) {
       float xf[8];
-      activations8<T, FP8, NORM>(x, 0, k, c, h, norm, ss[0], xf);
+      load_x8(xi + 8 * h, xf);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        float wf[8];
-        weights8<T, FP8>(w[r], h, wf);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) part[r] = fmaf(xf[e], wf[e], part[r]);
+        for (int e = 0; e < 8; ++e) part[r] = fmaf(xf[e], wf[r][8 * h + e], part[r]);
       }
     }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[0][r] = FP8 ? fmaf(scale[r], part[r], acc[0][r]) : acc[0][r] + part[r];
-  } else {
-    // More tokens: each row's weights converted once, for all of them.
-    float wf[kRows][E];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int h = 0; h < E / 8; ++h) weights8<T, FP8>(w[r], h, reinterpret_cast<float(&)[8]>(wf[r][8 * h]));
-    }
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      if (i >= m) break;  // uniform across the block
-      float part[kRows];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) part[r] = 0.0f;
-#pragma unroll
-      for (int h = 0; h < E / 8; ++h) {
-        float xf[8];
-        activations8<T, FP8, NORM>(x, i, k, c, h, norm, ss[i], xf);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) part[r] = fmaf(xf[e], wf[r][8 * h + e], part[r]);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[i][r] = FP8 ? fmaf(scale[r], part[r], acc[i][r]) : acc[i][r] + part[r];
-    }
+    for (int r = 0; r < kRows; ++r) acc[i][r] = FP8 ? fmaf(scale[r], part[r], acc[i][r]) : acc[i][r] + part[r];
   }
 }
 
 // Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
 // at m). One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
-template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows, bool NORM>
+template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows>
 __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
-                                                           const T* __restrict__ bias, int m, int n, int k,
-                                                           const GemvNorm<T> norm) {
+                                                           const T* __restrict__ bias, int m, int n, int k) {
   constexpr int E = chunk_elems<FP8>();
   constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;  // outputs per block
-  constexpr int kUnroll = unroll_for_rows<kRows, FP8 && NORM && MT == 1>();
+  constexpr int kUnroll = unroll_for_rows<kRows>();
   const int n_out = SILU_GATE_UP ? n / 2 : n;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -240,13 +158,10 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     rows[r] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row_of[r]) * k * kRowBytesPerElem);
   }
   float acc[MT][kRows];
-  float ss[MT];  // NORM: this thread's share of each token's sum of squares
 #pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    ss[i] = 0.0f;
+  for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[i][r] = 0.0f;
-  }
 
   // Chunk c = (step * kWarps + warp) * 32 + lane: the block's warps read one contiguous run of each row per step.
   constexpr int kStride = kWarps * 32;
@@ -276,7 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = base + u * kStride;
-      if (c < num_chunks) accumulate_chunk<T, FP8, MT, kRows, NORM>(x, m, k, c, wv[u], sv[u], acc, norm, ss);
+      if (c < num_chunks) accumulate_chunk<T, FP8, MT, kRows>(x, m, k, c, wv[u], sv[u], acc);
     }
   }
   if (!waited) {  // (a lane with no chunk) before out is written
@@ -284,8 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     griddep_launch_dependents();
   }
 
-  constexpr int kSlots = MT * kRows + (NORM ? MT : 0);  // the sums of squares after the outputs
-  __shared__ float partial[kWarps][kSlots];
+  __shared__ float partial[kWarps][MT * kRows];
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
 #pragma unroll
@@ -295,32 +209,18 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
         if (lane == 0) partial[warp][i * kRows + r] = s;
       }
     }
-    if constexpr (NORM) {
-      if (i < m) {
-        const float s = warp_sum(ss[i]);
-        if (lane == 0) partial[warp][MT * kRows + i] = s;
-      }
-    }
   }
   __syncthreads();
   for (int t = threadIdx.x; t < MT * kOut; t += blockDim.x) {
     const int i = t / kOut, o = t % kOut, j = out0 + o;
     if (i >= m || j >= n_out) continue;
     // The projection's outputs j (and, with SILU_GATE_UP, n_out + j), rounded to T as a separate GEMM would round.
-    float inv_rms = 1.0f;
-    if constexpr (NORM) {
-      float sum_sq = 0.0f;
-#pragma unroll
-      for (int q = 0; q < kWarps; ++q) sum_sq += partial[q][MT * kRows + i];
-      inv_rms = rsqrtf(sum_sq / static_cast<float>(k) + norm.eps);  // as rms_norm computes it
-    }
     T y[kRows / kOut];
 #pragma unroll
     for (int half = 0; half < kRows / kOut; ++half) {
       float s = 0.0f;
 #pragma unroll
       for (int q = 0; q < kWarps; ++q) s += partial[q][i * kRows + half * kOut + o];
-      if constexpr (NORM) s *= inv_rms;
       if (bias != nullptr) s += Cvt<T>::to_f(bias[half * n_out + j]);
       y[half] = Cvt<T>::from_f(s);
     }
@@ -333,15 +233,14 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 }
 
 // Blocks of the kernel resident per SM, times the SMs (once per kernel and device).
-template <typename T, bool FP8, int MT, bool SILU, int R, bool NORM>
+template <typename T, bool FP8, int MT, bool SILU, int R>
 int resident_blocks() {
   static PerDevice<int> slots;
   return slots.get([](int device) {
     int sms = 0, per_sm = 0;
     cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemv: cudaDeviceGetAttribute");
-    cuda_check(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, FP8, MT, SILU, R, NORM>, kWarps * 32, 0),
-        "gemv: occupancy");
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, FP8, MT, SILU, R>, kWarps * 32, 0),
+               "gemv: occupancy");
     return std::max(1, sms * per_sm);
   });
 }
@@ -349,61 +248,51 @@ int resident_blocks() {
 // The grid's waves: full waves stream at the full rate, a partial last wave at a fraction of it. 6 rows a block
 // where that makes the waves fuller than 4 do (Qwen3-8B's qkv, 6,144 rows on an H100: 1,536 blocks of 4 are 1.45
 // waves of 1,056; 1,024 blocks of 6 are one).
-template <typename T, bool FP8, int MT, bool SILU, bool NORM>
+template <typename T, bool FP8, int MT, bool SILU>
 int rows_per_block(int weight_rows) {
+  if (MT != 1) return 4;  // (more tokens: fewer blocks per SM, and 4 rows already fill them)
   auto fill = [](int blocks, int slots) {
     const double waves = static_cast<double>(blocks) / slots;
     return waves / std::ceil(waves);
   };
   const int b4 = (weight_rows + 3) / 4, b6 = (weight_rows + 5) / 6;
-  return fill(b6, resident_blocks<T, FP8, MT, SILU, 6, NORM>()) >
-                 fill(b4, resident_blocks<T, FP8, MT, SILU, 4, NORM>()) + 0.05
-             ? 6
-             : 4;
+  return fill(b6, resident_blocks<T, FP8, MT, SILU, 6>()) > fill(b4, resident_blocks<T, FP8, MT, SILU, 4>()) + 0.05 ? 6
+                                                                                                                     : 4;
 }
 
-struct GemvArgs {
-  uintptr_t out, x, w, scale, bias;
-  int m, n, k;
-  cudaStream_t stream;
-};
-
-template <typename T, bool FP8, int MT, bool SILU, int R, bool NORM>
-void launch_rows(const GemvArgs& a, const GemvNorm<T>& norm) {
+template <typename T, bool FP8, int MT, bool SILU, int R>
+void launch_rows(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+                 cudaStream_t stream) {
   const int outputs_per_block = SILU ? R / 2 : R;
-  const int n_out = SILU ? a.n / 2 : a.n;
+  const int n_out = SILU ? n / 2 : n;
   const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
-  launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R, NORM>, grid, dim3(kWarps * 32), 0, a.stream,
-                      "gemv kernel launch", reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
-                      reinterpret_cast<const uint8_t*>(a.w), reinterpret_cast<const float*>(a.scale),
-                      reinterpret_cast<const T*>(a.bias), a.m, a.n, a.k, norm);
+  launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
+                      reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+                      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
 }
 
-template <typename T, bool FP8, int MT, bool SILU, bool NORM>
-void launch_silu(const GemvArgs& a, const GemvNorm<T>& norm) {
-  if constexpr (MT == 1) {  // (more tokens: fewer blocks per SM, and 4 rows already fill them)
-    if (rows_per_block<T, FP8, MT, SILU, NORM>(a.n) == 6) return launch_rows<T, FP8, MT, SILU, 6, NORM>(a, norm);
-  }
-  launch_rows<T, FP8, MT, SILU, 4, NORM>(a, norm);
+template <typename T, bool FP8, int MT, bool SILU>
+void launch_silu(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+                 cudaStream_t stream) {
+  if (rows_per_block<T, FP8, MT, SILU>(n) == 6) return launch_rows<T, FP8, MT, SILU, 6>(out, x, w, scale, bias, m, n, k, stream);
+  launch_rows<T, FP8, MT, SILU, 4>(out, x, w, scale, bias, m, n, k, stream);
 }
 
-template <typename T, bool FP8, int MT, bool NORM>
-void launch_mt(const GemvArgs& a, const GemvNorm<T>& norm, bool silu_gate_up) {
-  if (silu_gate_up) return launch_silu<T, FP8, MT, true, NORM>(a, norm);
-  launch_silu<T, FP8, MT, false, NORM>(a, norm);
+template <typename T, bool FP8, int MT>
+void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+               bool silu_gate_up, cudaStream_t stream) {
+  if (silu_gate_up) return launch_silu<T, FP8, MT, true>(out, x, w, scale, bias, m, n, k, stream);
+  launch_silu<T, FP8, MT, false>(out, x, w, scale, bias, m, n, k, stream);
 }
 
 template <typename T, bool FP8>
-void launch(const GemvArgs& a, const GemvNorm<T>& norm, bool silu_gate_up) {
-  if (norm.weight != nullptr) {  // (m <= kGemvNormMaxTokens, checked)
-    if (a.m <= 1) return launch_mt<T, FP8, 1, true>(a, norm, silu_gate_up);
-    return launch_mt<T, FP8, 2, true>(a, norm, silu_gate_up);
-  }
-  if (a.m <= 1) return launch_mt<T, FP8, 1, false>(a, norm, silu_gate_up);
-  if (a.m <= 2) return launch_mt<T, FP8, 2, false>(a, norm, silu_gate_up);
-  if (a.m <= 4) return launch_mt<T, FP8, 4, false>(a, norm, silu_gate_up);
-  if (a.m <= 8) return launch_mt<T, FP8, 8, false>(a, norm, silu_gate_up);
-  return launch_mt<T, FP8, 16, false>(a, norm, silu_gate_up);
+void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+            bool silu_gate_up, cudaStream_t stream) {
+  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
 }
 
 }  // namespace
@@ -411,21 +300,12 @@ void launch(const GemvArgs& a, const GemvNorm<T>& norm, bool silu_gate_up) {
 void set_programmatic_launch(bool enabled) { g_programmatic_launch = enabled; }
 
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
-          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream, const GemvNormArgs& norm) {
+          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream) {
   const std::string op = "gemv: ";
   check_dtype(op, dtype, kHalfTypes);
-  const int64_t max_tokens = norm.weight != 0 ? kGemvNormMaxTokens : kGemvMaxTokens;
-  if (m < 1 || m > max_tokens) {
-    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(max_tokens) + (norm.weight != 0 ? " with the norm" : "") +
-                                ", got " + std::to_string(m));
+  if (m < 1 || m > kGemvMaxTokens) {
+    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
   }
-  if (norm.weight == 0 && (norm.add != 0 || norm.sum_out != 0)) {
-    throw std::invalid_argument(op + "add and sum_out need the norm's weight");
-  }
-  for (uintptr_t p : {norm.weight, norm.add, norm.sum_out}) {
-    if (p != 0 && !aligned16(p)) throw std::invalid_argument(op + "the norm's tensors must be 16-byte aligned");
-  }
-  if (norm.weight != 0 && !(norm.eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0");
   if (n < 1 || k < 1 || n > (1 << 30) || k > (1 << 30)) {
     throw std::invalid_argument(op + "bad shape n=" + std::to_string(n) + " k=" + std::to_string(k));
   }
@@ -439,14 +319,12 @@ void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bi
   if (out == 0 || x == 0 || w == 0 || (fp8 && scale == 0)) throw std::invalid_argument(op + "null data pointer");
   if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const GemvArgs a{out, x, w, scale, bias, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), s};
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
-    const GemvNorm<T> gn{reinterpret_cast<const T*>(norm.weight), reinterpret_cast<const T*>(norm.add),
-                         reinterpret_cast<T*>(norm.sum_out), static_cast<float>(norm.eps)};
     if (fp8) {
-      launch<T, true>(a, gn, silu_gate_up);
+      launch<T, true>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
     } else {
-      launch<T, false>(a, gn, silu_gate_up);
+      launch<T, false>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
     }
   });
 }

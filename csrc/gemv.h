@@ -11,17 +11,6 @@ namespace fastqwen {
 constexpr int kGemvMaxTokens = 16;
 // FP8 weights carry one float32 scale per kGemvFp8Block x kGemvFp8Block block of the weight.
 constexpr int kGemvFp8Block = 128;
-// The most tokens a gemv with the RMSNorm folded in takes (decode at batch 1 and 2, where the norm's own kernel
-// and wait weigh most).
-constexpr int kGemvNormMaxTokens = 2;
-
-// The RMSNorm folded into the GEMV: with weight (norm_weight [k], dtype) set, x is the residual stream and the GEMV
-// projects RMSNorm(x + add) * weight (eps inside the root as in rms_norm; add [m, k] or 0 for none), and x + add,
-// rounded to dtype, is written to sum_out ([m, k], not x nor add; or 0). All 16-byte aligned.
-struct GemvNormArgs {
-  uintptr_t weight = 0, add = 0, sum_out = 0;
-  double eps = 0.0;
-};
 
 // out[i, j] = sum_c x[i, c] * W[j, c] (+ bias[j]) for i < m <= kGemvMaxTokens, j < n, c < k, accumulated in fp32.
 // x: [m, k] and out: [m, n] of `dtype` (float16 or bfloat16); bias: [n] of dtype, or 0.
@@ -30,10 +19,9 @@ struct GemvNormArgs {
 // aligned. All buffers contiguous, on the current device; `stream` a cudaStream_t as an integer.
 // silu_gate_up: W is the gate and up projections stacked (n even) and out [m, n / 2] = silu(gate) * up, as
 // silu_and_mul of the plain result would give it, bit for bit.
-// norm: the RMSNorm folded in (GemvNormArgs; m <= kGemvNormMaxTokens then), or none.
 // Throws std::invalid_argument for bad arguments, std::runtime_error for CUDA errors.
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
-          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream, const GemvNormArgs& norm = GemvNormArgs{});
+          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream);
 
 // Whether the decode step's kernels (GEMV, RMSNorm, q/k-norm + RoPE, decode attention and its merge, SiLU-and-mul)
 // launch with programmatic dependent launch on devices that take it (compute capability 9.0+): each may then start

@@ -184,41 +184,10 @@ def test_quantization_knob():
 def test_gemv_contract_matches_the_native_module():
     """The token limit and block size Python uses are the ones csrc/gemv.h exports (every build exports them)."""
     from fastqwen.ops import _native
-    from fastqwen.ops.linear import (
-        DENSE_GEMV_MAX_TOKENS, FP8_BLOCK, FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS, GEMV_NORM_MAX_TOKENS,
-    )  # fmt: skip
+    from fastqwen.ops.linear import DENSE_GEMV_MAX_TOKENS, FP8_BLOCK, FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS
 
     module = _native.native()
     if module is None:
         pytest.skip("fastqwen._C is not built")
     assert module.GEMV_MAX_TOKENS == GEMV_MAX_TOKENS and module.GEMV_FP8_BLOCK == FP8_BLOCK
     assert 1 <= DENSE_GEMV_MAX_TOKENS <= GEMV_MAX_TOKENS and 1 <= FP8_GEMV_MAX_TOKENS <= GEMV_MAX_TOKENS
-    # Wherever decode takes the GEMV, the norms before it fold in too.
-    assert module.GEMV_NORM_MAX_TOKENS == GEMV_NORM_MAX_TOKENS >= max(DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS)
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
-def test_norm_projection_ops_on_the_reference_path(fp8):
-    """On CPU (no GEMV) rms_norm_linear and add_rms_norm_linear are the norm ops then the projection: the new
-    residual is the residual itself, updated in place, and the projection is linear_reference of the normed rows."""
-    from fastqwen.ops.linear import add_rms_norm_linear, linear_reference, rms_norm_linear
-    from fastqwen.ops.norm import rms_norm_reference
-
-    gen = torch.Generator().manual_seed(4)
-    dense = torch.randn(12, 256, generator=gen) * 0.05
-    w = LinearWeight(*quantize_fp8(dense)) if fp8 else LinearWeight(dense)
-    gamma = 1 + 0.1 * torch.randn(256, generator=gen)
-    residual, add = 3 * torch.randn(2, 256, generator=gen), torch.randn(2, 256, generator=gen)
-    new_residual = residual + add
-    want = linear_reference(rms_norm_reference(new_residual, gamma, 1e-6), w)
-    assert torch.equal(rms_norm_linear(new_residual, gamma, 1e-6, w), want)
-    spare = torch.empty_like(residual)
-    got, holder = add_rms_norm_linear(add, residual, gamma, 1e-6, w, residual_out=spare)
-    assert holder is residual and torch.equal(residual, new_residual)
-    assert torch.equal(got, want)
-    gate_up = LinearWeight(torch.randn(12, 256, generator=gen) * 0.05)
-    got, _ = add_rms_norm_linear(torch.zeros(2, 256), new_residual.clone(), gamma, 1e-6, gate_up, spare, True)
-    g, u = linear_reference(rms_norm_reference(new_residual, gamma, 1e-6), gate_up).chunk(2, dim=-1)
-    torch.testing.assert_close(got, torch.nn.functional.silu(g) * u)
-    with pytest.raises(ValueError, match="residual has shape"):
-        add_rms_norm_linear(add, residual[:1], gamma, 1e-6, w)

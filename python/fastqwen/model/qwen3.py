@@ -50,7 +50,7 @@ class Qwen3Model:
         num_tokens = batch.num_tokens
         eps = cfg.rms_norm_eps
         residual = self.parallel.embed(w.embed, batch.input_ids)  # a copy: the in-place residual adds never touch embed
-        spare = torch.empty_like(residual)  # where a norm folded into the GEMV writes the new residual (see _norm_project)
+        hidden = torch.empty_like(residual)
         q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         attn = torch.empty_like(q)
         decode_kernel = batch.is_decode and self.decode_workspace is not None
@@ -58,9 +58,10 @@ class Qwen3Model:
             ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
         for index, layer in enumerate(w.layers):
             if index == 0:
-                qkv = ops.rms_norm_linear(residual, layer.input_norm, eps, layer.qkv)
+                ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
             else:
-                qkv, residual, spare = self._norm_project(hidden, residual, spare, layer.input_norm, layer.qkv)
+                ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
+            qkv = ops.linear(hidden, layer.qkv)
             k_cache, v_cache = kv.k(index), kv.v(index)
             k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
             ops.qk_norm_rope_store_kv(
@@ -80,31 +81,21 @@ class Qwen3Model:
                     k_scale=k_scale, v_scale=v_scale,
                 )
             hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
-            act, residual, spare = self._norm_project(hidden, residual, spare, layer.post_norm, layer.gate_up, True)
+            ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
+            act = ops.linear_silu_and_mul(hidden, layer.gate_up)
             hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
         # Only the rows that sample reach the final norm and the LM head.
         rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
         hidden = hidden[rows]
         residual = residual[rows]
+        ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
         if extra_rows is not None:
-            ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
             num_samples = batch.logits_indices.shape[0]
             return self.lm_head_logits(hidden[:num_samples]), hidden[num_samples:]
-        projected, _ = ops.add_rms_norm_linear(hidden, residual, w.final_norm, eps, w.lm_head)
-        logits = self.parallel.gather_vocab(projected, cfg.vocab_size)
+        logits = self.parallel.gather_vocab(ops.linear(hidden, w.lm_head), cfg.vocab_size)
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
-
-    def _norm_project(self, hidden, residual, spare, norm_weight, weight, silu_gate_up=False):
-        """The projection of RMSNorm(residual + hidden), the new residual, and the buffer free for the next one. Where
-        one GEMV kernel does the norm and the projection, it writes the new residual to the spare buffer (its other
-        blocks still read the old one), which then changes places with the old; elsewhere the residual is updated in
-        place (ops.add_rms_norm_linear)."""
-        projected, new = ops.add_rms_norm_linear(
-            hidden, residual, norm_weight, self.cfg.rms_norm_eps, weight, residual_out=spare, silu_gate_up=silu_gate_up
-        )
-        return projected, new, (residual if new is spare else spare)
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""

@@ -17,11 +17,6 @@ A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values w
 multiplies silu(gate) by up in its epilogue (no activation kernel, no 2d-wide intermediate); elsewhere `linear` then
 `silu_and_mul`, with the same bits.
 
-`rms_norm_linear` and `add_rms_norm_linear` are a projection of the RMSNorm'd residual stream (the layers' input
-and post-attention norms, the final norm before the LM head): where the GEMV runs (decode at one token, two for FP8),
-the kernel folds the norm in (it sums the squares of x on its way through x and scales its dot products by the
-inverse RMS), so the norm needs neither its own kernel nor its wait; elsewhere the norm kernel, then `linear`.
-
 Sharding for tensor parallelism slices these containers along their rows or columns; it lives elsewhere.
 """
 
@@ -35,15 +30,12 @@ import torch.nn.functional as F
 
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
 from .activation import silu_and_mul
-from .norm import fused_add_rms_norm, rms_norm
 
 __all__ = [
     "FP8_BLOCK",
     "FP8_MAX",
     "GEMV_MAX_TOKENS",
-    "GEMV_NORM_MAX_TOKENS",
     "LinearWeight",
-    "add_rms_norm_linear",
     "dequantize_fp8",
     "gemv",
     "gemv_kernel_applies",
@@ -52,7 +44,6 @@ __all__ = [
     "linear_silu_and_mul",
     "prepare_linear",
     "quantize_fp8",
-    "rms_norm_linear",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,7 +57,6 @@ FP8_BLOCK = 128  # scale granularity: one float32 scale per 128x128 block of the
 # block-scaled GEMM (with the fused activation quantizer) at one and two tokens and loses by 5% at four. The kernel
 # itself takes up to GEMV_MAX_TOKENS (csrc/gemv.h).
 GEMV_MAX_TOKENS = 16
-GEMV_NORM_MAX_TOKENS = 2  # with the RMSNorm folded in (csrc/gemv.h)
 DENSE_GEMV_MAX_TOKENS = 1
 FP8_GEMV_MAX_TOKENS = 2
 
@@ -176,29 +166,8 @@ def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> t
     return _gemv(x.contiguous(), w, out)
 
 
-def _gemv(
-    x: torch.Tensor, w: LinearWeight, out: torch.Tensor, silu_gate_up: bool = False, norm: tuple | None = None
-) -> torch.Tensor:
-    """norm: (norm_weight, eps, add or None, sum_out or None), the RMSNorm folded in (see rms_norm_linear)."""
+def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor, silu_gate_up: bool = False) -> torch.Tensor:
     check_tensors("linear", x.device, None, x=x, weight=w.weight, out=(out, x.dtype))
-    norm_ptrs = {}
-    if norm is not None:
-        norm_weight, eps, add, sum_out = norm
-        tensors = {"norm_weight": (norm_weight, x.dtype)}
-        for name, t in (("add", add), ("residual_out", sum_out)):
-            if t is not None:
-                if t.shape != x.shape:
-                    raise ValueError(f"linear: {name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
-                tensors[name] = (t, x.dtype)
-        if norm_weight.shape != (x.shape[1],):
-            raise ValueError(f"linear: the norm's weight must be [{x.shape[1]}], got {tuple(norm_weight.shape)}")
-        check_tensors("linear", x.device, None, **tensors)
-        if sum_out is not None and any(sum_out.data_ptr() == t.data_ptr() for t in (x, add) if t is not None):
-            raise ValueError("linear: residual_out must not be x or the added tensor (other blocks still read them)")
-        norm_ptrs = dict(
-            norm_weight=norm_weight.data_ptr(), add=0 if add is None else add.data_ptr(),
-            sum_out=0 if sum_out is None else sum_out.data_ptr(), eps=eps,
-        )  # fmt: skip
     scale = w.scale if w.is_fp8 else None
     bias = w.bias
     if scale is not None:
@@ -211,7 +180,7 @@ def _gemv(
     native().gemv(
         out.data_ptr(), x.data_ptr(), w.weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
         0 if bias is None else bias.data_ptr(), x.shape[0], w.out_features, w.in_features,
-        dtype_code(x.dtype), w.is_fp8, silu_gate_up, stream_of(x), **norm_ptrs,
+        dtype_code(x.dtype), w.is_fp8, silu_gate_up, stream_of(x),
     )  # fmt: skip
     return out
 
@@ -318,58 +287,6 @@ def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = Fals
     if gemv_only:
         raise ValueError(f"linear_silu_and_mul: the GEMV does not apply to x {tuple(x.shape)} {x.dtype} on {x.device}")
     return silu_and_mul(linear(x, w))
-
-
-def _norm_gemv_applies(x: torch.Tensor, w: LinearWeight, norm_weight: torch.Tensor, gemv_only: bool) -> bool:
-    fits = _gemv_fits(x, w, GEMV_NORM_MAX_TOKENS) if gemv_only else gemv_kernel_applies(x, w)
-    fits = fits and x.shape[0] <= GEMV_NORM_MAX_TOKENS and norm_weight.dtype == x.dtype and x.is_contiguous()
-    if gemv_only and not fits:
-        raise ValueError(f"rms_norm_linear: the GEMV does not apply to x {tuple(x.shape)} {x.dtype} on {x.device}")
-    return fits
-
-
-def _project(x: torch.Tensor, w: LinearWeight, silu_gate_up: bool) -> torch.Tensor:
-    return linear_silu_and_mul(x, w) if silu_gate_up else linear(x, w)
-
-
-def rms_norm_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: LinearWeight, silu_gate_up: bool = False,
-    gemv_only: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """linear(rms_norm(x, norm_weight, eps), w), or linear_silu_and_mul of it with silu_gate_up. Where the GEMV runs
-    (and x has at most GEMV_NORM_MAX_TOKENS rows) one kernel does both: x's sums of squares are taken on the way
-    through x and the dot products of x * norm_weight scaled by the inverse RMS, so the normalized rows are never
-    rounded (within the GEMV's tolerance of the two ops, not their bits). x is left as it is. gemv_only: that kernel
-    or ValueError (tests, benchmarks)."""
-    if _norm_gemv_applies(x, w, norm_weight, gemv_only):
-        out = torch.empty(x.shape[0], w.out_features // (2 if silu_gate_up else 1), dtype=x.dtype, device=x.device)
-        return _gemv(x, w, out, silu_gate_up, norm=(norm_weight, eps, None, None))
-    return _project(rms_norm(x, norm_weight, eps), w, silu_gate_up)
-
-
-def add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: LinearWeight,
-    residual_out: torch.Tensor | None = None, silu_gate_up: bool = False, gemv_only: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The residual step of a Qwen3 layer with the projection after it: the new residual residual + x (rounded to
-    the dtype, as fused_add_rms_norm rounds it) and linear(rms_norm(new residual)) (linear_silu_and_mul with
-    silu_gate_up). Returns (projection, the tensor that holds the new residual):
-
-    - where the GEMV runs (at most GEMV_NORM_MAX_TOKENS rows): one kernel, which reads x and residual unchanged and
-      writes the new residual to residual_out (a third buffer; when None, nowhere, and None is returned for it: the
-      final norm needs none);
-    - elsewhere: fused_add_rms_norm in place, then the projection: the new residual is `residual` itself, and x holds
-      the normalized rows.
-
-    So callers keep using the tensor returned and treat x as consumed. gemv_only as in rms_norm_linear."""
-    if x.shape != residual.shape:
-        raise ValueError(f"add_rms_norm_linear: residual has shape {tuple(residual.shape)}, expected {tuple(x.shape)}")
-    if _norm_gemv_applies(residual, w, norm_weight, gemv_only) and x.is_contiguous():
-        out = torch.empty(x.shape[0], w.out_features // (2 if silu_gate_up else 1), dtype=x.dtype, device=x.device)
-        _gemv(residual, w, out, silu_gate_up, norm=(norm_weight, eps, x, residual_out))
-        return out, residual_out
-    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return _project(normed, w, silu_gate_up), residual
 
 
 def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:
