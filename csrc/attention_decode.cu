@@ -190,30 +190,32 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, end, p.page_shift,
                           p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid, skip);
     };
-    // Prologue: tiles 0 .. kStages - 2, then (after the wait) the newest token's row if it lies in them, and Q; all
-    // in one commit group, followed by empty groups so that the loop's wait counts hold.
+    // Prologue: tiles 0 .. kStages - 2, one commit group each; then, after the wait, with plain loads and stores
+    // (published by the loop's first __syncthreads), the newest token's row if it lies in them, and Q.
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
       if (t < n_tiles) load_tile(t, newest);
+      cp_async_commit();
     }
     wait_once();
     if (newest >= start && newest < end && newest - start < (kStages - 1) * kTile) {
       const int t = (newest - start) / kTile;
       C* dk = sKV + (t % kStages) * S::kStageElems;
-      load_kv_row(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, newest, end, p.page_shift,
+      copy_kv_row(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, newest, end, p.page_shift,
                   p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
     }
     if constexpr (!S::kFp8) {
       // Q rows: G heads of 16 chunks; the rest of the 16-row tile zero.
       for (int c = tid; c < 16 * kChunks; c += kThreads) {
         const int row = c / kChunks, chunk = c % kChunks;
-        const bool valid = row < G;
-        const T* src = valid ? q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + row) * kD + chunk * 8 : q;
-        cp_async16(sQ + swz(row, chunk), src, valid);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (row < G) {
+          v = *reinterpret_cast<const uint4*>(q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + row) * kD +
+                                              chunk * 8);
+        }
+        *reinterpret_cast<uint4*>(sQ + swz(row, chunk)) = v;
       }
     }
-#pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) cp_async_commit();
 
     float o[16][4];
 #pragma unroll
