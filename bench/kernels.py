@@ -184,9 +184,7 @@ def bench_decode(batch: int, length: int, copy_gbs: float, iters: int, kv: str =
     ref_buffers = min(nbuf, 4)  # the reference gathers every page into fresh tensors: far slower, fewer calls
     variants = {
         "ours": lambda: [
-            paged_attention_decode(
-                qs[i], k_cache, v_cache, tables[i], lens, scale, outs[i], workspace, planned=True, settled=True
-            )  # settled: as in the engine, the plan and the cache were written long before
+            paged_attention_decode(qs[i], k_cache, v_cache, tables[i], lens, scale, outs[i], workspace, planned=True)
             for i in range(nbuf)
         ],
     }

@@ -36,11 +36,6 @@ struct PagedAttentionArgs {
 struct DecodeArgs : PagedAttentionArgs {
   uintptr_t split_offsets = 0, part_out = 0, part_lse = 0;
   int64_t workspace_rows = 0;
-  // The caller's promise that the plan, kv_lens, the page table and every cached token but each sequence's newest
-  // were written two or more kernels earlier on this stream (the engine plans once per step, before its layers):
-  // the kernel then reads them before waiting for the kernel right before it (programmatic launch), which only
-  // q and the newest tokens' K and V may come from.
-  bool settled = false;
 };
 
 // kv_fp8: whether the decode this plan is for reads an FP8 cache (its chunks are longer).

@@ -105,7 +105,6 @@ struct Params {
   float scale_log2;  // softmax scale * k_scale * log2(e)
   float v_scale;
   int min_chunk;     // as the plan was made with
-  bool settled;      // DecodeArgs::settled: the plan and the older tokens may be read before griddep_wait()
 };
 
 // The pipeline's shape for cache element type C. A stage holds 32 KB of K and V either way: 64 tokens of a 16-bit
@@ -154,17 +153,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   const C* v_cache = static_cast<const C*>(p.v_cache);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = p.group;
-  // q and the newest token's K and V come from the kernel right before (see common.cuh). When the inputs are settled
-  // (the plan, the page table and the older tokens were written two or more kernels back), the first work item's
-  // metadata and K/V tiles are read before waiting for it, so that they stream while that kernel finishes.
-  bool waited = false;
-  auto wait_once = [&] {
-    if (waited) return;
-    griddep_wait();
-    griddep_launch_dependents();  // the merge may start (it waits for this kernel's end)
-    waited = true;
-  };
-  if (!p.settled) wait_once();
+  griddep_wait();               // q and the new token's K and V come from the kernel before (see common.cuh)
+  griddep_launch_dependents();  // the merge may start (it waits for this kernel's end)
   const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
 
   for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
@@ -183,38 +173,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     const int n_tiles = (max(end - start, 0) + kTile - 1) / kTile;
     const int* pages = p.page_table + static_cast<int64_t>(b) * p.max_pages;
 
-    // Before the wait every token but the newest (len - 1) may be read; its row is loaded after the wait.
-    const int newest = waited ? -1 : len - 1;
-    auto load_tile = [&](int t, int skip) {
-      C* dk = sKV + (t % kStages) * S::kStageElems;
-      load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, end, p.page_shift,
-                          p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid, skip);
-    };
-    // Prologue: tiles 0 .. kStages - 2, one commit group each; then, after the wait, with plain loads and stores
-    // (published by the loop's first __syncthreads), the newest token's row if it lies in them, and Q.
-#pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) {
-      if (t < n_tiles) load_tile(t, newest);
-      cp_async_commit();
-    }
-    wait_once();
-    if (newest >= start && newest < end && newest - start < (kStages - 1) * kTile) {
-      const int t = (newest - start) / kTile;
-      C* dk = sKV + (t % kStages) * S::kStageElems;
-      copy_kv_row(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, newest, end, p.page_shift,
-                  p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
-    }
     if constexpr (!S::kFp8) {
       // Q rows: G heads of 16 chunks; the rest of the 16-row tile zero.
       for (int c = tid; c < 16 * kChunks; c += kThreads) {
         const int row = c / kChunks, chunk = c % kChunks;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (row < G) {
-          v = *reinterpret_cast<const uint4*>(q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + row) * kD +
-                                              chunk * 8);
-        }
-        *reinterpret_cast<uint4*>(sQ + swz(row, chunk)) = v;
+        const bool valid = row < G;
+        const T* src = valid ? q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + row) * kD + chunk * 8 : q;
+        cp_async16(sQ + swz(row, chunk), src, valid);
       }
+    }
+    auto load_tile = [&](int t) {
+      C* dk = sKV + (t % kStages) * S::kStageElems;
+      load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, end, p.page_shift,
+                          p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
+    };
+    // Prologue: Q with tile 0, then tiles 1 .. kStages - 2, one commit group each.
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) {
+      if (t < n_tiles) load_tile(t);
+      cp_async_commit();
     }
 
     float o[16][4];
@@ -233,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait<kStages - 2>();  // tile t (and Q) landed for this thread
       __syncthreads();               // ... for every thread; and every warp is done with tile t - 1's buffer
-      if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1, -1);
+      if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
       cp_async_commit();
       const C* tk = sKV + (t % kStages) * S::kStageElems + warp * S::kWarpKeys * kD;  // this warp's keys
       const C* tv = tk + kTile * kD;
@@ -404,7 +381,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     }
     __syncthreads();  // shared memory is reused by the next item
   }
-  wait_once();  // (a block with no item) before the kernels after this one may start
 }
 
 // out[b, h] = the chunks' outputs weighted by 2^(lse - max lse), normalized; single-chunk sequences were written
@@ -504,7 +480,7 @@ void paged_attention_decode(const DecodeArgs& a) {
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           g_min_chunk[fp8 ? 1 : 0], a.settled};
+           g_min_chunk[fp8 ? 1 : 0]};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

@@ -154,8 +154,7 @@ void export_contracts(py::module_& m) {
       .def_readwrite("split_offsets", &fq::DecodeArgs::split_offsets)
       .def_readwrite("part_out", &fq::DecodeArgs::part_out)
       .def_readwrite("part_lse", &fq::DecodeArgs::part_lse)
-      .def_readwrite("workspace_rows", &fq::DecodeArgs::workspace_rows)
-      .def_readwrite("settled", &fq::DecodeArgs::settled);
+      .def_readwrite("workspace_rows", &fq::DecodeArgs::workspace_rows);
   py::class_<fq::PrefillArgs, fq::PagedAttentionArgs>(m, "PrefillArgs", "Arguments of paged_attention_prefill.")
       .def(py::init<>())
       .def_readwrite("query_start", &fq::PrefillArgs::query_start)

@@ -38,68 +38,35 @@ inline int check_paged_attention(const std::string& op, const PagedAttentionArgs
   return shift;
 }
 
-// Where 16-byte chunk `chunk` of token pos of KV head kvh sits in the cache (an element offset); false when pos is at
-// or past `end` or its page id lies outside the table or the pool.
-template <typename C>
-__device__ __forceinline__ bool kv_chunk_offset(const int* pages, int pos, int chunk, int end, int page_shift,
-                                                int max_pages, int64_t num_pages, int num_kv_heads, int kvh,
-                                                int64_t& offset) {
-  const int page_index = pos >> page_shift;
-  int page = -1;
-  if (pos < end && page_index < max_pages) page = pages[page_index];
-  offset = 0;
-  if (page < 0 || page >= num_pages) return false;
-  const int64_t slot = (static_cast<int64_t>(page) << page_shift) + (pos & ((1 << page_shift) - 1));
-  offset = (slot * num_kv_heads + kvh) * mma::kD + chunk * (16 / sizeof(C));
-  return true;
-}
-
-// The position of chunk `chunk` of row `key` in a swizzled tile (row r's 16-byte chunk c sits at chunk c ^ (r % 8)).
-template <typename C>
-__device__ __forceinline__ int tile_chunk(int key, int chunk) {
-  return key * mma::kD + ((chunk ^ (key & 7)) * (16 / sizeof(C)));
-}
-
-// Keys [first, first + kKeys) of KV head kvh, K into dk and V into dv (swizzled tiles of kKeys rows of 128 elements),
-// by a 128-thread block with cp.async. Tokens at or past `end`, and page ids outside the table or the pool, are
-// zero-filled: masked by the caller anyway, and a zero V row keeps 0 * garbage from making NaN. The row of token
-// `skip` (if any) is left untouched, for copy_kv_row to fill later: the decode kernel reads a sequence's older tokens
-// before the kernel that writes its newest one has finished.
+// Keys [first, first + kKeys) of KV head kvh, K into dk and V into dv (swizzled tiles of kKeys rows of 128 elements:
+// row r's 16-byte chunk c sits at chunk c ^ (r % 8)), by a 128-thread block with cp.async. Tokens at or past `end`,
+// and page ids outside the table or the pool, are zero-filled: masked by the caller anyway, and a zero V row keeps
+// 0 * garbage from making NaN.
 template <int kKeys = kKVTile, typename C>
 __device__ __forceinline__ void load_kv_tile(C* dk, C* dv, const C* k_cache, const C* v_cache, const int* pages,
                                              int first, int end, int page_shift, int max_pages, int64_t num_pages,
-                                             int num_kv_heads, int kvh, int tid, int skip = -1) {
-  constexpr int kChunks = mma::kD / (16 / sizeof(C));
+                                             int num_kv_heads, int kvh, int tid) {
+  constexpr int kPerChunk = 16 / sizeof(C);  // elements per 16-byte chunk
+  constexpr int kChunks = mma::kD / kPerChunk;
   static_assert(kKeys * kChunks % kKVTileThreads == 0, "whole chunks per thread");
 #pragma unroll
   for (int i = 0; i < kKeys * kChunks / kKVTileThreads; ++i) {
     const int c = tid + i * kKVTileThreads;
     const int key = c / kChunks, chunk = c % kChunks;
-    if (first + key == skip) continue;
-    int64_t offset;
-    const bool valid = kv_chunk_offset<C>(pages, first + key, chunk, end, page_shift, max_pages, num_pages,
-                                          num_kv_heads, kvh, offset);
-    mma::cp_async16(dk + tile_chunk<C>(key, chunk), k_cache + offset, valid);
-    mma::cp_async16(dv + tile_chunk<C>(key, chunk), v_cache + offset, valid);
+    const int pos = first + key;
+    const int page_index = pos >> page_shift;
+    int page = -1;
+    if (pos < end && page_index < max_pages) page = pages[page_index];
+    const bool valid = page >= 0 && page < num_pages;
+    int64_t offset = 0;
+    if (valid) {
+      const int64_t slot = (static_cast<int64_t>(page) << page_shift) + (pos & ((1 << page_shift) - 1));
+      offset = (slot * num_kv_heads + kvh) * mma::kD + chunk * kPerChunk;
+    }
+    const int dst = key * mma::kD + ((chunk ^ (key & 7)) * kPerChunk);
+    mma::cp_async16(dk + dst, k_cache + offset, valid);
+    mma::cp_async16(dv + dst, v_cache + offset, valid);
   }
-}
-
-// The one row of token pos in the tile that starts at token `first` (first <= pos < first + kKeys), copied with
-// plain loads and stores by the block's first threads (no cp.async group; the caller's __syncthreads publishes it).
-template <typename C>
-__device__ __forceinline__ void copy_kv_row(C* dk, C* dv, const C* k_cache, const C* v_cache, const int* pages,
-                                            int first, int pos, int end, int page_shift, int max_pages,
-                                            int64_t num_pages, int num_kv_heads, int kvh, int tid) {
-  constexpr int kChunks = mma::kD / (16 / sizeof(C));
-  if (tid >= kChunks) return;
-  int64_t offset;
-  uint4 k = make_uint4(0, 0, 0, 0), v = k;
-  if (kv_chunk_offset<C>(pages, pos, tid, end, page_shift, max_pages, num_pages, num_kv_heads, kvh, offset)) {
-    k = *reinterpret_cast<const uint4*>(k_cache + offset);
-    v = *reinterpret_cast<const uint4*>(v_cache + offset);
-  }
-  *reinterpret_cast<uint4*>(dk + tile_chunk<C>(pos - first, tid)) = k;
-  *reinterpret_cast<uint4*>(dv + tile_chunk<C>(pos - first, tid)) = v;
 }
 
 }  // namespace fastqwen

@@ -37,7 +37,7 @@ pytestmark = [
 
 
 def decode_skipping_first_chunk(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace=None, planned=False,
-                                k_scale=1.0, v_scale=1.0, settled=False):
+                                k_scale=1.0, v_scale=1.0):
     """The reference decode op with the bug the tests must see: each sequence's first 1/32 of keys is left out."""
     lens = kv_lens.tolist()
     skip = torch.tensor([max(256, -(-n // 32)) if n > 256 else 0 for n in lens], device=kv_lens.device)

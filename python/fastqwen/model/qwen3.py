@@ -72,7 +72,6 @@ class Qwen3Model:
                 ops.paged_attention_decode(
                     q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn,
                     self.decode_workspace, planned=decode_kernel, k_scale=k_scale, v_scale=v_scale,
-                    settled=decode_kernel,  # planned before the layers; only the newest K/V comes from the kernel above
                 )  # fmt: skip
             else:
                 ops.paged_attention_prefill(

@@ -85,7 +85,6 @@ def paged_attention_decode(
     planned: bool = False,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    settled: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; sequence b attends to its kv_lens[b] cached tokens.
 
@@ -93,17 +92,12 @@ def paged_attention_decode(
     e4m3, whose values are e4m3 * k_scale and * v_scale) this is the kernel in csrc/attention_decode.cu; it needs a
     workspace (one is made when none is given) whose plan is made here unless planned=True says plan_decode already
     ran for these kv_lens this step. Otherwise the reference.
-
-    settled=True (with planned=True) is the caller's promise that the plan, kv_lens, page_table and every cached
-    token but each sequence's newest were written two or more kernels earlier on this stream, as in the engine's
-    layers: the kernel then streams them before waiting for the kernel right before it (programmatic dependent
-    launch), from which only q and the newest K and V may come.
     """
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return out
     if attention_kernel_applies(q.is_cuda, q.dtype, head_dim, k_cache.dtype):
-        _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned, k_scale, v_scale, settled)
+        _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned, k_scale, v_scale)
         return out
     out.copy_(paged_attention_decode_reference(q, k_cache, v_cache, page_table, kv_lens, scale, k_scale, v_scale))
     return out
@@ -146,7 +140,7 @@ def _check_paged(op: str, batch: int, q, out, k_cache, v_cache, page_table, kv_l
     )  # fmt: skip
 
 
-def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned, k_scale, v_scale, settled):
+def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned, k_scale, v_scale) -> None:
     batch, num_heads, head_dim = q.shape
     _check_paged("paged_attention_decode", batch, q, out, k_cache, v_cache, page_table, kv_lens)
     if workspace is None:
@@ -167,7 +161,6 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspa
     args.part_out = workspace.part_out.data_ptr()
     args.part_lse = workspace.part_lse.data_ptr()
     args.workspace_rows = workspace.part_lse.shape[0]
-    args.settled = planned and settled  # (a plan made just above is the kernel right before this one)
     m.paged_attention_decode(args)
 
 
