@@ -4,8 +4,8 @@
 # A, B, A, B so that drift between runs shows as spread rather than as a difference.
 #   bash bench/ab_latency.sh OUTDIR BASE_TREE [ROUNDS] [QUANTIZATIONS...]
 set -u -o pipefail
-OUT="$(mkdir -p "$1" && cd "$1" && pwd)"; BASE="$(cd "$2" && pwd)"; ROUNDS="${3:-2}"; shift 3 2>/dev/null || shift $#
-QUANTS="${*:-none fp8}"
+OUT="$(mkdir -p "$1" && cd "$1" && pwd)"; BASE="$(cd "$2" && pwd)"; ROUNDS="${3:-2}"; QUANTS="${*:4}"
+QUANTS="${QUANTS:-none fp8}"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 . bench/device_out.sh

@@ -168,16 +168,20 @@ def check_prefill(q, k_cache, v_cache, starts, table, lens, max_query_len=None):
     assert_within_scale(out, want, 8 * unit_roundoff(q.dtype), "prefill")
 
 
+def prefill_lengths(rng: random.Random, page_size: int) -> tuple[list[int], list[int]]:
+    """(q_lens, kv_lens) of a prefill case: whole prompts, 1-token sequences (decode rows of a mixed batch), extends
+    whose cached prefix ends mid-page (the query block straddles it), lengths around the 128-row tile and the 64-key
+    tile."""
+    q_lens = [1, 1, 7, 33, 64, 65, 200, rng.randint(1, 300)]
+    prefixes = [0, rng.randint(1, 500), 0, page_size + 3, 0, 37, rng.randint(1, 700), 0]
+    return q_lens, [a + b for a, b in zip(q_lens, prefixes)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
 @pytest.mark.parametrize("page_size", [1, 16, 128])
 def test_prefill_matches_reference(dtype, group, page_size):
-    rng = random.Random(group * 1000 + page_size)
-    # Whole prompts, 1-token sequences (decode rows of a mixed batch), extends whose cached prefix ends mid-page
-    # (the query block straddles it), lengths around the 128-row tile and the 64-key tile.
-    q_lens = [1, 1, 7, 33, 64, 65, 200, rng.randint(1, 300)]
-    prefixes = [0, rng.randint(1, 500), 0, page_size + 3, 0, 37, rng.randint(1, 700), 0]
-    kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
+    q_lens, kv_lens = prefill_lengths(random.Random(group * 1000 + page_size), page_size)
     check_prefill(*make_prefill_case(2, group, page_size, q_lens, kv_lens, dtype, seed=group + page_size))
 
 

@@ -29,7 +29,7 @@ from fastqwen.ops.attention import paged_attention_decode_reference, paged_atten
 from fastqwen.ops.kv_fp8 import FP8_KV_DTYPE, quantize_kv
 
 from checkpoints import engine_logits, make_checkpoint, record_result, teacher_forced_match
-from test_attention_gpu import assert_within_scale, make_case, unit_roundoff
+from test_attention_gpu import assert_within_scale, make_case, prefill_lengths, unit_roundoff
 
 FP8_ATTENTION_TOLERANCE = 2.0**-2
 FP8_ATTENTION_OUTLIER = 2.0**-1
@@ -160,10 +160,7 @@ def test_decode_fp8_is_batch_invariant():
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_prefill_fp8(dtype, group, page_size):
-    rng = random.Random(group * 100 + page_size)
-    q_lens = [1, 1, 7, 33, 64, 65, 200, rng.randint(1, 300)]
-    prefixes = [0, rng.randint(1, 500), 0, page_size + 3, 0, 37, rng.randint(1, 700), 0]
-    kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
+    q_lens, kv_lens = prefill_lengths(random.Random(group * 100 + page_size), page_size)
     k_scale, v_scale = (0.25, 1.5) if page_size == 64 else (1.0, 1.0)
     _, k, v, table, lens, k8, v8 = _decode_case(dtype, group, page_size, kv_lens, group + page_size, k_scale, v_scale)
     gen = torch.Generator(device="cuda").manual_seed(group)
