@@ -1,6 +1,7 @@
 """GPU benchmark of the projections at decode batch sizes: the GEMV kernel (bf16 and FP8 weight-only) against cuBLAS
 bf16 (F.linear) and the FP8 large-batch path (scaled_mm with per-token scales, or dequantize + GEMM), on Qwen3
-projection shapes, batch 1..16.
+projection shapes, batch 1..16. From 2 to 8 tokens the GEMV runs on the tensor cores (csrc/gemv_tc.cu); there
+gemv_simt_* is its FMA kernel (csrc/gemv.cu) at the same sizes.
 
 Bytes per call: the weight (FP8: values and block scales), x and out. Weights rotate among enough buffers that they
 exceed twice the L2, so the weights come from HBM. Each sample is one CUDA-graph replay of a pass over the buffers
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fastqwen.config import ModelConfig
-from fastqwen.ops._native import has_cuda_kernels
+from fastqwen.ops._native import has_cuda_kernels, native
 from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, gemv, linear_silu_and_mul, quantize_fp8, _fp8_gemm
 
 from common import copy_bandwidth, graph_of, report, time_fn
@@ -65,13 +66,21 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
         if gate_up:
             variants["gemv_silu_bf16"] = (bf16, lambda w, o: linear_silu_and_mul(x, w, gemv_only=True))
             variants["gemv_silu_fp8"] = (fp8, lambda w, o: linear_silu_and_mul(x, w, gemv_only=True))
+        if native().gemv_uses_tensor_cores(m, cols, False):  # the GEMV's FMA kernel where the tensor-core one runs
+            for name in [v for v in variants if v.startswith("gemv_")]:
+                variants[name.replace("gemv_", "gemv_simt_")] = variants[name]
         row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
         for name, (weights, call) in variants.items():
             def one_pass(weights=weights, call=call):
                 for w, o in zip(weights, outs):
                     call(w, o)
 
-            ms = time_fn(graph_of(one_pass).replay, iters) / nbuf
+            before = native().set_gemv_tensor_cores("_simt_" not in name)  # read when the graph is captured
+            try:
+                graph = graph_of(one_pass)
+            finally:
+                native().set_gemv_tensor_cores(before)
+            ms = time_fn(graph.replay, iters) / nbuf
             moved = weight_bytes(weights[0]) + 2 * m * ((rows // 2 if "silu" in name else rows) + cols)
             row[f"{name}_us"] = round(ms * 1e3, 2)
             row[f"{name}_frac_copy"] = round(moved / (ms * 1e-3) / 1e9 / copy_gbs, 3)

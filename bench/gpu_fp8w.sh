@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
 # throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
-#   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl]
+#   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl] [rates] [sass] [latency_ab] [small_batch]
+# (rates: bench/dequant_rates.cu, the inner loops' arithmetic ceilings; sass: the GEMV kernels' disassembly;
+# latency_ab: batch-1 latency with the GEMV's tensor-core kernel on and off; small_batch: decode throughput at 2 to 8
+# in flight, tensor-core GEMV on and off)
 # (FP8W_MORE_TESTS: more test files; FP8W_GEMV_BATCHES: token counts of the GEMV benchmark; FP8W_THROUGHPUT: the
 # quantizations to run; FP8W_PROMPTS: requests per run)
 set -u -o pipefail
@@ -20,7 +23,25 @@ for stage in "$@"; do
     tests)
       FASTQWEN_RESULTS_DIR="$OUT" run tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gemv_gpu.py \
         ${FP8W_MORE_TESTS:-} ;;
-    gemv) run bench_gemv 150 python3 bench/bench_gemv.py --batches ${FP8W_GEMV_BATCHES:-1 2 4 8 16} --iters 20 --json "$OUT/bench_gemv.json" ;;
+    gemv) run bench_gemv 240 python3 bench/bench_gemv.py --batches ${FP8W_GEMV_BATCHES:-1 2 4 8 16} --iters 20 \
+            --json "$OUT/bench_gemv.json" ;;
+    small_batch)  # decode at 2 to 8 in flight (all requests together: 128 in, 512 out), tensor-core GEMV on and off
+      for q in none fp8; do
+        for n in ${FP8W_SMALL_BATCHES:-2 4 8}; do
+          for tc in 1 0; do
+            FASTQWEN_GEMV_TENSOR_CORES=$tc run "small_batch_${q}_${n}_tc$tc" 120 python3 bench/throughput.py \
+              --model Qwen3-8B --load-format dummy --quantization "$q" --workload fixed --num-prompts "$n" \
+              --input-len 128 --output-len 512 --json "$OUT/small_batch_${q}_${n}_tc$tc.json"
+          done
+        done
+      done ;;
+    latency_ab)  # batch-1 latency (128-token prompt) with the GEMV's tensor-core kernel on (1) and off (0)
+      for q in none fp8; do
+        for tc in ${FP8W_AB_TENSOR_CORES:-1 0}; do
+          FASTQWEN_GEMV_TENSOR_CORES=$tc run "latency_8b_${q}_tc$tc" 150 python3 bench/latency.py --model Qwen3-8B \
+            --load-format dummy --quantization "$q" --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_8b_${q}_tc$tc.json"
+        done
+      done ;;
     latency)
       for q in none fp8; do
         run "latency_8b_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy --quantization "$q" \
@@ -54,6 +75,13 @@ for stage in "$@"; do
             --load-format dummy --quantization "$q" --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_8b_${q}_pdl$pdl.json"
         done
       done ;;
+    rates)
+      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/dequant_rates bench/dequant_rates.cu \
+        && run dequant_rates 60 /tmp/dequant_rates ;;
+    sass)
+      nvcc -std=c++20 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc -cubin \
+        -o /tmp/gemv.cubin csrc/gemv.cu && cuobjdump -sass /tmp/gemv.cubin > "$OUT/gemv.sass" 2>&1
+      echo "sass rc=$?" ;;
   esac
 done
 # The device returns at most 8 files from $OUT: everything goes back as one archive.

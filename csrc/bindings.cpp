@@ -97,6 +97,7 @@ void export_contracts(py::module_& m) {
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
   m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
   m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;
+  m.attr("GEMV_TENSOR_CORE_TOKENS") = py::make_tuple(fq::kGemvTcMinTokens, fq::kGemvTcMaxTokens);
   m.attr("SAMPLER_ROW_WORDS") = static_cast<int>(sizeof(fq::SamplerRow) / 4);
   m.attr("SAMPLER_ROW_FIELDS") = sampler_row_fields();
   m.attr("SAMPLER_MAX_TOP_N") = fq::kSamplerMaxTopN;
@@ -248,6 +249,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("silu_gate_up"), py::arg("stream"),
       "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
       "block scales (fp8); fp32 accumulation. silu_gate_up: W = [gate; up], out [m, n / 2] = silu(gate) * up.");
+  m.def("set_gemv_tensor_cores", &fastqwen::set_gemv_tensor_cores, py::arg("enabled"),
+        "Whether gemv sends the calls of 2 to 8 tokens it can to its tensor-core kernel (default on); returns the "
+        "previous setting. For tests and benchmarks.");
+  m.def("gemv_uses_tensor_cores", &fastqwen::gemv_uses_tensor_cores, py::arg("m"), py::arg("k"), py::arg("fp8"),
+        "Whether gemv runs m tokens of row length k on its tensor-core kernel (2 to 8 tokens, rows a multiple of 128 "
+        "bytes, FP8 x within its shared memory; and the kernel switched on).");
   m.def("set_programmatic_launch", &fastqwen::set_programmatic_launch, py::arg("enabled"),
         "Whether the decode step's kernels may start while the kernel before them finishes (programmatic dependent "
         "launch, sm_90+).");

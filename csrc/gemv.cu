@@ -29,6 +29,7 @@
 #include "cuda_check.h"
 #include "device_cache.h"
 #include "gemv.h"
+#include "gemv_tc.h"
 #include "launch.cuh"
 
 namespace fastqwen {
@@ -285,10 +286,23 @@ void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr
   launch_silu<T, FP8, MT, false>(out, x, w, scale, bias, m, n, k, stream);
 }
 
+// One token, dense weights: above this many waves of the 8-blocks-per-SM variant (the LM head: 36 on an H100), the
+// two-token variant (4 rows, no register cap) streams faster: Qwen3-8B's bf16 LM head at one token took 472 to 482 us
+// with the first and 393 to 395 us with the second (bench/results/2026-11-23-h100-gemv-tc, runs 2 and 3, and the
+// runs before). FP8 keeps the first (200 to 212 us).
+constexpr double kOneTokenMaxWaves = 16.0;
+
+template <typename T, bool FP8>
+bool one_token_grid_too_long(int n) {
+  return !FP8 && static_cast<double>((n + 3) / 4) / resident_blocks<T, FP8, 1, false, 4>() > kOneTokenMaxWaves;
+}
+
 template <typename T, bool FP8>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
             bool silu_gate_up, cudaStream_t stream) {
-  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 1 && !one_token_grid_too_long<T, FP8>(n)) {
+    return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  }
   if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
   if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
   if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
@@ -298,6 +312,20 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
 }  // namespace
 
 void set_programmatic_launch(bool enabled) { g_programmatic_launch = enabled; }
+
+namespace {
+bool g_gemv_tensor_cores = true;
+}  // namespace
+
+bool set_gemv_tensor_cores(bool enabled) {
+  const bool before = g_gemv_tensor_cores;
+  g_gemv_tensor_cores = enabled;
+  return before;
+}
+
+bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8) {
+  return g_gemv_tensor_cores && m >= kGemvTcMinTokens && gemv_tc_applies(m, k, fp8);
+}
 
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
           int dtype, bool fp8, bool silu_gate_up, uintptr_t stream) {
@@ -320,6 +348,9 @@ void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bi
   if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  if (gemv_uses_tensor_cores(m, k, fp8)) {
+    return gemv_tc(out, x, w, scale, bias, mi, ni, ki, dtype, fp8, silu_gate_up, s);
+  }
   FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
     if (fp8) {
       launch<T, true>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);

@@ -11,6 +11,12 @@ namespace fastqwen {
 constexpr int kGemvMaxTokens = 16;
 // FP8 weights carry one float32 scale per kGemvFp8Block x kGemvFp8Block block of the weight.
 constexpr int kGemvFp8Block = 128;
+// The token counts gemv() runs on its tensor-core kernel (gemv_tc.cu, where it takes the shape); the FMA kernel
+// (gemv.cu) the others. One token stays with the FMA kernel: on the H100 it was faster on Qwen3-8B's one-wave
+// projections (o_proj FP8 8.7 against 10.6 us, qkv bf16 18.5 against 20.8; bench/results/2026-11-23-h100-gemv-tc,
+// run 3). The tensor-core kernel's mma has 8 token columns.
+constexpr int kGemvTcMinTokens = 2;
+constexpr int kGemvTcMaxTokens = 8;
 
 // out[i, j] = sum_c x[i, c] * W[j, c] (+ bias[j]) for i < m <= kGemvMaxTokens, j < n, c < k, accumulated in fp32.
 // x: [m, k] and out: [m, n] of `dtype` (float16 or bfloat16); bias: [n] of dtype, or 0.
@@ -28,5 +34,13 @@ void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bi
 // while the kernel before it finishes (on by default; a process-wide switch, FASTQWEN_PDL=0 turns it off at import).
 // Defined with the GEMV; the switch itself lives in launch.cuh.
 void set_programmatic_launch(bool enabled);
+
+// Whether gemv() sends the calls it can (2 to 8 tokens, rows a multiple of 128 bytes: gemv_tc.h) to the tensor-core
+// kernel (gemv_tc.cu; on by default) rather than the kernel of gemv.cu; returns the setting before. For tests and
+// benchmarks that compare the two; a process-wide switch, FASTQWEN_GEMV_TENSOR_CORES=0 turns it off at import.
+bool set_gemv_tensor_cores(bool enabled);
+
+// Whether gemv() runs a call of m tokens and row length k (dense or fp8 weights) on the tensor-core kernel now.
+bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8);
 
 }  // namespace fastqwen

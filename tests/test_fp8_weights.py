@@ -182,7 +182,8 @@ def test_quantization_knob():
 
 
 def test_gemv_contract_matches_the_native_module():
-    """The token limit and block size Python uses are the ones csrc/gemv.h exports (every build exports them)."""
+    """The token limits and block size Python uses fit the ones csrc/gemv.h and gemv_tc.h export (every build exports
+    them)."""
     from fastqwen.ops import _native
     from fastqwen.ops.linear import DENSE_GEMV_MAX_TOKENS, FP8_BLOCK, FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS
 
@@ -191,3 +192,6 @@ def test_gemv_contract_matches_the_native_module():
         pytest.skip("fastqwen._C is not built")
     assert module.GEMV_MAX_TOKENS == GEMV_MAX_TOKENS and module.GEMV_FP8_BLOCK == FP8_BLOCK
     assert 1 <= DENSE_GEMV_MAX_TOKENS <= GEMV_MAX_TOKENS and 1 <= FP8_GEMV_MAX_TOKENS <= GEMV_MAX_TOKENS
+    # Above one token linear() takes the GEMV only on its tensor-core kernel (the FMA kernel loses to the GEMMs there).
+    low, high = module.GEMV_TENSOR_CORE_TOKENS
+    assert low == 2 and DENSE_GEMV_MAX_TOKENS <= high and FP8_GEMV_MAX_TOKENS <= high

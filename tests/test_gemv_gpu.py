@@ -4,6 +4,7 @@ the same weights dequantized to bf16, teacher-forced, under the margin rule of t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import random
 
@@ -14,8 +15,8 @@ from fastqwen import LLM
 from fastqwen.config import ModelConfig
 from fastqwen.ops import _native
 from fastqwen.ops.linear import (
-    FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS, LinearWeight, fp8_gemm_supported, gemv, gemv_kernel_applies, linear,
-    linear_silu_and_mul, quantize_fp8,
+    DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS, LinearWeight, fp8_gemm_supported, gemv,
+    gemv_kernel_applies, linear, linear_silu_and_mul, quantize_fp8,
 )
 
 from checkpoints import engine_logits, make_checkpoint, make_fp8_checkpoint, record_result, teacher_forced_match
@@ -39,17 +40,44 @@ def projection_shapes(preset: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
 
 
+# The tensor-core GEMV (csrc/gemv_tc.cu) takes 2 to 8 tokens (rows a multiple of 128 bytes; FP8: x fits its staging);
+# the FMA kernel of csrc/gemv.cu the rest, and the same calls when the tensor cores are switched off.
+TENSOR_CORE_TOKENS = range(2, 9)
+
+
+def tensor_core_applies(m: int, w: LinearWeight) -> bool:
+    """FP8 stages x as f16 in shared memory (at most 100 KB): 8 warps, each its ceil(k / 1024) blocks of 128 columns."""
+    k = w.in_features
+    staged = 8 * m * -(-k // 1024) * 128 * 2 if w.is_fp8 else 0
+    return m in TENSOR_CORE_TOKENS and (k % 128 == 0 if w.is_fp8 else k % 64 == 0) and staged <= 100 * 1024
+
+
+@contextlib.contextmanager
+def tensor_cores(enabled: bool):
+    before = _native.native().set_gemv_tensor_cores(enabled)
+    try:
+        yield
+    finally:
+        _native.native().set_gemv_tensor_cores(before)
+
+
 def check_all_batches(w: LinearWeight, dtype: torch.dtype, gen: torch.Generator, max_batch: int = GEMV_MAX_TOKENS):
+    """Every token count against the float32 reference; at the tensor-core kernel's counts, the FMA kernel too."""
     deq = w.dequantize(torch.float32)
     x_all = torch.randn(max_batch, w.in_features, device="cuda", generator=gen).to(dtype)
     for m in range(1, max_batch + 1):
         x = x_all[:m].contiguous()
-        got = gemv(x, w).float()
-        assert gemv_kernel_applies(x, w) == (m <= 1 or (w.is_fp8 and m <= FP8_GEMV_MAX_TOKENS))
+        limit = FP8_GEMV_MAX_TOKENS if w.is_fp8 else DENSE_GEMV_MAX_TOKENS
+        assert gemv_kernel_applies(x, w) == (m == 1 or (m <= limit and tensor_core_applies(m, w)))
+        assert _native.native().gemv_uses_tensor_cores(m, w.in_features, w.is_fp8) == tensor_core_applies(m, w)
         want = x.float() @ deq.t()
         if w.bias is not None:
             want += w.bias.float()
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-4 * want.abs().max().item(), msg=f"batch {m}")
+        for enabled in (True, False) if tensor_core_applies(m, w) else (True,):
+            with tensor_cores(enabled):
+                got = gemv(x, w).float()
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-4 * want.abs().max().item(),
+                                       msg=f"batch {m}, tensor cores {enabled}")
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -72,6 +100,41 @@ def test_gemv_lm_head_odd_rows_bias_and_fp16(fp8):
         b = torch.randn(rows, device="cuda", generator=gen).to(dtype) if bias else None
         w = LinearWeight(*quantize_fp8(dense), b) if fp8 else LinearWeight(dense.to(dtype), None, b)
         check_all_batches(w, dtype, gen, max_batch=4 if rows > 100000 else GEMV_MAX_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tensor_core_fp8_gemv_scales_each_token_into_f16_range(dtype):
+    """The FP8 tensor-core GEMV multiplies e4m3 weights (exact in f16) with x converted to f16 after scaling each
+    warp's share of a token by a power of two: exact for all but values 2^29 below the share's largest. Tokens
+    10^10 apart in size (bf16 also beyond f16's 65,504), e4m3 subnormal weights, rows that only tiny
+    values of x reach: each output against float64 within the bf16/fp16 rounding of the output (with fp32 sums),
+    where one shared f16 scale would overflow the first token or flush the second."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    rows, cols = 512, 4096
+    size = 1.0 if dtype == torch.bfloat16 else 1e-3  # (fp16 outputs stay below 65,504)
+    dense = torch.randn(rows, cols, device="cuda", generator=gen) * size
+    dense[:, :8] = 5e-5 * size  # e4m3 subnormals once each block's largest (above 3 * size) maps to 448
+    values, scales = quantize_fp8(dense)
+    assert (values[:, :8].float().abs() < 2**-6).all()  # subnormal e4m3: below the smallest normal, 2^-6
+    w = LinearWeight(values, scales)
+    big = 3e5 if dtype == torch.bfloat16 else 6e4
+    x = torch.randn(8, cols, device="cuda", generator=gen)
+    x[0] *= big / x[0].abs().max()
+    x[1] *= 1e-5 / x[1].abs().max()
+    x[2:] *= torch.logspace(-3, 3, 6, device="cuda").unsqueeze(1)  # more tokens, of every size between
+    x = x.to(dtype)
+    x[1, 8:] = 0  # token 1 sees only the subnormal weights of the first 8 columns ...
+    x[1, 8:16] = (1e-6 * torch.randn(8, device="cuda", generator=gen)).to(dtype)  # ... and a few normal ones
+    want = x.double() @ w.dequantize(torch.float64).t()
+    eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    floor = 0.0 if dtype == torch.bfloat16 else 2**-25  # half of fp16's subnormal step: tiny outputs round to it
+    for m in range(2, 9):  # (one token: the FMA kernel, which works in fp32 throughout)
+        got = gemv(x[:m].contiguous(), w).double()
+        assert torch.isfinite(got).all()
+        err = (got - want[:m]).abs()
+        # Per token: the output's own rounding, plus the fp32 sums' (relative 1e-6 of the sum of |products|).
+        bound = eps * want[:m].abs() + 1e-5 * (x[:m].double().abs() @ w.dequantize(torch.float64).abs().t()) + floor
+        assert (err <= bound).all(), (m, (err / bound).max().item())
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -107,8 +170,9 @@ def test_gemv_silu_epilogue_is_bitwise_silu_and_mul_of_the_gemv(fp8):
 def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path, quantization):
     """Under programmatic dependent launch every kernel of a decode step (RMSNorm, the GEMVs with and without the SiLU
     epilogue, q/k-norm + RoPE + KV write, decode attention and its merge) may start before the kernel before it ends,
-    and must wait for its inputs. Same checkpoint, CUDA-graph decode at batch 1 (the GEMV path) and at 5 (cuBLAS
-    beside the PDL kernels), with PDL off and then on: the same logits, bit for bit, at every step."""
+    and must wait for its inputs. Same checkpoint, CUDA-graph decode at batch 1 (the GEMV's FMA kernel) and at 5
+    (bf16: its tensor-core kernel; FP8: the block-scaled GEMM beside the PDL kernels), with PDL off and then on: the
+    same logits, bit for bit, at every step."""
     native = _native.native()
     folder = str(tmp_path)
     make_checkpoint(folder, tied=False, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=128,
@@ -139,11 +203,13 @@ def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path,
     assert got_together == want_together
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_programmatic_launch_waits_for_the_kernel_before(fp8):
+def test_programmatic_launch_waits_for_the_kernel_before(fp8, tokens):
     """With programmatic dependent launch the GEMV starts while the RMSNorm or SiLU-and-mul before it still runs and
     must not read x until that kernel is done: a chain norm -> GEMV -> SiLU-and-mul -> GEMV, eager and replayed in a
-    CUDA graph with fresh inputs each time, gives bitwise the results of the same chain launched without it."""
+    CUDA graph with fresh inputs each time, gives bitwise the results of the same chain launched without it. One
+    token runs the FMA kernel, four the tensor-core kernel."""
     from fastqwen import ops
 
     native = _native.native()
@@ -154,12 +220,12 @@ def test_programmatic_launch_waits_for_the_kernel_before(fp8):
     if fp8:
         up, down = LinearWeight(*quantize_fp8(up.weight)), LinearWeight(*quantize_fp8(down.weight))
     norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
-    inputs = torch.randn(20, 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    x_in = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+    inputs = torch.randn(20, tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    x_in = torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     normed = torch.empty_like(x_in)
-    act = torch.empty(1, inter, device="cuda", dtype=torch.bfloat16)
-    gate_up = torch.empty(1, 2 * inter, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(tokens, inter, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.empty(tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16)
 
     def chain():
         ops.rms_norm(x_in, norm_w, 1e-6, out=normed)

@@ -37,6 +37,12 @@ def programmatic_launch() -> bool:
     return _flag("FASTQWEN_PDL", True)
 
 
+def gemv_tensor_cores() -> bool:
+    """FASTQWEN_GEMV_TENSOR_CORES=0: projections of 2 to 8 tokens run the GEMV's FMA kernel instead of its
+    tensor-core kernel (for comparison)."""
+    return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
+
+
 def api_key() -> str | None:
     """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("FASTQWEN_API_KEY") or None

@@ -37,6 +37,7 @@ def native() -> ModuleType | None:
                     _module = _C
                     if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
                         _C.set_programmatic_launch(env.programmatic_launch())
+                        _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
                     _module = None
                     _import_error = e

@@ -4,9 +4,10 @@ A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values w
 128x128 blocks (Qwen's official FP8 layout: `weight_scale_inv[row // 128, col // 128]` multiplies the block), so that
 `W ~= weight.float() * scale` blockwise. Dispatch, for y = x @ W^T (+ bias):
 
-- few tokens (DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS: decode) on the GPU: the hand-written GEMV kernel
-  (csrc/gemv.cu), which streams each weight byte once and, for FP8, dequantizes in registers (bf16 activations, fp32
-  accumulation);
+- few tokens (DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS: decode) on the GPU: the hand-written GEMV kernels, which
+  stream each weight byte once: one token with FMAs (csrc/gemv.cu: FP8 dequantized in registers, bf16 activations,
+  fp32 accumulation), 2 to 8 on the tensor cores (csrc/gemv_tc.cu: fp32 accumulation; FP8 weights meet x in f16,
+  each warp's share of a token scaled by a power of two into f16's range);
 - more tokens, dense: cuBLAS through torch;
 - more tokens, FP8: an FP8 tensor-core GEMM through `torch.nn.functional.scaled_mm` with per-token activation scales
   on 1x128 groups and the weight's 128x128 block scales, where this torch and GPU support that scaling (probed once);
@@ -51,14 +52,15 @@ log = logging.getLogger(__name__)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 FP8_BLOCK = 128  # scale granularity: one float32 scale per 128x128 block of the weight
-# Largest number of tokens (rows of x) that takes the GEMV kernel; cuBLAS (or the FP8 GEMM) above. Chosen from
-# bench/bench_gemv.py on the H100 (bench/results/2026-11-23-h100-fp8w/run3/bench_gemv.json, Qwen3-8B shapes): dense,
-# the kernel beats cuBLAS at one token (by 10% over a layer's four projections) and ties at two; FP8, it beats the
-# block-scaled GEMM (with the fused activation quantizer) at one and two tokens and loses by 5% at four. The kernel
-# itself takes up to GEMV_MAX_TOKENS (csrc/gemv.h).
+# Largest number of tokens (rows of x) that takes the GEMV kernel; cuBLAS (or the FP8 GEMM) above. One token runs
+# the FMA kernel (csrc/gemv.cu), 2 to 8 its tensor-core kernel (csrc/gemv_tc.cu), whose cost hardly grows with the
+# tokens. Chosen from bench/bench_gemv.py on the H100 (bench/results/2026-11-23-h100-gemv-tc/run4, Qwen3-8B shapes):
+# dense, the GEMV beats cuBLAS at 1, 2, 4 and 8 tokens on every projection and the LM head (at 8: qkv 19.9 against
+# 21.6 us, gate_up 72.0 against 75.9, down 39.6 against 42.2); FP8, it beats the block-scaled GEMM (with the fused
+# activation quantizer) at 1 and 2 tokens, by 3% over a layer's four projections at 4, and loses by 40% at 8.
 GEMV_MAX_TOKENS = 16
-DENSE_GEMV_MAX_TOKENS = 1
-FP8_GEMV_MAX_TOKENS = 2
+DENSE_GEMV_MAX_TOKENS = 8
+FP8_GEMV_MAX_TOKENS = 4
 
 
 @dataclass
@@ -151,8 +153,11 @@ def _gemv_fits(x: torch.Tensor, w: LinearWeight, max_tokens: int) -> bool:
 
 def gemv_kernel_applies(x: torch.Tensor, w: LinearWeight) -> bool:
     """Whether linear(x, w) runs the GEMV kernel: a CUDA tensor of bf16/fp16 with at most DENSE_GEMV_MAX_TOKENS rows
-    (FP8_GEMV_MAX_TOKENS for an FP8 weight), a weight whose row length suits 16-byte loads, the kernels built."""
-    return _gemv_fits(x, w, FP8_GEMV_MAX_TOKENS if w.is_fp8 else DENSE_GEMV_MAX_TOKENS)
+    (FP8_GEMV_MAX_TOKENS for an FP8 weight), a weight whose row length suits 16-byte loads, the kernels built; above
+    one token, only where its tensor-core kernel takes the call (the FMA kernel then loses to the GEMMs)."""
+    if not _gemv_fits(x, w, FP8_GEMV_MAX_TOKENS if w.is_fp8 else DENSE_GEMV_MAX_TOKENS):
+        return False
+    return x.shape[0] == 1 or native().gemv_uses_tensor_cores(x.shape[0], w.in_features, w.is_fp8)
 
 
 def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,338 @@
+// The GEMV of 2 to 8 tokens on the tensor cores (gemv.cu sends it the calls it takes): out = x @ W^T for dense
+// bf16/fp16 weights and for FP8 e4m3 weights with 128x128 block scales.
+//
+// Why tensor cores for a GEMV: decode is bound by reading the weights, but the arithmetic per weight byte of the
+// FP8 kernel in gemv.cu (e4m3 -> f16 -> f32, one FMA per weight) is slow enough that it does not hide under the
+// loads. On the H100, bench/dequant_rates.cu turns weight bytes from registers into dot products at 13.6 TB/s that
+// way, at 21.9 TB/s with the hardware e4m3x2 -> f16x2 conversion feeding mma.sync m16n8k16, and bf16 weights at
+// 22.7 TB/s with FMAs against 47.7 TB/s with the mma (bench/results/2026-11-23-h100-gemv-tc). The token dimension
+// of the mma (8 columns) carries up to 8 tokens at the cost of one, where gemv.cu's FMAs grow with each token.
+//
+// Layout. A block owns a tile of 16 weight rows (with SILU_GATE_UP: 8 gate rows and the same 8 up rows) and its
+// kWarps warps take turns along the row in steps of 128 bytes (unit u goes to warp u % kWarps), kDepth steps in
+// flight each. Lane (g, q) = (lane / 4, lane % 4) loads bytes [32q, 32q + 32) of the step from rows g and g + 8,
+// which are exactly the A fragments of the step's mmas up to an order of k that the x fragments (B, column g = token
+// g) follow: a dot product does not care in which order its k come. FP8: one step is 128 k, one scale block: eight
+// mmas into a fresh sum that is then multiplied by the rows' scales. Dense: one step is 64 k, four mmas.
+//
+// Numerics. Products are exact and sums fp32, in the tensor cores. Dense weights multiply x as it is. FP8 weights
+// are exact in f16, and so is x after each warp multiplies its share of a token by the power of two that puts the
+// share's largest magnitude in [2^15, 2^16) (bf16 has 8 significant bits, f16 11): only values more than 2^29 times
+// smaller than that largest one round (to f16 subnormals), by at most 2^-40 of it; the warp's sums are divided by
+// the same power of two. One rounding to the output type, as in gemv.cu.
+//
+// Programmatic dependent launch as in gemv.cu: the first kDepth steps of weights and scales load before
+// griddep_wait(); x is read and out written after it.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "common.cuh"
+#include "cuda_check.h"
+#include "device_cache.h"
+#include "gemv_tc.h"
+#include "launch.cuh"
+
+namespace fastqwen {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kDepth = 2;          // steps of weights in flight per warp
+constexpr int kStepBytes = 128;    // bytes of each row per step (FP8: one 128-wide scale block)
+constexpr int kMaxSmem = 100 * 1024;  // FP8: x as f16, tokens x row length x 2 bytes
+
+__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// The two e4m3 values in the low (hi: high) 16 bits of `bits` as f16x2, by the hardware conversion.
+__device__ __forceinline__ unsigned e4m3x2_lo(unsigned bits) {
+  unsigned out;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(out) : "r"(bits));
+  return out;
+}
+__device__ __forceinline__ unsigned e4m3x2_hi(unsigned bits) {
+  unsigned out;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(out) : "r"(bits));
+  return out;
+}
+
+// d += a (16 x 16, row) * b (16 x 8, col), fp32 accumulation; f16 or bf16 operands.
+template <typename In>
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+  if constexpr (std::is_same_v<In, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float2 to_float2(unsigned bits, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+__device__ __forceinline__ float2 to_float2(unsigned bits, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+// One step of weights: rows g and g + 8, 32 bytes each (lo0, lo1 of row g; hi0, hi1 of row g + 8), and with FP8 the
+// two rows' scales for the step's 128-wide block.
+struct Step {
+  uint4 lo0, lo1, hi0, hi1;
+  float scale_lo, scale_hi;
+};
+
+template <bool FP8>
+__device__ __forceinline__ void load_step(Step& st, const uint8_t* row_lo, const uint8_t* row_hi, int unit,
+                                          const float* scale_lo, const float* scale_hi) {
+  const int off = unit * kStepBytes;
+  st.lo0 = load_stream(row_lo + off);
+  st.lo1 = load_stream(row_lo + off + 16);
+  st.hi0 = load_stream(row_hi + off);
+  st.hi1 = load_stream(row_hi + off + 16);
+  if constexpr (FP8) {
+    st.scale_lo = __ldg(scale_lo + unit);
+    st.scale_hi = __ldg(scale_hi + unit);
+  }
+}
+
+// FP8: this warp's share of token t (its units) as f16 in shared memory, times the power of two that puts the share's
+// largest magnitude in [2^15, 2^16); returns 1 / that power. xs: [units][128] halves for the token.
+template <typename T>
+__device__ __forceinline__ float stage_x(const T* __restrict__ xt, __half* xs, int warp, int units, int lane) {
+  const int num = units * (kStepBytes / 8);  // 16-byte pieces (8 values) of the share
+  auto piece = [&](int p) {  // piece p: unit warp + (p / 16) * kWarps, values (p % 16) * 8 ..
+    return reinterpret_cast<const uint4*>(xt + (warp + (p >> 4) * kWarps) * kStepBytes) + (p & 15);
+  };
+  float big = 0.0f;
+  for (int p = lane; p < num; p += 32) {
+    const uint4 v = __ldg(piece(p));
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = to_float2(words[i], T{});
+      big = fmaxf(big, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, offset));
+  int e = 16;  // zero, inf: no scaling
+  if (big > 0.0f && big <= 3.0e38f) frexpf(big, &e);  // big in [2^(e-1), 2^e)
+  const int shift = min(16 - e, 126);  // (2^126 and its inverse are normal floats)
+  const float up = ldexpf(1.0f, shift);
+  for (int p = lane; p < num; p += 32) {
+    const uint4 v = __ldg(piece(p));
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    unsigned h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = to_float2(words[i], T{});
+      const __half2 c = __floats2half2_rn(f.x * up, f.y * up);
+      h[i] = *reinterpret_cast<const unsigned*>(&c);
+    }
+    reinterpret_cast<uint4*>(xs)[p] = make_uint4(h[0], h[1], h[2], h[3]);
+  }
+  return ldexpf(1.0f, -shift);
+}
+
+// Grid: one block per tile (16 rows, or 8 gate + 8 up rows). m: 1 to 8 tokens. Dynamic shared memory (FP8 only):
+// kWarps x m x units-per-warp x 128 halves.
+template <typename T, bool FP8, bool SILU_GATE_UP>
+__global__ void __launch_bounds__(kWarps * 32, 3)
+    gemv_tc_kernel(T* __restrict__ out, const T* __restrict__ x, const uint8_t* __restrict__ w,
+                   const float* __restrict__ scale, const T* __restrict__ bias, int m, int n, int k) {
+  // f16 operands for FP8 weights (the hardware conversion's output) and for fp16 models; bf16 for bf16 weights.
+  using In = std::conditional_t<FP8, __half, T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ float partial[kWarps][kGemvTcMaxTokens][16];
+  __shared__ float inv_up[kWarps][kGemvTcMaxTokens];  // FP8: 1 / each token's power of two (this warp's share)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int row_bytes = FP8 ? k : k * static_cast<int>(sizeof(T));
+  const int units = row_bytes / kStepBytes;
+  const int my_units = (units - warp + kWarps - 1) / kWarps;  // units warp, warp + kWarps, ...
+  const int per_warp = (units + kWarps - 1) / kWarps;
+
+  // Rows g and g + 8 of the tile; rows past the end re-read the last one (their sums are dropped).
+  int row_lo, row_hi;
+  if constexpr (SILU_GATE_UP) {
+    const int n_out = n / 2, j = min(blockIdx.x * 8 + g, n_out - 1);
+    row_lo = j;
+    row_hi = n_out + j;
+  } else {
+    row_lo = min(blockIdx.x * 16 + g, n - 1);
+    row_hi = min(blockIdx.x * 16 + 8 + g, n - 1);
+  }
+  const uint8_t* w_lo = w + static_cast<int64_t>(row_lo) * row_bytes + 32 * q + warp * kStepBytes;
+  const uint8_t* w_hi = w + static_cast<int64_t>(row_hi) * row_bytes + 32 * q + warp * kStepBytes;
+  const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
+  const float* s_lo = FP8 ? scale + (row_lo / kGemvFp8Block) * scale_cols + warp : nullptr;
+  const float* s_hi = FP8 ? scale + (row_hi / kGemvFp8Block) * scale_cols + warp : nullptr;
+
+  // Step s of this warp is unit warp + s * kWarps: offsets below are relative to the warp's first unit.
+  Step ring[kDepth];
+#pragma unroll
+  for (int d = 0; d < kDepth; ++d) {
+    if (d < my_units) load_step<FP8>(ring[d], w_lo, w_hi, d * kWarps, s_lo, s_hi);
+  }
+  griddep_wait();
+  griddep_launch_dependents();  // (after the wait: see common.cuh)
+
+  __half* xs = reinterpret_cast<__half*>(smem) + static_cast<int64_t>(warp) * m * per_warp * kStepBytes;
+  for (int t = lane; t < kGemvTcMaxTokens; t += 32) inv_up[warp][t] = 1.0f;
+  if constexpr (FP8) {
+    for (int t = 0; t < m; ++t) {
+      const float inv = stage_x<T>(x + static_cast<int64_t>(t) * k, xs + t * per_warp * kStepBytes, warp, my_units, lane);
+      if (lane == 0) inv_up[warp][t] = inv;
+    }
+  }
+  __syncwarp();
+
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows g, g + 8 x tokens 2q, 2q + 1
+  const bool has_token = g < m;
+  for (int s0 = 0; s0 < my_units; s0 += kDepth) {
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      const int s = s0 + d;
+      if (s >= my_units) break;
+      const Step& st = ring[d];
+      const unsigned lo[8] = {st.lo0.x, st.lo0.y, st.lo0.z, st.lo0.w, st.lo1.x, st.lo1.y, st.lo1.z, st.lo1.w};
+      const unsigned hi[8] = {st.hi0.x, st.hi0.y, st.hi0.z, st.hi0.w, st.hi1.x, st.hi1.y, st.hi1.z, st.hi1.w};
+      if constexpr (FP8) {
+        // x of token g at this step's k (32q .. 32q + 32): 16 f16 pairs from shared memory.
+        uint4 xv[4] = {};
+        if (has_token) {
+          const uint4* p = reinterpret_cast<const uint4*>(xs + (g * per_warp + s) * kStepBytes + 32 * q);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) xv[i] = p[i];
+        }
+        const unsigned xw[16] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w,
+                                 xv[2].x, xv[2].y, xv[2].z, xv[2].w, xv[3].x, xv[3].y, xv[3].z, xv[3].w};
+        float part[2][4] = {};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // word i: k = 32q + 4i .. + 4 of rows g, g + 8
+          mma16816<In>(part[i & 1], e4m3x2_lo(lo[i]), e4m3x2_lo(hi[i]), e4m3x2_hi(lo[i]), e4m3x2_hi(hi[i]), xw[2 * i],
+                       xw[2 * i + 1]);
+        }
+        acc[0] = fmaf(st.scale_lo, part[0][0] + part[1][0], acc[0]);
+        acc[1] = fmaf(st.scale_lo, part[0][1] + part[1][1], acc[1]);
+        acc[2] = fmaf(st.scale_hi, part[0][2] + part[1][2], acc[2]);
+        acc[3] = fmaf(st.scale_hi, part[0][3] + part[1][3], acc[3]);
+      } else {
+        // x of token g at this step's k (16q .. 16q + 16 elements): 8 pairs straight from global memory (L1).
+        uint4 xv[2] = {};
+        if (has_token) {
+          const uint4* p = reinterpret_cast<const uint4*>(
+              x + static_cast<int64_t>(g) * k + (warp + s * kWarps) * (kStepBytes / 2) + 16 * q);
+          xv[0] = __ldg(p);
+          xv[1] = __ldg(p + 1);
+        }
+        const unsigned xw[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
+        float part[2][4] = {};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // words 2j, 2j + 1: k = 16q + 4j .. + 4 of rows g, g + 8
+          mma16816<In>(part[j & 1], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1], xw[2 * j], xw[2 * j + 1]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] += part[0][i] + part[1][i];
+      }
+      if (s + kDepth < my_units) load_step<FP8>(ring[d], w_lo, w_hi, (s + kDepth) * kWarps, s_lo, s_hi);
+    }
+  }
+
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int t = 2 * q + c;
+    if (t < m) {
+      partial[warp][t][g] = acc[c] * inv_up[warp][t];
+      partial[warp][t][g + 8] = acc[2 + c] * inv_up[warp][t];
+    }
+  }
+  __syncthreads();
+  constexpr int kOut = SILU_GATE_UP ? 8 : 16;
+  const int n_out = SILU_GATE_UP ? n / 2 : n;
+  if (threadIdx.x < m * kOut) {
+    const int t = threadIdx.x / kOut, o = threadIdx.x % kOut, j = blockIdx.x * kOut + o;
+    if (j < n_out) {
+      auto total = [&](int r) {  // the warps' sums in a fixed order
+        float v = 0.0f;
+#pragma unroll
+        for (int wi = 0; wi < kWarps; ++wi) v += partial[wi][t][r];
+        return v;
+      };
+      if constexpr (SILU_GATE_UP) {
+        float gate = total(o), up = total(o + 8);
+        if (bias != nullptr) {
+          gate += Cvt<T>::to_f(bias[j]);
+          up += Cvt<T>::to_f(bias[n_out + j]);
+        }
+        out[static_cast<int64_t>(t) * n_out + j] = silu_mul(Cvt<T>::from_f(gate), Cvt<T>::from_f(up));
+      } else {
+        float v = total(o);
+        if (bias != nullptr) v += Cvt<T>::to_f(bias[j]);
+        out[static_cast<int64_t>(t) * n_out + j] = Cvt<T>::from_f(v);
+      }
+    }
+  }
+}
+
+int smem_bytes(bool fp8, int m, int k) {
+  if (!fp8) return 0;
+  const int units = k / kStepBytes, per_warp = (units + kWarps - 1) / kWarps;
+  return kWarps * m * per_warp * kStepBytes * static_cast<int>(sizeof(__half));
+}
+
+template <typename T, bool FP8, bool SILU>
+void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+            cudaStream_t stream) {
+  auto kernel = gemv_tc_kernel<T, FP8, SILU>;
+  if constexpr (FP8) {
+    static PerDevice<int> opted_in;  // shared memory above 48 KB, once per device
+    opted_in.get([&](int) {
+      cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem),
+                 "gemv_tc: cudaFuncSetAttribute");
+      return 1;
+    });
+  }
+  const int tiles = SILU ? (n / 2 + 7) / 8 : (n + 15) / 16;
+  launch_programmatic(kernel, dim3(static_cast<unsigned>(tiles)), dim3(kWarps * 32), smem_bytes(FP8, m, k), stream,
+                      "gemv_tc kernel launch", reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
+                      reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scale),
+                      reinterpret_cast<const T*>(bias), m, n, k);
+}
+
+}  // namespace
+
+bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
+  const int64_t row_bytes = fp8 ? k : k * 2;
+  return m >= 1 && m <= kGemvTcMaxTokens && row_bytes % kStepBytes == 0 &&
+         smem_bytes(fp8, static_cast<int>(m), static_cast<int>(k)) <= kMaxSmem;
+}
+
+void gemv_tc(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k, int dtype,
+             bool fp8, bool silu_gate_up, cudaStream_t stream) {
+  FASTQWEN_DISPATCH_DTYPE("gemv: ", dtype, kHalfTypes, T, {
+    if (fp8) {
+      if (silu_gate_up) return launch<T, true, true>(out, x, w, scale, bias, m, n, k, stream);
+      return launch<T, true, false>(out, x, w, scale, bias, m, n, k, stream);
+    }
+    if (silu_gate_up) return launch<T, false, true>(out, x, w, scale, bias, m, n, k, stream);
+    launch<T, false, false>(out, x, w, scale, bias, m, n, k, stream);
+  });
+}
+
+}  // namespace fastqwen
