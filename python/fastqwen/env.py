@@ -38,8 +38,8 @@ def programmatic_launch() -> bool:
 
 
 def gemv_tensor_cores() -> bool:
-    """FASTQWEN_GEMV_TENSOR_CORES=0: projections of 2 to 8 tokens run the GEMV's FMA kernel instead of its
-    tensor-core kernel (for comparison)."""
+    """FASTQWEN_GEMV_TENSOR_CORES=0: projections of 2 to 8 tokens skip the GEMV's tensor-core kernel: linear() then
+    runs cuBLAS or the FP8 GEMM there, as before that kernel (gemv() itself its FMA kernel); for comparison."""
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
