@@ -1,4 +1,5 @@
-// Small-batch GEMV (1 to 16 tokens): out = x @ W^T for dense bf16/fp16 weights and for FP8 weight-only.
+// Small-batch GEMV (1 to 16 tokens): out = x @ W^T for dense bf16/fp16 weights and for FP8 weight-only. The calls of
+// 2 to 8 tokens that the tensor-core kernel takes run there instead (gemv_tc.cu, gemv_uses_tensor_cores()).
 //
 // Decode is bound by reading the weights, so the kernel streams each weight byte once: a block of kWarps warps owns
 // kRows output rows, its warps split the row length (K) between them (split-K inside the block, so that layers with
@@ -286,23 +287,10 @@ void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr
   launch_silu<T, FP8, MT, false>(out, x, w, scale, bias, m, n, k, stream);
 }
 
-// One token, dense weights: above this many waves of the 8-blocks-per-SM variant (the LM head: 36 on an H100), the
-// two-token variant (4 rows, no register cap) streams faster: Qwen3-8B's bf16 LM head at one token took 472 to 482 us
-// with the first and 393 to 395 us with the second (bench/results/2026-11-23-h100-gemv-tc, runs 2 and 3, and the
-// runs before). FP8 keeps the first (200 to 212 us).
-constexpr double kOneTokenMaxWaves = 16.0;
-
-template <typename T, bool FP8>
-bool one_token_grid_too_long(int n) {
-  return !FP8 && static_cast<double>((n + 3) / 4) / resident_blocks<T, FP8, 1, false, 4>() > kOneTokenMaxWaves;
-}
-
 template <typename T, bool FP8>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
             bool silu_gate_up, cudaStream_t stream) {
-  if (m <= 1 && !one_token_grid_too_long<T, FP8>(n)) {
-    return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
-  }
+  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
   if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
   if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
   if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
