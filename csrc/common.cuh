@@ -89,6 +89,15 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
+// 16 bytes of a weight, not kept in L1 (streamed once; the activations are what L1 should hold).
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 inline bool aligned16(uintptr_t p) { return (p & 15u) == 0; }
 
 }  // namespace fastqwen

@@ -44,15 +44,6 @@ constexpr int unroll_for_rows() {
   return R == 4 ? 2 : 1;
 }
 
-// 16 bytes of the weight, not kept in L1 (read once; x is what L1 should hold).
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }

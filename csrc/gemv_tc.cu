@@ -35,6 +35,7 @@
 #include "device_cache.h"
 #include "gemv_tc.h"
 #include "launch.cuh"
+#include "mma.cuh"
 
 namespace fastqwen {
 namespace {
@@ -43,14 +44,6 @@ constexpr int kWarps = 8;
 constexpr int kDepth = 2;          // steps of weights in flight per warp
 constexpr int kStepBytes = 128;    // bytes of each row per step (FP8: one 128-wide scale block)
 constexpr int kMaxSmem = 100 * 1024;  // FP8: x as f16, tokens x row length x 2 bytes
-
-__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // The two e4m3 values in the low (hi: high) 16 bits of `bits` as f16x2, by the hardware conversion.
 __device__ __forceinline__ unsigned e4m3x2_lo(unsigned bits) {
@@ -64,23 +57,12 @@ __device__ __forceinline__ unsigned e4m3x2_hi(unsigned bits) {
   return out;
 }
 
-// d += a (16 x 16, row) * b (16 x 8, col), fp32 accumulation; f16 or bf16 operands.
+// d += a (16 x 16, row) * b (16 x 8, col), fp32 accumulation (mma.cuh); f16 or bf16 operands.
 template <typename In>
 __device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                          unsigned b1) {
-  if constexpr (std::is_same_v<In, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
+  const unsigned a[4] = {a0, a1, a2, a3};
+  mma::Mma<In>::run(d, a, b0, b1);
 }
 
 __device__ __forceinline__ float2 to_float2(unsigned bits, __nv_bfloat16) {
