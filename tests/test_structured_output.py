@@ -205,9 +205,12 @@ def test_requests_with_one_spec_spread_over_independent_compiles(folder, llm):
     spec = StructuredOutput("json_schema", json.dumps(SCHEMAS[0]))
     compiler = GrammarCompiler(os.path.join(folder, "tokenizer.json"), VOCAB, [EOS], lexer_groups=3)
     futures = [compiler.submit(spec) for _ in range(7)]
-    for f in futures:
+    # While a compile runs, a finished one may serve, so the first seven need not cycle, and waiting on the futures
+    # they got need not wait for all three compiles: wait on the spec's compiles themselves.
+    compiles = compiler._cache[spec.key][0]
+    assert len(compiles) == 3
+    for f in compiles:
         f.result()
-    # (while a compile runs, a finished one may serve: the first seven need not cycle)
     futures += [compiler.submit(spec) for _ in range(6)]  # every compile is done now: round robin over all three
     assert len({id(f) for f in futures}) == 3
     assert len({id(f) for f in futures[7:10]}) == 3 and futures[10:13] == futures[7:10]
