@@ -2,9 +2,11 @@
 # Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
 # throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
 #   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl] [rates] [sass] [latency_ab] [small_batch]
+#   [leave_out] [ncu]
 # (rates: bench/dequant_rates.cu, the inner loops' arithmetic ceilings; sass: the GEMV kernels' disassembly;
 # latency_ab: batch-1 latency with the GEMV's tensor-core kernel on and off; small_batch: decode throughput at 2 to 8
-# in flight, tensor-core GEMV on and off)
+# in flight, tensor-core GEMV on and off; leave_out: the batch-1 step with kinds of kernels left out; ncu: Nsight
+# Compute on the one-token GEMVs)
 # (FP8W_MORE_TESTS: more test files; FP8W_GEMV_BATCHES: token counts of the GEMV benchmark; FP8W_THROUGHPUT: the
 # quantizations to run; FP8W_PROMPTS: requests per run)
 set -u -o pipefail
@@ -78,6 +80,14 @@ for stage in "$@"; do
     rates)
       nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/dequant_rates bench/dequant_rates.cu \
         && run dequant_rates 60 /tmp/dequant_rates ;;
+    leave_out)  # batch-1 decode step with each kind of small kernel left out (bench/leave_out.py)
+      for q in none fp8; do
+        run "leave_out_$q" 240 python3 bench/leave_out.py --model Qwen3-8B --load-format dummy --quantization "$q" \
+          --prompt-lens 128 1024 --min-chunks ${FP8W_MIN_CHUNKS:-} --json "$OUT/leave_out_$q.json"
+      done ;;
+    ncu)  # Nsight Compute on the one-token GEMVs (clocks left alone, as METHOD.md asks)
+      run ncu_gemv 240 ncu --clock-control none -k regex:gemv --section SpeedOfLight --section WarpStateStats \
+        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis python3 bench/ncu_gemv.py --calls 2 ;;
     sass)
       nvcc -std=c++20 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc -cubin \
         -o /tmp/gemv.cubin csrc/gemv.cu && cuobjdump -sass /tmp/gemv.cubin > "$OUT/gemv.sass" 2>&1
