@@ -276,6 +276,8 @@ def test_gemv_refuses_bad_arguments():
         _native.native().gemv(16, 16, 16, 0, 0, 1, 64, 128, _native.dtype_code(torch.float32), False, False, 0)
     with pytest.raises(ValueError, match="n even"):
         _native.native().gemv(16, 16, 16, 0, 0, 1, 63, 128, _native.dtype_code(torch.bfloat16), False, True, 0)
+    with pytest.raises(ValueError, match="too large"):  # 2^31 16-byte chunks: beyond the kernel's 32-bit row offsets
+        _native.native().gemv(16, 16, 16, 0, 0, 1, 1 << 20, 1 << 14, _native.dtype_code(torch.bfloat16), False, False, 0)
     got = gemv(x, w)  # a strided x is made contiguous first
     torch.testing.assert_close(got.float(), x.float() @ w.weight.float().t(), rtol=RTOL, atol=1e-3)
     with pytest.raises(ValueError, match="does not apply"):
