@@ -2,7 +2,8 @@
 // batch-1 GEMV's inner loop, per way of doing it, as "weight GB/s" to hold against the HBM bandwidth (about 3 TB/s
 // copy on an H100). If a way's ceiling is near the memory rate, its arithmetic cannot hide under the loads.
 //
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/dequant_rates bench/dequant_rates.cu
+//   nvcc -std=c++20 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc \
+//     -o /tmp/dequant_rates bench/dequant_rates.cu
 //   /tmp/dequant_rates
 //
 // Every way processes 32 weight bytes per thread and iteration (two 16-byte chunks, as a lane holds two rows of a
@@ -19,6 +20,9 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "common.cuh"
+#include "mma.cuh"
+
 #define CK(x)                                                                              \
   do {                                                                                     \
     cudaError_t e = (x);                                                                   \
@@ -28,30 +32,13 @@
     }                                                                                      \
   } while (0)
 
-__device__ __forceinline__ unsigned cvt_e4m3x2_f16x2(unsigned bits16) {
-  unsigned out;
-  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(out) : "r"(bits16));
-  return out;
-}
-
 // Bytes 1 and 3 of w as bf16x2 (value * 2^-120): sign in place, the 7 magnitude bits moved down by 4.
 __device__ __forceinline__ unsigned fp8_hi_bf16x2(unsigned w) { return (w & 0x80008000u) | ((w >> 4) & 0x07f007f0u); }
 __device__ __forceinline__ unsigned fp8_lo_bf16x2(unsigned w) { return fp8_hi_bf16x2(w << 8); }
 
-__device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// The kernels' own building blocks: common.cuh's e4m3 conversion, mma.cuh's m16n8k16 with fp32 sums.
+using fastqwen::e4m3x2_lo;
+using fastqwen::mma::Mma;
 
 enum Way { kFmaFp8, kFmaBf16, kMmaFp8Cvt, kMmaFp8Bits, kMmaBf16, kWays };
 const char* kNames[] = {"fma_fp8", "fma_bf16", "mma_fp8_cvt", "mma_fp8_bits", "mma_bf16"};
@@ -74,7 +61,7 @@ __global__ void __launch_bounds__(128, 8) rate_kernel(float* sink, int iters) {
       for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const unsigned lo = cvt_e4m3x2_f16x2(w[4 * r + i]), hi = cvt_e4m3x2_f16x2(w[4 * r + i] >> 16);
+          const unsigned lo = e4m3x2_lo(w[4 * r + i]), hi = e4m3x2_lo(w[4 * r + i] >> 16);
           const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
           const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
           acc[r][0] = fmaf(a.x, xf[4 * i], acc[r][0]);
@@ -98,24 +85,24 @@ __global__ void __launch_bounds__(128, 8) rate_kernel(float* sink, int iters) {
       for (int j = 0; j < 4; ++j) {  // one m16n8k16 per word pair (row g: w[j], row g + 8: w[4 + j])
         unsigned a[4];
         if constexpr (W == kMmaFp8Cvt) {
-          a[0] = cvt_e4m3x2_f16x2(w[j]);
-          a[1] = cvt_e4m3x2_f16x2(w[4 + j]);
-          a[2] = cvt_e4m3x2_f16x2(w[j] >> 16);
-          a[3] = cvt_e4m3x2_f16x2(w[4 + j] >> 16);
-          mma_f16(acc[j], a, xb0, xb1);
+          a[0] = e4m3x2_lo(w[j]);
+          a[1] = e4m3x2_lo(w[4 + j]);
+          a[2] = e4m3x2_lo(w[j] >> 16);
+          a[3] = e4m3x2_lo(w[4 + j] >> 16);
+          Mma<__half>::run(acc[j], a, xb0, xb1);
         } else {
           a[0] = fp8_lo_bf16x2(w[j]);
           a[1] = fp8_lo_bf16x2(w[4 + j]);
           a[2] = fp8_hi_bf16x2(w[j]);
           a[3] = fp8_hi_bf16x2(w[4 + j]);
-          mma_bf16(acc[j], a, xb0, xb1);
+          Mma<__nv_bfloat16>::run(acc[j], a, xb0, xb1);
         }
       }
     } else {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const unsigned a[4] = {w[2 * j], w[4 + 2 * j], w[2 * j + 1], w[4 + 2 * j + 1]};
-        mma_bf16(acc[j], a, xb0, xb1);
+        Mma<__nv_bfloat16>::run(acc[j], a, xb0, xb1);
       }
     }
   }

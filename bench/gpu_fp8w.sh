@@ -78,7 +78,7 @@ for stage in "$@"; do
         done
       done ;;
     rates)
-      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/dequant_rates bench/dequant_rates.cu \
+      nvcc -std=c++20 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/dequant_rates bench/dequant_rates.cu \
         && run dequant_rates 60 /tmp/dequant_rates ;;
     leave_out)  # batch-1 decode step with each kind of small kernel left out (bench/leave_out.py)
       for q in none fp8; do

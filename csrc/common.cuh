@@ -1,5 +1,5 @@
 // Device helpers shared by the kernels: dtype conversion with the rounding
-// PyTorch uses, 16-byte packs, and warp/block sums.
+// PyTorch uses, packed pairs and e4m3 pairs to wider types, 16-byte packs, and warp/block sums.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -87,6 +87,29 @@ __device__ __forceinline__ float block_sum(float v) {
   v = lane < num_warps ? partial[lane] : 0.0f;
   v = warp_sum(v);
   return v;
+}
+
+// A packed pair of 16-bit values (the low one first) as floats.
+__device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+__device__ __forceinline__ float2 to_float2(uint32_t bits, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+// The two e4m3 values in the low (hi: high) 16 bits of `bits` as f16x2, by the hardware conversion (sm_89+; every
+// e4m3 value is exact in f16). Taking the high half directly spares the shift. (kv_fp8.cuh's fp8x2_to_half2 is the
+// low half through the CUDA intrinsic; the two compile differently, so each kernel keeps the form it was measured
+// with.)
+__device__ __forceinline__ uint32_t e4m3x2_lo(uint32_t bits) {
+  uint32_t out;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(out) : "r"(bits));
+  return out;
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi(uint32_t bits) {
+  uint32_t out;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(out) : "r"(bits));
+  return out;
 }
 
 // 16 bytes of a weight, not kept in L1 (streamed once; the activations are what L1 should hold).

@@ -18,7 +18,6 @@
 // the kernel before it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +30,7 @@
 #include "device_cache.h"
 #include "gemv.h"
 #include "gemv_tc.h"
+#include "kv_fp8.cuh"
 #include "launch.cuh"
 
 namespace fastqwen {
@@ -48,18 +48,8 @@ constexpr int unroll_for_rows() {
   return R == 4 && !FP8 ? 2 : 1;
 }
 
-__device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-}
-__device__ __forceinline__ float2 to_float2(uint32_t bits, __half) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-}
-
 // Two e4m3 values (the low 16 bits) to floats.
-__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t bits) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits & 0xffffu), __NV_E4M3);
-  return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t bits) { return to_float2(fp8x2_to_half2(bits), __half{}); }
 
 // 8 activations (one 16-byte load) as floats.
 template <typename T>

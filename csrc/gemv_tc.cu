@@ -45,31 +45,12 @@ constexpr int kDepth = 2;          // steps of weights in flight per warp
 constexpr int kStepBytes = 128;    // bytes of each row per step (FP8: one 128-wide scale block)
 constexpr int kMaxSmem = 100 * 1024;  // FP8: x as f16, tokens x row length x 2 bytes
 
-// The two e4m3 values in the low (hi: high) 16 bits of `bits` as f16x2, by the hardware conversion.
-__device__ __forceinline__ unsigned e4m3x2_lo(unsigned bits) {
-  unsigned out;
-  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(out) : "r"(bits));
-  return out;
-}
-__device__ __forceinline__ unsigned e4m3x2_hi(unsigned bits) {
-  unsigned out;
-  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(out) : "r"(bits));
-  return out;
-}
-
 // d += a (16 x 16, row) * b (16 x 8, col), fp32 accumulation (mma.cuh); f16 or bf16 operands.
 template <typename In>
 __device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                          unsigned b1) {
   const unsigned a[4] = {a0, a1, a2, a3};
   mma::Mma<In>::run(d, a, b0, b1);
-}
-
-__device__ __forceinline__ float2 to_float2(unsigned bits, __nv_bfloat16) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-}
-__device__ __forceinline__ float2 to_float2(unsigned bits, __half) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
 }
 
 // One step of weights: rows g and g + 8, 32 bytes each (lo0, lo1 of row g; hi0, hi1 of row g + 8), and with FP8 the
