@@ -2,11 +2,12 @@
 # Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
 # throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
 #   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl] [rates] [sass] [latency_ab] [small_batch]
-#   [leave_out] [ncu]
+#   [leave_out] [ncu] [serving]
 # (rates: bench/dequant_rates.cu, the inner loops' arithmetic ceilings; sass: the GEMV kernels' disassembly;
 # latency_ab: batch-1 latency with the GEMV's tensor-core kernel on and off; small_batch: decode throughput at 2 to 8
 # in flight, tensor-core GEMV on and off; leave_out: the batch-1 step with kinds of kernels left out; ncu: Nsight
-# Compute on the one-token GEMVs)
+# Compute on the one-token GEMVs; serving: 128/1,024 at 256 in flight offline and, with SGL_TOOLS naming SGLang's
+# benchmark package, through the server with its bench_serving)
 # (FP8W_MORE_TESTS: more test files; FP8W_GEMV_BATCHES: token counts of the GEMV benchmark; FP8W_THROUGHPUT: the
 # quantizations to run; FP8W_PROMPTS: requests per run)
 set -u -o pipefail
@@ -67,6 +68,26 @@ for stage in "$@"; do
         done
         run "latency_8b_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy --quantization "$q" \
           --num-pages 2048 --prompt-lens 128 1024 --new-tokens 64 --url http://127.0.0.1:8000 --json "$OUT/latency_8b_$q.json"
+        kill -TERM "$pid"; wait "$pid"
+      done ;;
+    serving)  # 128/1,024 at 256 in flight, bf16 and FP8: offline, then the server with SGLang's client (SGL_TOOLS)
+      python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy > /dev/null
+      for q in ${FP8W_THROUGHPUT:-none fp8}; do
+        run "throughput_8b_128x1024_$q" 200 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
+          --quantization "$q" --workload fixed --num-prompts ${FP8W_PROMPTS:-512} --input-len 128 --output-len 1024 \
+          --json "$OUT/throughput_8b_128x1024_$q.json"
+        [ -n "${SGL_TOOLS:-}" ] || { echo "SGL_TOOLS not set: no HTTP run"; continue; }
+        python3 -m fastqwen.serve --model /tmp/qwen3-8b-dummy --load-format dummy --quantization "$q" --port 8000 \
+          --max-model-len 8192 --max-queued-requests 4096 > "$OUT/server_serving_$q.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 240); do
+          python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code != 200)" 2>/dev/null && break
+          sleep 1
+        done
+        (cd "$SGL_TOOLS" && run "bench_serving_$q" 200 python3 -m sglang.benchmark.serving --host 127.0.0.1 --port 8000 \
+          --backend vllm --dataset-name random-ids --random-range-ratio 1 --random-input-len 128 --random-output-len 1024 \
+          --num-prompts ${FP8W_PROMPTS:-512} --max-concurrency 256 --tokenizer /tmp/qwen3-8b-dummy \
+          --model /tmp/qwen3-8b-dummy --output-file "$OUT/bench_serving_$q.jsonl")
         kill -TERM "$pid"; wait "$pid"
       done ;;
     suite) FASTQWEN_RESULTS_DIR="$OUT" run suite 400 python3 -m pytest -q -p no:cacheprovider tests ;;
