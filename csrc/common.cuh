@@ -121,9 +121,6 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
   return v;
 }
 
-// Bring the 128-byte line holding p into L2 (no register, nothing waits for it).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 inline bool aligned16(uintptr_t p) { return (p & 15u) == 0; }
 
 }  // namespace fastqwen

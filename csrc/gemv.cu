@@ -255,16 +255,6 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
       }
     }
     if (!waited) {
-      if constexpr (NORM) {  // the next round's chunks on their way into L2, so HBM keeps streaming through the norm
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int c = base + (kUnroll + u) * kStride;
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            if (c < num_chunks) prefetch_l2(rows0 + row_off[r] + c);
-          }
-        }
-      }
       griddep_wait();
       griddep_launch_dependents();  // (after the wait: see common.cuh)
       if constexpr (NORM) norm_into_shared(sx, sx + k, x, norm, k);
