@@ -2,13 +2,12 @@
 # Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
 # throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
 #   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl] [rates] [sass] [latency_ab] [small_batch]
-#   [leave_out] [ncu] [serving] [fused_norm_ab]
+#   [leave_out] [ncu] [serving]
 # (rates: bench/dequant_rates.cu, the inner loops' arithmetic ceilings; sass: the GEMV kernels' disassembly;
 # latency_ab: batch-1 latency with the GEMV's tensor-core kernel on and off; small_batch: decode throughput at 2 to 8
 # in flight, tensor-core GEMV on and off; leave_out: the batch-1 step with kinds of kernels left out; ncu: Nsight
 # Compute on the one-token GEMVs; serving: 128/1,024 at 256 in flight offline and, with SGL_TOOLS naming SGLang's
-# benchmark package, through the server with its bench_serving; fused_norm_ab: batch-1 latency with FASTQWEN_FUSED_NORM
-# 1 and 0)
+# benchmark package, through the server with its bench_serving)
 # (FP8W_MORE_TESTS: more test files; FP8W_GEMV_BATCHES: token counts of the GEMV benchmark; FP8W_THROUGHPUT: the
 # quantizations to run; FP8W_PROMPTS: requests per run)
 set -u -o pipefail
@@ -44,14 +43,6 @@ for stage in "$@"; do
         for tc in ${FP8W_AB_TENSOR_CORES:-1 0}; do
           FASTQWEN_GEMV_TENSOR_CORES=$tc run "latency_8b_${q}_tc$tc" 150 python3 bench/latency.py --model Qwen3-8B \
             --load-format dummy --quantization "$q" --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_8b_${q}_tc$tc.json"
-        done
-      done ;;
-    fused_norm_ab)  # batch-1 latency with the RMSNorms inside the GEMVs (1, the default) and as their own kernels (0)
-      for q in none fp8; do
-        for v in 1 0; do
-          FASTQWEN_FUSED_NORM=$v run "latency_8b_${q}_fused_norm$v" 150 python3 bench/latency.py --model Qwen3-8B \
-            --load-format dummy --quantization "$q" --prompt-lens 128 1024 --new-tokens 64 \
-            --json "$OUT/latency_8b_${q}_fused_norm$v.json"
         done
       done ;;
     latency)

@@ -12,11 +12,6 @@
 // a block takes kRows / 2 rows of each half and multiplies the two in its epilogue, rounded as silu_and_mul rounds,
 // so the MLP's activation needs neither its own kernel nor the 2d-wide intermediate.
 //
-// With NORM (one token: gemv_norm()), x is the residual branch's output and the kernel applies the RMSNorm before the
-// projection itself: each block adds x to the residual and normalizes the row into its shared memory (a row is a few
-// KB, read from L2 by every block) and block 0 writes the sum for the next layer. A decode step then has no norm
-// kernels: each cost about 2 us at batch 1 (its launch, its wait and a round trip through memory), twice a layer.
-//
 // On sm_90 the kernel is launched with programmatic dependent launch (launch.cuh): it may start while the kernel
 // before it is still running, and loads its first weight chunks, which nothing before it writes, before
 // griddep_wait(); x is read and out written only after. The start-up of each projection then hides under the end of
@@ -37,7 +32,6 @@
 #include "gemv_tc.h"
 #include "kv_fp8.cuh"
 #include "launch.cuh"
-#include "mma.cuh"
 
 namespace fastqwen {
 namespace {
@@ -57,15 +51,10 @@ constexpr int unroll_for_rows() {
 // Two e4m3 values (the low 16 bits) to floats.
 __device__ __forceinline__ float2 fp8x2_to_float2(uint32_t bits) { return to_float2(fp8x2_to_half2(bits), __half{}); }
 
-// 8 activations (one 16-byte load) as floats; SHARED: p is in shared memory.
-template <typename T, bool SHARED>
+// 8 activations (one 16-byte load) as floats.
+template <typename T>
 __device__ __forceinline__ void load_x8(const T* p, float (&out)[8]) {
-  uint4 v;
-  if constexpr (SHARED) {
-    v = *reinterpret_cast<const uint4*>(p);
-  } else {
-    v = __ldg(reinterpret_cast<const uint4*>(p));
-  }
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -81,9 +70,8 @@ constexpr int chunk_elems() {
   return FP8 ? 16 : 8;
 }
 
-// acc[i][r] += dot(x[i, chunk c], W[row r, chunk c]) for the chunk's weights w[r] (already loaded); X_SHARED: x is
-// in shared memory.
-template <typename T, bool FP8, int MT, int kRows, bool X_SHARED>
+// acc[i][r] += dot(x[i, chunk c], W[row r, chunk c]) for the chunk's weights w[r] (already loaded).
+template <typename T, bool FP8, int MT, int kRows>
 __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m, int k, int c, const uint4 (&w)[kRows],
                                                  const float (&scale)[kRows], float (&acc)[MT][kRows]) {
   constexpr int E = chunk_elems<FP8>();
@@ -117,7 +105,7 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
 #pragma unroll
     for (int h = 0; h < E / 8; ++h) {
       float xf[8];
-      load_x8<T, X_SHARED>(xi + 8 * h, xf);
+      load_x8(xi + 8 * h, xf);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
 #pragma unroll
@@ -129,80 +117,13 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
   }
 }
 
-// The RMSNorm in front of a one-token projection (NORM): h = x + residual (residual alone when x is null), rounded to
-// T; the projection's input is RMSNorm(h) * weight with csrc/norm.cu's roundings. Block 0 writes h to residual_out
-// (when not null), which must not be residual: the other blocks are still reading that.
-template <typename T>
-struct NormIn {
-  const T* residual;
-  T* residual_out;
-  const T* weight;
-  float eps;
-};
-
-// The normalized row of k elements into sx, by the whole block (after griddep_wait: x and the residual come from
-// the kernels before), through sbuf (k elements more). Every copy of a pass is in flight at once, and cp.async
-// needs no registers for them (the block's first weight chunks are held in registers meanwhile); L1 keeps the rows
-// for the other blocks on the SM.
-template <typename T>
-__device__ __forceinline__ void norm_into_shared(T* sx, T* sbuf, const T* x, const NormIn<T>& norm, int k) {
-  using P = Pack<T, 8>;
-  const int nvec = k / 8;
-  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-    mma::cp_async16_ca(sbuf + 8 * v, norm.residual + 8 * v);
-    if (x != nullptr) mma::cp_async16_ca(sx + 8 * v, x + 8 * v);
-  }
-  mma::cp_async_commit();
-  mma::cp_async_wait_all();  // (each thread reads back only the packs it copied)
-  const bool write_h = blockIdx.x == 0 && norm.residual_out != nullptr;
-  float sum_sq = 0.0f;
-  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-    P h = *reinterpret_cast<const P*>(sbuf + 8 * v);
-    if (x != nullptr) {
-      const P d = *reinterpret_cast<const P*>(sx + 8 * v);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) h.v[e] = Cvt<T>::from_f(Cvt<T>::to_f(d.v[e]) + Cvt<T>::to_f(h.v[e]));
-    }
-    *reinterpret_cast<P*>(sx + 8 * v) = h;
-    if (write_h) *reinterpret_cast<P*>(norm.residual_out + 8 * v) = h;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float f = Cvt<T>::to_f(h.v[e]);
-      sum_sq += f * f;
-    }
-  }
-  // The norm weight into the residual's place (this thread's packs, which it has read) while the sum is reduced.
-  for (int v = threadIdx.x; v < nvec; v += blockDim.x) mma::cp_async16_ca(sbuf + 8 * v, norm.weight + 8 * v);
-  mma::cp_async_commit();
-  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(k) + norm.eps);
-  mma::cp_async_wait_all();
-  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-    const P h = *reinterpret_cast<const P*>(sx + 8 * v);
-    const P w = *reinterpret_cast<const P*>(sbuf + 8 * v);
-    P o;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      o.v[e] = Cvt<T>::from_f(Cvt<T>::to_f(w.v[e]) * round_to<T>(Cvt<T>::to_f(h.v[e]) * inv_rms));
-    }
-    *reinterpret_cast<P*>(sx + 8 * v) = o;
-  }
-  __syncthreads();
-}
-
 // Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
 // at m). One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
-// NORM (one token): x is the residual branch's output (or null) and the input is normalized first (NormIn); the
-// block's dynamic shared memory holds 2k elements.
-template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows, bool NORM>
+template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows>
 __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
-                                                           const T* __restrict__ bias, int m, int n, int k,
-                                                           const NormIn<T> norm) {
-  static_assert(!NORM || MT == 1, "the norm is fused for one token");
-  extern __shared__ __align__(16) unsigned char gemv_smem[];
-  T* const sx = reinterpret_cast<T*>(gemv_smem);  // NORM: the projection's input row
-  const T* const xin = NORM ? sx : x;
+                                                           const T* __restrict__ bias, int m, int n, int k) {
   constexpr int E = chunk_elems<FP8>();
   constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;  // outputs per block
@@ -237,8 +158,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   // Chunk c = (step * kWarps + warp) * 32 + lane: the block's warps read one contiguous run of each row per step.
   constexpr int kStride = kWarps * 32;
   bool waited = false;  // for the kernel before (programmatic launch): only the weights may be read until then
-  // (NORM: every thread runs the first round, which holds the norm's barriers, chunks or not.)
-  for (int base = warp * 32 + lane; base < num_chunks || (NORM && !waited); base += kStride * kUnroll) {
+  for (int base = warp * 32 + lane; base < num_chunks; base += kStride * kUnroll) {
     uint4 wv[kUnroll][kRows];
     float sv[kUnroll][kRows];
 #pragma unroll
@@ -257,13 +177,12 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     if (!waited) {
       griddep_wait();
       griddep_launch_dependents();  // (after the wait: see common.cuh)
-      if constexpr (NORM) norm_into_shared(sx, sx + k, x, norm, k);
       waited = true;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = base + u * kStride;
-      if (c < num_chunks) accumulate_chunk<T, FP8, MT, kRows, NORM>(xin, m, k, c, wv[u], sv[u], acc);
+      if (c < num_chunks) accumulate_chunk<T, FP8, MT, kRows>(x, m, k, c, wv[u], sv[u], acc);
     }
   }
   if (!waited) {  // (a lane with no chunk) before out is written
@@ -304,22 +223,14 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   }
 }
 
-// Shared memory of a NORM block: the row and the buffer it passes through, at most kGemvNormMaxK elements each (so
-// that 8 blocks still fit an SM; without NORM the kernel has none).
-template <typename T, bool NORM>
-size_t smem_bytes(int k) {
-  return NORM ? 2 * static_cast<size_t>(k) * sizeof(T) : 0;
-}
-
-// Blocks of the kernel resident per SM, times the SMs (once per kernel and device; a NORM kernel with its largest row).
-template <typename T, bool FP8, int MT, bool SILU, int R, bool NORM>
+// Blocks of the kernel resident per SM, times the SMs (once per kernel and device).
+template <typename T, bool FP8, int MT, bool SILU, int R>
 int resident_blocks() {
   static PerDevice<int> slots;
   return slots.get([](int device) {
     int sms = 0, per_sm = 0;
     cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemv: cudaDeviceGetAttribute");
-    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, FP8, MT, SILU, R, NORM>,
-                                                             kWarps * 32, smem_bytes<T, NORM>(kGemvNormMaxK)),
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, FP8, MT, SILU, R>, kWarps * 32, 0),
                "gemv: occupancy");
     return std::max(1, sms * per_sm);
   });
@@ -328,7 +239,7 @@ int resident_blocks() {
 // The grid's waves: full waves stream at the full rate, a partial last wave at a fraction of it. 6 rows a block
 // where that makes the waves fuller than 4 do (Qwen3-8B's qkv, 6,144 rows on an H100: 1,536 blocks of 4 are 1.45
 // waves of 1,056; 1,024 blocks of 6 are one).
-template <typename T, bool FP8, int MT, bool SILU, bool NORM>
+template <typename T, bool FP8, int MT, bool SILU>
 int rows_per_block(int weight_rows) {
   if (MT != 1) return 4;  // (more tokens: fewer blocks per SM, and 4 rows already fill them)
   auto fill = [](int blocks, int slots) {
@@ -336,80 +247,43 @@ int rows_per_block(int weight_rows) {
     return waves / std::ceil(waves);
   };
   const int b4 = (weight_rows + 3) / 4, b6 = (weight_rows + 5) / 6;
-  return fill(b6, resident_blocks<T, FP8, MT, SILU, 6, NORM>()) >
-                 fill(b4, resident_blocks<T, FP8, MT, SILU, 4, NORM>()) + 0.05
-             ? 6
-             : 4;
+  return fill(b6, resident_blocks<T, FP8, MT, SILU, 6>()) > fill(b4, resident_blocks<T, FP8, MT, SILU, 4>()) + 0.05 ? 6
+                                                                                                                     : 4;
 }
 
-// The arguments of one call, as the launchers pass them down.
-template <typename T>
-struct Call {
-  uintptr_t out, x, w, scale, bias;
-  int m, n, k;
-  NormIn<T> norm;
-};
-
-template <typename T, bool FP8, int MT, bool SILU, int R, bool NORM>
-void launch_rows(const Call<T>& c, cudaStream_t stream) {
+template <typename T, bool FP8, int MT, bool SILU, int R>
+void launch_rows(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+                 cudaStream_t stream) {
   const int outputs_per_block = SILU ? R / 2 : R;
-  const int n_out = SILU ? c.n / 2 : c.n;
+  const int n_out = SILU ? n / 2 : n;
   const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
-  launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R, NORM>, grid, dim3(kWarps * 32), smem_bytes<T, NORM>(c.k), stream,
-                      "gemv kernel launch", reinterpret_cast<T*>(c.out), reinterpret_cast<const T*>(c.x),
-                      reinterpret_cast<const uint8_t*>(c.w), reinterpret_cast<const float*>(c.scale),
-                      reinterpret_cast<const T*>(c.bias), c.m, c.n, c.k, c.norm);
+  launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
+                      reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+                      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
 }
 
-template <typename T, bool FP8, int MT, bool SILU, bool NORM = false>
-void launch_silu(const Call<T>& c, cudaStream_t stream) {
-  if (rows_per_block<T, FP8, MT, SILU, NORM>(c.n) == 6) return launch_rows<T, FP8, MT, SILU, 6, NORM>(c, stream);
-  launch_rows<T, FP8, MT, SILU, 4, NORM>(c, stream);
+template <typename T, bool FP8, int MT, bool SILU>
+void launch_silu(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+                 cudaStream_t stream) {
+  if (rows_per_block<T, FP8, MT, SILU>(n) == 6) return launch_rows<T, FP8, MT, SILU, 6>(out, x, w, scale, bias, m, n, k, stream);
+  launch_rows<T, FP8, MT, SILU, 4>(out, x, w, scale, bias, m, n, k, stream);
 }
 
 template <typename T, bool FP8, int MT>
-void launch_mt(const Call<T>& c, bool silu_gate_up, cudaStream_t stream) {
-  if (silu_gate_up) return launch_silu<T, FP8, MT, true>(c, stream);
-  launch_silu<T, FP8, MT, false>(c, stream);
+void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+               bool silu_gate_up, cudaStream_t stream) {
+  if (silu_gate_up) return launch_silu<T, FP8, MT, true>(out, x, w, scale, bias, m, n, k, stream);
+  launch_silu<T, FP8, MT, false>(out, x, w, scale, bias, m, n, k, stream);
 }
 
 template <typename T, bool FP8>
-void launch(const Call<T>& c, bool silu_gate_up, cudaStream_t stream) {
-  if (c.m <= 1) return launch_mt<T, FP8, 1>(c, silu_gate_up, stream);
-  if (c.m <= 2) return launch_mt<T, FP8, 2>(c, silu_gate_up, stream);
-  if (c.m <= 4) return launch_mt<T, FP8, 4>(c, silu_gate_up, stream);
-  if (c.m <= 8) return launch_mt<T, FP8, 8>(c, silu_gate_up, stream);
-  return launch_mt<T, FP8, 16>(c, silu_gate_up, stream);
-}
-
-template <typename T, bool FP8>
-void launch_norm(const Call<T>& c, bool silu_gate_up, cudaStream_t stream) {
-  if (silu_gate_up) return launch_silu<T, FP8, 1, true, true>(c, stream);
-  launch_silu<T, FP8, 1, false, true>(c, stream);
-}
-
-// The checks gemv() and gemv_norm() share.
-void check_call(const std::string& op, int64_t m, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up,
-                uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale) {
-  check_dtype(op, dtype, kHalfTypes);
-  if (m < 1 || m > kGemvMaxTokens) {
-    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
-  }
-  if (n < 1 || k < 1 || n > (1 << 30) || k > (1 << 30)) {
-    throw std::invalid_argument(op + "bad shape n=" + std::to_string(n) + " k=" + std::to_string(k));
-  }
-  if (n * k * (fp8 ? 1 : 2) / 16 >= (int64_t{1} << 31)) {  // (row offsets are 32-bit counts of 16-byte chunks)
-    throw std::invalid_argument(op + "weight of " + std::to_string(n) + "x" + std::to_string(k) + " too large");
-  }
-  const int multiple = fp8 ? 16 : 8;
-  if (k % multiple != 0) {
-    throw std::invalid_argument(op + "k must be a multiple of " + std::to_string(multiple) + ", got " + std::to_string(k));
-  }
-  if (silu_gate_up && n % 2 != 0) {
-    throw std::invalid_argument(op + "silu_gate_up needs the gate and up rows stacked (n even), got n=" + std::to_string(n));
-  }
-  if (out == 0 || w == 0 || (fp8 && scale == 0)) throw std::invalid_argument(op + "null data pointer");
-  if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
+void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
+            bool silu_gate_up, cudaStream_t stream) {
+  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+  return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
 }
 
 }  // namespace
@@ -433,49 +307,35 @@ bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8) {
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
           int dtype, bool fp8, bool silu_gate_up, uintptr_t stream) {
   const std::string op = "gemv: ";
-  if (x == 0) throw std::invalid_argument(op + "null data pointer");
-  check_call(op, m, n, k, dtype, fp8, silu_gate_up, out, x, w, scale);
+  check_dtype(op, dtype, kHalfTypes);
+  if (m < 1 || m > kGemvMaxTokens) {
+    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
+  }
+  if (n < 1 || k < 1 || n > (1 << 30) || k > (1 << 30)) {
+    throw std::invalid_argument(op + "bad shape n=" + std::to_string(n) + " k=" + std::to_string(k));
+  }
+  if (n * k * (fp8 ? 1 : 2) / 16 >= (int64_t{1} << 31)) {  // (row offsets are 32-bit counts of 16-byte chunks)
+    throw std::invalid_argument(op + "weight of " + std::to_string(n) + "x" + std::to_string(k) + " too large");
+  }
+  const int multiple = fp8 ? 16 : 8;
+  if (k % multiple != 0) {
+    throw std::invalid_argument(op + "k must be a multiple of " + std::to_string(multiple) + ", got " + std::to_string(k));
+  }
+  if (silu_gate_up && n % 2 != 0) {
+    throw std::invalid_argument(op + "silu_gate_up needs the gate and up rows stacked (n even), got n=" + std::to_string(n));
+  }
+  if (out == 0 || x == 0 || w == 0 || (fp8 && scale == 0)) throw std::invalid_argument(op + "null data pointer");
+  if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   if (gemv_uses_tensor_cores(m, k, fp8)) {
     return gemv_tc(out, x, w, scale, bias, mi, ni, ki, dtype, fp8, silu_gate_up, s);
   }
   FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
-    const Call<T> c{out, x, w, scale, bias, mi, ni, ki, NormIn<T>{}};
     if (fp8) {
-      launch<T, true>(c, silu_gate_up, s);
+      launch<T, true>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
     } else {
-      launch<T, false>(c, silu_gate_up, s);
-    }
-  });
-}
-
-void gemv_norm(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t residual_out, uintptr_t norm_weight,
-               double eps, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n, int64_t k, int dtype, bool fp8,
-               bool silu_gate_up, uintptr_t stream) {
-  const std::string op = "gemv_norm: ";
-  check_call(op, 1, n, k, dtype, fp8, silu_gate_up, out, x, w, scale);
-  if (k > kGemvNormMaxK) {
-    throw std::invalid_argument(op + "rows of at most " + std::to_string(kGemvNormMaxK) + " elements, got " +
-                                std::to_string(k));
-  }
-  if (residual == 0 || norm_weight == 0) throw std::invalid_argument(op + "null residual or norm weight");
-  for (uintptr_t p : {residual, residual_out, norm_weight}) {
-    if (!aligned16(p)) throw std::invalid_argument(op + "the residual, its output and the norm weight must be 16-byte aligned");
-  }
-  if (residual_out != 0 && residual_out == residual) {
-    throw std::invalid_argument(op + "residual_out must not be residual (every block reads it while one writes)");
-  }
-  if (!(eps >= 0.0) || !std::isfinite(eps)) throw std::invalid_argument(op + "eps must be finite and >= 0");
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
-    const NormIn<T> norm{reinterpret_cast<const T*>(residual), reinterpret_cast<T*>(residual_out),
-                         reinterpret_cast<const T*>(norm_weight), static_cast<float>(eps)};
-    const Call<T> c{out, x, w, scale, bias, 1, static_cast<int>(n), static_cast<int>(k), norm};
-    if (fp8) {
-      launch_norm<T, true>(c, silu_gate_up, s);
-    } else {
-      launch_norm<T, false>(c, silu_gate_up, s);
+      launch<T, false>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
     }
   });
 }

@@ -29,19 +29,6 @@ constexpr int kGemvTcMaxTokens = 8;
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
           int dtype, bool fp8, bool silu_gate_up, uintptr_t stream);
 
-// The longest row gemv_norm() takes (Qwen3's hidden sizes go to 5,120): its blocks hold two rows in shared memory,
-// and 8 of them must still fit an SM.
-constexpr int kGemvNormMaxK = 6144;
-
-// One token's RMSNorm and the projection after it, in one kernel (the decode step's input and post-attention norms):
-// h = x + residual, rounded to dtype (h = residual when x is 0), and out = gemv(RMSNorm(h) * norm_weight) with the
-// roundings of rms_norm / fused_add_rms_norm (norm.h; the sum of squares may be added in another order). h is written
-// to residual_out unless it is 0; residual_out must not be residual. x, residual, residual_out and norm_weight are
-// [k] of dtype (k <= kGemvNormMaxK), 16-byte aligned; the rest as gemv() with m = 1.
-void gemv_norm(uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t residual_out, uintptr_t norm_weight,
-               double eps, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n, int64_t k, int dtype, bool fp8,
-               bool silu_gate_up, uintptr_t stream);
-
 // Whether the decode step's kernels (GEMV, RMSNorm, q/k-norm + RoPE, decode attention and its merge, SiLU-and-mul)
 // launch with programmatic dependent launch on devices that take it (compute capability 9.0+): each may then start
 // while the kernel before it finishes (on by default; a process-wide switch, FASTQWEN_PDL=0 turns it off at import).

@@ -43,12 +43,6 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
-def fused_norm_gemv() -> bool:
-    """FASTQWEN_FUSED_NORM=0: a one-token step runs its RMSNorms as their own kernels instead of inside the GEMV of
-    the projection after each (ops.add_rms_norm_linear); for comparison. Read when a model is built."""
-    return _flag("FASTQWEN_FUSED_NORM", True)
-
-
 def api_key() -> str | None:
     """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("FASTQWEN_API_KEY") or None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import env, ops
+from .. import ops
 from ..config import ModelConfig
 from ..kvcache import KVPool
 from ..ops.collectives import SINGLE, ParallelGroup
@@ -35,7 +35,6 @@ class Qwen3Model:
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
         projections = [getattr(layer, n) for layer in weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
         ops.prepare_linear(projections + [weights.lm_head], self.dtype, self.device)
-        self.fuse_norms = env.fused_norm_gemv()  # (FASTQWEN_FUSED_NORM=0: separate norm kernels, for comparison)
 
     @torch.inference_mode()
     def forward(
@@ -57,22 +56,12 @@ class Qwen3Model:
         decode_kernel = batch.is_decode and self.decode_workspace is not None
         if decode_kernel:  # the split plan of this step, once for all layers, on the device
             ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
-        # One token on the GEMV (batch-1 decode): each norm runs inside the projection after it, whose kernel adds
-        # the residual and normalizes the row itself; the residual sum is then a new tensor each time.
-        fuse = self.fuse_norms and extra_rows is None and all(
-            ops.add_rms_norm_linear_fuses(residual, p) for p in (w.layers[0].qkv, w.layers[0].gate_up, w.lm_head)
-        )
         for index, layer in enumerate(w.layers):
-            if fuse:
-                qkv, residual = ops.add_rms_norm_linear(
-                    None if index == 0 else hidden, residual, layer.input_norm, eps, layer.qkv
-                )
+            if index == 0:
+                ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
             else:
-                if index == 0:
-                    ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
-                else:
-                    ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-                qkv = ops.linear(hidden, layer.qkv)
+                ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
+            qkv = ops.linear(hidden, layer.qkv)
             k_cache, v_cache = kv.k(index), kv.v(index)
             k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
             ops.qk_norm_rope_store_kv(
@@ -91,25 +80,18 @@ class Qwen3Model:
                     k_scale=k_scale, v_scale=v_scale,
                 )
             hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
-            if fuse:
-                act, residual = ops.add_rms_norm_linear(hidden, residual, layer.post_norm, eps, layer.gate_up, True)
-            else:
-                ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-                act = ops.linear_silu_and_mul(hidden, layer.gate_up)
+            ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
+            act = ops.linear_silu_and_mul(hidden, layer.gate_up)
             hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
         # Only the rows that sample reach the final norm and the LM head.
         rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
         hidden = hidden[rows]
         residual = residual[rows]
-        if fuse and residual.shape[0] == 1:
-            logits, _ = ops.add_rms_norm_linear(hidden, residual, w.final_norm, eps, w.lm_head, keep_sum=False)
-            logits = self.parallel.gather_vocab(logits, cfg.vocab_size)
-        else:
-            ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
-            if extra_rows is not None:
-                num_samples = batch.logits_indices.shape[0]
-                return self.lm_head_logits(hidden[:num_samples]), hidden[num_samples:]
-            logits = self.parallel.gather_vocab(ops.linear(hidden, w.lm_head), cfg.vocab_size)
+        ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
+        if extra_rows is not None:
+            num_samples = batch.logits_indices.shape[0]
+            return self.lm_head_logits(hidden[:num_samples]), hidden[num_samples:]
+        logits = self.parallel.gather_vocab(ops.linear(hidden, w.lm_head), cfg.vocab_size)
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)

@@ -15,16 +15,7 @@ from .attention import (
     plan_decode,
 )
 from .kv_fp8 import FP8_KV_DTYPE, dequantize_kv, is_fp8, quantize_kv
-from .linear import (
-    LinearWeight,
-    add_rms_norm_linear,
-    add_rms_norm_linear_fuses,
-    gemv_kernel_applies,
-    linear,
-    linear_reference,
-    linear_silu_and_mul,
-    prepare_linear,
-)
+from .linear import LinearWeight, gemv_kernel_applies, linear, linear_reference, linear_silu_and_mul, prepare_linear
 from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
 from .sampling import (
@@ -41,8 +32,6 @@ from .sampling import (
 )
 
 __all__ = [
-    "add_rms_norm_linear",
-    "add_rms_norm_linear_fuses",
     "apply_penalties",
     "apply_token_bitmask",
     "attention_kernel_applies",

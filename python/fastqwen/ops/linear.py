@@ -18,10 +18,6 @@ A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values w
 multiplies silu(gate) by up in its epilogue (no activation kernel, no 2d-wide intermediate); elsewhere `linear` then
 `silu_and_mul`, with the same bits.
 
-`add_rms_norm_linear` is a decode step's residual add and RMSNorm with the projection that reads them: for one token
-on the GEMV, one kernel (each block normalizes the row itself; csrc/gemv.cu, gemv_norm), so a batch-1 step runs no
-norm kernels; elsewhere the norm ops, then `linear`.
-
 Sharding for tensor parallelism slices these containers along their rows or columns; it lives elsewhere.
 """
 
@@ -35,11 +31,8 @@ import torch.nn.functional as F
 
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
 from .activation import silu_and_mul
-from .norm import rms_norm
 
 __all__ = [
-    "add_rms_norm_linear",
-    "add_rms_norm_linear_fuses",
     "FP8_BLOCK",
     "FP8_MAX",
     "GEMV_MAX_TOKENS",
@@ -316,64 +309,3 @@ def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) ->
     else:
         y = linear_reference(x, w)
     return y if out is None else out.copy_(y)
-
-
-def add_rms_norm_linear_fuses(x: torch.Tensor, w: LinearWeight) -> bool:
-    """Whether add_rms_norm_linear runs as one kernel for rows like x ([tokens, hidden]): one token that linear would
-    give the GEMV (see gemv_kernel_applies), a row of at most GEMV_NORM_MAX_K elements."""
-    return x.dim() == 2 and x.shape[0] == 1 and gemv_kernel_applies(x, w) and x.shape[1] <= native().GEMV_NORM_MAX_K
-
-
-def add_rms_norm_linear(
-    x: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: LinearWeight,
-    silu_gate_up: bool = False,
-    keep_sum: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The residual add and RMSNorm in front of a projection, with the projection: h = x + residual (residual itself
-    when x is None), y = linear(rms_norm(h) * norm_weight, w) (linear_silu_and_mul with silu_gate_up). Returns
-    (y, h); x and residual are left as they are, and h is a new tensor (None with keep_sum=False, which spares its
-    write: the last norm of a step).
-
-    Where add_rms_norm_linear_fuses, one kernel: the same roundings as fused_add_rms_norm then linear, except that the
-    sum of squares may be added in another order (so a normalized element may differ by one rounding step in rare
-    cases). Elsewhere the norm ops, then linear."""
-    _check_norm_shapes(x, residual, norm_weight, w)
-    if not add_rms_norm_linear_fuses(residual, w):
-        h = residual if x is None else x + residual  # (a 16-bit add rounds once, as the kernels do)
-        normed = rms_norm(h, norm_weight, eps)
-        y = linear_silu_and_mul(normed, w) if silu_gate_up else linear(normed, w)
-        return y, (h if keep_sum else None)
-    tensors = {"residual": residual, "norm_weight": norm_weight} | ({} if x is None else {"x": x})
-    check_tensors("add_rms_norm_linear", residual.device, residual.dtype, **tensors)
-    check_tensors("add_rms_norm_linear", residual.device, None, weight=w.weight)
-    if w.is_fp8:
-        check_tensors("add_rms_norm_linear", residual.device, torch.float32, scale=w.scale)
-    if w.bias is not None:
-        check_tensors("add_rms_norm_linear", residual.device, residual.dtype, bias=w.bias)
-    h = None
-    if keep_sum:
-        h = residual if x is None else torch.empty_like(residual)
-    width = w.out_features // 2 if silu_gate_up else w.out_features
-    y = torch.empty(1, width, dtype=residual.dtype, device=residual.device)
-    native().gemv_norm(
-        y.data_ptr(), 0 if x is None else x.data_ptr(), residual.data_ptr(),
-        0 if (x is None or h is None) else h.data_ptr(), norm_weight.data_ptr(), eps, w.weight.data_ptr(),
-        0 if w.scale is None else w.scale.data_ptr(), 0 if w.bias is None else w.bias.data_ptr(), w.out_features,
-        w.in_features, dtype_code(residual.dtype), w.is_fp8, silu_gate_up, stream_of(residual),
-    )  # fmt: skip
-    return y, h
-
-
-def _check_norm_shapes(x, residual: torch.Tensor, norm_weight: torch.Tensor, w: LinearWeight) -> None:
-    op = "add_rms_norm_linear"
-    if residual.dim() != 2 or residual.shape[1] != w.in_features:
-        raise ValueError(f"{op}: residual must be [tokens, {w.in_features}], got {tuple(residual.shape)}")
-    if x is not None and (x.shape != residual.shape or x.dtype != residual.dtype):
-        raise ValueError(f"{op}: x must be like residual {tuple(residual.shape)} {residual.dtype}, got "
-                         f"{tuple(x.shape)} {x.dtype}")  # fmt: skip
-    if norm_weight.shape != (w.in_features,):
-        raise ValueError(f"{op}: norm_weight has shape {tuple(norm_weight.shape)}, expected ({w.in_features},)")
