@@ -9,7 +9,8 @@
 # Compute on the one-token GEMVs; serving: 128/1,024 at 256 in flight offline and, with SGL_TOOLS naming SGLang's
 # benchmark package, through the server with its bench_serving)
 # (FP8W_MORE_TESTS: more test files; FP8W_GEMV_BATCHES: token counts of the GEMV benchmark; FP8W_THROUGHPUT: the
-# quantizations to run; FP8W_PROMPTS: requests per run)
+# quantizations to run; FP8W_PROMPTS: requests per run; FP8W_SMALL_Q, FP8W_SMALL_BATCHES: small_batch's
+# quantizations and request counts)
 set -u -o pipefail
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ for stage in "$@"; do
     gemv) run bench_gemv 240 python3 bench/bench_gemv.py --batches ${FP8W_GEMV_BATCHES:-1 2 4 8 16} --iters 20 \
             --json "$OUT/bench_gemv.json" ;;
     small_batch)  # decode at 2 to 8 in flight (all requests together: 128 in, 512 out), tensor-core GEMV on and off
-      for q in none fp8; do
+      for q in ${FP8W_SMALL_Q:-none fp8}; do
         for n in ${FP8W_SMALL_BATCHES:-2 4 8}; do
           for tc in 1 0; do
             FASTQWEN_GEMV_TENSOR_CORES=$tc run "small_batch_${q}_${n}_tc$tc" 120 python3 bench/throughput.py \
