@@ -56,3 +56,21 @@ def test_piled_up_updates_come_as_one_batch(engine, num_requests):
         assert [t for u in mine for t in u.new_token_ids] == request.output_ids  # every token, in order
         assert [u.finished for u in mine] == [False] * 5 + [True]
         assert mine[-1].output.token_ids == request.output_ids
+
+
+def test_sse_events_stay_one_line_for_clients_that_split_on_unicode_line_breaks():
+    """JSON leaves U+2028, U+2029 and U+0085 raw in strings; httpx's iter_lines (str.splitlines) ends a line at each.
+    Every event the server writes (OpenAI's via sse, /generate's via sse_event) escapes them: one data line per
+    event, decoding to the original text."""
+    import json
+
+    from httpx._decoders import LineDecoder
+
+    from fastqwen.server.serving import sse, sse_event
+
+    text = "a\u2028b\x85c\u2029d\ne\"f\\"
+    for event in (sse({"choices": [{"text": text}]}), sse_event(json.dumps({"text": text}, ensure_ascii=False))):
+        lines = [line for line in LineDecoder().decode(event) if line]
+        assert len(lines) == 1 and lines[0].startswith("data: ")
+        decoded = json.loads(lines[0][6:])
+        assert (decoded["choices"][0]["text"] if "choices" in decoded else decoded["text"]) == text

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..frontend import RequestOutput
 from .protocol import GenerateRequest
-from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, stream_requests
+from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse_event, stream_requests
 from .state import APIError, ServerState, client_closed_response
 
 router = APIRouter()
@@ -152,5 +152,5 @@ async def _stream(state: ServerState, body: GenerateRequest, request, rid: str, 
                     input_logprobs = "".join(f',"{k}":{json.dumps(v, ensure_ascii=False, separators=(",", ":"))}' for k, v in inputs.items())
                 fields += input_logprobs
             meta_json = meta_json[:-1] + fields + "}"
-        yield f'data: {{"text":"{text}","output_ids":[{ids}],"meta_info":{meta_json}}}\n\n'
+        yield sse_event(f'{{"text":"{text}","output_ids":[{ids}],"meta_info":{meta_json}}}')
     yield SSE_DONE

@@ -133,8 +133,19 @@ async def collect_requests(
             engine.abort(request)
 
 
+# JSON leaves these raw inside strings, but clients that split a stream with str.splitlines() (httpx's iter_lines
+# among them) end a line at each; escaped, an event stays one line and decodes to the same text. (Only strings can
+# hold them, so replacing them in encoded JSON is safe.)
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse_event(json_text: str) -> str:
+    """One server-sent event carrying encoded JSON, on one line for every client."""
+    return f"data: {json_text.translate(_LINE_BREAKS)}\n\n"
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return sse_event(json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
 
 
 SSE_DONE = "data: [DONE]\n\n"
