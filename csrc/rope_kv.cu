@@ -135,7 +135,8 @@ void launch_hpw(uintptr_t qkv, uintptr_t qw, uintptr_t kw, uintptr_t cos_sin, ui
   const int64_t blocks = (tokens * groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
   launch_programmatic(
       qk_norm_rope_kernel<T, C, D, kHeadsPerWarp>, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32), 0,
-      stream, "qk_norm_rope_store_kv kernel launch", reinterpret_cast<const T*>(qkv), reinterpret_cast<const T*>(qw), reinterpret_cast<const T*>(kw),
+      stream, "qk_norm_rope_store_kv kernel launch", reinterpret_cast<const T*>(qkv), reinterpret_cast<const T*>(qw),
+      reinterpret_cast<const T*>(kw),
       reinterpret_cast<const float*>(cos_sin), reinterpret_cast<const int64_t*>(positions),
       reinterpret_cast<C*>(k_cache), reinterpret_cast<C*>(v_cache), reinterpret_cast<const int64_t*>(slots),
       reinterpret_cast<T*>(q_out), static_cast<int>(tokens), static_cast<int>(heads), static_cast<int>(kv_heads),

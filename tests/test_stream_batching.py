@@ -64,13 +64,13 @@ def test_sse_events_stay_one_line_for_clients_that_split_on_unicode_line_breaks(
     event, decoding to the original text."""
     import json
 
-    from httpx._decoders import LineDecoder
+    import httpx
 
     from fastqwen.server.serving import sse, sse_event
 
     text = "a\u2028b\x85c\u2029d\ne\"f\\"
     for event in (sse({"choices": [{"text": text}]}), sse_event(json.dumps({"text": text}, ensure_ascii=False))):
-        lines = [line for line in LineDecoder().decode(event) if line]
+        lines = [line for line in httpx.Response(200, text=event).iter_lines() if line]
         assert len(lines) == 1 and lines[0].startswith("data: ")
         decoded = json.loads(lines[0][6:])
         assert (decoded["choices"][0]["text"] if "choices" in decoded else decoded["text"]) == text
