@@ -8,7 +8,8 @@ exceed twice the L2, so the weights come from HBM. Each sample is one CUDA-graph
 (GPU time without launch gaps), divided by the number of calls; medians over --iters samples. Bandwidth is printed as
 a fraction of a device-to-device copy of 1 GiB measured in the same run (read + write).
 
-    python bench/bench_gemv.py [--presets Qwen3-8B] [--batches 1 2 4 8 16] [--json out.json] [--iters 30]
+    python bench/bench_gemv.py [--presets Qwen3-8B] [--batches 1 2 4 8 16] [--shapes qkv o_proj] [--json out.json]
+                               [--iters 30]
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def main() -> int:
     p.add_argument("--presets", nargs="+", default=["Qwen3-8B"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--shapes", nargs="+", default=None, help="only these projections (qkv o_proj gate_up down lm_head)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
@@ -103,6 +105,8 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1), "shapes": {}}
     for preset in args.presets:
         for name, (rows, cols) in shapes(preset).items():
+            if args.shapes and name not in args.shapes:
+                continue
             print(f"-- {preset} {name} [{rows}, {cols}]", flush=True)
             result["shapes"][f"{preset}/{name}"] = bench_shape(rows, cols, args.batches, args.iters, copy_gbs,
                                                                gate_up=name == "gate_up")

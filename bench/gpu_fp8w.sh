@@ -10,7 +10,7 @@
 # benchmark package, through the server with its bench_serving)
 # (FP8W_MORE_TESTS: more test files; FP8W_GEMV_BATCHES: token counts of the GEMV benchmark; FP8W_THROUGHPUT: the
 # quantizations to run; FP8W_PROMPTS: requests per run; FP8W_SMALL_Q, FP8W_SMALL_BATCHES: small_batch's
-# quantizations and request counts)
+# quantizations and request counts; FP8W_LEAVE_OUT: leave_out's variants)
 set -u -o pipefail
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
 cd "$(dirname "$0")/.."
@@ -105,7 +105,8 @@ for stage in "$@"; do
     leave_out)  # batch-1 decode step with each kind of small kernel left out (bench/leave_out.py)
       for q in none fp8; do
         run "leave_out_$q" 240 python3 bench/leave_out.py --model Qwen3-8B --load-format dummy --quantization "$q" \
-          --prompt-lens 128 1024 --min-chunks ${FP8W_MIN_CHUNKS:-} --json "$OUT/leave_out_$q.json"
+          --prompt-lens 128 1024 --min-chunks ${FP8W_MIN_CHUNKS:-} ${FP8W_LEAVE_OUT:+--variants $FP8W_LEAVE_OUT} \
+          --json "$OUT/leave_out_$q.json"
       done ;;
     ncu)  # Nsight Compute on the one-token GEMVs (clocks left alone, as METHOD.md asks)
       run ncu_gemv 240 ncu --clock-control none -k regex:gemv --section SpeedOfLight --section WarpStateStats \
