@@ -2,12 +2,13 @@
 # Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
 # throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
 #   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl] [rates] [sass] [latency_ab] [small_batch]
-#   [leave_out] [ncu] [serving]
+#   [leave_out] [ncu] [serving] [first_requests]
 # (rates: bench/dequant_rates.cu, the inner loops' arithmetic ceilings; sass: the GEMV kernels' disassembly;
 # latency_ab: batch-1 latency with the GEMV's tensor-core kernel on and off; small_batch: decode throughput at 2 to 8
 # in flight, tensor-core GEMV on and off; leave_out: the batch-1 step with kinds of kernels left out; ncu: Nsight
 # Compute on the one-token GEMVs; serving: 128/1,024 at 256 in flight offline and, with SGL_TOOLS naming SGLang's
-# benchmark package, through the server with its bench_serving)
+# benchmark package, through the server with its bench_serving; first_requests: the first five streams of a fresh
+# server, with --skip-warmup and without)
 # (FP8W_MORE_TESTS: more test files; FP8W_GEMV_BATCHES: token counts of the GEMV benchmark; FP8W_THROUGHPUT: the
 # quantizations to run; FP8W_PROMPTS: requests per run; FP8W_SMALL_Q, FP8W_SMALL_BATCHES: small_batch's
 # quantizations and request counts; FP8W_LEAVE_OUT: leave_out's variants)
@@ -89,6 +90,20 @@ for stage in "$@"; do
           --backend vllm --dataset-name random-ids --random-range-ratio 1 --random-input-len 128 --random-output-len 1024 \
           --num-prompts ${FP8W_PROMPTS:-512} --max-concurrency 256 --tokenizer /tmp/qwen3-8b-dummy \
           --model /tmp/qwen3-8b-dummy --output-file "$OUT/bench_serving_$q.jsonl")
+        kill -TERM "$pid"; wait "$pid"
+      done ;;
+    first_requests)  # the first requests a fresh server answers, bf16, without and with its warm-up request
+      python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy > /dev/null
+      for mode in skip warm; do
+        python3 -m fastqwen.serve --model /tmp/qwen3-8b-dummy --load-format dummy --port 8000 --max-model-len 8192 \
+          --num-pages 2048 $([ "$mode" = skip ] && echo --skip-warmup) > "$OUT/server_first_$mode.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 240); do
+          python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code != 200)" 2>/dev/null && break
+          sleep 0.5
+        done
+        run "first_requests_$mode" 120 python3 bench/first_requests.py --url http://127.0.0.1:8000 --requests 5 \
+          --json "$OUT/first_requests_$mode.json"
         kill -TERM "$pid"; wait "$pid"
       done ;;
     suite) FASTQWEN_RESULTS_DIR="$OUT" run suite 400 python3 -m pytest -q -p no:cacheprovider tests ;;

@@ -1,4 +1,5 @@
-"""The server when the engine loop dies: requests in flight get a 503, /health says so, and nothing hangs."""
+"""The server when the engine loop dies: requests in flight get a 503, /health says so, and nothing hangs. And the
+warm-up request a server runs before it reports ready."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ import uvicorn
 
 from fastqwen.engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
-from fastqwen.server.app import ServerConfig, create_app
+from fastqwen.server.app import WARMUP_PROMPT, WARMUP_TOKENS, ServerConfig, create_app
 
 from checkpoints import make_checkpoint
 from server_process import free_port
 
 
 class InProcessServer:
-    """The app under uvicorn in a thread of the test process, so a test can hand it a doctored engine."""
+    """The app under uvicorn in a thread of the test process, so a test can hand it a doctored engine. No warm-up
+    request unless asked: the doctored engines here fail on the tests' own requests."""
 
-    def __init__(self, load_engine):
-        app = create_app(ServerConfig("tiny"), load_engine)
+    def __init__(self, load_engine, warmup: bool = False):
+        app = create_app(ServerConfig("tiny", warmup=warmup), load_engine)
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -105,3 +107,56 @@ def test_engine_death_mid_stream_ends_the_stream_with_an_error_event(dying_serve
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert '"error"' in events[-2] and '"code":503' in events[-2]
+
+
+def test_warm_up_runs_before_ready_and_stays_out_of_the_metrics(tiny_engine):
+    """The server reports ready only after one short request has run through the whole engine path; that request is
+    not a client's: /metrics counts none of its tokens. A client's request then runs as usual. A warm-up that fails
+    does not stop the server (the dying engine above: /health then says the engine is dead)."""
+    added = []
+    add = tiny_engine.add
+    tiny_engine.add = lambda request: (added.append(request), add(request))[1]
+    loaded = threading.Event()
+
+    def load():
+        loaded.wait(30)
+        return InProcessEngineClient(tiny_engine)
+
+    server = InProcessServer(load, warmup=True)
+    try:
+        assert httpx.get(server.url + "/health").status_code == 503
+        loaded.set()
+        server.wait_healthy()
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert len(added) == 1
+        assert list(added[0].prompt_ids) == WARMUP_PROMPT and added[0].params.max_tokens == WARMUP_TOKENS
+        assert not tiny_engine.has_unfinished()  # it ran to its end before the server said ready
+        metrics = httpx.get(server.url + "/metrics").text
+        counted = [line for line in metrics.splitlines()
+                   if line.startswith(("fastqwen:generation_tokens_total{", "fastqwen:iteration_tokens_total_count{"))]
+        assert len(counted) == 2 and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in counted), counted
+        body = {"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True}
+        ok = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert len(added) == 2
+    finally:
+        loaded.set()
+        server.stop()
+
+
+def test_a_failed_warm_up_leaves_the_server_up_reporting_the_dead_engine(tiny_engine):
+    def broken_step():
+        raise RuntimeError("simulated CUDA failure")
+
+    tiny_engine.step = broken_step
+    server = InProcessServer(lambda: InProcessEngineClient(tiny_engine), warmup=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and httpx.get(server.url + "/health").json()["status"] == "loading":
+            time.sleep(0.05)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine dead"
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
+        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+    finally:
+        server.stop()

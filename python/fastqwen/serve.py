@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
     server.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take to finish; then each gets a 503 (streams: an error event and [DONE])")
     server.add_argument("--incremental-streaming-output", action="store_true", help="/generate streams send only the new text and output ids in each event (SGLang's flag); by default each event carries the whole output so far, as SGLang's clients expect")
     server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN", help="answer CORS preflights and add CORS headers for these browser origins ('*' for any); off by default")
+    server.add_argument("--skip-warmup", action="store_true", help="report ready as soon as the model is loaded, without first running one short request through the engine (the warm-up takes the first request's one-time costs off the first client)")
     server.add_argument("--engine-core", default="process", choices=["process", "thread"], help="run the engine core in a process of its own (default), or in a thread of the server process")
     ops = p.add_argument_group("logs and metrics")
     ops.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="verbosity of fastqwen's own logs (the ready line shows at every level)")
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
         on_engine_death=on_engine_death, incremental_streaming_output=args.incremental_streaming_output,
         model_aliases=tuple(names[1:]), metrics_compat=args.metrics_compat, request_log=args.enable_request_log,
         stats_interval=args.stats_interval, allowed_origins=tuple(args.allowed_origins or ()),
-        url=f"http://{host}:{args.port}",
+        url=f"http://{host}:{args.port}", warmup=not args.skip_warmup,
     )  # fmt: skip
     app = create_app(config, load_engine)
 

@@ -20,6 +20,7 @@ ends (EngineFault), and so the server does too.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -98,6 +99,7 @@ def core_main(config: EngineConfig, to_core: str, to_frontend: str, log_level: i
         outbox.close(linger=5000)
         raise SystemExit(1)
     outbox.send_multipart([b"info", codec.encode(engine.info)])
+    gc.freeze()  # the model and the engine live as long as the process: later collections need not scan them again
     try:
         _serve(engine, inbox, outbox, codec)
         engine.close()
