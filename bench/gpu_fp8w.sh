@@ -106,7 +106,7 @@ for stage in "$@"; do
           --json "$OUT/first_requests_$mode.json"
         kill -TERM "$pid"; wait "$pid"
       done ;;
-    suite) FASTQWEN_RESULTS_DIR="$OUT" run suite 400 python3 -m pytest -q -p no:cacheprovider tests ;;
+    suite) FASTQWEN_RESULTS_DIR="$OUT" run suite 540 python3 -m pytest -q -rf -p no:cacheprovider tests ;;
     pdl)  # batch-1 latency with the GEMV's programmatic dependent launch off, then on (the default), in one run
       for q in none fp8; do
         for pdl in 0 1; do

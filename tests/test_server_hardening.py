@@ -340,30 +340,43 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_an_unrecoverable_engine_fault_exits_nonzero(folder, tmp_path):
+@pytest.mark.parametrize("warmup", [False, True], ids=["fault-on-a-request", "fault-in-the-warm-up"])
+def test_an_unrecoverable_engine_fault_exits_nonzero(folder, tmp_path, warmup):
+    """A CUDA fault ends the server with exit status 1. With --skip-warmup the first client's request meets it and
+    gets a 503 first; with the warm-up request (the default) it comes before the server reports ready, so /health
+    never answers 200."""
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     # The patched launch lives in this process: run the engine core in a thread of it (test_engine_core.py kills a
     # core process instead).
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, "--model", folder, "--port", str(port), *COMMON, "--engine-core", "thread"],
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, "--model", folder, "--port", str(port), *COMMON, "--engine-core", "thread",
+                             *([] if warmup else ["--skip-warmup"])], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
+        healthy = False
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    healthy = True
                     break
             except httpx.HTTPError:
-                time.sleep(0.1)
-        response = httpx.post(url + COMPLETIONS, json={"prompt": "t1", "max_tokens": 2}, timeout=30)
-        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+                pass
+            time.sleep(0.1)
+        if warmup:
+            assert not healthy
+        else:
+            response = httpx.post(url + COMPLETIONS, json={"prompt": "t1", "max_tokens": 2}, timeout=30)
+            assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
         assert proc.wait(30) == 1, "a supervisor must see the server die"
     finally:
         if proc.poll() is None:
             proc.kill()
         log.close()
-    assert "exit status 1" in (tmp_path / "server.log").read_text()
+    text = (tmp_path / "server.log").read_text()
+    assert "exit status 1" in text
+    assert ("the warm-up request failed" in text) == warmup
+    assert ("ready: serving" in text) != warmup  # no ready line once the engine is dead
 
 
 def test_log_rate_is_bounded():

@@ -225,6 +225,8 @@ async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: 
     state.engine = async_engine
     if config.stats_interval > 0:
         state.stats_task = asyncio.create_task(log_stats(metrics, client.stats, config.stats_interval))
+    if not async_engine.alive:  # the warm-up met a fault: no ready line (the engine's death is reported already)
+        return
     info = client.info
     ready_logger.info(
         "ready: serving %s%s, loaded in %.1f s (%s on %s, KV cache %d tokens, %.2f GiB)",
