@@ -12,20 +12,14 @@ import json
 import random
 import statistics
 import sys
-import time
 
 import httpx
 
+from latency import stream_stamps
+
 
 def stream_one(client: httpx.Client, url: str, prompt: list[int], new_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    stamps = []
-    start = time.perf_counter()
-    with client.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
-                stamps.append(time.perf_counter())
+    start, stamps = stream_stamps(client, url, prompt, new_tokens)
     gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
     longest = max(range(len(gaps)), key=gaps.__getitem__) if gaps else None
     return {

@@ -58,6 +58,20 @@ def stream_times(start: float, stamps: list[float]) -> dict:
 _client = None
 
 
+def stream_stamps(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    """Streams one greedy /v1/completions request: when it was sent, and when each chunk carrying a choice arrived
+    (the last one may also carry the finish reason)."""
+    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    stamps = []
+    start = time.perf_counter()
+    with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
+                stamps.append(time.perf_counter())
+    return start, stamps
+
+
 def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
     """Streams /v1/completions: TTFT at the first chunk, TPOT as the median gap between later chunks."""
     import httpx
@@ -65,16 +79,7 @@ def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
     global _client
     if _client is None:  # one connection for every request: a new client per request costs ~20 ms of its own
         _client = httpx.Client(timeout=600)
-    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    stamps = []
-    start = time.perf_counter()
-    with _client.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            # Every chunk that carries a choice (the last one may also carry the finish reason).
-            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
-                stamps.append(time.perf_counter())
-    return stream_times(start, stamps)
+    return stream_times(*stream_stamps(_client, url, prompt, new_tokens))
 
 
 def hf_tpot(model_name: str, prompt: list[int], new_tokens: int, device: str) -> float:

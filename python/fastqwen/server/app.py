@@ -183,7 +183,7 @@ async def _warm_up(engine: AsyncEngine) -> None:
     server reports ready: on an H100 with Qwen3-8B, the first stream without it waited 79 ms for its second token and
     47 ms for its first, against 7 and 23 ms with it (bench/results/2026-11-23-h100-first-requests). Not a
     client's request: it runs before the metrics are bound to the engine, so they count none of it. A failure is
-    logged, not fatal: /health reports a dead engine by itself."""
+    only logged here: an engine that died is reported (and ends the server) the way any engine death is."""
     started = time.monotonic()
     try:
         tracker = engine.new_request(WARMUP_PROMPT, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0,
