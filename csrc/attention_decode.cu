@@ -1,9 +1,10 @@
 // Paged decode attention: one query token per sequence, on tensor cores.
 //
 // The G query heads that share a KV head form the first G rows of one m16 tile, so each K and V row is read from
-// memory once for all of them. Each sequence is cut into chunks whose length depends only on the sequence's own
-// length (not on the batch: a request's result must not depend on what runs beside it), planned once per step by
-// a small kernel into per-sequence split offsets in device memory. A persistent grid walks the (chunk, KV head)
+// memory once for all of them. Each sequence is cut into chunks whose length depends on the sequence's own length
+// and on one property of the batch, whether it holds at most kDecodeSmallBatch sequences (within either range a request's
+// result does not depend on what runs beside it), planned once per step by a small kernel into per-sequence split
+// offsets in device memory. A persistent grid walks the (chunk, KV head)
 // work items. A block streams its chunk's K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop
 // is bound by memory, so the point is many bytes in flight); its four warps take 16 tokens of each tile each, keep
 // their own online softmax, and merge in shared memory at the end. Chunks of a split sequence are merged by
@@ -38,13 +39,20 @@ constexpr int kChunks = kD / 8;
 // FP8 chunks, 83% with 512, 87% with 1,024).
 constexpr int kMinChunk = 256;
 constexpr int kMinChunkFp8 = 4 * kMinChunk;
+// A batch this small gives too few work items to keep many SMs streaming, and the step waits on its attention's
+// latency: a 16-bit cache is cut into chunks of 128 tokens. Measured on an H100 (Qwen3-8B, batch 1, bench/leave_out.py):
+// 0.05 ms a step less at 1,024 tokens than with 256-token chunks; at 128 in flight the shorter chunks cost 6% of the
+// output throughput (more items, each with its pipeline fill and partial write), hence the two ranges.
+constexpr int kMinChunkSmallBatch = 128;
 constexpr float kLog2e = 1.4426950408889634f;
-// The minimum chunks in use, [kv_fp8]: the constants above unless a benchmark set others (see attention.h).
-int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
+// The minimum chunks in use, [kv_fp8 ? 1 : small batch ? 2 : 0]: the constants above unless a benchmark set others
+// (see attention.h).
+int g_min_chunk[3] = {kMinChunk, kMinChunkFp8, kMinChunkSmallBatch};
+int min_chunk_for(int64_t batch, bool kv_fp8) { return g_min_chunk[kv_fp8 ? 1 : batch <= kDecodeSmallBatch ? 2 : 0]; }
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
-// The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
-// kMinChunkFp8 for an FP8 cache), and at most kDecodeMaxSplits chunks in all.
+// The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (min_chunk_for), and at
+// most kDecodeMaxSplits chunks in all.
 __device__ __forceinline__ int chunk_len(int len, int min_chunk) {
   const int want = max(min_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
   return (want + kTile - 1) / kTile * kTile;
@@ -105,7 +113,35 @@ struct Params {
   float scale_log2;  // softmax scale * k_scale * log2(e)
   float v_scale;
   int min_chunk;     // as the plan was made with
+  bool plan_fresh;   // DecodeArgs::plan_fresh
 };
+
+// One work item: a chunk of sequence b, for KV head kvh.
+struct Item {
+  int b, kvh, chunk_index, split, num_splits, start, end, n_tiles;
+  const int* pages;
+};
+
+__device__ __forceinline__ Item item_of(const Params& p, int item, int tile) {
+  Item it;
+  it.chunk_index = item / p.num_kv_heads;
+  it.kvh = item % p.num_kv_heads;
+  int lo = 0, hi = p.batch - 1;  // the sequence: last b with split_offsets[b] <= chunk_index
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.split_offsets[mid] <= it.chunk_index) lo = mid; else hi = mid - 1;
+  }
+  it.b = lo;
+  it.split = it.chunk_index - p.split_offsets[lo];
+  it.num_splits = p.split_offsets[lo + 1] - p.split_offsets[lo];
+  const int len = max(p.kv_lens[lo], 0);
+  const int clen = chunk_len(len, p.min_chunk);  // as the plan cut it
+  it.start = it.split * clen;
+  it.end = min(len, it.start + clen);
+  it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;
+  it.pages = p.page_table + static_cast<int64_t>(lo) * p.max_pages;
+  return it;
+}
 
 // The pipeline's shape for cache element type C. A stage holds 32 KB of K and V either way: 64 tokens of a 16-bit
 // cache, 128 of an FP8 one, so both move as many bytes per stage and keep as many in flight.
@@ -153,25 +189,27 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   const C* v_cache = static_cast<const C*>(p.v_cache);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = p.group;
+  // The plan, kv_lens and the page table were written before the layers, so they may be read before the wait: the
+  // first item's bounds, and its first tiles' page ids into L1, come off the path from the wait to the K/V loads.
+  const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
+  Item first{};
+  if (blockIdx.x < total_items) {
+    first = item_of(p, blockIdx.x, kTile);
+    const int head = min(first.end, first.start + (kStages - 1) * kTile);  // the prologue's tokens
+    const int lo_page = first.start >> p.page_shift;
+    const int n_pages = head > first.start ? ((head - 1) >> p.page_shift) - lo_page + 1 : 0;
+    for (int i = tid; i < n_pages && lo_page + i < p.max_pages; i += kThreads) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(first.pages + lo_page + i));
+    }
+  }
   griddep_wait();               // q and the new token's K and V come from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the merge may start (it waits for this kernel's end)
-  const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
 
   for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
-    const int chunk_index = item / p.num_kv_heads, kvh = item % p.num_kv_heads;
-    int lo = 0, hi = p.batch - 1;  // the sequence: last b with split_offsets[b] <= chunk_index
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (p.split_offsets[mid] <= chunk_index) lo = mid; else hi = mid - 1;
-    }
-    const int b = lo;
-    const int split = chunk_index - p.split_offsets[b];
-    const int num_splits = p.split_offsets[b + 1] - p.split_offsets[b];
-    const int len = max(p.kv_lens[b], 0);
-    const int clen = chunk_len(len, p.min_chunk);  // as the plan cut it
-    const int start = split * clen, end = min(len, start + clen);
-    const int n_tiles = (max(end - start, 0) + kTile - 1) / kTile;
-    const int* pages = p.page_table + static_cast<int64_t>(b) * p.max_pages;
+    const Item it = item == static_cast<int>(blockIdx.x) ? first : item_of(p, item, kTile);
+    const int b = it.b, kvh = it.kvh, chunk_index = it.chunk_index, num_splits = it.num_splits;
+    const int start = it.start, end = it.end, n_tiles = it.n_tiles;
+    const int* pages = it.pages;
 
     if constexpr (!S::kFp8) {
       // Q rows: G heads of 16 chunks; the rest of the 16-row tile zero.
@@ -388,24 +426,39 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 template <typename T>
 __global__ void merge_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                              const int* __restrict__ split_offsets, T* __restrict__ out, int num_heads) {
+  const int b = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
+  const int first = split_offsets[b], n = split_offsets[b + 1] - first;  // the plan came before the layers
   griddep_wait();               // the chunks' results come from the decode kernel (see common.cuh)
   griddep_launch_dependents();  // o_proj's GEMV may start streaming its weights
-  const int b = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
-  const int first = split_offsets[b], n = split_offsets[b + 1] - first;
   if (n <= 1) return;
+  // Every load at once, one round trip whatever the number of chunks (a loop over them would wait for each in turn):
+  // each thread its dim of every chunk's output, warp 0 the chunks' log-sum-exps, one a lane.
+  static_assert(kDecodeMaxSplits <= 32, "one lane per chunk");
+  __shared__ float weight[kDecodeMaxSplits];
+  __shared__ float weight_sum;
   const int d = threadIdx.x;
-  float m_all = -INFINITY;
-  for (int s = 0; s < n; ++s) m_all = fmaxf(m_all, part_lse[static_cast<int64_t>(first + s) * num_heads + h]);
-  float w_sum = 0.0f, o = 0.0f;
-  if (m_all != -INFINITY) {
-    for (int s = 0; s < n; ++s) {
-      const int64_t part = static_cast<int64_t>(first + s) * num_heads + h;
-      const float w = exp2f(part_lse[part] - m_all);
-      w_sum += w;
-      o += w * part_out[part * kD + d];
-    }
+  float part[kDecodeMaxSplits];
+#pragma unroll
+  for (int s = 0; s < kDecodeMaxSplits; ++s) {
+    part[s] = s < n ? part_out[(static_cast<int64_t>(first + s) * num_heads + h) * kD + d] : 0.0f;
   }
-  out[static_cast<int64_t>(blockIdx.x) * kD + d] = Cvt<T>::from_f(w_sum > 0.0f ? o / w_sum : 0.0f);
+  if (d < 32) {
+    const float lse = d < n ? part_lse[static_cast<int64_t>(first + d) * num_heads + h] : -INFINITY;
+    float m = lse;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float w = m != -INFINITY && d < n ? exp2f(lse - m) : 0.0f;  // log2 units
+    if (d < kDecodeMaxSplits) weight[d] = w;
+    const float sum = warp_sum(w);
+    if (d == 0) weight_sum = sum;
+  }
+  __syncthreads();
+  float o = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kDecodeMaxSplits; ++s) {
+    if (s < n) o += weight[s] * part[s];
+  }
+  out[static_cast<int64_t>(blockIdx.x) * kD + d] = Cvt<T>::from_f(weight_sum > 0.0f ? o / weight_sum : 0.0f);
 }
 
 template <typename T, typename C>
@@ -425,8 +478,13 @@ void launch(const Params& p, cudaStream_t stream) {
                "paged_attention_decode: occupancy");
     return std::max(1, sms * per_sm);
   });
-  launch_programmatic(decode_kernel<T, C>, dim3(grid), dim3(kThreads), kSmemBytes, stream,
-                      "paged_attention_decode kernel launch", p);
+  if (p.plan_fresh) {  // the kernel reads the plan before its griddep wait: the plan's kernel must have completed
+    decode_kernel<T, C><<<grid, kThreads, kSmemBytes, stream>>>(p);
+    cuda_check_launch("paged_attention_decode kernel launch");
+  } else {
+    launch_programmatic(decode_kernel<T, C>, dim3(grid), dim3(kThreads), kSmemBytes, stream,
+                        "paged_attention_decode kernel launch", p);
+  }
   launch_programmatic(merge_kernel<T>, dim3(static_cast<unsigned>(p.batch * p.num_heads)), dim3(kD), 0, stream,
                       "paged_attention_decode merge launch", p.part_out, p.part_lse, p.split_offsets,
                       static_cast<T*>(p.out), p.num_heads);
@@ -442,17 +500,18 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
-      g_min_chunk[kv_fp8 ? 1 : 0]);
+      min_chunk_for(batch, kv_fp8));
   cuda_check_launch("paged_attention_decode_plan launch");
 }
 
-void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens) {
-  if (tokens == 0) tokens = kv_fp8 ? kMinChunkFp8 : kMinChunk;
+void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens, bool small_batch) {
+  const int which = kv_fp8 ? 1 : small_batch ? 2 : 0;
+  if (tokens == 0) tokens = which == 1 ? kMinChunkFp8 : which == 2 ? kMinChunkSmallBatch : kMinChunk;
   if (tokens < kTile || tokens > (int64_t{1} << 16) || tokens % kTile != 0) {
     throw std::invalid_argument("set_paged_attention_decode_min_chunk: tokens must be a multiple of " +
                                 std::to_string(kTile) + " in [" + std::to_string(kTile) + ", 65536]");
   }
-  g_min_chunk[kv_fp8 ? 1 : 0] = static_cast<int>(tokens);
+  g_min_chunk[which] = static_cast<int>(tokens);
 }
 
 void paged_attention_decode(const DecodeArgs& a) {
@@ -480,7 +539,7 @@ void paged_attention_decode(const DecodeArgs& a) {
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           g_min_chunk[fp8 ? 1 : 0]};
+           min_chunk_for(a.batch, fp8), a.plan_fresh};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

@@ -95,6 +95,7 @@ void export_contracts(py::module_& m) {
   for (int d : fq::kRopeKVHeadDims) rope_dims.append(d);
   m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
+  m.attr("DECODE_SMALL_BATCH") = fq::kDecodeSmallBatch;
   m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
   m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;
   m.attr("GEMV_TENSOR_CORE_TOKENS") = py::make_tuple(fq::kGemvTcMinTokens, fq::kGemvTcMaxTokens);
@@ -155,7 +156,8 @@ void export_contracts(py::module_& m) {
       .def_readwrite("split_offsets", &fq::DecodeArgs::split_offsets)
       .def_readwrite("part_out", &fq::DecodeArgs::part_out)
       .def_readwrite("part_lse", &fq::DecodeArgs::part_lse)
-      .def_readwrite("workspace_rows", &fq::DecodeArgs::workspace_rows);
+      .def_readwrite("workspace_rows", &fq::DecodeArgs::workspace_rows)
+      .def_readwrite("plan_fresh", &fq::DecodeArgs::plan_fresh);
   py::class_<fq::PrefillArgs, fq::PagedAttentionArgs>(m, "PrefillArgs", "Arguments of paged_attention_prefill.")
       .def(py::init<>())
       .def_readwrite("query_start", &fq::PrefillArgs::query_start)
@@ -310,7 +312,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("kv_fp8"), py::arg("stream"),
       "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def("set_paged_attention_decode_min_chunk", &fastqwen::set_paged_attention_decode_min_chunk, py::arg("kv_fp8"),
-        py::arg("tokens"), "The shortest split-KV decode chunk, for benchmarks (set before planning).");
+        py::arg("tokens"), py::arg("small_batch") = false,
+        "The shortest split-KV decode chunk (16-bit caches: of batches above 8 sequences, or up to 8 with small_batch), "
+        "for benchmarks (set before planning).");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),

@@ -36,6 +36,9 @@ class DecodeWorkspace:
     part_lse: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS]
     max_batch: int
     num_heads: int
+    # Set by plan_decode, cleared by the first decode after it: that decode may follow the plan's kernel directly, and
+    # the kernel reads the plan before it waits for the kernel before it (csrc/attention.h, plan_fresh).
+    plan_fresh: bool = True
 
 
 def decode_workspace(max_batch: int, num_heads: int, device: torch.device) -> DecodeWorkspace:
@@ -63,6 +66,7 @@ def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace, kv_dtype: tor
     native().paged_attention_decode_plan(
         kv_lens.data_ptr(), workspace.split_offsets.data_ptr(), batch, is_fp8(kv_dtype), stream_of(kv_lens)
     )
+    workspace.plan_fresh = True
 
 
 def _gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
@@ -161,6 +165,7 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspa
     args.part_out = workspace.part_out.data_ptr()
     args.part_lse = workspace.part_lse.data_ptr()
     args.workspace_rows = workspace.part_lse.shape[0]
+    args.plan_fresh, workspace.plan_fresh = workspace.plan_fresh, False
     m.paged_attention_decode(args)
 
 
