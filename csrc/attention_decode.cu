@@ -431,22 +431,21 @@ __global__ void merge_kernel(const float* __restrict__ part_out, const float* __
   griddep_wait();               // the chunks' results come from the decode kernel (see common.cuh)
   griddep_launch_dependents();  // o_proj's GEMV may start streaming its weights
   if (n <= 1) return;
-  // Every load at once, one round trip whatever the number of chunks (a loop over them would wait for each in turn):
-  // each thread its dim of every chunk's output, warp 0 the chunks' log-sum-exps, one a lane.
+  // One round trip to L2 whatever the number of chunks (a loop of loads would wait for each in turn, and holding all
+  // 32 in registers would halve the blocks in flight of a large batch): each thread prefetches its dim of every
+  // chunk's output into L1 while warp 0 turns the chunks' log-sum-exps (one a lane) into weights; the sum then reads L1.
   static_assert(kDecodeMaxSplits <= 32, "one lane per chunk");
   __shared__ float weight[kDecodeMaxSplits];
   __shared__ float weight_sum;
   const int d = threadIdx.x;
-  float part[kDecodeMaxSplits];
-#pragma unroll
-  for (int s = 0; s < kDecodeMaxSplits; ++s) {
-    part[s] = s < n ? part_out[(static_cast<int64_t>(first + s) * num_heads + h) * kD + d] : 0.0f;
-  }
+  const float* part = part_out + (static_cast<int64_t>(first) * num_heads + h) * kD + d;  // chunk s at s * stride
+  const int64_t stride = static_cast<int64_t>(num_heads) * kD;
+  for (int s = 0; s < n; ++s) asm volatile("prefetch.global.L1 [%0];" ::"l"(part + s * stride));
   if (d < 32) {
     const float lse = d < n ? part_lse[static_cast<int64_t>(first + d) * num_heads + h] : -INFINITY;
     float m = lse;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     const float w = m != -INFINITY && d < n ? exp2f(lse - m) : 0.0f;  // log2 units
     if (d < kDecodeMaxSplits) weight[d] = w;
     const float sum = warp_sum(w);
@@ -454,10 +453,7 @@ __global__ void merge_kernel(const float* __restrict__ part_out, const float* __
   }
   __syncthreads();
   float o = 0.0f;
-#pragma unroll
-  for (int s = 0; s < kDecodeMaxSplits; ++s) {
-    if (s < n) o += weight[s] * part[s];
-  }
+  for (int s = 0; s < n; ++s) o += weight[s] * part[s * stride];
   out[static_cast<int64_t>(blockIdx.x) * kD + d] = Cvt<T>::from_f(weight_sum > 0.0f ? o / weight_sum : 0.0f);
 }
 

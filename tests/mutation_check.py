@@ -50,7 +50,8 @@ MUTATIONS = [
     ),
     Mutation(
         "decode_merge_skips_last_chunk", DECODE,
-        [("    if (s < n) o += weight[s] * part[s];", "    if (s < n - 1) o += weight[s] * part[s];")],
+        [("  for (int s = 0; s < n; ++s) o += weight[s] * part[s * stride];",
+          "  for (int s = 0; s < n - 1; ++s) o += weight[s] * part[s * stride];")],
         DECODE_TESTS, "the merge leaves out the last chunk's output (its weight still counts in the sum)",
     ),
     Mutation(
