@@ -11,7 +11,7 @@ this is for): the replays run on the inputs of a real decode step (a prompt of -
 
 Besides the variants below: full_pdl_off (the whole step without programmatic dependent launch) and, per
 --min-chunks value, full_min_chunk_N (the whole step with decode attention cutting sequences into chunks of at least
-N tokens instead of its small-batch default).
+N tokens instead of its default).
 """
 
 from __future__ import annotations
@@ -118,13 +118,13 @@ def main() -> int:
                 left_out.clear()
                 left_out.update(kinds)
                 native.set_programmatic_launch(pdl)
-                native.set_paged_attention_decode_min_chunk(kv_fp8, min_chunk, True)  # batch 1 (0: the default)
+                native.set_paged_attention_decode_min_chunk(kv_fp8, min_chunk)  # (0: the default)
                 try:
                     graphs = DecodeGraphs(model, runner.kv, runner.staging, 1, runner.sampler.graph_hook).capture()
                 finally:
                     left_out.clear()
                     native.set_programmatic_launch(True)
-                    native.set_paged_attention_decode_min_chunk(kv_fp8, 0, True)
+                    native.set_paged_attention_decode_min_chunk(kv_fp8, 0)
                 runner.staging.dev.copy_(saved)
                 times.setdefault(name, []).append(replay_ms(graphs, args.replays))
                 graphs.close()

@@ -11,8 +11,6 @@ namespace fastqwen {
 constexpr int kAttentionHeadDim = 128;
 // A decode sequence is cut into at most this many chunks (sizes the decode workspace).
 constexpr int kDecodeMaxSplits = 32;
-// Decode batches of at most this many sequences cut 16-bit caches into shorter chunks (see paged_attention_decode).
-constexpr int kDecodeSmallBatch = 8;
 
 // What both kernels take, by name. Pointers are device addresses, stream a cudaStream_t.
 // q, out: [tokens, H, 128]; k_cache, v_cache: [num_pages, page_size, H_kv, 128] of kv_dtype; page_table: int32 [B, max_pages];
@@ -29,10 +27,9 @@ struct PagedAttentionArgs {
   uintptr_t stream = 0;
 };
 
-// Decode: one query token per sequence. A sequence is cut into chunks whose length depends only on its own length,
-// the cache's type and whether the batch holds at most kDecodeSmallBatch sequences (at least 256 tokens, 128 in such a small batch,
-// 1,024 for an FP8 cache, whose tiles hold twice the tokens; at most kDecodeMaxSplits chunks);
-// paged_attention_decode_plan writes the chunk offsets (int32 [B + 1]) once per step,
+// Decode: one query token per sequence. A sequence is cut into chunks whose length depends only on its own length
+// and the cache's type (at least 256 tokens, 1,024 for an FP8 cache, whose tiles hold twice the tokens; at most
+// kDecodeMaxSplits chunks); paged_attention_decode_plan writes the chunk offsets (int32 [B + 1]) once per step,
 // on the device, and paged_attention_decode reads them, so the pair can be captured in a CUDA graph. Split sequences
 // leave per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
 // kDecodeMaxSplits, merged by a second kernel.
@@ -51,10 +48,9 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
 
 void paged_attention_decode(const DecodeArgs& args);
 
-// The shortest chunk a sequence is split into (a multiple of 64 tokens; for 16-bit caches 256, or 128 in batches of
-// up to kDecodeSmallBatch sequences (small_batch), 1,024 for FP8 unless set; 0 sets the default). For benchmarks that compare chunk
-// lengths: set it before planning, never between a plan and its decode.
-void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens, bool small_batch = false);
+// The shortest chunk a sequence is split into (a multiple of 64 tokens; 256 for 16-bit caches, 1,024 for FP8 unless
+// set; 0 sets the default). For benchmarks that compare chunk lengths: set it before planning, never between a plan and its decode.
+void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens);
 
 // Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed: sequence b's tokens
 // are rows query_start[b] .. query_start[b + 1] (int32 [B + 1]) of q, the last tokens of its kv_lens[b] cached tokens

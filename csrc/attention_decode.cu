@@ -1,10 +1,9 @@
 // Paged decode attention: one query token per sequence, on tensor cores.
 //
 // The G query heads that share a KV head form the first G rows of one m16 tile, so each K and V row is read from
-// memory once for all of them. Each sequence is cut into chunks whose length depends on the sequence's own length
-// and on one property of the batch, whether it holds at most kDecodeSmallBatch sequences (within either range a request's
-// result does not depend on what runs beside it), planned once per step by a small kernel into per-sequence split
-// offsets in device memory. A persistent grid walks the (chunk, KV head)
+// memory once for all of them. Each sequence is cut into chunks whose length depends only on the sequence's own
+// length (not on the batch: a request's result must not depend on what runs beside it), planned once per step by
+// a small kernel into per-sequence split offsets in device memory. A persistent grid walks the (chunk, KV head)
 // work items. A block streams its chunk's K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop
 // is bound by memory, so the point is many bytes in flight); its four warps take 16 tokens of each tile each, keep
 // their own online softmax, and merge in shared memory at the end. Chunks of a split sequence are merged by
@@ -39,20 +38,13 @@ constexpr int kChunks = kD / 8;
 // FP8 chunks, 83% with 512, 87% with 1,024).
 constexpr int kMinChunk = 256;
 constexpr int kMinChunkFp8 = 4 * kMinChunk;
-// A batch this small gives too few work items to keep many SMs streaming, and the step waits on its attention's
-// latency: a 16-bit cache is cut into chunks of 128 tokens. Measured on an H100 (Qwen3-8B, batch 1, bench/leave_out.py):
-// 0.05 ms a step less at 1,024 tokens than with 256-token chunks; at 128 in flight the shorter chunks cost 6% of the
-// output throughput (more items, each with its pipeline fill and partial write), hence the two ranges.
-constexpr int kMinChunkSmallBatch = 128;
 constexpr float kLog2e = 1.4426950408889634f;
-// The minimum chunks in use, [kv_fp8 ? 1 : small batch ? 2 : 0]: the constants above unless a benchmark set others
-// (see attention.h).
-int g_min_chunk[3] = {kMinChunk, kMinChunkFp8, kMinChunkSmallBatch};
-int min_chunk_for(int64_t batch, bool kv_fp8) { return g_min_chunk[kv_fp8 ? 1 : batch <= kDecodeSmallBatch ? 2 : 0]; }
+// The minimum chunks in use, [kv_fp8]: the constants above unless a benchmark set others (see attention.h).
+int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
-// The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (min_chunk_for), and at
-// most kDecodeMaxSplits chunks in all.
+// The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
+// kMinChunkFp8 for an FP8 cache), and at most kDecodeMaxSplits chunks in all.
 __device__ __forceinline__ int chunk_len(int len, int min_chunk) {
   const int want = max(min_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
   return (want + kTile - 1) / kTile * kTile;
@@ -496,18 +488,17 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
-      min_chunk_for(batch, kv_fp8));
+      g_min_chunk[kv_fp8 ? 1 : 0]);
   cuda_check_launch("paged_attention_decode_plan launch");
 }
 
-void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens, bool small_batch) {
-  const int which = kv_fp8 ? 1 : small_batch ? 2 : 0;
-  if (tokens == 0) tokens = which == 1 ? kMinChunkFp8 : which == 2 ? kMinChunkSmallBatch : kMinChunk;
+void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens) {
+  if (tokens == 0) tokens = kv_fp8 ? kMinChunkFp8 : kMinChunk;
   if (tokens < kTile || tokens > (int64_t{1} << 16) || tokens % kTile != 0) {
     throw std::invalid_argument("set_paged_attention_decode_min_chunk: tokens must be a multiple of " +
                                 std::to_string(kTile) + " in [" + std::to_string(kTile) + ", 65536]");
   }
-  g_min_chunk[which] = static_cast<int>(tokens);
+  g_min_chunk[kv_fp8 ? 1 : 0] = static_cast<int>(tokens);
 }
 
 void paged_attention_decode(const DecodeArgs& a) {
@@ -535,7 +526,7 @@ void paged_attention_decode(const DecodeArgs& a) {
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           min_chunk_for(a.batch, fp8), a.plan_fresh};
+           g_min_chunk[fp8 ? 1 : 0], a.plan_fresh};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

@@ -95,7 +95,6 @@ void export_contracts(py::module_& m) {
   for (int d : fq::kRopeKVHeadDims) rope_dims.append(d);
   m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
-  m.attr("DECODE_SMALL_BATCH") = fq::kDecodeSmallBatch;
   m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
   m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;
   m.attr("GEMV_TENSOR_CORE_TOKENS") = py::make_tuple(fq::kGemvTcMinTokens, fq::kGemvTcMaxTokens);
@@ -312,9 +311,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("kv_fp8"), py::arg("stream"),
       "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def("set_paged_attention_decode_min_chunk", &fastqwen::set_paged_attention_decode_min_chunk, py::arg("kv_fp8"),
-        py::arg("tokens"), py::arg("small_batch") = false,
-        "The shortest split-KV decode chunk (16-bit caches: of batches above 8 sequences, or up to 8 with small_batch), "
-        "for benchmarks (set before planning).");
+        py::arg("tokens"), "The shortest split-KV decode chunk, for benchmarks (set before planning).");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),

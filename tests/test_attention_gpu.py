@@ -106,8 +106,7 @@ def test_decode_long_and_wide(batch, length):
 
 
 def test_decode_is_batch_invariant():
-    """A sequence's output is bitwise the same alone, first or last in a batch, beside short or long neighbours (in
-    batches of up to DECODE_SMALL_BATCH sequences; larger batches cut longer chunks, see the next test)."""
+    """A sequence's output is bitwise the same alone, first or last in a batch, beside short or long neighbours."""
     lens = [5000, 3, 300, 17000, 64, 1]
     q, k, v, table, kv_lens = make_case(len(lens), 8, 4, 16, lens, torch.bfloat16, seed=11)
     together = check(q, k, v, table, kv_lens)
@@ -117,27 +116,6 @@ def test_decode_is_batch_invariant():
     order = list(reversed(range(len(lens))))
     reordered = check(q[order], k, v, table[order], kv_lens[order])
     assert torch.equal(reordered, together[order])
-
-
-def test_decode_plan_of_small_and_large_batches():
-    """Up to DECODE_SMALL_BATCH sequences, chunks of at least 128 tokens; one more, at least 256 (fewer work items of
-    more tiles each, for throughput). A sequence's output agrees with the reference either way, and is bitwise the same
-    in any batch of the same range."""
-    small = native().DECODE_SMALL_BATCH
-    lens = [1000, 5000, 20, 300] + [129 + 7 * i for i in range(small - 3)]  # small + 1 sequences
-    q, k, v, table, kv_lens = make_case(len(lens), 8, 4, 16, lens, torch.bfloat16, seed=5)
-    for batch in (small, small + 1):
-        workspace = decode_workspace(batch, q.shape[1], q.device)
-        out = check(q[:batch], k, v, table[:batch], kv_lens[:batch], workspace)
-        counts = torch.diff(workspace.split_offsets[: batch + 1]).tolist()
-        assert counts == [len(decode_chunks(n, batch)) for n in lens[:batch]], batch
-        if batch == small:
-            small_out = out
-    # 1000 tokens: 4 chunks of 256, against 8 of 128 in the small batch; 5000: 20 of 256, against 27 of 192 (the 32-chunk
-    # limit asks for 157, rounded up to the tile).
-    assert counts[:2] == [4, 20] and [len(decode_chunks(n, small)) for n in lens[:2]] == [8, 27]
-    alone = check(q[1:2], k, v, table[1:2], kv_lens[1:2])
-    assert torch.equal(alone[0], small_out[1])
 
 
 def test_decode_shared_workspace_planned_once():
@@ -150,9 +128,8 @@ def test_decode_shared_workspace_planned_once():
     paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, first, workspace, planned=True)
     second = check(q, k, v, table, kv_lens, workspace)
     assert torch.equal(first, second)
-    # A batch of 3 (at most DECODE_SMALL_BATCH): 4000 tokens in 32 chunks of 128 (the minimum); 20 in one; 9000 in 29
-    # chunks of 320 (282 rounded up to the tile).
-    assert workspace.split_offsets[:4].tolist() == [0, 32, 33, 62]
+    # 4000 tokens: 16 chunks of 256 (the minimum); 20: one; 9000: 29 chunks of 320 (282 rounded up to the tile).
+    assert workspace.split_offsets[:4].tolist() == [0, 16, 17, 46]
     assert not workspace.plan_fresh, "the decode after a plan was launched as if the plan were older"
     assert workspace.part_lse.shape[0] == 8 * q.shape[1] * native().DECODE_MAX_SPLITS  # sized by csrc/attention.h
 
@@ -255,16 +232,13 @@ def test_prefill_bad_arguments():
 
 PLANT_PERIOD = 64  # one planted key per 64-token tile (the kernels' K/V tile), so every tile and chunk holds one
 PLANT_GAP = 20.0  # natural-log score of a planted key over the others: the others weigh e^-20 each
-# Mirror kMinChunk and kMinChunkSmallBatch in csrc/attention_decode.cu and kKVTile in csrc/paged_kv.cuh.
-MIN_CHUNK, MIN_CHUNK_SMALL_BATCH, KV_TILE = 256, 128, 64
+MIN_CHUNK, KV_TILE = 256, 64  # mirrors kMinChunk in csrc/attention_decode.cu and kKVTile in csrc/paged_kv.cuh
 
 
-def decode_chunks(length: int, batch: int) -> list[tuple[int, int]]:
-    """The split plan of csrc/attention_decode.cu: chunks of a multiple of 64 tokens, at least 256 (128 in a batch of
-    at most DECODE_SMALL_BATCH sequences), at most DECODE_MAX_SPLITS per sequence (so above 8192 tokens, 4096 in a
-    small batch, the chunks grow)."""
-    least = MIN_CHUNK_SMALL_BATCH if batch <= native().DECODE_SMALL_BATCH else MIN_CHUNK
-    want = max(least, -(-length // native().DECODE_MAX_SPLITS))
+def decode_chunks(length: int) -> list[tuple[int, int]]:
+    """The split plan of csrc/attention_decode.cu: chunks of a multiple of 64 tokens, at least 256, at most
+    DECODE_MAX_SPLITS per sequence (so above 8192 tokens the chunks grow)."""
+    want = max(MIN_CHUNK, -(-length // native().DECODE_MAX_SPLITS))
     chunk = -(-want // KV_TILE) * KV_TILE
     return [(s, min(length, s + chunk)) for s in range(0, max(length, 1), chunk)]
 
@@ -374,26 +348,17 @@ PLANTED_DECODE_LENGTHS = [1, 63, 64, 65, 255, 256, 257, 511, 1000, 4096, 4097, 8
 
 
 @pytest.mark.parametrize(
-    "dtype,group,batch",
-    [(torch.bfloat16, 1, 18), (torch.bfloat16, 4, 18), (torch.bfloat16, 8, 18), (torch.float16, 4, 18),
-     (torch.bfloat16, 4, 6)],
-)  # fmt: skip
-def test_decode_every_chunk_counts(dtype, group, batch):
-    """batch: the lengths run as batches of this many sequences (18: one batch; 6: batches small enough for the
-    shorter chunks)."""
+    "dtype,group", [(torch.bfloat16, 1), (torch.bfloat16, 4), (torch.bfloat16, 8), (torch.float16, 4)]
+)
+def test_decode_every_chunk_counts(dtype, group):
     lens = PLANTED_DECODE_LENGTHS
     q, k_cache, v_cache, table, kv_lens, keys, values = make_planted_case(2, group, 16, lens, None, dtype, seed=group)
     scale = 128**-0.5
+    workspace = decode_workspace(len(lens), q.shape[1], q.device)
     out = torch.full_like(q, float("nan"))
-    plans, offsets = [], []
-    for first in range(0, len(lens), batch):
-        rows = slice(first, first + batch)
-        workspace = decode_workspace(batch, q.shape[1], q.device)
-        paged_attention_decode(q[rows], k_cache, v_cache, table[rows], kv_lens[rows], scale, out[rows], workspace)
-        group_plans = [decode_chunks(n, len(lens[rows])) for n in lens[rows]]
-        plans += group_plans
-        offsets.append((workspace.split_offsets[: len(lens[rows]) + 1].tolist(), group_plans))
+    paged_attention_decode(q, k_cache, v_cache, table, kv_lens, scale, out, workspace)
     assert not torch.isnan(out).any(), "unwritten output"
+    plans = [decode_chunks(n) for n in lens]
     rel = 4 * unit_roundoff(dtype)
     figures = {}
 
@@ -406,13 +371,12 @@ def test_decode_every_chunk_counts(dtype, group, batch):
         )
 
     check_each(range(len(lens)), check_sequence)
-    record_result("planted_attention.json", f"decode_{str(dtype).removeprefix('torch.')}_group{group}_batch{batch}", figures)
+    record_result("planted_attention.json", f"decode_{str(dtype).removeprefix('torch.')}_group{group}", figures)
     # The chunks checked above are the kernel's own (else the check would prove nothing about its chunks).
-    for kernel_offsets, group_plans in offsets:
-        want = [0]
-        for plan in group_plans:
-            want.append(want[-1] + len(plan))
-        assert kernel_offsets == want, "the kernel's split plan changed"
+    offsets = [0]
+    for plan in plans:
+        offsets.append(offsets[-1] + len(plan))
+    assert workspace.split_offsets[: len(lens) + 1].tolist() == offsets, "the kernel's split plan changed"
 
 
 def prefill_reference(q, keys, values, q_len, scale, block=512):

@@ -123,8 +123,7 @@ def test_decode_fp8(dtype, group, page_size):
 def test_fp8_decode_plan_cuts_longer_chunks():
     """An FP8 cache's chunks are at least 1,024 tokens (a work item streams twice the bytes of a 16-bit one's 256-token
     chunk: the per-item pipeline fill and merge weigh less beside the conversions' extra work); at most
-    DECODE_MAX_SPLITS chunks a sequence, multiples of the 64-token tile; in a batch this small the 16-bit plan cuts
-    chunks of at least 128 tokens (csrc/attention_decode.cu, kMinChunkSmallBatch), and FP8 keeps its 1,024."""
+    DECODE_MAX_SPLITS chunks a sequence, multiples of the 64-token tile; the 16-bit plan is unchanged."""
     from fastqwen.ops import decode_workspace, plan_decode
 
     lens = [4000, 20, 9000, 512, 513, 20000]
@@ -139,11 +138,11 @@ def test_fp8_decode_plan_cuts_longer_chunks():
             out.append(max(1, -(-n // clen)))
         return out
 
-    for dtype, min_chunk in ((FP8_KV_DTYPE, 1024), (torch.bfloat16, 128)):
+    for dtype, min_chunk in ((FP8_KV_DTYPE, 1024), (torch.bfloat16, 256)):
         plan_decode(kv_lens, workspace, dtype)
         offsets = workspace.split_offsets[: len(lens) + 1].tolist()
         assert [b - a for a, b in zip(offsets, offsets[1:])] == chunks(min_chunk), dtype
-    assert chunks(1024) == [4, 1, 9, 1, 1, 20] and chunks(128) == [32, 1, 29, 4, 5, 32]
+    assert chunks(1024) == [4, 1, 9, 1, 1, 20] and chunks(256) == [16, 1, 29, 2, 3, 32]
 
 
 def test_decode_fp8_is_batch_invariant():
