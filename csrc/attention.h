@@ -37,8 +37,9 @@ struct DecodeArgs : PagedAttentionArgs {
   uintptr_t split_offsets = 0, part_out = 0, part_lse = 0;
   int64_t workspace_rows = 0;
   // Whether the plan may come from the kernel right before this call's (the kernel reads the plan before it waits for
-  // that kernel, so it then starts only after it: no programmatic launch). The engine plans before the layers and
-  // clears it from the second layer on.
+  // that kernel, so it then starts only after it: no programmatic launch). ops.paged_attention_decode passes true
+  // for the first decode after plan_decode (DecodeWorkspace.plan_fresh), false after that: in the engine, which plans
+  // before the layers, only the first layer's decode is launched the ordinary way.
   bool plan_fresh = true;
 };
 
