@@ -281,8 +281,10 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--ops", nargs="+", default=["norms", "qk", "decode", "prefill", "sample"], choices=["norms", "qk", "decode", "prefill", "sample"])
     ap.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES, help="KV pools of the attention rows")
-    ap.add_argument("--fp8-min-chunks", type=int, nargs="*", default=[],
-                    help="also time the FP8 decode rows with these shortest chunks (tokens)")
+    ap.add_argument("--min-chunks", type=int, nargs="*", default=[],
+                    help="also time the decode rows with these shortest chunks (tokens), for each KV pool")
+    ap.add_argument("--decode-cases", nargs="+", default=None, metavar="BATCH:TOKENS",
+                    help=f"the decode rows' shapes (default {' '.join(f'{b}:{n}' for b, n in DECODE_CASES)})")
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
@@ -296,14 +298,16 @@ def main() -> int:
             rows += bench_norms(tokens, copy_gbs, args.iters)
         if "qk" in args.ops:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
-    decode_rows = [bench_decode(b, n, copy_gbs, args.iters, kv) for b, n in DECODE_CASES for kv in args.kv_dtypes] if "decode" in args.ops else []
-    if "decode" in args.ops and "fp8" in args.kv_dtypes:
+    cases = [tuple(int(x) for x in c.split(":")) for c in args.decode_cases] if args.decode_cases else DECODE_CASES
+    decode_rows = [bench_decode(b, n, copy_gbs, args.iters, kv) for b, n in cases for kv in args.kv_dtypes] if "decode" in args.ops else []
+    if "decode" in args.ops:
         from fastqwen.ops._native import native
-        for chunk in args.fp8_min_chunks:
-            native().set_paged_attention_decode_min_chunk(True, chunk)
-            for b, n in DECODE_CASES:
-                decode_rows.append({**bench_decode(b, n, copy_gbs, args.iters, "fp8"), "fp8_min_chunk": chunk})
-        native().set_paged_attention_decode_min_chunk(True, 0)  # the default
+        for kv in args.kv_dtypes:
+            for chunk in args.min_chunks:
+                native().set_paged_attention_decode_min_chunk(kv == "fp8", chunk)
+                for b, n in cases:
+                    decode_rows.append({**bench_decode(b, n, copy_gbs, args.iters, kv), "min_chunk": chunk})
+            native().set_paged_attention_decode_min_chunk(kv == "fp8", 0)  # the default
     prefill_rows = [bench_prefill(b, n, p, args.iters, kv) for b, n, p in PREFILL_CASES for kv in args.kv_dtypes] if "prefill" in args.ops else []
     sample_rows = bench_sample_cases(copy_gbs, args.iters) if "sample" in args.ops else []
     tflops = matmul_tflops(args.iters)
@@ -317,7 +321,7 @@ def main() -> int:
         )
     for r in decode_rows:
         print(
-            f"paged_attention_decode {r['kv_dtype']:<4}{r.get('fp8_min_chunk', ''):>5} B={r['batch']:<4} L={r['tokens']:<6} splits {r['splits']:<3} | {r['ours_us']:>8.2f} us "
+            f"paged_attention_decode {r['kv_dtype']:<4}{r.get('min_chunk', ''):>5} B={r['batch']:<4} L={r['tokens']:<6} splits {r['splits']:<3} | {r['ours_us']:>8.2f} us "
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
         )
     for r in prefill_rows:

@@ -65,8 +65,14 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--hf", action="store_true")
     p.add_argument("--hf-requests", type=int, default=32)
+    p.add_argument("--decode-min-chunk", type=int, default=0,
+                   help="decode attention's shortest chunk in tokens (0: the kernel's default), set before the graphs")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.decode_min_chunk:
+        from fastqwen.ops._native import native
+
+        native().set_paged_attention_decode_min_chunk(args.kv_cache_dtype != "auto", args.decode_min_chunk)
     llm = LLM(EngineConfig.from_cli(args))
     prompts, outs = workload(args, llm.engine.config.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
