@@ -70,9 +70,12 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.decode_min_chunk:
+        from fastqwen.config import resolve_kv_cache_dtype
         from fastqwen.ops._native import native
+        from fastqwen.ops.kv_fp8 import is_fp8
 
-        native().set_paged_attention_decode_min_chunk(args.kv_cache_dtype != "auto", args.decode_min_chunk)
+        kv_fp8 = is_fp8(resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))  # (auto: the model's 16-bit type)
+        native().set_paged_attention_decode_min_chunk(kv_fp8, args.decode_min_chunk)
     llm = LLM(EngineConfig.from_cli(args))
     prompts, outs = workload(args, llm.engine.config.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
