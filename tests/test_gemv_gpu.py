@@ -16,7 +16,7 @@ from fastqwen.config import ModelConfig
 from fastqwen.ops import _native
 from fastqwen.ops.linear import (
     DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS, LinearWeight, fp8_gemm_supported, gemv,
-    gemv_kernel_applies, linear, linear_silu_and_mul, quantize_fp8,
+    gemv_kernel_applies, gemv_norm_applies, linear, linear_add_rms_norm, linear_silu_and_mul, quantize_fp8,
 )
 
 from checkpoints import engine_logits, make_checkpoint, make_fp8_checkpoint, record_result, teacher_forced_match
@@ -164,6 +164,179 @@ def test_gemv_silu_epilogue_is_bitwise_silu_and_mul_of_the_gemv(fp8):
         del dense, w
     with pytest.raises(ValueError, match="even rows"):
         linear_silu_and_mul(x_all[:1, :128], LinearWeight(torch.randn(3, 128, device="cuda", dtype=torch.bfloat16)))
+
+
+def separate_add_rms_norm(x, w, residual, norm_w, eps):
+    """The two kernels the norm epilogue replaces: the GEMV, then the residual add + RMSNorm kernel."""
+    from fastqwen import ops
+
+    y = gemv(x, w)
+    ops.fused_add_rms_norm(y, residual, norm_w, eps)
+    return y
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemv_norm_epilogue_is_bitwise_gemv_then_fused_add_rms_norm(fp8):
+    """linear_add_rms_norm at one token (the GEMV's last block adds the residual and normalizes the row) against the
+    GEMV followed by the fused_add_rms_norm kernel: the same output and residual, bit for bit, on the o_proj and down
+    shapes of the presets (rows of 1,024 to 5,120: 4 and 8 packs a thread), rows the norm kernel lays out on fewer
+    warps than the GEMV block has (264, 1,000), 8,192 rows, fp16 with a bias, and large residual values; called
+    repeatedly on one counter, which each call leaves at 0."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cases = []
+    for preset in ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-14B"):
+        shapes = projection_shapes(preset)
+        cases += [(*shapes["o_proj"], torch.bfloat16, False), (*shapes["down"], torch.bfloat16, False)]
+    cases += [(264, 512, torch.bfloat16, False), (1000, 256, torch.float16, True), (8192, 256, torch.bfloat16, False)]
+    for rows, cols, dtype, bias in cases:
+        dense = torch.randn(rows, cols, device="cuda", generator=gen) * 0.05
+        b = torch.randn(rows, device="cuda", generator=gen).to(dtype) if bias else None
+        w = LinearWeight(*quantize_fp8(dense), b) if fp8 else LinearWeight(dense.to(dtype), None, b)
+        norm_w = (torch.rand(rows, device="cuda", generator=gen) + 0.5).to(dtype)
+        for call in range(3):
+            x = torch.randn(1, cols, device="cuda", generator=gen).to(dtype)
+            residual = (torch.randn(1, rows, device="cuda", generator=gen) * (1 + 200 * call)).to(dtype)
+            want_residual = residual.clone()
+            want = separate_add_rms_norm(x, w, want_residual, norm_w, 1e-6)
+            assert gemv_norm_applies(x, w, residual, norm_w)
+            got = linear_add_rms_norm(x, w, residual, norm_w, 1e-6, counter)
+            what = f"{rows}x{cols} {dtype} bias={bias} call {call}"
+            assert torch.equal(residual, want_residual), what
+            assert torch.equal(got, want), what
+            assert counter.item() == 0, what
+    # Rows the epilogue does not take (more than 8,192) and more tokens run the two kernels: the same results.
+    w = LinearWeight((torch.randn(8200, 128, device="cuda", generator=gen) * 0.05).to(torch.bfloat16))
+    norm_w = torch.ones(8200, device="cuda", dtype=torch.bfloat16)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, 128, device="cuda", generator=gen).to(torch.bfloat16)
+        residual = torch.randn(tokens, 8200, device="cuda", generator=gen).to(torch.bfloat16)
+        assert not gemv_norm_applies(x, w, residual, norm_w)
+        want_residual = residual.clone()
+        want = linear(x, w)
+        from fastqwen import ops
+
+        ops.fused_add_rms_norm(want, want_residual, norm_w, 1e-6)
+        got = linear_add_rms_norm(x, w, residual, norm_w, 1e-6, counter)
+        assert torch.equal(got, want) and torch.equal(residual, want_residual)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemv_norm_epilogue_under_programmatic_launch_and_graphs(fp8):
+    """The next kernel starts under programmatic launch while the GEMV's blocks still run, and must see the row its
+    last block normalized: a layer's chain (o_proj + norm -> gate_up with SiLU -> down + norm -> qkv GEMV), twice
+    over, eager and replayed in a CUDA graph with fresh inputs each time, gives bitwise the results of the separate
+    kernels launched without programmatic launch."""
+    native = _native.native()
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    hidden, inter, qkv_rows = 4096, 12288, 6144
+    make = lambda rows, cols: LinearWeight((torch.randn(rows, cols, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))  # noqa: E731
+    o_proj, up, down, qkv = make(hidden, hidden), make(2 * inter, hidden), make(hidden, inter), make(qkv_rows, hidden)
+    if fp8:
+        o_proj, up, down, qkv = (LinearWeight(*quantize_fp8(m.weight)) for m in (o_proj, up, down, qkv))
+    norms = [(torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(torch.bfloat16) for _ in range(2)]
+    inputs = torch.randn(12, 2, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    attn = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, qkv_rows, device="cuda", dtype=torch.bfloat16)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def chain(fused: bool):
+        project = (lambda x, w, n: linear_add_rms_norm(x, w, residual, n, 1e-6, counter)) if fused else (
+            lambda x, w, n: separate_add_rms_norm(x, w, residual, n, 1e-6))
+        hidden_state = attn
+        for _ in range(2):
+            hidden_state = project(hidden_state, o_proj, norms[0])
+            hidden_state = project(linear_silu_and_mul(hidden_state, up, gemv_only=True), down, norms[1])
+        out.copy_(gemv(hidden_state, qkv))
+
+    def run_all(fused: bool, graph: bool) -> torch.Tensor:
+        results = []
+        g = None
+        if graph:
+            attn.copy_(inputs[0, :1])
+            residual.copy_(inputs[0, 1:])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                chain(fused)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain(fused)
+        for i in range(inputs.shape[0]):
+            attn.copy_(inputs[i, :1])
+            residual.copy_(inputs[i, 1:])
+            g.replay() if graph else chain(fused)
+            results.append(torch.cat([out.clone(), residual.clone()], dim=1))
+        return torch.cat(results)
+
+    try:
+        native.set_programmatic_launch(False)
+        want = run_all(fused=False, graph=False)
+        native.set_programmatic_launch(True)
+        assert torch.equal(run_all(fused=True, graph=False), want)
+        assert torch.equal(run_all(fused=True, graph=True), want)
+        native.set_programmatic_launch(False)
+        assert torch.equal(run_all(fused=True, graph=True), want)
+    finally:
+        native.set_programmatic_launch(True)
+    assert counter.item() == 0
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_engine_with_norm_epilogue_is_bitwise_the_engine_without(tmp_path, monkeypatch, quantization):
+    """The batch-1 decode step with the norms in o_proj's and down's GEMVs (the final norm in the last down) against
+    the same engine with separate norm kernels (FASTQWEN_GEMV_NORM=0): the same logits, bit for bit, at every step,
+    CUDA-graph decode; and the same tokens for a batch of five (which runs the separate kernels)."""
+    linear_module = importlib.import_module("fastqwen.ops.linear")
+    folder = str(tmp_path)
+    make_checkpoint(folder, tied=False, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=128,
+                    layers=3, logit_scale=4.0, seed=17, max_positions=2048)  # fmt: skip
+    rng = random.Random(5)
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (5, 300, 17, 64, 1000)]
+    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, quantization=quantization)
+
+    def run() -> tuple[list, list]:
+        llm = LLM(folder, **kwargs)  # the graphs are captured with the setting of now
+        assert llm.engine.runner.graphs is not None
+        alone = [engine_logits(llm, p, 24) for p in prompts[:2]]
+        from fastqwen import SamplingParams
+
+        together = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        return alone, [o.token_ids for o in together]
+
+    monkeypatch.setattr(linear_module, "_GEMV_NORM", False)
+    want_alone, want_together = run()
+    monkeypatch.setattr(linear_module, "_GEMV_NORM", True)
+    got_alone, got_together = run()
+    for (want_tokens, want_logits), (got_tokens, got_logits) in zip(want_alone, got_alone):
+        assert got_tokens == want_tokens
+        assert torch.equal(got_logits, want_logits)
+    assert got_together == want_together
+
+
+def test_gemv_norm_epilogue_refuses_bad_arguments():
+    native = _native.native()
+    bf16 = _native.dtype_code(torch.bfloat16)
+    args = dict(out=16, x=16, w=16, scale=0, bias=0, n=4096, k=128, residual=16, norm_weight=16, eps=1e-6, counter=16,
+                dtype=bf16, fp8=False, stream=0)
+    assert native.gemv_add_rms_norm_applies(4096, bf16) and native.gemv_add_rms_norm_applies(8192, bf16)
+    assert not native.gemv_add_rms_norm_applies(8200, bf16) and not native.gemv_add_rms_norm_applies(4100, bf16)
+    assert not native.gemv_add_rms_norm_applies(4096, _native.dtype_code(torch.float32))
+    with pytest.raises(ValueError, match="no norm epilogue"):
+        native.gemv_add_rms_norm(**{**args, "n": 8200})
+    with pytest.raises(ValueError, match="null"):
+        native.gemv_add_rms_norm(**{**args, "residual": 0})
+    with pytest.raises(ValueError, match="aligned"):
+        native.gemv_add_rms_norm(**{**args, "norm_weight": 24})
+    with pytest.raises(ValueError, match="eps"):
+        native.gemv_add_rms_norm(**{**args, "eps": -1.0})
+    w = LinearWeight(torch.randn(256, 128, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="counter"):
+        linear_add_rms_norm(x, w, residual, torch.ones(256, device="cuda", dtype=torch.bfloat16), 1e-6, None)
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
