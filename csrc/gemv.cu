@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -128,6 +129,7 @@ struct NormEpilogue {
   const T* weight;
   unsigned int* counter;
   float eps;
+  int mode;  // EXPERIMENT: bit 0 two-level counter, bit 1 dependents launched only at the block's end
 };
 
 // Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
@@ -203,7 +205,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     }
     if (!waited) {
       griddep_wait();
-      griddep_launch_dependents();  // (after the wait: see common.cuh)
+      if (!(ADD_NORM && (norm.mode & 2))) griddep_launch_dependents();  // (after the wait: see common.cuh)
       waited = true;
     }
 #pragma unroll
@@ -250,14 +252,31 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   }
   if constexpr (ADD_NORM) {
     __shared__ bool last;
-    __threadfence();  // this block's outputs, visible to the grid before it counts itself done
+    if (!(norm.mode & 4) && threadIdx.x < kOut) __threadfence();  // this block's outputs, visible to the grid first
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicInc(norm.counter, gridDim.x - 1) == gridDim.x - 1;
+    if (threadIdx.x == 0) {
+      if (norm.mode & 4) __threadfence();  // (one fence after the barrier, as cooperative groups' grid sync does)
+      if (norm.mode & 1) {
+        // 32 counters (128 bytes apart) for the blocks b % 32, then one for the groups' last blocks: fewer atomics
+        // on one address.
+        const unsigned g = blockIdx.x % 32, groups = gridDim.x < 32 ? gridDim.x : 32;
+        const unsigned in_group = (gridDim.x - g + 31) / 32;
+        last = atomicInc(norm.counter + 32 * (1 + g), in_group - 1) == in_group - 1;
+        if (last) {
+          __threadfence();
+          last = atomicInc(norm.counter, groups - 1) == groups - 1;
+        }
+      } else {
+        last = atomicInc(norm.counter, gridDim.x - 1) == gridDim.x - 1;
+      }
+    }
+    if ((norm.mode & 4) && threadIdx.x == 0 && last) __threadfence();
     __syncthreads();
     if (last) {
-      __threadfence();  // (acquire: the other blocks' outputs)
+      if (!(norm.mode & 4)) __threadfence();  // (acquire: the other blocks' outputs)
       add_rms_norm_row<T, ADD_NORM>(out, norm.residual, norm.weight, n / (16 / static_cast<int>(sizeof(T))), norm.eps);
     }
+    if (norm.mode & 2) griddep_launch_dependents();
   }
 }
 
@@ -416,6 +435,10 @@ void gemv_add_rms_norm(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale,
                        uintptr_t residual, uintptr_t norm_weight, double eps, uintptr_t counter, int dtype, bool fp8,
                        uintptr_t stream) {
   const std::string op = "gemv_add_rms_norm: ";
+  static const int mode = [] {
+    const char* v = std::getenv("FASTQWEN_GEMV_NORM_MODE");  // EXPERIMENT
+    return v ? std::atoi(v) : 0;
+  }();
   check_gemv_args(op, out, x, w, scale, 1, n, k, dtype, fp8);
   if (!gemv_add_rms_norm_applies(n, dtype)) {
     throw std::invalid_argument(op + "no norm epilogue for rows of " + std::to_string(n) + " (gemv_add_rms_norm_applies)");
@@ -430,7 +453,7 @@ void gemv_add_rms_norm(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale,
   auto* count = reinterpret_cast<unsigned int*>(counter);
   FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
     const NormEpilogue<T> norm{reinterpret_cast<T*>(residual), reinterpret_cast<const T*>(norm_weight), count,
-                               static_cast<float>(eps)};
+                               static_cast<float>(eps), mode};
     if (fp8) {
       launch_add_norm<T, true>(out, x, w, scale, bias, ni, ki, norm, s);
     } else {

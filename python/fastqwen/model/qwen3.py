@@ -34,7 +34,7 @@ class Qwen3Model:
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
         # The one-token GEMVs with the norm in their epilogue count their finished blocks here (ops.linear_add_rms_norm).
-        self.norm_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.norm_counter = torch.zeros(33 * 32, dtype=torch.int32, device=self.device)
         projections = [getattr(layer, n) for layer in weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
         ops.prepare_linear(projections + [weights.lm_head], self.dtype, self.device)
 
