@@ -2,10 +2,9 @@
 # Issue 19's device runs: build, the GEMV/FP8 GPU tests, the kernel benchmark, and the batch-1 latency and 128/1024
 # throughput of random Qwen3-8B in bf16 and FP8 (offline, and with the `http` stage through the server).
 #   bash bench/gpu_fp8w.sh OUTDIR [build] [tests] [gemv] [latency] [throughput] [http] [suite] [pdl] [rates] [sass] [latency_ab] [small_batch]
-#   [leave_out] [ncu] [serving] [first_requests] [norm_ab]
+#   [leave_out] [ncu] [serving] [first_requests]
 # (rates: bench/dequant_rates.cu, the inner loops' arithmetic ceilings; sass: the GEMV kernels' disassembly;
-# latency_ab: batch-1 latency with the GEMV's tensor-core kernel on and off; norm_ab: with the RMSNorm in the GEMV's
-# epilogue and as its own kernel (FP8W_ROUNDS rounds); small_batch: decode throughput at 2 to 8
+# latency_ab: batch-1 latency with the GEMV's tensor-core kernel on and off; small_batch: decode throughput at 2 to 8
 # in flight, tensor-core GEMV on and off; leave_out: the batch-1 step with kinds of kernels left out; ncu: Nsight
 # Compute on the one-token GEMVs; serving: 128/1,024 at 256 in flight offline and, with SGL_TOOLS naming SGLang's
 # benchmark package, through the server with its bench_serving; first_requests: the first five streams of a fresh
@@ -46,16 +45,6 @@ for stage in "$@"; do
         for tc in ${FP8W_AB_TENSOR_CORES:-1 0}; do
           FASTQWEN_GEMV_TENSOR_CORES=$tc run "latency_8b_${q}_tc$tc" 150 python3 bench/latency.py --model Qwen3-8B \
             --load-format dummy --quantization "$q" --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_8b_${q}_tc$tc.json"
-        done
-      done ;;
-    norm_ab)  # batch-1 latency with the norm in the GEMV's epilogue (1) and as its own kernel (0), alternating
-      for round in $(seq ${FP8W_ROUNDS:-2}); do
-        for q in none fp8; do
-          for fused in 1 0; do
-            FASTQWEN_GEMV_NORM=$fused run "latency_8b_${q}_norm${fused}_$round" 150 python3 bench/latency.py \
-              --model Qwen3-8B --load-format dummy --quantization "$q" --prompt-lens 128 1024 --new-tokens 64 \
-              --json "$OUT/latency_8b_${q}_norm${fused}_$round.json"
-          done
         done
       done ;;
     latency)

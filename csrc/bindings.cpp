@@ -250,24 +250,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("silu_gate_up"), py::arg("stream"),
       "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
       "block scales (fp8); fp32 accumulation. silu_gate_up: W = [gate; up], out [m, n / 2] = silu(gate) * up.");
-  m.def(
-      "gemv_add_rms_norm",
-      [](const py::int_& out, const py::int_& x, const py::int_& w, const py::int_& scale, const py::int_& bias,
-         int64_t n, int64_t k, const py::int_& residual, const py::int_& norm_weight, double eps,
-         const py::int_& counter, int dtype, bool fp8, const py::int_& stream) {
-        fastqwen::gemv_add_rms_norm(to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(w, "w"),
-                                    to_uintptr(scale, "scale"), to_uintptr(bias, "bias"), n, k,
-                                    to_uintptr(residual, "residual"), to_uintptr(norm_weight, "norm_weight"), eps,
-                                    to_uintptr(counter, "counter"), dtype, fp8, to_uintptr(stream, "stream"));
-      },
-      py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("k"),
-      py::arg("residual"), py::arg("norm_weight"), py::arg("eps"), py::arg("counter"), py::arg("dtype"),
-      py::arg("fp8"), py::arg("stream"),
-      "One token: residual [1, n] += x [1, k] @ W^T (+ bias), out [1, n] = RMSNorm(residual) * norm_weight, in one "
-      "kernel, bit for bit as gemv then fused_add_rms_norm; counter: a zeroed uint32 in device memory the calls on one "
-      "stream share.");
-  m.def("gemv_add_rms_norm_applies", &fastqwen::gemv_add_rms_norm_applies, py::arg("n"), py::arg("dtype"),
-        "Whether gemv_add_rms_norm takes rows of n elements of dtype.");
   m.def("set_gemv_tensor_cores", &fastqwen::set_gemv_tensor_cores, py::arg("enabled"),
         "Whether gemv sends the calls of 2 to 8 tokens it can to its tensor-core kernel (default on); returns the "
         "previous setting. For tests and benchmarks.");

@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -33,7 +32,6 @@
 #include "gemv_tc.h"
 #include "kv_fp8.cuh"
 #include "launch.cuh"
-#include "norm_row.cuh"
 
 namespace fastqwen {
 namespace {
@@ -119,28 +117,13 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
   }
 }
 
-// The residual add + RMSNorm after a one-token projection (ADD_NORM, the packs a thread holds for it; 0: none): the
-// grid's last block to finish applies it to the row the grid wrote (norm_row.cuh). `counter` counts the blocks that are done; the last one finds gridDim.x - 1
-// and atomicInc wraps it back to 0, so one counter serves every such call on a stream (each call's blocks count only
-// after griddep_wait(), when the call before has completed).
-template <typename T>
-struct NormEpilogue {
-  T* residual;
-  const T* weight;
-  unsigned int* counter;
-  float eps;
-  int mode;  // EXPERIMENT: bit 0 two-level counter, bit 1 dependents launched only at the block's end
-};
-
 // Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
 // at m). One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
-template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows, int ADD_NORM = 0>
+template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows>
 __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
-                                                           const T* __restrict__ bias, int m, int n, int k,
-                                                           NormEpilogue<T> norm) {
-  static_assert(!ADD_NORM || (MT == 1 && !SILU_GATE_UP), "the norm epilogue is for one-token plain projections");
+                                                           const T* __restrict__ bias, int m, int n, int k) {
   constexpr int E = chunk_elems<FP8>();
   constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;  // outputs per block
@@ -172,18 +155,6 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[i][r] = 0.0f;
 
-  if constexpr (ADD_NORM) {
-    // The last block will read the norm's weight and the residual: into L2 now (neither is written by the kernel
-    // before; 128-byte lines).
-    if (blockIdx.x == 0) {
-      const int lines = n * static_cast<int>(sizeof(T)) / 128;
-      for (int i = threadIdx.x; i < 2 * lines; i += blockDim.x) {
-        const char* p = reinterpret_cast<const char*>(i < lines ? static_cast<const T*>(norm.weight) : norm.residual);
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + (i % lines) * 128));
-      }
-    }
-  }
-
   // Chunk c = (step * kWarps + warp) * 32 + lane: the block's warps read one contiguous run of each row per step.
   constexpr int kStride = kWarps * 32;
   bool waited = false;  // for the kernel before (programmatic launch): only the weights may be read until then
@@ -205,7 +176,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     }
     if (!waited) {
       griddep_wait();
-      if (!(ADD_NORM && (norm.mode & 2))) griddep_launch_dependents();  // (after the wait: see common.cuh)
+      griddep_launch_dependents();  // (after the wait: see common.cuh)
       waited = true;
     }
 #pragma unroll
@@ -250,45 +221,16 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
       out[static_cast<int64_t>(i) * n_out + j] = y[0];
     }
   }
-  if constexpr (ADD_NORM) {
-    __shared__ bool last;
-    if (!(norm.mode & 4) && threadIdx.x < kOut) __threadfence();  // this block's outputs, visible to the grid first
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (norm.mode & 4) __threadfence();  // (one fence after the barrier, as cooperative groups' grid sync does)
-      if (norm.mode & 1) {
-        // 32 counters (128 bytes apart) for the blocks b % 32, then one for the groups' last blocks: fewer atomics
-        // on one address.
-        const unsigned g = blockIdx.x % 32, groups = gridDim.x < 32 ? gridDim.x : 32;
-        const unsigned in_group = (gridDim.x - g + 31) / 32;
-        last = atomicInc(norm.counter + 32 * (1 + g), in_group - 1) == in_group - 1;
-        if (last) {
-          __threadfence();
-          last = atomicInc(norm.counter, groups - 1) == groups - 1;
-        }
-      } else {
-        last = atomicInc(norm.counter, gridDim.x - 1) == gridDim.x - 1;
-      }
-    }
-    if ((norm.mode & 4) && threadIdx.x == 0 && last) __threadfence();
-    __syncthreads();
-    if (last) {
-      if (!(norm.mode & 4)) __threadfence();  // (acquire: the other blocks' outputs)
-      add_rms_norm_row<T, ADD_NORM>(out, norm.residual, norm.weight, n / (16 / static_cast<int>(sizeof(T))), norm.eps);
-    }
-    if (norm.mode & 2) griddep_launch_dependents();
-  }
 }
 
 // Blocks of the kernel resident per SM, times the SMs (once per kernel and device).
-template <typename T, bool FP8, int MT, bool SILU, int R, int ADD_NORM = 0>
+template <typename T, bool FP8, int MT, bool SILU, int R>
 int resident_blocks() {
   static PerDevice<int> slots;
   return slots.get([](int device) {
     int sms = 0, per_sm = 0;
     cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemv: cudaDeviceGetAttribute");
-    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, FP8, MT, SILU, R, ADD_NORM>,
-                                                             kWarps * 32, 0),
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, FP8, MT, SILU, R>, kWarps * 32, 0),
                "gemv: occupancy");
     return std::max(1, sms * per_sm);
   });
@@ -297,7 +239,7 @@ int resident_blocks() {
 // The grid's waves: full waves stream at the full rate, a partial last wave at a fraction of it. 6 rows a block
 // where that makes the waves fuller than 4 do (Qwen3-8B's qkv, 6,144 rows on an H100: 1,536 blocks of 4 are 1.45
 // waves of 1,056; 1,024 blocks of 6 are one).
-template <typename T, bool FP8, int MT, bool SILU, int ADD_NORM = 0>
+template <typename T, bool FP8, int MT, bool SILU>
 int rows_per_block(int weight_rows) {
   if (MT != 1) return 4;  // (more tokens: fewer blocks per SM, and 4 rows already fill them)
   auto fill = [](int blocks, int slots) {
@@ -305,22 +247,19 @@ int rows_per_block(int weight_rows) {
     return waves / std::ceil(waves);
   };
   const int b4 = (weight_rows + 3) / 4, b6 = (weight_rows + 5) / 6;
-  return fill(b6, resident_blocks<T, FP8, MT, SILU, 6, ADD_NORM>()) >
-                 fill(b4, resident_blocks<T, FP8, MT, SILU, 4, ADD_NORM>()) + 0.05
-             ? 6
-             : 4;
+  return fill(b6, resident_blocks<T, FP8, MT, SILU, 6>()) > fill(b4, resident_blocks<T, FP8, MT, SILU, 4>()) + 0.05 ? 6
+                                                                                                                     : 4;
 }
 
-template <typename T, bool FP8, int MT, bool SILU, int R, int ADD_NORM = 0>
+template <typename T, bool FP8, int MT, bool SILU, int R>
 void launch_rows(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-                 cudaStream_t stream, NormEpilogue<T> norm = {}) {
+                 cudaStream_t stream) {
   const int outputs_per_block = SILU ? R / 2 : R;
   const int n_out = SILU ? n / 2 : n;
   const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
-  launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R, ADD_NORM>, grid, dim3(kWarps * 32), 0, stream,
-                      "gemv kernel launch", reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
-                      reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scale),
-                      reinterpret_cast<const T*>(bias), m, n, k, norm);
+  launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
+                      reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+                      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
 }
 
 template <typename T, bool FP8, int MT, bool SILU>
@@ -347,44 +286,6 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
   return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
 }
 
-template <typename T, bool FP8, int kPacks>
-void launch_add_norm_packs(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int n, int k,
-                           NormEpilogue<T> norm, cudaStream_t stream) {
-  if (rows_per_block<T, FP8, 1, false, kPacks>(n) == 6) {
-    return launch_rows<T, FP8, 1, false, 6, kPacks>(out, x, w, scale, bias, 1, n, k, stream, norm);
-  }
-  launch_rows<T, FP8, 1, false, 4, kPacks>(out, x, w, scale, bias, 1, n, k, stream, norm);
-}
-
-// The norm epilogue's packs per thread: 4 up to rows of 4,096 16-bit elements, else 8 (registers).
-template <typename T, bool FP8>
-void launch_add_norm(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int n, int k,
-                     NormEpilogue<T> norm, cudaStream_t stream) {
-  if (norm_row_packs(n / 8, kWarps * 32) <= 4) return launch_add_norm_packs<T, FP8, 4>(out, x, w, scale, bias, n, k, norm, stream);
-  launch_add_norm_packs<T, FP8, 8>(out, x, w, scale, bias, n, k, norm, stream);
-}
-
-// The argument checks gemv() and gemv_add_rms_norm() share.
-void check_gemv_args(const std::string& op, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, int64_t m,
-                     int64_t n, int64_t k, int dtype, bool fp8) {
-  check_dtype(op, dtype, kHalfTypes);
-  if (m < 1 || m > kGemvMaxTokens) {
-    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
-  }
-  if (n < 1 || k < 1 || n > (1 << 30) || k > (1 << 30)) {
-    throw std::invalid_argument(op + "bad shape n=" + std::to_string(n) + " k=" + std::to_string(k));
-  }
-  if (n * k * (fp8 ? 1 : 2) / 16 >= (int64_t{1} << 31)) {  // (row offsets are 32-bit counts of 16-byte chunks)
-    throw std::invalid_argument(op + "weight of " + std::to_string(n) + "x" + std::to_string(k) + " too large");
-  }
-  const int multiple = fp8 ? 16 : 8;
-  if (k % multiple != 0) {
-    throw std::invalid_argument(op + "k must be a multiple of " + std::to_string(multiple) + ", got " + std::to_string(k));
-  }
-  if (out == 0 || x == 0 || w == 0 || (fp8 && scale == 0)) throw std::invalid_argument(op + "null data pointer");
-  if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
-}
-
 }  // namespace
 
 void set_programmatic_launch(bool enabled) { g_programmatic_launch = enabled; }
@@ -406,10 +307,25 @@ bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8) {
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
           int dtype, bool fp8, bool silu_gate_up, uintptr_t stream) {
   const std::string op = "gemv: ";
-  check_gemv_args(op, out, x, w, scale, m, n, k, dtype, fp8);
+  check_dtype(op, dtype, kHalfTypes);
+  if (m < 1 || m > kGemvMaxTokens) {
+    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
+  }
+  if (n < 1 || k < 1 || n > (1 << 30) || k > (1 << 30)) {
+    throw std::invalid_argument(op + "bad shape n=" + std::to_string(n) + " k=" + std::to_string(k));
+  }
+  if (n * k * (fp8 ? 1 : 2) / 16 >= (int64_t{1} << 31)) {  // (row offsets are 32-bit counts of 16-byte chunks)
+    throw std::invalid_argument(op + "weight of " + std::to_string(n) + "x" + std::to_string(k) + " too large");
+  }
+  const int multiple = fp8 ? 16 : 8;
+  if (k % multiple != 0) {
+    throw std::invalid_argument(op + "k must be a multiple of " + std::to_string(multiple) + ", got " + std::to_string(k));
+  }
   if (silu_gate_up && n % 2 != 0) {
     throw std::invalid_argument(op + "silu_gate_up needs the gate and up rows stacked (n even), got n=" + std::to_string(n));
   }
+  if (out == 0 || x == 0 || w == 0 || (fp8 && scale == 0)) throw std::invalid_argument(op + "null data pointer");
+  if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   if (gemv_uses_tensor_cores(m, k, fp8)) {
@@ -420,44 +336,6 @@ void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bi
       launch<T, true>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
     } else {
       launch<T, false>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
-    }
-  });
-}
-
-bool gemv_add_rms_norm_applies(int64_t n, int dtype) {
-  constexpr int64_t kVec = 8;  // 16-bit elements per 16-byte pack
-  return dtype_allowed(dtype, kHalfTypes) && n % kVec == 0 && n / kVec <= (1 << 20) &&
-         norm_row_packs(static_cast<int>(n / kVec), kWarps * 32) > 0 &&
-         norm_row_packs(static_cast<int>(n / kVec), kWarps * 32) <= 8;
-}
-
-void gemv_add_rms_norm(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n, int64_t k,
-                       uintptr_t residual, uintptr_t norm_weight, double eps, uintptr_t counter, int dtype, bool fp8,
-                       uintptr_t stream) {
-  const std::string op = "gemv_add_rms_norm: ";
-  static const int mode = [] {
-    const char* v = std::getenv("FASTQWEN_GEMV_NORM_MODE");  // EXPERIMENT
-    return v ? std::atoi(v) : 0;
-  }();
-  check_gemv_args(op, out, x, w, scale, 1, n, k, dtype, fp8);
-  if (!gemv_add_rms_norm_applies(n, dtype)) {
-    throw std::invalid_argument(op + "no norm epilogue for rows of " + std::to_string(n) + " (gemv_add_rms_norm_applies)");
-  }
-  if (residual == 0 || norm_weight == 0 || counter == 0) throw std::invalid_argument(op + "null data pointer");
-  if (!aligned16(out) || !aligned16(residual) || !aligned16(norm_weight) || counter % 4 != 0) {
-    throw std::invalid_argument(op + "out, the residual and the norm weight must be 16-byte aligned, the counter 4");
-  }
-  if (!(eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0");
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const int ni = static_cast<int>(n), ki = static_cast<int>(k);
-  auto* count = reinterpret_cast<unsigned int*>(counter);
-  FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
-    const NormEpilogue<T> norm{reinterpret_cast<T*>(residual), reinterpret_cast<const T*>(norm_weight), count,
-                               static_cast<float>(eps), mode};
-    if (fp8) {
-      launch_add_norm<T, true>(out, x, w, scale, bias, ni, ki, norm, s);
-    } else {
-      launch_add_norm<T, false>(out, x, w, scale, bias, ni, ki, norm, s);
     }
   });
 }

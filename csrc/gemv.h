@@ -29,18 +29,6 @@ constexpr int kGemvTcMaxTokens = 8;
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
           int dtype, bool fp8, bool silu_gate_up, uintptr_t stream);
 
-// One token: out [1, n] = RMSNorm(residual + x @ W^T (+ bias)) * norm_weight, and residual [1, n] <- that sum, as
-// gemv() followed by fused_add_rms_norm() computes them, bit for bit, in one kernel: the grid's last block applies the
-// norm. counter: a uint32 in device memory, 0 before the first call, that the calls on one stream may share (each
-// leaves it at 0); calls running concurrently on different streams need their own. out, residual and norm_weight
-// of dtype, 16-byte aligned; the rest as for gemv().
-void gemv_add_rms_norm(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n, int64_t k,
-                       uintptr_t residual, uintptr_t norm_weight, double eps, uintptr_t counter, int dtype, bool fp8,
-                       uintptr_t stream);
-
-// Whether gemv_add_rms_norm() takes rows of n elements of dtype (16-bit types, n a multiple of 8 up to 8,192).
-bool gemv_add_rms_norm_applies(int64_t n, int dtype);
-
 // Whether the decode step's kernels (GEMV, RMSNorm, q/k-norm + RoPE, decode attention and its merge, SiLU-and-mul)
 // launch with programmatic dependent launch on devices that take it (compute capability 9.0+): each may then start
 // while the kernel before it finishes (on by default; a process-wide switch, FASTQWEN_PDL=0 turns it off at import).

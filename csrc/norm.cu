@@ -10,7 +10,6 @@
 #include "dtype.h"
 #include "launch.cuh"
 #include "norm.h"
-#include "norm_row.cuh"
 
 namespace fastqwen {
 namespace {
@@ -18,7 +17,6 @@ namespace {
 // VEC elements per 16-byte pack (other sizes and alignments take the two-pass kernel below),
 // VPT packs per thread. FUSED: x + residual first, residual updated in place.
 constexpr int kMaxThreads = 512;
-static_assert(norm_row_layout(1 << 20).threads == kMaxThreads, "norm_row.cuh lays rows out on this kernel's blocks");
 
 template <typename T, int VEC, int VPT, bool FUSED>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(T* out, const T* x,  // out == x in the fused form
@@ -113,14 +111,16 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_generic_kernel(T* out, c
   }
 }
 
-// Rows of 16-byte packs held in registers (norm_row.cuh's layout): one pack per thread up to 512 threads (measured on H200 against 2 and 4
+// Rows of 16-byte packs held in registers: one pack per thread up to 512 threads (measured on H200 against 2 and 4
 // packs per thread: the most loads in flight wins at every token count), more packs per thread beyond, at most 8.
 template <typename T, bool FUSED>
 bool launch_packed(T* out, const T* x, T* residual, const T* weight, int64_t rows, int hidden, float eps,
                    cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
-  const NormRowLayout layout = norm_row_layout(hidden / kVec);  // (shared with the GEMV's norm epilogue)
-  const int threads = layout.threads, per_thread = layout.per_thread;
+  const int nvec = hidden / kVec;
+  int threads = (nvec + 31) / 32 * 32;
+  threads = threads > kMaxThreads ? kMaxThreads : threads;
+  const int per_thread = (nvec + threads - 1) / threads;
   if (per_thread > 8) return false;
   const dim3 grid(static_cast<unsigned>(rows));
   constexpr const char* kWhat = FUSED ? "fused_add_rms_norm kernel launch" : "rms_norm kernel launch";

@@ -43,12 +43,6 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
-def gemv_norm_epilogue() -> bool:
-    """FASTQWEN_GEMV_NORM=0: at one token, o_proj and down run as a GEMV and then the residual add + RMSNorm kernel,
-    instead of one GEMV whose last block applies the norm (ops.linear_add_rms_norm); for comparison."""
-    return _flag("FASTQWEN_GEMV_NORM", True)
-
-
 def api_key() -> str | None:
     """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("FASTQWEN_API_KEY") or None

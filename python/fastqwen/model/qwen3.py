@@ -33,8 +33,6 @@ class Qwen3Model:
         self.decode_workspace = None
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
-        # The one-token GEMVs with the norm in their epilogue count their finished blocks here (ops.linear_add_rms_norm).
-        self.norm_counter = torch.zeros(33 * 32, dtype=torch.int32, device=self.device)
         projections = [getattr(layer, n) for layer in weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
         ops.prepare_linear(projections + [weights.lm_head], self.dtype, self.device)
 
@@ -58,11 +56,11 @@ class Qwen3Model:
         decode_kernel = batch.is_decode and self.decode_workspace is not None
         if decode_kernel:  # the split plan of this step, once for all layers, on the device
             ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
-        ops.rms_norm(residual, w.layers[0].input_norm, eps, out=hidden)
-        # A row-parallel projection is all-reduced before its residual add; the next norm then runs on its own.
-        single_rank = self.parallel.size == 1
-        final_norm_fused = False
         for index, layer in enumerate(w.layers):
+            if index == 0:
+                ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
+            else:
+                ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = ops.linear(hidden, layer.qkv)
             k_cache, v_cache = kv.k(index), kv.v(index)
             k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
@@ -81,21 +79,15 @@ class Qwen3Model:
                     batch.max_query_len or None,  # the batch builder knows it: no read-back
                     k_scale=k_scale, v_scale=v_scale,
                 )
-            hidden = self._project_add_norm(attn.view(num_tokens, -1), layer.o_proj, residual, layer.post_norm, eps)
+            hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
+            ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             act = ops.linear_silu_and_mul(hidden, layer.gate_up)
-            if index + 1 < len(w.layers):
-                hidden = self._project_add_norm(act, layer.down, residual, w.layers[index + 1].input_norm, eps)
-            elif single_rank and extra_rows is None and ops.gemv_norm_applies(act, layer.down, residual, w.final_norm):
-                # One token: the final norm inside the last projection (a row's norm does not depend on the others).
-                hidden = ops.linear_add_rms_norm(act, layer.down, residual, w.final_norm, eps, self.norm_counter)
-                final_norm_fused = True
-            else:
-                hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
+            hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
         # Only the rows that sample reach the final norm and the LM head.
         rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
         hidden = hidden[rows]
-        if not final_norm_fused:
-            ops.fused_add_rms_norm(hidden, residual[rows], w.final_norm, eps)
+        residual = residual[rows]
+        ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
         if extra_rows is not None:
             num_samples = batch.logits_indices.shape[0]
             return self.lm_head_logits(hidden[:num_samples]), hidden[num_samples:]
@@ -103,17 +95,6 @@ class Qwen3Model:
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
-
-    def _project_add_norm(
-        self, x: torch.Tensor, w, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:  # fmt: skip
-        """The hidden state for the next projection: RMSNorm(residual + x @ w^T) * norm_weight, the residual updated
-        in place; one kernel at one token on a single rank (ops.linear_add_rms_norm)."""
-        if self.parallel.size == 1:
-            return ops.linear_add_rms_norm(x, w, residual, norm_weight, eps, self.norm_counter)
-        hidden = self.parallel.all_reduce(ops.linear(x, w))
-        ops.fused_add_rms_norm(hidden, residual, norm_weight, eps)
-        return hidden
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""

@@ -16,9 +16,7 @@ A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values w
 
 `linear_silu_and_mul` is the MLP's gate and up projections with its activation: where the GEMV runs, the kernel
 multiplies silu(gate) by up in its epilogue (no activation kernel, no 2d-wide intermediate); elsewhere `linear` then
-`silu_and_mul`, with the same bits. `linear_add_rms_norm` is a projection followed by the residual add and the next
-RMSNorm: at one token the GEMV's last block applies the norm (no norm kernel between projections); elsewhere `linear`
-then `fused_add_rms_norm`, with the same bits.
+`silu_and_mul`, with the same bits.
 
 Sharding for tensor parallelism slices these containers along their rows or columns; it lives elsewhere.
 """
@@ -31,10 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import env
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
 from .activation import silu_and_mul
-from .norm import fused_add_rms_norm
 
 __all__ = [
     "FP8_BLOCK",
@@ -44,9 +40,7 @@ __all__ = [
     "dequantize_fp8",
     "gemv",
     "gemv_kernel_applies",
-    "gemv_norm_applies",
     "linear",
-    "linear_add_rms_norm",
     "linear_reference",
     "linear_silu_and_mul",
     "prepare_linear",
@@ -298,52 +292,6 @@ def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = Fals
     if gemv_only:
         raise ValueError(f"linear_silu_and_mul: the GEMV does not apply to x {tuple(x.shape)} {x.dtype} on {x.device}")
     return silu_and_mul(linear(x, w))
-
-
-_GEMV_NORM = env.gemv_norm_epilogue()
-
-
-def gemv_norm_applies(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    """Whether linear_add_rms_norm(x, w, residual, ...) runs as one GEMV kernel with the norm in its epilogue: one
-    token where linear runs the GEMV, rows the epilogue takes, residual and norm weight of x's dtype on its device."""
-    if not (_GEMV_NORM and x.dim() == 2 and x.shape[0] == 1 and gemv_kernel_applies(x, w)):
-        return False
-    n = w.out_features
-    return (
-        residual.shape == (1, n) and norm_weight.shape == (n,) and residual.dtype == norm_weight.dtype == x.dtype
-        and residual.device == norm_weight.device == x.device and residual.is_contiguous()
-        and norm_weight.is_contiguous() and native().gemv_add_rms_norm_applies(n, dtype_code(x.dtype))
-    )  # fmt: skip
-
-
-def linear_add_rms_norm(
-    x: torch.Tensor, w: LinearWeight, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    counter: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """In place: residual <- residual + linear(x, w); returns RMSNorm(residual) * norm_weight (a new tensor), as
-    linear then fused_add_rms_norm compute them, bit for bit. Where gemv_norm_applies, one GEMV kernel does all of it
-    (its last block normalizes the row); counter: a zeroed int32 tensor of one element on x's device, which the calls
-    on one stream may share (the kernel leaves it at 0); required there."""
-    if not gemv_norm_applies(x, w, residual, norm_weight):
-        y = linear(x, w)
-        fused_add_rms_norm(y, residual, norm_weight, eps)
-        return y
-    if counter is None or counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != x.device:
-        raise ValueError("linear_add_rms_norm: counter must be a zeroed int32 tensor on x's device")
-    x = x.contiguous()
-    out = torch.empty(1, w.out_features, dtype=x.dtype, device=x.device)
-    check_tensors("linear_add_rms_norm", x.device, None, x=x, weight=w.weight)
-    scale = w.scale if w.is_fp8 else None
-    if scale is not None:
-        check_tensors("linear_add_rms_norm", x.device, torch.float32, scale=scale)
-    if w.bias is not None:
-        check_tensors("linear_add_rms_norm", x.device, x.dtype, bias=w.bias)
-    native().gemv_add_rms_norm(
-        out.data_ptr(), x.data_ptr(), w.weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
-        0 if w.bias is None else w.bias.data_ptr(), w.out_features, w.in_features, residual.data_ptr(),
-        norm_weight.data_ptr(), eps, counter.data_ptr(), dtype_code(x.dtype), w.is_fp8, stream_of(x),
-    )  # fmt: skip
-    return out
 
 
 def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:
