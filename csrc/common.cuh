@@ -60,9 +60,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 //   - griddep_wait() before reading anything the kernel right before it wrote (or writing anything that kernel
 //     reads): it waits for that kernel's completion and memory;
 //   - griddep_launch_dependents() only after its own griddep_wait() (a kernel launched the ordinary way has waited
-//     by the time it starts). One exception: the RMSNorm kernels (norm.cu) launch their dependents first; the
-//     projections that follow them read only the weights before their wait, and a PDL kernel added after a norm
-//     must keep to that too.
+//     by the time it starts). One exception: the RMSNorm kernels (norm.cu) launch their dependents first, so the
+//     kernel after a norm may start while the kernel before the norm still runs. It must read nothing but the
+//     weights before its wait; the projections' GEMVs keep to that, and a PDL kernel added after a norm must too.
 // So when a kernel starts, the kernel before it has passed its wait, and every kernel before that one has completed:
 // what they wrote (the step's inputs, the decode plan, the weights) may be read before griddep_wait().
 __device__ __forceinline__ void griddep_wait() {
