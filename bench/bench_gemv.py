@@ -6,7 +6,8 @@ gemv_simt_* is its FMA kernel (csrc/gemv.cu) at the same sizes.
 Bytes per call: the weight (FP8: values and block scales), x and out. Weights rotate among enough buffers that they
 exceed twice the L2, so the weights come from HBM. Each sample is one CUDA-graph replay of a pass over the buffers
 (GPU time without launch gaps), divided by the number of calls; medians over --iters samples. Bandwidth is printed as
-a fraction of a device-to-device copy of 1 GiB measured in the same run (read + write).
+a fraction of a device-to-device copy of 1 GiB measured in the same run (read + write). At one token it also
+times, the same way, a copy that moves as many bytes as the FP8 GEMV (copy_fp8_bytes): what a copy of that size reaches.
 
     python bench/bench_gemv.py [--presets Qwen3-8B] [--batches 1 2 4 8 16] [--shapes qkv o_proj] [--json out.json]
                                [--iters 30]
@@ -85,6 +86,15 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
             moved = weight_bytes(weights[0]) + 2 * m * ((rows // 2 if "silu" in name else rows) + cols)
             row[f"{name}_us"] = round(ms * 1e3, 2)
             row[f"{name}_frac_copy"] = round(moved / (ms * 1e-3) / 1e9 / copy_gbs, 3)
+        if m == 1:  # a copy moving as many bytes as the FP8 GEMV (half read, half written), timed the same way
+            half = weight_bytes(fp8[0]) // 2
+            pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
+                     for _ in range(nbuf)]
+            graph = graph_of(lambda: [d.copy_(s) for s, d in pairs])
+            ms = time_fn(graph.replay, iters) / nbuf
+            row["copy_fp8_bytes_us"] = round(ms * 1e3, 2)
+            row["copy_fp8_bytes_frac_copy"] = round(2 * half / (ms * 1e-3) / 1e9 / copy_gbs, 3)
+            del pairs, graph
         rows_out.append(row)
         print(row, flush=True)
     return rows_out

@@ -22,7 +22,7 @@ echo "build rc=$build_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.lo
 python3 tests/mutation_check.py --build-dir $BUILD --phase build > "$OUT/mutants_build.log" 2>&1 &
 mutants=$!
 date -u +"tests started %Y-%m-%dT%H:%M:%SZ" > "$OUT/tests.log"
-timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -v -rs -p no:cacheprovider --durations=12 tests "$@" 2>&1 | tee -a "$OUT/tests.log" | tail -n 40
+timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest -v -rs -p no:cacheprovider --durations=12 tests "$@" 2>&1 | tee -a "$OUT/tests.log" | tail -n 40
 tests_rc=${PIPESTATUS[0]}
 echo "tests rc=$tests_rc" | tee -a "$OUT/tests.log"
 wait $mutants; cat "$OUT/mutants_build.log"

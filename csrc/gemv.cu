@@ -6,7 +6,8 @@
 // few output rows still fill the GPU), and each lane issues 16-byte loads of all kRows rows, kUnroll chunks ahead,
 // bypassing L1 so that the activations x stay there for the other rows. FP8 weights are converted in registers
 // (hardware e4m3x2 -> f16x2) and each 16-element chunk's dot product is multiplied by its block's scale; every
-// product and sum is fp32. The warps' partial sums meet in shared memory; one rounding to the output type.
+// product and sum is fp32. The warps' partial sums meet in shared memory; one rounding to the output type. One token
+// of FP8 weights runs gemv_fp8_one_token_kernel, the same arithmetic with its loads kept in flight in a ring.
 //
 // With SILU_GATE_UP, W stacks the gate and up projections ([gate; up], 2d rows) and out is silu(gate) * up ([m, d]):
 // a block takes kRows / 2 rows of each half and multiplies the two in its epilogue, rounded as silu_and_mul rounds,
@@ -42,7 +43,8 @@ constexpr int kWarps = 4;
 // chunks cost twice the arithmetic per byte, so an FP8 warp that waits for two chunks' loads and then converts them
 // leaves that arithmetic exposed after the last bytes arrive (and spilled registers at two chunks). One chunk ahead
 // still keeps 64 KB in flight per SM. Measured on an H100 at one token: FP8 o_proj 8.5 -> 7.2 us, gate_up with SiLU
-// 39.8 -> 36.2 us, down 21.0 -> 19.6 us; batch-1 decode of Qwen3-8B FP8 3.51 -> 3.31 ms.
+// 39.8 -> 36.2 us, down 21.0 -> 19.6 us; batch-1 decode of Qwen3-8B FP8 3.51 -> 3.31 ms. (One FP8 token now runs
+// gemv_fp8_one_token_kernel, which keeps those chunks in flight in a ring.)
 template <bool FP8, int R>
 constexpr int unroll_for_rows() {
   return R == 4 && !FP8 ? 2 : 1;
@@ -114,6 +116,46 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[i][r] = FP8 ? fmaf(scale[r], part[r], acc[i][r]) : acc[i][r] + part[r];
+  }
+}
+
+// The block's epilogue: each warp's sums acc (its share of every row's dot products) meet in shared memory, in a fixed
+// order, and are rounded once to T (outputs out0 .. out0 + kOut of each token).
+template <typename T, int MT, bool SILU_GATE_UP, int kRows>
+__device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* __restrict__ out,
+                                              const T* __restrict__ bias, int m, int n_out, int out0, int warp,
+                                              int lane) {
+  constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
+  __shared__ float partial[kWarps][MT * kRows];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (i < m) {
+        const float s = warp_sum(acc[i][r]);
+        if (lane == 0) partial[warp][i * kRows + r] = s;
+      }
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < MT * kOut; t += blockDim.x) {
+    const int i = t / kOut, o = t % kOut, j = out0 + o;
+    if (i >= m || j >= n_out) continue;
+    // The projection's outputs j (and, with SILU_GATE_UP, n_out + j), rounded to T as a separate GEMM would round.
+    T y[kRows / kOut];
+#pragma unroll
+    for (int half = 0; half < kRows / kOut; ++half) {
+      float s = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kWarps; ++q) s += partial[q][i * kRows + half * kOut + o];
+      if (bias != nullptr) s += Cvt<T>::to_f(bias[half * n_out + j]);
+      y[half] = Cvt<T>::from_f(s);
+    }
+    if constexpr (SILU_GATE_UP) {
+      out[static_cast<int64_t>(i) * n_out + j] = silu_mul(y[0], y[1]);
+    } else {
+      out[static_cast<int64_t>(i) * n_out + j] = y[0];
+    }
   }
 }
 
@@ -190,50 +232,107 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     griddep_launch_dependents();
   }
 
-  __shared__ float partial[kWarps][MT * kRows];
+  write_outputs<T, MT, SILU_GATE_UP, kRows>(acc, out, bias, m, n_out, out0, warp, lane);
+}
+
+// One token, FP8 weights: the same arithmetic as gemv_kernel (bit for bit), with the loads in a ring. Each lane keeps
+// one 16-byte chunk of every row in flight and, as soon as it has multiplied a row's chunk, issues that row's next
+// one, so that the chunks of its other rows stay in flight while it converts and multiplies. gemv_kernel instead
+// loads a chunk of every row, waits for all of them and computes them all before its next loads: nothing of the lane
+// is in flight meanwhile, and in a one-wave grid every SM does that at about the same time. Measured on an H100
+// (bench/results/2026-11-23-h100-gemv-ring): o_proj 7.09 -> 6.90 us, qkv 10.53 -> 10.26; batch-1 decode of Qwen3-8B
+// FP8 3.282 -> 3.256 ms (128-token prompt). The same ring for bf16 weights was faster in the decode step but slower
+// alone (o_proj 12.36 -> 12.74 us), and two chunks deep was slower for both.
+template <typename T, bool SILU_GATE_UP, int kRows>
+__global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* __restrict__ out, const T* __restrict__ x,
+                                                                           const uint8_t* __restrict__ w,
+                                                                           const float* __restrict__ scale,
+                                                                           const T* __restrict__ bias, int n, int k) {
+  constexpr int E = chunk_elems<true>();
+  constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
+  constexpr int kStride = kWarps * 32;
+  const int n_out = SILU_GATE_UP ? n / 2 : n;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int out0 = blockIdx.x * kOut;
+  const int num_chunks = k / E;
+  const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
+  const int row0 = min(out0, n_out - 1);
+  const uint4* rows0 = reinterpret_cast<const uint4*>(w) + static_cast<int64_t>(row0) * num_chunks;
+  int row_off[kRows];    // chunks from rows0 to slot r's row (as in gemv_kernel)
+  int scale_off[kRows];  // slot r's row of block scales
 #pragma unroll
-  for (int i = 0; i < MT; ++i) {
+  for (int r = 0; r < kRows; ++r) {
+    const int row = min(out0 + r % kOut, n_out - 1) + (r / kOut) * n_out;
+    row_off[r] = (row - row0) * num_chunks;
+    scale_off[r] = (row / kGemvFp8Block) * scale_cols;
+  }
+  int c = warp * 32 + lane;  // this lane's chunk of every row: c, c + kStride, ...
+  uint4 wv[kRows];
+  float sv[kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (i < m) {
-        const float s = warp_sum(acc[i][r]);
-        if (lane == 0) partial[warp][i * kRows + r] = s;
+  for (int r = 0; r < kRows; ++r) {
+    if (c < num_chunks) {
+      wv[r] = load_stream(rows0 + row_off[r] + c);
+      sv[r] = __ldg(scale + scale_off[r] + c * E / kGemvFp8Block);
+    }
+  }
+  griddep_wait();
+  griddep_launch_dependents();  // (after the wait: see common.cuh)
+
+  float acc[1][kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[0][r] = 0.0f;
+  for (; c < num_chunks; c += kStride) {
+    const int next = c + kStride;
+    float part[kRows];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the chunk's halves: words 2h and 2h + 1, 8 weights
+      float xf[8];
+      load_x8(x + static_cast<int64_t>(c) * E + 8 * h, xf);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const uint32_t lo = h == 0 ? wv[r].x : wv[r].z, hi = h == 0 ? wv[r].y : wv[r].w;
+        const float2 w0 = fp8x2_to_float2(lo), w1 = fp8x2_to_float2(lo >> 16);
+        const float2 w2 = fp8x2_to_float2(hi), w3 = fp8x2_to_float2(hi >> 16);
+        const float wf[8] = {w0.x, w0.y, w1.x, w1.y, w2.x, w2.y, w3.x, w3.y};
+        float p = h == 0 ? 0.0f : part[r];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) p = fmaf(xf[e], wf[e], p);
+        part[r] = p;
+        if (h == 1) {
+          acc[0][r] = fmaf(sv[r], p, acc[0][r]);
+          if (next < num_chunks) {  // the row's chunk is used up: its next one goes out now
+            wv[r] = load_stream(rows0 + row_off[r] + next);
+            sv[r] = __ldg(scale + scale_off[r] + next * E / kGemvFp8Block);
+          }
+        }
       }
     }
   }
-  __syncthreads();
-  for (int t = threadIdx.x; t < MT * kOut; t += blockDim.x) {
-    const int i = t / kOut, o = t % kOut, j = out0 + o;
-    if (i >= m || j >= n_out) continue;
-    // The projection's outputs j (and, with SILU_GATE_UP, n_out + j), rounded to T as a separate GEMM would round.
-    T y[kRows / kOut];
-#pragma unroll
-    for (int half = 0; half < kRows / kOut; ++half) {
-      float s = 0.0f;
-#pragma unroll
-      for (int q = 0; q < kWarps; ++q) s += partial[q][i * kRows + half * kOut + o];
-      if (bias != nullptr) s += Cvt<T>::to_f(bias[half * n_out + j]);
-      y[half] = Cvt<T>::from_f(s);
-    }
-    if constexpr (SILU_GATE_UP) {
-      out[static_cast<int64_t>(i) * n_out + j] = silu_mul(y[0], y[1]);
-    } else {
-      out[static_cast<int64_t>(i) * n_out + j] = y[0];
-    }
-  }
+  write_outputs<T, 1, SILU_GATE_UP, kRows>(acc, out, bias, 1, n_out, out0, warp, lane);
 }
 
-// Blocks of the kernel resident per SM, times the SMs (once per kernel and device).
-template <typename T, bool FP8, int MT, bool SILU, int R>
+// Blocks of a kernel resident per SM, times the SMs (once per kernel and device).
+template <auto Kernel>
 int resident_blocks() {
   static PerDevice<int> slots;
   return slots.get([](int device) {
     int sms = 0, per_sm = 0;
     cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemv: cudaDeviceGetAttribute");
-    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<T, FP8, MT, SILU, R>, kWarps * 32, 0),
-               "gemv: occupancy");
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kWarps * 32, 0), "gemv: occupancy");
     return std::max(1, sms * per_sm);
   });
+}
+
+// The kernel that takes a call of MT tokens at R rows a block.
+template <typename T, bool FP8, int MT, bool SILU, int R>
+constexpr auto kernel_for() {
+  if constexpr (FP8 && MT == 1) {
+    return gemv_fp8_one_token_kernel<T, SILU, R>;
+  } else {
+    return gemv_kernel<T, FP8, MT, SILU, R>;
+  }
 }
 
 // The grid's waves: full waves stream at the full rate, a partial last wave at a fraction of it. 6 rows a block
@@ -247,8 +346,10 @@ int rows_per_block(int weight_rows) {
     return waves / std::ceil(waves);
   };
   const int b4 = (weight_rows + 3) / 4, b6 = (weight_rows + 5) / 6;
-  return fill(b6, resident_blocks<T, FP8, MT, SILU, 6>()) > fill(b4, resident_blocks<T, FP8, MT, SILU, 4>()) + 0.05 ? 6
-                                                                                                                     : 4;
+  return fill(b6, resident_blocks<kernel_for<T, FP8, MT, SILU, 6>()>()) >
+                 fill(b4, resident_blocks<kernel_for<T, FP8, MT, SILU, 4>()>()) + 0.05
+             ? 6
+             : 4;
 }
 
 template <typename T, bool FP8, int MT, bool SILU, int R>
@@ -257,9 +358,16 @@ void launch_rows(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintp
   const int outputs_per_block = SILU ? R / 2 : R;
   const int n_out = SILU ? n / 2 : n;
   const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
-  launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
-                      reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
-                      reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
+  if constexpr (FP8 && MT == 1) {
+    return launch_programmatic(gemv_fp8_one_token_kernel<T, SILU, R>, grid, dim3(kWarps * 32), 0, stream,
+                               "gemv kernel launch", reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
+                               reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scale),
+                               reinterpret_cast<const T*>(bias), n, k);
+  } else {
+    launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
+                        reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+                        reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
+  }
 }
 
 template <typename T, bool FP8, int MT, bool SILU>

@@ -81,6 +81,13 @@ MUTATIONS = [
         PREFILL_TESTS, "earlier tiles are not rescaled when the running max grows (tiles merged with wrong weights)",
     ),
     Mutation(
+        "gemv_fp8_ring_reloads_its_chunk", "csrc/gemv.cu",
+        [("            wv[r] = load_stream(rows0 + row_off[r] + next);",
+          "            wv[r] = load_stream(rows0 + row_off[r] + c);")],
+        ["tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-8B-fp8]"],
+        "the one-token FP8 GEMV multiplies each lane's first chunk of a row again in place of the later ones",
+    ),
+    Mutation(
         "prefix_cache_evicts_most_recent", "python/fastqwen/kvcache/radix_cache.py",
         [("(n.last_access, id(n), n)", "(-n.last_access, id(n), n)"),
          ("(parent.last_access, id(parent), parent)", "(-parent.last_access, id(parent), parent)")],
