@@ -159,6 +159,29 @@ __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* 
   }
 }
 
+// The block's weight rows. Slot r is output out0 + r; with SILU_GATE_UP, slots kOut.. are the same outputs' up rows.
+// Outputs past the end re-read the last one (their sums are dropped). The rows are one pointer and 32-bit offsets in
+// 16-byte chunks, which spares registers (gemv() checks that the offsets fit); scale_off: each slot's row of FP8 block
+// scales.
+template <bool SILU_GATE_UP, int kRows>
+struct BlockRows {
+  const uint4* rows0;
+  int row_off[kRows];
+  int scale_off[kRows];
+
+  __device__ __forceinline__ BlockRows(const uint8_t* w, int out0, int n_out, int row_chunks, int scale_cols) {
+    constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
+    const int row0 = min(out0, n_out - 1);
+    rows0 = reinterpret_cast<const uint4*>(w) + static_cast<int64_t>(row0) * row_chunks;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = min(out0 + r % kOut, n_out - 1) + (r / kOut) * n_out;
+      row_off[r] = (row - row0) * row_chunks;
+      scale_off[r] = (row / kGemvFp8Block) * scale_cols;
+    }
+  }
+};
+
 // Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
 // at m). One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
 template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows>
@@ -177,20 +200,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   const int num_chunks = k / E;
   const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
 
-  // Weight row of slot r: output out0 + r; with SILU_GATE_UP, slots kOut.. are the same outputs' up rows. Outputs
-  // past the end re-read the last one; their sums are dropped. The rows are one pointer and 32-bit offsets (in 16-byte
-  // chunks), which spares registers (gemv() checks that the offsets fit).
-  const int row0 = min(out0, n_out - 1);
-  const int row_chunks = k * kRowBytesPerElem / 16;
-  const uint4* rows0 = reinterpret_cast<const uint4*>(w) + static_cast<int64_t>(row0) * row_chunks;
-  int row_off[kRows];    // chunks from rows0 to slot r's row
-  int scale_off[kRows];  // slot r's row of block scales
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = min(out0 + r % kOut, n_out - 1) + (r / kOut) * n_out;
-    row_off[r] = (row - row0) * row_chunks;
-    scale_off[r] = (row / kGemvFp8Block) * scale_cols;
-  }
+  const BlockRows<SILU_GATE_UP, kRows> rows(w, out0, n_out, k * kRowBytesPerElem / 16, scale_cols);
   float acc[MT][kRows];
 #pragma unroll
   for (int i = 0; i < MT; ++i)
@@ -208,9 +218,9 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
       const int c = base + u * kStride;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        wv[u][r] = c < num_chunks ? load_stream(rows0 + row_off[r] + c) : make_uint4(0, 0, 0, 0);
+        wv[u][r] = c < num_chunks ? load_stream(rows.rows0 + rows.row_off[r] + c) : make_uint4(0, 0, 0, 0);
         if constexpr (FP8) {
-          sv[u][r] = c < num_chunks ? __ldg(scale + scale_off[r] + c * E / kGemvFp8Block) : 0.0f;
+          sv[u][r] = c < num_chunks ? __ldg(scale + rows.scale_off[r] + c * E / kGemvFp8Block) : 0.0f;
         } else {
           sv[u][r] = 1.0f;
         }
@@ -257,24 +267,15 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
   const int out0 = blockIdx.x * kOut;
   const int num_chunks = k / E;
   const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
-  const int row0 = min(out0, n_out - 1);
-  const uint4* rows0 = reinterpret_cast<const uint4*>(w) + static_cast<int64_t>(row0) * num_chunks;
-  int row_off[kRows];    // chunks from rows0 to slot r's row (as in gemv_kernel)
-  int scale_off[kRows];  // slot r's row of block scales
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = min(out0 + r % kOut, n_out - 1) + (r / kOut) * n_out;
-    row_off[r] = (row - row0) * num_chunks;
-    scale_off[r] = (row / kGemvFp8Block) * scale_cols;
-  }
+  const BlockRows<SILU_GATE_UP, kRows> rows(w, out0, n_out, num_chunks, scale_cols);
   int c = warp * 32 + lane;  // this lane's chunk of every row: c, c + kStride, ...
   uint4 wv[kRows];
   float sv[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (c < num_chunks) {
-      wv[r] = load_stream(rows0 + row_off[r] + c);
-      sv[r] = __ldg(scale + scale_off[r] + c * E / kGemvFp8Block);
+      wv[r] = load_stream(rows.rows0 + rows.row_off[r] + c);
+      sv[r] = __ldg(scale + rows.scale_off[r] + c * E / kGemvFp8Block);
     }
   }
   griddep_wait();
@@ -303,8 +304,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
         if (h == 1) {
           acc[0][r] = fmaf(sv[r], p, acc[0][r]);
           if (next < num_chunks) {  // the row's chunk is used up: its next one goes out now
-            wv[r] = load_stream(rows0 + row_off[r] + next);
-            sv[r] = __ldg(scale + scale_off[r] + next * E / kGemvFp8Block);
+            wv[r] = load_stream(rows.rows0 + rows.row_off[r] + next);
+            sv[r] = __ldg(scale + rows.scale_off[r] + next * E / kGemvFp8Block);
           }
         }
       }

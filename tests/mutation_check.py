@@ -82,8 +82,8 @@ MUTATIONS = [
     ),
     Mutation(
         "gemv_fp8_ring_reloads_its_chunk", "csrc/gemv.cu",
-        [("            wv[r] = load_stream(rows0 + row_off[r] + next);",
-          "            wv[r] = load_stream(rows0 + row_off[r] + c);")],
+        [("            wv[r] = load_stream(rows.rows0 + rows.row_off[r] + next);",
+          "            wv[r] = load_stream(rows.rows0 + rows.row_off[r] + c);")],
         ["tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-8B-fp8]"],
         "the one-token FP8 GEMV multiplies each lane's first chunk of a row again in place of the later ones",
     ),
