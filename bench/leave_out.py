@@ -9,9 +9,10 @@ this is for): the replays run on the inputs of a real decode step (a prompt of -
     python bench/leave_out.py --model Qwen3-8B --load-format dummy [--quantization fp8] [--prompt-lens 128 1024]
                               [--min-chunks 128 64]
 
-Besides the variants below: full_pdl_off (the whole step without programmatic dependent launch) and, per
---min-chunks value, full_min_chunk_N (the whole step with decode attention cutting sequences into chunks of at least
-N tokens instead of its default).
+Besides the variants below: full_pdl_off (the whole step without programmatic dependent launch), per --min-chunks
+value full_min_chunk_N (the whole step with decode attention cutting sequences into chunks of at least N tokens
+instead of its default), and with --norm-kernels full_norm_kernels (the RMSNorms as their own kernels, as
+FASTQWEN_NORM_IN_GEMV=0 runs the step; by default they ride on the GEMVs and no_layer_norms leaves out nothing).
 """
 
 from __future__ import annotations
@@ -56,18 +57,19 @@ def install_switches(model, left_out: set[str]) -> None:
 
         return wrapper
 
-    def rows(x, w, out=None):  # the output a projection would have produced (uninitialized)
+    def rows(x, w, out=None, norm=None):  # the output a projection would have produced (uninitialized)
         return torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device) if out is None else out
 
-    def half_rows(x, w, gemv_only=False):
+    def half_rows(x, w, gemv_only=False, norm=None):
         return torch.empty(x.shape[0], w.out_features // 2, dtype=x.dtype, device=x.device)
 
     ops.paged_attention_decode = skip_unless("attention", ops.paged_attention_decode)
     ops.qk_norm_rope_store_kv = skip_unless("qk_norm_rope", ops.qk_norm_rope_store_kv)
     ops.rms_norm = skip_unless("norms", ops.rms_norm)
     ops.fused_add_rms_norm = skip_unless("norms", ops.fused_add_rms_norm, keep=lambda h, r, w, eps: w is final_norm)
-    ops.linear = skip_unless("projections", ops.linear, keep=lambda x, w, out=None: w is lm_head, stand_in=rows)
+    ops.linear = skip_unless("projections", ops.linear, keep=lambda x, w, **_: w is lm_head, stand_in=rows)
     ops.linear_silu_and_mul = skip_unless("projections", ops.linear_silu_and_mul, stand_in=half_rows)
+    ops.linear_add_residual = skip_unless("projections", ops.linear_add_residual)
 
 
 def replay_ms(graphs: DecodeGraphs, replays: int) -> float:
@@ -90,6 +92,8 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--rounds", type=int, default=2, help="the variants are measured this many times, alternating")
     p.add_argument("--min-chunks", type=int, nargs="*", default=[])
+    p.add_argument("--norm-kernels", action="store_true", help="also the whole step with its RMSNorms as their own "
+                   "kernels instead of in the GEMVs (as FASTQWEN_NORM_IN_GEMV=0 runs it), as full_norm_kernels")
     p.add_argument("--variants", nargs="+", default=[*VARIANTS, "full_pdl_off"], help="which of them to measure")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -112,6 +116,8 @@ def main() -> int:
         configs = [(name, kinds, True, 0) for name, kinds in VARIANTS.items()] + [("full_pdl_off", (), False, 0)]
         configs = [c for c in configs if c[0] in args.variants]
         configs += [(f"full_min_chunk_{n}", (), True, n) for n in args.min_chunks]
+        configs += [("full_norm_kernels", (), True, 0)] if args.norm_kernels else []
+        norms_in_gemv = model.norms_in_gemv
         kv_fp8 = runner.kv.k(0).dtype == torch.float8_e4m3fn
         for _ in range(args.rounds):
             for name, kinds, pdl, min_chunk in configs:
@@ -119,12 +125,14 @@ def main() -> int:
                 left_out.update(kinds)
                 native.set_programmatic_launch(pdl)
                 native.set_paged_attention_decode_min_chunk(kv_fp8, min_chunk)  # (0: the default)
+                model.norms_in_gemv = norms_in_gemv and name != "full_norm_kernels"
                 try:
                     graphs = DecodeGraphs(model, runner.kv, runner.staging, 1, runner.sampler.graph_hook).capture()
                 finally:
                     left_out.clear()
                     native.set_programmatic_launch(True)
                     native.set_paged_attention_decode_min_chunk(kv_fp8, 0)
+                    model.norms_in_gemv = norms_in_gemv
                 runner.staging.dev.copy_(saved)
                 times.setdefault(name, []).append(replay_ms(graphs, args.replays))
                 graphs.close()

@@ -250,6 +250,20 @@ PYBIND11_MODULE(_C, m) {
       py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("silu_gate_up"), py::arg("stream"),
       "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
       "block scales (fp8); fp32 accumulation. silu_gate_up: W = [gate; up], out [m, n / 2] = silu(gate) * up.");
+  m.def(
+      "gemv_norm",
+      [](int kind, const py::int_& out, const py::int_& x, const py::int_& w, const py::int_& scale,
+         const py::int_& bias, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up,
+         const py::int_& norm_weight, double eps, const py::int_& stream) {
+        fastqwen::gemv_norm(kind, to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(w, "w"),
+                            to_uintptr(scale, "scale"), to_uintptr(bias, "bias"), n, k, dtype, fp8, silu_gate_up,
+                            to_uintptr(norm_weight, "norm_weight"), eps, to_uintptr(stream, "stream"));
+      },
+      py::arg("kind"), py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"),
+      py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("silu_gate_up"), py::arg("norm_weight"), py::arg("eps"),
+      py::arg("stream"),
+      "One token, the RMSNorm between two projections carried by their GEMVs (gemv.h). kind 1: out (the residual) "
+      "+= x @ W^T. kind 2: out = RMSNorm(x; norm_weight, eps) @ W^T, x the residual.");
   m.def("set_gemv_tensor_cores", &fastqwen::set_gemv_tensor_cores, py::arg("enabled"),
         "Whether gemv sends the calls of 2 to 8 tokens it can to its tensor-core kernel (default on); returns the "
         "previous setting. For tests and benchmarks.");

@@ -9,6 +9,12 @@
 // product and sum is fp32. The warps' partial sums meet in shared memory; one rounding to the output type. One token
 // of FP8 weights runs gemv_fp8_one_token_kernel, the same arithmetic with its loads kept in flight in a ring.
 //
+// One token, the RMSNorm between two projections rides on their GEMVs (gemv_norm): the projection before the norm
+// adds its outputs into the residual in its epilogue (ADD_RESIDUAL), and the projection after it reads the residual
+// as x, multiplies each x by the norm's weight as it loads it and sums x^2 on the way (NORM_X), then scales its dot
+// products by 1/rms. Every block reads all of x anyway, so the norm costs no extra pass, no grid-wide step and no
+// kernel between the two projections.
+//
 // With SILU_GATE_UP, W stacks the gate and up projections ([gate; up], 2d rows) and out is silu(gate) * up ([m, d]):
 // a block takes kRows / 2 rows of each half and multiplies the two in its epilogue, rounded as silu_and_mul rounds,
 // so the MLP's activation needs neither its own kernel nor the 2d-wide intermediate.
@@ -66,6 +72,39 @@ __device__ __forceinline__ void load_x8(const T* p, float (&out)[8]) {
   }
 }
 
+// What a one-token GEMV does besides out = x @ W^T (gemv_norm in gemv.h).
+enum : int {
+  kPlain = 0,
+  kAddResidual = 1,  // out += the projection (out is the residual), rounded as fused_add_rms_norm adds
+  kNormX = 2,        // x is the residual h: the projection of RMSNorm(h) (norm weight g), 1/rms applied at the end
+};
+
+// 8 of the GEMV's activations at element offset e: x as it is, or with kNormX, x * g (fp32, not rounded) while
+// sq sums x^2.
+template <int EPI, typename T>
+__device__ __forceinline__ void load_x8_for(const T* x, const T* g, int64_t e, float (&out)[8], float& sq) {
+  load_x8(x + e, out);
+  if constexpr (EPI == kNormX) {
+    float gf[8];
+    load_x8(g + e, gf);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      sq = fmaf(out[i], out[i], sq);
+      out[i] *= gf[i];
+    }
+  }
+}
+
+// kAddResidual: the block's residual outputs into L1 before griddep_wait (a hint), so that the epilogue's read of them
+// is not a round trip to L2 while the next projection's weights queue. The residual was written two or more kernels
+// before (gemv_norm's contract), so it may be read before the wait.
+template <int EPI, typename T>
+__device__ __forceinline__ void prefetch_residual(const T* out, int out0) {
+  if constexpr (EPI == kAddResidual) {
+    if (threadIdx.x == 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(out + out0));
+  }
+}
+
 // Weight elements per 16-byte chunk.
 template <bool FP8>
 constexpr int chunk_elems() {
@@ -73,9 +112,10 @@ constexpr int chunk_elems() {
 }
 
 // acc[i][r] += dot(x[i, chunk c], W[row r, chunk c]) for the chunk's weights w[r] (already loaded).
-template <typename T, bool FP8, int MT, int kRows>
-__device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m, int k, int c, const uint4 (&w)[kRows],
-                                                 const float (&scale)[kRows], float (&acc)[MT][kRows]) {
+template <typename T, bool FP8, int MT, int kRows, int EPI>
+__device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, const T* __restrict__ g, int m, int k, int c,
+                                                 const uint4 (&w)[kRows], const float (&scale)[kRows],
+                                                 float (&acc)[MT][kRows], float& sq) {
   constexpr int E = chunk_elems<FP8>();
   float wf[kRows][E];
 #pragma unroll
@@ -100,14 +140,14 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
     if (i >= m) break;  // uniform across the block
-    const T* xi = x + static_cast<int64_t>(i) * k + static_cast<int64_t>(c) * E;
+    const int64_t xi = static_cast<int64_t>(i) * k + static_cast<int64_t>(c) * E;
     float part[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) part[r] = 0.0f;
 #pragma unroll
     for (int h = 0; h < E / 8; ++h) {
       float xf[8];
-      load_x8(xi + 8 * h, xf);
+      load_x8_for<EPI>(x, g, xi + 8 * h, xf, sq);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
 #pragma unroll
@@ -121,10 +161,13 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, int m,
 
 // The block's epilogue: each warp's sums acc (its share of every row's dot products) meet in shared memory, in a fixed
 // order, and are rounded once to T (outputs out0 .. out0 + kOut of each token).
-template <typename T, int MT, bool SILU_GATE_UP, int kRows>
+// kNormX: sq is the thread's sum of x^2, k the row length, eps the norm's.
+template <typename T, int MT, bool SILU_GATE_UP, int kRows, int EPI = kPlain>
 __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* __restrict__ out,
                                               const T* __restrict__ bias, int m, int n_out, int out0, int warp,
-                                              int lane) {
+                                              int lane, float sq = 0.0f, int k = 1, float eps = 0.0f) {
+  static_assert(EPI == kPlain || MT == 1, "the norm rides on one-token GEMVs");
+  static_assert(EPI != kAddResidual || !SILU_GATE_UP, "the projection before a norm has no SiLU epilogue");
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
   __shared__ float partial[kWarps][MT * kRows];
 #pragma unroll
@@ -137,7 +180,12 @@ __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* 
       }
     }
   }
-  __syncthreads();
+  float inv_rms = 1.0f;
+  if constexpr (EPI == kNormX) {
+    inv_rms = rsqrtf(block_sum(sq) / static_cast<float>(k) + eps);  // (block_sum synchronizes the block)
+  } else {
+    __syncthreads();
+  }
   for (int t = threadIdx.x; t < MT * kOut; t += blockDim.x) {
     const int i = t / kOut, o = t % kOut, j = out0 + o;
     if (i >= m || j >= n_out) continue;
@@ -148,11 +196,14 @@ __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* 
       float s = 0.0f;
 #pragma unroll
       for (int q = 0; q < kWarps; ++q) s += partial[q][i * kRows + half * kOut + o];
+      if constexpr (EPI == kNormX) s *= inv_rms;
       if (bias != nullptr) s += Cvt<T>::to_f(bias[half * n_out + j]);
       y[half] = Cvt<T>::from_f(s);
     }
     if constexpr (SILU_GATE_UP) {
       out[static_cast<int64_t>(i) * n_out + j] = silu_mul(y[0], y[1]);
+    } else if constexpr (EPI == kAddResidual) {  // (one token)
+      out[j] = Cvt<T>::from_f(Cvt<T>::to_f(y[0]) + Cvt<T>::to_f(out[j]));
     } else {
       out[static_cast<int64_t>(i) * n_out + j] = y[0];
     }
@@ -184,11 +235,12 @@ struct BlockRows {
 
 // Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
 // at m). One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
-template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows>
+template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows, int EPI = kPlain>
 __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
-                                                           const T* __restrict__ bias, int m, int n, int k) {
+                                                           const T* __restrict__ bias, int m, int n, int k,
+                                                           const T* __restrict__ g, float eps) {
   constexpr int E = chunk_elems<FP8>();
   constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;  // outputs per block
@@ -201,7 +253,9 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
 
   const BlockRows<SILU_GATE_UP, kRows> rows(w, out0, n_out, k * kRowBytesPerElem / 16, scale_cols);
+  prefetch_residual<EPI>(out, out0);
   float acc[MT][kRows];
+  float sq = 0.0f;  // (kNormX)
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -234,7 +288,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = base + u * kStride;
-      if (c < num_chunks) accumulate_chunk<T, FP8, MT, kRows>(x, m, k, c, wv[u], sv[u], acc);
+      if (c < num_chunks) accumulate_chunk<T, FP8, MT, kRows, EPI>(x, g, m, k, c, wv[u], sv[u], acc, sq);
     }
   }
   if (!waited) {  // (a lane with no chunk) before out is written
@@ -242,7 +296,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     griddep_launch_dependents();
   }
 
-  write_outputs<T, MT, SILU_GATE_UP, kRows>(acc, out, bias, m, n_out, out0, warp, lane);
+  write_outputs<T, MT, SILU_GATE_UP, kRows, EPI>(acc, out, bias, m, n_out, out0, warp, lane, sq, k, eps);
 }
 
 // One token, FP8 weights: the same arithmetic as gemv_kernel (bit for bit), with the loads in a ring. Each lane keeps
@@ -253,11 +307,12 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 // (bench/results/2026-11-23-h100-gemv-ring): o_proj 7.09 -> 6.90 us, qkv 10.53 -> 10.26; batch-1 decode of Qwen3-8B
 // FP8 3.282 -> 3.256 ms (128-token prompt). The same ring for bf16 weights was faster in the decode step but slower
 // alone (o_proj 12.36 -> 12.74 us), and two chunks deep was slower for both.
-template <typename T, bool SILU_GATE_UP, int kRows>
+template <typename T, bool SILU_GATE_UP, int kRows, int EPI = kPlain>
 __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                                            const uint8_t* __restrict__ w,
                                                                            const float* __restrict__ scale,
-                                                                           const T* __restrict__ bias, int n, int k) {
+                                                                           const T* __restrict__ bias, int n, int k,
+                                                                           const T* __restrict__ g, float eps) {
   constexpr int E = chunk_elems<true>();
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
   constexpr int kStride = kWarps * 32;
@@ -268,6 +323,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
   const int num_chunks = k / E;
   const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
   const BlockRows<SILU_GATE_UP, kRows> rows(w, out0, n_out, num_chunks, scale_cols);
+  prefetch_residual<EPI>(out, out0);
   int c = warp * 32 + lane;  // this lane's chunk of every row: c, c + kStride, ...
   uint4 wv[kRows];
   float sv[kRows];
@@ -282,6 +338,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
   griddep_launch_dependents();  // (after the wait: see common.cuh)
 
   float acc[1][kRows];
+  float sq = 0.0f;  // (kNormX)
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[0][r] = 0.0f;
   for (; c < num_chunks; c += kStride) {
@@ -290,7 +347,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the chunk's halves: words 2h and 2h + 1, 8 weights
       float xf[8];
-      load_x8(x + static_cast<int64_t>(c) * E + 8 * h, xf);
+      load_x8_for<EPI>(x, g, static_cast<int64_t>(c) * E + 8 * h, xf, sq);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const uint32_t lo = h == 0 ? wv[r].x : wv[r].z, hi = h == 0 ? wv[r].y : wv[r].w;
@@ -311,7 +368,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
       }
     }
   }
-  write_outputs<T, 1, SILU_GATE_UP, kRows>(acc, out, bias, 1, n_out, out0, warp, lane);
+  write_outputs<T, 1, SILU_GATE_UP, kRows, EPI>(acc, out, bias, 1, n_out, out0, warp, lane, sq, k, eps);
 }
 
 // Blocks of a kernel resident per SM, times the SMs (once per kernel and device).
@@ -353,46 +410,70 @@ int rows_per_block(int weight_rows) {
              : 4;
 }
 
+// gemv_norm's arguments (kPlain for a plain gemv).
+struct Epilogue {
+  int kind = kPlain;
+  uintptr_t norm_weight = 0;
+  float eps = 0.0f;
+};
+
+template <typename T, bool FP8, int MT, bool SILU, int R, int EPI>
+void launch_kernel(dim3 grid, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n,
+                   int k, const Epilogue& epi, cudaStream_t stream) {
+  const T* g = reinterpret_cast<const T*>(epi.norm_weight);
+  if constexpr (FP8 && MT == 1) {
+    launch_programmatic(gemv_fp8_one_token_kernel<T, SILU, R, EPI>, grid, dim3(kWarps * 32), 0, stream,
+                        "gemv kernel launch", reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
+                        reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scale),
+                        reinterpret_cast<const T*>(bias), n, k, g, epi.eps);
+  } else {
+    launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R, EPI>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
+                        reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
+                        reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k, g, epi.eps);
+  }
+}
+
 template <typename T, bool FP8, int MT, bool SILU, int R>
 void launch_rows(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-                 cudaStream_t stream) {
+                 const Epilogue& epi, cudaStream_t stream) {
   const int outputs_per_block = SILU ? R / 2 : R;
   const int n_out = SILU ? n / 2 : n;
   const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
-  if constexpr (FP8 && MT == 1) {
-    return launch_programmatic(gemv_fp8_one_token_kernel<T, SILU, R>, grid, dim3(kWarps * 32), 0, stream,
-                               "gemv kernel launch", reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
-                               reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scale),
-                               reinterpret_cast<const T*>(bias), n, k);
-  } else {
-    launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
-                        reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
-                        reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k);
+  if constexpr (MT == 1) {
+    if (epi.kind == kNormX) return launch_kernel<T, FP8, MT, SILU, R, kNormX>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
+    if constexpr (!SILU) {
+      if (epi.kind == kAddResidual) {
+        return launch_kernel<T, FP8, MT, SILU, R, kAddResidual>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
+      }
+    }
   }
+  launch_kernel<T, FP8, MT, SILU, R, kPlain>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
 }
 
 template <typename T, bool FP8, int MT, bool SILU>
 void launch_silu(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-                 cudaStream_t stream) {
-  if (rows_per_block<T, FP8, MT, SILU>(n) == 6) return launch_rows<T, FP8, MT, SILU, 6>(out, x, w, scale, bias, m, n, k, stream);
-  launch_rows<T, FP8, MT, SILU, 4>(out, x, w, scale, bias, m, n, k, stream);
+                 const Epilogue& epi, cudaStream_t stream) {
+  if (rows_per_block<T, FP8, MT, SILU>(n) == 6) {
+    return launch_rows<T, FP8, MT, SILU, 6>(out, x, w, scale, bias, m, n, k, epi, stream);
+  }
+  launch_rows<T, FP8, MT, SILU, 4>(out, x, w, scale, bias, m, n, k, epi, stream);
 }
 
 template <typename T, bool FP8, int MT>
 void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-               bool silu_gate_up, cudaStream_t stream) {
-  if (silu_gate_up) return launch_silu<T, FP8, MT, true>(out, x, w, scale, bias, m, n, k, stream);
-  launch_silu<T, FP8, MT, false>(out, x, w, scale, bias, m, n, k, stream);
+               bool silu_gate_up, const Epilogue& epi, cudaStream_t stream) {
+  if (silu_gate_up) return launch_silu<T, FP8, MT, true>(out, x, w, scale, bias, m, n, k, epi, stream);
+  launch_silu<T, FP8, MT, false>(out, x, w, scale, bias, m, n, k, epi, stream);
 }
 
 template <typename T, bool FP8>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-            bool silu_gate_up, cudaStream_t stream) {
-  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
-  if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
-  if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
-  if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
-  return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, silu_gate_up, stream);
+            bool silu_gate_up, const Epilogue& epi, cudaStream_t stream) {
+  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
+  if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
+  if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
+  if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
+  return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
 }
 
 }  // namespace
@@ -413,9 +494,10 @@ bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8) {
   return g_gemv_tensor_cores && m >= kGemvTcMinTokens && gemv_tc_applies(m, k, fp8);
 }
 
-void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
-          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream) {
-  const std::string op = "gemv: ";
+namespace {
+void run_gemv(const std::string& op, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias,
+              int64_t m, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up, const Epilogue& epi,
+              uintptr_t stream) {
   check_dtype(op, dtype, kHalfTypes);
   if (m < 1 || m > kGemvMaxTokens) {
     throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
@@ -437,16 +519,42 @@ void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bi
   if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  if (gemv_uses_tensor_cores(m, k, fp8)) {
+  if (epi.kind == kPlain && gemv_uses_tensor_cores(m, k, fp8)) {
     return gemv_tc(out, x, w, scale, bias, mi, ni, ki, dtype, fp8, silu_gate_up, s);
   }
   FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
     if (fp8) {
-      launch<T, true>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
+      launch<T, true>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, epi, s);
     } else {
-      launch<T, false>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, s);
+      launch<T, false>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, epi, s);
     }
   });
+}
+}  // namespace
+
+void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
+          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream) {
+  run_gemv("gemv: ", out, x, w, scale, bias, m, n, k, dtype, fp8, silu_gate_up, Epilogue{}, stream);
+}
+
+void gemv_norm(int kind, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n,
+               int64_t k, int dtype, bool fp8, bool silu_gate_up, uintptr_t norm_weight, double eps, uintptr_t stream) {
+  const std::string op = "gemv_norm: ";
+  Epilogue epi;
+  if (kind == kAddResidual) {
+    if (silu_gate_up) throw std::invalid_argument(op + "the projection before a norm has no SiLU epilogue");
+  } else if (kind == kNormX) {
+    if (norm_weight == 0) throw std::invalid_argument(op + "null norm weight");
+    if (!aligned16(norm_weight)) throw std::invalid_argument(op + "the norm weight must be 16-byte aligned");
+    if (!(eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0, got " + std::to_string(eps));
+    epi.norm_weight = norm_weight;
+    epi.eps = static_cast<float>(eps);
+  } else {
+    throw std::invalid_argument(op + "kind must be 1 (add into the residual) or 2 (normalize x), got " +
+                                std::to_string(kind));
+  }
+  epi.kind = kind;
+  run_gemv(op, out, x, w, scale, bias, 1, n, k, dtype, fp8, silu_gate_up, epi, stream);
 }
 
 }  // namespace fastqwen

@@ -29,6 +29,18 @@ constexpr int kGemvTcMaxTokens = 8;
 void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
           int dtype, bool fp8, bool silu_gate_up, uintptr_t stream);
 
+// One token, the RMSNorm between two projections carried by their GEMVs, so that no norm kernel runs between them
+// (the decode step at batch 1). Shapes and the rest as for gemv with m = 1.
+// kind 1, add (the projection before the norm; not silu_gate_up): out is the residual [1, n]; out := out + y, y =
+//   x @ W^T (+ bias) rounded to dtype and the sum rounded, as fused_add_rms_norm adds. out may be read before the
+//   kernel's programmatic wait: the kernel right before it must not have written it.
+// kind 2, normalize (the projection after the norm): x is the residual h [1, k], norm_weight g [k] of dtype (16-byte
+//   aligned); out = (sum_c h[c] g[c] W[j, c]) / rms(h) (+ bias), rms(h) = sqrt(mean(h^2) + eps), every product and
+//   sum fp32, one rounding (silu_gate_up: both halves so, then as gemv). RMSNorm(h) @ W^T without rounding the
+//   normalized row (fused_add_rms_norm then gemv round it to dtype twice).
+void gemv_norm(int kind, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n,
+               int64_t k, int dtype, bool fp8, bool silu_gate_up, uintptr_t norm_weight, double eps, uintptr_t stream);
+
 // Whether the decode step's kernels (GEMV, RMSNorm, q/k-norm + RoPE, decode attention and its merge, SiLU-and-mul)
 // launch with programmatic dependent launch on devices that take it (compute capability 9.0+): each may then start
 // while the kernel before it finishes (on by default; a process-wide switch, FASTQWEN_PDL=0 turns it off at import).

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fastqwen import LLM
 from fastqwen.config import ModelConfig
@@ -164,6 +165,106 @@ def test_gemv_silu_epilogue_is_bitwise_silu_and_mul_of_the_gemv(fp8):
         del dense, w
     with pytest.raises(ValueError, match="even rows"):
         linear_silu_and_mul(x_all[:1, :128], LinearWeight(torch.randn(3, 128, device="cuda", dtype=torch.bfloat16)))
+
+
+NORM_CASES = [(p, torch.bfloat16, False) for p in ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B")] + [(None, torch.float16, True)]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("preset,dtype,bias", NORM_CASES, ids=["0.6B", "8B", "32B", "odd-fp16-bias"])
+def test_norm_in_gemv_matches_float64_and_the_norm_kernel(preset, dtype, bias, fp8):
+    """The RMSNorm carried by the one-token GEMVs around it. linear_add_residual (o_proj's shape): the new residual
+    bit for bit the plain GEMV's output added to it. linear(..., norm=) (qkv's shape) and linear_silu_and_mul(...,
+    norm=) (gate_up's): against float64 RMSNorm then projection within the output's rounding (the normalized row is
+    not rounded), and against what the step ran before (fused_add_rms_norm, then the GEMV) within the roundings of
+    both."""
+    from fastqwen import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    if preset is None:
+        h, k_o, n_qkv, inter = 1008, 384, 640, 1001
+    else:
+        cfg = ModelConfig.from_preset(preset)
+        h, k_o, n_qkv, inter = cfg.hidden_size, cfg.q_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
+    eps = 1e-6
+
+    def weight(rows, cols):
+        dense = torch.randn(rows, cols, device="cuda", generator=gen) * 0.03
+        b = torch.randn(rows, device="cuda", generator=gen).to(dtype) if bias else None
+        return LinearWeight(*quantize_fp8(dense), b) if fp8 else LinearWeight(dense.to(dtype), None, b)
+
+    w_o, w_qkv, w_gate_up = weight(h, k_o), weight(n_qkv, h), weight(2 * inter, h)
+    x = torch.randn(1, k_o, device="cuda", generator=gen).to(dtype)
+    residual = (4 * torch.randn(1, h, device="cuda", generator=gen)).to(dtype)
+    norm_w = (1 + 0.3 * torch.randn(h, device="cuda", generator=gen)).to(dtype)
+
+    new_residual = residual.clone()
+    assert ops.linear_add_residual(x, w_o, new_residual) is new_residual
+    assert torch.equal(new_residual, (gemv(x, w_o).float() + residual.float()).to(dtype))
+    h_row = new_residual
+
+    inv_rms = 1.0 / ((h_row.double() ** 2).mean() + eps).sqrt()
+    normed = h_row.double() * inv_rms * norm_w.double()  # RMSNorm in float64, not rounded
+    hidden, scratch = gemv(x, w_o), residual.clone()  # what the step ran before: the norm kernel, then the projection
+    ops.fused_add_rms_norm(hidden, scratch, norm_w, eps)
+    unit = 2**-8 if dtype == torch.bfloat16 else 2**-11  # the output type's relative rounding step
+
+    def reference(w):
+        y = normed @ w.dequantize(torch.float64).t()
+        return y + w.bias.double() if w.bias is not None else y
+
+    def products(w):  # the sum of |products| of each output: what fp32 sums and rounded inputs err relative to
+        return normed.abs() @ w.dequantize(torch.float64).abs().t()
+
+    got, want = linear(h_row, w_qkv, norm=(norm_w, eps)).double(), reference(w_qkv)
+    assert ((got - want).abs() <= unit * want.abs() + 1e-5 * products(w_qkv)).all()
+    before = linear(hidden, w_qkv).double()  # its row rounded twice (x / rms, then * weight)
+    assert ((got - before).abs() <= 2 * unit * want.abs() + 2 * unit * products(w_qkv)).all()
+
+    got = linear_silu_and_mul(h_row, w_gate_up, norm=(norm_w, eps)).double()
+    gate_up = reference(w_gate_up)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    want = F.silu(gate) * up
+    err_in = unit * gate_up.abs() + 1e-5 * products(w_gate_up)  # each half's rounding, as for qkv
+    # silu's slope is within [-0.1, 1.1]: each half's error moves the product by at most its partner's size times it.
+    bound = unit * want.abs() + 1.1 * up.abs() * err_in[:, :inter] + F.silu(gate).abs() * err_in[:, inter:]
+    assert ((got - want).abs() <= 2 * bound).all()
+
+    with pytest.raises(ValueError, match="norm weight must have"):
+        linear(h_row, w_qkv, norm=(norm_w[:-16], eps))
+    with pytest.raises(ValueError, match="SiLU"):
+        _native.native().gemv_norm(1, residual.data_ptr(), x.data_ptr(), w_o.weight.data_ptr(), 0, 0, h, k_o,
+                                   _native.dtype_code(dtype), False, True, 0, 0.0, 0)  # fmt: skip
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_engine_norms_in_gemv_match_the_norm_kernels(tmp_path, monkeypatch, quantization):
+    """Batch-1 decode with the RMSNorms carried by the GEMVs (the default) against the same engine with the norm
+    kernels (FASTQWEN_NORM_IN_GEMV=0), under the margin rule with free-running decode compared step by step. The two
+    differ only in bf16 roundings (the normalized row is no longer rounded): the distance between two bf16 engines,
+    stated 3% as for the weight-only FP8 engine below. FP8 takes the weight-only path (the teacher-forced prefill of
+    the block-scaled GEMM rounds activations to e4m3, which the 3% does not cover)."""
+    linear_module = importlib.import_module("fastqwen.ops.linear")
+    folder = str(tmp_path)
+    make_checkpoint(folder, tied=False, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=128,
+                    layers=4, logit_scale=8.0, seed=29)  # fmt: skip
+    rng = random.Random(11)
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 150, 400)]
+    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=1024, max_num_batched_tokens=256,
+                  quantization=quantization)  # fmt: skip
+    monkeypatch.setattr(linear_module, "_scaled_mm_ok", False)
+    monkeypatch.setenv("FASTQWEN_NORM_IN_GEMV", "0")
+    kernels_llm = LLM(folder, **kwargs)
+    assert not kernels_llm.engine.model.norms_in_gemv
+    references = [engine_logits(kernels_llm, p, 32) for p in prompts]
+    del kernels_llm
+    monkeypatch.delenv("FASTQWEN_NORM_IN_GEMV")
+    llm = LLM(folder, **kwargs)
+    assert llm.engine.model.norms_in_gemv and llm.engine.runner.graphs is not None
+    decisive, worst = teacher_forced_match(llm, prompts, references, 0.03)
+    record_result("gemv_gpu.json", f"norms_in_gemv_vs_norm_kernels_{quantization}",
+                  {"max_logit_error_frac": worst, "decisive": decisive})  # fmt: skip
+    assert decisive >= 30, f"only {decisive} of 96 steps were decisive: the test checks too little"
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8"])

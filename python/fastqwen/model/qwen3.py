@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .. import env, ops
 from ..config import ModelConfig
 from ..kvcache import KVPool
 from ..ops.collectives import SINGLE, ParallelGroup
@@ -35,6 +35,13 @@ class Qwen3Model:
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
         projections = [getattr(layer, n) for layer in weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
         ops.prepare_linear(projections + [weights.lm_head], self.dtype, self.device)
+        # Decode at batch 1: the RMSNorms ride on the GEMVs (ops.linear_add_residual, then linear(..., norm=)), so no
+        # norm kernel runs in the step; where the one-token GEMV runs every projection and no all-reduce comes
+        # between a projection and its norm.
+        self.norms_in_gemv = (
+            parallel.single and env.norm_in_gemv()
+            and ops.norm_in_gemv_applies(self.dtype, self.device, projections + [weights.lm_head])
+        )  # fmt: skip
 
     @torch.inference_mode()
     def forward(
@@ -54,6 +61,9 @@ class Qwen3Model:
         q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         attn = torch.empty_like(q)
         decode_kernel = batch.is_decode and self.decode_workspace is not None
+        if self.norms_in_gemv and batch.is_decode and num_tokens == 1 and extra_rows is None:
+            logits = self._one_token_norms_in_gemv(batch, kv, residual, q, attn, decode_kernel)
+            return logits.float() if logits_out is None else logits_out.copy_(logits)
         if decode_kernel:  # the split plan of this step, once for all layers, on the device
             ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
         for index, layer in enumerate(w.layers):
@@ -62,23 +72,7 @@ class Qwen3Model:
             else:
                 ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = ops.linear(hidden, layer.qkv)
-            k_cache, v_cache = kv.k(index), kv.v(index)
-            k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
-            ops.qk_norm_rope_store_kv(
-                qkv, layer.q_norm, layer.k_norm, self.cos_sin_cache, batch.positions,
-                k_cache, v_cache, batch.out_slots, eps, q_out=q, k_scale=k_scale, v_scale=v_scale,
-            )  # fmt: skip
-            if batch.is_decode:
-                ops.paged_attention_decode(
-                    q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn,
-                    self.decode_workspace, planned=decode_kernel, k_scale=k_scale, v_scale=v_scale,
-                )  # fmt: skip
-            else:
-                ops.paged_attention_prefill(
-                    q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
-                    batch.max_query_len or None,  # the batch builder knows it: no read-back
-                    k_scale=k_scale, v_scale=v_scale,
-                )
+            self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
             hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             act = ops.linear_silu_and_mul(hidden, layer.gate_up)
@@ -95,6 +89,40 @@ class Qwen3Model:
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
+
+    def _attention(self, index, layer, batch, kv, qkv, q, attn, decode_kernel: bool) -> None:
+        """Layer index's q/k-norm + RoPE + KV write, then attention into attn."""
+        k_cache, v_cache = kv.k(index), kv.v(index)
+        k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
+        ops.qk_norm_rope_store_kv(
+            qkv, layer.q_norm, layer.k_norm, self.cos_sin_cache, batch.positions,
+            k_cache, v_cache, batch.out_slots, self.cfg.rms_norm_eps, q_out=q, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        if batch.is_decode:
+            ops.paged_attention_decode(
+                q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn,
+                self.decode_workspace, planned=decode_kernel, k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
+        else:
+            ops.paged_attention_prefill(
+                q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
+                batch.max_query_len or None,  # the batch builder knows it: no read-back
+                k_scale=k_scale, v_scale=v_scale,
+            )
+
+    def _one_token_norms_in_gemv(self, batch, kv, residual, q, attn, decode_kernel: bool) -> torch.Tensor:
+        """forward's decode step of one sequence with the norms in the GEMVs: the projections before a norm add into
+        the residual, the ones after it read the residual and normalize it on the way. Returns the logits."""
+        w, eps = self.weights, self.cfg.rms_norm_eps
+        if decode_kernel:
+            ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
+        for index, layer in enumerate(w.layers):
+            qkv = ops.linear(residual, layer.qkv, norm=(layer.input_norm, eps))
+            self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
+            ops.linear_add_residual(attn.view(1, -1), layer.o_proj, residual)
+            act = ops.linear_silu_and_mul(residual, layer.gate_up, norm=(layer.post_norm, eps))
+            ops.linear_add_residual(act, layer.down, residual)
+        return ops.linear(residual, w.lm_head, norm=(w.final_norm, eps))
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""

@@ -15,7 +15,16 @@ from .attention import (
     plan_decode,
 )
 from .kv_fp8 import FP8_KV_DTYPE, dequantize_kv, is_fp8, quantize_kv
-from .linear import LinearWeight, gemv_kernel_applies, linear, linear_reference, linear_silu_and_mul, prepare_linear
+from .linear import (
+    LinearWeight,
+    gemv_kernel_applies,
+    linear,
+    linear_add_residual,
+    linear_reference,
+    linear_silu_and_mul,
+    norm_in_gemv_applies,
+    prepare_linear,
+)
 from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
 from .sampling import (
@@ -47,10 +56,12 @@ __all__ = [
     "has_cuda_kernels",
     "is_fp8",
     "linear",
+    "linear_add_residual",
     "linear_reference",
     "linear_silu_and_mul",
     "LinearWeight",
     "gemv_kernel_applies",
+    "norm_in_gemv_applies",
     "prepare_linear",
     "pack_sampler_rows",
     "paged_attention_decode",

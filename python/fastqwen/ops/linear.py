@@ -17,6 +17,9 @@ A weight is dense (the model's dtype) or FP8 weight-only: float8_e4m3fn values w
 `linear_silu_and_mul` is the MLP's gate and up projections with its activation: where the GEMV runs, the kernel
 multiplies silu(gate) by up in its epilogue (no activation kernel, no 2d-wide intermediate); elsewhere `linear` then
 `silu_and_mul`, with the same bits.
+At one token the RMSNorm between two projections can ride on their GEMVs: `linear_add_residual` adds the projection
+before the norm into the residual, and `linear(residual, w, norm=(weight, eps))` (or `linear_silu_and_mul`'s)
+normalizes the residual as it reads it. The decode step at batch 1 then runs no norm kernel.
 
 Sharding for tensor parallelism slices these containers along their rows or columns; it lives elsewhere.
 """
@@ -41,8 +44,10 @@ __all__ = [
     "gemv",
     "gemv_kernel_applies",
     "linear",
+    "linear_add_residual",
     "linear_reference",
     "linear_silu_and_mul",
+    "norm_in_gemv_applies",
     "prepare_linear",
     "quantize_fp8",
 ]
@@ -270,6 +275,43 @@ def fp8_gemm_supported(device: torch.device, dtype: torch.dtype, w: LinearWeight
     return _scaled_mm_ok
 
 
+def norm_in_gemv_applies(dtype: torch.dtype, device: torch.device, weights: list[LinearWeight]) -> bool:
+    """Whether the one-token GEMV, and with it the norm it can carry, runs every one of these weights for a token of
+    dtype on device."""
+    rows = [torch.empty(1, w.in_features, dtype=dtype, device=device) for w in weights]
+    return all(_gemv_fits(x, w, 1) for x, w in zip(rows, weights)) and hasattr(native(), "gemv_norm")
+
+
+def _gemv_norm(kind: int, x: torch.Tensor, w: LinearWeight, out: torch.Tensor, norm_weight: torch.Tensor | None = None,
+               eps: float = 0.0, silu_gate_up: bool = False) -> torch.Tensor:  # fmt: skip
+    if not _gemv_fits(x, w, 1):
+        raise ValueError(f"linear (norm in the GEMV): the one-token GEMV does not apply to x {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device} and a {w.weight.dtype} weight {tuple(w.weight.shape)}")  # fmt: skip
+    check_tensors("linear", x.device, None, x=x, weight=w.weight, out=(out, x.dtype))
+    if norm_weight is not None:
+        check_tensors("linear", x.device, x.dtype, norm_weight=norm_weight)
+        if norm_weight.numel() != w.in_features:
+            raise ValueError(f"linear: the norm weight must have {w.in_features} elements, got {norm_weight.numel()}")
+    width = w.out_features // 2 if silu_gate_up else w.out_features
+    if tuple(out.shape) != (1, width):
+        raise ValueError(f"linear: out must be [1, {width}], got {tuple(out.shape)}")
+    scale = w.scale if w.is_fp8 else None
+    native().gemv_norm(
+        kind, out.data_ptr(), x.data_ptr(), w.weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
+        0 if w.bias is None else w.bias.data_ptr(), w.out_features, w.in_features, dtype_code(x.dtype), w.is_fp8,
+        silu_gate_up, 0 if norm_weight is None else norm_weight.data_ptr(), eps, stream_of(x),
+    )  # fmt: skip
+    return out
+
+
+def linear_add_residual(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor) -> torch.Tensor:
+    """One token, the projection before an RMSNorm (the one-token GEMV; ValueError where it does not run): residual
+    [1, out] += x @ W^T, rounded as linear then fused_add_rms_norm round it. The norm itself is left to the next
+    projection (`linear(residual, w, norm=...)`). Under programmatic launch the kernel may read the residual before
+    it waits for the kernel before it, which therefore must not write the residual."""
+    return _gemv_norm(1, x.contiguous(), w, residual)
+
+
 def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
     """Called once before any step (and before CUDA graphs are captured, where nothing may synchronize or allocate
     for later): probes the FP8 GEMM and lays out the block scales it takes, for every FP8 weight in `weights`."""
@@ -278,13 +320,17 @@ def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
             _scaled_mm_weight_scale(w)
 
 
-def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = False) -> torch.Tensor:
+def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = False,
+                        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
     """silu_and_mul(linear(x, w)) for w the gate and up projections stacked ([gate; up], as Qwen3's MLP keeps them):
     [M, out / 2]. Where linear would run the GEMV, one GEMV kernel computes both halves and multiplies them in its
     epilogue, bit for bit what the two ops give. gemv_only: the GEMV at any token count it takes (tests, benchmarks;
-    ValueError where it does not apply)."""
+    ValueError where it does not apply). norm: as for `linear`."""
     if w.out_features % 2 != 0:
         raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
+    if norm is not None:
+        out = torch.empty(1, w.out_features // 2, dtype=x.dtype, device=x.device)
+        return _gemv_norm(2, x.contiguous(), w, out, norm[0], norm[1], silu_gate_up=True)
     fits = _gemv_fits(x, w, GEMV_MAX_TOKENS) if gemv_only else gemv_kernel_applies(x, w)
     if fits:
         out = torch.empty(x.shape[0], w.out_features // 2, dtype=x.dtype, device=x.device)
@@ -294,10 +340,16 @@ def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = Fals
     return silu_and_mul(linear(x, w))
 
 
-def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (+ bias) for x [M, in] -> [M, out] of x's dtype; into `out` when given (and the GEMV runs)."""
+def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None,
+           norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
+    """y = x @ W^T (+ bias) for x [M, in] -> [M, out] of x's dtype; into `out` when given (and the GEMV runs).
+    norm = (weight, eps): x is one token's residual and y = RMSNorm(x) @ W^T (+ bias), the norm done by the one-token
+    GEMV as it reads x (products and sums fp32, the normalized row never rounded; ValueError where it does not run)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x must be [tokens, {w.in_features}], got {tuple(x.shape)}")
+    if norm is not None:
+        out = torch.empty(1, w.out_features, dtype=x.dtype, device=x.device) if out is None else out
+        return _gemv_norm(2, x.contiguous(), w, out, norm[0], norm[1])
     if gemv_kernel_applies(x, w):
         return gemv(x, w, out)
     if not w.is_fp8 and w.weight.dtype == x.dtype:
