@@ -77,10 +77,11 @@ enum : int {
   kPlain = 0,
   kAddResidual = 1,  // out += the projection (out is the residual), rounded as fused_add_rms_norm adds
   kNormX = 2,        // x is the residual h: the projection of RMSNorm(h) (norm weight g), 1/rms applied at the end
+  kNormXFolded = 3,  // the same with the norm weight already multiplied into W's columns (no g)
 };
 
 // 8 of the GEMV's activations at element offset e: x as it is, or with kNormX, x * g (fp32, not rounded) while
-// sq sums x^2.
+// sq sums x^2 (kNormXFolded: x as it is, sq too).
 template <int EPI, typename T>
 __device__ __forceinline__ void load_x8_for(const T* x, const T* g, int64_t e, float (&out)[8], float& sq) {
   load_x8(x + e, out);
@@ -92,6 +93,10 @@ __device__ __forceinline__ void load_x8_for(const T* x, const T* g, int64_t e, f
       sq = fmaf(out[i], out[i], sq);
       out[i] *= gf[i];
     }
+  }
+  if constexpr (EPI == kNormXFolded) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sq = fmaf(out[i], out[i], sq);
   }
 }
 
@@ -181,7 +186,7 @@ __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* 
     }
   }
   float inv_rms = 1.0f;
-  if constexpr (EPI == kNormX) {
+  if constexpr (EPI == kNormX || EPI == kNormXFolded) {
     inv_rms = rsqrtf(block_sum(sq) / static_cast<float>(k) + eps);  // (block_sum synchronizes the block)
   } else {
     __syncthreads();
@@ -196,7 +201,7 @@ __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* 
       float s = 0.0f;
 #pragma unroll
       for (int q = 0; q < kWarps; ++q) s += partial[q][i * kRows + half * kOut + o];
-      if constexpr (EPI == kNormX) s *= inv_rms;
+      if constexpr (EPI == kNormX || EPI == kNormXFolded) s *= inv_rms;
       if (bias != nullptr) s += Cvt<T>::to_f(bias[half * n_out + j]);
       y[half] = Cvt<T>::from_f(s);
     }
@@ -441,6 +446,9 @@ void launch_rows(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintp
   const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
   if constexpr (MT == 1) {
     if (epi.kind == kNormX) return launch_kernel<T, FP8, MT, SILU, R, kNormX>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
+    if (epi.kind == kNormXFolded) {
+      return launch_kernel<T, FP8, MT, SILU, R, kNormXFolded>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
+    }
     if constexpr (!SILU) {
       if (epi.kind == kAddResidual) {
         return launch_kernel<T, FP8, MT, SILU, R, kAddResidual>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
@@ -543,15 +551,17 @@ void gemv_norm(int kind, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scal
   Epilogue epi;
   if (kind == kAddResidual) {
     if (silu_gate_up) throw std::invalid_argument(op + "the projection before a norm has no SiLU epilogue");
-  } else if (kind == kNormX) {
-    if (norm_weight == 0) throw std::invalid_argument(op + "null norm weight");
-    if (!aligned16(norm_weight)) throw std::invalid_argument(op + "the norm weight must be 16-byte aligned");
+  } else if (kind == kNormX || kind == kNormXFolded) {
+    if (kind == kNormX && norm_weight == 0) throw std::invalid_argument(op + "null norm weight");
+    if (kind == kNormX && !aligned16(norm_weight)) {
+      throw std::invalid_argument(op + "the norm weight must be 16-byte aligned");
+    }
     if (!(eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0, got " + std::to_string(eps));
-    epi.norm_weight = norm_weight;
+    epi.norm_weight = kind == kNormX ? norm_weight : 0;
     epi.eps = static_cast<float>(eps);
   } else {
-    throw std::invalid_argument(op + "kind must be 1 (add into the residual) or 2 (normalize x), got " +
-                                std::to_string(kind));
+    throw std::invalid_argument(op + "kind must be 1 (add into the residual), 2 (normalize x) or 3 (normalize x, "
+                                "the norm weight in W), got " + std::to_string(kind));
   }
   epi.kind = kind;
   run_gemv(op, out, x, w, scale, bias, 1, n, k, dtype, fp8, silu_gate_up, epi, stream);

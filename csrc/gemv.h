@@ -38,6 +38,8 @@ void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bi
 //   aligned); out = (sum_c h[c] g[c] W[j, c]) / rms(h) (+ bias), rms(h) = sqrt(mean(h^2) + eps), every product and
 //   sum fp32, one rounding (silu_gate_up: both halves so, then as gemv). RMSNorm(h) @ W^T without rounding the
 //   normalized row (fused_add_rms_norm then gemv round it to dtype twice).
+// kind 3, normalize with the norm weight folded into W (W[j, c] already multiplied by g[c]): as kind 2 with g = 1
+//   (norm_weight ignored).
 void gemv_norm(int kind, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n,
                int64_t k, int dtype, bool fp8, bool silu_gate_up, uintptr_t norm_weight, double eps, uintptr_t stream);
 

@@ -88,6 +88,13 @@ MUTATIONS = [
         "the one-token FP8 GEMV multiplies each lane's first chunk of a row again in place of the later ones",
     ),
     Mutation(
+        "gemv_norm_sums_squares_of_weighted_x", "csrc/gemv.cu",
+        [("      sq = fmaf(out[i], out[i], sq);\n      out[i] *= gf[i];",
+          "      out[i] *= gf[i];\n      sq = fmaf(out[i], out[i], sq);")],
+        ["tests/test_gemv_gpu.py::test_norm_in_gemv_matches_float64_and_the_norm_kernel[8B-bf16]"],
+        "the GEMV that finishes an RMSNorm takes the rms of x * weight instead of x's",
+    ),
+    Mutation(
         "prefix_cache_evicts_most_recent", "python/fastqwen/kvcache/radix_cache.py",
         [("(n.last_access, id(n), n)", "(-n.last_access, id(n), n)"),
          ("(parent.last_access, id(parent), parent)", "(-parent.last_access, id(parent), parent)")],

@@ -42,6 +42,15 @@ class Qwen3Model:
             parallel.single and env.norm_in_gemv()
             and ops.norm_in_gemv_applies(self.dtype, self.device, projections + [weights.lm_head])
         )  # fmt: skip
+        # Dense projections after a norm take its weight into their columns, so that their one-token GEMV reads only
+        # x (measured on the H100, 8B bf16 batch-1 step: see bench/results/2026-11-24-h100-norm-in-gemv). Which of
+        # (qkv, gate_up, the LM head) did: the same for every layer (one dtype; a tied LM head is the embedding).
+        self.norm_folded = (False, False, False)
+        if self.norms_in_gemv:
+            folded = [(ops.fold_norm(l.input_norm, l.qkv), ops.fold_norm(l.post_norm, l.gate_up)) for l in weights.layers]
+            tied = weights.lm_head.weight is weights.embed
+            self.norm_folded = (*folded[0], not tied and ops.fold_norm(weights.final_norm, weights.lm_head))
+            assert all(f == folded[0] for f in folded), "layers with dense and FP8 projections mixed"
 
     @torch.inference_mode()
     def forward(
@@ -116,13 +125,14 @@ class Qwen3Model:
         w, eps = self.weights, self.cfg.rms_norm_eps
         if decode_kernel:
             ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
+        qkv_folded, gate_up_folded, lm_head_folded = self.norm_folded
         for index, layer in enumerate(w.layers):
-            qkv = ops.linear(residual, layer.qkv, norm=(layer.input_norm, eps))
+            qkv = ops.linear(residual, layer.qkv, norm=(None if qkv_folded else layer.input_norm, eps))
             self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
             ops.linear_add_residual(attn.view(1, -1), layer.o_proj, residual)
-            act = ops.linear_silu_and_mul(residual, layer.gate_up, norm=(layer.post_norm, eps))
+            act = ops.linear_silu_and_mul(residual, layer.gate_up, norm=(None if gate_up_folded else layer.post_norm, eps))
             ops.linear_add_residual(act, layer.down, residual)
-        return ops.linear(residual, w.lm_head, norm=(w.final_norm, eps))
+        return ops.linear(residual, w.lm_head, norm=(None if lm_head_folded else w.final_norm, eps))
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""

@@ -17,6 +17,7 @@ from .attention import (
 from .kv_fp8 import FP8_KV_DTYPE, dequantize_kv, is_fp8, quantize_kv
 from .linear import (
     LinearWeight,
+    fold_norm,
     gemv_kernel_applies,
     linear,
     linear_add_residual,
@@ -60,6 +61,7 @@ __all__ = [
     "linear_reference",
     "linear_silu_and_mul",
     "LinearWeight",
+    "fold_norm",
     "gemv_kernel_applies",
     "norm_in_gemv_applies",
     "prepare_linear",

@@ -41,6 +41,7 @@ __all__ = [
     "GEMV_MAX_TOKENS",
     "LinearWeight",
     "dequantize_fp8",
+    "fold_norm",
     "gemv",
     "gemv_kernel_applies",
     "linear",
@@ -304,6 +305,18 @@ def _gemv_norm(kind: int, x: torch.Tensor, w: LinearWeight, out: torch.Tensor, n
     return out
 
 
+def fold_norm(norm_weight: torch.Tensor, w: LinearWeight) -> bool:
+    """Multiplies an RMSNorm's weight into the columns of the dense projection that follows it (W[:, c] *= g[c],
+    rounded to W's dtype) and sets the norm's weight to ones, in place: RMSNorm(x) @ W^T keeps its value (up to that
+    rounding) on every path, and the one-token GEMV's norm (`linear(..., norm=(None, eps))`) no longer reads the
+    weight. False, and nothing changed, for an FP8 weight (its 128x128 block scales cannot take a per-column factor)."""
+    if w.is_fp8 or w.in_features != norm_weight.numel():
+        return False
+    w.weight.mul_(norm_weight.to(w.weight.dtype).view(1, -1))
+    norm_weight.fill_(1)
+    return True
+
+
 def linear_add_residual(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor) -> torch.Tensor:
     """One token, the projection before an RMSNorm (the one-token GEMV; ValueError where it does not run): residual
     [1, out] += x @ W^T, rounded as linear then fused_add_rms_norm round it. The norm itself is left to the next
@@ -330,7 +343,7 @@ def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = Fals
         raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
     if norm is not None:
         out = torch.empty(1, w.out_features // 2, dtype=x.dtype, device=x.device)
-        return _gemv_norm(2, x.contiguous(), w, out, norm[0], norm[1], silu_gate_up=True)
+        return _gemv_norm(2 if norm[0] is not None else 3, x.contiguous(), w, out, norm[0], norm[1], silu_gate_up=True)
     fits = _gemv_fits(x, w, GEMV_MAX_TOKENS) if gemv_only else gemv_kernel_applies(x, w)
     if fits:
         out = torch.empty(x.shape[0], w.out_features // 2, dtype=x.dtype, device=x.device)
@@ -344,12 +357,13 @@ def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None,
            norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
     """y = x @ W^T (+ bias) for x [M, in] -> [M, out] of x's dtype; into `out` when given (and the GEMV runs).
     norm = (weight, eps): x is one token's residual and y = RMSNorm(x) @ W^T (+ bias), the norm done by the one-token
-    GEMV as it reads x (products and sums fp32, the normalized row never rounded; ValueError where it does not run)."""
+    GEMV as it reads x (products and sums fp32, the normalized row never rounded; ValueError where it does not run).
+    norm = (None, eps): the same where the norm's weight is already multiplied into W's columns (`fold_norm`)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x must be [tokens, {w.in_features}], got {tuple(x.shape)}")
     if norm is not None:
         out = torch.empty(1, w.out_features, dtype=x.dtype, device=x.device) if out is None else out
-        return _gemv_norm(2, x.contiguous(), w, out, norm[0], norm[1])
+        return _gemv_norm(2 if norm[0] is not None else 3, x.contiguous(), w, out, norm[0], norm[1])
     if gemv_kernel_applies(x, w):
         return gemv(x, w, out)
     if not w.is_fp8 and w.weight.dtype == x.dtype:
