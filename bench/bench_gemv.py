@@ -4,8 +4,11 @@ projection shapes, batch 1..16. From 2 to 8 tokens the GEMV runs on the tensor c
 gemv_simt_* is its FMA kernel (csrc/gemv.cu) at the same sizes.
 
 Bytes per call: the weight (FP8: values and block scales), x and out. Weights rotate among enough buffers that they
-exceed twice the L2, so the weights come from HBM. Each sample is one CUDA-graph replay of a pass over the buffers
-(GPU time without launch gaps), divided by the number of calls; medians over --iters samples. Bandwidth is printed as
+exceed twice the L2, so the weights come from HBM. Each sample is one CUDA-graph replay of passes over the buffers
+(at least MIN_CALLS calls, back to back as in the decode graph), queued behind a spinning kernel so that the host's
+submission of the graph is not timed (time_fn's queue_ahead), divided by the number of calls; medians over --iters
+samples. --host-timing times as this benchmark did before 2026-11-24 (one pass, the submission inside the sample) for
+comparison. Bandwidth is printed as
 a fraction of a device-to-device copy of 1 GiB measured in the same run (read + write). At one token it also
 times, the same way, a copy that moves as many bytes as the FP8 GEMV (copy_fp8_bytes): what a copy of that size reaches.
 
@@ -29,6 +32,7 @@ from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, gemv, linear_s
 from common import copy_bandwidth, graph_of, report, time_fn
 
 L2_BYTES = 50 * 1024 * 1024
+MIN_CALLS = 24  # calls per timed graph: its start on the GPU (a few us) is shared among them as in the decode graph
 
 
 def shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -41,10 +45,14 @@ def weight_bytes(w: LinearWeight) -> int:
     return sum(t.numel() * t.element_size() for t in w.tensors())
 
 
-def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: float, gate_up: bool = False) -> list[dict]:
-    """gate_up: also the GEMV with the SiLU-and-mul epilogue (out half as wide), as the MLP runs it."""
+def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: float, gate_up: bool = False,
+                host_timing: bool = False) -> list[dict]:
+    """gate_up: also the GEMV with the SiLU-and-mul epilogue (out half as wide), as the MLP runs it. host_timing: one
+    pass a graph, the host's submission timed (see the module's doc)."""
     dense = torch.randn(rows, cols, device="cuda") * 0.02
     nbuf = max(2, math.ceil(2 * L2_BYTES / (rows * cols)))  # the FP8 copies alone exceed twice the L2
+    passes = 1 if host_timing else math.ceil(MIN_CALLS / nbuf)
+    calls = passes * nbuf
     bf16 = [LinearWeight(dense.to(torch.bfloat16)) for _ in range(nbuf)]
     fp8 = [LinearWeight(*quantize_fp8(dense)) for _ in range(nbuf)]
     del dense
@@ -73,16 +81,17 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
                 variants[name.replace("gemv_", "gemv_simt_")] = variants[name]
         row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
         for name, (weights, call) in variants.items():
-            def one_pass(weights=weights, call=call):
-                for w, o in zip(weights, outs):
-                    call(w, o)
+            def all_passes(weights=weights, call=call):
+                for _ in range(passes):
+                    for w, o in zip(weights, outs):
+                        call(w, o)
 
             before = native().set_gemv_tensor_cores("_simt_" not in name)  # read when the graph is captured
             try:
-                graph = graph_of(one_pass)
+                graph = graph_of(all_passes)
             finally:
                 native().set_gemv_tensor_cores(before)
-            ms = time_fn(graph.replay, iters) / nbuf
+            ms = time_fn(graph.replay, iters, queue_ahead=not host_timing) / calls
             moved = weight_bytes(weights[0]) + 2 * m * ((rows // 2 if "silu" in name else rows) + cols)
             row[f"{name}_us"] = round(ms * 1e3, 2)
             row[f"{name}_frac_copy"] = round(moved / (ms * 1e-3) / 1e9 / copy_gbs, 3)
@@ -90,8 +99,8 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
             half = weight_bytes(fp8[0]) // 2
             pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
                      for _ in range(nbuf)]
-            graph = graph_of(lambda: [d.copy_(s) for s, d in pairs])
-            ms = time_fn(graph.replay, iters) / nbuf
+            graph = graph_of(lambda: [d.copy_(s) for _ in range(passes) for s, d in pairs])
+            ms = time_fn(graph.replay, iters, queue_ahead=not host_timing) / calls
             row["copy_fp8_bytes_us"] = round(ms * 1e3, 2)
             row["copy_fp8_bytes_frac_copy"] = round(2 * half / (ms * 1e-3) / 1e9 / copy_gbs, 3)
             del pairs, graph
@@ -107,19 +116,21 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--shapes", nargs="+", default=None, help="only these projections (qkv o_proj gate_up down lm_head)")
     p.add_argument("--json", default=None)
+    p.add_argument("--host-timing", action="store_true", help="time as before 2026-11-24 (see above)")
     args = p.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
         print("needs a GPU and the CUDA kernels", file=sys.stderr)
         return 1
-    copy_gbs = copy_bandwidth(20)
-    result = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1), "shapes": {}}
+    copy_gbs = copy_bandwidth(20, queue_ahead=not args.host_timing)
+    result = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1),
+              "timing": "host" if args.host_timing else "queued ahead", "shapes": {}}
     for preset in args.presets:
         for name, (rows, cols) in shapes(preset).items():
             if args.shapes and name not in args.shapes:
                 continue
             print(f"-- {preset} {name} [{rows}, {cols}]", flush=True)
             result["shapes"][f"{preset}/{name}"] = bench_shape(rows, cols, args.batches, args.iters, copy_gbs,
-                                                               gate_up=name == "gate_up")
+                                                               gate_up=name == "gate_up", host_timing=args.host_timing)
             torch.cuda.empty_cache()
     report(result, args.json)
     return 0

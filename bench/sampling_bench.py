@@ -29,7 +29,7 @@ def _time(fn, nbuf, iters):
     """Per-call microseconds: in a CUDA graph when it captures, else eagerly (said in the result)."""
     try:
         graph = graph_of(fn)
-        us = time_fn(graph.replay, iters) / nbuf * 1e3
+        us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
         del graph
         return us, "graph"
     except Exception as e:  # noqa: BLE001 - some torch versions cannot capture compiled RNG
