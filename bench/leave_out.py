@@ -28,7 +28,7 @@ from fastqwen.config import EngineConfig
 from fastqwen.engine.cuda_graph import DecodeGraphs
 from fastqwen.ops._native import native as native_module
 
-from common import QUEUE_AHEAD_CYCLES, copy_bandwidth, report
+from common import copy_bandwidth, report, time_fn
 
 # Variant: the kinds of kernel it leaves out of the decode step (the final norm and the LM head always stay: they
 # feed the sampler, which must see finite logits).
@@ -73,17 +73,8 @@ def install_switches(model, left_out: set[str]) -> None:
 
 
 def replay_ms(graphs: DecodeGraphs, replays: int) -> float:
-    """Median GPU time of a replay of the step's graphs, each queued ahead (see common.time_fn)."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(replays):
-        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
-        begin.record()
-        graphs.replay(1)
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end))
-    return statistics.median(samples[5:])
+    """Median GPU time of a replay of the step's graphs (the first 5 of `replays` warm up), each queued ahead."""
+    return time_fn(lambda: graphs.replay(1), replays - 5, queue_ahead=True)
 
 
 def main() -> int:
