@@ -12,6 +12,11 @@
 #            flight): the free-string JSON-schema mix and the exact-length one, each against unconstrained
 #   serving15  offline throughput, then the server (engine core process) with bench/serving.py and SGLang's
 #            bench_serving (SGL_TOOLS=folder) at 128/1024 c=256, 1024/1024 c=64, and 1024 in flight
+#   batch1   random Qwen3-8B, bf16 and FP8 weights: batch-1 latency through HTTP and offline (a server and an
+#            engine side by side, small KV pools), then bench/leave_out.py   (README: batch1-latency.md,
+#            batch1-step-breakdown.md in bench/results/current/)
+#   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
+#            bench_serving (SGL_TOOLS)                                      (README: serving-256.md)
 # Every stage after `tests` builds first if the package is not installed yet.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
@@ -209,10 +214,40 @@ stage_structured() {  # issue 16's bar: a JSON-schema mix at 64 in flight agains
   done
 }
 
+stage_batch1() {  # the README's batch-1 figures: bench/results/current/batch1-latency.md and batch1-step-breakdown.md
+  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  for q in none fp8; do
+    # --num-pages 2048: the server and latency.py's offline engine share the GPU
+    start_server "server_batch1_$q.log" /tmp/qwen3-8b-dummy --quantization "$q" --num-pages 2048 &&
+      run "http_latency_8b_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy \
+      --quantization "$q" --num-pages 2048 --prompt-lens 128 1024 --new-tokens 64 --url http://127.0.0.1:8000 \
+      --json "$OUT/http_latency_8b_$q.json"
+    stop_server
+  done
+  for q in none fp8; do
+    run "leave_out_$q" 240 python3 bench/leave_out.py --model Qwen3-8B --load-format dummy --quantization "$q" \
+      --prompt-lens 128 1024 --json "$OUT/leave_out_$q.json"
+  done
+}
+
+stage_fp8serving() {  # bench/results/current/serving-256.md: bf16 and FP8 weights at 256 in flight
+  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  for q in none fp8; do
+    run "throughput_8b_128x1024_$q" 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
+      --quantization "$q" --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 \
+      --json "$OUT/throughput_8b_128x1024_$q.json"
+    [ -n "$SGL_TOOLS" ] || { echo "SGL_TOOLS not set: no HTTP run"; continue; }
+    start_server "server_serving_$q.log" /tmp/qwen3-8b-dummy --quantization "$q"
+    bench_serving "bench_serving_$q" --backend vllm --num-prompts 512 --max-concurrency 256 \
+      --random-input-len 128 --random-output-len 1024
+    stop_server
+  done
+}
+
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|fp8serving)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
