@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test run whose log is committed: build, every test (GPU ones included), then the mutants of
+# The test run behind bench/results/current/gpu-tests.md: build, every test (GPU ones included), then the mutants of
 # tests/mutation_check.py (each must make its tests fail). The mutants compile while the tests run.
 #   bash bench/gpu_tests.sh OUTDIR          -> build.log, tests.log, mutations.log, summary.txt
 set -u -o pipefail

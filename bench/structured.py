@@ -28,8 +28,8 @@ from fastqwen.sampling_params import StructuredOutput
 
 
 def plain_schemas(output_len: int) -> list[dict]:
-    """The same four shapes with free strings (no exact lengths): llguidance's fast path for JSON string bodies.
-    Not measured yet (see bench/results/2026-11-23-h100-grammar/README.md)."""
+    """The same four shapes with free strings (no exact lengths): llguidance's fast path for JSON string bodies
+    (bench/results/current/structured-output.md)."""
     n = output_len
     return [
         {"type": "array", "items": {"type": "integer"}, "minItems": n},
