@@ -254,3 +254,37 @@ def test_a_head_within_the_limits_is_served(server):
     headers = {f"x-{i}": "v" * 100 for i in range(90)}  # 90 lines, about 10 KB: under 100 lines and 16 KiB
     with client_from("127.0.0.12") as client:
         assert client.get(server.url + "/health", headers=headers).status_code == 200
+
+
+def test_slot_accounting_matches_a_recount_over_random_opens_and_closes():
+    """ConnectionSlots keeps counters; a reference decides each admission by recounting the open connections."""
+    import random
+
+    from fastqwen.server.connections import GENERAL, HEALTH_ONLY, RESERVED, ConnectionLimits, ConnectionSlots, Refusal
+
+    limits = ConnectionLimits(max_connections=20, reserved_connections=6, max_connections_per_peer=5)
+    slots, open_ = ConnectionSlots(limits), []  # open_: (peer, kind) of every admitted connection
+    rng = random.Random(3)
+    for _ in range(5000):
+        if open_ and rng.random() < 0.45:
+            slots.release(*open_.pop(rng.randrange(len(open_))))
+            continue
+        peer = f"10.0.0.{rng.randrange(6)}"
+        mine = [kind for p, kind in open_ if p == peer]
+        if len(open_) >= 20:
+            expected = 503
+        elif len(mine) < 5 and len(open_) < 14:
+            expected = GENERAL
+        elif len(mine) < 2:
+            expected = RESERVED
+        elif HEALTH_ONLY not in mine:
+            expected = HEALTH_ONLY
+        else:
+            expected = 429 if len(mine) >= 5 else 503
+        got = slots.admit(peer)
+        assert (got.status if isinstance(got, Refusal) else got) == expected, (peer, mine, len(open_))
+        if not isinstance(got, Refusal):
+            open_.append((peer, got))
+    for connection in open_:
+        slots.release(*connection)
+    assert slots.open == 0 and slots.held == {} and slots.health_only == set()
