@@ -45,13 +45,22 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
     limits.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413 before they are read")
     limits.add_argument("--max-sequences-per-request", type=int, default=256, help="prompts x n of one HTTP request; more get 400")
     limits.add_argument("--max-connections", type=int, default=2048, help="open HTTP connections at most; one more is answered 503 and closed")
+    limits.add_argument("--max-connections-per-peer", type=int, default=256, help="open HTTP connections from one client IP address at most (loopback included); one more is answered 429 and closed, except one that asks for /health. Behind a reverse proxy every client has the proxy's address: raise it to --max-connections there")
+    limits.add_argument("--reserved-connections", type=int, default=None, help="the last this many of --max-connections are kept for clients holding fewer than 2 connections and for /health, so clients that hold the rest cannot starve newcomers or the health probe (default: 1/16 of --max-connections)")
     limits.add_argument("--header-timeout", type=float, default=10.0, help="seconds a connection may take to send a request's headers (from connecting, or from its first byte) before it is closed")
-    limits.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request's body may take to arrive after its headers before the connection is closed")
+    limits.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request's body may take to arrive after its headers, at most, before the connection is closed (with a 408)")
+    limits.add_argument("--min-body-rate", type=float, default=1024.0, help="bytes per second a request body must average once --header-timeout seconds have passed since its headers; a slower one is answered 408 and closed")
+    limits.add_argument("--max-header-bytes", type=int, default=16 * 1024, help="a request's head (request line and headers) larger than this is answered 431 and closed; at most 100 header lines are accepted")
     limits.add_argument("--max-log-lines-per-second", type=float, default=100.0, help="log lines beyond this rate are dropped (and counted), so no client can fill the disk; 0 = no limit")
     args = p.parse_args(argv)
-    for flag in ("max_request_body_bytes", "max_sequences_per_request", "max_connections", "header_timeout", "body_timeout"):
+    for flag in ("max_request_body_bytes", "max_sequences_per_request", "max_connections", "max_connections_per_peer",
+                 "header_timeout", "body_timeout", "min_body_rate", "max_header_bytes"):  # fmt: skip
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.reserved_connections is None:
+        args.reserved_connections = args.max_connections // 16
+    if not 0 <= args.reserved_connections < args.max_connections:
+        p.error("--reserved-connections must be at least 0 and below --max-connections")
     if args.stats_interval < 0:
         p.error("--stats-interval must be >= 0")
     return args
@@ -147,7 +156,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
         def _log_started_message(self, listeners) -> None:
             pass  # "Uvicorn running on ..." would come before the model is loaded; the app logs the ready line
 
-    limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
+    limits = ConnectionLimits(
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, min_body_rate=args.min_body_rate,
+        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
+        reserved_connections=args.reserved_connections, max_header_bytes=args.max_header_bytes,
+    )  # fmt: skip
     _raise_fd_limit(args.max_connections + 256)
     server = Server(
         uvicorn.Config(
