@@ -388,18 +388,26 @@ def test_programmatic_launch_waits_for_the_kernel_before(fp8, tokens):
 def test_gemv_refuses_bad_arguments():
     w = LinearWeight(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(2, 129, device="cuda", dtype=torch.bfloat16)[:, 1:]  # misaligned rows: not contiguous
+    native = _native.native()
+
+    def gemv_args(out, x, w, scale, bias, m, n, k, dtype, fp8, silu_gate_up):
+        args = native.GemvArgs()
+        args.out, args.x, args.w, args.scale, args.bias, args.m, args.n, args.k = out, x, w, scale, bias, m, n, k
+        args.dtype, args.fp8, args.silu_gate_up = _native.dtype_code(dtype), fp8, silu_gate_up
+        return args
+
     with pytest.raises(ValueError):
-        _native.native().gemv(0, 0, 0, 0, 0, 1, 64, 128, _native.dtype_code(torch.bfloat16), False, False, 0)
+        native.gemv(gemv_args(0, 0, 0, 0, 0, 1, 64, 128, torch.bfloat16, False, False))
     with pytest.raises(ValueError, match="m must be"):
-        _native.native().gemv(1, 16, 16, 0, 0, 17, 64, 128, _native.dtype_code(torch.bfloat16), False, False, 0)
+        native.gemv(gemv_args(1, 16, 16, 0, 0, 17, 64, 128, torch.bfloat16, False, False))
     with pytest.raises(ValueError, match="multiple of 16"):
-        _native.native().gemv(16, 16, 16, 16, 0, 1, 64, 120, _native.dtype_code(torch.bfloat16), True, False, 0)
+        native.gemv(gemv_args(16, 16, 16, 16, 0, 1, 64, 120, torch.bfloat16, True, False))
     with pytest.raises(ValueError, match="dtype"):
-        _native.native().gemv(16, 16, 16, 0, 0, 1, 64, 128, _native.dtype_code(torch.float32), False, False, 0)
+        native.gemv(gemv_args(16, 16, 16, 0, 0, 1, 64, 128, torch.float32, False, False))
     with pytest.raises(ValueError, match="n even"):
-        _native.native().gemv(16, 16, 16, 0, 0, 1, 63, 128, _native.dtype_code(torch.bfloat16), False, True, 0)
+        native.gemv(gemv_args(16, 16, 16, 0, 0, 1, 63, 128, torch.bfloat16, False, True))
     with pytest.raises(ValueError, match="too large"):  # 2^31 16-byte chunks: beyond the kernel's 32-bit row offsets
-        _native.native().gemv(16, 16, 16, 0, 0, 1, 1 << 20, 1 << 14, _native.dtype_code(torch.bfloat16), False, False, 0)
+        native.gemv(gemv_args(16, 16, 16, 0, 0, 1, 1 << 20, 1 << 14, torch.bfloat16, False, False))
     got = gemv(x, w)  # a strided x is made contiguous first
     torch.testing.assert_close(got.float(), x.float() @ w.weight.float().t(), rtol=RTOL, atol=1e-3)
     with pytest.raises(ValueError, match="does not apply"):
