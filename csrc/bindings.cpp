@@ -161,6 +161,28 @@ void export_contracts(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("query_start", &fq::PrefillArgs::query_start)
       .def_readwrite("max_query_len", &fq::PrefillArgs::max_query_len);
+  py::enum_<fq::GemvEpilogue>(m, "GemvEpilogue", "What a GEMV does besides x @ W^T (csrc/gemv.h).")
+      .value("PLAIN", fq::kGemvPlain)
+      .value("ADD_RESIDUAL", fq::kGemvAddResidual)
+      .value("NORM_X", fq::kGemvNormX)
+      .value("NORM_X_FOLDED", fq::kGemvNormXFolded);
+  py::class_<fq::GemvArgs>(m, "GemvArgs", "Arguments of gemv and gemv_norm (csrc/gemv.h).")
+      .def(py::init<>())
+      .def_readwrite("out", &fq::GemvArgs::out)
+      .def_readwrite("x", &fq::GemvArgs::x)
+      .def_readwrite("w", &fq::GemvArgs::w)
+      .def_readwrite("scale", &fq::GemvArgs::scale)
+      .def_readwrite("bias", &fq::GemvArgs::bias)
+      .def_readwrite("m", &fq::GemvArgs::m)
+      .def_readwrite("n", &fq::GemvArgs::n)
+      .def_readwrite("k", &fq::GemvArgs::k)
+      .def_readwrite("dtype", &fq::GemvArgs::dtype)
+      .def_readwrite("fp8", &fq::GemvArgs::fp8)
+      .def_readwrite("silu_gate_up", &fq::GemvArgs::silu_gate_up)
+      .def_readwrite("epilogue", &fq::GemvArgs::epilogue)
+      .def_readwrite("norm_weight", &fq::GemvArgs::norm_weight)
+      .def_readwrite("eps", &fq::GemvArgs::eps)
+      .def_readwrite("stream", &fq::GemvArgs::stream);
   py::class_<fq::AllReduceArgs>(m, "AllReduceArgs", "Arguments of custom_all_reduce (csrc/custom_all_reduce.h).")
       .def(py::init<>())
       .def_property(
@@ -239,31 +261,13 @@ PYBIND11_MODULE(_C, m) {
       .def("__repr__", &PageAllocator::repr);
 
 #if FASTQWEN_WITH_CUDA
-  m.def(
-      "gemv",
-      [](const py::int_& out, const py::int_& x, const py::int_& w, const py::int_& scale, const py::int_& bias,
-         int64_t m, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up, const py::int_& stream) {
-        fastqwen::gemv(to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(w, "w"), to_uintptr(scale, "scale"),
-                       to_uintptr(bias, "bias"), m, n, k, dtype, fp8, silu_gate_up, to_uintptr(stream, "stream"));
-      },
-      py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("m"), py::arg("n"),
-      py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("silu_gate_up"), py::arg("stream"),
-      "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
-      "block scales (fp8); fp32 accumulation. silu_gate_up: W = [gate; up], out [m, n / 2] = silu(gate) * up.");
-  m.def(
-      "gemv_norm",
-      [](int kind, const py::int_& out, const py::int_& x, const py::int_& w, const py::int_& scale,
-         const py::int_& bias, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up,
-         const py::int_& norm_weight, double eps, const py::int_& stream) {
-        fastqwen::gemv_norm(kind, to_uintptr(out, "out"), to_uintptr(x, "x"), to_uintptr(w, "w"),
-                            to_uintptr(scale, "scale"), to_uintptr(bias, "bias"), n, k, dtype, fp8, silu_gate_up,
-                            to_uintptr(norm_weight, "norm_weight"), eps, to_uintptr(stream, "stream"));
-      },
-      py::arg("kind"), py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"),
-      py::arg("k"), py::arg("dtype"), py::arg("fp8"), py::arg("silu_gate_up"), py::arg("norm_weight"), py::arg("eps"),
-      py::arg("stream"),
-      "One token, the RMSNorm between two projections carried by their GEMVs (gemv.h). kind 1: out (the residual) "
-      "+= x @ W^T. kind 2: out = RMSNorm(x; norm_weight, eps) @ W^T, x the residual.");
+  m.def("gemv", &fastqwen::gemv, py::arg("args"),
+        "out [m, n] = x [m, k] @ W^T (+ bias), m <= GEMV_MAX_TOKENS; W dense of dtype, or e4m3 with float32 128x128 "
+        "block scales (fp8); fp32 accumulation. silu_gate_up: W = [gate; up], out [m, n / 2] = silu(gate) * up.");
+  m.def("gemv_norm", &fastqwen::gemv_norm, py::arg("args"),
+        "One token, the RMSNorm between two projections carried by their GEMVs (csrc/gemv.h): ADD_RESIDUAL, out (the "
+        "residual) += x @ W^T; NORM_X, out = RMSNorm(x; norm_weight, eps) @ W^T, x the residual; NORM_X_FOLDED, the "
+        "same with the norm weight already in W.");
   m.def("set_gemv_tensor_cores", &fastqwen::set_gemv_tensor_cores, py::arg("enabled"),
         "Whether gemv sends the calls of 2 to 8 tokens it can to its tensor-core kernel (default on); returns the "
         "previous setting. For tests and benchmarks.");

@@ -10,10 +10,10 @@
 // of FP8 weights runs gemv_fp8_one_token_kernel, the same arithmetic with its loads kept in flight in a ring.
 //
 // One token, the RMSNorm between two projections rides on their GEMVs (gemv_norm): the projection before the norm
-// adds its outputs into the residual in its epilogue (kAddResidual), and the projection after it reads the residual
-// as x, sums x^2 on the way and scales its dot products by 1/rms (kNormXFolded where the norm's weight was multiplied
-// into its columns at load; kNormX multiplies each x by the weight as it loads it, a second load per chunk). Every
-// block reads all of x anyway, so the norm costs no extra pass, no grid-wide step and no kernel between the two
+// adds its outputs into the residual in its epilogue (kGemvAddResidual), and the projection after it reads the
+// residual as x, sums x^2 on the way and scales its dot products by 1/rms (kGemvNormXFolded where the norm's weight
+// was multiplied into its columns at load; kGemvNormX multiplies each x by the weight as it loads it, a second load
+// per chunk). Every block reads all of x anyway, so the norm costs no extra pass, no grid-wide step and no kernel between the two
 // projections. Measured on the H100 (bench/results/2026-11-24-h100-norm-in-gemv): batch-1 Qwen3-8B bf16 5.563 ->
 // 5.470 ms a step at a 1,024-token prompt (folded), FP8 3.334 -> 3.309.
 //
@@ -33,6 +33,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "cuda_check.h"
@@ -74,20 +75,12 @@ __device__ __forceinline__ void load_x8(const T* p, float (&out)[8]) {
   }
 }
 
-// What a one-token GEMV does besides out = x @ W^T (gemv_norm in gemv.h).
-enum : int {
-  kPlain = 0,
-  kAddResidual = 1,  // out += the projection (out is the residual), rounded as fused_add_rms_norm adds
-  kNormX = 2,        // x is the residual h: the projection of RMSNorm(h) (norm weight g), 1/rms applied at the end
-  kNormXFolded = 3,  // the same with the norm weight already multiplied into W's columns (no g)
-};
-
-// 8 of the GEMV's activations at element offset e: x as it is, or with kNormX, x * g (fp32, not rounded) while
-// sq sums x^2 (kNormXFolded: x as it is, sq too).
+// 8 of the GEMV's activations at element offset e: x as it is, or with kGemvNormX, x * g (fp32, not rounded) while
+// sq sums x^2 (kGemvNormXFolded: x as it is, sq too).
 template <int EPI, typename T>
 __device__ __forceinline__ void load_x8_for(const T* x, const T* g, int64_t e, float (&out)[8], float& sq) {
   load_x8(x + e, out);
-  if constexpr (EPI == kNormX) {
+  if constexpr (EPI == kGemvNormX) {
     float gf[8];
     load_x8(g + e, gf);
 #pragma unroll
@@ -96,18 +89,18 @@ __device__ __forceinline__ void load_x8_for(const T* x, const T* g, int64_t e, f
       out[i] *= gf[i];
     }
   }
-  if constexpr (EPI == kNormXFolded) {
+  if constexpr (EPI == kGemvNormXFolded) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) sq = fmaf(out[i], out[i], sq);
   }
 }
 
-// kAddResidual: the block's residual outputs into L1 before griddep_wait (a hint), so that the epilogue's read of them
-// is not a round trip to L2 while the next projection's weights queue. The residual was written two or more kernels
+// kGemvAddResidual: the block's residual outputs into L1 before griddep_wait (a hint), so that the epilogue's read of
+// them is not a round trip to L2 while the next projection's weights queue. The residual was written two or more kernels
 // before (gemv_norm's contract), so it may be read before the wait.
 template <int EPI, typename T>
 __device__ __forceinline__ void prefetch_residual(const T* out, int out0) {
-  if constexpr (EPI == kAddResidual) {
+  if constexpr (EPI == kGemvAddResidual) {
     if (threadIdx.x == 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(out + out0));
   }
 }
@@ -168,13 +161,13 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, const 
 
 // The block's epilogue: each warp's sums acc (its share of every row's dot products) meet in shared memory, in a fixed
 // order, and are rounded once to T (outputs out0 .. out0 + kOut of each token).
-// kNormX, kNormXFolded: sq is the thread's sum of x^2, k the row length, eps the norm's.
-template <typename T, int MT, bool SILU_GATE_UP, int kRows, int EPI = kPlain>
+// kGemvNormX, kGemvNormXFolded: sq is the thread's sum of x^2, k the row length, eps the norm's.
+template <typename T, int MT, bool SILU_GATE_UP, int kRows, int EPI = kGemvPlain>
 __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* __restrict__ out,
                                               const T* __restrict__ bias, int m, int n_out, int out0, int warp,
                                               int lane, float sq = 0.0f, int k = 1, float eps = 0.0f) {
-  static_assert(EPI == kPlain || MT == 1, "the norm rides on one-token GEMVs");
-  static_assert(EPI != kAddResidual || !SILU_GATE_UP, "the projection before a norm has no SiLU epilogue");
+  static_assert(EPI == kGemvPlain || MT == 1, "the norm rides on one-token GEMVs");
+  static_assert(EPI != kGemvAddResidual || !SILU_GATE_UP, "the projection before a norm has no SiLU epilogue");
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
   __shared__ float partial[kWarps][MT * kRows];
 #pragma unroll
@@ -188,7 +181,7 @@ __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* 
     }
   }
   float inv_rms = 1.0f;
-  if constexpr (EPI == kNormX || EPI == kNormXFolded) {
+  if constexpr (EPI == kGemvNormX || EPI == kGemvNormXFolded) {
     inv_rms = rsqrtf(block_sum(sq) / static_cast<float>(k) + eps);  // (block_sum synchronizes the block)
   } else {
     __syncthreads();
@@ -203,13 +196,13 @@ __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* 
       float s = 0.0f;
 #pragma unroll
       for (int q = 0; q < kWarps; ++q) s += partial[q][i * kRows + half * kOut + o];
-      if constexpr (EPI == kNormX || EPI == kNormXFolded) s *= inv_rms;
+      if constexpr (EPI == kGemvNormX || EPI == kGemvNormXFolded) s *= inv_rms;
       if (bias != nullptr) s += Cvt<T>::to_f(bias[half * n_out + j]);
       y[half] = Cvt<T>::from_f(s);
     }
     if constexpr (SILU_GATE_UP) {
       out[static_cast<int64_t>(i) * n_out + j] = silu_mul(y[0], y[1]);
-    } else if constexpr (EPI == kAddResidual) {  // (one token)
+    } else if constexpr (EPI == kGemvAddResidual) {  // (one token)
       out[j] = Cvt<T>::from_f(Cvt<T>::to_f(y[0]) + Cvt<T>::to_f(out[j]));
     } else {
       out[static_cast<int64_t>(i) * n_out + j] = y[0];
@@ -242,7 +235,7 @@ struct BlockRows {
 
 // Grid: one block per kOut outputs (kRows weight rows). MT: the token count rounded up to a power of two (loops stop
 // at m). One token: at most 64 registers, so that 8 blocks fit on an SM and an 8B projection's blocks run in one wave.
-template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows, int EPI = kPlain>
+template <typename T, bool FP8, int MT, bool SILU_GATE_UP, int kRows, int EPI = kGemvPlain>
 __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
@@ -262,7 +255,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
   const BlockRows<SILU_GATE_UP, kRows> rows(w, out0, n_out, k * kRowBytesPerElem / 16, scale_cols);
   prefetch_residual<EPI>(out, out0);
   float acc[MT][kRows];
-  float sq = 0.0f;  // (kNormX, kNormXFolded)
+  float sq = 0.0f;  // (kGemvNormX, kGemvNormXFolded)
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -314,7 +307,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 // (bench/results/2026-11-23-h100-gemv-ring): o_proj 7.09 -> 6.90 us, qkv 10.53 -> 10.26; batch-1 decode of Qwen3-8B
 // FP8 3.282 -> 3.256 ms (128-token prompt). The same ring for bf16 weights was faster in the decode step but slower
 // alone (o_proj 12.36 -> 12.74 us), and two chunks deep was slower for both.
-template <typename T, bool SILU_GATE_UP, int kRows, int EPI = kPlain>
+template <typename T, bool SILU_GATE_UP, int kRows, int EPI = kGemvPlain>
 __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* __restrict__ out, const T* __restrict__ x,
                                                                            const uint8_t* __restrict__ w,
                                                                            const float* __restrict__ scale,
@@ -345,7 +338,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
   griddep_launch_dependents();  // (after the wait: see common.cuh)
 
   float acc[1][kRows];
-  float sq = 0.0f;  // (kNormX, kNormXFolded)
+  float sq = 0.0f;  // (kGemvNormX, kGemvNormXFolded)
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[0][r] = 0.0f;
   for (; c < num_chunks; c += kStride) {
@@ -409,7 +402,7 @@ int rows_per_block(int weight_rows, int epilogue) {
   // FP8 normalizing x: the sum of squares (and the norm weight's load beside x's) take registers, and 6 rows spilled
   // (16 to 24 bytes). 4 rows were faster on the H100 despite the extra wave: batch-1 Qwen3-8B FP8 3.330 -> 3.303 ms at
   // a 1,024-token prompt.
-  if (FP8 && (epilogue == kNormX || epilogue == kNormXFolded)) return 4;
+  if (FP8 && (epilogue == kGemvNormX || epilogue == kGemvNormXFolded)) return 4;
   auto fill = [](int blocks, int slots) {
     const double waves = static_cast<double>(blocks) / slots;
     return waves / std::ceil(waves);
@@ -421,75 +414,125 @@ int rows_per_block(int weight_rows, int epilogue) {
              : 4;
 }
 
-// gemv_norm's arguments (kPlain for a plain gemv).
-struct Epilogue {
-  int kind = kPlain;
-  uintptr_t norm_weight = 0;
-  float eps = 0.0f;
-};
-
-template <typename T, bool FP8, int MT, bool SILU, int R, int EPI>
-void launch_kernel(dim3 grid, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n,
-                   int k, const Epilogue& epi, cudaStream_t stream) {
-  const T* g = reinterpret_cast<const T*>(epi.norm_weight);
-  if constexpr (FP8 && MT == 1) {
-    launch_programmatic(gemv_fp8_one_token_kernel<T, SILU, R, EPI>, grid, dim3(kWarps * 32), 0, stream,
-                        "gemv kernel launch", reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
-                        reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scale),
-                        reinterpret_cast<const T*>(bias), n, k, g, epi.eps);
-  } else {
-    launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R, EPI>, grid, dim3(kWarps * 32), 0, stream, "gemv kernel launch",
-                        reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), reinterpret_cast<const uint8_t*>(w),
-                        reinterpret_cast<const float*>(scale), reinterpret_cast<const T*>(bias), m, n, k, g, epi.eps);
-  }
+// Runtime values to template arguments: f(std::integral_constant<...>{}) for the value at hand (as FlashAttention's
+// static_switch.h). A call of m tokens runs the kernel of MT = m rounded up to a power of two (its loops stop at m).
+template <typename F>
+void bool_switch(bool value, F&& f) {
+  if (value) return f(std::true_type{});
+  f(std::false_type{});
 }
 
-template <typename T, bool FP8, int MT, bool SILU, int R>
-void launch_rows(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-                 const Epilogue& epi, cudaStream_t stream) {
-  const int outputs_per_block = SILU ? R / 2 : R;
-  const int n_out = SILU ? n / 2 : n;
-  const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
-  if constexpr (MT == 1) {
-    if constexpr (!(FP8 && R == 6)) {  // (rows_per_block gives FP8 4 rows to normalize x)
-      if (epi.kind == kNormX) return launch_kernel<T, FP8, MT, SILU, R, kNormX>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
-      if (epi.kind == kNormXFolded) {
-        return launch_kernel<T, FP8, MT, SILU, R, kNormXFolded>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
-      }
+template <typename F>
+void tokens_switch(int m, F&& f) {
+  if (m <= 1) return f(std::integral_constant<int, 1>{});
+  if (m <= 2) return f(std::integral_constant<int, 2>{});
+  if (m <= 4) return f(std::integral_constant<int, 4>{});
+  if (m <= 8) return f(std::integral_constant<int, 8>{});
+  f(std::integral_constant<int, 16>{});
+}
+
+template <typename F>
+void rows_switch(int rows, F&& f) {
+  if (rows == 6) return f(std::integral_constant<int, 6>{});
+  f(std::integral_constant<int, 4>{});
+}
+
+// The epilogues compiled for a kernel: the plain one always; at one token, adding into the residual (without the SiLU
+// epilogue: the projection before a norm is o_proj or down) and normalizing x (FP8 at 4 rows only: rows_per_block).
+template <bool FP8, int MT, bool SILU, int R>
+constexpr bool epilogue_compiled(int epilogue) {
+  if (epilogue == kGemvPlain) return true;
+  if (epilogue == kGemvAddResidual) return MT == 1 && !SILU;
+  return MT == 1 && !(FP8 && R == 6) && (epilogue == kGemvNormX || epilogue == kGemvNormXFolded);
+}
+
+template <bool FP8, int MT, bool SILU, int R, typename F>
+void epilogue_switch(int epilogue, F&& f) {
+  auto run = [&](auto epi) {
+    if constexpr (epilogue_compiled<FP8, MT, SILU, R>(decltype(epi)::value)) {
+      f(epi);
+    } else {  // (gemv_norm's checks and rows_per_block leave no such call)
+      throw std::logic_error("gemv: no kernel compiled for epilogue " + std::to_string(epilogue) + " at " +
+                             std::to_string(MT) + " tokens, " + std::to_string(R) + " rows a block");
     }
-    if constexpr (!SILU) {
-      if (epi.kind == kAddResidual) {
-        return launch_kernel<T, FP8, MT, SILU, R, kAddResidual>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
-      }
-    }
+  };
+  switch (epilogue) {
+    case kGemvPlain: return run(std::integral_constant<int, kGemvPlain>{});
+    case kGemvAddResidual: return run(std::integral_constant<int, kGemvAddResidual>{});
+    case kGemvNormX: return run(std::integral_constant<int, kGemvNormX>{});
+    case kGemvNormXFolded: return run(std::integral_constant<int, kGemvNormXFolded>{});
+    default: throw std::logic_error("gemv: unknown epilogue " + std::to_string(epilogue));
   }
-  launch_kernel<T, FP8, MT, SILU, R, kPlain>(grid, out, x, w, scale, bias, m, n, k, epi, stream);
 }
 
-template <typename T, bool FP8, int MT, bool SILU>
-void launch_silu(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-                 const Epilogue& epi, cudaStream_t stream) {
-  if (rows_per_block<T, FP8, MT, SILU>(n, epi.kind) == 6) {
-    return launch_rows<T, FP8, MT, SILU, 6>(out, x, w, scale, bias, m, n, k, epi, stream);
+// Every launch decision of a checked call (gemv() and gemv_norm() check it first), in one place:
+// - 2 to 8 tokens with the plain epilogue go to the tensor-core kernel where it takes them (gemv_tc.cu);
+// - otherwise the FMA kernel for MT = m rounded up to a power of two, at 4 or 6 weight rows a block (rows_per_block),
+//   one block per R (SiLU: R / 2) outputs, kWarps warps; one token of FP8 weights runs its ring-load variant
+//   (gemv_fp8_one_token_kernel), everything else gemv_kernel; the epilogue is a template argument.
+void launch(const GemvArgs& a) {
+  if (a.epilogue == kGemvPlain && gemv_uses_tensor_cores(a.m, a.k, a.fp8)) return gemv_tc(a);
+  const int m = static_cast<int>(a.m), n = static_cast<int>(a.n), k = static_cast<int>(a.k);
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(a.stream);
+  FASTQWEN_DISPATCH_DTYPE("gemv: ", a.dtype, kHalfTypes, T, {
+    bool_switch(a.fp8, [&](auto fp8) {
+      constexpr bool FP8 = decltype(fp8)::value;
+      tokens_switch(m, [&](auto tokens) {
+        constexpr int MT = decltype(tokens)::value;
+        bool_switch(a.silu_gate_up, [&](auto silu) {
+          constexpr bool SILU = decltype(silu)::value;
+          rows_switch(rows_per_block<T, FP8, MT, SILU>(n, a.epilogue), [&](auto rows) {
+            constexpr int R = decltype(rows)::value;
+            const int outputs_per_block = SILU ? R / 2 : R;
+            const int n_out = SILU ? n / 2 : n;
+            const dim3 grid(static_cast<unsigned>((n_out + outputs_per_block - 1) / outputs_per_block));
+            const dim3 block(kWarps * 32);
+            epilogue_switch<FP8, MT, SILU, R>(a.epilogue, [&](auto epilogue) {
+              constexpr int EPI = decltype(epilogue)::value;
+              T* out = reinterpret_cast<T*>(a.out);
+              const T* x = reinterpret_cast<const T*>(a.x);
+              const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w);
+              const float* scale = reinterpret_cast<const float*>(a.scale);
+              const T* bias = reinterpret_cast<const T*>(a.bias);
+              const T* g = EPI == kGemvNormX ? reinterpret_cast<const T*>(a.norm_weight) : nullptr;
+              const float eps = EPI == kGemvNormX || EPI == kGemvNormXFolded ? static_cast<float>(a.eps) : 0.0f;
+              if constexpr (FP8 && MT == 1) {
+                launch_programmatic(gemv_fp8_one_token_kernel<T, SILU, R, EPI>, grid, block, 0, stream,
+                                    "gemv kernel launch", out, x, w, scale, bias, n, k, g, eps);
+              } else {
+                launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R, EPI>, grid, block, 0, stream,
+                                    "gemv kernel launch", out, x, w, scale, bias, m, n, k, g, eps);
+              }
+            });
+          });
+        });
+      });
+    });
+  });
+}
+
+// The checks both entry points make (op: "gemv: " or "gemv_norm: ").
+void check_args(const std::string& op, const GemvArgs& a) {
+  check_dtype(op, a.dtype, kHalfTypes);
+  const int64_t m = a.m, n = a.n, k = a.k;
+  if (m < 1 || m > kGemvMaxTokens) {
+    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
   }
-  launch_rows<T, FP8, MT, SILU, 4>(out, x, w, scale, bias, m, n, k, epi, stream);
-}
-
-template <typename T, bool FP8, int MT>
-void launch_mt(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-               bool silu_gate_up, const Epilogue& epi, cudaStream_t stream) {
-  if (silu_gate_up) return launch_silu<T, FP8, MT, true>(out, x, w, scale, bias, m, n, k, epi, stream);
-  launch_silu<T, FP8, MT, false>(out, x, w, scale, bias, m, n, k, epi, stream);
-}
-
-template <typename T, bool FP8>
-void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
-            bool silu_gate_up, const Epilogue& epi, cudaStream_t stream) {
-  if (m <= 1) return launch_mt<T, FP8, 1>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
-  if (m <= 2) return launch_mt<T, FP8, 2>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
-  if (m <= 4) return launch_mt<T, FP8, 4>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
-  if (m <= 8) return launch_mt<T, FP8, 8>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
-  return launch_mt<T, FP8, 16>(out, x, w, scale, bias, m, n, k, silu_gate_up, epi, stream);
+  if (n < 1 || k < 1 || n > (1 << 30) || k > (1 << 30)) {
+    throw std::invalid_argument(op + "bad shape n=" + std::to_string(n) + " k=" + std::to_string(k));
+  }
+  if (n * k * (a.fp8 ? 1 : 2) / 16 >= (int64_t{1} << 31)) {  // (row offsets are 32-bit counts of 16-byte chunks)
+    throw std::invalid_argument(op + "weight of " + std::to_string(n) + "x" + std::to_string(k) + " too large");
+  }
+  const int multiple = a.fp8 ? 16 : 8;
+  if (k % multiple != 0) {
+    throw std::invalid_argument(op + "k must be a multiple of " + std::to_string(multiple) + ", got " + std::to_string(k));
+  }
+  if (a.silu_gate_up && n % 2 != 0) {
+    throw std::invalid_argument(op + "silu_gate_up needs the gate and up rows stacked (n even), got n=" + std::to_string(n));
+  }
+  if (a.out == 0 || a.x == 0 || a.w == 0 || (a.fp8 && a.scale == 0)) throw std::invalid_argument(op + "null data pointer");
+  if (!aligned16(a.x) || !aligned16(a.w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
 }
 
 }  // namespace
@@ -510,69 +553,34 @@ bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8) {
   return g_gemv_tensor_cores && m >= kGemvTcMinTokens && gemv_tc_applies(m, k, fp8);
 }
 
-namespace {
-void run_gemv(const std::string& op, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias,
-              int64_t m, int64_t n, int64_t k, int dtype, bool fp8, bool silu_gate_up, const Epilogue& epi,
-              uintptr_t stream) {
-  check_dtype(op, dtype, kHalfTypes);
-  if (m < 1 || m > kGemvMaxTokens) {
-    throw std::invalid_argument(op + "m must be 1 to " + std::to_string(kGemvMaxTokens) + ", got " + std::to_string(m));
+void gemv(const GemvArgs& args) {
+  const std::string op = "gemv: ";
+  if (args.epilogue != kGemvPlain) {
+    throw std::invalid_argument(op + "epilogue " + std::to_string(args.epilogue) + " is gemv_norm's; gemv takes "
+                                "kGemvPlain (0)");
   }
-  if (n < 1 || k < 1 || n > (1 << 30) || k > (1 << 30)) {
-    throw std::invalid_argument(op + "bad shape n=" + std::to_string(n) + " k=" + std::to_string(k));
-  }
-  if (n * k * (fp8 ? 1 : 2) / 16 >= (int64_t{1} << 31)) {  // (row offsets are 32-bit counts of 16-byte chunks)
-    throw std::invalid_argument(op + "weight of " + std::to_string(n) + "x" + std::to_string(k) + " too large");
-  }
-  const int multiple = fp8 ? 16 : 8;
-  if (k % multiple != 0) {
-    throw std::invalid_argument(op + "k must be a multiple of " + std::to_string(multiple) + ", got " + std::to_string(k));
-  }
-  if (silu_gate_up && n % 2 != 0) {
-    throw std::invalid_argument(op + "silu_gate_up needs the gate and up rows stacked (n even), got n=" + std::to_string(n));
-  }
-  if (out == 0 || x == 0 || w == 0 || (fp8 && scale == 0)) throw std::invalid_argument(op + "null data pointer");
-  if (!aligned16(x) || !aligned16(w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  if (epi.kind == kPlain && gemv_uses_tensor_cores(m, k, fp8)) {
-    return gemv_tc(out, x, w, scale, bias, mi, ni, ki, dtype, fp8, silu_gate_up, s);
-  }
-  FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
-    if (fp8) {
-      launch<T, true>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, epi, s);
-    } else {
-      launch<T, false>(out, x, w, scale, bias, mi, ni, ki, silu_gate_up, epi, s);
-    }
-  });
-}
-}  // namespace
-
-void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
-          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream) {
-  run_gemv("gemv: ", out, x, w, scale, bias, m, n, k, dtype, fp8, silu_gate_up, Epilogue{}, stream);
+  check_args(op, args);
+  launch(args);
 }
 
-void gemv_norm(int kind, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n,
-               int64_t k, int dtype, bool fp8, bool silu_gate_up, uintptr_t norm_weight, double eps, uintptr_t stream) {
+void gemv_norm(const GemvArgs& args) {
   const std::string op = "gemv_norm: ";
-  Epilogue epi;
-  if (kind == kAddResidual) {
-    if (silu_gate_up) throw std::invalid_argument(op + "the projection before a norm has no SiLU epilogue");
-  } else if (kind == kNormX || kind == kNormXFolded) {
-    if (kind == kNormX && norm_weight == 0) throw std::invalid_argument(op + "null norm weight");
-    if (kind == kNormX && !aligned16(norm_weight)) {
+  const int kind = args.epilogue;
+  if (kind == kGemvAddResidual) {
+    if (args.silu_gate_up) throw std::invalid_argument(op + "the projection before a norm has no SiLU epilogue");
+  } else if (kind == kGemvNormX || kind == kGemvNormXFolded) {
+    if (kind == kGemvNormX && args.norm_weight == 0) throw std::invalid_argument(op + "null norm weight");
+    if (kind == kGemvNormX && !aligned16(args.norm_weight)) {
       throw std::invalid_argument(op + "the norm weight must be 16-byte aligned");
     }
-    if (!(eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0, got " + std::to_string(eps));
-    epi.norm_weight = kind == kNormX ? norm_weight : 0;
-    epi.eps = static_cast<float>(eps);
+    if (!(args.eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0, got " + std::to_string(args.eps));
   } else {
-    throw std::invalid_argument(op + "kind must be 1 (add into the residual), 2 (normalize x) or 3 (normalize x, "
-                                "the norm weight in W), got " + std::to_string(kind));
+    throw std::invalid_argument(op + "epilogue must be kGemvAddResidual (1), kGemvNormX (2) or kGemvNormXFolded (3), "
+                                "got " + std::to_string(kind));
   }
-  epi.kind = kind;
-  run_gemv(op, out, x, w, scale, bias, 1, n, k, dtype, fp8, silu_gate_up, epi, stream);
+  if (args.m != 1) throw std::invalid_argument(op + "one token: m must be 1, got " + std::to_string(args.m));
+  check_args(op, args);
+  launch(args);
 }
 
 }  // namespace fastqwen

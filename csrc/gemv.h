@@ -18,30 +18,51 @@ constexpr int kGemvFp8Block = 128;
 constexpr int kGemvTcMinTokens = 2;
 constexpr int kGemvTcMaxTokens = 8;
 
+// What the one-token GEMV does besides out = x @ W^T (gemv_norm below): the RMSNorm between two projections carried
+// by their GEMVs. Exported to Python by name (_C.GemvEpilogue).
+enum GemvEpilogue : int {
+  kGemvPlain = 0,        // out = x @ W^T (+ bias): gemv()
+  kGemvAddResidual = 1,  // the projection before the norm adds into the residual
+  kGemvNormX = 2,        // the projection after the norm normalizes x (the residual) as it reads it
+  kGemvNormXFolded = 3,  // the same with the norm's weight already multiplied into W's columns
+};
+
+// What gemv() and gemv_norm() take, by name. Pointers are device addresses, stream a cudaStream_t.
 // out[i, j] = sum_c x[i, c] * W[j, c] (+ bias[j]) for i < m <= kGemvMaxTokens, j < n, c < k, accumulated in fp32.
 // x: [m, k] and out: [m, n] of `dtype` (float16 or bfloat16); bias: [n] of dtype, or 0.
-// W: [n, k] of dtype when !fp8; when fp8, float8_e4m3fn [n, k] with `scale` float32 [ceil(n/128), ceil(k/128)],
+// w: [n, k] of dtype when !fp8; when fp8, float8_e4m3fn [n, k] with `scale` float32 [ceil(n/128), ceil(k/128)],
 // W[j, c] = w[j, c] * scale[j / 128, c / 128]. k must be a multiple of 16 (fp8) or 8, every pointer 16-byte
-// aligned. All buffers contiguous, on the current device; `stream` a cudaStream_t as an integer.
+// aligned. All buffers contiguous, on the current device.
 // silu_gate_up: W is the gate and up projections stacked (n even) and out [m, n / 2] = silu(gate) * up, as
 // silu_and_mul of the plain result would give it, bit for bit.
-// Throws std::invalid_argument for bad arguments, std::runtime_error for CUDA errors.
-void gemv(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t m, int64_t n, int64_t k,
-          int dtype, bool fp8, bool silu_gate_up, uintptr_t stream);
+struct GemvArgs {
+  uintptr_t out = 0, x = 0, w = 0, scale = 0, bias = 0;
+  int64_t m = 0, n = 0, k = 0;
+  int dtype = -1;  // a code of dtype.h
+  bool fp8 = false;
+  bool silu_gate_up = false;
+  // gemv_norm only: its epilogue, and for kGemvNormX / kGemvNormXFolded the norm's eps (and kGemvNormX its weight).
+  GemvEpilogue epilogue = kGemvPlain;
+  uintptr_t norm_weight = 0;
+  double eps = 0.0;
+  uintptr_t stream = 0;
+};
 
-// One token, the RMSNorm between two projections carried by their GEMVs, so that no norm kernel runs between them
-// (the decode step at batch 1). Shapes and the rest as for gemv with m = 1.
-// kind 1, add (the projection before the norm; not silu_gate_up): out is the residual [1, n]; out := out + y, y =
-//   x @ W^T (+ bias) rounded to dtype and the sum rounded, as fused_add_rms_norm adds. out may be read before the
-//   kernel's programmatic wait: the kernel right before it must not have written it.
-// kind 2, normalize (the projection after the norm): x is the residual h [1, k], norm_weight g [k] of dtype (16-byte
+// The GEMV with epilogue kGemvPlain (any other is gemv_norm's). Throws std::invalid_argument for bad arguments,
+// std::runtime_error for CUDA errors.
+void gemv(const GemvArgs& args);
+
+// One token (m = 1), the RMSNorm between two projections carried by their GEMVs, so that no norm kernel runs between
+// them (the decode step at batch 1). Shapes and the rest as for gemv.
+// kGemvAddResidual (the projection before the norm; not silu_gate_up): out is the residual [1, n]; out := out + y,
+//   y = x @ W^T (+ bias) rounded to dtype and the sum rounded, as fused_add_rms_norm adds. out may be read before
+//   the kernel's programmatic wait: the kernel right before it must not have written it.
+// kGemvNormX (the projection after the norm): x is the residual h [1, k], norm_weight g [k] of dtype (16-byte
 //   aligned); out = (sum_c h[c] g[c] W[j, c]) / rms(h) (+ bias), rms(h) = sqrt(mean(h^2) + eps), every product and
 //   sum fp32, one rounding (silu_gate_up: both halves so, then as gemv). RMSNorm(h) @ W^T without rounding the
 //   normalized row (fused_add_rms_norm then gemv round it to dtype twice).
-// kind 3, normalize with the norm weight folded into W (W[j, c] already multiplied by g[c]): as kind 2 with g = 1
-//   (norm_weight ignored).
-void gemv_norm(int kind, uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int64_t n,
-               int64_t k, int dtype, bool fp8, bool silu_gate_up, uintptr_t norm_weight, double eps, uintptr_t stream);
+// kGemvNormXFolded (W[j, c] already multiplied by g[c]): as kGemvNormX with g = 1 (norm_weight ignored).
+void gemv_norm(const GemvArgs& args);
 
 // Whether the decode step's kernels (GEMV, RMSNorm, q/k-norm + RoPE, decode attention and its merge, SiLU-and-mul)
 // launch with programmatic dependent launch on devices that take it (compute capability 9.0+): each may then start

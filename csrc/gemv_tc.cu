@@ -286,15 +286,16 @@ bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
          smem_bytes(fp8, static_cast<int>(m), static_cast<int>(k)) <= kMaxSmem;
 }
 
-void gemv_tc(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k, int dtype,
-             bool fp8, bool silu_gate_up, cudaStream_t stream) {
-  FASTQWEN_DISPATCH_DTYPE("gemv: ", dtype, kHalfTypes, T, {
-    if (fp8) {
-      if (silu_gate_up) return launch<T, true, true>(out, x, w, scale, bias, m, n, k, stream);
-      return launch<T, true, false>(out, x, w, scale, bias, m, n, k, stream);
+void gemv_tc(const GemvArgs& a) {
+  const int m = static_cast<int>(a.m), n = static_cast<int>(a.n), k = static_cast<int>(a.k);
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(a.stream);
+  FASTQWEN_DISPATCH_DTYPE("gemv: ", a.dtype, kHalfTypes, T, {
+    if (a.fp8) {
+      if (a.silu_gate_up) return launch<T, true, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+      return launch<T, true, false>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
     }
-    if (silu_gate_up) return launch<T, false, true>(out, x, w, scale, bias, m, n, k, stream);
-    launch<T, false, false>(out, x, w, scale, bias, m, n, k, stream);
+    if (a.silu_gate_up) return launch<T, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+    launch<T, false, false>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
   });
 }
 

@@ -14,8 +14,7 @@ namespace fastqwen {
 // m times ceil(k / 1024) blocks of 128 halves: m * k <= 51,200 where k is a multiple of 1,024).
 bool gemv_tc_applies(int64_t m, int64_t k, bool fp8);
 
-// gemv() for a call that gemv_tc_applies takes (arguments already checked by gemv()).
-void gemv_tc(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k, int dtype,
-             bool fp8, bool silu_gate_up, cudaStream_t stream);
+// gemv() for a call that gemv_tc_applies takes (arguments already checked by gemv(); epilogue kGemvPlain).
+void gemv_tc(const GemvArgs& args);
 
 }  // namespace fastqwen

@@ -95,7 +95,7 @@ MUTATIONS = [
         "the GEMV that finishes an RMSNorm takes the rms of x * weight instead of x's",
     ),
     Mutation(
-        "fold_norm_keeps_the_norm_weight", "python/fastqwen/ops/linear.py",
+        "fold_norm_keeps_the_norm_weight", "python/fastqwen/weights.py",
         [("    norm_weight.fill_(1)\n", "")],
         ["tests/test_gemv_gpu.py::test_engine_norms_in_gemv_match_the_norm_kernels[none]"],
         "the norm weight goes into the projection's columns but the norm kernels (prefill, batches) still apply it too",

@@ -179,19 +179,3 @@ def test_quantization_knob():
     args = parser.parse_args(["--model", "m", "--quantization", "fp8"])
     assert EngineConfig.from_cli(args).quantization == "fp8"
     assert FP8_PROJECTIONS  # the layout helper names the seven projections
-
-
-def test_gemv_contract_matches_the_native_module():
-    """The token limits and block size Python uses fit the ones csrc/gemv.h and gemv_tc.h export (every build exports
-    them)."""
-    from fastqwen.ops import _native
-    from fastqwen.ops.linear import DENSE_GEMV_MAX_TOKENS, FP8_BLOCK, FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS
-
-    module = _native.native()
-    if module is None:
-        pytest.skip("fastqwen._C is not built")
-    assert module.GEMV_MAX_TOKENS == GEMV_MAX_TOKENS and module.GEMV_FP8_BLOCK == FP8_BLOCK
-    assert 1 <= DENSE_GEMV_MAX_TOKENS <= GEMV_MAX_TOKENS and 1 <= FP8_GEMV_MAX_TOKENS <= GEMV_MAX_TOKENS
-    # Above one token linear() takes the GEMV only on its tensor-core kernel (the FMA kernel loses to the GEMMs there).
-    low, high = module.GEMV_TENSOR_CORE_TOKENS
-    assert low == 2 and DENSE_GEMV_MAX_TOKENS <= high and FP8_GEMV_MAX_TOKENS <= high

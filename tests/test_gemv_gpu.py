@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from fastqwen import LLM
 from fastqwen.config import ModelConfig
+from fastqwen.model import Qwen3Model, Qwen3WithBatch1Decode
 from fastqwen.ops import _native
+from fastqwen.weights import NormFolding, fold_norm
 from fastqwen.ops.linear import (
     DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS, LinearWeight, fp8_gemm_supported, gemv,
     gemv_kernel_applies, linear, linear_silu_and_mul, quantize_fp8,
@@ -233,7 +235,7 @@ def test_norm_in_gemv_matches_float64_and_the_norm_kernel(preset, dtype, bias, f
     # The norm weight folded into W's columns (dense weights only): the GEMV then reads x alone; W * g is rounded once.
     folded = LinearWeight(w_qkv.weight.clone(), w_qkv.scale, w_qkv.bias)
     g_copy = norm_w.clone()
-    assert ops.fold_norm(g_copy, folded) == (not fp8)
+    assert fold_norm(g_copy, folded) == (not fp8)
     if not fp8:
         assert (g_copy == 1).all()
         got = linear(h_row, folded, norm=(None, eps)).double()
@@ -242,15 +244,21 @@ def test_norm_in_gemv_matches_float64_and_the_norm_kernel(preset, dtype, bias, f
 
     with pytest.raises(ValueError, match="norm weight must have"):
         linear(h_row, w_qkv, norm=(norm_w[:-16], eps))
+    native = _native.native()
+    args = native.GemvArgs()
+    args.out, args.x, args.w, args.m, args.n, args.k = residual.data_ptr(), x.data_ptr(), w_o.weight.data_ptr(), 1, h, k_o
+    args.dtype, args.silu_gate_up, args.epilogue = _native.dtype_code(dtype), True, native.GemvEpilogue.ADD_RESIDUAL
     with pytest.raises(ValueError, match="SiLU"):
-        _native.native().gemv_norm(1, residual.data_ptr(), x.data_ptr(), w_o.weight.data_ptr(), 0, 0, h, k_o,
-                                   _native.dtype_code(dtype), False, True, 0, 0.0, 0)  # fmt: skip
+        native.gemv_norm(args)
+    args.silu_gate_up = False
+    with pytest.raises(ValueError, match="gemv_norm's"):  # gemv() takes the plain epilogue only
+        native.gemv(args)
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
 def test_engine_norms_in_gemv_match_the_norm_kernels(tmp_path, monkeypatch, quantization):
     """Batch-1 decode with the RMSNorms carried by the GEMVs (the default) against the same engine with the norm
-    kernels (FASTQWEN_NORM_IN_GEMV=0), under the margin rule with free-running decode compared step by step. The two
+    kernels (norms_in_gemv=False), under the margin rule with free-running decode compared step by step. The two
     differ only in bf16 roundings: the normalized row is no longer rounded, and dense projections take the norm
     weight into their columns (W * g rounded once, prefill included). Stated 4%: the distance between two bf16
     engines (3% for the weight-only FP8 engine below) and that rounding of every weight (measured on the H100: 2.3%
@@ -265,16 +273,15 @@ def test_engine_norms_in_gemv_match_the_norm_kernels(tmp_path, monkeypatch, quan
     kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=1024, max_num_batched_tokens=256,
                   quantization=quantization)  # fmt: skip
     monkeypatch.setattr(linear_module, "_scaled_mm_ok", False)
-    monkeypatch.setenv("FASTQWEN_NORM_IN_GEMV", "0")
-    kernels_llm = LLM(folder, **kwargs)
-    assert not kernels_llm.engine.model.norms_in_gemv
+    kernels_llm = LLM(folder, norms_in_gemv=False, **kwargs)
+    assert type(kernels_llm.engine.model) is Qwen3Model
     references = [engine_logits(kernels_llm, p, 32) for p in prompts]
     del kernels_llm
-    monkeypatch.delenv("FASTQWEN_NORM_IN_GEMV")
     llm = LLM(folder, **kwargs)
     model = llm.engine.model
-    assert model.norms_in_gemv and llm.engine.runner.graphs is not None
-    assert model.norm_folded == ((True, True, True) if quantization == "none" else (False, False, True))
+    assert isinstance(model, Qwen3WithBatch1Decode) and llm.engine.runner.graphs is not None
+    dense = quantization == "none"
+    assert model.weights.norms_folded == NormFolding(qkv=dense, gate_up=dense, lm_head=True)
     decisive, worst = teacher_forced_match(llm, prompts, references, 0.04)
     record_result("gemv_gpu.json", f"norms_in_gemv_vs_norm_kernels_{quantization}",
                   {"max_logit_error_frac": worst, "decisive": decisive})  # fmt: skip
@@ -381,18 +388,26 @@ def test_programmatic_launch_waits_for_the_kernel_before(fp8, tokens):
 def test_gemv_refuses_bad_arguments():
     w = LinearWeight(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(2, 129, device="cuda", dtype=torch.bfloat16)[:, 1:]  # misaligned rows: not contiguous
+    native = _native.native()
+
+    def gemv_args(out, x, w, scale, bias, m, n, k, dtype, fp8, silu_gate_up):
+        args = native.GemvArgs()
+        args.out, args.x, args.w, args.scale, args.bias, args.m, args.n, args.k = out, x, w, scale, bias, m, n, k
+        args.dtype, args.fp8, args.silu_gate_up = _native.dtype_code(dtype), fp8, silu_gate_up
+        return args
+
     with pytest.raises(ValueError):
-        _native.native().gemv(0, 0, 0, 0, 0, 1, 64, 128, _native.dtype_code(torch.bfloat16), False, False, 0)
+        native.gemv(gemv_args(0, 0, 0, 0, 0, 1, 64, 128, torch.bfloat16, False, False))
     with pytest.raises(ValueError, match="m must be"):
-        _native.native().gemv(1, 16, 16, 0, 0, 17, 64, 128, _native.dtype_code(torch.bfloat16), False, False, 0)
+        native.gemv(gemv_args(1, 16, 16, 0, 0, 17, 64, 128, torch.bfloat16, False, False))
     with pytest.raises(ValueError, match="multiple of 16"):
-        _native.native().gemv(16, 16, 16, 16, 0, 1, 64, 120, _native.dtype_code(torch.bfloat16), True, False, 0)
+        native.gemv(gemv_args(16, 16, 16, 16, 0, 1, 64, 120, torch.bfloat16, True, False))
     with pytest.raises(ValueError, match="dtype"):
-        _native.native().gemv(16, 16, 16, 0, 0, 1, 64, 128, _native.dtype_code(torch.float32), False, False, 0)
+        native.gemv(gemv_args(16, 16, 16, 0, 0, 1, 64, 128, torch.float32, False, False))
     with pytest.raises(ValueError, match="n even"):
-        _native.native().gemv(16, 16, 16, 0, 0, 1, 63, 128, _native.dtype_code(torch.bfloat16), False, True, 0)
+        native.gemv(gemv_args(16, 16, 16, 0, 0, 1, 63, 128, torch.bfloat16, False, True))
     with pytest.raises(ValueError, match="too large"):  # 2^31 16-byte chunks: beyond the kernel's 32-bit row offsets
-        _native.native().gemv(16, 16, 16, 0, 0, 1, 1 << 20, 1 << 14, _native.dtype_code(torch.bfloat16), False, False, 0)
+        native.gemv(gemv_args(16, 16, 16, 0, 0, 1, 1 << 20, 1 << 14, torch.bfloat16, False, False))
     got = gemv(x, w)  # a strided x is made contiguous first
     torch.testing.assert_close(got.float(), x.float() @ w.weight.float().t(), rtol=RTOL, atol=1e-3)
     with pytest.raises(ValueError, match="does not apply"):

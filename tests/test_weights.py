@@ -86,3 +86,35 @@ def test_preset_requires_dummy_and_unknown_model_type_is_rejected(tmp_path):
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="Qwen3"):
         LLM(str(folder), device="cpu")
+
+
+@pytest.mark.parametrize("fp8,tied", [(False, False), (False, True), (True, False)], ids=["dense", "tied", "fp8"])
+def test_fold_norms_keeps_every_normed_projection(fp8, tied):
+    """Norm folding (for the batch-1 decode whose GEMVs carry the norms) moves each norm weight g into the dense
+    projection after it: RMSNorm(x; g) @ W^T before equals RMSNorm(x; folded g) @ (folded W)^T after, in float64 from
+    the float32 tensors (float32 products: within 1e-6 relative), and the norm weight is then ones. FP8 projections and
+    a tied LM head (the embedding) keep theirs."""
+    from fastqwen.weights import NormFolding, dummy_weights, fold_norms
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1,
+                      head_dim=32, tie_word_embeddings=tied)  # fmt: skip
+    weights = dummy_weights(cfg, torch.float32, torch.device("cpu"), seed=4, fp8=fp8)
+    x = torch.randn(3, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()  # RMSNorm without its weight
+
+    def normed_projections():
+        pairs = [(layer.input_norm, layer.qkv) for layer in weights.layers]
+        pairs += [(layer.post_norm, layer.gate_up) for layer in weights.layers] + [(weights.final_norm, weights.lm_head)]
+        return [(x * g.double()) @ w.dequantize(torch.float64).t() for g, w in pairs]
+
+    before = normed_projections()
+    embed = weights.embed.clone()
+    folding = fold_norms(weights)
+    assert folding == weights.norms_folded == NormFolding(qkv=not fp8, gate_up=not fp8, lm_head=not tied)
+    for want, got in zip(before, normed_projections()):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    layer = weights.layers[0]
+    assert bool((layer.input_norm == 1).all()) == (not fp8) and bool((weights.final_norm == 1).all()) == (not tied)
+    assert torch.equal(weights.embed, embed)  # a tied LM head is the embedding: never scaled
+    with pytest.raises(ValueError, match="folded already"):
+        fold_norms(weights)

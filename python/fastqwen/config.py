@@ -290,6 +290,7 @@ class EngineConfig:
     allow_reference_on_gpu: bool = _knob(False, "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1")
     # KV cache precision (issue 20).
     kv_cache_dtype: str = _knob("auto", "KV cache dtype: auto = the model's; fp8_e4m3 (alias fp8) = e4m3 with one scale per layer for K and for V (1.0, or the checkpoint's k_scale / v_scale), twice the tokens in the same memory", choices=KV_CACHE_DTYPES)
+    norms_in_gemv: bool = _knob(True, "run the RMSNorms of a one-sequence decode step as their own kernels instead of in the projections' GEMVs (by default, where the one-token GEMV runs every projection on one GPU, they ride on the GEMVs and the dense projections after a norm take its weight into their columns at load: model/qwen3_batch1.py)", flag="--disable-norms-in-gemv")
     # ---- tensor parallelism (engine/tensor_parallel.py) ----
     tensor_parallel_size: int = _knob(1, "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each", aliases=("--tp", "-tp"))
     disable_custom_all_reduce: bool = _knob(False, "tensor parallelism: every all-reduce through NCCL (by default messages up to 4 MiB take the custom one-shot kernel over CUDA IPC buffers)")

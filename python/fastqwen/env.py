@@ -43,12 +43,6 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
-def norm_in_gemv() -> bool:
-    """FASTQWEN_NORM_IN_GEMV=0: the batch-1 decode step runs its RMSNorms as their own kernels instead of in the
-    projections' GEMVs (ops.linear_add_residual, linear(..., norm=)); for comparison."""
-    return _flag("FASTQWEN_NORM_IN_GEMV", True)
-
-
 def api_key() -> str | None:
     """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("FASTQWEN_API_KEY") or None

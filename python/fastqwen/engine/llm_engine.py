@@ -18,7 +18,7 @@ from .. import env, model_source
 from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
-from ..model import Qwen3Model
+from ..model import Qwen3Model, Qwen3WithBatch1Decode
 from ..ops import _native
 from ..ops.collectives import SINGLE, ParallelGroup
 from ..errors import InvalidRequestError
@@ -26,7 +26,7 @@ from ..grammar import GrammarCompiler
 from ..limits import check_token_ids
 from ..scheduler import FinishReason, Request, RequestState, Scheduler
 from ..sharding import Shard
-from ..weights import dummy_weights, load_kv_scales, load_weights
+from ..weights import dummy_weights, fold_norms, load_kv_scales, load_weights
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .cuda_graph import DecodeGraphs, unsupported_reason
 from .model_runner import ModelRunner
@@ -113,7 +113,13 @@ class LLMEngine:
             weights = dummy_weights(self.config, self.dtype, self.device, seed, fp8=self.fp8, shard=shard)
         else:
             weights = load_weights(folder, self.config, self.dtype, self.device, fp8=self.fp8, shard=shard)
-        self.model = Qwen3Model(self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel)
+        # Where it runs, a one-sequence decode step carries its RMSNorms in the GEMVs (model/qwen3_batch1.py), the
+        # norm weights folded into the dense projections after them at load.
+        model_class = Qwen3Model
+        if config.norms_in_gemv and Qwen3WithBatch1Decode.applies(weights, parallel):
+            fold_norms(weights)
+            model_class = Qwen3WithBatch1Decode
+        self.model = model_class(self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel)
 
         cfg = self.rank_config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)

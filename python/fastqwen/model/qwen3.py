@@ -1,17 +1,17 @@
-"""The Qwen3 dense forward pass over a ForwardBatch and the paged KV pool, written only in terms of ops."""
+"""The Qwen3 dense forward pass over a ForwardBatch and the paged KV pool, written only in terms of ops.
+
+(The decode step of one sequence has a variant whose GEMVs carry the RMSNorms: model/qwen3_batch1.py.)"""
 
 from __future__ import annotations
 
 import torch
 
-from .. import env, ops
+from .. import ops
 from ..config import ModelConfig
 from ..kvcache import KVPool
 from ..ops.collectives import SINGLE, ParallelGroup
 from ..weights import Qwen3Weights
 from .forward_batch import ForwardBatch
-
-
 
 
 class Qwen3Model:
@@ -33,24 +33,7 @@ class Qwen3Model:
         self.decode_workspace = None
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
-        projections = [getattr(layer, n) for layer in weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
-        ops.prepare_linear(projections + [weights.lm_head], self.dtype, self.device)
-        # Decode at batch 1: the RMSNorms ride on the GEMVs (ops.linear_add_residual, then linear(..., norm=)), so no
-        # norm kernel runs in the step; where the one-token GEMV runs every projection and no all-reduce comes
-        # between a projection and its norm.
-        self.norms_in_gemv = (
-            parallel.single and env.norm_in_gemv()
-            and ops.norm_in_gemv_applies(self.dtype, self.device, projections + [weights.lm_head])
-        )  # fmt: skip
-        # Dense projections after a norm take its weight into their columns, so that their one-token GEMV reads only
-        # x (measured on the H100, 8B bf16 batch-1 step: see bench/results/2026-11-24-h100-norm-in-gemv). Which of
-        # (qkv, gate_up, the LM head) did: the same for every layer (one dtype; a tied LM head is the embedding).
-        self.norm_folded = (False, False, False)
-        if self.norms_in_gemv:
-            folded = [(ops.fold_norm(l.input_norm, l.qkv), ops.fold_norm(l.post_norm, l.gate_up)) for l in weights.layers]
-            tied = weights.lm_head.weight is weights.embed
-            self.norm_folded = (*folded[0], not tied and ops.fold_norm(weights.final_norm, weights.lm_head))
-            assert all(f == folded[0] for f in folded), "layers with dense and FP8 projections mixed"
+        ops.prepare_linear(weights.projections(), self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -70,9 +53,6 @@ class Qwen3Model:
         q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         attn = torch.empty_like(q)
         decode_kernel = batch.is_decode and self.decode_workspace is not None
-        if self.norms_in_gemv and batch.is_decode and num_tokens == 1 and extra_rows is None:
-            logits = self._one_token_norms_in_gemv(batch, kv, residual, q, attn, decode_kernel)
-            return logits.float() if logits_out is None else logits_out.copy_(logits)
         if decode_kernel:  # the split plan of this step, once for all layers, on the device
             ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
         for index, layer in enumerate(w.layers):
@@ -118,21 +98,6 @@ class Qwen3Model:
                 batch.max_query_len or None,  # the batch builder knows it: no read-back
                 k_scale=k_scale, v_scale=v_scale,
             )
-
-    def _one_token_norms_in_gemv(self, batch, kv, residual, q, attn, decode_kernel: bool) -> torch.Tensor:
-        """forward's decode step of one sequence with the norms in the GEMVs: the projections before a norm add into
-        the residual, the ones after it read the residual and normalize it on the way. Returns the logits."""
-        w, eps = self.weights, self.cfg.rms_norm_eps
-        if decode_kernel:
-            ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
-        qkv_folded, gate_up_folded, lm_head_folded = self.norm_folded
-        for index, layer in enumerate(w.layers):
-            qkv = ops.linear(residual, layer.qkv, norm=(None if qkv_folded else layer.input_norm, eps))
-            self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
-            ops.linear_add_residual(attn.view(1, -1), layer.o_proj, residual)
-            act = ops.linear_silu_and_mul(residual, layer.gate_up, norm=(None if gate_up_folded else layer.post_norm, eps))
-            ops.linear_add_residual(act, layer.down, residual)
-        return ops.linear(residual, w.lm_head, norm=(None if lm_head_folded else w.final_norm, eps))
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""

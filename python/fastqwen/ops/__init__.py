@@ -17,7 +17,6 @@ from .attention import (
 from .kv_fp8 import FP8_KV_DTYPE, dequantize_kv, is_fp8, quantize_kv
 from .linear import (
     LinearWeight,
-    fold_norm,
     gemv_kernel_applies,
     linear,
     linear_add_residual,
@@ -61,7 +60,6 @@ __all__ = [
     "linear_reference",
     "linear_silu_and_mul",
     "LinearWeight",
-    "fold_norm",
     "gemv_kernel_applies",
     "norm_in_gemv_applies",
     "prepare_linear",

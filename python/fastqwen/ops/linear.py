@@ -32,16 +32,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
+from ._native import check_tensors, dtype_code, import_error, kernel_applies, native, stream_of
 from .activation import silu_and_mul
 
 __all__ = [
     "FP8_BLOCK",
     "FP8_MAX",
     "GEMV_MAX_TOKENS",
+    "GemvEpilogue",
     "LinearWeight",
     "dequantize_fp8",
-    "fold_norm",
     "gemv",
     "gemv_kernel_applies",
     "linear",
@@ -55,16 +55,34 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
+
+def _exported(name: str):
+    """A contract of the kernels, defined once in csrc/ and exported by fastqwen._C in every build (the host-only one
+    too)."""
+    module = native()
+    if module is None:
+        raise ImportError(f"fastqwen._C is not importable ({import_error()}), and {name} comes from it: reinstall "
+                          "with `pip install .`")  # fmt: skip
+    return getattr(module, name)
+
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
-FP8_BLOCK = 128  # scale granularity: one float32 scale per 128x128 block of the weight
-# Largest number of tokens (rows of x) that takes the GEMV kernel; cuBLAS (or the FP8 GEMM) above. One token runs
-# the FMA kernel (csrc/gemv.cu), 2 to 8 its tensor-core kernel (csrc/gemv_tc.cu), whose cost hardly grows with the
-# tokens. Chosen from bench/bench_gemv.py on the H100 (bench/results/2026-11-23-h100-gemv-tc/run4, Qwen3-8B shapes):
-# dense, the GEMV beats cuBLAS at 1, 2, 4 and 8 tokens on every projection and the LM head (at 8: qkv 19.9 against
-# 21.6 us, gate_up 72.0 against 75.9, down 39.6 against 42.2); FP8, it beats the block-scaled GEMM (with the fused
-# activation quantizer) at 1 and 2 tokens, by 3% over a layer's four projections at 4, and loses by 40% at 8.
-GEMV_MAX_TOKENS = 16
+# Scale granularity: one float32 scale per FP8_BLOCK x FP8_BLOCK block of the weight (csrc/gemv.h, kGemvFp8Block).
+FP8_BLOCK: int = _exported("GEMV_FP8_BLOCK")
+# The most tokens (rows of x) one GEMV call takes (csrc/gemv.h, kGemvMaxTokens).
+GEMV_MAX_TOKENS: int = _exported("GEMV_MAX_TOKENS")
+# What the one-token GEMV does besides x @ W^T (csrc/gemv.h): PLAIN, ADD_RESIDUAL, NORM_X, NORM_X_FOLDED.
+GemvEpilogue = _exported("GemvEpilogue")
+# Dispatch policy, not a kernel fact (so it is Python's): the most tokens linear() gives the GEMV rather than cuBLAS
+# (or the FP8 GEMM) above. One token runs the FMA kernel (csrc/gemv.cu), 2 to 8 its tensor-core kernel
+# (csrc/gemv_tc.cu), whose cost hardly grows with the tokens. Chosen from bench/bench_gemv.py on the H100
+# (bench/results/2026-11-23-h100-gemv-tc/run4, Qwen3-8B shapes): dense, the GEMV beats cuBLAS at 1, 2, 4 and 8 tokens
+# on every projection and the LM head (at 8: qkv 19.9 against 21.6 us, gate_up 72.0 against 75.9, down 39.6 against
+# 42.2); FP8, it beats the block-scaled GEMM (with the fused activation quantizer) at 1 and 2 tokens, by 3% over a
+# layer's four projections at 4, and loses by 40% at 8. Both stay within the kernels' limits, GEMV_MAX_TOKENS and
+# the tensor-core kernel's _C.GEMV_TENSOR_CORE_TOKENS (tests/test_native_contracts.py checks).
 DENSE_GEMV_MAX_TOKENS = 8
 FP8_GEMV_MAX_TOKENS = 4
 
@@ -188,12 +206,20 @@ def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor, silu_gate_up: boo
     width = w.out_features // 2 if silu_gate_up else w.out_features
     if tuple(out.shape) != (x.shape[0], width):
         raise ValueError(f"linear: out must be [{x.shape[0]}, {width}], got {tuple(out.shape)}")
-    native().gemv(
-        out.data_ptr(), x.data_ptr(), w.weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
-        0 if bias is None else bias.data_ptr(), x.shape[0], w.out_features, w.in_features,
-        dtype_code(x.dtype), w.is_fp8, silu_gate_up, stream_of(x),
-    )  # fmt: skip
+    native().gemv(_gemv_args(x, w, out, silu_gate_up))
     return out
+
+
+def _gemv_args(x: torch.Tensor, w: LinearWeight, out: torch.Tensor, silu_gate_up: bool):
+    """The fields of csrc/gemv.h's GemvArgs that gemv and gemv_norm both take (epilogue PLAIN)."""
+    args = native().GemvArgs()
+    args.out, args.x, args.w = out.data_ptr(), x.data_ptr(), w.weight.data_ptr()
+    args.scale = w.scale.data_ptr() if w.is_fp8 else 0
+    args.bias = 0 if w.bias is None else w.bias.data_ptr()
+    args.m, args.n, args.k = x.shape[0], w.out_features, w.in_features
+    args.dtype, args.fp8, args.silu_gate_up = dtype_code(x.dtype), w.is_fp8, silu_gate_up
+    args.stream = stream_of(x)
+    return args
 
 
 # ---- FP8 GEMM for many tokens -------------------------------------------------------------------------------------
@@ -283,8 +309,9 @@ def norm_in_gemv_applies(dtype: torch.dtype, device: torch.device, weights: list
     return all(_gemv_fits(x, w, 1) for x, w in zip(rows, weights)) and hasattr(native(), "gemv_norm")
 
 
-def _gemv_norm(kind: int, x: torch.Tensor, w: LinearWeight, out: torch.Tensor, norm_weight: torch.Tensor | None = None,
+def _gemv_norm(epilogue, x: torch.Tensor, w: LinearWeight, out: torch.Tensor, norm_weight: torch.Tensor | None = None,
                eps: float = 0.0, silu_gate_up: bool = False) -> torch.Tensor:  # fmt: skip
+    """The one-token GEMV with a GemvEpilogue other than PLAIN (csrc/gemv.h, gemv_norm)."""
     if not _gemv_fits(x, w, 1):
         raise ValueError(f"linear (norm in the GEMV): the one-token GEMV does not apply to x {tuple(x.shape)} "
                          f"{x.dtype} on {x.device} and a {w.weight.dtype} weight {tuple(w.weight.shape)}")  # fmt: skip
@@ -296,25 +323,11 @@ def _gemv_norm(kind: int, x: torch.Tensor, w: LinearWeight, out: torch.Tensor, n
     width = w.out_features // 2 if silu_gate_up else w.out_features
     if tuple(out.shape) != (1, width):
         raise ValueError(f"linear: out must be [1, {width}], got {tuple(out.shape)}")
-    scale = w.scale if w.is_fp8 else None
-    native().gemv_norm(
-        kind, out.data_ptr(), x.data_ptr(), w.weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
-        0 if w.bias is None else w.bias.data_ptr(), w.out_features, w.in_features, dtype_code(x.dtype), w.is_fp8,
-        silu_gate_up, 0 if norm_weight is None else norm_weight.data_ptr(), eps, stream_of(x),
-    )  # fmt: skip
+    args = _gemv_args(x, w, out, silu_gate_up)
+    args.epilogue, args.eps = epilogue, eps
+    args.norm_weight = 0 if norm_weight is None else norm_weight.data_ptr()
+    native().gemv_norm(args)
     return out
-
-
-def fold_norm(norm_weight: torch.Tensor, w: LinearWeight) -> bool:
-    """Multiplies an RMSNorm's weight into the columns of the dense projection that follows it (W[:, c] *= g[c],
-    rounded to W's dtype) and sets the norm's weight to ones, in place: RMSNorm(x) @ W^T keeps its value (up to that
-    rounding) on every path, and the one-token GEMV's norm (`linear(..., norm=(None, eps))`) no longer reads the
-    weight. False, and nothing changed, for an FP8 weight (its 128x128 block scales cannot take a per-column factor)."""
-    if w.is_fp8 or w.in_features != norm_weight.numel():
-        return False
-    w.weight.mul_(norm_weight.to(w.weight.dtype).view(1, -1))
-    norm_weight.fill_(1)
-    return True
 
 
 def linear_add_residual(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor) -> torch.Tensor:
@@ -322,7 +335,12 @@ def linear_add_residual(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor
     [1, out] += x @ W^T, rounded as linear then fused_add_rms_norm round it. The norm itself is left to the next
     projection (`linear(residual, w, norm=...)`). Under programmatic launch the kernel may read the residual before
     it waits for the kernel before it, which therefore must not write the residual."""
-    return _gemv_norm(1, x.contiguous(), w, residual)
+    return _gemv_norm(GemvEpilogue.ADD_RESIDUAL, x.contiguous(), w, residual)
+
+
+def _norm_epilogue(norm: tuple[torch.Tensor | None, float]):
+    """NORM_X for norm = (weight, eps); NORM_X_FOLDED for (None, eps), the weight already in W's columns."""
+    return GemvEpilogue.NORM_X if norm[0] is not None else GemvEpilogue.NORM_X_FOLDED
 
 
 def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
@@ -343,7 +361,7 @@ def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = Fals
         raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
     if norm is not None:
         out = torch.empty(1, w.out_features // 2, dtype=x.dtype, device=x.device)
-        return _gemv_norm(2 if norm[0] is not None else 3, x.contiguous(), w, out, norm[0], norm[1], silu_gate_up=True)
+        return _gemv_norm(_norm_epilogue(norm), x.contiguous(), w, out, *norm, silu_gate_up=True)
     fits = _gemv_fits(x, w, GEMV_MAX_TOKENS) if gemv_only else gemv_kernel_applies(x, w)
     if fits:
         out = torch.empty(x.shape[0], w.out_features // 2, dtype=x.dtype, device=x.device)
@@ -358,12 +376,12 @@ def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None,
     """y = x @ W^T (+ bias) for x [M, in] -> [M, out] of x's dtype; into `out` when given (and the GEMV runs).
     norm = (weight, eps): x is one token's residual and y = RMSNorm(x) @ W^T (+ bias), the norm done by the one-token
     GEMV as it reads x (products and sums fp32, the normalized row never rounded; ValueError where it does not run).
-    norm = (None, eps): the same where the norm's weight is already multiplied into W's columns (`fold_norm`)."""
+    norm = (None, eps): the same where the norm's weight is already multiplied into W's columns (weights.fold_norm)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x must be [tokens, {w.in_features}], got {tuple(x.shape)}")
     if norm is not None:
         out = torch.empty(1, w.out_features, dtype=x.dtype, device=x.device) if out is None else out
-        return _gemv_norm(2 if norm[0] is not None else 3, x.contiguous(), w, out, norm[0], norm[1])
+        return _gemv_norm(_norm_epilogue(norm), x.contiguous(), w, out, *norm)
     if gemv_kernel_applies(x, w):
         return gemv(x, w, out)
     if not w.is_fp8 and w.weight.dtype == x.dtype:
