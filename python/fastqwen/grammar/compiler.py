@@ -5,6 +5,7 @@ can be)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -16,8 +17,14 @@ import numpy as np
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutput
 from .spec import llguidance_grammar
+from .validator import VALIDATOR_STACK_BYTES
 
 log = logging.getLogger(__name__)
+
+# The compile threads' stack: llguidance's compile recursion deepens with the grammar (bounds.py), and the frontend
+# validated every spec on a quarter of this (validator.py), so no validated spec can overflow it. Only the pages a
+# compile touches are ever committed.
+COMPILE_STACK_BYTES = 4 * VALIDATOR_STACK_BYTES
 
 CACHE_SIZE = 128  # specs whose compiled grammars are kept (least recently used dropped)
 
@@ -62,6 +69,17 @@ def fill_bitmasks(rows: list[tuple[GrammarMatcher, int]], out: np.ndarray) -> No
     if any(not 0 <= i < out.shape[0] for _, i in rows):
         raise ValueError("fill_bitmasks: a row index is outside out")
     _executor().unsafe_compute_mask_ptr([(m.matcher, i) for m, i in rows], out.ctypes.data, out.shape[1] * 4, out.shape[0])
+
+
+@contextlib.contextmanager
+def _thread_stack(size: int):
+    """Threads started inside get `size` bytes of stack. (Python's setting is process-wide: a thread another part
+    of the process starts meanwhile gets it too, which costs only address space.)"""
+    previous = threading.stack_size(size)
+    try:
+        yield
+    finally:
+        threading.stack_size(previous)
 
 
 _mask_executor: llguidance.LLExecutor | None = None
@@ -145,7 +163,8 @@ class GrammarCompiler:
                 group = len(futures)
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="fastqwen-grammar")
-                futures.append(self._pool.submit(self._compile, structured))
+                with _thread_stack(COMPILE_STACK_BYTES):  # (the pool starts its threads inside submit)
+                    futures.append(self._pool.submit(self._compile, structured))
             chosen = futures[group]
             if not chosen.done():  # while it compiles, a finished compile serves (the request need not wait)
                 chosen = next((f for f in futures if f.done() and f.exception() is None), chosen)
