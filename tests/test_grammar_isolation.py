@@ -157,24 +157,45 @@ def test_what_the_validator_passes_the_engine_compiles(folder, monkeypatch):
 # ---- the issue's reproductions against a real server -----------------------------------------------------------------
 
 
-def test_the_issues_crashing_specs_get_400s_from_a_real_server_which_serves_on(folder):
-    server = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--page-size", "8",
-                           "--served-model-name", "m")  # fmt: skip
-    try:
-        attacks = [
-            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(_defs_chain(2000))}}},
-             "response_format"),
-            ({"guided_grammar": _lark_chain(5000)}, "guided_grammar"),
-        ]  # fmt: skip
-        for body, field in attacks:
-            r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, **body},
-                           timeout=120)  # fmt: skip
-            assert r.status_code == 400, r.text
-            assert r.json()["error"]["param"] == field
-            ok = httpx.post(server.url + "/v1/completions",
-                            json={"model": "m", "prompt": "x", "max_tokens": 4, "guided_regex": "[a-c]{4}"}, timeout=120)  # fmt: skip
-            assert ok.status_code == 200, ok.text
-            assert len(ok.json()["choices"][0]["text"]) == 4
-        assert server.proc.poll() is None
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def server(folder):
+    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--page-size", "8",
+                        "--served-model-name", "m")  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def _complete(server, timeout=120, **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, **body},
+                      timeout=timeout)  # fmt: skip
+
+
+def test_the_issues_crashing_specs_get_400s_from_a_real_server_which_serves_on(server):
+    attacks = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(_defs_chain(2000))}}},
+         "response_format"),
+        ({"guided_grammar": _lark_chain(5000)}, "guided_grammar"),
+    ]  # fmt: skip
+    for body, field in attacks:
+        r = _complete(server, **body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+        ok = _complete(server, guided_regex="[a-c]{4}")
+        assert ok.status_code == 200, ok.text
+        assert len(ok.json()["choices"][0]["text"]) == 4
+    assert server.proc.poll() is None
+
+
+def test_a_grammar_that_gives_up_is_an_error_over_http(server):
+    """Issue 40, item 5, through the server (test_grammar_give_up.py has it offline): no "stop" for a given-up grammar."""
+    from test_grammar_give_up import INFINITE_OBJECT, REF_CYCLE
+
+    r = _complete(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(REF_CYCLE)}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    r = _complete(server, max_tokens=32, guided_json=json.loads(INFINITE_OBJECT))
+    assert r.status_code == 500 and "cannot satisfy the grammar" in r.json()["error"]["message"], r.text
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+            "model": "m", "prompt": "x", "max_tokens": 32, "stream": True, "guided_json": json.loads(INFINITE_OBJECT)}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "cannot satisfy the grammar" in events[-1]["error"]["message"]
+    assert all(c["finish_reason"] != "stop" for e in events[:-1] for c in e["choices"])

@@ -402,6 +402,7 @@ class LLMEngine:
                     new_token_ids=[tokens[index]],
                     new_logprobs=[logprobs[index]] if logprobs is not None and logprobs[index] is not None else None,
                     finish_reason=finish.value if finish is not None else None,
+                    error=request.grammar.error if finish is FinishReason.ERROR and request.grammar is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,

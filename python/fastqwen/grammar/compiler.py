@@ -45,12 +45,17 @@ class GrammarMatcher:
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
+        self.error: str | None = None  # why the grammar gave up, once it has: the request then ends with an error
 
     def advance(self, token: int) -> bool:
-        """Take a committed token; False once nothing more can follow (the output is complete) or the token broke
-        the grammar (the masks make that impossible; logged if it happens)."""
-        if not self.matcher.consume_token(token):
-            log.warning("a token outside the grammar was committed: %s", self.matcher.get_error())
+        """Take a committed token; False once nothing more can follow: the output is complete, or the grammar gave
+        up (`error` says why). It gives up when no continuation can satisfy it (a schema whose instances are all
+        infinite: its mask errs and lets through only EOS) or when a token outside it was committed (the masks
+        make that impossible)."""
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            reason = self.matcher.get_error().strip().splitlines()
+            self.error = "the output cannot satisfy the grammar" + (f" ({reason[0][:300]})" if reason else "")
+            log.info("a grammar gave up: %s", self.error)
             return False
         return not self.matcher.is_stopped()
 
