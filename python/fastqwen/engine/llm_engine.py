@@ -156,7 +156,7 @@ class LLMEngine:
         tokenizer_folder = config.tokenizer or folder  # --tokenizer (model_source resolved it to a folder)
         self.grammars = GrammarCompiler(
             os.path.join(tokenizer_folder, "tokenizer.json") if tokenizer_folder else None, cfg.vocab_size,
-            self.generation_defaults.eos_token_ids,
+            self.generation_defaults.eos_token_ids, cache_bytes=config.grammar_cache_mib << 20,
         )  # fmt: skip
         self._compiling: list[tuple[Request, object]] = []  # (request, future of its compiled grammar)
         self._compile_failures: list[RequestDelta] = []  # reported with the next step
