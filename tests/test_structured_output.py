@@ -207,7 +207,7 @@ def test_requests_with_one_spec_spread_over_independent_compiles(folder, llm):
     futures = [compiler.submit(spec) for _ in range(7)]
     # While a compile runs, a finished one may serve, so the first seven need not cycle, and waiting on the futures
     # they got need not wait for all three compiles: wait on the spec's compiles themselves.
-    compiles = compiler._cache[spec.key][0]
+    compiles = compiler.compiles_of(spec)
     assert len(compiles) == 3
     for f in compiles:
         f.result()

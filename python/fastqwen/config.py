@@ -298,6 +298,8 @@ class EngineConfig:
     revision: str | None = _knob(None, "hub revision (branch, tag or commit) of a --model given as a Hugging Face hub id")
     tokenizer: str | None = _knob(None, "tokenizer folder or hub id (default: the model's own)")
     chat_template: str | None = _knob(None, "chat template: a jinja file, or the template itself (default: the tokenizer's)")
+    # ---- structured output (grammar/compiler.py) ----
+    grammar_cache_mib: int = _knob(512, "memory the compiled grammars kept for reuse may take, estimated (grammar/compiler.py: estimated_compile_bytes); least recently used ones are dropped")
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -317,6 +319,7 @@ class EngineConfig:
         need(self.quantization in ("auto", "fp8", "none"), "quantization", "'auto', 'fp8' or 'none'")
         need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
+        need(_positive_int(self.grammar_cache_mib), "grammar_cache_mib", "a positive integer (MiB)")
         for name in ("revision", "tokenizer", "chat_template"):
             need(getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""), name, "a non-empty string")
         if is_preset(self.model) and "/" not in self.model and self.load_format != "dummy":  # "Qwen/Qwen3-8B" is a hub id

@@ -197,11 +197,12 @@ class Frontend:
         if params.structured is not None:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured output needs the model's tokenizer.json", params.structured.field)
-            check_structured(params.structured)  # a bad schema / regex / grammar is refused here, never queued
             info = self.info
             folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
             tokenizer_json = os.path.join(folder, "tokenizer.json") if folder else None
             check_tokenizer(params.structured, tokenizer_json, info.vocab_size, info.generation_defaults.eos_token_ids)
+            # A bad schema / regex / grammar is refused here (compiled in a worker process), never queued.
+            check_structured(params.structured, tokenizer_json, info.vocab_size, info.generation_defaults.eos_token_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
         if params.max_tokens is None:

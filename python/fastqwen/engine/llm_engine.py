@@ -162,7 +162,7 @@ class LLMEngine:
         tokenizer_folder = config.tokenizer or folder  # --tokenizer (model_source resolved it to a folder)
         self.grammars = GrammarCompiler(
             os.path.join(tokenizer_folder, "tokenizer.json") if tokenizer_folder else None, cfg.vocab_size,
-            self.generation_defaults.eos_token_ids,
+            self.generation_defaults.eos_token_ids, cache_bytes=config.grammar_cache_mib << 20,
         )  # fmt: skip
         self._compiling: list[tuple[Request, object]] = []  # (request, future of its compiled grammar)
         self._compile_failures: list[RequestDelta] = []  # reported with the next step
@@ -408,6 +408,7 @@ class LLMEngine:
                     new_token_ids=[tokens[index]],
                     new_logprobs=[logprobs[index]] if logprobs is not None and logprobs[index] is not None else None,
                     finish_reason=finish.value if finish is not None else None,
+                    error=request.grammar.error if finish is FinishReason.ERROR and request.grammar is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,

@@ -3,6 +3,10 @@ model's tokenizer, and the per-step token bitmasks the samplers apply.
 
 - `spec.py`: a spec to llguidance's grammar text, and `check_structured` (the frontend's validation: a bad schema,
   regex or grammar is an InvalidRequestError naming the request field, before anything reaches the engine).
+- `bounds.py`: the limits a spec must keep before llguidance sees it (size, rules, nesting, `$ref`s), under the
+  depths at which its recursive compile overflows the stack.
+- `validator.py` + `validator_worker.py`: the frontend's validation runs in worker processes, so that a spec that
+  crashes llguidance costs one request; `lru.py`: the byte-bounded LRU map the grammar caches use.
 - `compiler.py`: `GrammarCompiler`, the engine's: compiles on worker threads (never inside a step), caches the
   compiled grammar by (kind, spec, strict), hands each request its own `GrammarMatcher`; `fill_bitmasks` computes
   the masks of a step's constrained rows in parallel (llguidance's executor, outside the GIL).

@@ -4,7 +4,7 @@ can be)."""
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import logging
 import os
 import threading
@@ -15,11 +15,31 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutput
+from .lru import ByteBudgetLRU
 from .spec import llguidance_grammar
+from .validator import VALIDATOR_STACK_BYTES
 
 log = logging.getLogger(__name__)
 
-CACHE_SIZE = 128  # specs whose compiled grammars are kept (least recently used dropped)
+# The compile threads' stack: llguidance's compile recursion deepens with the grammar (bounds.py), and the frontend
+# validated every spec on a quarter of this (validator.py), so no validated spec can overflow it. Only the pages a
+# compile touches are ever committed.
+COMPILE_STACK_BYTES = 4 * VALIDATOR_STACK_BYTES
+
+CACHE_BYTES = 512 << 20  # default budget of the compiled grammars kept (EngineConfig.grammar_cache_mib)
+# A compiled grammar's memory: llguidance reports none, so it is estimated from the spec's text, conservatively.
+# Measured with Qwen3's tokenizer after the first mask (RSS growth, llguidance 1.9.1): a 630 KB regex of 70,000
+# alternated words 34-46 MB (the issue saw 18 MB for its 633 KB regexes), a 480 KB regex of character classes
+# 9-18 MB, a 25 KB Lark grammar of 900 rules 3.2 MB, a small schema under 0.5 MB: at most about 75 bytes a
+# character, and a fixed part. (The lexer can grow further as masks are computed, up to llguidance's limit of
+# 250,000 states; no static estimate foresees that.)
+COMPILE_BYTES_PER_CHAR = 128
+COMPILE_BYTES_FIXED = 512 << 10
+
+
+def estimated_compile_bytes(structured: StructuredOutput) -> int:
+    """A conservative estimate of one compile's memory (see COMPILE_BYTES_PER_CHAR)."""
+    return COMPILE_BYTES_FIXED + COMPILE_BYTES_PER_CHAR * len(structured.spec)
 
 
 def default_lexer_groups() -> int:
@@ -38,12 +58,17 @@ class GrammarMatcher:
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
+        self.error: str | None = None  # why the grammar gave up, once it has: the request then ends with an error
 
     def advance(self, token: int) -> bool:
-        """Take a committed token; False once nothing more can follow (the output is complete) or the token broke
-        the grammar (the masks make that impossible; logged if it happens)."""
-        if not self.matcher.consume_token(token):
-            log.warning("a token outside the grammar was committed: %s", self.matcher.get_error())
+        """Take a committed token; False once nothing more can follow: the output is complete, or the grammar gave
+        up (`error` says why). It gives up when no continuation can satisfy it (a schema whose instances are all
+        infinite: its mask errs and lets through only EOS) or when a token outside it was committed (the masks
+        make that impossible)."""
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            reason = self.matcher.get_error().strip().splitlines()
+            self.error = "the output cannot satisfy the grammar" + (f" ({reason[0][:300]})" if reason else "")
+            log.info("a grammar gave up: %s", self.error)
             return False
         return not self.matcher.is_stopped()
 
@@ -64,6 +89,17 @@ def fill_bitmasks(rows: list[tuple[GrammarMatcher, int]], out: np.ndarray) -> No
     _executor().unsafe_compute_mask_ptr([(m.matcher, i) for m, i in rows], out.ctypes.data, out.shape[1] * 4, out.shape[0])
 
 
+@contextlib.contextmanager
+def _thread_stack(size: int):
+    """Threads started inside get `size` bytes of stack. (Python's setting is process-wide: a thread another part
+    of the process starts meanwhile gets it too, which costs only address space.)"""
+    previous = threading.stack_size(size)
+    try:
+        yield
+    finally:
+        threading.stack_size(previous)
+
+
 _mask_executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
 
@@ -81,7 +117,9 @@ class GrammarCompiler:
 
     tokenizer_json: the checkpoint's tokenizer.json path (None: structured output unavailable); vocab_size: the
     model's (masks have a bit per logit, tokens past the tokenizer's vocabulary are never allowed); eos_token_ids: the
-    tokens allowed once the output is complete.
+    tokens allowed once the output is complete; cache_bytes: the estimated memory the cached compiles may take
+    (estimated_compile_bytes each; least recently used specs dropped). A spec's extra compiles (lexer_groups) are
+    made only while its own compiles stay within a quarter of that.
     """
 
     def __init__(
@@ -91,6 +129,7 @@ class GrammarCompiler:
         eos_token_ids: list[int],
         threads: int = 2,
         lexer_groups: int | None = None,
+        cache_bytes: int = CACHE_BYTES,
     ):
         self.tokenizer_json = tokenizer_json if tokenizer_json and os.path.isfile(tokenizer_json) else None
         self.vocab_size = vocab_size
@@ -101,9 +140,11 @@ class GrammarCompiler:
         self._pool: ThreadPoolExecutor | None = None
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        # Per spec: the futures of its independent compiles (up to lexer_groups, made as requests come) and the
-        # number of requests handed out, which picks the next one round robin.
-        self._cache: collections.OrderedDict[tuple, tuple[list[Future], list[int]]] = collections.OrderedDict()
+        # Per spec: (the spec, the futures of its independent compiles (up to lexer_groups, made as requests come),
+        # the number of requests handed out, which picks the next one round robin), sized by its compiles.
+        self._cache: ByteBudgetLRU[tuple[StructuredOutput, list[Future], list[int]]] = ByteBudgetLRU(
+            cache_bytes, lambda _, entry: len(entry[1]) * estimated_compile_bytes(entry[0])
+        )
 
     @property
     def available(self) -> bool:
@@ -133,23 +174,32 @@ class GrammarCompiler:
         with self._lock:
             entry = self._cache.get(key)
             if entry is None:
-                entry = self._cache[key] = ([], [0])
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(key)
-            futures, handed = entry
+                entry = (structured, [], [0])
+            _, futures, handed = entry
             group = handed[0] % self.lexer_groups
             handed[0] += 1
-            if group >= len(futures):  # (> only when lexer_groups grew since this spec was first seen)
+            room = self._cache.budget_bytes // 4 >= (len(futures) + 1) * estimated_compile_bytes(structured)
+            if group >= len(futures) and (room or not futures):  # (> only when lexer_groups grew since the spec came)
                 group = len(futures)
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="fastqwen-grammar")
-                futures.append(self._pool.submit(self._compile, structured))
-            chosen = futures[group]
+                with _thread_stack(COMPILE_STACK_BYTES):  # (the pool starts its threads inside submit)
+                    futures.append(self._pool.submit(self._compile, structured))
+                self._cache.put(key, entry)  # (re)sized by its compiles; may drop least recently used specs
+            chosen = futures[group % len(futures)]
             if not chosen.done():  # while it compiles, a finished compile serves (the request need not wait)
                 chosen = next((f for f in futures if f.done() and f.exception() is None), chosen)
             return chosen
+
+    def compiles_of(self, structured: StructuredOutput) -> list[Future]:
+        """The cached compiles of a spec (none once it was dropped from the cache), for tests and diagnostics."""
+        entry = self._cache.get(structured.key)
+        return list(entry[1]) if entry is not None else []
+
+    @property
+    def cached_bytes(self) -> int:
+        """The estimated memory of the compiles the cache holds (within cache_bytes)."""
+        return self._cache.total_bytes
 
     @staticmethod
     def matcher(compiled: Future) -> GrammarMatcher:

@@ -1,4 +1,5 @@
-"""A StructuredOutput as llguidance grammar text, and its validation (no tokenizer needed)."""
+"""A StructuredOutput as llguidance grammar text (within bounds.py's limits), and its validation in a worker process
+(validator.py), cached by spec."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutput
+from .bounds import lark_problem, schema_problem, spec_bytes_problem
+from .lru import ByteBudgetLRU
+from .validator import ValidatorCrashed, default_validator
 
 # Compact, bounded JSON: a model (even a random one) cannot stall in whitespace, and ", " / ": " is how models and
 # json.dumps write it.
@@ -72,15 +76,24 @@ def _after_thinking(grammar: str, structured: StructuredOutput, eos_token_ids: t
     return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": lark}, {**inner[0], "name": "constraint"}]})
 
 
+def _within_bounds(structured: StructuredOutput, problem: str | None) -> None:
+    if problem is not None:
+        raise _error(structured, problem)
+
+
 def _constraint_grammar(structured: StructuredOutput) -> str:
     kind = structured.kind
     if kind == "json_object":
         return _json_schema(structured, {"type": "object"})
+    _within_bounds(structured, spec_bytes_problem(structured.spec))
     if kind == "json_schema":
         try:
             schema = json.loads(structured.spec)
         except ValueError as e:
             raise _error(structured, f"the schema is not valid JSON ({e})") from None
+        except RecursionError:  # Python's parser gives up long before llguidance would, but not with a ValueError
+            raise _error(structured, "the schema nests too deep to parse") from None
+        _within_bounds(structured, schema_problem(schema))
         return _json_schema(structured, schema)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(structured.spec)
@@ -88,29 +101,46 @@ def _constraint_grammar(structured: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_lark(_choice_lark(structured))
     try:  # "grammar": Lark as llguidance reads it, or GBNF / EBNF (`root ::= ...`) converted to it
         lark = any_to_lark(structured.spec)
-    except Exception as e:  # the converter raises its own error types for bad GBNF
+    except Exception as e:  # the converter raises its own error types for bad GBNF (RecursionError included)
         raise _error(structured, f"not a Lark or GBNF grammar ({e})") from None
+    _within_bounds(structured, lark_problem(lark))
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-@lru_cache(maxsize=256)
-def _validate(key: tuple, field: str) -> None:
-    structured = StructuredOutput(*key[:3], field, *key[3:])
-    # Without a tokenizer, the thinking wrapper's token references are only warned about; the rest is checked.
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance_grammar(structured))
-    if is_error:
-        raise _error(structured, messages[0] if messages else "it does not compile")
+# Verdicts by (spec key, tokenizer): None (it compiles) or why not. Bounded by the bytes of the specs held (up to
+# 1 MiB each), plus a little for the entry itself.
+VERDICT_CACHE_BYTES = 64 << 20
+_verdicts: ByteBudgetLRU[str | None] = ByteBudgetLRU(
+    VERDICT_CACHE_BYTES, lambda key, verdict: 256 + len(key[0][1]) + len(verdict or "")
+)
 
 
-def check_structured(structured: StructuredOutput) -> None:
-    """Raise InvalidRequestError (naming structured.field) unless the spec compiles; results are cached."""
-    _validate(structured.key, structured.field)
+def check_structured(
+    structured: StructuredOutput, tokenizer_json: str | None = None, vocab_size: int = 0, eos_token_ids=()
+) -> None:
+    """Raise InvalidRequestError (naming structured.field) unless the spec compiles (against the tokenizer, as the
+    engine will compile it, when tokenizer_json is given: then also unless its language is empty). llguidance runs
+    in a worker process (validator.py), so a spec that crashes it costs this request only. Verdicts are cached."""
+    eos = tuple(eos_token_ids)
+    tokenizer = (tokenizer_json, vocab_size, eos) if tokenizer_json else None
+    key = (structured.key, tokenizer)
+    verdict = _verdicts.get(key, default=key)  # (key itself: not cached; None is a cached "it compiles")
+    if verdict is key:
+        grammar = llguidance_grammar(structured, eos)  # bounds and bad JSON raise here, in this process, uncached
+        try:
+            verdict = default_validator().validate(grammar, tokenizer)
+        except ValidatorCrashed as e:
+            verdict = str(e)
+        _verdicts.put(key, verdict)
+    if verdict is not None:
+        raise _error(structured, verdict)
 
 
 @lru_cache(maxsize=8)
 def tokenizer_problem(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> str | None:
     """Why llguidance cannot work with this tokenizer.json (None: it can). Builds the grammar engine's tokenizer
     once per model, as the engine will: a model whose tokenizer it cannot read gets 400s, not failed requests."""
+    default_validator().warm((tokenizer_json, vocab_size, eos_token_ids))  # meanwhile, a worker reads it too
     try:
         with open(tokenizer_json, encoding="utf-8") as f:
             llguidance.LLTokenizer(f.read(), n_vocab=vocab_size, eos_token=list(eos_token_ids))

@@ -28,7 +28,9 @@ class SamplerState:
 
 class TokenConstraint(Protocol):
     """A request's grammar (grammar.GrammarMatcher): the sampler masks what it forbids; the scheduler feeds it each
-    committed token and stops the request once the grammar has ended."""
+    committed token and stops the request once the grammar has ended (with an error if it gave up)."""
+
+    error: str | None  # set when the grammar gave up: the request ends with FinishReason.ERROR
 
     def advance(self, token: int) -> bool:
         """Take a committed token; False once nothing more can follow."""
@@ -39,7 +41,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS or stop token
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
-    ERROR = "error"  # a step it was in failed
+    ERROR = "error"  # a step it was in failed, or its grammar gave up
 
 
 @dataclass

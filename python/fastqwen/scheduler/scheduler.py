@@ -206,8 +206,11 @@ class Scheduler:
             request.token_ids.append(token)
             advanced.append((request, index))
             reason = self._stop_reason(request, token)
-            if request.grammar is not None and not request.grammar.advance(token) and reason is not FinishReason.STOP:
-                request.stop_reason, reason = None, FinishReason.STOP  # the grammar is complete: nothing can follow
+            if request.grammar is not None and not request.grammar.advance(token):
+                if request.grammar.error is not None:  # it gave up (whatever the token was, EOS included)
+                    request.stop_reason, reason = None, FinishReason.ERROR
+                elif reason is not FinishReason.STOP:
+                    request.stop_reason, reason = None, FinishReason.STOP  # the grammar is complete: nothing can follow
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
