@@ -14,7 +14,7 @@
 // residual as x, sums x^2 on the way and scales its dot products by 1/rms (kGemvNormXFolded where the norm's weight
 // was multiplied into its columns at load; kGemvNormX multiplies each x by the weight as it loads it, a second load
 // per chunk). Every block reads all of x anyway, so the norm costs no extra pass, no grid-wide step and no kernel between the two
-// projections. Measured on the H100 (bench/results/2026-11-24-h100-norm-in-gemv): batch-1 Qwen3-8B bf16 5.563 ->
+// projections. Measured on the H100 (git show 1274b3f:bench/results/2026-11-24-h100-norm-in-gemv): batch-1 Qwen3-8B bf16 5.563 ->
 // 5.470 ms a step at a 1,024-token prompt (folded), FP8 3.334 -> 3.309.
 //
 // With SILU_GATE_UP, W stacks the gate and up projections ([gate; up], 2d rows) and out is silu(gate) * up ([m, d]):
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 // one, so that the chunks of its other rows stay in flight while it converts and multiplies. gemv_kernel instead
 // loads a chunk of every row, waits for all of them and computes them all before its next loads: nothing of the lane
 // is in flight meanwhile, and in a one-wave grid every SM does that at about the same time. Measured on an H100
-// (bench/results/2026-11-23-h100-gemv-ring): o_proj 7.09 -> 6.90 us, qkv 10.53 -> 10.26; batch-1 decode of Qwen3-8B
+// (git show 1274b3f:bench/results/2026-11-23-h100-gemv-ring): o_proj 7.09 -> 6.90 us, qkv 10.53 -> 10.26; batch-1 decode of Qwen3-8B
 // FP8 3.282 -> 3.256 ms (128-token prompt). The same ring for bf16 weights was faster in the decode step but slower
 // alone (o_proj 12.36 -> 12.74 us), and two chunks deep was slower for both.
 template <typename T, bool SILU_GATE_UP, int kRows, int EPI = kGemvPlain>

@@ -13,7 +13,7 @@ constexpr int kGemvMaxTokens = 16;
 constexpr int kGemvFp8Block = 128;
 // The token counts gemv() runs on its tensor-core kernel (gemv_tc.cu, where it takes the shape); the FMA kernel
 // (gemv.cu) the others. One token stays with the FMA kernel: on the H100 it was faster on Qwen3-8B's one-wave
-// projections (o_proj FP8 8.7 against 10.6 us, qkv bf16 18.5 against 20.8; bench/results/2026-11-23-h100-gemv-tc,
+// projections (o_proj FP8 8.7 against 10.6 us, qkv bf16 18.5 against 20.8; git show 1274b3f:bench/results/2026-11-23-h100-gemv-tc,
 // run 3). The tensor-core kernel's mma has 8 token columns.
 constexpr int kGemvTcMinTokens = 2;
 constexpr int kGemvTcMaxTokens = 8;

@@ -5,7 +5,7 @@
 // FP8 kernel in gemv.cu (e4m3 -> f16 -> f32, one FMA per weight) is slow enough that it does not hide under the
 // loads. On the H100, bench/dequant_rates.cu turns weight bytes from registers into dot products at 13.6 TB/s that
 // way, at 21.9 TB/s with the hardware e4m3x2 -> f16x2 conversion feeding mma.sync m16n8k16, and bf16 weights at
-// 22.7 TB/s with FMAs against 47.7 TB/s with the mma (bench/results/2026-11-23-h100-gemv-tc). The token dimension
+// 22.7 TB/s with FMAs against 47.7 TB/s with the mma (git show 1274b3f:bench/results/2026-11-23-h100-gemv-tc). The token dimension
 // of the mma (8 columns) carries up to 8 tokens at the cost of one, where gemv.cu's FMAs grow with each token.
 //
 // Layout. A block owns a tile of 16 weight rows (with SILU_GATE_UP: 8 gate rows and the same 8 up rows) and its

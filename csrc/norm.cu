@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(T* out, const T* 
   // The next projection's GEMV may start streaming its weights now, before this kernel's own wait: the one exception
   // to common.cuh's rule, safe because the kernels that follow a norm (the GEMVs, or kernels launched the ordinary
   // way) read nothing before their wait but the weights. Measured on the H100, batch-1 Qwen3-8B: bf16 5.504 ->
-  // 5.481 ms at a 128-token prompt, FP8 3.297 -> 3.290 (bench/results/2026-11-23-h100-gemv-norm-epilogue).
+  // 5.481 ms at a 128-token prompt, FP8 3.297 -> 3.290 (git show 1274b3f:bench/results/2026-11-23-h100-gemv-norm-epilogue).
   griddep_launch_dependents();
   griddep_wait();  // x (and the residual) come from the kernels before (see common.cuh)
   // All loads first: with the residual stores interleaved, the compiler would have to assume a store may alias

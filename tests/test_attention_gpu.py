@@ -13,7 +13,7 @@ one-hot values that bounds the error by 2u of the row's scale, and the tests all
 signs the weight rounding errors do not add up coherently; the random tests allow 8u.
 
 Mutations these tests were run against (tests/mutation_check.py builds each into its own copy of the module and
-expects the named tests to fail; the log is in bench/results/2026-11-23-h100-tests/):
+expects the named tests to fail; the log is in git show 1274b3f:bench/results/2026-11-23-h100-tests/):
   decode_skip_first_chunk, decode_merge_skips_last_chunk, decode_merge_equal_weights, decode_ignores_split_limit
       -> test_decode_every_chunk_counts
   prefill_skips_first_tile, prefill_no_rescale -> test_prefill_every_tile_counts

@@ -462,7 +462,7 @@ def test_fp8_activation_quantizer_matches_reference(tokens):
 # against float32: 1.9%). Stated: 3% (2.26% measured on the H100, 2026-11-23). With the block-scaled FP8
 # GEMM, prefill rounds activations to e4m3 (up to 2^-4 = 6.25% per element; 2.6% relative error per GEMM in
 # test_fp8_large_batch_path) in each of the 4 layers' 4 GEMMs: stated tolerance 15% (0.097 measured on the H100,
-# bench/results/2026-11-23-h100-fp8w/run3/gemv_gpu.json), where few steps have margins above twice that.
+# git show 1274b3f:bench/results/2026-11-23-h100-fp8w/run3/gemv_gpu.json), where few steps have margins above twice that.
 FP8_TOLERANCE = {"weight_only": (0.03, 30), "scaled_mm": (0.15, 0)}  # (logit tolerance, decisive steps required)
 
 

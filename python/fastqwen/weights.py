@@ -431,7 +431,7 @@ def fold_norm(norm_weight: torch.Tensor, w: LinearWeight) -> bool:
 def fold_norms(weights: Qwen3Weights) -> NormFolding:
     """fold_norm for every RMSNorm and the dense projection after it (not the LM head when it is the embedding:
     tied), once, in place; records and returns which were folded. Measured on the H100 (8B bf16 batch-1 step:
-    bench/results/2026-11-24-h100-norm-in-gemv), the GEMV that reads x alone was faster than the one that also loads
+    git show 1274b3f:bench/results/2026-11-24-h100-norm-in-gemv), the GEMV that reads x alone was faster than the one that also loads
     the norm's weight."""
     if weights.norms_folded != NormFolding():
         raise ValueError("fold_norms: these weights are folded already")

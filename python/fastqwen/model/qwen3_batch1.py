@@ -5,7 +5,7 @@ the RMSNorm between two projections costs nothing extra there: the projection be
 outputs into the residual (ops.linear_add_residual), and the one after it (qkv, gate_up, the LM head) reads the
 residual and normalizes it as it loads it (ops.linear(..., norm=)). Where the norm's weight was folded into a dense
 projection's columns at load (weights.fold_norms), that GEMV reads x alone. Measured on the H100
-(bench/results/2026-11-24-h100-norm-in-gemv): batch-1 Qwen3-8B bf16 5.563 -> 5.470 ms a step at a 1,024-token
+(git show 1274b3f:bench/results/2026-11-24-h100-norm-in-gemv): batch-1 Qwen3-8B bf16 5.563 -> 5.470 ms a step at a 1,024-token
 prompt, FP8 3.334 -> 3.309.
 
 The engine builds Qwen3WithBatch1Decode instead of Qwen3Model where this step runs (EngineConfig.norms_in_gemv, one

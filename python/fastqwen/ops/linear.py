@@ -78,7 +78,7 @@ GemvEpilogue = _exported("GemvEpilogue")
 # Dispatch policy, not a kernel fact (so it is Python's): the most tokens linear() gives the GEMV rather than cuBLAS
 # (or the FP8 GEMM) above. One token runs the FMA kernel (csrc/gemv.cu), 2 to 8 its tensor-core kernel
 # (csrc/gemv_tc.cu), whose cost hardly grows with the tokens. Chosen from bench/bench_gemv.py on the H100
-# (bench/results/2026-11-23-h100-gemv-tc/run4, Qwen3-8B shapes): dense, the GEMV beats cuBLAS at 1, 2, 4 and 8 tokens
+# (git show 1274b3f:bench/results/2026-11-23-h100-gemv-tc/run4, Qwen3-8B shapes): dense, the GEMV beats cuBLAS at 1, 2, 4 and 8 tokens
 # on every projection and the LM head (at 8: qkv 19.9 against 21.6 us, gate_up 72.0 against 75.9, down 39.6 against
 # 42.2); FP8, it beats the block-scaled GEMM (with the fused activation quantizer) at 1 and 2 tokens, by 3% over a
 # layer's four projections at 4, and loses by 40% at 8. Both stay within the kernels' limits, GEMV_MAX_TOKENS and
