@@ -103,7 +103,8 @@ def wait_until_gone(pids: list[int], folders: set[str]) -> None:
         time.sleep(0.05)
     left = [p for p in pids if alive(p)]
     commands = {p: open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ")[:120] for p in left}
-    raise AssertionError(f"{GONE_WITHIN_S} s on: processes {commands}, folders {[f for f in folders if os.path.exists(f)]}")
+    left_folders = [f for f in folders if os.path.exists(f)]
+    raise AssertionError(f"{GONE_WITHIN_S} s on: processes {commands}, folders {left_folders}")
 
 
 # ---- the lifeline alone -------------------------------------------------------------------------------------
@@ -117,12 +118,13 @@ def spawn_child(parent_pid: int) -> subprocess.Popen:
 
 def test_a_child_ends_when_its_parent_is_killed():
     # The parent: a Python process that starts the child (from a thread, as the server starts the core) and waits.
-    parent = subprocess.Popen(
-        [sys.executable, "-c", f"import os, subprocess, sys, threading\n"
-         f"t = threading.Thread(target=lambda: print(subprocess.Popen([sys.executable, '-c', {CHILD!r}, str(os.getpid())]).pid, flush=True))\n"
-         f"t.start(); threading.Event().wait()"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    parent_code = (
+        "import os, subprocess, sys, threading\n"
+        f"go = lambda: print(subprocess.Popen([sys.executable, '-c', {CHILD!r}, str(os.getpid())]).pid, flush=True)\n"
+        "threading.Thread(target=go).start()\n"
+        "threading.Event().wait()"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
     # The child writes to the same pipe: its pid (from the parent) and its "ready", in either order.
     lines = {parent.stdout.readline().strip(), parent.stdout.readline().strip()}
     assert "ready" in lines, lines
@@ -146,7 +148,9 @@ def test_a_parent_gone_before_the_lifeline_is_set_up_ends_the_child_at_once():
     # The expected parent is a process that has already exited: the child's own parent (this process) is another.
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(gone.pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(gone.pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert child.wait(10) == 1
         assert "is gone; exiting" in child.stderr.read()

@@ -87,7 +87,7 @@ def _addresses(folder: str) -> tuple[str, str]:
 def core_main(config: EngineConfig, folder: str, server_pid: int, log_level: int) -> None:
     """The core process's entry point: load the engine, report its info, then serve steps until told to stop."""
     lifeline.end_with_parent(server_pid, "engine core")  # first: a server already gone is not served
-    lifeline.remove_on_exit(folder)
+    lifeline.remove_when_orphaned(folder)
     to_core, to_frontend = _addresses(folder)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     # Ctrl-C reaches the whole process group: the core ends quietly (the frontend reports the shutdown), not with a

@@ -7,7 +7,7 @@ idling forever on the GPU, their ZeroMQ folders left behind.
 
 The invariant: a child started with `end_with_parent(parent_pid)` as its first act runs only while `parent_pid` is its
 parent. It notices its parent's death in two ways, which end in the same exit (remove the folders registered with
-`remove_on_exit`, then `os._exit`):
+`remove_when_orphaned`, then `os._exit`):
 - the parent-death signal (Linux `prctl(PR_SET_PDEATHSIG)`), at once. The kernel sends it when the *thread* that
   started the child ends, which happens while the parent lives (the server starts the core from a worker thread), so
   the signal is a dedicated one and only wakes the watcher, which checks the parent itself. Its C handler writes to a
@@ -42,7 +42,7 @@ _FOLDER_NAME = re.compile(r"fastqwen-(?:tp-)?(\d+)-[A-Za-z0-9_]+")
 _folders: set[str] = set()  # removed when the parent dies
 
 
-def remove_on_exit(folder: str) -> None:
+def remove_when_orphaned(folder: str) -> None:
     """The lifeline removes `folder` if it ends this process (a no-op in a process without one)."""
     _folders.add(folder)
 
@@ -57,7 +57,8 @@ def end_with_parent(parent_pid: int, name: str) -> None:
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     if sys.platform.startswith("linux"):
-        signal.signal(_DEATH_SIGNAL, lambda signum, frame: None)  # the C handler's write to the wakeup pipe is the point
+        # The handler does nothing: Python's C handler writing to the wakeup pipe is the point.
+        signal.signal(_DEATH_SIGNAL, lambda signum, frame: None)
         signal.siginterrupt(_DEATH_SIGNAL, False)  # (the rare false alarm must not interrupt a system call)
         signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
         # Should prctl fail, the watcher's polling still ends the process, half a second later.

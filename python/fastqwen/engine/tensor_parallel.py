@@ -121,7 +121,7 @@ class TensorParallelEngine:
         self._commands: list[Command] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._dir = lifeline.ipc_folder("fastqwen-tp")
-        lifeline.remove_on_exit(self._dir)  # where rank 0 is the engine core: if the server dies, the core removes it
+        lifeline.remove_when_orphaned(self._dir)  # (where rank 0 is the engine core and the server dies)
         self._context = zmq.Context()
         self._reports = self._context.socket(zmq.PULL)
         self._reports.bind(f"ipc://{self._dir}/reports")
@@ -286,7 +286,7 @@ class TensorParallelEngine:
 def rank_main(config: EngineConfig, rank: int, port: int, folder: str, leader_pid: int, log_level: int) -> None:
     """A rank other than 0: load its shard, then apply rank 0's orders and step, until told to stop."""
     lifeline.end_with_parent(leader_pid, f"tensor-parallel rank {rank}")  # rank 0's process is this one's parent
-    lifeline.remove_on_exit(folder)
+    lifeline.remove_when_orphaned(folder)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [tp{rank}]: %(message)s")
     context = zmq.Context()
     orders = context.socket(zmq.PULL)
@@ -307,6 +307,9 @@ def rank_main(config: EngineConfig, rank: int, port: int, folder: str, leader_pi
         _follow(engine, orders, rank)
     except BaseException:
         log.exception("rank %d failed; exiting", rank)
+        # A failed rank ends the engine; the folder goes now in case rank 0 is what failed: when it is killed, the
+        # collective fails here before the lifeline sees it gone. (Rank 0's sockets, if it lives, are bound already.)
+        shutil.rmtree(folder, ignore_errors=True)
         logging.shutdown()
         os._exit(1)
     # Exiting frees this rank's buffers: rank 0 closes its mappings only after every other rank has exited.
