@@ -11,7 +11,9 @@ unpickled). Frontend to core: "add" (a list of EngineRequests), "abort" (a list 
 request), "stats" (while idle), "failed" (the core could not start: the error text).
 
 If the core dies, the frontend's reader thread sees the process gone within a poll interval and reports it through
-on_death: every request in flight gets an error and the server exits non-zero, so a supervisor restarts it.
+on_death: every request in flight gets an error and the server exits non-zero, so a supervisor restarts it. If the
+server dies, however abnormally (a segfault, kill -9), the core ends too (engine/lifeline.py) and removes the IPC
+folder the server can no longer remove.
 
 With tensor parallelism this process is rank 0 (engine/tensor_parallel.py): it starts the other ranks as its own
 children and sends them each step's commands; the frontend still talks to rank 0 alone. If a rank dies, this process
@@ -26,7 +28,6 @@ import signal
 import sys
 import multiprocessing
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,7 @@ import msgspec
 import zmq
 
 from ..config import EngineConfig
+from . import lifeline
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 
 logger = logging.getLogger("fastqwen.engine")
@@ -77,8 +79,16 @@ _TO_FRONTEND = {b"info": EngineInfo, b"step": CoreStep, b"stats": CoreStats, b"f
 # ---- the core process ----------------------------------------------------------------------------------------
 
 
-def core_main(config: EngineConfig, to_core: str, to_frontend: str, log_level: int) -> None:
+def _addresses(folder: str) -> tuple[str, str]:
+    """The two sockets' addresses: to the core, to the frontend."""
+    return f"ipc://{folder}/to_core", f"ipc://{folder}/to_frontend"
+
+
+def core_main(config: EngineConfig, folder: str, server_pid: int, log_level: int) -> None:
     """The core process's entry point: load the engine, report its info, then serve steps until told to stop."""
+    lifeline.end_with_parent(server_pid, "engine core")  # first: a server already gone is not served
+    lifeline.remove_when_orphaned(folder)
+    to_core, to_frontend = _addresses(folder)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     # Ctrl-C reaches the whole process group: the core ends quietly (the frontend reports the shutdown), not with a
     # KeyboardInterrupt traceback from wherever it happened to be.
@@ -158,8 +168,8 @@ class ProcessEngineClient:
     """EngineClient for an engine core in a child process (started by the constructor, which waits for it to load)."""
 
     def __init__(self, config: EngineConfig, log_level: int = logging.INFO):
-        self._dir = tempfile.mkdtemp(prefix="fastqwen-")
-        to_core, to_frontend = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/to_frontend"
+        self._dir = lifeline.ipc_folder("fastqwen")
+        to_core, to_frontend = _addresses(self._dir)
         self._context = zmq.Context()
         self._outbox = self._context.socket(zmq.PUSH)
         self._outbox.setsockopt(zmq.SNDHWM, 0)  # no limit: a send can then only block when the core is gone
@@ -170,9 +180,10 @@ class ProcessEngineClient:
         self._codec = _Codec()
         spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         # Daemonic, so that it ends with this process; except with tensor parallelism, where it starts the other ranks
-        # as its children, which a daemonic process may not (stop() ends it, and its ranks exit when it does).
+        # as its children, which a daemonic process may not (stop() ends it). Either way its lifeline ends it when this
+        # process dies without a word, and its ranks' lifelines end them when it does.
         self.process = spawn.Process(
-            target=core_main, args=(config, to_core, to_frontend, log_level), name="fastqwen-core",
+            target=core_main, args=(config, self._dir, os.getpid(), log_level), name="fastqwen-core",
             daemon=config.tensor_parallel_size == 1,
         )  # fmt: skip
         self.process.start()
@@ -199,6 +210,7 @@ class ProcessEngineClient:
                 self._shutdown_sockets()
                 raise CoreStartError(f"the engine core exited with code {self.process.exitcode} while loading")
         self.process.kill()
+        self._shutdown_sockets()
         raise CoreStartError("the engine core did not finish loading in time")
 
     # ---- EngineClient ---------------------------------------------------------------------------------------

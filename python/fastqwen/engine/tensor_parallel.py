@@ -17,7 +17,8 @@ and overlap schedule work unchanged on every rank.
 Failures end the engine, never hang it: a rank that fails exits; rank 0 watches its children and raises EngineFault
 at its next step or idle check (`check_alive`); a gloo collective fails at once when a peer is gone, and where a
 GPU collective would wait forever for a dead peer, the watcher ends rank 0's process after a grace period. Ranks
-1..N-1 exit as soon as rank 0's process is gone.
+1..N-1 exit as soon as rank 0's process is gone, however it ended (engine/lifeline.py), and remove the IPC folder
+if rank 0 could not.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import tempfile
 import threading
 import time
 import zlib
@@ -40,6 +40,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..ops.collectives import ParallelGroup
+from . import lifeline
 from .llm_engine import EngineFault, LLMEngine
 from .messages import EngineRequest, StepOutput
 
@@ -119,7 +120,8 @@ class TensorParallelEngine:
         self._checksum = -1
         self._commands: list[Command] = []
         self._encoder = msgspec.msgpack.Encoder()
-        self._dir = tempfile.mkdtemp(prefix="fastqwen-tp-")
+        self._dir = lifeline.ipc_folder("fastqwen-tp")
+        lifeline.remove_when_orphaned(self._dir)  # (where rank 0 is the engine core and the server dies)
         self._context = zmq.Context()
         self._reports = self._context.socket(zmq.PULL)
         self._reports.bind(f"ipc://{self._dir}/reports")
@@ -223,6 +225,7 @@ class TensorParallelEngine:
             socket.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+        lifeline.forget(self._dir)
 
     def __del__(self):
         try:
@@ -282,8 +285,9 @@ class TensorParallelEngine:
 
 def rank_main(config: EngineConfig, rank: int, port: int, folder: str, leader_pid: int, log_level: int) -> None:
     """A rank other than 0: load its shard, then apply rank 0's orders and step, until told to stop."""
+    lifeline.end_with_parent(leader_pid, f"tensor-parallel rank {rank}")  # rank 0's process is this one's parent
+    lifeline.remove_when_orphaned(folder)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [tp{rank}]: %(message)s")
-    threading.Thread(target=_exit_with_leader, args=(leader_pid,), name="fastqwen-tp-leader", daemon=True).start()
     context = zmq.Context()
     orders = context.socket(zmq.PULL)
     orders.connect(f"ipc://{folder}/orders-{rank}")
@@ -303,6 +307,9 @@ def rank_main(config: EngineConfig, rank: int, port: int, folder: str, leader_pi
         _follow(engine, orders, rank)
     except BaseException:
         log.exception("rank %d failed; exiting", rank)
+        # A failed rank ends the engine; the folder goes now in case rank 0 is what failed: when it is killed, the
+        # collective fails here before the lifeline sees it gone. (Rank 0's sockets, if it lives, are bound already.)
+        shutil.rmtree(folder, ignore_errors=True)
         logging.shutdown()
         os._exit(1)
     # Exiting frees this rank's buffers: rank 0 closes its mappings only after every other rank has exited.
@@ -328,10 +335,3 @@ def _follow(engine: LLMEngine, orders, rank: int) -> None:
                 engine.abort(command.rid)
         checksum = step_checksum(engine.step())
 
-
-def _exit_with_leader(leader_pid: int) -> None:
-    """Rank 0's process is this one's parent: when it is gone (killed, crashed), so is this rank."""
-    while True:
-        if os.getppid() != leader_pid:
-            os._exit(1)
-        time.sleep(0.5)
