@@ -179,6 +179,14 @@ class Frontend:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer.json: pass prompts as lists of token ids", "prompt")
+            # Refused before tokenizing when its length alone says it cannot fit: tokenizing 15 MB took 45 s, only
+            # to refuse it then. (A prompt of the whole context is refused too: a request generates at least one token.)
+            at_least = self.tokenizer.min_token_count(prompt)
+            if at_least >= self.info.max_model_len:
+                raise InvalidRequestError(
+                    f"this model's maximum context length is {self.info.max_model_len} tokens, but the prompt has "
+                    f"{len(prompt)} characters, which make at least {at_least} tokens: shorten the prompt", "prompt"
+                )
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")

@@ -52,3 +52,24 @@ def check_prompt_logprobs(num_prompt_tokens: int, start: int, param: str) -> Non
             f"prompt logprobs are limited to {MAX_PROMPT_LOGPROB_TOKENS} prompt tokens per request; this one asks "
             f"for {num_prompt_tokens - start}", param
         )
+
+
+# Prompt logprob entries (a position's prompt token and each of its alternatives) one HTTP request may return, over
+# all its prompts and the choices that repeat them. The limit is what one sequence at the limits above may carry
+# (32,768 positions x 21 tokens: a response of about 30 MB), so no single-sequence request allowed before is refused;
+# lm-eval's loglikelihood requests (echo, logprobs 1 to 5, n 1, a few prompts of a few thousand tokens) use a few
+# percent of it. The echo request of issue 40 (2,000 positions x 21 x n = 128: 5.4 million entries, a 158 MB response
+# built in 117 s) does not fit.
+MAX_PROMPT_LOGPROB_ENTRIES = MAX_PROMPT_LOGPROB_TOKENS * 21
+
+
+def check_prompt_logprob_entries(positions: int, top: int, copies: int, param: str) -> None:
+    """Raise InvalidRequestError naming `param` when `positions` prompt positions (over every prompt), each with the
+    prompt token and `top` alternatives, returned `copies` times (once per choice), exceed the limit."""
+    total = positions * (top + 1) * copies
+    if total > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise InvalidRequestError(
+            f"this request asks for {total} prompt logprob entries ({positions} prompt positions x {top + 1} tokens x "
+            f"{copies} choices); at most {MAX_PROMPT_LOGPROB_ENTRIES} are returned per request: lower n, {param} or "
+            "the prompt's length", param
+        )

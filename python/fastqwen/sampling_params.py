@@ -18,6 +18,7 @@ MIN_TOP_P = 1e-6  # under 1 / vocab for any vocabulary below a million: keeps th
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
+MAX_TOKEN_ID_DIGITS = 20  # a logit_bias key as text: "-" and the 19 digits of a 64-bit integer
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias; OpenAI's values are in [-100, 100]
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_STRUCTURED_CHARS = 1 << 20  # a schema, regex or grammar of at most 1 MiB of text
@@ -233,7 +234,9 @@ def _logit_bias(bias) -> dict[int, float] | None:
     for key, value in bias.items():
         if isinstance(key, str):
             text = key.strip()
-            if not (text.isascii() and text.lstrip("-").isdigit()):
+            # The length cap comes first: int() refuses strings over 4,300 digits with a ValueError, and no token id
+            # has more than 19 (a 64-bit integer).
+            if len(text) > MAX_TOKEN_ID_DIGITS or not (text.isascii() and text.lstrip("-").isdigit()):
                 raise InvalidRequestError(f"logit_bias keys must be token ids, not {_show(key)}", "logit_bias")
             key = int(text)
         token = _int("logit_bias", key)

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     from .engine.tensor_parallel import make_engine
     from .server.app import ServerConfig, begin_shutdown, create_app
     from .server.connections import ConnectionLimits, protocol_with
-    from .server.http_conventions import quiet_probe_access_logs
+    from .server.http_conventions import configure_access_log
     from .server.log_limit import limit_log_rate
 
     def load_engine() -> InProcessEngineClient | ProcessEngineClient:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
             timeout_keep_alive=args.timeout_keep_alive,
         )
     )
-    quiet_probe_access_logs()
+    configure_access_log(args.enable_access_log)
     limit_log_rate(args.max_log_lines_per_second)  # after uvicorn.Config, which sets up uvicorn's log handlers
     try:
         server.run()

@@ -67,6 +67,11 @@ class _SkipProbes(logging.Filter):
         return not (isinstance(args, tuple) and len(args) >= 3 and str(args[2]).split("?")[0] in PROBE_PATHS)
 
 
-def quiet_probe_access_logs() -> None:
-    """Access logs without a line per /health or /metrics poll (a probe every few seconds drowns the rest)."""
-    logging.getLogger("uvicorn.access").addFilter(_SkipProbes())
+def configure_access_log(enabled: bool) -> None:
+    """Access logs without a line per /health or /metrics poll (a probe every few seconds drowns the rest). Call after
+    uvicorn.Config, which sets the access logger to --uvicorn-log-level: its lines are INFO, so at the default
+    "warning" an enabled access log would log nothing."""
+    access = logging.getLogger("uvicorn.access")
+    access.addFilter(_SkipProbes())
+    if enabled:
+        access.setLevel(logging.INFO)

@@ -4,19 +4,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request as HTTPRequest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from .. import __version__
 from ..limits import check_token_ids
+from .json_body import JsonBodyRoute
+from .protocol import MESSAGE_SCHEMA, TOKEN_ID_SCHEMA, exactly_one_of
 from .state import APIError, ServerState
 from .tools import check_tools, messages_for_template
 
-router = APIRouter()
+router = APIRouter(route_class=JsonBodyRoute)  # big bodies are parsed off the event loop
 
 
 def model_card(state: ServerState, name: str | None = None) -> dict[str, Any]:
@@ -43,10 +44,12 @@ async def retrieve_model(model_id: str, http_request: HTTPRequest) -> dict[str, 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template first."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=exactly_one_of("prompt", "messages"))
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = Field(None, json_schema_extra={
+        "anyOf": [{"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}, {"type": "null"}]
+    })
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -54,10 +57,17 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
+def _token_id(value: Any) -> Any:
+    """A JSON integer (1.0 is one, by JSON Schema) and nothing else: true and "1" are not token 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("a token id is an integer")
+    return value
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, BeforeValidator(_token_id)]] = Field(json_schema_extra={"type": "array", "items": TOKEN_ID_SCHEMA})
 
 
 def _tokenizer(state: ServerState):
@@ -82,8 +92,11 @@ async def tokenize(body: TokenizeRequest, http_request: HTTPRequest) -> dict[str
                                      body.chat_template_kwargs or {}, body.tools if choice else None)  # fmt: skip
         return tokenizer.encode(text)
 
-    ids = await asyncio.to_thread(run)  # CPU work proportional to the prompt: never on the event loop
-    strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+    def run_with_strs() -> tuple[list[int], list[str] | None]:
+        ids = run()
+        return ids, [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+
+    ids, strs = await state.prepare(http_request, run_with_strs)  # CPU work proportional to the prompt
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
 
 
@@ -92,8 +105,12 @@ async def detokenize(body: DetokenizeRequest, http_request: HTTPRequest) -> dict
     state: ServerState = http_request.app.state.server
     state.check_model(body.model)
     tokenizer = _tokenizer(state)
-    check_token_ids(body.tokens, state.engine.frontend.info.vocab_size, "tokens")
-    return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
+
+    def run() -> str:
+        check_token_ids(body.tokens, state.engine.frontend.info.vocab_size, "tokens")
+        return tokenizer.decode(body.tokens, False)
+
+    return {"prompt": await state.prepare(http_request, run)}
 
 
 @router.get("/version")

@@ -10,20 +10,24 @@ what is new since the last event: text, ids and logprobs.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..frontend import RequestOutput
+from ..limits import check_prompt_logprob_entries
+from .json_body import JsonBodyRoute
+from .prep_pool import SMALL_REQUEST_BYTES
 from .protocol import GenerateRequest
-from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse_event, stream_requests
+from .serving import (
+    SSE_DONE, StreamingUpdatesResponse, collect_requests, json_response_in_pieces, sse_event, stream_requests,
+)  # fmt: skip
 from .state import APIError, ServerState, client_closed_response
 
-router = APIRouter()
+router = APIRouter(route_class=JsonBodyRoute)  # big bodies are parsed off the event loop
 
 
 def _finish_reason(output: RequestOutput) -> dict[str, Any]:
@@ -74,8 +78,15 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
         raise APIError(400, "streaming is for one prompt at a time", "stream")
     params = body.to_sampling_params()
     state.check_sequences(len(prompts))
-    # Tokenizing is CPU work proportional to the prompt: a worker thread's, never the event loop's.
-    requests = await asyncio.to_thread(lambda: [state.engine.new_request(p, params) for p in prompts])
+    # Tokenizing is CPU work proportional to the prompt: the prep pool's, unless the request is small.
+    def make() -> list:
+        requests = [state.engine.new_request(p, params) for p in prompts]
+        if params.prompt_logprobs is not None:
+            positions = sum(len(r.prompt_ids) - params.prompt_logprobs_start for r in requests)
+            check_prompt_logprob_entries(positions, params.prompt_logprobs, 1, "logprob_start_len")
+        return requests
+
+    requests = await state.prepare(http_request, make, always_pooled=params.structured is not None)
     state.engine.enqueue(requests)
     started = time.monotonic()
     rids = [body.rid or f"gen-{r.rid}" for r in requests]
@@ -86,20 +97,32 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
     if outputs is None:
         return client_closed_response()
     decode = _decoder(state) if body.return_text_in_logprobs else None
-    results = []
-    for rid, o in zip(rids, outputs):
-        meta = _meta(rid, o, o.num_prompt_tokens, o.num_completion_tokens, started)
-        if o.logprobs is not None:
-            meta.update(_logprobs(o.logprobs, decode))
-            if body.logprob_start_len >= 0:
-                meta.update(_input_logprobs(o.prompt_token_ids, body.logprob_start_len, o.prompt_logprobs, decode))
-        results.append({"text": o.text if o.text is not None else "", "output_ids": o.token_ids, "meta_info": meta})
-    return JSONResponse(results if batched else results[0])
+
+    def respond() -> Response:
+        results = []
+        for rid, o in zip(rids, outputs):
+            meta = _meta(rid, o, o.num_prompt_tokens, o.num_completion_tokens, started)
+            if o.logprobs is not None:
+                meta.update(_logprobs(o.logprobs, decode))
+                if body.logprob_start_len >= 0:
+                    meta.update(_input_logprobs(o.prompt_token_ids, body.logprob_start_len, o.prompt_logprobs, decode))
+            results.append({"text": o.text if o.text is not None else "", "output_ids": o.token_ids, "meta_info": meta})
+        return json_response_in_pieces(results if batched else results[0])
+
+    entries = sum(len(o.logprobs or ()) + len(o.prompt_logprobs or ()) for o in outputs) * (body.top_logprobs_num + 1)
+    size = 40 * entries + sum(len(o.text or "") + 8 * len(o.token_ids) for o in outputs)
+    return await state.prep.run(respond, size, SMALL_REQUEST_BYTES, may_refuse=False)  # big ones off the event loop
 
 
 def _decoder(state: ServerState):
     tokenizer = state.engine.frontend.tokenizer
-    return (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else None
+    return tokenizer.token_text if tokenizer is not None else None
+
+
+def _input_logprobs_json(prompt_ids: list[int], start: int, entries, decode) -> str:
+    """The input logprobs as JSON members (',"key":value' each), to add to an event's meta_info."""
+    inputs = _input_logprobs(prompt_ids, start, entries, decode)
+    return "".join(f',"{k}":{json.dumps(v, ensure_ascii=False, separators=(",", ":"))}' for k, v in inputs.items())
 
 
 def _json_items(values) -> str:
@@ -147,9 +170,11 @@ async def _stream(state: ServerState, body: GenerateRequest, request, rid: str, 
             fields = "".join(f',"{key}":[{out.add_items(key, values)}]' for key, values in new.items())
             first = next((u for u in updates if u.prompt_logprobs is not None), None)
             if body.logprob_start_len >= 0 and (first is not None or (input_logprobs and not incremental)):
-                if first is not None:
-                    inputs = _input_logprobs(request.prompt_ids, body.logprob_start_len, first.prompt_logprobs, decode)
-                    input_logprobs = "".join(f',"{k}":{json.dumps(v, ensure_ascii=False, separators=(",", ":"))}' for k, v in inputs.items())
+                if first is not None:  # up to 32,768 positions: encoded off the event loop when big
+                    input_logprobs = await state.prep.run(
+                        lambda: _input_logprobs_json(request.prompt_ids, body.logprob_start_len, first.prompt_logprobs, decode),
+                        40 * len(first.prompt_logprobs) * (body.top_logprobs_num + 1), SMALL_REQUEST_BYTES, may_refuse=False,
+                    )  # fmt: skip
                 fields += input_logprobs
             meta_json = meta_json[:-1] + fields + "}"
         yield sse_event(f'{{"text":"{text}","output_ids":[{ids}],"meta_info":{meta_json}}}')

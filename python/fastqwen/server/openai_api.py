@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..engine.messages import TokenLogprobs
 from ..frontend import RequestOutput, RequestTracker
 from ..grammar import tool_call_structured
+from ..limits import check_prompt_logprob_entries
 from ..sampling_params import StructuredOutput
+from .json_body import JsonBodyRoute
+from .prep_pool import SMALL_REQUEST_BYTES
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import CLOSE as THINK_CLOSE, ReasoningSplitter, prompt_opens_thinking, split_reasoning
-from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, sse, stream_requests
+from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, json_response_in_pieces, sse, stream_requests
 from .state import APIError, ServerState, client_closed_response
 from .tools import ToolCallParser, check_tools, messages_for_template, parse_tool_calls
 
-router = APIRouter()
+router = APIRouter(route_class=JsonBodyRoute)  # big bodies are parsed off the event loop
 
 
 def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
@@ -34,7 +36,7 @@ def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, An
 
 
 def _token_text(state: ServerState, token: int) -> str:
-    return state.engine.frontend.tokenizer.decode([token], skip_special_tokens=False) if state.has_tokenizer else str(token)
+    return state.engine.frontend.tokenizer.token_text(token) if state.has_tokenizer else str(token)
 
 
 def _token_id_key(token: int) -> str:
@@ -107,13 +109,19 @@ def chat_logprobs(state: ServerState, entries: list[TokenLogprobs]) -> dict[str,
     return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-async def _build(state: ServerState, body, prompts: list, structured: StructuredOutput | None = None) -> tuple[list, list[int]]:
+async def _build(
+    state: ServerState, body, prompts: list, http_request: HTTPRequest, structured: StructuredOutput | None = None,
+    prompt_logprob_copies: int = 1,
+) -> tuple[list, list[int]]:
     """Engine requests for every prompt x n choice (validated all before any is queued), and each one's prompt;
     `structured` replaces the body's output constraint (the tool-call grammar of tool_choice "required" / named).
 
-    Tokenizing is CPU work proportional to the prompt: it runs in a worker thread, never on the event loop."""
+    A prompt's logprobs are the same for every choice: only its first choice's request computes them (the others
+    take them from it: owner_of). prompt_logprob_copies: how many times the response carries them (n for
+    completions, one per choice; 1 for chat, beside the choices), for their limit. Tokenizing is CPU work
+    proportional to the prompt: the prep pool's, unless the request is small."""
     first = body.to_sampling_params(0)  # validates n and every field before anything else happens
-    params = [first] + [body.to_sampling_params(choice) for choice in range(1, body.n)]
+    params = [first] + [replace(body.to_sampling_params(choice), prompt_logprobs=None) for choice in range(1, body.n)]
     if structured is not None:
         params = [replace(p, structured=structured) for p in params]
     state.check_sequences(len(prompts) * body.n)
@@ -127,11 +135,27 @@ async def _build(state: ServerState, body, prompts: list, structured: Structured
                 ids = tracker.prompt_ids  # the n choices share one tokenization
                 requests.append(tracker)
                 prompt_of.append(p_index)
+        if first.prompt_logprobs is not None:
+            positions = sum(len(r.prompt_ids) - first.prompt_logprobs_start for r in requests[:: body.n])
+            param = "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs"
+            check_prompt_logprob_entries(positions, first.prompt_logprobs, prompt_logprob_copies, param)
         return requests, prompt_of
 
-    requests, prompt_of = await asyncio.to_thread(make)
+    requests, prompt_of = await state.prepare(http_request, make, always_pooled=params[0].structured is not None)
     state.engine.enqueue(requests)
     return requests, prompt_of
+
+
+def owner_of(index: int, n: int) -> int:
+    """The request that computed the prompt logprobs of choice `index`: its prompt's first choice."""
+    return index - index % n
+
+
+def _response_bytes(outputs: list[RequestOutput], n: int, top: int, prompt_copies: int) -> int:
+    """About how much JSON a finished response makes: big ones are built in the prep pool, off the event loop."""
+    entries = sum(len(o.logprobs or ()) for o in outputs)
+    entries += prompt_copies * sum(len(o.prompt_logprobs or ()) for o in outputs[::n])
+    return 40 * entries * (top + 1) + sum(len(o.text or "") + 8 * len(o.token_ids) for o in outputs)
 
 
 def _usage_of(outputs: list[RequestOutput], prompt_of: list[int]) -> dict[str, Any]:
@@ -160,89 +184,144 @@ def _prompt_text(state: ServerState, request: RequestTracker, prompt) -> str:
     return state.engine.frontend.tokenizer.decode(request.prompt_ids, skip_special_tokens=False) if state.has_tokenizer else ""
 
 
+def _prompt_texts(state: ServerState, body, requests: list[RequestTracker], prompts: list) -> list[str]:
+    """Each prompt's echoed text ("" without echo), made once for its n choices."""
+    if not body.echo:
+        return [""] * len(prompts)
+    return [_prompt_text(state, requests[p * body.n], prompt) for p, prompt in enumerate(prompts)]
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http_request: HTTPRequest) -> Response:
     state: ServerState = http_request.app.state.server
     state.check_model(body.model)
     prompts = body.prompts()
-    requests, prompt_of = await _build(state, body, prompts)
+    requests, prompt_of = await _build(state, body, prompts, http_request, prompt_logprob_copies=body.n)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    texts = await state.prepare(http_request, lambda: _prompt_texts(state, body, requests, prompts))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        body_iter = _stream_completion(state, body, requests, prompts, prompt_of, header, include_usage)
+        body_iter = _stream_completion(state, body, requests, texts, prompt_of, header, include_usage)
         return StreamingUpdatesResponse(body_iter, state.engine, requests)
     outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
     if outputs is None:
         return client_closed_response()
     if body.prompt_only:
         outputs = [_prompt_only(o) for o in outputs]
+
+    def respond() -> Response:
+        choices = _completion_choices(state, body, requests, outputs, texts, prompt_of)
+        return json_response_in_pieces({**header, "choices": choices, "usage": _usage_of(outputs, prompt_of)})
+
+    top = max(body.logprobs or 0, body.prompt_logprobs or 0)
+    size = _response_bytes(outputs, body.n, top, body.n)
+    return await state.prep.run(respond, size, SMALL_REQUEST_BYTES, may_refuse=False)
+
+
+def _completion_choices(state: ServerState, body: CompletionRequest, requests, outputs, texts, prompt_of) -> list:
+    """The choices of a finished completion. A prompt's echoed logprobs and vLLM prompt logprobs are built once, from
+    its first choice's output (the one that computed them), and shared by its n choices."""
     as_ids = body.return_tokens_as_token_ids
+    shared: dict[int, tuple] = {}  # prompt index -> (echoed logprobs, vLLM prompt logprobs)
     choices = []
     for i, (request, o) in enumerate(zip(requests, outputs)):
-        text = o.text if o.text is not None else ""
-        logprobs = completion_logprobs(state, o.logprobs, as_ids=as_ids) if o.logprobs is not None else None
-        if body.echo:
-            prompt_text = _prompt_text(state, request, prompts[prompt_of[i]])
-            text = prompt_text + text
-            if logprobs is not None:
-                echoed = echo_logprobs(state, o.prompt_token_ids, o.prompt_logprobs or [], as_ids)
-                logprobs = _join_logprobs(echoed, completion_logprobs(state, o.logprobs, len(prompt_text), as_ids))
+        p = prompt_of[i]
+        if p not in shared:
+            owner = outputs[owner_of(i, body.n)]
+            entries = owner.prompt_logprobs or []
+            echoed = echo_logprobs(state, owner.prompt_token_ids, entries, as_ids) if body.echo and o.logprobs is not None else None
+            shared[p] = (echoed, vllm_prompt_logprobs(state, entries) if body.prompt_logprobs is not None else None)
+        echoed, prompt_logprobs = shared[p]
+        logprobs = None
+        if o.logprobs is not None:
+            logprobs = completion_logprobs(state, o.logprobs, len(texts[p]), as_ids)
+            if echoed is not None:
+                logprobs = _join_logprobs(echoed, logprobs)
         choice = {
             "index": i,
-            "text": text,
+            "text": texts[p] + (o.text or ""),
             "logprobs": logprobs,
             "finish_reason": o.finish_reason,
             "stop_reason": vllm_stop_reason(request, o),
             "token_ids": o.token_ids,
         }
-        if body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(state, o.prompt_logprobs or [])
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         choices.append(choice)
-    return JSONResponse({**header, "choices": choices, "usage": _usage_of(outputs, prompt_of)})
+    return choices
 
 
 def _join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     return {key: first[key] + second[key] for key in first}
 
 
-async def _stream_completion(state, body, requests, prompts, prompt_of, header, include_usage) -> AsyncIterator[str]:
+async def _stream_completion(state, body, requests, texts, prompt_of, header, include_usage) -> AsyncIterator[str]:
     outputs: list[RequestOutput | None] = [None] * len(requests)
     offsets = [0] * len(requests)
     as_ids = body.return_tokens_as_token_ids
+    # Echoed prompt logprobs go out with each choice's first token. Only the prompt's first choice computes them: the
+    # other choices' updates are held until it has (echoed), then sent in order.
+    echo_logprobs_on = body.echo and body.logprobs is not None
+    echoed: dict[int, dict[str, Any]] = {}  # prompt index -> its echoed logprobs
+    held: dict[int, list] = {}  # prompt index -> [(choice index, update)] waiting for them
+    sent_echo = [False] * len(requests)
     if body.echo:  # the prompt goes first, one event per choice
         events = []
-        for i, request in enumerate(requests):
-            text = _prompt_text(state, request, prompts[prompt_of[i]])
-            offsets[i] = len(text)
-            # Echoed prompt logprobs come with the first token's update (the engine computes them in the prefill).
-            events.append(sse({**header, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]}))
+        for i in range(len(requests)):
+            offsets[i] = len(texts[prompt_of[i]])
+            events.append(sse({**header, "choices": [{"index": i, "text": texts[prompt_of[i]], "logprobs": None, "finish_reason": None}]}))
         yield "".join(events)
-    async for batch in stream_requests(state.engine, requests, state.metrics):
-        events = []  # the batch's events go out in one write
+
+    def events_of(i: int, update, events: list[str]) -> None:
+        echo_part = None
+        if echo_logprobs_on and not sent_echo[i] and update.new_logprobs is not None:
+            sent_echo[i] = True
+            echo_part = echoed.get(prompt_of[i])
+        if not body.prompt_only:
+            text = update.new_text or ""
+            logprobs = None
+            if update.new_logprobs is not None:
+                logprobs = completion_logprobs(state, update.new_logprobs, offsets[i], as_ids)
+                if echo_part is not None:
+                    logprobs = _join_logprobs(echo_part, logprobs)
+            offsets[i] += len(text)
+            # One event per token, even when its text is still held back: clients time tokens by events.
+            events.append(sse({**header, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}]}))
+        elif echo_part is not None:
+            events.append(sse({**header, "choices": [{"index": i, "text": "", "logprobs": echo_part, "finish_reason": None}]}))
+        if update.finished:
+            o = _prompt_only(update.output) if body.prompt_only else update.output
+            outputs[i] = o
+            choice = {"index": i, "text": "", "logprobs": None, "finish_reason": o.finish_reason,
+                      "stop_reason": vllm_stop_reason(requests[i], o)}  # fmt: skip
+            events.append(sse({**header, "choices": [choice]}))
+
+    def render(batch) -> str:
+        events: list[str] = []  # the batch's events go out in one write
         for item in batch:
             update, i = item.timed.update, item.index
-            if not body.prompt_only:
-                text = update.new_text or ""
-                logprobs = None
-                if update.new_logprobs is not None:
-                    logprobs = completion_logprobs(state, update.new_logprobs, offsets[i], as_ids)
-                    if body.echo and update.prompt_logprobs is not None:
-                        echoed = echo_logprobs(state, requests[i].prompt_ids, update.prompt_logprobs, as_ids)
-                        logprobs = _join_logprobs(echoed, logprobs)
-                offsets[i] += len(text)
-                # One event per token, even when its text is still held back: clients time tokens by events.
-                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
-                events.append(sse({**header, "choices": [choice]}))
-            elif body.echo and update.prompt_logprobs is not None and update.new_logprobs is not None:
-                logprobs = echo_logprobs(state, requests[i].prompt_ids, update.prompt_logprobs, as_ids)
-                events.append(sse({**header, "choices": [{"index": i, "text": "", "logprobs": logprobs, "finish_reason": None}]}))
-            if update.finished:
-                o = _prompt_only(update.output) if body.prompt_only else update.output
-                outputs[i] = o
-                choice = {"index": i, "text": "", "logprobs": None, "finish_reason": o.finish_reason,
-                          "stop_reason": vllm_stop_reason(requests[i], o)}  # fmt: skip
-                events.append(sse({**header, "choices": [choice]}))
+            p = prompt_of[i]
+            if echo_logprobs_on and update.prompt_logprobs is not None:
+                echoed[p] = echo_logprobs(state, requests[i].prompt_ids, update.prompt_logprobs, as_ids)
+            if echo_logprobs_on and p not in echoed:
+                held.setdefault(p, []).append((i, update))
+                continue
+            for j, earlier in held.pop(p, []):
+                events_of(j, earlier, events)
+            events_of(i, update, events)
+        return "".join(events)
+
+    async for batch in stream_requests(state.engine, requests, state.metrics):
+        # The batch that brings a prompt's logprobs echoes them to every choice: built off the event loop when big.
+        entries = sum(len(item.timed.update.prompt_logprobs or ()) for item in batch) * body.n if echo_logprobs_on else 0
+        yield await state.prep.run(lambda: render(batch), 40 * entries * ((body.logprobs or 0) + 1), SMALL_REQUEST_BYTES,
+                                   may_refuse=False)  # fmt: skip
+    if held:  # a prompt whose first choice ended without its logprobs (aborted): the rest go out without them
+        events: list[str] = []
+        for waiting in held.values():
+            for i, update in waiting:
+                events_of(i, update, events)
         yield "".join(events)
     if include_usage:
         yield sse({**header, "choices": [], "usage": _usage_of(outputs, prompt_of)})
@@ -277,10 +356,10 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     tools = body.tools if choice not in (None, "none") else None
     messages = messages_for_template(body.messages)
     kwargs = body.chat_template_kwargs or {}
-    prompt = await asyncio.to_thread(state.render_chat, messages, body.add_generation_prompt, kwargs, tools)
+    prompt = await state.prepare(http_request, lambda: state.render_chat(messages, body.add_generation_prompt, kwargs, tools))
     opened = prompt_opens_thinking(prompt)
     structured = _after_thinking(state, constraint, prompt, opened)
-    requests, prompt_of = await _build(state, body, [prompt], structured=structured)
+    requests, prompt_of = await _build(state, body, [prompt], http_request, structured=structured)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     parse_calls = tools is not None
@@ -292,6 +371,13 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
     if outputs is None:
         return client_closed_response()
+    top = max(body.top_logprobs or 0, body.prompt_logprobs or 0)
+    size = _response_bytes(outputs, body.n, top, 1)
+    return await state.prep.run(lambda: _chat_response(state, body, requests, outputs, prompt_of, header, opened, parse_calls),
+                                size, SMALL_REQUEST_BYTES, may_refuse=False)  # fmt: skip
+
+
+def _chat_response(state, body, requests, outputs, prompt_of, header, opened, parse_calls) -> Response:
     choices = []
     for i, (request, o) in enumerate(zip(requests, outputs)):
         reasoning, content = split_reasoning(o.text or "", opened)
@@ -312,8 +398,8 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
         )
     response = {**header, "choices": choices, "usage": _usage_of(outputs, prompt_of)}
     if body.prompt_logprobs is not None:  # vLLM puts them beside the choices (every choice has the same prompt)
-        response["prompt_logprobs"] = vllm_prompt_logprobs(state, outputs[0].prompt_logprobs or [])
-    return JSONResponse(response)
+        response["prompt_logprobs"] = vllm_prompt_logprobs(state, outputs[0].prompt_logprobs or [])  # (the one computed)
+    return json_response_in_pieces(response)
 
 
 def _chat_finish_reason(output: RequestOutput, called: bool) -> str:

@@ -175,10 +175,27 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     return doc
 
 
+def _bound_token_ids(node: Any, vocab_size: int | None) -> None:
+    """Token ids (marked x-token-id by protocol.py) get the vocabulary's last id as their maximum, once it is known."""
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False) and vocab_size is not None:
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
+
+
 def install_openapi(app: FastAPI, api_key: bool) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_openapi(app, api_key)
+            engine = app.state.server.engine
+            doc = build_openapi(app, api_key)
+            _bound_token_ids(doc, engine.frontend.info.vocab_size if engine is not None else None)
+            if engine is None:
+                return doc  # not kept: the vocabulary is known once the model has loaded
+            app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi

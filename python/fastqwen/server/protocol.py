@@ -16,7 +16,7 @@ from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 
 # What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
-_MESSAGE_SCHEMA = {
+MESSAGE_SCHEMA = {
     "type": "object",
     "required": ["role"],
     "properties": {
@@ -29,6 +29,45 @@ _MESSAGE_SCHEMA = {
         ]},
     },
 }  # fmt: skip
+
+
+# What is refused, stated in the OpenAPI document, so that a body valid by the document is accepted (schemathesis'
+# ST202). These only describe: validation stays in the code, with its own messages. openapi.py fills in a token id's
+# maximum (the vocabulary size - 1) once the model is loaded, where it finds the x-token-id marker.
+TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "x-token-id": True}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": TOKEN_ID_SCHEMA}
+_TEXT = {"type": "string", "minLength": 1}
+_TEXTS = {"type": "array", "minItems": 1, "items": _TEXT}
+_NULL = {"type": "null"}
+_PROMPT_SCHEMA = {"anyOf": [_TEXT, _TEXTS, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]}
+_STOP_TOKEN_IDS_SCHEMA = {"anyOf": [{"type": "array", "items": TOKEN_ID_SCHEMA}, _NULL]}
+
+
+def exactly_one_of(a: str, b: str) -> dict[str, Any]:
+    """A model's schema extra: one of the fields a and b is given (and not null), never both."""
+    def given(name: str) -> dict[str, Any]:
+        return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+    return {"oneOf": [given(a), given(b)]}
+
+
+def _described(schema: dict[str, Any], **kwargs) -> Any:
+    """A field whose OpenAPI schema is `schema` (replacing the one pydantic derives from its type)."""
+    return Field(json_schema_extra=schema, **kwargs)
+
+
+def _prompts(value: Any, field: str) -> list:
+    """A prompt (a string or a list of token ids) or a list of prompts, as a list of prompts. Only the shape is checked
+    here: this runs on the event loop, and a body may hold millions of ids."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{field} must be a string, a list of token ids, or a list of those", field)
+    if not value:
+        raise InvalidRequestError("the prompt is empty", field)
+    if type(value[0]) is int:  # one prompt of token ids (the frontend refuses it unless every item is one)
+        return [value]
+    return list(value)
 
 
 class _Lenient(BaseModel):
@@ -148,7 +187,7 @@ class _SamplingFields(_Lenient):
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _described(_STOP_TOKEN_IDS_SCHEMA, default=None)
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
@@ -161,7 +200,7 @@ class _SamplingFields(_Lenient):
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = _described({"anyOf": [_TEXTS, _NULL]}, default=None)
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
@@ -228,7 +267,8 @@ class _SamplingFields(_Lenient):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Any: checked by prompts() and the frontend. Pydantic's check of the union took 1.9 s on a 17 MB list of ids.
+    prompt: Any = _described(_PROMPT_SCHEMA)
     max_tokens: int | None = 16  # 0: no new tokens, the prompt only (lm-eval's loglikelihood sends it with echo)
     logprobs: int | None = None
     echo: bool = False
@@ -241,14 +281,9 @@ class CompletionRequest(_SamplingFields):
         return self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        """The prompts, each a string or a list of token ids: their items are checked by the frontend, off the event
+        loop (a prompt of anything else is refused there)."""
+        return _prompts(self.prompt, "prompt")
 
     def to_sampling_params(self, choice: int = 0) -> SamplingParams:
         self.check_common()
@@ -265,7 +300,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]] = Field(json_schema_extra={"items": _MESSAGE_SCHEMA})
+    messages: list[dict[str, Any]] = _described({"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA})
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -310,7 +345,7 @@ class GenerateSamplingParams(_Lenient):
     presence_penalty: float = 0.0
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _described(_STOP_TOKEN_IDS_SCHEMA, default=None)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -339,8 +374,12 @@ class GenerateSamplingParams(_Lenient):
 class GenerateRequest(_Lenient):
     """SGLang's native /generate."""
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    model_config = ConfigDict(extra="allow", json_schema_extra=exactly_one_of("text", "input_ids"))
+
+    text: str | list[str] | None = _described({"anyOf": [_TEXT, _TEXTS, _NULL]}, default=None)
+    input_ids: Any = _described(  # checked by prompts() and the frontend, as CompletionRequest.prompt is
+        {"anyOf": [_TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}, _NULL]}, default=None
+    )
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     rid: str | None = None
@@ -365,10 +404,10 @@ class GenerateRequest(_Lenient):
             raise InvalidRequestError("give exactly one of text and input_ids", "text")
         if self.text is not None:
             return ([self.text], False) if isinstance(self.text, str) else (list(self.text), True)
-        ids = self.input_ids
-        if ids and all(isinstance(x, list) for x in ids):
-            return list(ids), True
-        return [list(ids)], False
+        prompts = _prompts(self.input_ids, "input_ids")
+        if not all(isinstance(p, list) for p in prompts):  # (a string would be tokenized: it is text, not ids)
+            raise InvalidRequestError("input_ids must be a list of token ids, or a list of such lists", "input_ids")
+        return prompts, prompts[0] is not self.input_ids
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params

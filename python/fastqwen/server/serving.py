@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..frontend import RequestOutput, RequestTracker
 from .async_engine import AsyncEngine, ServingError, TimedUpdate, take_waiting
@@ -149,6 +149,55 @@ def sse(payload: dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+_PIECE_ITEMS = 256
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # as JSONResponse encodes
+
+
+def _flat(value) -> bool:
+    """No container inside: one json.dumps call encodes it quickly."""
+    if isinstance(value, dict):
+        return not any(isinstance(v, (dict, list)) for v in value.values())
+    if isinstance(value, list):
+        return len(value) <= _PIECE_ITEMS and not any(isinstance(v, (dict, list)) for v in value)
+    return True
+
+
+def _encode_pieces(value, out: list[str]) -> None:
+    if _flat(value):
+        out.append(_dumps(value))
+    elif isinstance(value, dict):
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            out.append(("," if i else "") + _dumps(str(key)) + ":")
+            _encode_pieces(item, out)
+        out.append("}")
+    else:
+        out.append("[")
+        for start in range(0, len(value), _PIECE_ITEMS):
+            part = value[start : start + _PIECE_ITEMS]
+            if start:
+                out.append(",")
+            if all(_flat(item) for item in part):
+                out.append(_dumps(part)[1:-1])
+            else:
+                for i, item in enumerate(part):
+                    if i:
+                        out.append(",")
+                    _encode_pieces(item, out)
+        out.append("]")
+
+
+def json_response_in_pieces(payload) -> Response:
+    """A JSON response encoded a part at a time. json.dumps is C code that holds the GIL until it returns: on a
+    30 MB response, even in a worker thread, that stalled the event loop for seconds; each part takes a millisecond or
+    so. The same bytes as JSONResponse."""
+    out: list[str] = []
+    _encode_pieces(payload, out)
+    return Response("".join(out).encode("utf-8"), media_type="application/json")
 
 
 async def _with_error_event(body: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 
 from .async_engine import AsyncEngine
 from .metrics import Metrics
+from .prep_pool import SMALL_REQUEST_BYTES, PrepPool
 from .reasoning import CLOSE as THINK_CLOSE, OPEN as THINK_OPEN
+
+
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -59,6 +63,15 @@ class ServerState:
         self.draining = False
         self.incremental_streaming_output = False  # /generate streams: only the new part in each event
         self.stats_task: asyncio.Task | None = None  # the periodic stats line
+        self.prep = PrepPool()  # CPU work that grows with a request: parsing, tokenizing, big responses
+
+    async def prepare(self, http_request, fn: Callable[[], T], always_pooled: bool = False) -> T:
+        """fn(): the CPU work of preparing this request, inline on the event loop when its body is small (and the work
+        is not always_pooled: unbounded whatever the body's size, as compiling a grammar is), else in the prep pool."""
+        size = len(await http_request.body())  # read already: FastAPI parsed it
+        if always_pooled:
+            size = max(size, SMALL_REQUEST_BYTES)
+        return await self.prep.run(fn, size, SMALL_REQUEST_BYTES)
 
     @property
     def has_tokenizer(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -12,6 +13,29 @@ from .chat_template import ChatTemplate, load_chat_template
 from .detokenizer import IncrementalDetokenizer
 
 
+# NFC composition shrinks UTF-8 text at most threefold (Hangul: three 3-byte jamo become one 3-byte syllable; a Latin
+# or Greek letter and its combining marks, 2.5x at most).
+_NFC_MAX_SHRINK = 3
+
+
+def _max_token_bytes(spec: dict[str, Any]) -> int | None:
+    """The most bytes of (normalized) text one token can stand for, for a byte-level BPE tokenizer (Qwen's) whose
+    normalizer is none or NFC: then encoding text of B bytes gives at least B / this many tokens. None for any other
+    kind of tokenizer, where no such bound holds (a word-level one maps a word of any length to one token)."""
+    model = spec.get("model") or {}
+    normalizer = spec.get("normalizer")
+    if model.get("type") != "BPE" or model.get("unk_token") is not None:
+        return None
+    if normalizer is not None and normalizer.get("type") != "NFC":
+        return None
+    if '"ByteLevel"' not in json.dumps(spec.get("pre_tokenizer")):
+        return None
+    # Byte-level vocabulary entries spell one byte per character; added tokens match their content as it is.
+    longest = max((len(token) for token in model.get("vocab") or {}), default=1)
+    added = max((len(t["content"].encode("utf-8", "surrogatepass")) for t in spec.get("added_tokens") or []), default=1)
+    return max(longest, added, 1)
+
+
 class Tokenizer:
     def __init__(self, folder: str, chat_template: str | None = None):
         """chat_template: jinja source that replaces the folder's own template."""
@@ -19,6 +43,11 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer.json in {folder!r}")
         self._tok = _HFTokenizer.from_file(path)
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        self.max_token_bytes = _max_token_bytes(spec)
+        self._nfc = spec.get("normalizer") is not None
+        self._token_texts: dict[int, str] = {}  # token_text's cache: at most one entry per vocabulary entry
         template, special = load_chat_template(folder)
         template = chat_template or template
         self.chat_template = ChatTemplate(template, special) if template else None
@@ -39,6 +68,26 @@ class Tokenizer:
         # encode: it releases the GIL while it works, so a long prompt tokenized in a worker thread does not stall
         # the server's event loop (encode holds the GIL throughout: seconds for a 10 MB prompt).
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def min_token_count(self, text: str) -> int:
+        """A lower bound on len(encode(text)), in a few milliseconds for megabytes (encoding takes seconds): 0 when
+        this kind of tokenizer has none. Lets a prompt far over the context be refused before it is tokenized."""
+        if self.max_token_bytes is None:
+            return 0
+        if text.isascii():  # NFC leaves ASCII as it is
+            size = len(text)
+        else:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if self._nfc:
+                size //= _NFC_MAX_SHRINK
+        return -(-size // self.max_token_bytes)
+
+    def token_text(self, token: int) -> str:
+        """One token's text as logprobs show it (special tokens included), decoded once per token and kept."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self._tok.decode([token], skip_special_tokens=False)
+        return text
 
     def token_id(self, token: str) -> int | None:
         """The id of a token of the vocabulary (added tokens included), None if it has none."""
