@@ -141,7 +141,7 @@ def test_grammar_steps_overlap_and_match_the_serial_schedule(tmp_path):
     deferred = []
     runner = overlapped.engine.runner
     sample_deferred = runner.sample_deferred
-    runner.sample_deferred = lambda pending: deferred.append(len(pending.requests)) or sample_deferred(pending)
+    runner.sample_deferred = lambda pending, skip=frozenset(): deferred.append(len(pending.requests)) or sample_deferred(pending, skip)
     ahead0 = overlapped.engine.num_ahead_steps
     got = overlapped.generate(prompts, params, use_tqdm=False)
     want = serial.generate(prompts, params, use_tqdm=False)

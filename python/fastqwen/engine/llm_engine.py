@@ -24,7 +24,7 @@ from ..ops.collectives import SINGLE, ParallelGroup
 from ..errors import InvalidRequestError
 from ..grammar import GrammarCompiler
 from ..limits import check_token_ids
-from ..scheduler import FinishReason, Request, RequestState, Scheduler
+from ..scheduler import FinishReason, Request, RequestState, ScheduledBatch, Scheduler
 from ..sharding import Shard
 from ..weights import dummy_weights, fold_norms, load_kv_scales, load_weights
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
@@ -36,6 +36,14 @@ from .staging import staging_for
 log = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS = 3  # consecutive failed steps after which the engine gives up (EngineFault)
+# Grammar masks are computed off the step, on the grammars' threads (grammar.GrammarMatcher), while the next step's
+# forward runs: a row whose mask is not ready once the forward is done is dropped from its step (_rows_without_masks),
+# and its request sits steps out until the mask is (Scheduler) instead of holding the batch. The engine waits for a
+# mask only when it has nothing else to run (IDLE_WAIT_S, at most, for the first compile or mask to finish). Under
+# tensor parallelism every rank must make the same choices, and mask times differ between processes: there each step
+# waits for every mask it needs (the synchronous behaviour).
+IDLE_WAIT_S = 0.05
+MASK_POLL_S = 0.0005  # how often a step checks whether its forward is done while it waits for masks
 
 
 class EngineFault(RuntimeError):
@@ -158,7 +166,8 @@ class LLMEngine:
             self.cache,
         )
         # Structured output: grammars compile on the compiler's threads; a request waits here (not in the scheduler)
-        # until its grammar is ready, so no step ever waits on a compile while other requests could run.
+        # until its grammar is compiled and its first mask computed, so no step ever waits on either while other
+        # requests could run.
         tokenizer_folder = config.tokenizer or folder  # --tokenizer (model_source resolved it to a folder)
         self.grammars = GrammarCompiler(
             os.path.join(tokenizer_folder, "tokenizer.json") if tokenizer_folder else None, cfg.vocab_size,
@@ -171,6 +180,7 @@ class LLMEngine:
             self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs,
             sampler=self.sampler,
         )  # fmt: skip
+        self.runner.mask_gate = self._rows_without_masks
         self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
         # is launched first, and the host records the previous step while the GPU runs it.
@@ -292,30 +302,87 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def _admit_compiled(self) -> None:
-        """Hand requests whose grammar is ready to the scheduler (a failed compile finishes its request with an
-        error). Waits (briefly) for a compile only when there is nothing else to run."""
+        """Hand requests whose grammar is compiled and whose first mask is computed to the scheduler (a failed compile
+        finishes its request with an error). Waits (briefly) for a compile or a mask only when there is nothing else
+        to run."""
         if not self._compiling:
             return
+        self._make_matchers()
         if not self.parallel.single:
             # Every rank must admit a request at the same step (their schedulers make the same choices), and compile
-            # times differ between processes: under tensor parallelism a step waits for the grammars it was sent.
+            # and mask times differ between processes: under tensor parallelism a step waits for the grammars it was
+            # sent.
             wait([f for _, f in self._compiling])
+            self._make_matchers()
+            wait(self._grammar_waits(r for r, _ in self._compiling))
         elif not self.scheduler.has_work() and self._ahead is None:
-            wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+            compiles = [f for r, f in self._compiling if r.grammar is None]
+            waits = compiles + self._grammar_waits(r for r, _ in self._compiling)
+            if waits:
+                wait(waits, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+            self._make_matchers()
         still = []
         for request, future in self._compiling:
-            if not future.done():
+            if request.grammar is not None and request.grammar.ready:
+                self.scheduler.add(request)
+            else:
                 still.append((request, future))
-                continue
-            try:
-                request.grammar = self.grammars.matcher(future)
-            except Exception as error:  # the frontend validated the spec; this is the tokenizer-specific rest
-                request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ERROR
-                self._compile_failures.append(RequestDelta(rid=request.rid, new_token_ids=[], new_logprobs=None,
-                                                           finish_reason="error", error=str(error)))  # fmt: skip
-                continue
-            self.scheduler.add(request)
         self._compiling = still
+
+    def _make_matchers(self) -> None:
+        """Give each request whose compile finished its matcher (which starts computing its first mask); a request
+        whose compile failed ends with an error."""
+        still = []
+        for request, future in self._compiling:
+            if request.grammar is None and future.done():
+                try:
+                    request.grammar = self.grammars.matcher(future, ahead=True)
+                except Exception as error:  # the frontend validated the spec; this is the tokenizer-specific rest
+                    request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ERROR
+                    self._compile_failures.append(RequestDelta(rid=request.rid, new_token_ids=[], new_logprobs=None,
+                                                               finish_reason="error", error=str(error)))  # fmt: skip
+                    continue
+            still.append((request, future))
+        self._compiling = still
+
+    @staticmethod
+    def _grammar_waits(requests) -> list:
+        """The mask computations still running for these requests' grammars."""
+        return [p for r in requests if r.grammar is not None and (p := r.grammar.pending) is not None]
+
+    def _schedule(self):
+        """The scheduler's next batch. Under tensor parallelism, only once every mask it could need is computed (so
+        every rank makes the same choice); otherwise, when the only requests left wait for their masks, after a
+        brief wait for the first of those."""
+        scheduler = self.scheduler
+        if not self.parallel.single:
+            wait(self._grammar_waits(itertools.chain(scheduler.running, scheduler.waiting)))
+            return scheduler.schedule()
+        scheduled = scheduler.schedule()
+        if not scheduled.chunks:
+            waits = self._grammar_waits(itertools.chain(scheduler.running, scheduler.waiting))
+            if waits:
+                wait(waits, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+                scheduled = scheduler.schedule()
+        return scheduled
+
+    def _rows_without_masks(self, requests: list[Request], busy) -> frozenset[int]:
+        """The model runner's mask gate (ModelRunner.mask_gate): the sampling rows whose grammar mask is not ready,
+        once `busy()` (the device still runs the step's forward) turns false; they are skipped and sit out until
+        their mask is (Request.mask_missed). None under tensor parallelism, where every mask is waited for."""
+        waits = self._grammar_waits(r for r in requests if not r.finished)
+        if not waits:
+            return frozenset()
+        if not self.parallel.single:
+            wait(waits)
+            return frozenset()
+        while waits and busy():
+            wait(waits, timeout=MASK_POLL_S, return_when=FIRST_COMPLETED)
+            waits = [f for f in waits if not f.done()]
+        skipped = frozenset(i for i, r in enumerate(requests) if not r.finished and not r.mask_ready)
+        for i in skipped:
+            requests[i].mask_missed = True
+        return skipped
 
     def abort(self, rid: int) -> bool:
         """Stop a request wherever it is; its pages are released at once. False if it is unknown or finished."""
@@ -383,11 +450,18 @@ class LLMEngine:
             (scheduled, pending), self._ahead = self._ahead, None
             self._step_requests = [c.request for c in scheduled.chunks]
             if pending.deferred:  # its forward runs; its sampler needed the step just recorded (grammar masks)
-                self.runner.sample_deferred(pending)
+                forward_done = pending.forward_done
+                skipped = self._rows_without_masks(pending.requests, lambda: not forward_done.query())
+                self.runner.sample_deferred(pending, skipped)
+                pending.skipped = skipped
         else:
-            scheduled = self.scheduler.schedule()
+            scheduled = self._schedule()
             self._step_requests = [c.request for c in scheduled.chunks]
             pending = self.runner.launch(scheduled)
+        skipped = pending.skipped
+        if skipped:  # rows sampled without their grammar's mask: they compute that token again in a later step
+            rows = iter(range(len(scheduled.chunks)))
+            scheduled = ScheduledBatch([c for c in scheduled.chunks if not (c.samples and next(rows) in skipped)])
         if self.overlap and pending.host is not None:
             following = self.scheduler.schedule_ahead(scheduled)
             if following is not None:
@@ -396,6 +470,10 @@ class LLMEngine:
                     self.num_ahead_steps += 1
                     self._ahead = (following, launched)
         tokens, logprobs = self.runner.collect(pending)
+        if skipped:
+            kept = [i for i in range(len(tokens)) if i not in skipped]
+            tokens = [tokens[i] for i in kept]
+            logprobs = None if logprobs is None else [logprobs[i] for i in kept]
         advanced = self.scheduler.update(scheduled, tokens)
         if self.check_every_step:
             self.check_invariants()

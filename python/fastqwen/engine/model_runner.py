@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -45,6 +46,13 @@ class PendingStep:
     ready: torch.cuda.Event | None = None
     num_top: int = -1  # the sampler's logprobs width at launch (-1: no row asked)
     deferred: bool = False
+    forward_done: torch.cuda.Event | None = None  # a deferred step's: fires when its forward has run
+    skipped: frozenset[int] = frozenset()  # sampling rows drawn without their grammar's mask: the engine drops them
+
+
+# The engine's choice of the sampling rows whose grammar mask is not ready (ModelRunner.mask_gate): given the rows'
+# requests and whether the device still runs the step's forward (the masks have until then), the rows to skip.
+MaskGate = Callable[[list[Request], Callable[[], bool]], frozenset[int]]
 
 
 class ModelRunner:
@@ -66,6 +74,7 @@ class ModelRunner:
         self._arange = np.arange(self.staging.max_seqs + 1, dtype=np.int64)  # logits_indices / query_start of a graph
         # The engine's sampler (engine/sampler.py): the CUDA one on GPU, else the references.
         self.sampler = sampler or ReferenceSampler(model.cfg.vocab_size, self.device, eos_token_ids, seed)
+        self.mask_gate: MaskGate = lambda requests, busy: frozenset()  # the engine's (LLMEngine); none: every mask is waited for
         self.graphs: DecodeGraphs | None = None
         self._graph_batches: dict[int, ForwardBatch] = {}
         # Page-table rows already in the staging buffer at the last graph size: (request, pages written) per row.
@@ -222,8 +231,8 @@ class ModelRunner:
 
     def run_model(self, batch: ForwardBatch, graph_size: int = 0) -> torch.Tensor:
         """float32 logits [S, vocab]: a replay of the graph of graph_size when non-zero, the eager forward otherwise."""
-        if graph_size:
-            return self.graphs.replay(graph_size)[: batch.logits_indices.shape[0]]
+        if graph_size:  # (its forward only: a graph's own sampler runs from _launch_graph)
+            return self.graphs.replay_forward(graph_size)[: batch.logits_indices.shape[0]]
         return self.model.forward(batch, self.kv)
 
     def _read_back(self, tokens: torch.Tensor) -> list[int]:
@@ -271,11 +280,12 @@ class ModelRunner:
         if not chunks:
             return PendingStep([], tokens=[])
         graph_size = self._graph_size(scheduled)
-        if graph_size and self.sampler.graph_hook is not None:  # the graph samples too: its rows are filled first
-            return self._launch_graph(chunks, graph_size)
+        if graph_size and self.sampler.graph_hook is not None and all(c.request.mask_ready for c in chunks):
+            return self._launch_graph(chunks, graph_size)  # the graph samples too: its rows are filled first
+        # (A row whose grammar mask is still computed: the sampler runs after the forward, which the mask has until.)
         batch, graph_size = self._build(scheduled, graph_size)
-        tokens, logprobs = self._run_eager(scheduled, batch, graph_size)
-        return PendingStep([c.request for c in chunks if c.samples], tokens=tokens, logprobs=logprobs)
+        tokens, logprobs, skipped = self._run_eager(scheduled, batch, graph_size)
+        return PendingStep([c.request for c in chunks if c.samples], tokens=tokens, logprobs=logprobs, skipped=skipped)
 
     def _launch_ahead(self, chunks, after: PendingStep) -> PendingStep | None:
         graphs, sampler = self.graphs, self.sampler
@@ -299,16 +309,19 @@ class ModelRunner:
         batch = self._build_graph_decode(chunks, size, ahead=True)
         self._copy_input_tokens(batch, source_rows, self._flip)
         self.graphs.replay_forward(size)
-        return PendingStep([c.request for c in chunks], deferred=True)
+        forward_done = torch.cuda.Event()
+        forward_done.record()
+        return PendingStep([c.request for c in chunks], deferred=True, forward_done=forward_done)
 
-    def sample_deferred(self, pending: PendingStep) -> None:
+    def sample_deferred(self, pending: PendingStep, skip: frozenset[int] = frozenset()) -> None:
         """Sample a deferred step on its forward's logits (still in the graphs' buffer: the next forward is launched
         after this) and start its read-back. Called once the step before it is recorded, so its rows are prepared as
-        any step's: grammar masks from the tokens committed so far, penalty counts up to date. The host computes the
-        masks while the GPU runs the step's forward."""
+        any step's: grammar masks of the tokens committed so far (computed ahead, on the grammars' threads, while the
+        GPU runs the step's forward), penalty counts up to date. `skip`: rows drawn as neutral rows, whose tokens the
+        caller drops (their grammar's mask was not ready)."""
         requests = pending.requests
         n = len(requests)
-        self.sampler.prepare(requests)
+        self.sampler.prepare(requests, skip=skip)
         self.sampler.launch(self.graphs.logits[:n])
         pending.host, pending.ready = self._start_read_back(self.sampler.tokens[:n])
         pending.num_top = self.sampler.num_top
@@ -351,9 +364,18 @@ class ModelRunner:
             logits, hidden = self.model.forward(batch, self.kv, extra_rows=rows)
             self._record_prompt_logprobs(hidden, prompt_rows)
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
-            return [], None
+            return [], None, frozenset()
         requests = [c.request for c in scheduled.chunks if c.samples]
-        return self.sampler.sample(logits[: len(requests)], requests, self._read_back)
+        skipped = self.mask_gate(requests, self._device_busy())
+        return *self.sampler.sample(logits[: len(requests)], requests, self._read_back, skipped), skipped
+
+    def _device_busy(self) -> Callable[[], bool]:
+        """Whether the device still runs the work launched so far (never, on the CPU: the forward ran already)."""
+        if self.device.type != "cuda":
+            return lambda: False
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: not done.query()
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: PromptRows) -> None:
         """Logprobs of the prompt tokens these rows predict (raw distribution, as for sampled tokens), appended to each

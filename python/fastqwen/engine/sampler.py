@@ -21,12 +21,13 @@ request is the request's typed `sampler` field (scheduler.SamplerState).
 
 logit_bias entries and bans share one sparse list per row (id, value; a ban's value is -inf), fixed-width for the
 graphs (GRAPH_BAN_WIDTH) and eager above it. Structured output: a request with a grammar (`Request.grammar`) gets its
-row of a token bitmask (int32 words, vocab / 32) computed on the host before each draw (grammar.fill_bitmasks) and
-uploaded with the rows; a per-row flag tells the kernel which rows read it, so unconstrained rows cost nothing. The
-mask of a step depends on the token of the step before, so a batch holding a constrained request is never sampled
+row of a token bitmask (int32 words, vocab / 32) copied in before each draw from the mask its grammar computed ahead,
+on a worker thread (grammar.GrammarMatcher.copy_mask: the scheduler samples a request only once that mask is ready),
+and uploaded with the rows; a per-row flag tells the kernel which rows read it, so unconstrained rows cost nothing.
+The mask of a step depends on the token of the step before, so a batch holding a constrained request is never sampled
 ahead (can_run_ahead): the engine launches such a step's forward ahead and its sampler once the step before is
-recorded (ModelRunner.sample_deferred), so the host computes the masks while the GPU runs the forward, with no extra
-device-to-host sync.
+recorded (ModelRunner.sample_deferred). Rows whose mask is not ready when their step samples are skipped (`skip`:
+drawn without a mask, as neutral rows in GpuSampler, and dropped by the engine) and decode again in a later step.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import numpy as np
 import torch
 
 from .. import env, ops
-from ..grammar import fill_bitmasks
 from ..ops.sampling import (
     SamplingBatch,
     pack_sampler_rows,
@@ -87,9 +87,10 @@ class Sampler:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack) -> Tokens:
+    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()) -> Tokens:
         """One token per row of logits [S, vocab] (row i samples requests[i]); read_back brings a token tensor to
-        the host. Returns (tokens, logprobs or None when no row asked)."""
+        the host. Returns (tokens, logprobs or None when no row asked). `skip`: rows whose draws the caller drops
+        (their grammar's mask is not ready): drawn without it, their state untouched."""
         raise NotImplementedError
 
     def fits_graph(self, requests: list[Request], ahead: int = 0) -> bool:
@@ -133,10 +134,10 @@ class ReferenceSampler(Sampler):
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack) -> Tokens:
+    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()) -> Tokens:
         want_logprobs = [r.params.logprobs for r in requests]
         raw = logits.clone() if any(n is not None for n in want_logprobs) else None
-        self._process_logits(logits, requests)
+        self._process_logits(logits, requests, skip)
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         ops.draw_reference(logits, self._sampling_batch(requests), tokens, generator=self.generator)
         if raw is None:
@@ -168,8 +169,9 @@ class ReferenceSampler(Sampler):
             needs_filter=any(k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for k, p in zip(top_k, params) if not p.is_greedy),
         )
 
-    def _process_logits(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Penalties and min_tokens blocking, in place on the raw logits."""
+    def _process_logits(self, logits: torch.Tensor, requests: list[Request], skip: frozenset[int] = frozenset()) -> None:
+        """Penalties and min_tokens blocking, and grammar masks (but not of the `skip` rows), in place on the raw
+        logits."""
         rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
         if rows:
             ops.apply_penalties(
@@ -188,10 +190,11 @@ class ReferenceSampler(Sampler):
         bans = [(i, b) for i, b in bans if b]
         if bans:
             ops.block_tokens(logits, [i for i, _ in bans], [b for _, b in bans])
-        constrained = [(r.grammar, i) for i, r in enumerate(requests) if r.grammar is not None]
+        constrained = [(r.grammar, i) for i, r in enumerate(requests) if r.grammar is not None and i not in skip]
         if constrained:
             mask = np.zeros((len(requests), self.mask_words()), dtype=np.int32)
-            fill_bitmasks(constrained, mask)
+            for grammar, i in constrained:
+                grammar.copy_mask(mask[i])
             ops.apply_token_bitmask(logits, [i for _, i in constrained], torch.from_numpy(mask))
 
 
@@ -323,10 +326,11 @@ class GpuSampler(Sampler):
             ).numpy()[0]  # fmt: skip
         return state.row
 
-    def prepare(self, requests: list[Request], pad_to: int = 0, ahead: int = 0) -> None:
+    def prepare(self, requests: list[Request], pad_to: int = 0, ahead: int = 0, skip: frozenset[int] = frozenset()) -> None:
         """Pack and upload the rows' parameters (and refresh counts rows) for the next launch; rows from
         len(requests) up to pad_to (a graph's padded size) become neutral greedy rows. `ahead` = 1: the step after
-        the one in flight, whose tokens the requests do not have yet."""
+        the one in flight, whose tokens the requests do not have yet. `skip`: rows that become neutral rows too
+        (their draws are dropped: requests whose grammar mask is not ready)."""
         n = len(requests)
         if max(n, pad_to) > self.max_rows:
             raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
@@ -345,7 +349,11 @@ class GpuSampler(Sampler):
         slots: list[Request] = []
         constrained: list[tuple[object, int]] = []
         num_top = -1
+        for i in skip:
+            host[i] = self._neutral_row
         for i, r in enumerate(requests):  # the rare per-row extras: penalties, bias and bans, grammars, logprobs
+            if i in skip:
+                continue
             p = r.params
             if p.has_penalties:
                 host[i, self._slot_word] = self._slot(r, batch_ids, ahead)
@@ -364,7 +372,9 @@ class GpuSampler(Sampler):
                 num_top = p.logprobs
         self._upload_bans(bans, n, graph=pad_to > 0)
         if constrained:
-            fill_bitmasks(constrained, self.mask_host.numpy()[:n])
+            masks = self.mask_host.numpy()
+            for grammar, i in constrained:  # a copy of each mask computed ahead (it waits only if the caller did not)
+                grammar.copy_mask(masks[i])
             self.mask[:n].copy_(self.mask_host[:n], non_blocking=True)
         if pad_to > n:
             host[n:pad_to] = self._neutral_row
@@ -436,8 +446,8 @@ class GpuSampler(Sampler):
             out.append(None if k is None else TokenLogprobs(token_list[i], chosen[i], list(zip(ids[i][:k], lps[i][:k]))))
         return out
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack) -> Tokens:
-        self.prepare(requests)
+    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()) -> Tokens:
+        self.prepare(requests, skip=skip)
         tokens = self.launch(logits.contiguous() if not logits.is_contiguous() else logits)
         token_list = read_back(tokens)
         return token_list, self.results(requests, token_list)

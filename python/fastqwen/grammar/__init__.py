@@ -8,8 +8,9 @@ model's tokenizer, and the per-step token bitmasks the samplers apply.
 - `validator.py` + `validator_worker.py`: the frontend's validation runs in worker processes, so that a spec that
   crashes llguidance costs one request; `lru.py`: the byte-bounded LRU map the grammar caches use.
 - `compiler.py`: `GrammarCompiler`, the engine's: compiles on worker threads (never inside a step), caches the
-  compiled grammar by (kind, spec, strict), hands each request its own `GrammarMatcher`; `fill_bitmasks` computes
-  the masks of a step's constrained rows in parallel (llguidance's executor, outside the GIL).
+  compiled grammar by (kind, spec, strict), hands each request its own `GrammarMatcher`, which computes the mask of
+  each state ahead on a worker thread (outside the GIL) for the samplers to copy; `fill_bitmasks` computes several
+  matchers' masks at once (llguidance's executor), for tests and benchmarks.
 - `tool_calls.py`: the spec that forces Qwen3's <tool_call> blocks for tool_choice "required" or a named function.
 
 Token ids only: no text of requests, no tensors (masks are filled into caller-owned int32 host memory).

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import llguidance
 import numpy as np
@@ -54,38 +54,97 @@ def default_lexer_groups() -> int:
 
 class GrammarMatcher:
     """One request's position in its grammar. The scheduler calls `advance` with each token it commits
-    (scheduler.request.TokenConstraint); the sampler reads the matcher's mask before each draw."""
+    (scheduler.request.TokenConstraint) and decodes the request only while its mask is `ready`; the sampler copies
+    the mask (`copy_mask`) into its row before each draw.
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    With `ahead` (the engine's matchers), the mask of each state is computed on a worker thread (mask_pool; llguidance
+    releases the GIL) as soon as the state is reached: at creation and after each token `advance` takes, so that a
+    slow mask delays its own request and not the step. `version` counts the tokens taken; the mask is stamped with the
+    version it was computed for, and `copy_mask` refuses one of another state. Without `ahead`, copy_mask computes
+    the mask when asked (tests, tools).
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int, ahead: bool = False):
         self.matcher = matcher
         self.error: str | None = None  # why the grammar gave up, once it has: the request then ends with an error
+        self.version = 0  # tokens taken: the state the next mask belongs to
+        self._ahead = ahead
+        self._mask = np.zeros(mask_words, dtype=np.int32)
+        self._mask_version = -1  # the state self._mask was computed for
+        self._job: Future | None = None  # the computation of the current state's mask (None: not started)
+        if ahead:
+            self._start_mask()
 
     def advance(self, token: int) -> bool:
         """Take a committed token; False once nothing more can follow: the output is complete, or the grammar gave
         up (`error` says why). It gives up when no continuation can satisfy it (a schema whose instances are all
         infinite: its mask errs and lets through only EOS) or when a token outside it was committed (the masks
         make that impossible)."""
+        self._settle()  # the matcher is never moved while a mask is computed from it
+        self._job = None
+        self.version += 1
         if not self.matcher.consume_token(token) or self.matcher.is_error():
             reason = self.matcher.get_error().strip().splitlines()
             self.error = "the output cannot satisfy the grammar" + (f" ({reason[0][:300]})" if reason else "")
             log.info("a grammar gave up: %s", self.error)
             return False
-        return not self.matcher.is_stopped()
+        if self.matcher.is_stopped():
+            return False
+        if self._ahead:
+            self._start_mask()
+        return True
 
     @property
     def accepting(self) -> bool:
         return self.matcher.is_accepting()
 
+    @property
+    def ready(self) -> bool:
+        """Whether the current state's mask can be copied without waiting (always, without `ahead`: it is computed
+        when copied)."""
+        return self._job is None or self._job.done()
+
+    @property
+    def pending(self) -> Future | None:
+        """The computation of the current state's mask while it runs, for waits on several requests at once."""
+        return self._job if self._job is not None and not self._job.done() else None
+
+    def copy_mask(self, out: np.ndarray) -> None:
+        """Write the current state's allowed-token bitmask into out [ceil(vocab / 32)] int32 (waits for it if it is
+        still being computed; raises the computation's error)."""
+        if self._job is None:
+            self._start_mask()
+        self._job.result()
+        if self._mask_version != self.version:  # a mask of another state would let through what this one forbids
+            raise RuntimeError(f"stale grammar mask: computed after {self._mask_version} tokens, the grammar has taken {self.version}")
+        out[:] = self._mask
+
+    def _start_mask(self) -> None:
+        self._job = _mask_pool().submit(self._compute_mask, self.version)
+
+    def _compute_mask(self, version: int) -> None:
+        """On a mask thread: llguidance fills the request's own buffer (outside the GIL)."""
+        self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        self._mask_version = version
+
+    def _settle(self) -> None:
+        """Wait for a mask in flight (before the matcher is used from another thread)."""
+        if self._job is not None:
+            wait([self._job])
+
 
 def fill_bitmasks(rows: list[tuple[GrammarMatcher, int]], out: np.ndarray) -> None:
     """Write each matcher's allowed-token bitmask into row `index` of out [R, ceil(vocab / 32)] int32 (C-contiguous,
-    e.g. a pinned buffer's numpy view), all rows in parallel outside the GIL."""
+    e.g. a pinned buffer's numpy view), all rows in parallel outside the GIL. (The engine's samplers copy the masks
+    each matcher computed ahead instead: GrammarMatcher.copy_mask.)"""
     if not rows:
         return
     if out.dtype != np.int32 or out.ndim != 2 or not out.flags["C_CONTIGUOUS"]:
         raise ValueError("fill_bitmasks: out must be a C-contiguous int32 [rows, words] array")
     if any(not 0 <= i < out.shape[0] for _, i in rows):
         raise ValueError("fill_bitmasks: a row index is outside out")
+    for m, _ in rows:
+        m._settle()
     _executor().unsafe_compute_mask_ptr([(m.matcher, i) for m, i in rows], out.ctypes.data, out.shape[1] * 4, out.shape[0])
 
 
@@ -101,7 +160,17 @@ def _thread_stack(size: int):
 
 
 _mask_executor: llguidance.LLExecutor | None = None
+_mask_threads: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
+
+
+def _mask_pool() -> ThreadPoolExecutor:
+    """The threads that compute masks ahead, one mask per job (as many as llguidance's executor would use)."""
+    global _mask_threads
+    with _executor_lock:
+        if _mask_threads is None:
+            _mask_threads = ThreadPoolExecutor(default_lexer_groups(), thread_name_prefix="fastqwen-mask")
+        return _mask_threads
 
 
 def _executor() -> llguidance.LLExecutor:
@@ -201,10 +270,10 @@ class GrammarCompiler:
         """The estimated memory of the compiles the cache holds (within cache_bytes)."""
         return self._cache.total_bytes
 
-    @staticmethod
-    def matcher(compiled: Future) -> GrammarMatcher:
-        """A fresh matcher of a finished compile (raises its error if it failed)."""
-        return GrammarMatcher(compiled.result().deep_copy())
+    def matcher(self, compiled: Future, ahead: bool = False) -> GrammarMatcher:
+        """A fresh matcher of a finished compile (raises its error if it failed); `ahead`: it computes each mask as
+        soon as its state is reached (GrammarMatcher), starting with the first."""
+        return GrammarMatcher(compiled.result().deep_copy(), self.mask_words, ahead)
 
     def close(self) -> None:
         if self._pool is not None:

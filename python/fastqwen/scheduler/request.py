@@ -28,9 +28,17 @@ class SamplerState:
 
 class TokenConstraint(Protocol):
     """A request's grammar (grammar.GrammarMatcher): the sampler masks what it forbids; the scheduler feeds it each
-    committed token and stops the request once the grammar has ended (with an error if it gave up)."""
+    committed token and stops the request once the grammar has ended (with an error if it gave up). The mask of each
+    state is computed off the step, on a worker thread, while the next step's forward runs; a row whose mask is not
+    `ready` by the time its step samples is dropped from that step (`mask_missed`), and the scheduler leaves the
+    request out (keeping its pages) until the mask is ready, so the rest of the batch goes on."""
 
     error: str | None  # set when the grammar gave up: the request ends with FinishReason.ERROR
+
+    @property
+    def ready(self) -> bool:
+        """Whether the mask for the next token is computed."""
+        ...
 
     def advance(self, token: int) -> bool:
         """Take a committed token; False once nothing more can follow."""
@@ -68,6 +76,7 @@ class Request:
     prompt_logprob_next: int = 0
     pending_prompt_logprobs: list = field(default_factory=list)
     grammar: TokenConstraint | None = None  # structured output: set (compiled) before the request is scheduled
+    mask_missed: bool = False  # a step dropped its row for want of its grammar's mask (cleared with its next token)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -102,6 +111,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def mask_ready(self) -> bool:
+        """Whether a step may sample this request's next token now: it has no grammar, or its mask is computed."""
+        return self.grammar is None or self.grammar.ready
+
+    @property
+    def waits_for_mask(self) -> bool:
+        """Its grammar's mask missed a step (the step dropped the row) and is still not ready: the scheduler leaves
+        the request's sampling chunk out until it is."""
+        return self.mask_missed and not self.mask_ready
 
     @property
     def uncomputed(self) -> int:

@@ -7,6 +7,11 @@ When a running request needs a page and none is free, unreferenced prefix-cache 
 not enough, the newest running request is preempted: its computed prefix goes to the prefix cache, its pages are
 released, and it goes back to the front of the queue, to be recomputed (cheaply, from the cache) later.
 
+A request with a grammar whose mask missed its step (the engine dropped the row: the grammar computes each mask on a
+worker thread, and this one was not ready when the step sampled) waits for it (Request.waits_for_mask): its chunk
+stops one token short of sampling, and a decode has nothing to compute, so the request sits steps out (keeping its
+pages) instead of holding the batch.
+
 With a prefix cache, an admitted request starts from the longest cached prefix of its tokens (always leaving one
 token to compute), and every request's computed whole pages go into the cache after each prefill chunk and when it
 stops. Pages have two kinds of owners, requests and the cache, each holding and releasing only its own reference.
@@ -119,7 +124,9 @@ class Scheduler:
         preempted = False
         while pending and budget > 0:
             request = pending.pop(0)
-            n = min(request.uncomputed, budget)
+            n = self._chunk_size(request, budget)
+            if n == 0:
+                continue  # its grammar's mask is not ready: it decodes in a later step
             while not self._grow(request, request.cached_len + n):
                 victim = max(pending, key=lambda r: r.arrival) if pending else request
                 self._preempt(victim)
@@ -139,7 +146,10 @@ class Scheduler:
                 # them from the cache instead of computing them twice.
                 self._drop_cached_prefix(request)
                 break
-            n = min(request.uncomputed, budget)
+            n = self._chunk_size(request, budget)
+            if n == 0:  # (a preempted request with all but its last token cached, its mask not ready yet)
+                self._drop_cached_prefix(request)
+                break
             # Admission never preempts: a new request waits until pages are free.
             if not self._grow(request, request.cached_len + n):
                 self._drop_cached_prefix(request)
@@ -204,6 +214,7 @@ class Scheduler:
                 continue
             token = sampled[index]
             request.token_ids.append(token)
+            request.mask_missed = False
             advanced.append((request, index))
             reason = self._stop_reason(request, token)
             if request.grammar is not None and not request.grammar.advance(token):
@@ -233,6 +244,14 @@ class Scheduler:
         if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        """How many of the request's uncomputed tokens this step computes: as many as the budget allows, but never
+        its last one (the one that samples) while it waits for its grammar's mask."""
+        n = min(request.uncomputed, budget)
+        if n == request.uncomputed and request.waits_for_mask:
+            n -= 1
+        return n
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

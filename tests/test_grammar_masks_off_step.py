@@ -1,0 +1,139 @@
+"""A slow grammar mask delays its own request, not the batch (issue 40, item 7).
+
+Masks are computed on worker threads after each committed token (grammar.GrammarMatcher); a request whose mask is not
+ready sits the step out. Here one request's mask computation blocks on an event: the unconstrained request in the same
+engine must finish all its tokens meanwhile, and the constrained one then completes, matching its regex. The masks a
+matcher computes ahead are checked, state by state, against llguidance's executor computing them on the spot.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from fastqwen import LLM, SamplingParams
+from fastqwen.grammar import GrammarCompiler, GrammarMatcher, fill_bitmasks
+from fastqwen.sampling_params import StructuredOutput
+
+from test_structured_output import EOS, REGEX, VOCAB, _write_checkpoint
+
+STALL_AT = 2  # the constrained request's mask after this many tokens blocks until the test releases it
+BYSTANDER_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("masks_off_step"))
+    _write_checkpoint(path)
+    return path
+
+
+def test_a_slow_mask_holds_only_its_own_request(folder, monkeypatch):
+    llm = LLM(folder, dtype="float32", device="cpu", num_pages=128, page_size=8, max_num_seqs=8)
+    release, stalled = threading.Event(), threading.Event()
+    compute = GrammarMatcher._compute_mask
+
+    def slow_mask(self, version):
+        if version == STALL_AT:
+            stalled.set()
+            # (A safety net, not a sleep: the test sets it. With the mask computed inside the step, the step blocks
+            # here until the timeout, and the request then fails.)
+            assert release.wait(timeout=20), "the mask was waited for inside the step"
+        compute(self, version)
+
+    monkeypatch.setattr(GrammarMatcher, "_compute_mask", slow_mask)
+    constrained = llm.add_request("a", SamplingParams(temperature=1.0, seed=3, max_tokens=40,
+                                                      structured=StructuredOutput("regex", REGEX)))  # fmt: skip
+    bystander = llm.add_request("b", SamplingParams(temperature=1.0, seed=4, max_tokens=BYSTANDER_TOKENS, ignore_eos=True))
+    tokens = {constrained: [], bystander: []}
+    outputs = {}
+
+    def step():
+        for update in llm.step():
+            tokens[update.request_id] += update.new_token_ids
+            if update.finished:
+                outputs[update.request_id] = update.output
+
+    for _ in range(4 * BYSTANDER_TOKENS):
+        if bystander in outputs:
+            break
+        step()
+    assert stalled.is_set(), "the constrained request never reached the slow mask"
+    assert bystander in outputs and len(tokens[bystander]) == BYSTANDER_TOKENS
+    assert len(tokens[constrained]) == STALL_AT and constrained not in outputs  # it waited, holding its place
+    release.set()
+    for _ in range(200):
+        if not llm.has_unfinished():
+            break
+        step()
+    output = outputs[constrained]
+    assert output.finish_reason == "stop", (output.text, output.finish_reason)
+    assert re.fullmatch(REGEX, output.text), output.text
+    assert llm.engine.kv_usage() == 0.0
+
+
+def test_masks_computed_ahead_match_the_executor(folder):
+    compiler = GrammarCompiler(os.path.join(folder, "tokenizer.json"), VOCAB, [EOS])
+    try:
+        compiled = compiler.submit(StructuredOutput("regex", REGEX))
+        ahead, reference = compiler.matcher(compiled, ahead=True), compiler.matcher(compiled)
+        rng = np.random.default_rng(0)
+        words = compiler.mask_words
+        for _ in range(12):
+            mine, theirs = np.zeros(words, np.int32), np.zeros((1, words), np.int32)
+            ahead.copy_mask(mine)
+            fill_bitmasks([(reference, 0)], theirs)
+            assert np.array_equal(mine, theirs[0])
+            allowed = [t for t in range(VOCAB) if theirs[0, t // 32] >> (t % 32) & 1]
+            token = int(rng.choice(allowed))
+            assert ahead.advance(token) == reference.advance(token)
+            if reference.matcher.is_stopped():
+                break
+        assert ahead.version == reference.version
+    finally:
+        compiler.close()
+
+
+def test_rows_skipped_in_a_deferred_step_are_neutral(monkeypatch):
+    """A step launched ahead drops the rows whose mask is not ready (LLMEngine._rows_without_masks): GpuSampler.prepare
+    packs them as neutral greedy rows (no mask, no counts slot, no bans), never reads their grammar, and leaves the
+    other rows as a step without skips packs them. Checked on the CPU (the buffers are plain tensors there)."""
+    import torch
+
+    import fastqwen.engine.sampler as sampler_module
+    from fastqwen.config import GenerationDefaults
+    from fastqwen.engine.sampler import GpuSampler
+    from fastqwen.ops.sampling import sampler_row_layout
+    from fastqwen.scheduler import Request
+
+    monkeypatch.setattr(sampler_module, "sampler_workspace", lambda rows, vocab, device: torch.empty(1))
+    monkeypatch.setattr(sampler_module, "penalty_row", lambda prompt, output, vocab, device: torch.zeros(vocab))
+
+    class Grammar:
+        def __init__(self, word: int):
+            self.word, self.ready, self.error = word, word != 0, None
+
+        def copy_mask(self, out):
+            assert self.ready, "a skipped row's mask was read"
+            out[:] = self.word
+
+    defaults = GenerationDefaults()
+    params = [SamplingParams(temperature=0.7, max_tokens=9, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[9]),
+              SamplingParams(temperature=0.7, max_tokens=9), SamplingParams(temperature=0.0, max_tokens=9)]  # fmt: skip
+    requests = [Request(rid=i, prompt_ids=[1, 2], params=p.with_defaults(defaults), arrival=i) for i, p in enumerate(params)]
+    requests[0].grammar, requests[1].grammar = Grammar(0), Grammar(5)  # row 0's mask is not ready: skipped
+    sampler = GpuSampler(vocab=64, max_rows=4, device=torch.device("cpu"), eos_token_ids=[7], seed=3)
+    sampler.prepare(requests, skip=frozenset({0}))
+    rows, layout = sampler.rows_host.numpy(), sampler_row_layout()
+    assert (rows[0] == sampler._neutral_row).all() and requests[0].sampler.slot is None
+    assert rows[1, layout.word("masked")] == 1 and (sampler.mask_host.numpy()[1] == 5).all()
+    unskipped = rows[1:3].copy()
+    requests[0].grammar.ready = True
+    sampler.prepare(requests)
+    assert (sampler.rows_host.numpy()[1:3] == unskipped).all()  # the other rows as without the skip
+    again = sampler.rows_host.numpy()
+    assert again[0, layout.word("masked")] == 1 and again[0, layout.word("num_blocked")] == 2  # row 0 as it is unskipped
