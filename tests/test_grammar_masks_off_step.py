@@ -19,6 +19,7 @@ from fastqwen import LLM, SamplingParams
 from fastqwen.grammar import GrammarCompiler, GrammarMatcher, fill_bitmasks
 from fastqwen.sampling_params import StructuredOutput
 
+from cpu_graphs import graph_llm, plain_llm
 from test_structured_output import EOS, REGEX, VOCAB, _write_checkpoint
 
 STALL_AT = 2  # the constrained request's mask after this many tokens blocks until the test releases it
@@ -32,8 +33,16 @@ def folder(tmp_path_factory):
     return path
 
 
-def test_a_slow_mask_holds_only_its_own_request(folder, monkeypatch):
-    llm = LLM(folder, dtype="float32", device="cpu", num_pages=128, page_size=8, max_num_seqs=8)
+@pytest.mark.parametrize("path", ["eager", "graphs", "graphs-serial"])
+def test_a_slow_mask_holds_only_its_own_request(folder, monkeypatch, path):
+    """Eager, and on the GPU's path (cpu_graphs): with overlap, a step launched ahead drops the row from its deferred
+    sampler; without ("graphs-serial"), a step whose mask is not ready at launch runs its forward graph and then the
+    eager sampler, which drops the row."""
+    kwargs = dict(num_pages=128, page_size=8, max_num_seqs=8)
+    if path.startswith("graphs"):
+        llm = graph_llm(monkeypatch, folder, disable_overlap_schedule=path == "graphs-serial", **kwargs)
+    else:
+        llm = LLM(folder, dtype="float32", device="cpu", **kwargs)
     release, stalled = threading.Event(), threading.Event()
     compute = GrammarMatcher._compute_mask
 
@@ -99,7 +108,7 @@ def test_masks_computed_ahead_match_the_executor(folder):
 
 
 def test_rows_skipped_in_a_deferred_step_are_neutral(monkeypatch):
-    """A step launched ahead drops the rows whose mask is not ready (LLMEngine._rows_without_masks): GpuSampler.prepare
+    """A step launched ahead drops the rows whose mask is not ready (llm_engine.rows_without_masks): GpuSampler.prepare
     packs them as neutral greedy rows (no mask, no counts slot, no bans), never reads their grammar, and leaves the
     other rows as a step without skips packs them. Checked on the CPU (the buffers are plain tensors there)."""
     import torch
@@ -137,3 +146,64 @@ def test_rows_skipped_in_a_deferred_step_are_neutral(monkeypatch):
     assert (sampler.rows_host.numpy()[1:3] == unskipped).all()  # the other rows as without the skip
     again = sampler.rows_host.numpy()
     assert again[0, layout.word("masked")] == 1 and again[0, layout.word("num_blocked")] == 2  # row 0 as it is unskipped
+
+
+def _run(llm, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_graph_decode_steps_sample_in_their_graph(folder, monkeypatch, overlap):
+    """On the GPU's path (cpu_graphs), no grammar: a decode step replays the forward graph, then the sampler's graph,
+    and reads back the tokens that one drew; seeded, penalised and greedy rows get the tokens of the engine without
+    graphs (the same sampler). Fails when a graph step replays its forward only: the read-back takes the tokens of
+    the step before."""
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=10 + i, max_tokens=10, ignore_eos=True,
+                             repetition_penalty=1.3 if i == 2 else 1.0) for i in range(3)]  # fmt: skip
+    prompts = ["ab", "cde", "f"]
+    llm = graph_llm(monkeypatch, folder, num_pages=64, page_size=8, max_num_seqs=4,
+                    disable_overlap_schedule=not overlap)  # fmt: skip
+    got = _run(llm, prompts, params)
+    assert got == _run(plain_llm(monkeypatch, folder, num_pages=64, page_size=8, max_num_seqs=4), prompts, params)
+    assert len(llm.engine.runner.graphs.forwards) >= 8  # the decode steps replayed graphs
+    assert (llm.engine.num_ahead_steps > 0) == overlap
+
+
+def test_graph_path_with_grammars(folder, monkeypatch):
+    """On the GPU's path (cpu_graphs) with overlap: steps holding grammar rows launch their forward ahead and sample
+    once the step before is recorded (sample_deferred), or replay the graph with the sampler; every constrained
+    output matches its regex, and every token equals the engine's without graphs."""
+    params = [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=40,
+                             structured=StructuredOutput("regex", REGEX) if i % 2 == 0 else None) for i in range(4)]
+    prompts = ["a", "b", "c", "d"]
+    llm = graph_llm(monkeypatch, folder, num_pages=64, page_size=8, max_num_seqs=4)
+    runner = llm.engine.runner
+    deferred = []
+    sample_deferred = runner.sample_deferred
+    runner.sample_deferred = lambda pending, skip=frozenset(): deferred.append(skip) or sample_deferred(pending, skip)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i in (0, 2):
+        assert outs[i].finish_reason == "stop" and re.fullmatch(REGEX, outs[i].text), (outs[i].text, outs[i].error)
+    want = _run(plain_llm(monkeypatch, folder, num_pages=64, page_size=8, max_num_seqs=4), prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert deferred and runner.graphs.forwards  # both graph paths were taken
+
+
+def test_a_dropped_engine_goes_without_the_garbage_collector(folder):
+    """The engine and its model runner hold no reference cycle (the runner's mask gate is not a bound method of the
+    engine): a dropped engine, with its CUDA graphs and events, is freed at once. Otherwise the collector frees it
+    later, maybe in the middle of another engine's graph capture, whose CUDA calls then invalidate the capture (seen
+    on the GPU: cuBLAS failing "due to a previous error during capture")."""
+    import gc
+    import weakref
+
+    llm = LLM(folder, dtype="float32", device="cpu", num_pages=32, page_size=8)
+    llm.generate(["a"], SamplingParams(max_tokens=3, structured=StructuredOutput("regex", REGEX)), use_tqdm=False)
+    engine = weakref.ref(llm.engine)
+    gc.collect()
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None
+    finally:
+        gc.enable()

@@ -9,7 +9,8 @@ views, one upload, one launch. Padding rows have out_slots = -1 (their K/V are w
 A post-logits hook (logits view [size, vocab], size) is captured as a second graph per size, replayed right after the
 forward's: work that turns the logits into tokens on persistent buffers (the sampler). `replay` runs both;
 `replay_forward` runs the forward alone, for a step whose sampler must wait for the host (a grammar's mask needs the
-token of the step before: see ModelRunner.sample_deferred).
+token of the step before: see ModelRunner.sample_deferred) or runs eagerly; `replay_sampler` then runs the hook's
+graph alone, on the logits the forward left.
 
 All graphs share one memory pool and are captured largest first, so the smaller ones reuse the largest one's
 activation memory.
@@ -18,6 +19,7 @@ activation memory.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from typing import Callable
@@ -116,6 +118,18 @@ class DecodeGraphs:
     def capture(self) -> "DecodeGraphs":
         """Capture every size; measures the time and the device memory it takes (logits buffer, pool, graphs)."""
         device = self.model.device
+        # Garbage freed during a capture (a dropped engine's graphs or events, kept by a reference cycle) makes CUDA
+        # calls that invalidate it, and torch no longer collects before capturing: collect now, none during.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._capture_all(device)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _capture_all(self, device: torch.device) -> "DecodeGraphs":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(device)[0]
@@ -164,6 +178,10 @@ class DecodeGraphs:
         """The forward's graph alone: logits [size, vocab], the hook not run."""
         self.graphs[size].replay()
         return self.logits[:size]
+
+    def replay_sampler(self, size: int) -> None:
+        """The post-logits hook's graph alone, on the logits the last forward of this size left."""
+        self.sample_graphs[size].replay()
 
     def close(self) -> None:
         """Release the graphs and their memory (the pool goes when no graph and no tensor of it is left)."""

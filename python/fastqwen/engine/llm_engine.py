@@ -5,6 +5,7 @@ stop strings and request validation against the tokenizer belong to the frontend
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS = 3  # consecutive failed steps after which the engine gives up (EngineFault)
 # Grammar masks are computed off the step, on the grammars' threads (grammar.GrammarMatcher), while the next step's
-# forward runs: a row whose mask is not ready once the forward is done is dropped from its step (_rows_without_masks),
+# forward runs: a row whose mask is not ready once the forward is done is dropped from its step (rows_without_masks),
 # and its request sits steps out until the mask is (Scheduler) instead of holding the batch. The engine waits for a
 # mask only when it has nothing else to run (IDLE_WAIT_S, at most, for the first compile or mask to finish). Under
 # tensor parallelism every rank must make the same choices, and mask times differ between processes: there each step
@@ -48,6 +49,35 @@ MASK_POLL_S = 0.0005  # how often a step checks whether its forward is done whil
 
 class EngineFault(RuntimeError):
     """A failure the engine cannot recover from: the process should exit non-zero, for a supervisor to restart it."""
+
+
+def mask_computations(requests) -> list:
+    """The mask computations still running for these requests' grammars."""
+    return [p for r in requests if r.grammar is not None and (p := r.grammar.pending) is not None]
+
+
+def rows_without_masks(requests: list[Request], busy, wait_for_all: bool) -> frozenset[int]:
+    """The model runner's mask gate (ModelRunner.mask_gate): the sampling rows whose grammar mask is not ready, once
+    `busy()` (the device still runs the step's forward) turns false; they are skipped and sit out until their mask is
+    (Request.mask_missed). `wait_for_all` (tensor parallelism): every mask is waited for, and no row is skipped.
+
+    A function of its arguments only: the runner holds it, and a bound method of the engine there would make a
+    reference cycle (engine -> runner -> engine) that keeps a dropped engine, its CUDA graphs and events, alive until
+    the garbage collector runs, which may be in the middle of another engine's graph capture (freeing a graph
+    there invalidates the capture)."""
+    waits = mask_computations(r for r in requests if not r.finished)
+    if not waits:
+        return frozenset()
+    if wait_for_all:
+        wait(waits)
+        return frozenset()
+    while waits and busy():
+        wait(waits, timeout=MASK_POLL_S, return_when=FIRST_COMPLETED)
+        waits = [f for f in waits if not f.done()]
+    skipped = frozenset(i for i, r in enumerate(requests) if not r.finished and not r.mask_ready)
+    for i in skipped:
+        requests[i].mask_missed = True
+    return skipped
 
 
 def _unrecoverable(error: BaseException) -> bool:
@@ -180,7 +210,7 @@ class LLMEngine:
             self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs,
             sampler=self.sampler,
         )  # fmt: skip
-        self.runner.mask_gate = self._rows_without_masks
+        self.runner.mask_gate = functools.partial(rows_without_masks, wait_for_all=not parallel.single)
         self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
         # is launched first, and the host records the previous step while the GPU runs it.
@@ -314,10 +344,10 @@ class LLMEngine:
             # sent.
             wait([f for _, f in self._compiling])
             self._make_matchers()
-            wait(self._grammar_waits(r for r, _ in self._compiling))
+            wait(mask_computations(r for r, _ in self._compiling))
         elif not self.scheduler.has_work() and self._ahead is None:
             compiles = [f for r, f in self._compiling if r.grammar is None]
-            waits = compiles + self._grammar_waits(r for r, _ in self._compiling)
+            waits = compiles + mask_computations(r for r, _ in self._compiling)
             if waits:
                 wait(waits, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             self._make_matchers()
@@ -345,44 +375,21 @@ class LLMEngine:
             still.append((request, future))
         self._compiling = still
 
-    @staticmethod
-    def _grammar_waits(requests) -> list:
-        """The mask computations still running for these requests' grammars."""
-        return [p for r in requests if r.grammar is not None and (p := r.grammar.pending) is not None]
-
     def _schedule(self):
         """The scheduler's next batch. Under tensor parallelism, only once every mask it could need is computed (so
         every rank makes the same choice); otherwise, when the only requests left wait for their masks, after a
         brief wait for the first of those."""
         scheduler = self.scheduler
         if not self.parallel.single:
-            wait(self._grammar_waits(itertools.chain(scheduler.running, scheduler.waiting)))
+            wait(mask_computations(itertools.chain(scheduler.running, scheduler.waiting)))
             return scheduler.schedule()
         scheduled = scheduler.schedule()
         if not scheduled.chunks:
-            waits = self._grammar_waits(itertools.chain(scheduler.running, scheduler.waiting))
+            waits = mask_computations(itertools.chain(scheduler.running, scheduler.waiting))
             if waits:
                 wait(waits, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
                 scheduled = scheduler.schedule()
         return scheduled
-
-    def _rows_without_masks(self, requests: list[Request], busy) -> frozenset[int]:
-        """The model runner's mask gate (ModelRunner.mask_gate): the sampling rows whose grammar mask is not ready,
-        once `busy()` (the device still runs the step's forward) turns false; they are skipped and sit out until
-        their mask is (Request.mask_missed). None under tensor parallelism, where every mask is waited for."""
-        waits = self._grammar_waits(r for r in requests if not r.finished)
-        if not waits:
-            return frozenset()
-        if not self.parallel.single:
-            wait(waits)
-            return frozenset()
-        while waits and busy():
-            wait(waits, timeout=MASK_POLL_S, return_when=FIRST_COMPLETED)
-            waits = [f for f in waits if not f.done()]
-        skipped = frozenset(i for i, r in enumerate(requests) if not r.finished and not r.mask_ready)
-        for i in skipped:
-            requests[i].mask_missed = True
-        return skipped
 
     def abort(self, rid: int) -> bool:
         """Stop a request wherever it is; its pages are released at once. False if it is unknown or finished."""
@@ -451,7 +458,7 @@ class LLMEngine:
             self._step_requests = [c.request for c in scheduled.chunks]
             if pending.deferred:  # its forward runs; its sampler needed the step just recorded (grammar masks)
                 forward_done = pending.forward_done
-                skipped = self._rows_without_masks(pending.requests, lambda: not forward_done.query())
+                skipped = self.runner.mask_gate(pending.requests, lambda: not forward_done.query())
                 self.runner.sample_deferred(pending, skipped)
                 pending.skipped = skipped
         else:

@@ -230,8 +230,9 @@ class ModelRunner:
         )  # fmt: skip
 
     def run_model(self, batch: ForwardBatch, graph_size: int = 0) -> torch.Tensor:
-        """float32 logits [S, vocab]: a replay of the graph of graph_size when non-zero, the eager forward otherwise."""
-        if graph_size:  # (its forward only: a graph's own sampler runs from _launch_graph)
+        """float32 logits [S, vocab]: a replay of the forward graph of graph_size when non-zero, the eager forward
+        otherwise. Never the graph's sampler: _launch_graph replays it after this; an eager step samples itself."""
+        if graph_size:
             return self.graphs.replay_forward(graph_size)[: batch.logits_indices.shape[0]]
         return self.model.forward(batch, self.kv)
 
@@ -352,6 +353,7 @@ class ModelRunner:
         if ahead:
             self._copy_input_tokens(batch, source_rows, flip)
         self.run_model(batch, size)
+        self.graphs.replay_sampler(size)  # the tokens the read-back takes: without it, the last step's
         host, ready = self._start_read_back(self.sampler.tokens[:n])
         return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
 

@@ -1,0 +1,88 @@
+"""The engine's CUDA-graph decode path, run on the CPU: what the GPU takes and the CPU tests otherwise never do.
+
+`graph_llm` builds an LLM on the CPU whose model runner has decode "graphs" (StandInGraphs: DecodeGraphs' interface,
+each replay computing eagerly what the captured graph would) and the CUDA sampler's engine side (GpuSampler, whose
+kernel falls back to the reference on the CPU), with CUDA events standing in as done at once. So the runner takes the
+GPU's branches (_launch_graph with the sampler's graph, steps launched ahead, deferred samplers, the eager sampler
+after a forward graph) and the tokens can be checked against the plain CPU engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fastqwen.engine.llm_engine as llm_engine_module
+import fastqwen.engine.model_runner as model_runner_module
+from fastqwen import LLM
+from fastqwen.engine.cuda_graph import DecodeGraphs
+from fastqwen.engine.sampler import GpuSampler
+from fastqwen.model import ForwardBatch
+
+
+class DoneEvent:
+    """torch.cuda.Event on the CPU: the work before it is done when it is recorded."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StandInGraphs(DecodeGraphs):
+    """Replays that compute eagerly: the forward on the batch's rows that are not padding (kv_len > 0; the rest
+    get zero logits), the sampler graph by calling the post-logits hook. Counts both kinds of replay."""
+
+    def capture(self) -> StandInGraphs:
+        self.logits = torch.zeros(self.max_bs, self.model.cfg.vocab_size)
+        self.forwards: list[int] = []
+        self.sampler_replays: list[int] = []
+        return self
+
+    def replay_forward(self, size: int) -> torch.Tensor:
+        self.forwards.append(size)
+        b = self.batch(size)
+        n = int((b.kv_lens > 0).sum())
+        rows = ForwardBatch(
+            input_ids=b.input_ids[:n], positions=b.positions[:n], out_slots=b.out_slots[:n],
+            query_start=b.query_start[: n + 1], kv_lens=b.kv_lens[:n], page_table=b.page_table[:n],
+            logits_indices=b.logits_indices[:n], is_decode=True, max_query_len=1,
+        )  # fmt: skip
+        self.logits[:size] = 0.0
+        self.logits[:n] = self.model.forward(rows, self.kv)
+        return self.logits[:size]
+
+    def replay_sampler(self, size: int) -> None:
+        self.sampler_replays.append(size)
+        self.post_logits(self.logits[:size], size)
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.replay_forward(size)
+        self.replay_sampler(size)
+        return self.logits[:size]
+
+
+def graph_llm(monkeypatch, folder: str, **kwargs) -> LLM:
+    """An LLM on the CPU taking the CUDA-graph decode path (graphs up to cuda_graph_max_bs, 8 unless given)."""
+    monkeypatch.setattr(llm_engine_module, "unsupported_reason", lambda model: None)
+    monkeypatch.setattr(llm_engine_module, "make_sampler", lambda vocab, rows, device, eos, seed: GpuSampler(vocab, rows, device, eos, seed))
+    monkeypatch.setattr(model_runner_module, "DecodeGraphs", StandInGraphs)
+    monkeypatch.setattr(torch.cuda, "Event", DoneEvent)
+    kwargs.setdefault("cuda_graph_max_bs", 8)
+    llm = LLM(folder, dtype="float32", device="cpu", **kwargs)
+    runner = llm.engine.runner
+    assert isinstance(runner.graphs, StandInGraphs) and runner.sampler.graph_hook is not None
+    runner._tokens_ready = [DoneEvent(), DoneEvent()]  # (None on the CPU: the read-back of a graph step records one)
+    return llm
+
+
+def plain_llm(monkeypatch, folder: str, **kwargs) -> LLM:
+    """The same engine without graphs (and the same sampler), for reference tokens."""
+    monkeypatch.setattr(llm_engine_module, "make_sampler", lambda vocab, rows, device, eos, seed: GpuSampler(vocab, rows, device, eos, seed))
+    return LLM(folder, dtype="float32", device="cpu", disable_cuda_graph=True, **kwargs)
