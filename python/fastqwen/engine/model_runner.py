@@ -352,8 +352,7 @@ class ModelRunner:
         batch = self._build_graph_decode(chunks, size, ahead=ahead)
         if ahead:
             self._copy_input_tokens(batch, source_rows, flip)
-        self.run_model(batch, size)
-        self.graphs.replay_sampler(size)  # the tokens the read-back takes: without it, the last step's
+        self.graphs.replay(size)  # the forward's graph, then the sampler's, whose tokens the read-back takes
         host, ready = self._start_read_back(self.sampler.tokens[:n])
         return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
 
