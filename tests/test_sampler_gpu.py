@@ -432,8 +432,8 @@ def test_min_tokens_with_64_stop_ids_under_graphs_matches_eager(graph_folder):
         for i in range(5)
     ]  # fmt: skip
     replays = []
-    replay = graph_llm.engine.runner.graphs.replay
-    graph_llm.engine.runner.graphs.replay = lambda size: replays.append(size) or replay(size)
+    replay = graph_llm.engine.runner.graphs.replay_sampler  # a graph step's sampler graph
+    graph_llm.engine.runner.graphs.replay_sampler = lambda size: replays.append(size) or replay(size)
     graph_outs = graph_llm.generate(prompts, params, use_tqdm=False)
     eager_outs = eager_llm.generate(prompts, params, use_tqdm=False)
     for i, (g, e) in enumerate(zip(graph_outs, eager_outs)):

@@ -352,7 +352,8 @@ class ModelRunner:
         batch = self._build_graph_decode(chunks, size, ahead=ahead)
         if ahead:
             self._copy_input_tokens(batch, source_rows, flip)
-        self.graphs.replay(size)  # the forward's graph, then the sampler's, whose tokens the read-back takes
+        self.run_model(batch, size)  # the forward's graph (tests wrap run_model to read a step's logits)
+        self.graphs.replay_sampler(size)  # then the sampler's, whose tokens the read-back takes
         host, ready = self._start_read_back(self.sampler.tokens[:n])
         return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
 
