@@ -11,7 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fastqwen import LLM
-from fastqwen.engine import LLMEngine, llm_engine
+from fastqwen.engine import llm_engine
+from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
 from fastqwen.ops import _native
 from fastqwen.server.app import ServerConfig, create_app

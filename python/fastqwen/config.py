@@ -10,9 +10,8 @@ import argparse
 import json
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any
-
-import torch
+import sys
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError
 
@@ -28,16 +27,26 @@ _PRESET_SHAPES = {
 }
 PRESETS = tuple(_PRESET_SHAPES)
 
+if TYPE_CHECKING:
+    import torch
+
+# Dtype names to torch's attribute names: torch is imported only when a dtype is resolved (by the engine), so that
+# the frontend and the server, which read this module for its knobs, do not load it.
 _DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
 }
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # a torch.dtype cannot exist before torch is imported
+    return torch is not None and isinstance(value, torch.dtype)
 
 
 @dataclass
@@ -233,15 +242,17 @@ def load_model_config(model: str) -> tuple[ModelConfig, GenerationDefaults]:
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if cfg.torch_dtype in _DTYPES:
-            return _DTYPES[cfg.torch_dtype]
+            return getattr(torch, _DTYPES[cfg.torch_dtype])
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', not {dtype!r}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 # KV cache dtypes: auto = the model's dtype; fp8_e4m3 (and its alias fp8, vLLM's spelling) = torch.float8_e4m3fn.
@@ -252,6 +263,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype in ("fp8_e4m3", "fp8"):
+        import torch
+
         return torch.float8_e4m3fn
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
 
@@ -307,7 +320,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be {what}, not {getattr(self, name)!r}", name)
 
         need(isinstance(self.model, str) and bool(self.model), "model", "a checkpoint path or a preset name")
-        need(isinstance(self.dtype, torch.dtype) or self.dtype == "auto" or self.dtype in _DTYPES, "dtype", "'auto', 'bfloat16', 'float16' or 'float32'")
+        need(_is_torch_dtype(self.dtype) or self.dtype == "auto" or self.dtype in _DTYPES, "dtype", "'auto', 'bfloat16', 'float16' or 'float32'")
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "'auto', 'safetensors' or 'dummy'")
         need(_positive_int(self.page_size) and self.page_size & (self.page_size - 1) == 0 and self.page_size <= 128, "page_size", "a power of two from 1 to 128")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

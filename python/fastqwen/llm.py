@@ -8,7 +8,6 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine.tensor_parallel import make_engine
 from .frontend import Frontend, RequestOutput, RequestTracker, RequestUpdate
 from .tokenizer import Tokenizer
 from .errors import InvalidRequestError
@@ -32,6 +31,8 @@ class LLM:
 
         tensor_parallel_size=N: the model split across N GPUs (or N CPU processes), this process being rank 0;
         close() stops the other ranks (they also end with this process)."""
+        from .engine.tensor_parallel import make_engine  # here: `import fastqwen` must not load the engine and torch
+
         self.engine = make_engine(EngineConfig.build(model, **knobs))
         self.frontend = Frontend.for_engine(self.engine.info)
         self._trackers: dict[int, RequestTracker] = {}  # requests queued and not finished

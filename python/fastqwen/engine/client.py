@@ -15,12 +15,13 @@ import queue
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..errors import InvalidRequestError
-from ..kvcache import InvariantError
-from .llm_engine import LLMEngine
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
+
+if TYPE_CHECKING:  # the server imports this module for EngineClient: it must not load the engine core and torch
+    from .llm_engine import LLMEngine
 
 logger = logging.getLogger("fastqwen.engine")
 
@@ -129,6 +130,8 @@ class InProcessEngineClient:
     def _check_invariants(self) -> None:
         """A violation takes the engine out of service: the error ends the loop (so /health answers 503 and every
         request fails) instead of serving on a pool where a page may be shared by two requests or lost."""
+        from ..kvcache.invariants import InvariantError  # (here: the engine, hence kvcache, is loaded by now)
+
         try:
             self._engine.check_invariants()
         except InvariantError as e:
