@@ -62,6 +62,9 @@ FORBIDDEN = {
     "model_source": ["engine", "server", "model", "scheduler", "kvcache", "ops", "tokenizer", "frontend", "llm"],
     # The native module's loader, at the bottom beside env.py: ops and kvcache both load _C through it.
     "_native": ["engine", "server", "model", "scheduler", "kvcache", "ops", "tokenizer", "frontend", "grammar", "llm"],
+    # Within the engine, one way: the factory (make_engine) above tensor parallelism, above the one-GPU engine.
+    "engine/tensor_parallel": ["engine.factory"],
+    "engine/llm_engine": ["engine.factory", "engine.tensor_parallel", "engine.core_process", "engine.client"],
     # A client of the offline LLM or of a server's HTTP API, never of the server's internals.
     "chat": ["server", "engine", "scheduler", "model", "kvcache", "ops"],
 }  # fmt: skip

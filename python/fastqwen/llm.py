@@ -31,7 +31,7 @@ class LLM:
 
         tensor_parallel_size=N: the model split across N GPUs (or N CPU processes), this process being rank 0;
         close() stops the other ranks (they also end with this process)."""
-        from .engine.tensor_parallel import make_engine  # here: `import fastqwen` must not load the engine and torch
+        from .engine.factory import make_engine  # here: `import fastqwen` must not load the engine and torch
 
         self.engine = make_engine(EngineConfig.build(model, **knobs))
         self.frontend = Frontend.for_engine(self.engine.info)

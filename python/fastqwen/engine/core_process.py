@@ -100,7 +100,7 @@ def core_main(config: EngineConfig, folder: str, server_pid: int, log_level: int
     outbox.connect(to_frontend)
     codec = _Codec()
     try:
-        from .tensor_parallel import make_engine
+        from .factory import make_engine
 
         engine = make_engine(config)
     except BaseException as e:
