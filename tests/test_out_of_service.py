@@ -72,6 +72,15 @@ def test_reference_on_gpu_when_asked(folder, no_kernels, monkeypatch, how):
         LLMEngine(folder, device="cuda", **knobs)
 
 
+@pytest.mark.parametrize("value", ["0", "false", "off"])
+def test_switches_set_off_do_not_ask_for_the_reference(folder, no_kernels, monkeypatch, value):
+    """FASTQWEN_ALLOW_REFERENCE_ON_GPU / FASTQWEN_DISABLE_CUDA_KERNELS read by env.py's one rule: "false" is off."""
+    monkeypatch.setenv("FASTQWEN_ALLOW_REFERENCE_ON_GPU", value)
+    monkeypatch.setenv("FASTQWEN_DISABLE_CUDA_KERNELS", value)
+    with pytest.raises(RuntimeError, match="built without the CUDA kernels"):
+        LLMEngine(folder, device="cuda")
+
+
 def test_server_on_a_gpu_without_kernels_never_serves(folder, no_kernels):
     app = create_app(ServerConfig("tiny"), lambda: InProcessEngineClient(LLMEngine(folder, device="cuda")))
     with TestClient(app) as client:
