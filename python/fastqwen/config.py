@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 import sys
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError
@@ -375,6 +376,21 @@ class EngineConfig:
                 metavar=names[0].lstrip("-").replace("-", "_").upper(),
                 required=default is MISSING, choices=meta.get("choices"), help=meta["help"],
             )  # fmt: skip
+
+    @classmethod
+    def knob_docs(cls, indent: int = 0) -> str:
+        """Every knob but `model`, one entry each from its field's help: the keyword list of LLM.__init__'s docstring,
+        generated so that it cannot miss a knob. A bool knob is shown with the value that changes it."""
+        lines = []
+        for f in fields(cls):
+            if f.name == "model":
+                continue
+            if str(f.type) == "bool":
+                head = f"{f.name}={not f.default}: "
+            else:
+                head = f"{f.name} (default {f.default!r}): "
+            lines += textwrap.wrap(head + f.metadata["help"], 120 - indent, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+        return textwrap.indent("\n".join(lines), " " * indent)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":

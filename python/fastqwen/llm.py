@@ -24,13 +24,13 @@ class LLM:
     """
 
     def __init__(self, model: str | EngineConfig, **knobs):
-        """knobs: any EngineConfig field (dtype, device, page_size, max_num_seqs, max_num_batched_tokens, num_pages,
-        max_model_len, load_format, gpu_memory_utilization, seed, enable_prefix_caching, disable_cuda_graph,
-        cuda_graph_max_bs, disable_overlap_schedule, allow_reference_on_gpu, tensor_parallel_size,
-        disable_custom_all_reduce); config.EngineConfig documents them and their defaults.
+        """knobs: any field of config.EngineConfig, by keyword (the list below is generated from it).
 
         tensor_parallel_size=N: the model split across N GPUs (or N CPU processes), this process being rank 0;
-        close() stops the other ranks (they also end with this process)."""
+        close() stops the other ranks (they also end with this process).
+
+        Knobs:
+        """
         from .engine.factory import make_engine  # here: `import fastqwen` must not load the engine and torch
 
         self.engine = make_engine(EngineConfig.build(model, **knobs))
@@ -140,6 +140,11 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+# LLM(...)'s knob list, generated from EngineConfig's fields: a knob added there is documented here (not under -OO).
+if LLM.__init__.__doc__:
+    LLM.__init__.__doc__ = LLM.__init__.__doc__.rstrip() + "\n" + EngineConfig.knob_docs(indent=8) + "\n"
 
 
 class _Throughput:
