@@ -17,10 +17,12 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """A Qwen3 model with its own scheduler and KV cache, for batch generation in this process.
+    """A Qwen3 model with its own scheduler and KV cache, for batch generation driven from this process (the engine
+    runs here; with tensor_parallel_size > 1, ranks 1..N-1 in child processes).
 
-    model: a checkpoint folder (config.json, safetensors, tokenizer.json), a config.json path, or a preset name
-    (Qwen3-0.6B ... Qwen3-32B) with load_format="dummy" for random weights of the real shapes.
+    model: a checkpoint folder (config.json, safetensors, tokenizer.json), a Hugging Face hub id (the local cache
+    first, downloaded when missing; model_source.py), a config.json path, or a preset name (Qwen3-0.6B ... Qwen3-32B)
+    with load_format="dummy" for random weights of the real shapes. Or a whole EngineConfig.
     """
 
     def __init__(self, model: str | EngineConfig, **knobs):
@@ -128,8 +130,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several.
 
-        The prompt is the checkpoint's chat template with the generation prompt added; chat_template_kwargs go to
-        the template (for Qwen3, {"enable_thinking": False} turns thinking off).
+        The prompt is the chat template (the tokenizer's, or EngineConfig.chat_template) with the generation prompt
+        added; chat_template_kwargs go to the template (for Qwen3, {"enable_thinking": False} turns thinking off).
         """
         tokenizer = self.frontend.tokenizer
         if tokenizer is None:

@@ -8,8 +8,13 @@ not enough, the newest running request is preempted: its computed prefix goes to
 released, and it goes back to the front of the queue, to be recomputed (cheaply, from the cache) later.
 
 With a prefix cache, an admitted request starts from the longest cached prefix of its tokens (always leaving one
-token to compute), and every request's computed whole pages go into the cache after each prefill chunk and when it
-stops. Pages have two kinds of owners, requests and the cache, each holding and releasing only its own reference.
+token to compute, and none over a prompt position whose logprobs were asked for: Request.reusable_prefix), and every
+request's computed whole pages go into the cache after each prefill chunk and when it stops. Pages have two kinds of
+owners, requests and the cache, each holding and releasing only its own reference.
+
+update() records a step's tokens and stops a request on EOS or a stop id, max_tokens, the context length, or its
+grammar (complete, or given up). With the overlap schedule, schedule_ahead() picks the next decode step before this
+one's tokens are known, only where it is the step schedule() would give.
 """
 
 from __future__ import annotations
