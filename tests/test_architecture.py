@@ -191,3 +191,10 @@ def test_the_frontend_side_imports_no_engine_core_and_no_torch():
     heavy = ["fastqwen.engine.llm_engine", "fastqwen.engine.model_runner", "fastqwen.engine.tensor_parallel",
              "fastqwen.model", "fastqwen.scheduler", "fastqwen.kvcache", "fastqwen.ops", "torch", "torch.cuda"]  # fmt: skip
     assert not [name for name in heavy if name in loaded], f"loaded: {[name for name in heavy if name in loaded]}"
+
+
+def test_the_http_error_shape_is_written_once():
+    """OpenAI's error object is built in server/http_errors.py only; everything else calls error_body/error_response."""
+    writers = [path.relative_to(PACKAGE).as_posix() for path in files("server")
+               if path.name != "http_errors.py" and ('{"error": {' in path.read_text() or "ERROR_TYPES" in path.read_text())]  # fmt: skip
+    assert not writers, writers
