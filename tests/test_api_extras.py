@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from fastqwen.engine import LLMEngine
+from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
 
 from checkpoints import EOS_IDS, make_checkpoint, write_byte_level_tokenizer

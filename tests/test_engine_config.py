@@ -100,3 +100,17 @@ def test_serve_reports_a_bad_knob_by_its_flag():
     )  # fmt: skip
     assert proc.returncode == 2
     assert "--kv-cache-memory-fraction" in proc.stderr
+
+
+def test_the_llm_docstring_documents_every_knob():
+    """LLM(...)'s docstring lists every EngineConfig field with its help text (generated, so none can be missed)."""
+    import inspect
+
+    from fastqwen import LLM
+
+    doc = " ".join(inspect.getdoc(LLM.__init__).split())
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":  # LLM's first argument, described in the class docstring
+            continue
+        assert f"{f.name} (default" in doc or f"{f.name}=" in doc, f.name
+        assert " ".join(f.metadata["help"].split()) in doc, f.name

@@ -11,7 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fastqwen import LLM
-from fastqwen.engine import LLMEngine, llm_engine
+from fastqwen.engine import llm_engine
+from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
 from fastqwen.ops import _native
 from fastqwen.server.app import ServerConfig, create_app
@@ -69,6 +70,15 @@ def test_reference_on_gpu_when_asked(folder, no_kernels, monkeypatch, how):
         monkeypatch.setenv("FASTQWEN_DISABLE_CUDA_KERNELS", "1")  # turning the kernels off is asking for the reference
     with pytest.raises(CheckPassed):
         LLMEngine(folder, device="cuda", **knobs)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off"])
+def test_switches_set_off_do_not_ask_for_the_reference(folder, no_kernels, monkeypatch, value):
+    """FASTQWEN_ALLOW_REFERENCE_ON_GPU / FASTQWEN_DISABLE_CUDA_KERNELS read by env.py's one rule: "false" is off."""
+    monkeypatch.setenv("FASTQWEN_ALLOW_REFERENCE_ON_GPU", value)
+    monkeypatch.setenv("FASTQWEN_DISABLE_CUDA_KERNELS", value)
+    with pytest.raises(RuntimeError, match="built without the CUDA kernels"):
+        LLMEngine(folder, device="cuda")
 
 
 def test_server_on_a_gpu_without_kernels_never_serves(folder, no_kernels):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import uvicorn
 
-from fastqwen.engine import LLMEngine
+from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
 from fastqwen.server.app import WARMUP_PROMPT, WARMUP_TOKENS, ServerConfig, create_app
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from fastqwen import LLM, SamplingParams
-from fastqwen.engine import LLMEngine
+from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
 from fastqwen.engine.llm_engine import MAX_FAILED_STEPS, EngineFault
 

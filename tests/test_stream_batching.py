@@ -9,7 +9,7 @@ import time
 import pytest
 
 from fastqwen import SamplingParams
-from fastqwen.engine import LLMEngine
+from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
 from fastqwen.frontend import Frontend
 from fastqwen.server.async_engine import AsyncEngine

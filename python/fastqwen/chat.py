@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 from typing import Iterator
 
+from . import env
 from .config import EngineConfig
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /exit (or Ctrl-D)"
@@ -74,7 +74,7 @@ class RemoteChat:
 
     def __init__(self, args: argparse.Namespace):
         self.url = args.url.rstrip("/")
-        key = args.api_key or os.environ.get("FASTQWEN_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        key = args.api_key or env.client_api_key()
         self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         self.model = args.served_model_name or self._get("/v1/models")["data"][0]["id"]
         self.fields = {"max_tokens": args.max_tokens, "stream": True}
@@ -232,7 +232,7 @@ def run(backend, system: str | None, interactive: bool, styled: bool) -> int:
 def main(argv: list[str] | None = None, prog: str = "fastqwen chat") -> int:
     args = parse_args(argv, prog)
     interactive = sys.stdin.isatty()
-    styled = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    styled = sys.stdout.isatty() and not env.no_color()
     if args.model is not None:
         import logging
 

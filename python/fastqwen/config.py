@@ -10,9 +10,9 @@ import argparse
 import json
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any
-
-import torch
+import sys
+import textwrap
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError
 
@@ -28,16 +28,26 @@ _PRESET_SHAPES = {
 }
 PRESETS = tuple(_PRESET_SHAPES)
 
+if TYPE_CHECKING:
+    import torch
+
+# Dtype names to torch's attribute names: torch is imported only when a dtype is resolved (by the engine), so that
+# the frontend and the server, which read this module for its knobs, do not load it.
 _DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
 }
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # a torch.dtype cannot exist before torch is imported
+    return torch is not None and isinstance(value, torch.dtype)
 
 
 @dataclass
@@ -233,15 +243,17 @@ def load_model_config(model: str) -> tuple[ModelConfig, GenerationDefaults]:
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if cfg.torch_dtype in _DTYPES:
-            return _DTYPES[cfg.torch_dtype]
+            return getattr(torch, _DTYPES[cfg.torch_dtype])
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', not {dtype!r}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 # KV cache dtypes: auto = the model's dtype; fp8_e4m3 (and its alias fp8, vLLM's spelling) = torch.float8_e4m3fn.
@@ -252,6 +264,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype in ("fp8_e4m3", "fp8"):
+        import torch
+
         return torch.float8_e4m3fn
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
 
@@ -307,7 +321,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be {what}, not {getattr(self, name)!r}", name)
 
         need(isinstance(self.model, str) and bool(self.model), "model", "a checkpoint path or a preset name")
-        need(isinstance(self.dtype, torch.dtype) or self.dtype == "auto" or self.dtype in _DTYPES, "dtype", "'auto', 'bfloat16', 'float16' or 'float32'")
+        need(_is_torch_dtype(self.dtype) or self.dtype == "auto" or self.dtype in _DTYPES, "dtype", "'auto', 'bfloat16', 'float16' or 'float32'")
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "'auto', 'safetensors' or 'dummy'")
         need(_positive_int(self.page_size) and self.page_size & (self.page_size - 1) == 0 and self.page_size <= 128, "page_size", "a power of two from 1 to 128")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -362,6 +376,21 @@ class EngineConfig:
                 metavar=names[0].lstrip("-").replace("-", "_").upper(),
                 required=default is MISSING, choices=meta.get("choices"), help=meta["help"],
             )  # fmt: skip
+
+    @classmethod
+    def knob_docs(cls, indent: int = 0) -> str:
+        """Every knob but `model`, one entry each from its field's help: the keyword list of LLM.__init__'s docstring,
+        generated so that it cannot miss a knob. A bool knob is shown with the value that changes it."""
+        lines = []
+        for f in fields(cls):
+            if f.name == "model":
+                continue
+            if str(f.type) == "bool":
+                head = f"{f.name}={not f.default}: "
+            else:
+                head = f"{f.name} (default {f.default!r}): "
+            lines += textwrap.wrap(head + f.metadata["help"], 120 - indent, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+        return textwrap.indent("\n".join(lines), " " * indent)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":

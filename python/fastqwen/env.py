@@ -1,6 +1,9 @@
-"""Every environment switch fastqwen reads, in one place: its name, its default and what it changes.
+"""Every environment variable fastqwen reads, in one place: its name, its default and what it changes.
 
-Read through these functions only, so that a grep for FASTQWEN_ here lists them all. (One more is read in C++:
+Read through these functions only, so that a grep for FASTQWEN_ here lists them all (tests/test_env.py checks that
+nothing else in the package reads the environment). One rule for fastqwen's on/off switches (`_flag`): unset or
+empty is the default; "0", "false", "False", "no", "off" are off; anything else is on. Variables of other tools' conventions
+(OPENAI_API_KEY, NO_COLOR) keep their own meaning, written beside them. (One more is read in C++:
 FASTQWEN_SAMPLER_ASYNC=0 makes the sampler's scan use plain register loads instead of cp.async, for comparison.)
 """
 
@@ -19,6 +22,12 @@ def _flag(name: str, default: bool) -> bool:
 def disable_cuda_kernels() -> bool:
     """FASTQWEN_DISABLE_CUDA_KERNELS=1: every op runs its PyTorch reference, even where the CUDA kernel applies."""
     return _flag("FASTQWEN_DISABLE_CUDA_KERNELS", False)
+
+
+def allow_reference_on_gpu() -> bool:
+    """FASTQWEN_ALLOW_REFERENCE_ON_GPU=1: run on a GPU although fastqwen._C has no CUDA kernels, every op on its PyTorch
+    reference (the same as EngineConfig.allow_reference_on_gpu)."""
+    return _flag("FASTQWEN_ALLOW_REFERENCE_ON_GPU", False)
 
 
 def check_invariants_every_step() -> bool:
@@ -46,3 +55,15 @@ def gemv_tensor_cores() -> bool:
 def api_key() -> str | None:
     """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("FASTQWEN_API_KEY") or None
+
+
+def client_api_key() -> str | None:
+    """The key `fastqwen chat --url` sends when --api-key is not given: FASTQWEN_API_KEY, else OPENAI_API_KEY (the
+    OpenAI clients' variable, so that one exported key serves both)."""
+    return os.environ.get("FASTQWEN_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+
+
+def no_color() -> bool:
+    """NO_COLOR (no-color.org): set to any non-empty value, the terminal chat prints no styling. Its own rule, not
+    `_flag`'s: by that convention NO_COLOR=0 also turns colour off."""
+    return bool(os.environ.get("NO_COLOR"))

@@ -1,8 +1,9 @@
 """The frontend's half of every request, shared by the HTTP server and the offline LLM.
 
 In: a prompt (text or token ids) and SamplingParams become a validated EngineRequest: token ids, every default
-filled from generation_config.json, checked against the vocabulary, the context length and the KV pool, so that a
-bad request is refused here and never reaches the engine.
+filled from generation_config.json, checked against the vocabulary, the context length and the KV pool, and a
+structured-output spec compiled once in a validator worker process (grammar/validator.py), so that a bad request is
+refused here and never reaches the engine. The tokenizer is the one the engine was configured with (EngineInfo).
 Out: the engine's token deltas become text. Each request's RequestTracker detokenizes incrementally, matches stop
 strings (the engine never sees text: when one matches, the tracker finishes the request and its owner aborts it in
 the engine), accumulates logprobs, and produces RequestUpdates for streaming and a RequestOutput at the end.

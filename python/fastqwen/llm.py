@@ -8,7 +8,6 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine.tensor_parallel import make_engine
 from .frontend import Frontend, RequestOutput, RequestTracker, RequestUpdate
 from .tokenizer import Tokenizer
 from .errors import InvalidRequestError
@@ -18,20 +17,24 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """A Qwen3 model with its own scheduler and KV cache, for batch generation in this process.
+    """A Qwen3 model with its own scheduler and KV cache, for batch generation driven from this process (the engine
+    runs here; with tensor_parallel_size > 1, ranks 1..N-1 in child processes).
 
-    model: a checkpoint folder (config.json, safetensors, tokenizer.json), a config.json path, or a preset name
-    (Qwen3-0.6B ... Qwen3-32B) with load_format="dummy" for random weights of the real shapes.
+    model: a checkpoint folder (config.json, safetensors, tokenizer.json), a Hugging Face hub id (the local cache
+    first, downloaded when missing; model_source.py), a config.json path, or a preset name (Qwen3-0.6B ... Qwen3-32B)
+    with load_format="dummy" for random weights of the real shapes. Or a whole EngineConfig.
     """
 
     def __init__(self, model: str | EngineConfig, **knobs):
-        """knobs: any EngineConfig field (dtype, device, page_size, max_num_seqs, max_num_batched_tokens, num_pages,
-        max_model_len, load_format, gpu_memory_utilization, seed, enable_prefix_caching, disable_cuda_graph,
-        cuda_graph_max_bs, disable_overlap_schedule, allow_reference_on_gpu, tensor_parallel_size,
-        disable_custom_all_reduce); config.EngineConfig documents them and their defaults.
+        """knobs: any field of config.EngineConfig, by keyword (the list below is generated from it).
 
         tensor_parallel_size=N: the model split across N GPUs (or N CPU processes), this process being rank 0;
-        close() stops the other ranks (they also end with this process)."""
+        close() stops the other ranks (they also end with this process).
+
+        Knobs:
+        """
+        from .engine.factory import make_engine  # here: `import fastqwen` must not load the engine and torch
+
         self.engine = make_engine(EngineConfig.build(model, **knobs))
         self.frontend = Frontend.for_engine(self.engine.info)
         self._trackers: dict[int, RequestTracker] = {}  # requests queued and not finished
@@ -127,8 +130,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several.
 
-        The prompt is the checkpoint's chat template with the generation prompt added; chat_template_kwargs go to
-        the template (for Qwen3, {"enable_thinking": False} turns thinking off).
+        The prompt is the chat template (the tokenizer's, or EngineConfig.chat_template) with the generation prompt
+        added; chat_template_kwargs go to the template (for Qwen3, {"enable_thinking": False} turns thinking off).
         """
         tokenizer = self.frontend.tokenizer
         if tokenizer is None:
@@ -139,6 +142,11 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+# LLM(...)'s knob list, generated from EngineConfig's fields: a knob added there is documented here (not under -OO).
+if LLM.__init__.__doc__:
+    LLM.__init__.__doc__ = LLM.__init__.__doc__.rstrip() + "\n" + EngineConfig.knob_docs(indent=8) + "\n"
 
 
 class _Throughput:

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
 
     from .engine.client import InProcessEngineClient
     from .engine.core_process import ProcessEngineClient
-    from .engine.tensor_parallel import make_engine
+    from .engine.factory import make_engine
     from .server.app import ServerConfig, begin_shutdown, create_app
     from .server.connections import ConnectionLimits, protocol_with
     from .server.http_conventions import configure_access_log

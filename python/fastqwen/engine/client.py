@@ -1,11 +1,14 @@
 """The engine as its frontend sees it: EngineRequests and aborts go in, StepOutputs come out through a callback,
-and stats can be read at any time. EngineClient is that interface; InProcessEngineClient runs the engine loop in a
-thread of this process (the engine-core process will implement the same interface across a ZeroMQ socket).
+and stats can be read at any time. EngineClient is that interface, with two implementations: InProcessEngineClient
+(here) runs the engine loop in a thread of this process (`--engine-core thread`); ProcessEngineClient
+(engine/core_process.py, the server's default) runs it in a process of its own, across two ZeroMQ sockets.
 
-The engine is touched only by its thread. Commands (add, abort) reach it through a thread-safe queue and are taken
-between steps; each step's StepOutput goes to `on_output`, called in the engine thread (it must be quick: hand the
-output over, do not process it there). If the loop dies, `on_death` is called once with the error and `alive` turns
-False.
+`on_output` gets each step's StepOutput on a thread of the client's (here the engine thread); it must be quick: hand
+the output over, do not process it there. If the loop dies, `on_death` is called once with the error and `alive`
+turns False. Importing this module loads no engine (the server imports it for EngineClient): the engine is passed in.
+
+Here the engine is touched only by its thread. Commands (add, abort) reach it through a thread-safe queue and are
+taken between steps.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import queue
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..errors import InvalidRequestError
-from ..kvcache import InvariantError
-from .llm_engine import LLMEngine
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
+
+if TYPE_CHECKING:  # the server imports this module for EngineClient: it must not load the engine core and torch
+    from .llm_engine import LLMEngine
 
 logger = logging.getLogger("fastqwen.engine")
 
@@ -129,6 +133,8 @@ class InProcessEngineClient:
     def _check_invariants(self) -> None:
         """A violation takes the engine out of service: the error ends the loop (so /health answers 503 and every
         request fails) instead of serving on a pool where a page may be shared by two requests or lost."""
+        from ..kvcache.invariants import InvariantError  # (here: the engine, hence kvcache, is loaded by now)
+
         try:
             self._engine.check_invariants()
         except InvariantError as e:

@@ -1,8 +1,8 @@
 """The engine core in a process of its own, behind the same EngineClient interface as the in-process thread.
 
 Why: under load the server's event loop (HTTP, JSON, SSE, detokenizing) and the engine loop fought over one GIL. Here
-the core process runs the scheduler, KV pool, prefix cache, model runner and sampler in a busy loop and never waits
-for the frontend; the server process keeps HTTP and text.
+the core process runs the scheduler, KV pool, prefix cache, model runner and sampler, stepping without pause while it
+has work and never waiting for the frontend (idle, it waits on its socket); the server process keeps HTTP and text.
 
 Two ZeroMQ PUSH/PULL sockets over IPC, one each way. Each message is two frames: a kind and a msgpack body decoded
 into the dataclass of engine/messages.py that the kind names (msgspec, typed: nothing from a client is ever
@@ -100,7 +100,7 @@ def core_main(config: EngineConfig, folder: str, server_pid: int, log_level: int
     outbox.connect(to_frontend)
     codec = _Codec()
     try:
-        from .tensor_parallel import make_engine
+        from .factory import make_engine
 
         engine = make_engine(config)
     except BaseException as e:

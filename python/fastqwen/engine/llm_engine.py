@@ -94,10 +94,6 @@ def _unrecoverable(error: BaseException) -> bool:
 # KV pool size on the CPU reference path when num_pages is not given.
 _CPU_KV_BYTES = 1 << 30
 
-# Set to 1 to run the PyTorch reference ops on a GPU on purpose (the same as EngineConfig.allow_reference_on_gpu).
-ALLOW_REFERENCE_ENV = "FASTQWEN_ALLOW_REFERENCE_ON_GPU"
-
-
 def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
     """Refuse to run on a CUDA device with a native module built without the CUDA kernels (pip found no nvcc):
     every op would silently take its PyTorch reference, many times slower and without CUDA graphs. Allowed when the
@@ -105,8 +101,7 @@ def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
     FASTQWEN_DISABLE_CUDA_KERNELS=1 (which turns the kernels off on purpose)."""
     if device.type != "cuda" or _native.has_cuda_kernels():
         return
-    env = lambda name: os.environ.get(name, "") not in ("", "0")  # noqa: E731
-    if allow_reference or env(ALLOW_REFERENCE_ENV) or env("FASTQWEN_DISABLE_CUDA_KERNELS"):
+    if allow_reference or env.allow_reference_on_gpu() or env.disable_cuda_kernels():
         log.warning("running the PyTorch reference ops on %s, as asked: slow, and no CUDA graphs", device)
         return
     if _native.native() is None:
@@ -118,7 +113,7 @@ def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
         "toolkit's nvcc on PATH (or set CUDACXX) and reinstall with `pip install --no-build-isolation --no-deps .` "
         "(other GPUs than Hopper: add -Ccmake.define.FASTQWEN_CUDA_ARCHS=80); `python -c \"import fastqwen._C as c; "
         "print(c.built_with_cuda)\"` must print True. To run the reference path on the GPU anyway, pass "
-        f"allow_reference_on_gpu=True (--allow-reference-on-gpu) or set {ALLOW_REFERENCE_ENV}=1."
+        "allow_reference_on_gpu=True (--allow-reference-on-gpu) or set FASTQWEN_ALLOW_REFERENCE_ON_GPU=1."
     )
 
 

@@ -74,13 +74,6 @@ def step_checksum(output: StepOutput) -> int:
     return zlib.crc32(msgspec.msgpack.encode(summary))
 
 
-def make_engine(config: EngineConfig) -> "LLMEngine | TensorParallelEngine":
-    """The engine for a config: one LLMEngine, or rank 0 of tensor_parallel_size ranks."""
-    if config.tensor_parallel_size > 1:
-        return TensorParallelEngine(config)
-    return LLMEngine(config)
-
-
 def _rank_config(config: EngineConfig, rank: int) -> tuple[EngineConfig, torch.device]:
     device = torch.device(config.device if config.device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":

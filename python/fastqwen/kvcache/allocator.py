@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..ops._native import import_error, native
+from .._native import import_error, native
 
 
 def PageAllocator(num_pages: int):

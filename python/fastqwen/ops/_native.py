@@ -1,4 +1,4 @@
-"""Safe, lazy access to the native extension ``fastqwen._C``.
+"""The ops' view of the native extension ``fastqwen._C`` (loaded by fastqwen/_native.py).
 
 ``native()`` returns the module, or None when it cannot be imported (for example a
 source checkout that was never built); ``has_cuda_kernels()`` says whether the
@@ -14,42 +14,10 @@ csrc/ and exported by the module; ``dtype_code`` and ``kernel_reason`` read them
 
 from __future__ import annotations
 
-import threading
-from types import ModuleType
-
 from .. import env
+from .._native import import_error, native
 
-_lock = threading.Lock()
-_tried = False
-_module: ModuleType | None = None
-_import_error: BaseException | None = None
-
-
-def native() -> ModuleType | None:
-    """The ``fastqwen._C`` module, or None if it cannot be imported."""
-    global _tried, _module, _import_error
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    from fastqwen import _C  # type: ignore[attr-defined]
-
-                    _module = _C
-                    if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
-                        _C.set_programmatic_launch(env.programmatic_launch())
-                        _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
-                except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
-                    _module = None
-                    _import_error = e
-                _tried = True
-    return _module
-
-
-def import_error() -> BaseException | None:
-    """Why ``native()`` returned None (None if it imported, or was not tried yet)."""
-    native()
-    return _import_error
-
+__all__ = ["check_tensors", "dtype_code", "has_cuda_kernels", "import_error", "kernel_applies", "native", "stream_of"]
 
 _has_cuda: bool | None = None
 

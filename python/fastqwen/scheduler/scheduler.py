@@ -2,7 +2,8 @@
 
 Prefill, chunked prefill and decode are one operation: compute token_ids[cached_len:cached_len + n]. A chunk that
 reaches the end of token_ids samples the next token. Each step, running requests go first (decodes, then unfinished
-prefills), then waiting requests are admitted while the token budget, the sequence limit and free pages allow.
+prefills), then waiting requests are admitted as the admission policy allows (admission.py: token budget, sequence
+limit, free pages, the prefix cache).
 When a running request needs a page and none is free, unreferenced prefix-cache pages are evicted first; if that is
 not enough, the newest running request is preempted: its computed prefix goes to the prefix cache, its pages are
 released, and it goes back to the front of the queue, to be recomputed (cheaply, from the cache) later.
@@ -13,8 +14,13 @@ stops one token short of sampling, and a decode has nothing to compute, so the r
 pages) instead of holding the batch.
 
 With a prefix cache, an admitted request starts from the longest cached prefix of its tokens (always leaving one
-token to compute), and every request's computed whole pages go into the cache after each prefill chunk and when it
-stops. Pages have two kinds of owners, requests and the cache, each holding and releasing only its own reference.
+token to compute, and none over a prompt position whose logprobs were asked for: Request.reusable_prefix), and every
+request's computed whole pages go into the cache after each prefill chunk and when it stops. Pages have two kinds of
+owners, requests and the cache, each holding and releasing only its own reference.
+
+update() records a step's tokens and stops a request on EOS or a stop id, max_tokens, the context length, or its
+grammar (complete, or given up). With the overlap schedule, schedule_ahead() picks the next decode step before this
+one's tokens are known, only where it is the step schedule() would give.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 
 from ..limits import check_fits
 from ..kvcache.radix_cache import RadixCache
+from .admission import Admission
 from .request import FinishReason, Request, RequestState
 
 
@@ -76,6 +83,7 @@ class Scheduler:
         self.cache = cache
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # tokens of every step recorded: prefill work actually done, plus decodes
+        self.admission = Admission(self)  # who joins the running batch, and when
 
     # ---- requests in and out -------------------------------------------------------------------------------
 
@@ -137,24 +145,12 @@ class Scheduler:
             else:
                 chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n))
                 budget -= n
-        # After a preemption pages are short: admitting now would only be preempted again next step.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            self._match_cached_prefix(request)
-            if self._computes_same_pages(request, chunks):
-                # Another request computes this request's next pages in this very step: wait one step and take
-                # them from the cache instead of computing them twice.
-                self._drop_cached_prefix(request)
+        # Then waiting requests, as the admission policy (admission.py) allows.
+        while self.admission.has_room(budget, preempted):
+            n = self.admission.try_admit_next(chunks, budget)
+            if n is None:
                 break
-            n = self._chunk_size(request, budget)
-            if n == 0:  # (a preempted request with all but its last token cached, its mask not ready yet)
-                self._drop_cached_prefix(request)
-                break
-            # Admission never preempts: a new request waits until pages are free.
-            if not self._grow(request, request.cached_len + n):
-                self._drop_cached_prefix(request)
-                break
-            self.waiting.popleft()
+            request = self.waiting.popleft()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 if self.cache is not None:
@@ -178,7 +174,7 @@ class Scheduler:
         """
         if not batch.chunks or not batch.is_decode or len(batch.chunks) != len(self.running):
             return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        if self.admission.might_admit():
             return None
         chunks = []
         for chunk in batch.chunks:
@@ -290,19 +286,6 @@ class Scheduler:
         """Undo _match_cached_prefix for a request that stays waiting: waiting requests hold nothing."""
         self._release(request)
         request.cached_len = 0
-
-    def _computes_same_pages(self, request: Request, chunks: list[ScheduledChunk]) -> bool:
-        """Does a chunk of this step compute the request's first uncached page, for the same prefix?"""
-        if self.cache is None:
-            return False
-        end = request.cached_len + self.page_size
-        if end > request.reusable_prefix:
-            return False
-        for chunk in chunks:
-            other = chunk.request
-            if chunk.start <= request.cached_len and chunk.end >= end and other.token_ids[:end] == request.token_ids[:end]:
-                return True
-        return False
 
     def _cache_computed_prefix(self, request: Request) -> None:
         """Put the request's computed whole pages into the cache and lock the path it now ends at."""

@@ -13,15 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fastapi import Depends, FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.client import EngineClient
 from ..frontend import Frontend
-from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
-from .async_engine import AsyncEngine, QueueFullError, ServingError, ShuttingDownError
+from .async_engine import AsyncEngine, ShuttingDownError
 from .guard import RequestGuard
 from .metrics import Metrics
 from .info_api import model_card, router as info_router
@@ -30,7 +27,8 @@ from .openai_api import router as openai_router
 from . import http_conventions
 from .openapi import install_openapi
 from .stats_log import log_stats
-from .state import APIError, ServerState, error_response
+from .http_errors import APIError, install_error_handlers
+from .state import ServerState
 
 logger = logging.getLogger("fastqwen.server")
 # The ready line is shown at any --log-level: it is what an operator waits for.
@@ -120,33 +118,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.exception_handler(APIError)
-    async def on_api_error(_: HTTPRequest, e: APIError):
-        return error_response(e.status, e.message, e.param, e.headers)
-
-    @app.exception_handler(InvalidRequestError)
-    async def on_invalid(_: HTTPRequest, e: InvalidRequestError):
-        return error_response(400, str(e), e.param)
-
-    @app.exception_handler(ServingError)
-    async def on_serving_error(_: HTTPRequest, e: ServingError):
-        return error_response(e.status, str(e), None, {"Retry-After": "1"} if isinstance(e, QueueFullError) else None)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(_: HTTPRequest, e: RequestValidationError):
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}", None)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: HTTPRequest, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), None, e.headers)
-
+    install_error_handlers(app)
     install_openapi(app, api_key=config.api_key is not None)
     return app
 

@@ -1,9 +1,10 @@
 """An asyncio face for the engine: the event loop's side of EngineClient, with the frontend's text processing.
 
-The engine runs behind an EngineClient (today a thread of this process). After every step the client hands over
-the step's StepOutput; its deltas become text updates (RequestTracker: detokenizing, stop strings), in the engine's
-thread as before, and go to each request's asyncio queue in one call onto the event loop. A stop string finishes a
-request here and aborts it in the engine. A request whose consumer goes away (a client that disconnects, a cancelled
+The engine runs behind an EngineClient: by default a process of its own (engine/core_process.py), or a thread of
+this process (`--engine-core thread`, engine/client.py). After every step the client hands over the step's StepOutput
+on a thread of its own (the core's socket reader, or the engine thread); there its deltas become text updates
+(RequestTracker: detokenizing, stop strings) and go to each request's asyncio queue in one call onto the event loop.
+A stop string finishes a request here and aborts it in the engine. A request whose consumer goes away (a client that disconnects, a cancelled
 handler) is aborted in the generator's finally block, so its pages are released at the engine's next iteration.
 """
 
@@ -77,7 +78,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self._queues: dict[int, asyncio.Queue] = {}
-        self._trackers: dict[int, RequestTracker] = {}  # requests not finished yet; trackers are applied in the engine thread
+        self._trackers: dict[int, RequestTracker] = {}  # requests not finished yet; trackers are applied on the client's thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
 
@@ -148,7 +149,7 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_abort()
 
-    # ---- called in the engine's thread --------------------------------------------------------------------
+    # ---- called on the client's thread (the core's socket reader, or the engine thread) ---------------------
 
     def _on_output(self, output: StepOutput) -> None:
         if self.metrics is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .state import error_body
+from .http_errors import error_body
 
 logger = logging.getLogger("fastqwen.server")
 

@@ -22,7 +22,7 @@ import re
 import secrets
 from typing import Any
 
-from .state import error_body
+from .http_errors import error_body
 
 logger = logging.getLogger("fastqwen.server")
 

@@ -14,7 +14,8 @@ from .. import __version__
 from ..limits import check_token_ids
 from .json_body import JsonBodyRoute
 from .protocol import MESSAGE_SCHEMA, TOKEN_ID_SCHEMA, exactly_one_of
-from .state import APIError, ServerState
+from .http_errors import APIError
+from .state import ServerState
 from .tools import check_tools, messages_for_template
 
 router = APIRouter(route_class=JsonBodyRoute)  # big bodies are parsed off the event loop

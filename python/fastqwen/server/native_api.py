@@ -25,7 +25,8 @@ from .protocol import GenerateRequest
 from .serving import (
     SSE_DONE, StreamingUpdatesResponse, collect_requests, json_response_in_pieces, sse_event, stream_requests,
 )  # fmt: skip
-from .state import APIError, ServerState, client_closed_response
+from .http_errors import APIError, client_closed_response
+from .state import ServerState
 
 router = APIRouter(route_class=JsonBodyRoute)  # big bodies are parsed off the event loop
 

@@ -20,7 +20,8 @@ from .prep_pool import SMALL_REQUEST_BYTES
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import CLOSE as THINK_CLOSE, ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, json_response_in_pieces, sse, stream_requests
-from .state import APIError, ServerState, client_closed_response
+from .http_errors import APIError, client_closed_response
+from .state import ServerState
 from .tools import ToolCallParser, check_tools, messages_for_template, parse_tool_calls
 
 router = APIRouter(route_class=JsonBodyRoute)  # big bodies are parsed off the event loop

@@ -16,7 +16,7 @@ from ..frontend import RequestOutput, RequestTracker
 from .async_engine import AsyncEngine, ServingError, TimedUpdate, take_waiting
 from .http_conventions import current_request_id
 from .metrics import Metrics, RequestTimes
-from .state import error_body
+from .http_errors import error_body
 
 logger = logging.getLogger("fastqwen.server")
 

@@ -1,53 +1,18 @@
-"""The server's shared state, and the errors every endpoint can raise, in OpenAI's error shape."""
+"""The server's shared state: the engine once loaded, metrics, the prep pool, and the checks every endpoint shares."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Callable, TypeVar
 
-from fastapi.responses import JSONResponse, Response
-
 from .async_engine import AsyncEngine
+from .http_errors import APIError
 from .metrics import Metrics
 from .prep_pool import SMALL_REQUEST_BYTES, PrepPool
 from .reasoning import CLOSE as THINK_CLOSE, OPEN as THINK_OPEN
 
 
 T = TypeVar("T")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-
-
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "RequestTimeoutError",
-    413: "PayloadTooLargeError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
-
-
-def client_closed_response() -> Response:
-    # Nobody reads it: the client is gone. 499 is nginx's "client closed request", for the access log.
-    return Response(status_code=499)
 
 
 class ServerState:

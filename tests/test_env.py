@@ -1,0 +1,68 @@
+"""The environment is read in one place: env.py, each variable through a function that documents it."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from fastqwen import env
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "fastqwen"
+
+# file -> (what may appear there, why). Writes for other libraries are not switches of ours.
+ALLOWED = {
+    "env.py": ("", "the one place that reads the environment"),
+    "engine/tensor_parallel.py": ('os.environ["NCCL_NVLS_ENABLE"] = "0"', "a write: NCCL's own variable, set for the ranks' collectives"),
+}  # fmt: skip
+
+READS_THE_ENVIRONMENT = re.compile(r"\benviron\b|\bgetenv\b|\bputenv\b")
+
+
+def test_only_env_py_reads_the_environment():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not READS_THE_ENVIRONMENT.search(line):
+                continue
+            allowed = ALLOWED.get(name)
+            if allowed is not None and allowed[0] in line:
+                continue
+            found.append(f"{name}:{number}: {line.strip()}")
+    assert not found, "read the environment through env.py:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_a_read():
+    assert READS_THE_ENVIRONMENT.search('key = os.environ.get("FASTQWEN_API_KEY")')
+    assert READS_THE_ENVIRONMENT.search('os.getenv("X")')
+    assert not READS_THE_ENVIRONMENT.search("a sandboxed environment with trim_blocks")
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(None, False), ("", False), ("1", True), ("yes", True), ("0", False), ("false", False), ("False", False),
+     ("no", False), ("off", False)],
+)  # fmt: skip
+def test_every_switch_has_one_rule(monkeypatch, value, expected):
+    for name, read in [("FASTQWEN_ALLOW_REFERENCE_ON_GPU", env.allow_reference_on_gpu),
+                       ("FASTQWEN_DISABLE_CUDA_KERNELS", env.disable_cuda_kernels),
+                       ("FASTQWEN_CHECK_INVARIANTS", env.check_invariants_every_step)]:  # fmt: skip
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        assert read() is expected, (name, value)
+
+
+def test_the_chat_client_key_and_no_color(monkeypatch):
+    monkeypatch.delenv("FASTQWEN_API_KEY", raising=False)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai")
+    assert env.client_api_key() == "sk-openai"
+    monkeypatch.setenv("FASTQWEN_API_KEY", "sk-ours")
+    assert env.client_api_key() == "sk-ours"  # ours first
+    monkeypatch.setenv("NO_COLOR", "0")
+    assert env.no_color()  # no-color.org: any non-empty value
+    monkeypatch.setenv("NO_COLOR", "")
+    assert not env.no_color()
