@@ -152,15 +152,19 @@ def test_grammar_steps_overlap_and_match_the_serial_schedule(tmp_path):
     # that moves the batch to another captured size, bf16 logits may round differently, so a few rows may differ,
     # and rows with the same tokens may differ in their logprobs by that rounding (one token runs the GEMV's FMA
     # kernel, 2 to 8 its tensor-core kernel: 2.3e-4 seen on the H100). Rows whose grammar mask is late sit a step
-    # out, which changes the batch more often still, and a bf16 logit below 8 that rounds the other way moves a
-    # logprob by up to 2^-6 (0.0146 seen on the H200): that much is allowed.
+    # out, which changes the batch more often still: a bf16 logit below 16 that rounds the other way moves a logprob
+    # by up to one ulp, 2^-4 (0.0146 and 0.0159 seen on the H200, 8 of 320 entries past 2e-3), so each entry may
+    # differ by that much, and at most 5% of them by more than 2e-3.
     same = [i for i, (a, b) in enumerate(zip(got, want)) if a.token_ids == b.token_ids]
     assert len(same) >= 20, same
+    gaps = []
     for i in same:
         a, b = got[i], want[i]
         assert a.finish_reason == b.finish_reason, i
         if params[i].logprobs:
-            assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=2**-6), i
+            assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=2**-4), i
+            gaps += [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)]
+    assert sum(g > 2e-3 for g in gaps) <= 0.05 * len(gaps), sorted(gaps)[-10:]
     for i, out in enumerate(got):
         if params[i].structured is not None:
             assert out.finish_reason == "stop", out.text
