@@ -23,13 +23,10 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
-
+from common import copy_bandwidth, graph_of, report, time_fn
 from fastqwen.config import ModelConfig
 from fastqwen.ops._native import has_cuda_kernels, native
-from fastqwen.ops.linear import LinearWeight, fp8_gemm_supported, gemv, linear_silu_and_mul, quantize_fp8, _fp8_gemm
-
-from common import copy_bandwidth, graph_of, report, time_fn
+from fastqwen.ops.linear import LinearWeight, _fp8_gemm, fp8_gemm_supported, gemv, linear_silu_and_mul, quantize_fp8
 
 L2_BYTES = 50 * 1024 * 1024
 MIN_CALLS = 24  # calls per timed graph: its start on the GPU (a few us) is shared among them as in the decode graph
@@ -38,15 +35,28 @@ MIN_CALLS = 24  # calls per timed graph: its start on the GPU (a few us) is shar
 def shapes(preset: str) -> dict[str, tuple[int, int]]:
     cfg = ModelConfig.from_preset(preset)
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (cfg.vocab_size, h)}
+    return {
+        "qkv": (q + 2 * kv, h),
+        "o_proj": (h, q),
+        "gate_up": (2 * i, h),
+        "down": (h, i),
+        "lm_head": (cfg.vocab_size, h),
+    }
 
 
 def weight_bytes(w: LinearWeight) -> int:
     return sum(t.numel() * t.element_size() for t in w.tensors())
 
 
-def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: float, gate_up: bool = False,
-                host_timing: bool = False) -> list[dict]:
+def bench_shape(
+    rows: int,
+    cols: int,
+    batches: list[int],
+    iters: int,
+    copy_gbs: float,
+    gate_up: bool = False,
+    host_timing: bool = False,
+) -> list[dict]:
     """gate_up: also the GEMV with the SiLU-and-mul epilogue (out half as wide), as the MLP runs it. host_timing: one
     pass a graph, the host's submission timed (see the module's doc)."""
     dense = torch.randn(rows, cols, device="cuda") * 0.02
@@ -70,9 +80,13 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
             "gemv_bf16": (bf16, lambda w, o: gemv(x, w, o)),
             "cublas_bf16": (bf16, lambda w, o: torch.matmul(x, w.weight.t(), out=o)),
             "gemv_fp8": (fp8, lambda w, o: gemv(x, w, o)),
-            "fp8_gemm": (fp8, (lambda w, o: o.copy_(_fp8_gemm(x, w))) if scaled_mm
-                         else (lambda w, o: torch.matmul(x, w.dequantize(torch.bfloat16).t(), out=o))),
-        }  # fmt: skip
+            "fp8_gemm": (
+                fp8,
+                (lambda w, o: o.copy_(_fp8_gemm(x, w)))
+                if scaled_mm
+                else (lambda w, o: torch.matmul(x, w.dequantize(torch.bfloat16).t(), out=o)),
+            ),
+        }
         if gate_up:
             variants["gemv_silu_bf16"] = (bf16, lambda w, o: linear_silu_and_mul(x, w, gemv_only=True))
             variants["gemv_silu_fp8"] = (fp8, lambda w, o: linear_silu_and_mul(x, w, gemv_only=True))
@@ -81,6 +95,7 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
                 variants[name.replace("gemv_", "gemv_simt_")] = variants[name]
         row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
         for name, (weights, call) in variants.items():
+
             def all_passes(weights=weights, call=call):
                 for _ in range(passes):
                     for w, o in zip(weights, outs):
@@ -97,8 +112,13 @@ def bench_shape(rows: int, cols: int, batches: list[int], iters: int, copy_gbs: 
             row[f"{name}_frac_copy"] = round(moved / (ms * 1e-3) / 1e9 / copy_gbs, 3)
         if m == 1:  # a copy moving as many bytes as the FP8 GEMV (half read, half written), timed the same way
             half = weight_bytes(fp8[0]) // 2
-            pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
-                     for _ in range(nbuf)]
+            pairs = [
+                (
+                    torch.empty(half, dtype=torch.uint8, device="cuda"),
+                    torch.empty(half, dtype=torch.uint8, device="cuda"),
+                )
+                for _ in range(nbuf)
+            ]
             graph = graph_of(lambda: [d.copy_(s) for _ in range(passes) for s, d in pairs])
             ms = time_fn(graph.replay, iters, queue_ahead=not host_timing) / calls
             row["copy_fp8_bytes_us"] = round(ms * 1e3, 2)
@@ -122,15 +142,20 @@ def main() -> int:
         print("needs a GPU and the CUDA kernels", file=sys.stderr)
         return 1
     copy_gbs = copy_bandwidth(20, queue_ahead=not args.host_timing)
-    result = {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs, 1),
-              "timing": "host" if args.host_timing else "queued ahead", "shapes": {}}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_gbs": round(copy_gbs, 1),
+        "timing": "host" if args.host_timing else "queued ahead",
+        "shapes": {},
+    }
     for preset in args.presets:
         for name, (rows, cols) in shapes(preset).items():
             if args.shapes and name not in args.shapes:
                 continue
             print(f"-- {preset} {name} [{rows}, {cols}]", flush=True)
-            result["shapes"][f"{preset}/{name}"] = bench_shape(rows, cols, args.batches, args.iters, copy_gbs,
-                                                               gate_up=name == "gate_up", host_timing=args.host_timing)
+            result["shapes"][f"{preset}/{name}"] = bench_shape(
+                rows, cols, args.batches, args.iters, copy_gbs, gate_up=name == "gate_up", host_timing=args.host_timing
+            )
             torch.cuda.empty_cache()
     report(result, args.json)
     return 0

@@ -20,11 +20,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
+from common import copy_bandwidth, graph_of, time_fn
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.activation import silu_and_mul, silu_and_mul_reference
-
-from common import copy_bandwidth, graph_of, time_fn
 
 L2_BYTES = 50 * 1024 * 1024
 
@@ -50,8 +48,13 @@ def bench_shape(rows: int, d: int, dtype: torch.dtype, iters: int, copy_gbs: flo
         for x, o in zip(xs, outs):
             torch.mul(F.silu(x[:, :d]), x[:, d:], out=o)
 
-    res = {"rows": rows, "d": d, "dtype": str(dtype).replace("torch.", ""), "buffers": nbuf,
-           "bytes_per_call": bytes_per_call}
+    res = {
+        "rows": rows,
+        "d": d,
+        "dtype": str(dtype).replace("torch.", ""),
+        "buffers": nbuf,
+        "bytes_per_call": bytes_per_call,
+    }
     for name, fn in (("ours", ours), ("ref", ref)):
         g = graph_of(fn)
         ms = time_fn(g.replay, iters, queue_ahead=True) / nbuf
@@ -85,25 +88,40 @@ def main() -> int:
     dev = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth(args.iters)
     print(f"device: {dev}   torch {torch.__version__}   d2d copy (read+write, 1 GiB): {copy_gbs:.0f} GB/s")
-    header = (f"{'tokens':>7} {'d':>6} | {'ours us':>9} {'GB/s':>7} {'%copy':>6} {'eager us':>9} | "
-              f"{'ref us':>9} {'GB/s':>7} {'%copy':>6} {'eager us':>9} | {'speedup':>7}")
+    header = (
+        f"{'tokens':>7} {'d':>6} | {'ours us':>9} {'GB/s':>7} {'%copy':>6} {'eager us':>9} | "
+        f"{'ref us':>9} {'GB/s':>7} {'%copy':>6} {'eager us':>9} | {'speedup':>7}"
+    )
     print(header)
     print("-" * len(header))
     results = []
     for rows in args.tokens:
         r = bench_shape(rows, args.d, torch.bfloat16, args.iters, copy_gbs)
         results.append(r)
-        print(f"{rows:>7} {args.d:>6} | {r['ours_us']:>9.2f} {r['ours_gbs']:>7.0f} {100 * r['ours_frac_copy']:>5.1f}% "
-              f"{r['ours_eager_us']:>9.2f} | {r['ref_us']:>9.2f} {r['ref_gbs']:>7.0f} {100 * r['ref_frac_copy']:>5.1f}% "
-              f"{r['ref_eager_us']:>9.2f} | {r['speedup_vs_ref']:>6.2f}x", flush=True)
+        print(
+            f"{rows:>7} {args.d:>6} | {r['ours_us']:>9.2f} {r['ours_gbs']:>7.0f} {100 * r['ours_frac_copy']:>5.1f}% "
+            f"{r['ours_eager_us']:>9.2f} | {r['ref_us']:>9.2f} {r['ref_gbs']:>7.0f} {100 * r['ref_frac_copy']:>5.1f}% "
+            f"{r['ref_eager_us']:>9.2f} | {r['speedup_vs_ref']:>6.2f}x",
+            flush=True,
+        )
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bench": "silu_and_mul", "device": dev, "torch": torch.__version__,
-                       "cuda": torch.version.cuda, "copy_gbs": copy_gbs, "iters": args.iters,
-                       "note": "us per call: median over samples of one CUDA-graph replay of a pass over "
-                               "all buffers / buffers; GB/s counts 3*d*rows*2 bytes per call",
-                       "results": results}, f, indent=2)
+            json.dump(
+                {
+                    "bench": "silu_and_mul",
+                    "device": dev,
+                    "torch": torch.__version__,
+                    "cuda": torch.version.cuda,
+                    "copy_gbs": copy_gbs,
+                    "iters": args.iters,
+                    "note": "us per call: median over samples of one CUDA-graph replay of a pass over "
+                    "all buffers / buffers; GB/s counts 3*d*rows*2 bytes per call",
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {args.json}")
     return 0
 

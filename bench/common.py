@@ -7,7 +7,6 @@ import statistics
 
 import torch
 
-
 # GPU clock cycles the stream spins before a queued-ahead sample (about 100 us at the H100's 1.98 GHz): longer than
 # the host takes to enqueue the start event and fn's work.
 QUEUE_AHEAD_CYCLES = 200_000
@@ -63,16 +62,21 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
 
 def hf_model_like(preset: str, device: str, max_positions: int = 8192):
     """Hugging Face's Qwen3ForCausalLM with a preset's shapes and its own random bf16 weights: the baseline."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from fastqwen.config import ModelConfig
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = ModelConfig.from_preset(preset)
     hf_cfg = Qwen3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=max_positions,
-    )  # fmt: skip
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=max_positions,
+    )
     torch.set_default_dtype(torch.bfloat16)  # build in bf16 directly: an fp32 8B model would not fit beside ours
     try:
         with torch.device(device):

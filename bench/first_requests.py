@@ -14,7 +14,6 @@ import statistics
 import sys
 
 import httpx
-
 from latency import stream_stamps
 
 

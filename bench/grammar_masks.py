@@ -23,10 +23,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from structured import plain_schemas, schemas  # noqa: E402
-
 from fastqwen.grammar import GrammarCompiler, fill_bitmasks  # noqa: E402
 from fastqwen.sampling_params import StructuredOutput  # noqa: E402
+from structured import plain_schemas, schemas  # noqa: E402
 
 VOCAB, EOS = 151936, 151645
 
@@ -43,7 +42,9 @@ def main() -> int:
         return 2
     tokenizer = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files", "tokenizer.json")
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {args.rows} rows, {args.steps} steps")
-    for groups, (name, mix) in ((g, m) for g in args.lexer_groups for m in (("exact", schemas(256)), ("plain", plain_schemas(256)))):
+    for groups, (name, mix) in (
+        (g, m) for g in args.lexer_groups for m in (("exact", schemas(256)), ("plain", plain_schemas(256)))
+    ):
         compiler = GrammarCompiler(tokenizer, VOCAB, [EOS], lexer_groups=groups or None)
         rng = random.Random(0)
         specs = [StructuredOutput("json_schema", json.dumps(s)) for s in mix]
@@ -58,8 +59,10 @@ def main() -> int:
                 allowed = np.flatnonzero(np.unpackbits(out[i].view(np.uint8), bitorder="little")[:VOCAB])
                 m.advance(int(rng.choice(allowed)))
         ms = np.array(times) * 1e3
-        print(f"{name}, {compiler.lexer_groups} compiles per spec: masks of {args.rows} rows per step: median "
-              f"{np.median(ms):.2f} ms, p90 {np.percentile(ms, 90):.2f} ms")
+        print(
+            f"{name}, {compiler.lexer_groups} compiles per spec: masks of {args.rows} rows per step: median "
+            f"{np.median(ms):.2f} ms, p90 {np.percentile(ms, 90):.2f} ms"
+        )
         compiler.close()
     return 0
 

@@ -18,7 +18,7 @@ import math
 import sys
 
 import torch
-
+from common import copy_bandwidth, graph_of, time_fn
 from fastqwen.ops import (
     decode_workspace,
     fused_add_rms_norm,
@@ -29,13 +29,11 @@ from fastqwen.ops import (
     rms_norm,
     rope_cos_sin_cache,
 )
+from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
 from fastqwen.ops.kv_fp8 import quantize_kv
-from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.norm import rms_norm_reference
 from fastqwen.ops.rope_kv import apply_rope_reference
-
-from common import copy_bandwidth, graph_of, time_fn
 from sampling_bench import bench_sample_cases, print_sample_rows
 
 L2_BYTES = 50 * 1024 * 1024
@@ -138,8 +136,12 @@ def bench_qk(tokens: int, copy_gbs: float, iters: int) -> dict:
 
     variants = {
         "ours": ours,
-        "eager": lambda: [qk_reference(qkv[i], qw, kw, cos_sin, positions[i], k_flat, v_flat, slots[i], q_out[i]) for i in range(nbuf)],
-        "compiled": lambda: [compiled(qkv[i], qw, kw, cos_sin, positions[i], k_flat, v_flat, slots[i], q_out[i]) for i in range(nbuf)],
+        "eager": lambda: [
+            qk_reference(qkv[i], qw, kw, cos_sin, positions[i], k_flat, v_flat, slots[i], q_out[i]) for i in range(nbuf)
+        ],
+        "compiled": lambda: [
+            compiled(qkv[i], qw, kw, cos_sin, positions[i], k_flat, v_flat, slots[i], q_out[i]) for i in range(nbuf)
+        ],
     }
     row = measure("qk_norm_rope_store_kv", tokens, per, nbuf, variants, copy_gbs, iters)
     del qkv, q_out, k_cache, v_cache
@@ -188,15 +190,28 @@ def bench_decode(batch: int, length: int, copy_gbs: float, iters: int, kv: str =
             for i in range(nbuf)
         ],
     }
-    row = {"op": "paged_attention_decode", "kv_dtype": kv, "batch": batch, "tokens": length, "splits": splits,
-           "buffers": nbuf, "bytes_per_call": per}  # fmt: skip
+    row = {
+        "op": "paged_attention_decode",
+        "kv_dtype": kv,
+        "batch": batch,
+        "tokens": length,
+        "splits": splits,
+        "buffers": nbuf,
+        "bytes_per_call": per,
+    }
     graph = graph_of(variants["ours"])
     us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
     del graph
     row["ours_us"] = us
     row["ours_gbs"] = per / (us * 1e-6) / 1e9
     row["ours_frac_copy"] = row["ours_gbs"] / copy_gbs
-    ref = lambda: [paged_attention_decode_reference(qs[i], k_cache, v_cache, tables[i], lens, scale) for i in range(ref_buffers)]  # noqa: E731
+
+    def ref():
+        return [
+            paged_attention_decode_reference(qs[i], k_cache, v_cache, tables[i], lens, scale)
+            for i in range(ref_buffers)
+        ]
+
     row["reference_us"] = time_fn(ref, max(5, iters // 10)) / ref_buffers * 1e3
     del k_cache, v_cache, qs, outs
     torch.cuda.empty_cache()
@@ -230,13 +245,22 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16
         torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
     flops = 4 * HEADS * HEAD_DIM * batch * sum(prefix + i + 1 for i in range(new))
     ours = lambda: [  # noqa: E731
-        paged_attention_prefill(qs[i], k_cache, v_cache, starts, tables[i], lens, scale, outs[i], new) for i in range(nbuf)
+        paged_attention_prefill(qs[i], k_cache, v_cache, starts, tables[i], lens, scale, outs[i], new)
+        for i in range(nbuf)
     ]
     graph = graph_of(ours)
     us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
     del graph
-    row = {"op": "paged_attention_prefill", "kv_dtype": kv, "batch": batch, "new_tokens": new, "prefix": prefix,
-           "flops": flops, "ours_us": us, "ours_tflops": flops / (us * 1e-6) / 1e12}  # fmt: skip
+    row = {
+        "op": "paged_attention_prefill",
+        "kv_dtype": kv,
+        "batch": batch,
+        "new_tokens": new,
+        "prefix": prefix,
+        "flops": flops,
+        "ours_us": us,
+        "ours_tflops": flops / (us * 1e-6) / 1e12,
+    }
     del k_cache, v_cache, qs, outs, want
     torch.cuda.empty_cache()
     if kv != "bf16":
@@ -254,7 +278,12 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16
         mask_kw = {"attn_mask": causal_lower_right(new, total)}
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            sdpa = lambda: [torch.nn.functional.scaled_dot_product_attention(q[i], k[i], v[i], **mask_kw) for i in range(nbuf)]  # noqa: E731
+
+            def sdpa():
+                return [
+                    torch.nn.functional.scaled_dot_product_attention(q[i], k[i], v[i], **mask_kw) for i in range(nbuf)
+                ]
+
             graph = graph_of(sdpa)
             sdpa_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
             del graph
@@ -279,12 +308,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 4096, 8192, 16384])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--ops", nargs="+", default=["norms", "qk", "decode", "prefill", "sample"], choices=["norms", "qk", "decode", "prefill", "sample"])
-    ap.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES, help="KV pools of the attention rows")
-    ap.add_argument("--min-chunks", type=int, nargs="*", default=[],
-                    help="also time the decode rows with these shortest chunks (tokens), for each KV pool")
-    ap.add_argument("--decode-cases", nargs="+", default=None, metavar="BATCH:TOKENS",
-                    help=f"the decode rows' shapes (default {' '.join(f'{b}:{n}' for b, n in DECODE_CASES)})")
+    ap.add_argument(
+        "--ops",
+        nargs="+",
+        default=["norms", "qk", "decode", "prefill", "sample"],
+        choices=["norms", "qk", "decode", "prefill", "sample"],
+    )
+    ap.add_argument(
+        "--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES, help="KV pools of the attention rows"
+    )
+    ap.add_argument(
+        "--min-chunks",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the decode rows with these shortest chunks (tokens), for each KV pool",
+    )
+    ap.add_argument(
+        "--decode-cases",
+        nargs="+",
+        default=None,
+        metavar="BATCH:TOKENS",
+        help=f"the decode rows' shapes (default {' '.join(f'{b}:{n}' for b, n in DECODE_CASES)})",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
@@ -299,21 +345,34 @@ def main() -> int:
         if "qk" in args.ops:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
     cases = [tuple(int(x) for x in c.split(":")) for c in args.decode_cases] if args.decode_cases else DECODE_CASES
-    decode_rows = [bench_decode(b, n, copy_gbs, args.iters, kv) for b, n in cases for kv in args.kv_dtypes] if "decode" in args.ops else []
+    decode_rows = (
+        [bench_decode(b, n, copy_gbs, args.iters, kv) for b, n in cases for kv in args.kv_dtypes]
+        if "decode" in args.ops
+        else []
+    )
     if "decode" in args.ops:
         from fastqwen.ops._native import native
+
         for kv in args.kv_dtypes:
             for chunk in args.min_chunks:
                 native().set_paged_attention_decode_min_chunk(kv == "fp8", chunk)
                 for b, n in cases:
                     decode_rows.append({**bench_decode(b, n, copy_gbs, args.iters, kv), "min_chunk": chunk})
             native().set_paged_attention_decode_min_chunk(kv == "fp8", 0)  # the default
-    prefill_rows = [bench_prefill(b, n, p, args.iters, kv) for b, n, p in PREFILL_CASES for kv in args.kv_dtypes] if "prefill" in args.ops else []
+    prefill_rows = (
+        [bench_prefill(b, n, p, args.iters, kv) for b, n, p in PREFILL_CASES for kv in args.kv_dtypes]
+        if "prefill" in args.ops
+        else []
+    )
     sample_rows = bench_sample_cases(copy_gbs, args.iters) if "sample" in args.ops else []
     tflops = matmul_tflops(args.iters)
-    print(f"device: {device}   torch {torch.__version__}   d2d copy (read+write): {copy_gbs:.0f} GB/s   "
-          f"bf16 matmul 8192^3: {tflops:.0f} TFLOP/s   bf16, Qwen3-8B sizes")  # fmt: skip
-    print(f"{'op':<22} {'tokens':>6} | {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'eager1':>7} | {'eager us':>8} {'compiled us':>11} | {'vs compiled':>11}")
+    print(
+        f"device: {device}   torch {torch.__version__}   d2d copy (read+write): {copy_gbs:.0f} GB/s   "
+        f"bf16 matmul 8192^3: {tflops:.0f} TFLOP/s   bf16, Qwen3-8B sizes"
+    )
+    print(
+        f"{'op':<22} {'tokens':>6} | {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'eager1':>7} | {'eager us':>8} {'compiled us':>11} | {'vs compiled':>11}"
+    )
     for r in rows:
         print(
             f"{r['op']:<22} {r['tokens']:>6} | {r['ours_us']:>8.2f} {r['ours_gbs']:>6.0f} {r['ours_frac_copy']:>6.1%} "
@@ -325,8 +384,11 @@ def main() -> int:
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
         )
     for r in prefill_rows:
-        sdpa = (f"SDPA flash {r['sdpa_flash_us']:>8.1f} us {r['sdpa_flash_tflops']:>5.0f} TFLOP/s | ours/sdpa {r['ours_vs_sdpa']:.2f}"
-                if "sdpa_flash_us" in r else f"SDPA flash: {r.get('sdpa_flash_error')}")  # fmt: skip
+        sdpa = (
+            f"SDPA flash {r['sdpa_flash_us']:>8.1f} us {r['sdpa_flash_tflops']:>5.0f} TFLOP/s | ours/sdpa {r['ours_vs_sdpa']:.2f}"
+            if "sdpa_flash_us" in r
+            else f"SDPA flash: {r.get('sdpa_flash_error')}"
+        )
         print(
             f"paged_attention_prefill {r['kv_dtype']:<4} B={r['batch']:<2} new={r['new_tokens']:<5} prefix={r['prefix']:<5} | "
             f"{r['ours_us']:>8.1f} us {r['ours_tflops']:>5.0f} TFLOP/s | {sdpa}"
@@ -334,10 +396,21 @@ def main() -> int:
     print_sample_rows(sample_rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bench": "kernels", "device": device, "torch": torch.__version__, "copy_gbs": copy_gbs,
-                       "matmul_tflops": tflops, "rows": rows, "decode": decode_rows, "prefill": prefill_rows,
-                       "sample": sample_rows}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "bench": "kernels",
+                    "device": device,
+                    "torch": torch.__version__,
+                    "copy_gbs": copy_gbs,
+                    "matmul_tflops": tflops,
+                    "rows": rows,
+                    "decode": decode_rows,
+                    "prefill": prefill_rows,
+                    "sample": sample_rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

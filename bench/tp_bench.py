@@ -28,7 +28,6 @@ CALLS_PER_GRAPH = 100
 
 def _rank(rank: int, world: int, port: int, hidden: int, results) -> None:
     import torch.distributed as dist
-
     from fastqwen.ops.collectives import ParallelGroup
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -88,14 +87,22 @@ def main() -> int:
         return 1
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, args.port, args.hidden, results)) for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, args.world, args.port, args.hidden, results)) for r in range(args.world)
+    ]
     for proc in procs:
         proc.start()
     rows = results.get(timeout=600)
     for proc in procs:
         proc.join(60)
-    out = {"device": torch.cuda.get_device_name(0), "world": args.world, "hidden": args.hidden, "dtype": "bfloat16",
-           "calls_per_graph": CALLS_PER_GRAPH, "rows": rows}  # fmt: skip
+    out = {
+        "device": torch.cuda.get_device_name(0),
+        "world": args.world,
+        "hidden": args.hidden,
+        "dtype": "bfloat16",
+        "calls_per_graph": CALLS_PER_GRAPH,
+        "rows": rows,
+    }
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -194,8 +194,15 @@ def write_byte_level_tokenizer(folder: str, vocab_size: int = 320) -> None:
     tok.save(os.path.join(folder, "tokenizer.json"))
 
 
-FP8_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                   "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+FP8_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def block_dequantize_f64(values: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -236,8 +243,12 @@ def make_fp8_checkpoint(folder: str, *, seed: int = 0, scale_dtype: torch.dtype 
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     config_path = os.path.join(folder, "config.json")
     config = read_json(config_path)
-    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                     "weight_block_size": [128, 128]}  # fmt: skip
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
     with open(config_path, "w") as f:
         json.dump(config, f)
     return hf, reference

@@ -9,10 +9,9 @@ after a forward graph) and the tokens can be checked against the plain CPU engin
 
 from __future__ import annotations
 
-import torch
-
 import fastqwen.engine.llm_engine as llm_engine_module
 import fastqwen.engine.model_runner as model_runner_module
+import torch
 from fastqwen import LLM
 from fastqwen.engine.cuda_graph import DecodeGraphs
 from fastqwen.engine.sampler import GpuSampler
@@ -50,10 +49,16 @@ class StandInGraphs(DecodeGraphs):
         b = self.batch(size)
         n = int((b.kv_lens > 0).sum())
         rows = ForwardBatch(
-            input_ids=b.input_ids[:n], positions=b.positions[:n], out_slots=b.out_slots[:n],
-            query_start=b.query_start[: n + 1], kv_lens=b.kv_lens[:n], page_table=b.page_table[:n],
-            logits_indices=b.logits_indices[:n], is_decode=True, max_query_len=1,
-        )  # fmt: skip
+            input_ids=b.input_ids[:n],
+            positions=b.positions[:n],
+            out_slots=b.out_slots[:n],
+            query_start=b.query_start[: n + 1],
+            kv_lens=b.kv_lens[:n],
+            page_table=b.page_table[:n],
+            logits_indices=b.logits_indices[:n],
+            is_decode=True,
+            max_query_len=1,
+        )
         self.logits[:size] = 0.0
         self.logits[:n] = self.model.forward(rows, self.kv)
         return self.logits[:size]
@@ -71,7 +76,11 @@ class StandInGraphs(DecodeGraphs):
 def graph_llm(monkeypatch, folder: str, **kwargs) -> LLM:
     """An LLM on the CPU taking the CUDA-graph decode path (graphs up to cuda_graph_max_bs, 8 unless given)."""
     monkeypatch.setattr(llm_engine_module, "unsupported_reason", lambda model: None)
-    monkeypatch.setattr(llm_engine_module, "make_sampler", lambda vocab, rows, device, eos, seed: GpuSampler(vocab, rows, device, eos, seed))
+    monkeypatch.setattr(
+        llm_engine_module,
+        "make_sampler",
+        lambda vocab, rows, device, eos, seed: GpuSampler(vocab, rows, device, eos, seed),
+    )
     monkeypatch.setattr(model_runner_module, "DecodeGraphs", StandInGraphs)
     monkeypatch.setattr(torch.cuda, "Event", DoneEvent)
     kwargs.setdefault("cuda_graph_max_bs", 8)
@@ -84,5 +93,9 @@ def graph_llm(monkeypatch, folder: str, **kwargs) -> LLM:
 
 def plain_llm(monkeypatch, folder: str, **kwargs) -> LLM:
     """The same engine without graphs (and the same sampler), for reference tokens."""
-    monkeypatch.setattr(llm_engine_module, "make_sampler", lambda vocab, rows, device, eos, seed: GpuSampler(vocab, rows, device, eos, seed))
+    monkeypatch.setattr(
+        llm_engine_module,
+        "make_sampler",
+        lambda vocab, rows, device, eos, seed: GpuSampler(vocab, rows, device, eos, seed),
+    )
     return LLM(folder, dtype="float32", device="cpu", disable_cuda_graph=True, **kwargs)

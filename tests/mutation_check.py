@@ -43,67 +43,115 @@ PREFILL_TESTS = ["tests/test_attention_gpu.py::test_prefill_every_tile_counts"]
 
 MUTATIONS = [
     Mutation(
-        "decode_skips_first_chunk", DECODE,
-        [("  it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;",
-          "  it.n_tiles = it.split == 0 && it.num_splits > 1 ? 0 : (max(it.end - it.start, 0) + tile - 1) / tile;")],
-        DECODE_TESTS, "the first chunk of a split sequence computes nothing (its keys are dropped)",
+        "decode_skips_first_chunk",
+        DECODE,
+        [
+            (
+                "  it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;",
+                "  it.n_tiles = it.split == 0 && it.num_splits > 1 ? 0 : (max(it.end - it.start, 0) + tile - 1) / tile;",
+            )
+        ],
+        DECODE_TESTS,
+        "the first chunk of a split sequence computes nothing (its keys are dropped)",
     ),
     Mutation(
-        "decode_merge_skips_last_chunk", DECODE,
-        [("  for (int s = 0; s < n; ++s) o += weight[s] * part[s * stride];",
-          "  for (int s = 0; s < n - 1; ++s) o += weight[s] * part[s * stride];")],
-        DECODE_TESTS, "the merge leaves out the last chunk's output (its weight still counts in the sum)",
+        "decode_merge_skips_last_chunk",
+        DECODE,
+        [
+            (
+                "  for (int s = 0; s < n; ++s) o += weight[s] * part[s * stride];",
+                "  for (int s = 0; s < n - 1; ++s) o += weight[s] * part[s * stride];",
+            )
+        ],
+        DECODE_TESTS,
+        "the merge leaves out the last chunk's output (its weight still counts in the sum)",
     ),
     Mutation(
-        "decode_merge_equal_weights", DECODE,
-        [("    const float w = m != -INFINITY && d < n ? exp2f(lse - m) : 0.0f;  // log2 units",
-          "    const float w = m != -INFINITY && d < n ? 1.0f : 0.0f;")],
-        DECODE_TESTS, "chunks merged with equal weights instead of their softmax mass",
+        "decode_merge_equal_weights",
+        DECODE,
+        [
+            (
+                "    const float w = m != -INFINITY && d < n ? exp2f(lse - m) : 0.0f;  // log2 units",
+                "    const float w = m != -INFINITY && d < n ? 1.0f : 0.0f;",
+            )
+        ],
+        DECODE_TESTS,
+        "chunks merged with equal weights instead of their softmax mass",
     ),
     Mutation(
-        "decode_ignores_split_limit", DECODE,
-        [("  const int want = max(min_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);",
-          "  const int want = min_chunk;"),
-         ("    const int n = b < batch ? max(1, (len + clen - 1) / clen) : 0;",
-          "    const int n = b < batch ? max(1, min(kDecodeMaxSplits, (len + clen - 1) / clen)) : 0;")],
-        DECODE_TESTS, "chunks stay at the minimum length and are capped at 32: keys past 32 chunks are dropped",
+        "decode_ignores_split_limit",
+        DECODE,
+        [
+            (
+                "  const int want = max(min_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);",
+                "  const int want = min_chunk;",
+            ),
+            (
+                "    const int n = b < batch ? max(1, (len + clen - 1) / clen) : 0;",
+                "    const int n = b < batch ? max(1, min(kDecodeMaxSplits, (len + clen - 1) / clen)) : 0;",
+            ),
+        ],
+        DECODE_TESTS,
+        "chunks stay at the minimum length and are capped at 32: keys past 32 chunks are dropped",
     ),
     Mutation(
-        "prefill_skips_first_tile", PREFILL,
-        [("              if (masked && j * kBN + ni * 8 + (lane & 3) * 2 + e > row_pos[mi][h]) x = -INFINITY;",
-          "              if (masked && j * kBN + ni * 8 + (lane & 3) * 2 + e > row_pos[mi][h]) x = -INFINITY;\n"
-          "              if (j == 0 && n_kv_tiles > 1) x = -INFINITY;")],
-        PREFILL_TESTS, "the first 64-key tile is masked out whenever there is more than one",
+        "prefill_skips_first_tile",
+        PREFILL,
+        [
+            (
+                "              if (masked && j * kBN + ni * 8 + (lane & 3) * 2 + e > row_pos[mi][h]) x = -INFINITY;",
+                "              if (masked && j * kBN + ni * 8 + (lane & 3) * 2 + e > row_pos[mi][h]) x = -INFINITY;\n"
+                "              if (j == 0 && n_kv_tiles > 1) x = -INFINITY;",
+            )
+        ],
+        PREFILL_TESTS,
+        "the first 64-key tile is masked out whenever there is more than one",
     ),
     Mutation(
-        "prefill_no_rescale", PREFILL,
+        "prefill_no_rescale",
+        PREFILL,
         [("          const float alpha = fast_exp2(m_run[mi][h] - m_use);", "          const float alpha = 1.0f;")],
-        PREFILL_TESTS, "earlier tiles are not rescaled when the running max grows (tiles merged with wrong weights)",
+        PREFILL_TESTS,
+        "earlier tiles are not rescaled when the running max grows (tiles merged with wrong weights)",
     ),
     Mutation(
-        "gemv_fp8_ring_reloads_its_chunk", "csrc/gemv.cu",
-        [("            wv[r] = load_stream(rows.rows0 + rows.row_off[r] + next);",
-          "            wv[r] = load_stream(rows.rows0 + rows.row_off[r] + c);")],
+        "gemv_fp8_ring_reloads_its_chunk",
+        "csrc/gemv.cu",
+        [
+            (
+                "            wv[r] = load_stream(rows.rows0 + rows.row_off[r] + next);",
+                "            wv[r] = load_stream(rows.rows0 + rows.row_off[r] + c);",
+            )
+        ],
         ["tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-8B-fp8]"],
         "the one-token FP8 GEMV multiplies each lane's first chunk of a row again in place of the later ones",
     ),
     Mutation(
-        "gemv_norm_sums_squares_of_weighted_x", "csrc/gemv.cu",
-        [("      sq = fmaf(out[i], out[i], sq);\n      out[i] *= gf[i];",
-          "      out[i] *= gf[i];\n      sq = fmaf(out[i], out[i], sq);")],
+        "gemv_norm_sums_squares_of_weighted_x",
+        "csrc/gemv.cu",
+        [
+            (
+                "      sq = fmaf(out[i], out[i], sq);\n      out[i] *= gf[i];",
+                "      out[i] *= gf[i];\n      sq = fmaf(out[i], out[i], sq);",
+            )
+        ],
         ["tests/test_gemv_gpu.py::test_norm_in_gemv_matches_float64_and_the_norm_kernel[8B-bf16]"],
         "the GEMV that finishes an RMSNorm takes the rms of x * weight instead of x's",
     ),
     Mutation(
-        "fold_norm_keeps_the_norm_weight", "python/fastqwen/weights.py",
+        "fold_norm_keeps_the_norm_weight",
+        "python/fastqwen/weights.py",
         [("    norm_weight.fill_(1)\n", "")],
         ["tests/test_gemv_gpu.py::test_engine_norms_in_gemv_match_the_norm_kernels[none]"],
         "the norm weight goes into the projection's columns but the norm kernels (prefill, batches) still apply it too",
     ),
     Mutation(
-        "prefix_cache_evicts_most_recent", "python/fastqwen/kvcache/radix_cache.py",
-        [("(n.last_access, id(n), n)", "(-n.last_access, id(n), n)"),
-         ("(parent.last_access, id(parent), parent)", "(-parent.last_access, id(parent), parent)")],
+        "prefix_cache_evicts_most_recent",
+        "python/fastqwen/kvcache/radix_cache.py",
+        [
+            ("(n.last_access, id(n), n)", "(-n.last_access, id(n), n)"),
+            ("(parent.last_access, id(parent), parent)", "(-parent.last_access, id(parent), parent)"),
+        ],
         ["tests/test_prefix_cache.py::test_eviction_takes_the_least_recently_used_prefix"],
         "eviction takes the most recently used prefix first",
     ),
@@ -121,16 +169,22 @@ def mutate(text: str, mutation: Mutation) -> str:
 def installed_package() -> Path:
     out = subprocess.run(
         [sys.executable, "-c", "import fastqwen, os; print(os.path.dirname(fastqwen.__file__))"],
-        capture_output=True, text=True, check=True, cwd="/",
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
     return Path(out.stdout.strip())
 
 
 def build_commands(build_dir: Path, source: str) -> tuple[str, str, str]:
     """The build's compile command for csrc/<source>, its link command, and the module's file name."""
-    lines = subprocess.run(["ninja", "-C", str(build_dir), "-t", "commands"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()  # fmt: skip
-    compile_cmd = next(line for line in lines if line.rstrip().endswith(f"/csrc/{source}") or f"/csrc/{source} -o" in line)
+    lines = subprocess.run(
+        ["ninja", "-C", str(build_dir), "-t", "commands"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    compile_cmd = next(
+        line for line in lines if line.rstrip().endswith(f"/csrc/{source}") or f"/csrc/{source} -o" in line
+    )
     link = next(line for line in reversed(lines) if " -shared " in line)
     module = link.split(" -o ", 1)[1].split()[0]
     return compile_cmd, link, module
@@ -167,14 +221,22 @@ def prepare(mutation: Mutation, package: Path, work: Path, build_dir: Path | Non
 
 def run_tests(mutation: Mutation, work: Path) -> tuple[str, str]:
     env = dict(os.environ, PYTHONPATH=f"{work}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    where = subprocess.run([sys.executable, "-c", "import fastqwen; print(fastqwen.__file__)"], env=env, cwd="/",
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    where = subprocess.run(
+        [sys.executable, "-c", "import fastqwen; print(fastqwen.__file__)"],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     if not where.startswith(str(work)):
         return "ERROR", f"the mutant is not what imports: {where}"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests],
-        env=env, cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     lines = (result.stdout + result.stderr).strip().splitlines()
     errors = [line for line in lines if line.startswith("E  ")][:12]  # the assertion that caught it
     tail = "\n".join(errors + lines[-3:])
@@ -188,8 +250,12 @@ def main() -> int:
     p.add_argument("--only", choices=["gpu", "cpu"], default=None, help="only the CUDA (gpu) or Python (cpu) mutants")
     p.add_argument("--work", type=Path, default=Path("/tmp/fastqwen-mutants"))
     p.add_argument("--out", type=Path, default=None, help="write mutations.log here")
-    p.add_argument("--phase", choices=["all", "build", "test"], default="all",
-                   help="build: only make the mutants (e.g. while other tests use the GPU); test: only test those made")
+    p.add_argument(
+        "--phase",
+        choices=["all", "build", "test"],
+        default="all",
+        help="build: only make the mutants (e.g. while other tests use the GPU); test: only test those made",
+    )
     args = p.parse_args()
     chosen = [m for m in MUTATIONS if args.only is None or m.cuda == (args.only == "gpu")]
     builds = {}
@@ -212,8 +278,10 @@ def main() -> int:
         else:
             verdict, tail = run_tests(mutation, work)
         caught += verdict == "CAUGHT"
-        lines.append(f"== {mutation.name}: {verdict}\n   bug: {mutation.why}\n   tests: {' '.join(mutation.tests)}\n"
-                     + "\n".join("   | " + t for t in tail.splitlines()))  # fmt: skip
+        lines.append(
+            f"== {mutation.name}: {verdict}\n   bug: {mutation.why}\n   tests: {' '.join(mutation.tests)}\n"
+            + "\n".join("   | " + t for t in tail.splitlines())
+        )
         print(lines[-1], flush=True)
     summary = f"{caught} of {len(chosen)} mutants caught"
     print(summary)

@@ -22,7 +22,17 @@ class ServerProcess:
         """log_dir: where the server's log goes (default: next to the model folder)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "fastqwen.serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fastqwen.serve",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         self.log_path = os.path.join(log_dir or os.path.dirname(model), f"server-{self.port}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([*cmd, *args], stdout=self._log, stderr=subprocess.STDOUT)

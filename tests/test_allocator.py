@@ -3,7 +3,6 @@
 import random
 
 import pytest
-
 from fastqwen import _C
 
 PageAllocator = _C.PageAllocator

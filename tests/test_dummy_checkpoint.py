@@ -19,8 +19,13 @@ VOCAB = 151936  # every dense Qwen3
 
 def make(out: str, *extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "bench") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, SCRIPT, "--preset", "Qwen3-0.6B", "--out", out, *extra], capture_output=True,
-                          text=True, timeout=300, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--preset", "Qwen3-0.6B", "--out", out, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

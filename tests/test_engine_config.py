@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from fastqwen.config import ConfigError, EngineConfig
 from fastqwen.serve import parse_args
 
@@ -29,19 +28,56 @@ def test_every_field_has_a_flag_and_defaults_round_trip():
 
 def test_flags_set_their_fields_with_the_right_types():
     argv = [
-        "--model", "Qwen3-8B", "--load-format", "dummy", "--dtype", "half", "--page-size", "32", "--max-num-seqs", "7",
-        "--max-num-batched-tokens", "99", "--max-model-len", "1000", "--num-pages", "12", "--kv-cache-memory-fraction",
-        "0.5", "--seed", "3", "--disable-radix-cache", "--disable-cuda-graph", "--cuda-graph-max-bs", "8",
-        "--disable-overlap-schedule", "--device", "cpu",
-    ]  # fmt: skip
+        "--model",
+        "Qwen3-8B",
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "half",
+        "--page-size",
+        "32",
+        "--max-num-seqs",
+        "7",
+        "--max-num-batched-tokens",
+        "99",
+        "--max-model-len",
+        "1000",
+        "--num-pages",
+        "12",
+        "--kv-cache-memory-fraction",
+        "0.5",
+        "--seed",
+        "3",
+        "--disable-radix-cache",
+        "--disable-cuda-graph",
+        "--cuda-graph-max-bs",
+        "8",
+        "--disable-overlap-schedule",
+        "--device",
+        "cpu",
+    ]
     config = EngineConfig.from_cli(_parse(argv))
     assert config == EngineConfig(
-        model="Qwen3-8B", load_format="dummy", dtype="half", page_size=32, max_num_seqs=7, max_num_batched_tokens=99,
-        max_model_len=1000, num_pages=12, gpu_memory_utilization=0.5, seed=3, enable_prefix_caching=False,
-        disable_cuda_graph=True, cuda_graph_max_bs=8, disable_overlap_schedule=True, device="cpu",
-    )  # fmt: skip
+        model="Qwen3-8B",
+        load_format="dummy",
+        dtype="half",
+        page_size=32,
+        max_num_seqs=7,
+        max_num_batched_tokens=99,
+        max_model_len=1000,
+        num_pages=12,
+        gpu_memory_utilization=0.5,
+        seed=3,
+        enable_prefix_caching=False,
+        disable_cuda_graph=True,
+        cuda_graph_max_bs=8,
+        disable_overlap_schedule=True,
+        device="cpu",
+    )
     # vLLM's spellings are accepted as aliases.
-    alias = EngineConfig.from_cli(_parse(["--model", "m", "--gpu-memory-utilization", "0.3", "--no-enable-prefix-caching"]))
+    alias = EngineConfig.from_cli(
+        _parse(["--model", "m", "--gpu-memory-utilization", "0.3", "--no-enable-prefix-caching"])
+    )
     assert alias.gpu_memory_utilization == 0.3 and alias.enable_prefix_caching is False
 
 
@@ -96,8 +132,10 @@ def test_serve_takes_the_engine_flags():
 def test_serve_reports_a_bad_knob_by_its_flag():
     proc = subprocess.run(
         [sys.executable, "-m", "fastqwen.serve", "--model", "m", "--kv-cache-memory-fraction", "2"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "--kv-cache-memory-fraction" in proc.stderr
 

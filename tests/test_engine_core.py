@@ -12,10 +12,8 @@ import time
 
 import httpx
 import pytest
-
-from fastqwen import LLM, SamplingParams
-
 from checkpoints import make_checkpoint
+from fastqwen import LLM, SamplingParams
 from server_process import ServerProcess, metric, metrics_when_idle
 
 COMMON = ["--dtype", "float32", "--device", "cpu", "--num-pages", "2048", "--page-size", "4"]
@@ -38,11 +36,14 @@ def test_core_process_gives_the_offline_tokens_for_a_mixed_batch(folder):
     """Greedy and seeded rows at once, over /generate with token ids, against LLM.generate on the same checkpoint."""
     prompts = [[(13 * i + 7 * j) % 380 + 1 for j in range(5 + 3 * i)] for i in range(6)]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) if i % 2 == 0
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        if i % 2 == 0
         else SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=12, ignore_eos=True)
         for i in range(6)
-    ]  # fmt: skip
-    expected = LLM(folder, dtype="float32", device="cpu", num_pages=2048, page_size=4).generate(prompts, params, use_tqdm=False)
+    ]
+    expected = LLM(folder, dtype="float32", device="cpu", num_pages=2048, page_size=4).generate(
+        prompts, params, use_tqdm=False
+    )
     srv = ServerProcess(folder, *COMMON)
     try:
         assert core_pid(srv) != srv.proc.pid
@@ -114,8 +115,11 @@ def test_a_model_that_cannot_load_exits_nonzero(tmp_path):
 def test_disconnected_streams_release_every_page_in_the_core(folder):
     srv = ServerProcess(folder, *COMMON)
     try:
+
         async def scenario():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=30, limits=httpx.Limits(max_connections=100)) as http:
+            async with httpx.AsyncClient(
+                base_url=srv.url, timeout=30, limits=httpx.Limits(max_connections=100)
+            ) as http:
 
                 async def stream_then_leave(i):
                     body = {"prompt": [i % 300 + 1, 4, 5], "max_tokens": 500, "ignore_eos": True, "stream": True}

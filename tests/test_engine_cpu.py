@@ -10,10 +10,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from fastqwen import LLM, InvalidRequestError, SamplingParams
-
 from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint
+from fastqwen import LLM, InvalidRequestError, SamplingParams
 
 NEW_TOKENS = 32
 
@@ -30,7 +28,10 @@ def checkpoints(tmp_path_factory):
     made = {}
     for name, (tied, heads, kv_heads) in MODELS.items():
         folder = str(tmp_path_factory.mktemp(name))
-        made[name] = (folder, make_checkpoint(folder, tied=tied, num_heads=heads, num_kv_heads=kv_heads, seed=len(made)))
+        made[name] = (
+            folder,
+            make_checkpoint(folder, tied=tied, num_heads=heads, num_kv_heads=kv_heads, seed=len(made)),
+        )
     return made
 
 

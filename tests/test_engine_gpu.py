@@ -8,12 +8,9 @@ import random
 
 import pytest
 import torch
-
-from fastqwen import LLM, SamplingParams
-
-from fastqwen.ops import _native
-
 from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint, teacher_forced_match
+from fastqwen import LLM, SamplingParams
+from fastqwen.ops import _native
 
 # Stated tolerance: every bf16 logit within 2.5% of the largest |logit| of HF's bf16 logits. (2% until the batch-1
 # decode step took the RMSNorm weights into the following projections' columns, which rounds every W * g to bf16
@@ -32,9 +29,18 @@ def bf16_checkpoint(tmp_path_factory):
     """Real Qwen3 head geometry (head_dim 128, 4 query heads per KV head); output layer scaled for large margins."""
     folder = str(tmp_path_factory.mktemp("bf16"))
     make_checkpoint(
-        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
-        layers=4, dtype=torch.bfloat16, logit_scale=8.0, seed=5,
-    )  # fmt: skip
+        folder,
+        tied=False,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        hidden=256,
+        intermediate=512,
+        layers=4,
+        dtype=torch.bfloat16,
+        logit_scale=8.0,
+        seed=5,
+    )
     from transformers import Qwen3ForCausalLM
 
     hf_bf16 = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
@@ -134,7 +140,9 @@ def test_kernel_engine_matches_reference_op_engine(bf16_checkpoint, monkeypatch)
 
 def test_dummy_preset_runs_on_gpu():
     llm = LLM("Qwen3-0.6B", load_format="dummy", device="cuda", num_pages=64, max_model_len=1024)
-    out = llm.generate([[1, 2, 3, 4]] * 3, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [[1, 2, 3, 4]] * 3, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     assert [len(o.token_ids) for o in out] == [8, 8, 8]
     assert out[0].token_ids == out[1].token_ids == out[2].token_ids
 
@@ -146,14 +154,25 @@ def test_sampling_features_on_gpu(bf16_checkpoint):
     prompt = [rng.randrange(0, 380) for _ in range(20)]
     others = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 40))] for _ in range(4)]
     seeded = SamplingParams(
-        temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1, presence_penalty=0.3,
-        seed=77, max_tokens=16, ignore_eos=True, logprobs=3,
-    )  # fmt: skip
+        temperature=0.9,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.02,
+        repetition_penalty=1.1,
+        presence_penalty=0.3,
+        seed=77,
+        max_tokens=16,
+        ignore_eos=True,
+        logprobs=3,
+    )
     alone = LLM(folder, dtype="bfloat16", device="cuda", num_pages=256).generate([prompt], seeded, use_tqdm=False)[0]
     crowd = LLM(folder, dtype="bfloat16", device="cuda", num_pages=256, seed=5).generate(
-        others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0, max_tokens=16)] * 2 + [seeded]
-        + [SamplingParams(temperature=0.0, max_tokens=16)] * 2, use_tqdm=False,
-    )[2]  # fmt: skip
+        others[:2] + [prompt] + others[2:],
+        [SamplingParams(temperature=1.0, max_tokens=16)] * 2
+        + [seeded]
+        + [SamplingParams(temperature=0.0, max_tokens=16)] * 2,
+        use_tqdm=False,
+    )[2]
     assert crowd.token_ids == alone.token_ids
     assert len(alone.logprobs) == 16
     for entry in alone.logprobs:

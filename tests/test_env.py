@@ -6,7 +6,6 @@ import pathlib
 import re
 
 import pytest
-
 from fastqwen import env
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "fastqwen"
@@ -14,8 +13,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "fastqwen"
 # file -> (what may appear there, why). Writes for other libraries are not switches of ours.
 ALLOWED = {
     "env.py": ("", "the one place that reads the environment"),
-    "engine/tensor_parallel.py": ('os.environ["NCCL_NVLS_ENABLE"] = "0"', "a write: NCCL's own variable, set for the ranks' collectives"),
-}  # fmt: skip
+    "engine/tensor_parallel.py": (
+        'os.environ["NCCL_NVLS_ENABLE"] = "0"',
+        "a write: NCCL's own variable, set for the ranks' collectives",
+    ),
+}
 
 READS_THE_ENVIRONMENT = re.compile(r"\benviron\b|\bgetenv\b|\bputenv\b")
 
@@ -42,13 +44,24 @@ def test_the_checker_sees_a_read():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(None, False), ("", False), ("1", True), ("yes", True), ("0", False), ("false", False), ("False", False),
-     ("no", False), ("off", False)],
-)  # fmt: skip
+    [
+        (None, False),
+        ("", False),
+        ("1", True),
+        ("yes", True),
+        ("0", False),
+        ("false", False),
+        ("False", False),
+        ("no", False),
+        ("off", False),
+    ],
+)
 def test_every_switch_has_one_rule(monkeypatch, value, expected):
-    for name, read in [("FASTQWEN_ALLOW_REFERENCE_ON_GPU", env.allow_reference_on_gpu),
-                       ("FASTQWEN_DISABLE_CUDA_KERNELS", env.disable_cuda_kernels),
-                       ("FASTQWEN_CHECK_INVARIANTS", env.check_invariants_every_step)]:  # fmt: skip
+    for name, read in [
+        ("FASTQWEN_ALLOW_REFERENCE_ON_GPU", env.allow_reference_on_gpu),
+        ("FASTQWEN_DISABLE_CUDA_KERNELS", env.disable_cuda_kernels),
+        ("FASTQWEN_CHECK_INVARIANTS", env.check_invariants_every_step),
+    ]:
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:

@@ -15,15 +15,13 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
+from checkpoints import hf_greedy, hf_logits, make_checkpoint, teacher_forced_match
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
 from fastqwen.kvcache import KVPool
 from fastqwen.ops import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store_kv, rope_cos_sin_cache
 from fastqwen.ops.kv_fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
-
-from checkpoints import hf_greedy, hf_logits, make_checkpoint, teacher_forced_match
+from safetensors.torch import load_file, save_file
 
 FP8_LOGIT_TOLERANCE = 0.1
 
@@ -69,11 +67,14 @@ def _mantissa_even(v: float) -> bool:
 
 def test_quantize_rounds_to_nearest_e4m3_and_saturates():
     gen = torch.Generator().manual_seed(0)
-    x = torch.cat([
-        torch.randn(4000, generator=gen) * 30, torch.randn(1000, generator=gen) * 0.01,  # normal and subnormal range
-        e4m3_values().float()[1:] * 0.5 + e4m3_values().float()[:-1] * 0.5,  # exact midpoints: ties to even
-        torch.tensor([1000.0, -1e6, 448.0, 460.0, 0.0]),  # saturation, and what the FP8 pool must not turn into NaN
-    ])  # fmt: skip
+    x = torch.cat(
+        [
+            torch.randn(4000, generator=gen) * 30,
+            torch.randn(1000, generator=gen) * 0.01,  # normal and subnormal range
+            e4m3_values().float()[1:] * 0.5 + e4m3_values().float()[:-1] * 0.5,  # exact midpoints: ties to even
+            torch.tensor([1000.0, -1e6, 448.0, 460.0, 0.0]),  # saturation, and what the FP8 pool must not turn into NaN
+        ]
+    )
     for scale in (1.0, 0.25, 3.0):
         got = dequantize_kv(quantize_kv(x, scale), scale).double()
         want = nearest_e4m3(x.double() / scale) * scale
@@ -276,7 +277,14 @@ def test_extension_rejects_a_bad_kv_cache():
     if m is None or not m.built_with_cuda:
         pytest.skip("needs the extension built with the CUDA kernels")
     args = m.PrefillArgs()
-    args.head_dim, args.num_heads, args.num_kv_heads, args.page_size, args.max_pages, args.num_pages = 128, 8, 2, 16, 1, 1
+    args.head_dim, args.num_heads, args.num_kv_heads, args.page_size, args.max_pages, args.num_pages = (
+        128,
+        8,
+        2,
+        16,
+        1,
+        1,
+    )
     args.batch, args.max_query_len, args.dtype = 1, 1, m.DTYPE_BF16
     args.kv_dtype = m.DTYPE_F16
     with pytest.raises(ValueError, match="float8_e4m3fn"):

@@ -21,14 +21,12 @@ import random
 
 import pytest
 import torch
-
+from checkpoints import engine_logits, make_checkpoint, record_result, teacher_forced_match
 from fastqwen import LLM
 from fastqwen.ops import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store_kv, rope_cos_sin_cache
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
 from fastqwen.ops.kv_fp8 import FP8_KV_DTYPE, quantize_kv
-
-from checkpoints import engine_logits, make_checkpoint, record_result, teacher_forced_match
 from test_attention_gpu import assert_within_scale, make_case, prefill_lengths, unit_roundoff
 
 FP8_ATTENTION_TOLERANCE = 2.0**-2
@@ -37,23 +35,54 @@ FP8_LOGIT_TOLERANCE = 0.1
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"
+    ),
 ]
 
 SCALE = 128**-0.5
 # Lengths around the page, tile (64 tokens; an FP8 stage holds 128) and split (FP8 chunks of at least 1,024 tokens)
 # boundaries.
-LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 257, 511, 512, 513, 1000, 1023, 1024, 1025, 2049, 4097, 5000, 16385]
+LENGTHS = [
+    1,
+    2,
+    17,
+    63,
+    64,
+    65,
+    127,
+    128,
+    129,
+    255,
+    257,
+    511,
+    512,
+    513,
+    1000,
+    1023,
+    1024,
+    1025,
+    2049,
+    4097,
+    5000,
+    16385,
+]
 
 
 def assert_e4m3_tolerance(out: torch.Tensor, unquantized: torch.Tensor, what: str) -> float:
     """The stated e4m3 tolerance (see the module's docstring); returns the worst row error as a fraction of
     FP8_ATTENTION_TOLERANCE."""
-    worst = assert_within_scale(out, unquantized, FP8_ATTENTION_OUTLIER, what) * FP8_ATTENTION_OUTLIER / FP8_ATTENTION_TOLERANCE
+    worst = (
+        assert_within_scale(out, unquantized, FP8_ATTENTION_OUTLIER, what)
+        * FP8_ATTENTION_OUTLIER
+        / FP8_ATTENTION_TOLERANCE
+    )
     err = (out.double() - unquantized.double()).abs().amax(-1)
     over = int((err > FP8_ATTENTION_TOLERANCE * unquantized.double().abs().amax(-1)).sum())
     allowed = max(1, err.numel() // 500)
-    assert over <= allowed, f"{what}: {over} of {err.numel()} rows differ by more than {FP8_ATTENTION_TOLERANCE} of their scale"
+    assert over <= allowed, (
+        f"{what}: {over} of {err.numel()} rows differ by more than {FP8_ATTENTION_TOLERANCE} of their scale"
+    )
     return worst
 
 
@@ -92,7 +121,9 @@ def test_rope_kv_writes_fp8(dtype, head_dim):
         assert torch.equal(got_k, want_k), f"K: {int((got_k != want_k).sum())} bytes differ"
         assert torch.equal(got_v, want_v), f"V: {int((got_v != want_v).sum())} bytes differ"
         assert ((got_k & 0x7F) == 0x7E).any(), "nothing saturated at 448: the test misses the clamp"
-        assert int((got_k.view(pages * page, -1) != 0).any(-1).sum()) == int(((slots >= 0) & (slots < pages * page)).sum())
+        assert int((got_k.view(pages * page, -1) != 0).any(-1).sum()) == int(
+            ((slots >= 0) & (slots < pages * page)).sum()
+        )
 
 
 def _decode_case(dtype, group, page_size, lens, seed, k_scale, v_scale):
@@ -186,8 +217,19 @@ def test_fp8_bad_arguments():
     with pytest.raises(ValueError, match="scale"):
         paged_attention_decode(q, k8, v8, table, lens, SCALE, out, k_scale=0.0)
     with pytest.raises(ValueError, match="scale"):
-        paged_attention_prefill(q, k8, v8, torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"), table, lens,
-                                SCALE, out, 1, 1.0, float("nan"))  # fmt: skip
+        paged_attention_prefill(
+            q,
+            k8,
+            v8,
+            torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"),
+            table,
+            lens,
+            SCALE,
+            out,
+            1,
+            1.0,
+            float("nan"),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +237,18 @@ def checkpoint(tmp_path_factory):
     """The bf16 engine test's geometry (tests/test_engine_gpu.py): head_dim 128, 4 query heads per KV head."""
     folder = str(tmp_path_factory.mktemp("fp8kv_gpu"))
     make_checkpoint(
-        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
-        layers=4, dtype=torch.bfloat16, logit_scale=8.0, seed=5,
-    )  # fmt: skip
+        folder,
+        tied=False,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        hidden=256,
+        intermediate=512,
+        layers=4,
+        dtype=torch.bfloat16,
+        logit_scale=8.0,
+        seed=5,
+    )
     return folder
 
 
@@ -211,7 +262,9 @@ def test_engine_fp8_kv_against_bf16_kv(checkpoint):
     rng = random.Random(3)
     # 12 prompts x 32 steps: about 5% of steps have a top-1 margin above twice the tolerance on this random model
     # (6 of 128 on the H100), and at least 10 must
-    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 33, 150, 400, 17, 90, 260, 380, 45, 120, 210, 300)]
+    prompts = [
+        [rng.randrange(0, 380) for _ in range(n)] for n in (6, 33, 150, 400, 17, 90, 260, 380, 45, 120, 210, 300)
+    ]
     references = [engine_logits(bf16, prompt, 32) for prompt in prompts]
     steps = sum(len(tokens) for tokens, _ in references)
     decisive, worst = teacher_forced_match(fp8, prompts, references, FP8_LOGIT_TOLERANCE)

@@ -11,13 +11,11 @@ import os
 
 import pytest
 import torch
-
+from checkpoints import FP8_PROJECTIONS, hf_greedy, make_checkpoint, make_fp8_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig, load_model_config
 from fastqwen.ops.linear import LinearWeight, dequantize_fp8, linear, linear_reference, quantize_fp8
 from fastqwen.weights import load_weights
-
-from checkpoints import FP8_PROJECTIONS, hf_greedy, make_checkpoint, make_fp8_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -56,7 +54,9 @@ def test_fp8_checkpoint_loads_block_scales(tmp_path, scale_dtype):
     # quantization="none": the same values, dequantized once on load.
     dense = load_weights(folder, cfg, torch.float32, CPU, fp8=False)
     assert not dense.layers[0].gate_up.is_fp8
-    torch.testing.assert_close(dense.layers[0].gate_up.weight.double(), fused_reference(reference, 0, ["mlp.gate_proj", "mlp.up_proj"]), **tol)
+    torch.testing.assert_close(
+        dense.layers[0].gate_up.weight.double(), fused_reference(reference, 0, ["mlp.gate_proj", "mlp.up_proj"]), **tol
+    )
 
 
 def test_fp8_checkpoint_greedy_matches_dequantized_hf(fp8_checkpoint):

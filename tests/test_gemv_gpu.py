@@ -11,18 +11,24 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-
+from checkpoints import engine_logits, make_checkpoint, make_fp8_checkpoint, record_result, teacher_forced_match
 from fastqwen import LLM
 from fastqwen.config import ModelConfig
 from fastqwen.model import Qwen3Model, Qwen3WithBatch1Decode
 from fastqwen.ops import _native
-from fastqwen.weights import NormFolding, fold_norm
 from fastqwen.ops.linear import (
-    DENSE_GEMV_MAX_TOKENS, FP8_GEMV_MAX_TOKENS, GEMV_MAX_TOKENS, LinearWeight, fp8_gemm_supported, gemv,
-    gemv_kernel_applies, linear, linear_silu_and_mul, quantize_fp8,
+    DENSE_GEMV_MAX_TOKENS,
+    FP8_GEMV_MAX_TOKENS,
+    GEMV_MAX_TOKENS,
+    LinearWeight,
+    fp8_gemm_supported,
+    gemv,
+    gemv_kernel_applies,
+    linear,
+    linear_silu_and_mul,
+    quantize_fp8,
 )
-
-from checkpoints import engine_logits, make_checkpoint, make_fp8_checkpoint, record_result, teacher_forced_match
+from fastqwen.weights import NormFolding, fold_norm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,8 +85,9 @@ def check_all_batches(w: LinearWeight, dtype: torch.dtype, gen: torch.Generator,
         for enabled in (True, False) if tensor_core_applies(m, w) else (True,):
             with tensor_cores(enabled):
                 got = gemv(x, w).float()
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-4 * want.abs().max().item(),
-                                       msg=f"batch {m}, tensor cores {enabled}")
+            torch.testing.assert_close(
+                got, want, rtol=RTOL, atol=1e-4 * want.abs().max().item(), msg=f"batch {m}, tensor cores {enabled}"
+            )
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -97,8 +104,11 @@ def test_gemv_matches_reference_on_qwen3_shapes(preset, fp8):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gemv_lm_head_odd_rows_bias_and_fp16(fp8):
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for rows, cols, dtype, bias in ((151936, 4096, torch.bfloat16, False), (1001, 384, torch.float16, True),
-                                    (3, 128, torch.bfloat16, True)):  # fmt: skip
+    for rows, cols, dtype, bias in (
+        (151936, 4096, torch.bfloat16, False),
+        (1001, 384, torch.float16, True),
+        (3, 128, torch.bfloat16, True),
+    ):
         dense = torch.randn(rows, cols, device="cuda", generator=gen) * 0.02
         b = torch.randn(rows, device="cuda", generator=gen).to(dtype) if bias else None
         w = LinearWeight(*quantize_fp8(dense), b) if fp8 else LinearWeight(dense.to(dtype), None, b)
@@ -148,8 +158,15 @@ def test_gemv_silu_epilogue_is_bitwise_silu_and_mul_of_the_gemv(fp8):
     from fastqwen import ops
 
     gen = torch.Generator(device="cuda").manual_seed(5)
-    cases = [(2 * ModelConfig.from_preset(p).intermediate_size, ModelConfig.from_preset(p).hidden_size, torch.bfloat16,
-              False) for p in ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B")]
+    cases = [
+        (
+            2 * ModelConfig.from_preset(p).intermediate_size,
+            ModelConfig.from_preset(p).hidden_size,
+            torch.bfloat16,
+            False,
+        )
+        for p in ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B")
+    ]
     cases += [(2 * 1001, 384, torch.float16, True), (2, 128, torch.bfloat16, True)]
     for rows, cols, dtype, bias in cases:
         dense = torch.randn(rows, cols, device="cuda", generator=gen) * 0.05
@@ -169,7 +186,9 @@ def test_gemv_silu_epilogue_is_bitwise_silu_and_mul_of_the_gemv(fp8):
         linear_silu_and_mul(x_all[:1, :128], LinearWeight(torch.randn(3, 128, device="cuda", dtype=torch.bfloat16)))
 
 
-NORM_CASES = [(p, torch.bfloat16, False) for p in ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B")] + [(None, torch.float16, True)]
+NORM_CASES = [(p, torch.bfloat16, False) for p in ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B")] + [
+    (None, torch.float16, True)
+]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -246,7 +265,14 @@ def test_norm_in_gemv_matches_float64_and_the_norm_kernel(preset, dtype, bias, f
         linear(h_row, w_qkv, norm=(norm_w[:-16], eps))
     native = _native.native()
     args = native.GemvArgs()
-    args.out, args.x, args.w, args.m, args.n, args.k = residual.data_ptr(), x.data_ptr(), w_o.weight.data_ptr(), 1, h, k_o
+    args.out, args.x, args.w, args.m, args.n, args.k = (
+        residual.data_ptr(),
+        x.data_ptr(),
+        w_o.weight.data_ptr(),
+        1,
+        h,
+        k_o,
+    )
     args.dtype, args.silu_gate_up, args.epilogue = _native.dtype_code(dtype), True, native.GemvEpilogue.ADD_RESIDUAL
     with pytest.raises(ValueError, match="SiLU"):
         native.gemv_norm(args)
@@ -266,12 +292,28 @@ def test_engine_norms_in_gemv_match_the_norm_kernels(tmp_path, monkeypatch, quan
     the block-scaled GEMM rounds activations to e4m3, which 4% does not cover)."""
     linear_module = importlib.import_module("fastqwen.ops.linear")
     folder = str(tmp_path)
-    make_checkpoint(folder, tied=False, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=128,
-                    layers=4, logit_scale=8.0, seed=29)  # fmt: skip
+    make_checkpoint(
+        folder,
+        tied=False,
+        hidden=256,
+        intermediate=512,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        layers=4,
+        logit_scale=8.0,
+        seed=29,
+    )
     rng = random.Random(11)
     prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 150, 400)]
-    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=1024, max_num_batched_tokens=256,
-                  quantization=quantization)  # fmt: skip
+    kwargs = dict(
+        dtype="bfloat16",
+        device="cuda",
+        page_size=16,
+        num_pages=1024,
+        max_num_batched_tokens=256,
+        quantization=quantization,
+    )
     monkeypatch.setattr(linear_module, "_scaled_mm_ok", False)
     kernels_llm = LLM(folder, norms_in_gemv=False, **kwargs)
     assert type(kernels_llm.engine.model) is Qwen3Model
@@ -283,8 +325,11 @@ def test_engine_norms_in_gemv_match_the_norm_kernels(tmp_path, monkeypatch, quan
     dense = quantization == "none"
     assert model.weights.norms_folded == NormFolding(qkv=dense, gate_up=dense, lm_head=True)
     decisive, worst = teacher_forced_match(llm, prompts, references, 0.04)
-    record_result("gemv_gpu.json", f"norms_in_gemv_vs_norm_kernels_{quantization}",
-                  {"max_logit_error_frac": worst, "decisive": decisive})  # fmt: skip
+    record_result(
+        "gemv_gpu.json",
+        f"norms_in_gemv_vs_norm_kernels_{quantization}",
+        {"max_logit_error_frac": worst, "decisive": decisive},
+    )
     assert decisive >= 25, f"only {decisive} of 96 steps were decisive: the test checks too little"
 
 
@@ -297,8 +342,19 @@ def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path,
     same logits, bit for bit, at every step."""
     native = _native.native()
     folder = str(tmp_path)
-    make_checkpoint(folder, tied=False, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=128,
-                    layers=3, logit_scale=4.0, seed=13, max_positions=2048)  # fmt: skip
+    make_checkpoint(
+        folder,
+        tied=False,
+        hidden=256,
+        intermediate=512,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        layers=3,
+        logit_scale=4.0,
+        seed=13,
+        max_positions=2048,
+    )
     rng = random.Random(3)
     prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (5, 300, 17, 64, 1000)]
     kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, quantization=quantization)
@@ -309,7 +365,9 @@ def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path,
         alone = [engine_logits(llm, p, 24) for p in prompts[:2]]
         from fastqwen import SamplingParams
 
-        together = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        together = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False
+        )
         return alone, [o.token_ids for o in together]
 
     try:
@@ -337,7 +395,10 @@ def test_programmatic_launch_waits_for_the_kernel_before(fp8, tokens):
     native = _native.native()
     gen = torch.Generator(device="cuda").manual_seed(11)
     hidden, inter = 4096, 12288
-    make = lambda rows, cols: LinearWeight((torch.randn(rows, cols, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))  # noqa: E731
+
+    def make(rows, cols):
+        return LinearWeight((torch.randn(rows, cols, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))  # noqa: E731
+
     up, down = make(2 * inter, hidden), make(hidden, inter)
     if fp8:
         up, down = LinearWeight(*quantize_fp8(up.weight)), LinearWeight(*quantize_fp8(down.weight))
@@ -437,8 +498,11 @@ def test_fp8_activation_quantizer_matches_reference(tokens):
     from fastqwen.ops.linear import _quantize_for_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = (torch.randn(tokens, 1024, device="cuda", generator=gen) * torch.rand(tokens, 1, device="cuda", generator=gen)
-         * 5).to(torch.bfloat16)  # fmt: skip
+    x = (
+        torch.randn(tokens, 1024, device="cuda", generator=gen)
+        * torch.rand(tokens, 1, device="cuda", generator=gen)
+        * 5
+    ).to(torch.bfloat16)
     x[0, :128] = 0  # an all-zero group
     padded = -(-tokens // 16) * 16
     q, scale = _quantize_for_gemm(x, padded)
@@ -468,12 +532,23 @@ FP8_TOLERANCE = {"weight_only": (0.03, 30), "scaled_mm": (0.15, 0)}  # (logit to
 
 @pytest.mark.parametrize("path", ["weight_only", "scaled_mm"])
 def test_fp8_engine_matches_dequantized_engine(tmp_path, monkeypatch, path):
-    linear_module = importlib.import_module("fastqwen.ops.linear")  # (fastqwen.ops.linear the attribute is the function)
+    linear_module = importlib.import_module(
+        "fastqwen.ops.linear"
+    )  # (fastqwen.ops.linear the attribute is the function)
 
     tolerance, min_decisive = FP8_TOLERANCE[path]
     folder = str(tmp_path)
-    make_fp8_checkpoint(folder, seed=9, hidden=256, intermediate=512, num_heads=2, num_kv_heads=1, head_dim=128,
-                        layers=4, logit_scale=8.0)  # fmt: skip
+    make_fp8_checkpoint(
+        folder,
+        seed=9,
+        hidden=256,
+        intermediate=512,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=128,
+        layers=4,
+        logit_scale=8.0,
+    )
     rng = random.Random(7)
     prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (6, 150, 400, 40, 90, 250)]  # 192 steps
     kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=1024, max_num_batched_tokens=256)
@@ -488,5 +563,7 @@ def test_fp8_engine_matches_dequantized_engine(tmp_path, monkeypatch, path):
     if path == "scaled_mm" and not linear_module._scaled_mm_ok:
         pytest.skip("this torch/GPU has no block-scaled FP8 GEMM")
     decisive, worst = teacher_forced_match(fp8_llm, prompts, references, tolerance)
-    record_result("gemv_gpu.json", f"fp8_engine_vs_dequantized_{path}", {"max_logit_error_frac": worst, "decisive": decisive})
+    record_result(
+        "gemv_gpu.json", f"fp8_engine_vs_dequantized_{path}", {"max_logit_error_frac": worst, "decisive": decisive}
+    )
     assert decisive >= min_decisive, f"only {decisive} of 192 steps were decisive: the test checks too little"

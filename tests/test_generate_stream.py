@@ -9,13 +9,16 @@ import json
 
 import httpx
 import pytest
-
 from checkpoints import make_checkpoint
 from server_process import ServerProcess
 
 COMMON = ["--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--page-size", "4"]
-REQUEST = {"input_ids": [5, 9, 14, 3], "return_logprob": True, "top_logprobs_num": 2,
-           "sampling_params": {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}}  # fmt: skip
+REQUEST = {
+    "input_ids": [5, 9, 14, 3],
+    "return_logprob": True,
+    "top_logprobs_num": 2,
+    "sampling_params": {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def stream_events(url: str) -> list[dict]:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
 @pytest.mark.parametrize("incremental", [False, True])
@@ -62,6 +65,8 @@ def test_generate_stream_matches_the_whole_answer(folder, incremental):
     assert [t for _, t, _ in streamed_lp] == ids
     assert len(set(ids)) > 3, "a seeded draw of 24 tokens should vary: weak test otherwise"
     assert all(abs(a[0] - b[0]) < 1e-5 for a, b in zip(streamed_lp, meta["output_token_logprobs"]))
-    assert [[t for _, t, _ in top] for top in streamed_top] == [[t for _, t, _ in top] for top in meta["output_top_logprobs"]]
+    assert [[t for _, t, _ in top] for top in streamed_top] == [
+        [t for _, t, _ in top] for top in meta["output_top_logprobs"]
+    ]
     assert events[-1]["meta_info"]["finish_reason"] == meta["finish_reason"] == {"type": "length", "length": 24}
     assert events[-1]["meta_info"]["completion_tokens"] == 24

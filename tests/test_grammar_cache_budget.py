@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
+from checkpoints import write_byte_level_tokenizer
 from fastqwen.grammar import GrammarCompiler, check_structured, spec
 from fastqwen.grammar.compiler import estimated_compile_bytes
 from fastqwen.grammar.lru import ByteBudgetLRU
 from fastqwen.sampling_params import StructuredOutput
-
-from checkpoints import write_byte_level_tokenizer
 
 VOCAB = 384
 
@@ -65,7 +62,9 @@ def test_extra_compiles_of_one_spec_stay_within_a_quarter_of_the_budget(tmp_path
     write_byte_level_tokenizer(str(tmp_path), VOCAB)
     s = _regex(0, 2_000)
     one = estimated_compile_bytes(s)
-    compiler = GrammarCompiler(os.path.join(tmp_path, "tokenizer.json"), VOCAB, [2], lexer_groups=8, cache_bytes=12 * one)
+    compiler = GrammarCompiler(
+        os.path.join(tmp_path, "tokenizer.json"), VOCAB, [2], lexer_groups=8, cache_bytes=12 * one
+    )
     try:
         futures = {id(compiler.submit(s)) for _ in range(8)}
         assert len(futures) == 3  # 3 compiles fit in a quarter of 12

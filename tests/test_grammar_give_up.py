@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fastqwen import LLM, SamplingParams
 from fastqwen.errors import InvalidRequestError
 from fastqwen.sampling_params import StructuredOutput
-
 from test_structured_output import _write_checkpoint
 
 # Every instance would be {"a": {"a": ...}} forever: nothing finite satisfies it, but "{" is a valid prefix.
@@ -33,8 +31,11 @@ def llm(tmp_path_factory):
 @pytest.mark.parametrize("kind, spec", [("json_schema", REF_CYCLE), ("regex", r"[^\s\S]")])
 def test_a_grammar_with_no_output_is_a_400(llm, kind, spec):
     with pytest.raises(InvalidRequestError, match="no output satisfies it") as e:
-        llm.generate(["x"], SamplingParams(max_tokens=8, structured=StructuredOutput(kind, spec, field="guided_json")),
-                     use_tqdm=False)  # fmt: skip
+        llm.generate(
+            ["x"],
+            SamplingParams(max_tokens=8, structured=StructuredOutput(kind, spec, field="guided_json")),
+            use_tqdm=False,
+        )
     assert e.value.param == "guided_json"
 
 

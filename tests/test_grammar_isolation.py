@@ -15,13 +15,11 @@ import sys
 
 import httpx
 import pytest
-
 from fastqwen import LLM, SamplingParams
 from fastqwen.errors import InvalidRequestError
 from fastqwen.grammar import bounds, check_structured
 from fastqwen.grammar.validator import GrammarValidator, ValidatorCrashed
 from fastqwen.sampling_params import StructuredOutput
-
 from server_process import ServerProcess
 from test_structured_output import _write_checkpoint
 
@@ -35,10 +33,16 @@ def _defs_chain(links: int) -> str:
 
 def _mixed_chain(links: int) -> str:
     """The deepest-recursing shape measured: two $refs a link, under properties, anyOf and array items."""
+
     def link(i):
         ref = {"$ref": f"#/$defs/d{i + 1}"}
-        return {"type": "object", "properties": {"x": {"anyOf": [ref, {"type": "null"}]},
-                                                 "y": {"type": "array", "items": {"anyOf": [ref, {"type": "integer"}]}}}}  # fmt: skip
+        return {
+            "type": "object",
+            "properties": {
+                "x": {"anyOf": [ref, {"type": "null"}]},
+                "y": {"type": "array", "items": {"anyOf": [ref, {"type": "integer"}]}},
+            },
+        }
 
     defs = {f"d{i}": link(i) for i in range(links)}
     defs[f"d{links}"] = {"type": "integer"}
@@ -75,9 +79,15 @@ def test_lark_rule_bound():
 def test_schema_ref_bound():
     check_structured(StructuredOutput("json_schema", _mixed_chain((bounds.MAX_SCHEMA_REFS - 1) // 2)))
     with pytest.raises(InvalidRequestError) as e:
-        check_structured(StructuredOutput("json_schema", _defs_chain(bounds.MAX_SCHEMA_REFS + 1), field="response_format"))
+        check_structured(
+            StructuredOutput("json_schema", _defs_chain(bounds.MAX_SCHEMA_REFS + 1), field="response_format")
+        )
     assert e.value.param == "response_format" and "$ref" in str(e.value)
-    lark = 'start: %json{"$defs": {"a": {"type": "integer"}}, "anyOf": [' + ", ".join(['{"$ref": "#/$defs/a"}'] * 501) + "]}"
+    lark = (
+        'start: %json{"$defs": {"a": {"type": "integer"}}, "anyOf": ['
+        + ", ".join(['{"$ref": "#/$defs/a"}'] * 501)
+        + "]}"
+    )
     with pytest.raises(InvalidRequestError, match=r"\$ref"):  # and inside a grammar's %json
         check_structured(StructuredOutput("grammar", lark, field="guided_grammar"))
 
@@ -121,13 +131,17 @@ def test_past_the_bounds_the_offline_llm_survives_and_caches_the_verdict(folder,
     monkeypatch.setattr(bounds, "MAX_GRAMMAR_RULES", 10**6)
     llm = LLM(folder, dtype="float32", device="cpu", num_pages=256, page_size=8)
     crashes = default_validator().num_crashes
-    killer = SamplingParams(max_tokens=4, structured=StructuredOutput("grammar", _lark_chain(40_000), field="guided_grammar"))
+    killer = SamplingParams(
+        max_tokens=4, structured=StructuredOutput("grammar", _lark_chain(40_000), field="guided_grammar")
+    )
     for _ in range(2):
         with pytest.raises(InvalidRequestError, match="crashed the grammar validator") as e:
             llm.generate(["x"], killer, use_tqdm=False)
         assert e.value.param == "guided_grammar"
     assert default_validator().num_crashes == crashes + 1
-    out = llm.generate(["x"], SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "[0-9]{3}")), use_tqdm=False)
+    out = llm.generate(
+        ["x"], SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "[0-9]{3}")), use_tqdm=False
+    )
     assert len(out[0].text) == 3 and out[0].text.isdigit()
 
 
@@ -149,8 +163,9 @@ def test_what_the_validator_passes_the_engine_compiles(folder, monkeypatch):
     monkeypatch.setattr(bounds, "MAX_GRAMMAR_RULES", 10**6)
     passing = _lark_chain(4_000)  # crashes an 8 MiB stack; the validator's 16 MiB takes it
     check_structured(StructuredOutput("grammar", passing))
-    run = subprocess.run([sys.executable, "-c", _COMPILE_IN_ENGINE, folder], input=passing, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_IN_ENGINE, folder], input=passing, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0 and "compiled" in run.stdout, (run.returncode, run.stderr[-2000:])
 
 
@@ -159,23 +174,42 @@ def test_what_the_validator_passes_the_engine_compiles(folder, monkeypatch):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--page-size", "8",
-                        "--served-model-name", "m")  # fmt: skip
+    srv = ServerProcess(
+        folder,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-pages",
+        "512",
+        "--page-size",
+        "8",
+        "--served-model-name",
+        "m",
+    )
     yield srv
     srv.stop()
 
 
 def _complete(server, timeout=120, **body) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, **body},
-                      timeout=timeout)  # fmt: skip
+    return httpx.post(
+        server.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, **body}, timeout=timeout
+    )
 
 
 def test_the_issues_crashing_specs_get_400s_from_a_real_server_which_serves_on(server):
     attacks = [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(_defs_chain(2000))}}},
-         "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": json.loads(_defs_chain(2000))},
+                }
+            },
+            "response_format",
+        ),
         ({"guided_grammar": _lark_chain(5000)}, "guided_grammar"),
-    ]  # fmt: skip
+    ]
     for body, field in attacks:
         r = _complete(server, **body)
         assert r.status_code == 400, r.text
@@ -190,12 +224,24 @@ def test_a_grammar_that_gives_up_is_an_error_over_http(server):
     """Issue 40, item 5, through the server (test_grammar_give_up.py has it offline): no "stop" for a given-up grammar."""
     from test_grammar_give_up import INFINITE_OBJECT, REF_CYCLE
 
-    r = _complete(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(REF_CYCLE)}})
+    r = _complete(
+        server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(REF_CYCLE)}}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     r = _complete(server, max_tokens=32, guided_json=json.loads(INFINITE_OBJECT))
     assert r.status_code == 500 and "cannot satisfy the grammar" in r.json()["error"]["message"], r.text
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
-            "model": "m", "prompt": "x", "max_tokens": 32, "stream": True, "guided_json": json.loads(INFINITE_OBJECT)}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=120,
+        json={
+            "model": "m",
+            "prompt": "x",
+            "max_tokens": 32,
+            "stream": True,
+            "guided_json": json.loads(INFINITE_OBJECT),
+        },
+    ) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "cannot satisfy the grammar" in events[-1]["error"]["message"]
     assert all(c["finish_reason"] != "stop" for e in events[:-1] for c in e["choices"])

@@ -14,12 +14,10 @@ import threading
 
 import numpy as np
 import pytest
-
+from cpu_graphs import graph_llm, plain_llm
 from fastqwen import LLM, SamplingParams
 from fastqwen.grammar import GrammarCompiler, GrammarMatcher, fill_bitmasks
 from fastqwen.sampling_params import StructuredOutput
-
-from cpu_graphs import graph_llm, plain_llm
 from test_structured_output import EOS, REGEX, VOCAB, _write_checkpoint
 
 STALL_AT = 2  # the constrained request's mask after this many tokens blocks until the test releases it
@@ -55,9 +53,12 @@ def test_a_slow_mask_holds_only_its_own_request(folder, monkeypatch, path):
         compute(self, version)
 
     monkeypatch.setattr(GrammarMatcher, "_compute_mask", slow_mask)
-    constrained = llm.add_request("a", SamplingParams(temperature=1.0, seed=3, max_tokens=40,
-                                                      structured=StructuredOutput("regex", REGEX)))  # fmt: skip
-    bystander = llm.add_request("b", SamplingParams(temperature=1.0, seed=4, max_tokens=BYSTANDER_TOKENS, ignore_eos=True))
+    constrained = llm.add_request(
+        "a", SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured=StructuredOutput("regex", REGEX))
+    )
+    bystander = llm.add_request(
+        "b", SamplingParams(temperature=1.0, seed=4, max_tokens=BYSTANDER_TOKENS, ignore_eos=True)
+    )
     tokens = {constrained: [], bystander: []}
     outputs = {}
 
@@ -111,9 +112,8 @@ def test_rows_skipped_in_a_deferred_step_are_neutral(monkeypatch):
     """A step launched ahead drops the rows whose mask is not ready (llm_engine.rows_without_masks): GpuSampler.prepare
     packs them as neutral greedy rows (no mask, no counts slot, no bans), never reads their grammar, and leaves the
     other rows as a step without skips packs them. Checked on the CPU (the buffers are plain tensors there)."""
-    import torch
-
     import fastqwen.engine.sampler as sampler_module
+    import torch
     from fastqwen.config import GenerationDefaults
     from fastqwen.engine.sampler import GpuSampler
     from fastqwen.ops.sampling import sampler_row_layout
@@ -131,9 +131,14 @@ def test_rows_skipped_in_a_deferred_step_are_neutral(monkeypatch):
             out[:] = self.word
 
     defaults = GenerationDefaults()
-    params = [SamplingParams(temperature=0.7, max_tokens=9, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[9]),
-              SamplingParams(temperature=0.7, max_tokens=9), SamplingParams(temperature=0.0, max_tokens=9)]  # fmt: skip
-    requests = [Request(rid=i, prompt_ids=[1, 2], params=p.with_defaults(defaults), arrival=i) for i, p in enumerate(params)]
+    params = [
+        SamplingParams(temperature=0.7, max_tokens=9, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[9]),
+        SamplingParams(temperature=0.7, max_tokens=9),
+        SamplingParams(temperature=0.0, max_tokens=9),
+    ]
+    requests = [
+        Request(rid=i, prompt_ids=[1, 2], params=p.with_defaults(defaults), arrival=i) for i, p in enumerate(params)
+    ]
     requests[0].grammar, requests[1].grammar = Grammar(0), Grammar(5)  # row 0's mask is not ready: skipped
     sampler = GpuSampler(vocab=64, max_rows=4, device=torch.device("cpu"), eos_token_ids=[7], seed=3)
     sampler.prepare(requests, skip=frozenset({0}))
@@ -145,7 +150,9 @@ def test_rows_skipped_in_a_deferred_step_are_neutral(monkeypatch):
     sampler.prepare(requests)
     assert (sampler.rows_host.numpy()[1:3] == unskipped).all()  # the other rows as without the skip
     again = sampler.rows_host.numpy()
-    assert again[0, layout.word("masked")] == 1 and again[0, layout.word("num_blocked")] == 2  # row 0 as it is unskipped
+    assert (
+        again[0, layout.word("masked")] == 1 and again[0, layout.word("num_blocked")] == 2
+    )  # row 0 as it is unskipped
 
 
 def _run(llm, prompts, params) -> list[list[int]]:
@@ -158,11 +165,20 @@ def test_graph_decode_steps_sample_in_their_graph(folder, monkeypatch, overlap):
     and reads back the tokens that one drew; seeded, penalised and greedy rows get the tokens of the engine without
     graphs (the same sampler). Fails when a graph step replays its forward only: the read-back takes the tokens of
     the step before."""
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=10 + i, max_tokens=10, ignore_eos=True,
-                             repetition_penalty=1.3 if i == 2 else 1.0) for i in range(3)]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.9,
+            seed=10 + i,
+            max_tokens=10,
+            ignore_eos=True,
+            repetition_penalty=1.3 if i == 2 else 1.0,
+        )
+        for i in range(3)
+    ]
     prompts = ["ab", "cde", "f"]
-    llm = graph_llm(monkeypatch, folder, num_pages=64, page_size=8, max_num_seqs=4,
-                    disable_overlap_schedule=not overlap)  # fmt: skip
+    llm = graph_llm(
+        monkeypatch, folder, num_pages=64, page_size=8, max_num_seqs=4, disable_overlap_schedule=not overlap
+    )
     got = _run(llm, prompts, params)
     assert got == _run(plain_llm(monkeypatch, folder, num_pages=64, page_size=8, max_num_seqs=4), prompts, params)
     assert len(llm.engine.runner.graphs.forwards) >= 8  # the decode steps replayed graphs
@@ -173,8 +189,15 @@ def test_graph_path_with_grammars(folder, monkeypatch):
     """On the GPU's path (cpu_graphs) with overlap: steps holding grammar rows launch their forward ahead and sample
     once the step before is recorded (sample_deferred), or replay the graph with the sampler; every constrained
     output matches its regex, and every token equals the engine's without graphs."""
-    params = [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=40,
-                             structured=StructuredOutput("regex", REGEX) if i % 2 == 0 else None) for i in range(4)]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=20 + i,
+            max_tokens=40,
+            structured=StructuredOutput("regex", REGEX) if i % 2 == 0 else None,
+        )
+        for i in range(4)
+    ]
     prompts = ["a", "b", "c", "d"]
     llm = graph_llm(monkeypatch, folder, num_pages=64, page_size=8, max_num_seqs=4)
     runner = llm.engine.runner

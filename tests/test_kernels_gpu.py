@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fastqwen.ops import fused_add_rms_norm, qk_norm_rope_store_kv, rms_norm, rope_cos_sin_cache
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.norm import rms_norm_reference
@@ -13,7 +12,9 @@ from fastqwen.ops.rope_kv import apply_rope_reference
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"
+    ),
 ]
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -160,7 +161,17 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="cpu"):
         qk_norm_rope_store_kv(qkv, wq, wq, cos_sin.cpu(), pos, cache, cache.clone(), slots, EPS, q_out)
     # Out-of-range positions and slots are device data, not checkable without a sync: they never crash, q is NaN.
-    qk_norm_rope_store_kv(qkv, wq, wq, cos_sin, torch.tensor([0, 10_000], device="cuda"), cache, cache.clone(),
-                          torch.tensor([0, 1_000_000], device="cuda"), EPS, q_out)  # fmt: skip
+    qk_norm_rope_store_kv(
+        qkv,
+        wq,
+        wq,
+        cos_sin,
+        torch.tensor([0, 10_000], device="cuda"),
+        cache,
+        cache.clone(),
+        torch.tensor([0, 1_000_000], device="cuda"),
+        EPS,
+        q_out,
+    )
     torch.cuda.synchronize()
     assert torch.isnan(q_out[1]).all() and not torch.isnan(q_out[0]).any()

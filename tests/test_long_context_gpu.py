@@ -14,12 +14,10 @@ import random
 
 import pytest
 import torch
-
+from checkpoints import engine_logits, make_checkpoint, record_result
 from fastqwen import LLM, ops
 from fastqwen.ops import _native
 from fastqwen.ops import attention as attention_ops
-
-from checkpoints import engine_logits, make_checkpoint, record_result
 
 LOGIT_TOLERANCE = 0.02  # of the largest |logit| of the reference, as in test_engine_gpu.py
 NEW_TOKENS = 8
@@ -32,12 +30,15 @@ PAGES_PER_CONTEXT = MAX_LEN // PAGE + 8
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and _native.has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and _native.has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"
+    ),
 ]
 
 
-def decode_skipping_first_chunk(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace=None, planned=False,
-                                k_scale=1.0, v_scale=1.0):
+def decode_skipping_first_chunk(
+    q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace=None, planned=False, k_scale=1.0, v_scale=1.0
+):
     """The reference decode op with the bug the tests must see: each sequence's first 1/32 of keys is left out."""
     lens = kv_lens.tolist()
     skip = torch.tensor([max(256, -(-n // 32)) if n > 256 else 0 for n in lens], device=kv_lens.device)
@@ -47,8 +48,11 @@ def decode_skipping_first_chunk(q, k_cache, v_cache, page_table, kv_lens, scale,
     for b, s in enumerate(skip.tolist()):
         rest = page_table[b, s // PAGE :]
         shifted[b, : rest.shape[0]] = rest
-    out.copy_(attention_ops.paged_attention_decode_reference(q, k_cache, v_cache, shifted, kv_lens - skip.int(), scale,
-                                                                      k_scale, v_scale))
+    out.copy_(
+        attention_ops.paged_attention_decode_reference(
+            q, k_cache, v_cache, shifted, kv_lens - skip.int(), scale, k_scale, v_scale
+        )
+    )
     return out
 
 
@@ -58,9 +62,19 @@ def setup(tmp_path_factory):
     decode step's logits with the skipped chunk."""
     folder = str(tmp_path_factory.mktemp("long"))
     make_checkpoint(
-        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
-        layers=4, dtype=torch.bfloat16, logit_scale=8.0, seed=21, max_positions=MAX_LEN,
-    )  # fmt: skip
+        folder,
+        tied=False,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        hidden=256,
+        intermediate=512,
+        layers=4,
+        dtype=torch.bfloat16,
+        logit_scale=8.0,
+        seed=21,
+        max_positions=MAX_LEN,
+    )
     rng = random.Random(8)
     prompts = {name: [rng.randrange(0, 380) for _ in range(n)] for name, n in PROMPT_LENS.items()}
     # A prefix-cache hit: the 32k prompt's first HIT_PREFIX tokens, then 150 new ones.
@@ -69,9 +83,16 @@ def setup(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_native, "_has_cuda", False)  # every op takes its reference path
         kwargs = dict(
-            dtype="bfloat16", device="cuda", page_size=PAGE, num_pages=PAGES_PER_CONTEXT, max_num_batched_tokens=2048,
-            max_num_seqs=4, disable_cuda_graph=True, enable_prefix_caching=False, allow_reference_on_gpu=True,
-        )  # fmt: skip
+            dtype="bfloat16",
+            device="cuda",
+            page_size=PAGE,
+            num_pages=PAGES_PER_CONTEXT,
+            max_num_batched_tokens=2048,
+            max_num_seqs=4,
+            disable_cuda_graph=True,
+            enable_prefix_caching=False,
+            allow_reference_on_gpu=True,
+        )
         llm = LLM(folder, **kwargs)
         for name, prompt in prompts.items():
             reference[name] = engine_logits(llm, prompt, NEW_TOKENS)
@@ -118,9 +139,15 @@ def test_the_tolerance_sees_a_skipped_chunk(setup):
 def test_long_context_matches_reference_engine(setup, chunked):
     folder, prompts, reference, _ = setup
     llm = LLM(
-        folder, dtype="bfloat16", device="cuda", page_size=PAGE, num_pages=2 * PAGES_PER_CONTEXT, max_num_seqs=4,
-        max_num_batched_tokens=2048 if chunked else MAX_LEN, cuda_graph_max_bs=4,
-    )  # fmt: skip
+        folder,
+        dtype="bfloat16",
+        device="cuda",
+        page_size=PAGE,
+        num_pages=2 * PAGES_PER_CONTEXT,
+        max_num_seqs=4,
+        max_num_batched_tokens=2048 if chunked else MAX_LEN,
+        cuda_graph_max_bs=4,
+    )
     assert llm.engine.runner.graphs is not None  # decode steps replay CUDA graphs
     figures = {}
     for name in PROMPT_LENS:
@@ -130,9 +157,13 @@ def test_long_context_matches_reference_engine(setup, chunked):
     assert output.num_cached_tokens == HIT_PREFIX // PAGE * PAGE, output.num_cached_tokens
     figures["32k-hit"] = compare("32k-hit", (output.token_ids, logits), reference["32k-hit"])
     record_result(
-        "long_context.json", "chunked_prefill" if chunked else "whole_prefill",
-        {name: {"steps_compared": n, "max_logit_diff_of_largest": round(worst, 4)} for name, (n, worst) in figures.items()},
-    )  # fmt: skip
+        "long_context.json",
+        "chunked_prefill" if chunked else "whole_prefill",
+        {
+            name: {"steps_compared": n, "max_logit_diff_of_largest": round(worst, 4)}
+            for name, (n, worst) in figures.items()
+        },
+    )
     total = sum(n for n, _ in figures.values())
     assert total >= 8, f"only {total} steps compared: the tokens parted too early to test decode"
     llm.engine.check_invariants()

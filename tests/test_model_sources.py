@@ -4,17 +4,14 @@ given inline or as a file, and the errors for each kind of missing source."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import huggingface_hub
 import pytest
-
+from checkpoints import make_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
 from fastqwen.model_source import ModelSourceError, resolve
-
-from checkpoints import make_checkpoint
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -47,7 +44,10 @@ def test_hub_id_loads_from_the_cache_offline(offline_cache, folder):
     from_hub = LLM("tiny/qwen3", device="cpu", dtype="float32", num_pages=64)
     local = LLM(folder, device="cpu", dtype="float32", num_pages=64)
     prompt = [[5, 6, 7, 8]]
-    assert from_hub.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids == local.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    assert (
+        from_hub.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+        == local.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    )
     assert from_hub.tokenizer is not None  # the snapshot's tokenizer.json
 
 

@@ -2,7 +2,6 @@
 mutant whose text drifted away from the code would stop the mutation run instead of testing anything)."""
 
 import pytest
-
 from mutation_check import MUTATIONS, REPO, mutate
 
 

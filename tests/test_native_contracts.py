@@ -9,7 +9,6 @@ import pathlib
 import re
 
 import pytest
-
 from fastqwen.ops import _native
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -94,7 +93,7 @@ def test_no_kernel_constant_is_written_again_in_python():
         words = name.split("_")
         if len(words) >= 3:
             names.add("_".join(words[1:]))
-    assignment = re.compile(r"^[ \t]*(%s)[ \t]*(?::[^=\n]*)?=(?!=)(.*)$" % "|".join(sorted(names)), re.M)
+    assignment = re.compile(r"^[ \t]*(" + "|".join(sorted(names)) + r")[ \t]*(?::[^=\n]*)?=(?!=)(.*)$", re.M)
     written = []
     for path, text in python_sources():
         for match in assignment.finditer(text):

@@ -15,9 +15,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 schemathesis = pytest.importorskip("schemathesis")
-from schemathesis.checks import negative_data_rejection, positive_data_acceptance  # noqa: E402
-
 from checkpoints import make_checkpoint  # noqa: E402
+from schemathesis.checks import negative_data_rejection, positive_data_acceptance  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 from test_text import CHAT_TEMPLATE  # noqa: E402
 
@@ -30,8 +29,23 @@ def fuzz_server(tmp_path_factory):
     make_checkpoint(str(path), tied=True, max_positions=64)
     with open(path / "tokenizer_config.json", "w") as f:
         json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}, f)
-    srv = ServerProcess(str(path), "--dtype", "float32", "--device", "cpu", "--num-pages", "1024", "--page-size", "8",
-                        "--served-model-name", "tiny", "--api-key", API_KEY, "--log-level", "warning")  # fmt: skip
+    srv = ServerProcess(
+        str(path),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-pages",
+        "1024",
+        "--page-size",
+        "8",
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        API_KEY,
+        "--log-level",
+        "warning",
+    )
     yield srv
     srv.stop()
 

@@ -12,10 +12,8 @@ import time
 
 import httpx
 import pytest
-
-from fastqwen import LLM, SamplingParams
-
 from checkpoints import make_checkpoint
+from fastqwen import LLM, SamplingParams
 from server_process import ServerProcess, metric
 from test_text import CHAT_TEMPLATE
 
@@ -75,18 +73,44 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(folder):
     srv = ServerProcess(
-        folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "1024", "--page-size", "8", "--api-key", API_KEY,
-        "--served-model-name", "tiny", "tiny-alias", "--metrics-compat", "vllm", "--allowed-origins", ORIGIN,
-        "--chat-template", os.path.join(folder, "template.jinja"), "--enable-request-log", "--stats-interval", "0.5",
-    )  # fmt: skip
+        folder,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-pages",
+        "1024",
+        "--page-size",
+        "8",
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        "tiny",
+        "tiny-alias",
+        "--metrics-compat",
+        "vllm",
+        "--allowed-origins",
+        ORIGIN,
+        "--chat-template",
+        os.path.join(folder, "template.jinja"),
+        "--enable-request-log",
+        "--stats-interval",
+        "0.5",
+    )
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    return LLM(folder, dtype="float32", device="cpu", num_pages=256, page_size=8,
-               chat_template=os.path.join(folder, "template.jinja"))  # fmt: skip
+    return LLM(
+        folder,
+        dtype="float32",
+        device="cpu",
+        num_pages=256,
+        page_size=8,
+        chat_template=os.path.join(folder, "template.jinja"),
+    )
 
 
 def auth(**headers) -> dict[str, str]:
@@ -99,8 +123,11 @@ def samples(text: str, name: str) -> list[str]:
 
 def test_vllm_dashboard_metrics_exist(server):
     prompt = [5, 6, 7, 8, 9]
-    r = httpx.post(server.url + "/v1/completions", headers=auth(),
-                   json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/completions",
+        headers=auth(),
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     text = httpx.get(server.url + "/metrics").text
     for name in VLLM_DASHBOARD_METRICS + VLLM_OTHER_METRICS:
@@ -123,20 +150,30 @@ def test_vllm_dashboard_metrics_exist(server):
 
 
 def test_request_id_cors_and_head_probes(server):
-    r = httpx.post(server.url + "/v1/completions", headers=auth(**{"x-request-id": "trace-42"}),
-                   json={"model": "tiny-alias", "prompt": [1, 2], "max_tokens": 2})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/completions",
+        headers=auth(**{"x-request-id": "trace-42"}),
+        json={"model": "tiny-alias", "prompt": [1, 2], "max_tokens": 2},
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
     assert r.json()["model"] == "tiny", "an alias is accepted; responses carry the first name"
     made = httpx.get(server.url + "/health").headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", made), "one is made when the client sends none"
     bad = httpx.get(server.url + "/health", headers={"x-request-id": "two words"}).headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", bad), "an id with spaces is replaced"
-    assert [m["id"] for m in httpx.get(server.url + "/v1/models", headers=auth()).json()["data"]] == ["tiny", "tiny-alias"]
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models", headers=auth()).json()["data"]] == [
+        "tiny",
+        "tiny-alias",
+    ]
     for path in ("/health", "/metrics"):
         head = httpx.head(server.url + path)
         assert head.status_code == 200 and head.content == b"", path
     # A browser's preflight carries no credentials: it is answered before the API key is checked.
-    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     ok = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
     other = httpx.options(server.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
@@ -146,26 +183,35 @@ def test_request_id_cors_and_head_probes(server):
 
 
 def test_request_and_stats_log_lines(server):
-    httpx.post(server.url + "/v1/completions", headers=auth(**{"x-request-id": "logged-7"}),
-               json={"prompt": [3, 4], "max_tokens": 3, "ignore_eos": True})  # fmt: skip
+    httpx.post(
+        server.url + "/v1/completions",
+        headers=auth(**{"x-request-id": "logged-7"}),
+        json={"prompt": [3, 4], "max_tokens": 3, "ignore_eos": True},
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and "fastqwen.stats" not in server.log():
         time.sleep(0.2)
     log = server.log()
     line = next(line for line in log.splitlines() if "x-request-id logged-7" in line)
     assert "fastqwen.requests" in line and "prompt 2 tokens" in line and "output 3 tokens" in line
-    assert re.search(r"fastqwen\.stats: prompt [\d.,]+ tok/s, generation [\d.,]+ tok/s, running \d+, waiting \d+, "
-                     r"KV cache [\d.]+% used, prefix cache hit rate", log)  # fmt: skip
+    assert re.search(
+        r"fastqwen\.stats: prompt [\d.,]+ tok/s, generation [\d.,]+ tok/s, running \d+, waiting \d+, "
+        r"KV cache [\d.]+% used, prefix cache hit rate",
+        log,
+    )
     assert "Uvicorn running" not in log
-    ready = [i for i, line in enumerate(log.splitlines()) if "fastqwen.ready: ready: serving 'tiny' and 'tiny-alias'" in line]
+    ready = [
+        i for i, line in enumerate(log.splitlines()) if "fastqwen.ready: ready: serving 'tiny' and 'tiny-alias'" in line
+    ]
     summary = [i for i, line in enumerate(log.splitlines()) if "parameters (checkpoint weights), 2 layers" in line]
     assert ready and summary and summary[0] < ready[0], "the model summary, then the ready line"
 
 
 def _chat(args: list[str], stdin: str) -> list[str]:
     # The same interpreter and import path as this test (as ServerProcess does), so the package under test runs.
-    result = subprocess.run([sys.executable, "-m", "fastqwen", "chat", *args], input=stdin, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "fastqwen", "chat", *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert "(conversation reset)" in result.stderr  # status lines go to stderr, replies alone to stdout
     return result.stdout.split("\n")
@@ -186,7 +232,18 @@ CONVERSATION = "t5 t6 t7\nt8\n/reset\nt5 t6 t7\n/exit\n"
 
 def test_chat_on_a_local_model_equals_offline_chat(folder, llm):
     template = os.path.join(folder, "template.jinja")
-    engine = ["--device", "cpu", "--dtype", "float32", "--num-pages", "256", "--page-size", "8", "--chat-template", template]
+    engine = [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-pages",
+        "256",
+        "--page-size",
+        "8",
+        "--chat-template",
+        template,
+    ]
     assert _chat([folder, *engine, *CHAT_FLAGS], CONVERSATION) == _expected_replies(llm)
 
 
@@ -215,8 +272,15 @@ def test_access_log_skips_probe_polls():
     from fastqwen.server.http_conventions import _SkipProbes
 
     def line(path):  # uvicorn's access-log record
-        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
-                                 ("127.0.0.1:5", "GET", path, "1.1", 200), None)  # fmt: skip
+        return logging.LogRecord(
+            "uvicorn.access",
+            logging.INFO,
+            "",
+            0,
+            '%s - "%s %s HTTP/%s" %d',
+            ("127.0.0.1:5", "GET", path, "1.1", 200),
+            None,
+        )
 
     keep = _SkipProbes()
     assert not keep.filter(line("/health")) and not keep.filter(line("/metrics?x=1"))

@@ -22,10 +22,8 @@ import time
 
 import httpx
 import pytest
-
-from fastqwen.engine.lifeline import sweep_orphaned_folders
-
 from checkpoints import make_checkpoint
+from fastqwen.engine.lifeline import sweep_orphaned_folders
 from server_process import ServerProcess
 
 LIFELINE = pathlib.Path(__file__).resolve().parents[1] / "python" / "fastqwen" / "engine" / "lifeline.py"
@@ -183,10 +181,14 @@ def test_the_sweep_removes_only_folders_whose_owner_is_gone(tmp_path):
     gone.wait()
     alive_pid = os.getppid()
     names = {
-        f"fastqwen-{gone.pid}-ab_1": False, f"fastqwen-tp-{gone.pid}-x9": False,  # owner gone: removed
-        f"fastqwen-{alive_pid}-cd": True, f"fastqwen-tp-{os.getpid()}-ef": True,  # owner alive, or this process
-        "fastqwen-abcdef": True, f"other-{gone.pid}-gh": True, f"fastqwen-{gone.pid}": True,  # not such a name
-    }  # fmt: skip
+        f"fastqwen-{gone.pid}-ab_1": False,
+        f"fastqwen-tp-{gone.pid}-x9": False,  # owner gone: removed
+        f"fastqwen-{alive_pid}-cd": True,
+        f"fastqwen-tp-{os.getpid()}-ef": True,  # owner alive, or this process
+        "fastqwen-abcdef": True,
+        f"other-{gone.pid}-gh": True,
+        f"fastqwen-{gone.pid}": True,  # not such a name
+    }
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "to_core").write_text("")

@@ -8,16 +8,14 @@ import logging
 import time
 
 import pytest
+from checkpoints import make_checkpoint
 from fastapi.testclient import TestClient
-
 from fastqwen import LLM
 from fastqwen.engine import llm_engine
-from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
+from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.ops import _native
 from fastqwen.server.app import ServerConfig, create_app
-
-from checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,12 @@ from __future__ import annotations
 import random
 import zlib
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from fastqwen.config import GenerationDefaults
 from fastqwen.kvcache import PageAllocator, RadixCache, check_kv_invariants
 from fastqwen.sampling_params import SamplingParams
 from fastqwen.scheduler import Request, Scheduler
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 EOS = 0
 MAX_MODEL_LEN = 64

@@ -6,15 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
+from checkpoints import make_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.kvcache import PageAllocator, RadixCache, check_kv_invariants
 from fastqwen.sampling_params import SamplingParams as SP
 from fastqwen.scheduler import Request, Scheduler
-
-from checkpoints import make_checkpoint
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -62,6 +60,7 @@ def test_multi_turn_conversation(folder):
     rng = random.Random(2)
     cached, plain = engines(folder)
     history_c = history_p = words(rng, 23)
+    previous: list[int] = []  # the last turn's prompt and answer
     for turn in range(4):
         out_c = cached.generate([history_c], GREEDY, use_tqdm=False)[0]
         out_p = plain.generate([history_p], GREEDY, use_tqdm=False)[0]

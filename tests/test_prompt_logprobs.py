@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from fastqwen import LLM, InvalidRequestError, SamplingParams
-
 from checkpoints import make_checkpoint
+from fastqwen import LLM, InvalidRequestError, SamplingParams
 
 TOL = 1e-4
 
@@ -47,8 +45,15 @@ def check(model, prompt: list[int], entries, start: int = 0, num_top: int = 0) -
 @pytest.mark.parametrize("budget", [512, 16, 7])  # whole prefill; chunks of 16 and of 7 tokens
 def test_prompt_logprobs_equal_hf(hf_and_folder, budget):
     model, folder = hf_and_folder
-    llm = LLM(folder, dtype="float32", device="cpu", num_pages=128, page_size=4, max_num_batched_tokens=budget,
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        folder,
+        dtype="float32",
+        device="cpu",
+        num_pages=128,
+        page_size=4,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
+    )
     prompts = [list(range(3, 43)), [7, 300, 12, 5, 5, 5, 90], [11]]
     params = [SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=n) for n in (0, 5, 2)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -71,8 +76,11 @@ def test_prompt_logprobs_recomputed_over_a_cached_prefix(hf_and_folder):
     assert whole.num_cached_tokens == 0, "every position's logits are needed: nothing may come from the cache"
     check(model, prompt, whole.prompt_logprobs, num_top=3)
     # From position 21 on only the logits from position 20 on are needed: the first 20 tokens (5 pages) may be reused.
-    tail = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1, prompt_logprobs_start=21),
-                        use_tqdm=False)[0]  # fmt: skip
+    tail = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1, prompt_logprobs_start=21),
+        use_tqdm=False,
+    )[0]
     assert tail.num_cached_tokens == 20
     check(model, prompt, tail.prompt_logprobs, start=21, num_top=1)
     assert whole.token_ids == tail.token_ids == warm.token_ids
@@ -84,8 +92,9 @@ def test_prompt_logprobs_survive_preemption(hf_and_folder):
     model, folder = hf_and_folder
     llm = LLM(folder, dtype="float32", device="cpu", num_pages=24, page_size=4, max_num_batched_tokens=12)
     prompts = [[(i * 7 + k) % 380 + 1 for k in range(30)] for i in range(4)]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1),
-                           use_tqdm=False)  # fmt: skip
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1), use_tqdm=False
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outputs):
         check(model, prompt, out.prompt_logprobs, num_top=1)

@@ -7,10 +7,8 @@ import random
 
 import pytest
 import torch
-
-from fastqwen import LLM, SamplingParams
-
 from checkpoints import make_checkpoint, record_result
+from fastqwen import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -18,8 +16,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("plp_gpu"))
-    make_checkpoint(folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
-                    layers=4, dtype=torch.bfloat16, logit_scale=8.0, seed=7)  # fmt: skip
+    make_checkpoint(
+        folder,
+        tied=False,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        hidden=256,
+        intermediate=512,
+        layers=4,
+        dtype=torch.bfloat16,
+        logit_scale=8.0,
+        seed=7,
+    )
     from transformers import Qwen3ForCausalLM
 
     hf_bf16 = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
@@ -53,12 +62,18 @@ def test_prompt_logprobs_on_gpu_equal_hf(checkpoint):
         ours = torch.tensor([out.prompt_logprobs[p].logprob for p in positions], dtype=torch.float64)
         hf16 = torch.tensor([ref16[p - 1, prompt[p]].item() for p in positions], dtype=torch.float64)
         true = torch.tensor([truth[p - 1, prompt[p]].item() for p in positions], dtype=torch.float64)
-        top_agree = sum(
-            out.prompt_logprobs[p].top[0][0] == int(truth[p - 1].argmax()) for p in positions
-        ) / len(positions)
-        rows.append({"prompt_tokens": len(prompt), "ours_vs_hf_bf16": (ours - hf16).abs().max().item(),
-                     "ours_vs_fp32": (ours - true).abs().max().item(), "hf_bf16_vs_fp32": (hf16 - true).abs().max().item(),
-                     "top1_agreement_with_fp32": top_agree})  # fmt: skip
+        top_agree = sum(out.prompt_logprobs[p].top[0][0] == int(truth[p - 1].argmax()) for p in positions) / len(
+            positions
+        )
+        rows.append(
+            {
+                "prompt_tokens": len(prompt),
+                "ours_vs_hf_bf16": (ours - hf16).abs().max().item(),
+                "ours_vs_fp32": (ours - true).abs().max().item(),
+                "hf_bf16_vs_fp32": (hf16 - true).abs().max().item(),
+                "top1_agreement_with_fp32": top_agree,
+            }
+        )
         # bf16 against bf16: within the engine's logit tolerance (2% of the largest |logit|, twice: log-softmax).
         scale = truth.abs().max().item()
         assert rows[-1]["ours_vs_hf_bf16"] < 0.04 * scale

@@ -9,7 +9,6 @@ import os
 import time
 
 import pytest
-
 from checkpoints import write_byte_level_tokenizer
 from fastqwen.engine.messages import EngineInfo
 from fastqwen.errors import InvalidRequestError

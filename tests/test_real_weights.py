@@ -15,10 +15,8 @@ import os
 import httpx
 import pytest
 import torch
-
 from fastqwen import LLM, SamplingParams
 from fastqwen.ops import _native
-
 from server_process import ServerProcess
 
 PROMPT = "The capital of France is"
@@ -41,7 +39,9 @@ def _weights() -> str | None:
 
 WEIGHTS = _weights()
 pytestmark = pytest.mark.skipif(WEIGHTS is None, reason="no Qwen3-8B weights (set FASTQWEN_TEST_MODEL to their folder)")
-on_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and _native.has_cuda_kernels()), reason="needs a GPU and the CUDA kernels")
+on_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _native.has_cuda_kernels()), reason="needs a GPU and the CUDA kernels"
+)
 
 
 def _check(llm: LLM) -> None:
@@ -63,11 +63,24 @@ def test_offline_llm_on_the_cpu_reference_path():
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, on_gpu]), "cpu"])
 def test_server(device, tmp_path):
     pages = ["--num-pages", "16", "--page-size", "16"] if device == "cpu" else []
-    server = ServerProcess(WEIGHTS, "--device", device, "--dtype", "bfloat16", "--max-model-len", "256", *pages,
-                           timeout=1800.0, log_dir=str(tmp_path))  # fmt: skip
+    server = ServerProcess(
+        WEIGHTS,
+        "--device",
+        device,
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "256",
+        *pages,
+        timeout=1800.0,
+        log_dir=str(tmp_path),
+    )
     try:
-        r = httpx.post(server.url + "/v1/completions", timeout=1800.0,
-                       json={"prompt": PROMPT, "max_tokens": len(EXPECTED), "temperature": 0, "ignore_eos": True})  # fmt: skip
+        r = httpx.post(
+            server.url + "/v1/completions",
+            timeout=1800.0,
+            json={"prompt": PROMPT, "max_tokens": len(EXPECTED), "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == EXPECTED
     finally:

@@ -61,7 +61,13 @@ def test_git_show_references_resolve():
     refs = sorted({m for text in texts for m in re.findall(r"git show ([0-9a-f]{7,40}:[\w./<>-]+)", text)})
     refs = [ref for ref in refs if "<" not in ref]  # the template `git show 1274b3f:bench/results/<folder>/...`
     assert len(refs) > 20
-    check = subprocess.run(["git", "cat-file", "--batch-check"], input="\n".join(refs) + "\n", cwd=ROOT,
-                           capture_output=True, text=True, check=True)  # fmt: skip
+    check = subprocess.run(
+        ["git", "cat-file", "--batch-check"],
+        input="\n".join(refs) + "\n",
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     missing = [ref for ref, line in zip(refs, check.stdout.splitlines()) if line.endswith("missing")]
     assert not missing, f"these commits do not hold these paths: {missing}"

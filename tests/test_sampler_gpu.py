@@ -11,9 +11,9 @@ import random
 
 import pytest
 import torch
-
-from fastqwen.ops._native import has_cuda_kernels
+from checkpoints import make_checkpoint
 from fastqwen import LLM, SamplingParams
+from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.sampling import (
     apply_penalties,
     block_tokens,
@@ -26,11 +26,11 @@ from fastqwen.ops.sampling import (
     top_k_top_p_min_p_mask,
 )
 
-from checkpoints import make_checkpoint
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"
+    ),
 ]
 
 QWEN_VOCAB = 151_936
@@ -162,9 +162,15 @@ def test_same_seed_and_step_give_the_same_token_whatever_the_batch():
     steps = [0, 17, 2**33, 5, 0, 99]
 
     def rows_for(idx):
-        return pack_sampler_rows([params[i]["temperature"] for i in idx], [params[i]["top_k"] for i in idx],
-                                 [params[i]["top_p"] for i in idx], [params[i]["min_p"] for i in idx],
-                                 seed=[seeds[i] for i in idx], step=[steps[i] for i in idx], top_n=[3] * len(idx))  # fmt: skip
+        return pack_sampler_rows(
+            [params[i]["temperature"] for i in idx],
+            [params[i]["top_k"] for i in idx],
+            [params[i]["top_p"] for i in idx],
+            [params[i]["min_p"] for i in idx],
+            seed=[seeds[i] for i in idx],
+            step=[steps[i] for i in idx],
+            top_n=[3] * len(idx),
+        )
 
     alone = [run(base[i : i + 1], rows_for([i]), top_width=3) for i in range(6)]
     rng = random.Random(0)
@@ -174,8 +180,13 @@ def test_same_seed_and_step_give_the_same_token_whatever_the_batch():
         logits = filler.clone()
         for i, w in enumerate(where):
             logits[w] = base[i]
-        fill_params = pack_sampler_rows([1.0] * batch, top_k=[rng.choice([0, 5, 100]) for _ in range(batch)],
-                                        top_p=0.8, seed=list(range(batch)), step=1)  # fmt: skip
+        fill_params = pack_sampler_rows(
+            [1.0] * batch,
+            top_k=[rng.choice([0, 5, 100]) for _ in range(batch)],
+            top_p=0.8,
+            seed=list(range(batch)),
+            step=1,
+        )
         packed = rows_for(range(6))
         for i, w in enumerate(where):
             fill_params[w] = packed[i]
@@ -205,13 +216,17 @@ def test_edge_cases():
     n = 4000
     # top_k larger than the vocabulary and top_p = 1: no filter, every token reachable, none outside.
     for k in (vocab + 5, 2**31 - 1):
-        tokens, *_ = run(x[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, k, 1.0, seed=1, step=list(range(n))))
+        tokens, *_ = run(
+            x[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, k, 1.0, seed=1, step=list(range(n)))
+        )
         assert ((tokens >= 0) & (tokens < vocab)).all()
     # Ties: 10 equal logits on top, top_k 4 keeps the four lowest ids, drawn uniformly.
     tied = torch.full((vocab,), -5.0, device="cuda")
     ids = torch.tensor([7, 900, 901, 1500, 2000, 2500, 3000, 3500, 4000, 4095], device="cuda")
     tied[ids] = 3.0
-    tokens, *_ = run(tied[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, 4, seed=2, step=list(range(n))))
+    tokens, *_ = run(
+        tied[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, 4, seed=2, step=list(range(n)))
+    )
     counts = torch.bincount(tokens, minlength=vocab)
     assert set(torch.nonzero(counts).flatten().tolist()) == {7, 900, 901, 1500}
     assert counts[[7, 900, 901, 1500]].min().item() > n / 4 - 5 * math.sqrt(n * 3 / 16)
@@ -221,25 +236,42 @@ def test_edge_cases():
     inf_row[1::4] = float("-inf")
     finite = torch.isfinite(inf_row)
     for k, p in ((0, 1.0), (vocab, 0.9), (3000, 1.0), (20, 0.95)):
-        tokens, *_ = run(inf_row[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, k, p, seed=3, step=list(range(n))))
+        tokens, *_ = run(
+            inf_row[None].expand(n, vocab).contiguous(), pack_sampler_rows([1.0] * n, k, p, seed=3, step=list(range(n)))
+        )
         assert finite[tokens].all()
     all_inf_but_one = torch.full((vocab,), float("-inf"), device="cuda")
     all_inf_but_one[1234] = -1e30
     for t, k in ((1.0, 0), (0.5, 10), (0.0, 0)):
-        tokens, *_ = run(all_inf_but_one[None].expand(4, vocab).contiguous(), pack_sampler_rows([t] * 4, k, seed=4, step=list(range(4))))
+        tokens, *_ = run(
+            all_inf_but_one[None].expand(4, vocab).contiguous(),
+            pack_sampler_rows([t] * 4, k, seed=4, step=list(range(4))),
+        )
         assert (tokens == 1234).all()
     # A tiny temperature is greedy unless the maxima tie exactly.
-    tokens, *_ = run(x[None].expand(n, vocab).contiguous(), pack_sampler_rows([1e-4] * n, 0, 0.95, seed=5, step=list(range(n))))
+    tokens, *_ = run(
+        x[None].expand(n, vocab).contiguous(), pack_sampler_rows([1e-4] * n, 0, 0.95, seed=5, step=list(range(n)))
+    )
     assert (tokens == x.argmax()).all()
     two = x.clone()
     two[[10, 20]] = x.max() + 1
-    tokens, *_ = run(two[None].expand(n, vocab).contiguous(), pack_sampler_rows([1e-4] * n, seed=6, step=list(range(n))))
+    tokens, *_ = run(
+        two[None].expand(n, vocab).contiguous(), pack_sampler_rows([1e-4] * n, seed=6, step=list(range(n)))
+    )
     assert set(tokens.unique().tolist()) == {10, 20}
     # Vocabularies that are not a multiple of 4 (scalar loads) and smaller than a list.
     for v in (1, 3, 37, 1027):
         y = torch.randn(8, v, generator=gen, device="cuda")
-        tokens, *_ = run(y, pack_sampler_rows([0.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.0], [0, 5, 0, 100, 2, 0, 70, 3],
-                                              [1.0, 1.0, 0.5, 0.9, 1.0, 1.0, 0.2, 1.0], seed=9, step=1))  # fmt: skip
+        tokens, *_ = run(
+            y,
+            pack_sampler_rows(
+                [0.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.0],
+                [0, 5, 0, 100, 2, 0, 70, 3],
+                [1.0, 1.0, 0.5, 0.9, 1.0, 1.0, 0.2, 1.0],
+                seed=9,
+                step=1,
+            ),
+        )
         assert ((tokens >= 0) & (tokens < v)).all()
         assert tokens[0].item() == y[0].argmax().item() and tokens[7].item() == y[7].argmax().item()
 
@@ -266,13 +298,26 @@ def test_penalties_blocking_and_counts_match_the_references():
     blocked[5, :2] = torch.tensor(top[5][:2], dtype=torch.int32)
     want = logits.clone()
     pen_rows = [r for r in range(rows) if slots[r] >= 0]
-    apply_penalties(want, pen_rows, [torch.tensor(prompts[r], device="cuda") for r in pen_rows],
-                    [torch.tensor(outputs[r], device="cuda") for r in pen_rows], [rep[r] for r in pen_rows],
-                    [pres[r] for r in pen_rows], [freq[r] for r in pen_rows])  # fmt: skip
+    apply_penalties(
+        want,
+        pen_rows,
+        [torch.tensor(prompts[r], device="cuda") for r in pen_rows],
+        [torch.tensor(outputs[r], device="cuda") for r in pen_rows],
+        [rep[r] for r in pen_rows],
+        [pres[r] for r in pen_rows],
+        [freq[r] for r in pen_rows],
+    )
     block_tokens(want, [4, 5], [[top[4][4]], top[5][:2]])
     before = counts.clone()
-    params = pack_sampler_rows([0.0] * rows, slot=slots, repetition=rep, presence=pres, frequency=freq,
-                               num_blocked=[0, 0, 0, 0, 1, 2], top_n=[5] * rows)  # fmt: skip
+    params = pack_sampler_rows(
+        [0.0] * rows,
+        slot=slots,
+        repetition=rep,
+        presence=pres,
+        frequency=freq,
+        num_blocked=[0, 0, 0, 0, 1, 2],
+        top_n=[5] * rows,
+    )
     tokens, logprobs, top_ids, top_lp = run(logits, params, counts=counts, blocked=blocked, top_width=5)
     assert torch.equal(tokens, want.argmax(dim=-1))
     # Logprobs and alternatives from the raw logits, before penalties.
@@ -290,8 +335,17 @@ def test_penalties_blocking_and_counts_match_the_references():
     # penalized logits.
     n, r = 1000, 3
     table = before[slots[r]][None].expand(n, vocab).contiguous()
-    params = pack_sampler_rows([1.0] * n, 20, 0.9, seed=8, step=list(range(n)), slot=list(range(n)),
-                               repetition=rep[r], presence=pres[r], frequency=freq[r])  # fmt: skip
+    params = pack_sampler_rows(
+        [1.0] * n,
+        20,
+        0.9,
+        seed=8,
+        step=list(range(n)),
+        slot=list(range(n)),
+        repetition=rep[r],
+        presence=pres[r],
+        frequency=freq[r],
+    )
     tokens, *_ = run(logits[r][None].expand(n, vocab).contiguous(), params, counts=table)
     mask = reference_mask(want[r].double(), 1.0, 20, 0.9, 0.0).cuda() | ambiguous_tokens(want[r], 1.0, 20, 0.9, 0.0)
     assert mask[tokens].all()
@@ -331,8 +385,14 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError):
         sample(torch.randn(2, 100_000, device="cuda"), rows, tokens, ws)  # workspace too small
     with pytest.raises(ValueError):
-        sample(logits, rows, tokens, ws, top_ids=torch.empty(2, 65, dtype=torch.int64, device="cuda"),
-                      top_logprobs=torch.empty(2, 65, device="cuda"))  # fmt: skip
+        sample(
+            logits,
+            rows,
+            tokens,
+            ws,
+            top_ids=torch.empty(2, 65, dtype=torch.int64, device="cuda"),
+            top_logprobs=torch.empty(2, 65, device="cuda"),
+        )
     with pytest.raises(ValueError):
         sample(logits, rows.cpu(), tokens, ws)
     for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1), dict(top_n=65), dict(repetition=0.0)):
@@ -390,15 +450,32 @@ def test_top_k_past_the_vocabulary_is_off():
 def graph_folder(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("sampler_graph"))
     make_checkpoint(
-        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
-        layers=2, dtype=torch.bfloat16, logit_scale=8.0, seed=13,
-    )  # fmt: skip
+        folder,
+        tied=False,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        hidden=256,
+        intermediate=512,
+        layers=2,
+        dtype=torch.bfloat16,
+        logit_scale=8.0,
+        seed=13,
+    )
     return folder
 
 
 def engine(folder: str, graphs: bool) -> LLM:
-    return LLM(folder, dtype="bfloat16", device="cuda", page_size=16, num_pages=256, max_num_seqs=16,
-               disable_cuda_graph=not graphs, cuda_graph_max_bs=8)  # fmt: skip
+    return LLM(
+        folder,
+        dtype="bfloat16",
+        device="cuda",
+        page_size=16,
+        num_pages=256,
+        max_num_seqs=16,
+        disable_cuda_graph=not graphs,
+        cuda_graph_max_bs=8,
+    )
 
 
 def test_engine_top_k_past_the_vocabulary_matches_top_k_off(graph_folder):
@@ -427,10 +504,17 @@ def test_min_tokens_with_64_stop_ids_under_graphs_matches_eager(graph_folder):
     drawn = sorted({t for o in free for t in o.token_ids[:4]})
     stops = (drawn + [t for t in range(400) if t not in drawn])[:64]
     params = [
-        SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=30, seed=50 + i, max_tokens=16, min_tokens=6,
-                       stop_token_ids=stops if i != 4 else [], repetition_penalty=1.2 if i == 1 else 1.0)
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            top_k=30,
+            seed=50 + i,
+            max_tokens=16,
+            min_tokens=6,
+            stop_token_ids=stops if i != 4 else [],
+            repetition_penalty=1.2 if i == 1 else 1.0,
+        )
         for i in range(5)
-    ]  # fmt: skip
+    ]
     replays = []
     replay = graph_llm.engine.runner.graphs.replay_sampler  # a graph step's sampler graph
     graph_llm.engine.runner.graphs.replay_sampler = lambda size: replays.append(size) or replay(size)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-
+from checkpoints import hf_logits, make_checkpoint
 from fastqwen import LLM, InvalidRequestError, SamplingParams
 from fastqwen.ops.sampling import (
     SamplingBatch,
@@ -23,8 +23,6 @@ from fastqwen.ops.sampling import (
     top_k_top_p_min_p_mask,
     unpack_sampler_rows,
 )
-
-from checkpoints import hf_logits, make_checkpoint
 
 
 def kept_set_float64(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -91,7 +89,9 @@ def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p, m
     target[list(kept)] = p[list(kept)] / p[list(kept)].sum()
     out = torch.empty(draws, dtype=torch.int64)
     gen = torch.Generator().manual_seed(123)
-    draw_reference(logits.expand(draws, vocab).contiguous(), batch_of(draws, temperature, top_k, top_p, min_p), out, gen)
+    draw_reference(
+        logits.expand(draws, vocab).contiguous(), batch_of(draws, temperature, top_k, top_p, min_p), out, gen
+    )
     freq = torch.bincount(out, minlength=vocab).double() / draws
     for t in range(vocab):
         if t not in kept:
@@ -120,7 +120,12 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     draw_reference(row.clone(), batch_of(1, seeds=[seed]), alone, torch.Generator().manual_seed(0))
     mixed_logits = torch.cat([others[:3], row, others[3:]])
     mixed = torch.empty(8, dtype=torch.int64)
-    draw_reference(mixed_logits, batch_of(8, seeds=[None, 9, None, seed, None, None, 1, None]), mixed, torch.Generator().manual_seed(99))
+    draw_reference(
+        mixed_logits,
+        batch_of(8, seeds=[None, 9, None, seed, None, None, 1, None]),
+        mixed,
+        torch.Generator().manual_seed(99),
+    )
     assert mixed[3] == alone[0]
     draws = set()
     for s in range(20):
@@ -202,7 +207,9 @@ def test_min_tokens_blocks_stop_tokens(checkpoint):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     stop_id = greedy.token_ids[1]
-    stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    stopped = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
     assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_id) + 1]
     held = llm.generate(
@@ -230,11 +237,19 @@ def test_gpu_sampler_prepare_packs_what_the_kernel_expects(monkeypatch):
     requests = []
     for i in range(6):
         params = SamplingParams(
-            temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.8]),
-            min_p=rng.choice([0.0, 0.1]), seed=rng.choice([None, 11 + i]), repetition_penalty=rng.choice([1.0, 1.2]),
-            presence_penalty=rng.choice([0.0, 0.5]), min_tokens=rng.choice([0, 3]), ignore_eos=rng.random() < 0.5,
-            stop_token_ids=rng.choice([[], [9]]), logprobs=rng.choice([None, 0, 2]), max_tokens=20,
-        )  # fmt: skip
+            temperature=rng.choice([0.0, 0.7, 1.3]),
+            top_k=rng.choice([0, 5]),
+            top_p=rng.choice([1.0, 0.8]),
+            min_p=rng.choice([0.0, 0.1]),
+            seed=rng.choice([None, 11 + i]),
+            repetition_penalty=rng.choice([1.0, 1.2]),
+            presence_penalty=rng.choice([0.0, 0.5]),
+            min_tokens=rng.choice([0, 3]),
+            ignore_eos=rng.random() < 0.5,
+            stop_token_ids=rng.choice([[], [9]]),
+            logprobs=rng.choice([None, 0, 2]),
+            max_tokens=20,
+        )
         request = Request(rid=i, prompt_ids=[1, 2, 3], params=params, arrival=i)
         request.token_ids += [4] * rng.randint(0, 5)
         requests.append(request)
@@ -243,18 +258,24 @@ def test_gpu_sampler_prepare_packs_what_the_kernel_expects(monkeypatch):
         slots = [r.sampler.slot if r.params.has_penalties else -1 for r in requests]
         bans = [
             len(r.params.stop_token_ids) + (0 if r.params.ignore_eos else len(eos))
-            if r.num_output_tokens < r.params.min_tokens else 0
+            if r.num_output_tokens < r.params.min_tokens
+            else 0
             for r in requests
-        ]  # fmt: skip
+        ]
         want = pack_sampler_rows(
-            [r.params.temperature for r in requests], [r.params.top_k for r in requests],
-            [r.params.top_p for r in requests], [r.params.min_p for r in requests],
-            seed=[sampler._seed(r) for r in requests], step=[r.num_output_tokens for r in requests], slot=slots,
+            [r.params.temperature for r in requests],
+            [r.params.top_k for r in requests],
+            [r.params.top_p for r in requests],
+            [r.params.min_p for r in requests],
+            seed=[sampler._seed(r) for r in requests],
+            step=[r.num_output_tokens for r in requests],
+            slot=slots,
             repetition=[r.params.repetition_penalty for r in requests],
             presence=[r.params.presence_penalty for r in requests],
-            frequency=[r.params.frequency_penalty for r in requests], num_blocked=bans,
+            frequency=[r.params.frequency_penalty for r in requests],
+            num_blocked=bans,
             top_n=[-1 if r.params.logprobs is None else r.params.logprobs for r in requests],
-        )  # fmt: skip
+        )
         assert torch.equal(sampler.rows[:6], want)
         assert torch.equal(sampler.rows[6:8], pack_sampler_rows([0.0, 0.0]))
         for r in requests:  # the next step: one more output token each
@@ -270,9 +291,20 @@ def test_packed_rows_round_trip_through_the_exported_layout():
     m = native()
     assert layout.words == m.SAMPLER_ROW_WORDS and layout.fields == dict(m.SAMPLER_ROW_FIELDS)
     assert len({offset for offset, _ in layout.fields.values()}) == len(layout.fields) <= layout.words
-    rows = pack_sampler_rows([0.5, 0.0], [7, 2**40], [0.9, 1.0], [0.0, 0.25], seed=[2**64 - 3, 5], step=[2**33, 0],
-                             slot=[3, -1], repetition=[1.5, 1.0], presence=[0.25, -1.0], frequency=[0.0, 2.0],
-                             num_blocked=[0, 4], top_n=[-1, 20])  # fmt: skip
+    rows = pack_sampler_rows(
+        [0.5, 0.0],
+        [7, 2**40],
+        [0.9, 1.0],
+        [0.0, 0.25],
+        seed=[2**64 - 3, 5],
+        step=[2**33, 0],
+        slot=[3, -1],
+        repetition=[1.5, 1.0],
+        presence=[0.25, -1.0],
+        frequency=[0.0, 2.0],
+        num_blocked=[0, 4],
+        top_n=[-1, 20],
+    )
     assert rows.shape == (2, layout.words) and rows.dtype == torch.int32
     f = unpack_sampler_rows(rows)
     assert f["temperature"].tolist() == [0.5, 0.0] and f["top_k"].tolist() == [7, 0]
@@ -314,8 +346,15 @@ def test_sample_op_falls_back_to_the_reference_of_the_kernel_contract():
     blocked = torch.full((rows_n, 3), -1, dtype=torch.int32)
     blocked[1, :2] = torch.tensor(top[1][:2])
     blocked[3, 0] = top[3][0]
-    rows = pack_sampler_rows([0.0] * rows_n, slot=slots, repetition=rep, presence=pres, frequency=freq,
-                             num_blocked=[0, 2, 0, 1], top_n=[3, -1, 0, 2])  # fmt: skip
+    rows = pack_sampler_rows(
+        [0.0] * rows_n,
+        slot=slots,
+        repetition=rep,
+        presence=pres,
+        frequency=freq,
+        num_blocked=[0, 2, 0, 1],
+        top_n=[3, -1, 0, 2],
+    )
     tokens = torch.full((rows_n,), -1, dtype=torch.int64)
     logprobs = torch.full((rows_n,), float("nan"))
     top_ids = torch.full((rows_n, 3), -1, dtype=torch.int64)
@@ -324,8 +363,15 @@ def test_sample_op_falls_back_to_the_reference_of_the_kernel_contract():
     ops.sample(logits, rows, tokens, None, logprobs, top_ids, top_lps, counts=counts, blocked=blocked)
     want = logits.clone()
     pen = [r for r in range(rows_n) if slots[r] >= 0]
-    apply_penalties(want, pen, [torch.tensor(prompts[r]) for r in pen], [torch.tensor(outputs[r], dtype=torch.int64)
-                    for r in pen], [rep[r] for r in pen], [pres[r] for r in pen], [freq[r] for r in pen])  # fmt: skip
+    apply_penalties(
+        want,
+        pen,
+        [torch.tensor(prompts[r]) for r in pen],
+        [torch.tensor(outputs[r], dtype=torch.int64) for r in pen],
+        [rep[r] for r in pen],
+        [pres[r] for r in pen],
+        [freq[r] for r in pen],
+    )
     block_tokens(want, [1, 3], [top[1][:2], top[3][:1]])
     assert tokens.tolist() == want.argmax(dim=-1).tolist()
     chosen, ids, lps = compute_logprobs(logits, tokens, 3)
@@ -348,8 +394,9 @@ def test_sample_op_falls_back_to_the_reference_of_the_kernel_contract():
     sample_reference(many, sampled_rows, first)
     sample_reference(many, sampled_rows, second)
     assert torch.equal(first, second) and len(set(first.tolist())) > 1
-    mask = top_k_top_p_min_p_mask(torch.softmax(many[:1] / 0.9, -1), torch.tensor([5]), torch.tensor([0.8]),
-                                  torch.tensor([0.0]))[0]  # fmt: skip
+    mask = top_k_top_p_min_p_mask(
+        torch.softmax(many[:1] / 0.9, -1), torch.tensor([5]), torch.tensor([0.8]), torch.tensor([0.0])
+    )[0]
     assert mask[first].all()
 
 

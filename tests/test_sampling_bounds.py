@@ -13,13 +13,12 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
-
+from checkpoints import EOS_IDS, VOCAB, make_checkpoint
 from fastqwen import LLM, InvalidRequestError, SamplingParams
 from fastqwen.ops.sampling import top_k_top_p_min_p_mask
 from fastqwen.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE
-
-from checkpoints import EOS_IDS, VOCAB, make_checkpoint
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 INT64_MAX = 2**63 - 1
 
@@ -130,8 +129,18 @@ def test_every_accepted_value_samples_on_the_cuda_sampler_with_graphs(tmp_path, 
     """The same draws through the CUDA sampler, decode steps in CUDA graphs, in one batch. Ban lists (min_tokens x
     stop_token_ids) longer than 7 with graphs need the sampler of the `contracts` branch."""
     folder = str(tmp_path)  # the decode kernel (and so graph capture) needs head_dim 128 and a half dtype
-    make_checkpoint(folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
-                    layers=2, dtype=torch.bfloat16, max_positions=64)  # fmt: skip
+    make_checkpoint(
+        folder,
+        tied=False,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        hidden=256,
+        intermediate=512,
+        layers=2,
+        dtype=torch.bfloat16,
+        max_positions=64,
+    )
     llm = LLM(folder, dtype="bfloat16", device="cuda", num_pages=256, page_size=16)
     assert llm.engine.runner.graphs is not None, "this test is about the graph path"
     rng = random.Random(23)

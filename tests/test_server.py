@@ -11,11 +11,9 @@ import time
 import httpx
 import openai
 import pytest
-
+from checkpoints import make_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.server.reasoning import split_reasoning
-
-from checkpoints import make_checkpoint
 from server_process import ServerProcess, metric, metrics_when_idle
 from test_text import CHAT_TEMPLATE
 
@@ -23,7 +21,18 @@ API_KEY = "test-key-123"
 MODEL = "tiny-qwen3"
 # The test template can open a think block in the prompt, like newer Qwen templates do.
 TEMPLATE = CHAT_TEMPLATE + "{%- if add_generation_prompt and open_think %}{{- '<think>\\n' }}{%- endif %}"
-COMMON = ["--dtype", "float32", "--device", "cpu", "--num-pages", "4096", "--page-size", "8", "--served-model-name", MODEL]
+COMMON = [
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--num-pages",
+    "4096",
+    "--page-size",
+    "8",
+    "--served-model-name",
+    MODEL,
+]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +98,13 @@ def test_streamed_completion_equals_whole(client):
 
 def test_chat_streaming_and_not(client, llm):
     messages = [{"role": "system", "content": "t1"}, {"role": "user", "content": [{"type": "text", "text": "t2 t3"}]}]
-    kwargs = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    kwargs = dict(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     whole = client.chat.completions.create(**kwargs)
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "system", "content": "t1"}, {"role": "user", "content": "t2 t3"}], enable_thinking=False
@@ -111,10 +126,14 @@ def test_chat_reasoning_content(client):
     # The prompt opened <think>, and the model never closed it: everything it said is reasoning.
     message = thinking.choices[0].message
     assert message.content == ""
-    assert message.model_extra["reasoning_content"] == split_reasoning(message.model_extra["reasoning_content"], True)[0]
+    assert (
+        message.model_extra["reasoning_content"] == split_reasoning(message.model_extra["reasoning_content"], True)[0]
+    )
     assert len(message.model_extra["reasoning_content"]) > 0
     assert "reasoning_content" not in plain.choices[0].message.model_extra
-    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body={"chat_template_kwargs": {"open_think": True}}))
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, extra_body={"chat_template_kwargs": {"open_think": True}})
+    )
     streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
     assert streamed == message.model_extra["reasoning_content"]
 
@@ -131,11 +150,15 @@ def test_n_and_seed(client):
 
 
 def test_stop_string(client):
-    base = client.completions.create(model=MODEL, prompt="t11 t12", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(
+        model=MODEL, prompt="t11 t12", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = base.choices[0].text
     words = text.split(" ")
     stop = words[3][-1] + " " + words[4][:2]
-    cut = client.completions.create(model=MODEL, prompt="t11 t12", max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    cut = client.completions.create(
+        model=MODEL, prompt="t11 t12", max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].model_extra["stop_reason"] == stop
@@ -148,25 +171,46 @@ def test_logprobs(client, llm):
     for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3
         assert token_lp == pytest.approx(max(top.values()), abs=1e-5), "greedy picks the most likely token"
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t1"}], max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "t1"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
 
 
 def test_exact_sse_framing(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "max_tokens": 4, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "t5"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=auth(), timeout=30) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         raw = "".join(response.iter_text())
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    payloads = [json.loads(e[len("data: ") :]) for e in events[:-2]]
     for e in events[:-2]:
         assert re.fullmatch(r"data: \{.*\}", e, flags=re.S) and "\n" not in e
     assert payloads[0]["choices"][0]["delta"]["role"] == "assistant", "the role comes with the first token"
-    assert payloads[-1]["choices"] == [] and set(payloads[-1]["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
-    assert payloads[-2]["choices"][0]["finish_reason"] in ("stop", "length") and payloads[-2]["choices"][0]["delta"] == {}
+    assert payloads[-1]["choices"] == [] and set(payloads[-1]["usage"]) >= {
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "prompt_tokens_details",
+    }
+    assert (
+        payloads[-2]["choices"][0]["finish_reason"] in ("stop", "length") and payloads[-2]["choices"][0]["delta"] == {}
+    )
     assert all(p["object"] == "chat.completion.chunk" and p["id"] == payloads[0]["id"] for p in payloads)
 
 
@@ -182,13 +226,19 @@ def test_error_statuses(server, client):
         client.completions.create(model="no-such-model", prompt="t1")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    response = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={**auth(), "Content-Type": "application/json"})
+    response = httpx.post(
+        server.url + "/v1/completions", content=b"{not json", headers={**auth(), "Content-Type": "application/json"}
+    )
     assert response.status_code == 400 and response.json()["error"]["code"] == 400
     response = httpx.post(server.url + "/v1/completions", json={"prompt": ["t1", 7]}, headers=auth())
     assert response.status_code == 400 and set(response.json()["error"]) == {"message", "type", "param", "code"}
-    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, headers=auth())
+    response = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}, headers=auth()
+    )
     assert response.status_code == 400 and "wizard" in response.json()["error"]["message"]
-    response = httpx.post(server.url + "/v1/completions", json={"prompt": "t1", "stream_options": {"include_usage": True}}, headers=auth())
+    response = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "t1", "stream_options": {"include_usage": True}}, headers=auth()
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options"
 
 
@@ -196,24 +246,47 @@ def test_health_models_generate_metrics(server, client, llm):
     assert httpx.get(server.url + "/health").status_code == 200
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == 1024
-    single = httpx.post(server.url + "/generate", json={"text": "t1 t2", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}, headers=auth()).json()
+    single = httpx.post(
+        server.url + "/generate",
+        json={"text": "t1 t2", "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
+        headers=auth(),
+    ).json()
     expected = llm.generate("t1 t2", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
     assert single["text"] == expected.text and single["output_ids"] == expected.token_ids
-    assert single["meta_info"]["prompt_tokens"] == 2 and single["meta_info"]["completion_tokens"] == len(expected.token_ids)
+    assert single["meta_info"]["prompt_tokens"] == 2 and single["meta_info"]["completion_tokens"] == len(
+        expected.token_ids
+    )
     assert single["meta_info"]["finish_reason"]["type"] == expected.finish_reason
-    batch = httpx.post(server.url + "/generate", json={"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}, headers=auth()).json()
+    batch = httpx.post(
+        server.url + "/generate",
+        json={"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+        headers=auth(),
+    ).json()
     assert isinstance(batch, list) and len(batch) == 2
-    with httpx.stream("POST", server.url + "/generate", json={"text": "t1 t2", "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}, headers=auth()) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/generate",
+        json={"text": "t1 t2", "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
+        headers=auth(),
+    ) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["text"] == expected.text, "streamed /generate text is cumulative"
     text = httpx.get(server.url + "/metrics").text
     for name in [
-        "fastqwen:num_requests_running", "fastqwen:num_requests_waiting", "fastqwen:kv_cache_usage_perc",
-        "fastqwen:prefix_cache_queries_total", "fastqwen:prefix_cache_hits_total", "fastqwen:prompt_tokens_total",
-        "fastqwen:generation_tokens_total", "fastqwen:num_aborted_requests_total", "fastqwen:request_success_total",
-        "fastqwen:time_to_first_token_seconds_bucket", "fastqwen:inter_token_latency_seconds_bucket",
-        "fastqwen:e2e_request_latency_seconds_bucket", "fastqwen:request_queue_time_seconds_bucket",
-    ]:  # fmt: skip
+        "fastqwen:num_requests_running",
+        "fastqwen:num_requests_waiting",
+        "fastqwen:kv_cache_usage_perc",
+        "fastqwen:prefix_cache_queries_total",
+        "fastqwen:prefix_cache_hits_total",
+        "fastqwen:prompt_tokens_total",
+        "fastqwen:generation_tokens_total",
+        "fastqwen:num_aborted_requests_total",
+        "fastqwen:request_success_total",
+        "fastqwen:time_to_first_token_seconds_bucket",
+        "fastqwen:inter_token_latency_seconds_bucket",
+        "fastqwen:e2e_request_latency_seconds_bucket",
+        "fastqwen:request_queue_time_seconds_bucket",
+    ]:
         assert name in text, name
     assert metric(text, "fastqwen:generation_tokens_total") > 0
 
@@ -235,7 +308,9 @@ def test_disconnected_clients_release_everything(server):
             async def whole():
                 await http.post("/v1/completions", json=body)
 
-            tasks = [asyncio.create_task(streaming()) for _ in range(50)] + [asyncio.create_task(whole()) for _ in range(50)]
+            tasks = [asyncio.create_task(streaming()) for _ in range(50)] + [
+                asyncio.create_task(whole()) for _ in range(50)
+            ]
             for _ in range(200):
                 await asyncio.sleep(0.05)
                 text = (await http.get("/metrics")).text
@@ -261,15 +336,23 @@ def test_queue_limit_answers_503_early(folder, llm):
         prompts = [[(7 * i) % 380 + 1, (11 * i) % 380 + 1, 3] for i in range(200)]
         expected = {
             tuple(p): o.text
-            for p, o in zip(prompts, llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True), use_tqdm=False))
+            for p, o in zip(
+                prompts,
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True), use_tqdm=False),
+            )
         }
 
         async def scenario():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=httpx.Limits(max_connections=250)) as http:
+            async with httpx.AsyncClient(
+                base_url=srv.url, timeout=120, limits=httpx.Limits(max_connections=250)
+            ) as http:
 
                 async def one(prompt):
                     started = time.monotonic()
-                    r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 128, "temperature": 0, "ignore_eos": True})
+                    r = await http.post(
+                        "/v1/completions",
+                        json={"prompt": prompt, "max_tokens": 128, "temperature": 0, "ignore_eos": True},
+                    )
                     return prompt, r, time.monotonic() - started
 
                 return await asyncio.gather(*(one(p) for p in prompts))
@@ -311,7 +394,9 @@ def test_sigterm_drains_running_requests(folder):
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         with pytest.raises(httpx.HTTPError):  # the listening socket is closed: new requests cannot get in
-            httpx.post(srv.url + "/v1/completions", json={"prompt": "t1", "max_tokens": 1}, timeout=5).raise_for_status()
+            httpx.post(
+                srv.url + "/v1/completions", json={"prompt": "t1", "max_tokens": 1}, timeout=5
+            ).raise_for_status()
         worker.join(60)
         # uvicorn re-raises the captured SIGTERM once it has shut down, so the exit status says "terminated".
         assert srv.proc.wait(60) in (0, -signal.SIGTERM)

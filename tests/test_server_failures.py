@@ -9,12 +9,10 @@ import time
 import httpx
 import pytest
 import uvicorn
-
-from fastqwen.engine.llm_engine import LLMEngine
-from fastqwen.engine.client import InProcessEngineClient
-from fastqwen.server.app import WARMUP_PROMPT, WARMUP_TOKENS, ServerConfig, create_app
-
 from checkpoints import make_checkpoint
+from fastqwen.engine.client import InProcessEngineClient
+from fastqwen.engine.llm_engine import LLMEngine
+from fastqwen.server.app import WARMUP_PROMPT, WARMUP_TOKENS, ServerConfig, create_app
 from server_process import free_port
 
 
@@ -131,8 +129,11 @@ def test_warm_up_runs_before_ready_and_stays_out_of_the_metrics(tiny_engine):
         assert list(added[0].prompt_ids) == WARMUP_PROMPT and added[0].params.max_tokens == WARMUP_TOKENS
         assert not tiny_engine.has_unfinished()  # it ran to its end before the server said ready
         metrics = httpx.get(server.url + "/metrics").text
-        counted = [line for line in metrics.splitlines()
-                   if line.startswith(("fastqwen:generation_tokens_total{", "fastqwen:iteration_tokens_total_count{"))]
+        counted = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith(("fastqwen:generation_tokens_total{", "fastqwen:iteration_tokens_total_count{"))
+        ]
         assert len(counted) == 2 and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in counted), counted
         body = {"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True}
         ok = httpx.post(server.url + "/v1/completions", json=body, timeout=30)

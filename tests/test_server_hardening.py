@@ -20,7 +20,6 @@ import time
 
 import httpx
 import pytest
-
 from checkpoints import VOCAB, make_checkpoint
 from server_process import ServerProcess, free_port
 from test_text import CHAT_TEMPLATE
@@ -28,7 +27,18 @@ from test_text import CHAT_TEMPLATE
 API_KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BODY_LIMIT = 4_000_000
-COMMON = ["--dtype", "float32", "--device", "cpu", "--num-pages", "2048", "--page-size", "8", "--served-model-name", "tiny"]
+COMMON = [
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--num-pages",
+    "2048",
+    "--page-size",
+    "8",
+    "--served-model-name",
+    "tiny",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +53,23 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(folder):
     srv = ServerProcess(
-        folder, *COMMON, "--api-key", API_KEY, "--max-queued-requests", "8", "--max-sequences-per-request", "16",
-        "--max-request-body-bytes", str(BODY_LIMIT), "--header-timeout", "1", "--body-timeout", "1",
-        "--max-connections", "48",
-    )  # fmt: skip
+        folder,
+        *COMMON,
+        "--api-key",
+        API_KEY,
+        "--max-queued-requests",
+        "8",
+        "--max-sequences-per-request",
+        "16",
+        "--max-request-body-bytes",
+        str(BODY_LIMIT),
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+        "--max-connections",
+        "48",
+    )
     yield srv
     srv.stop()
 
@@ -67,7 +90,14 @@ USER = [{"role": "user", "content": "t1"}]
 
 # (name, path, JSON body or raw bytes, extra headers, status, param)
 BAD_INPUTS = [
-    ("top_k past int64", COMPLETIONS, {"prompt": "hi", "top_k": 2**63, "max_tokens": 2, "temperature": 1.0}, {}, 400, "top_k"),
+    (
+        "top_k past int64",
+        COMPLETIONS,
+        {"prompt": "hi", "top_k": 2**63, "max_tokens": 2, "temperature": 1.0},
+        {},
+        400,
+        "top_k",
+    ),
     ("top_k past int64, /generate", "/generate", {"text": "hi", "sampling_params": {"top_k": 2**63}}, {}, 400, "top_k"),
     ("top_k below -1", COMPLETIONS, {"prompt": "hi", "top_k": -2}, {}, 400, "top_k"),
     ("n = 0", COMPLETIONS, {"prompt": "hi", "n": 0, "temperature": -1}, {}, 400, "n"),
@@ -76,23 +106,58 @@ BAD_INPUTS = [
     ("integer past a double", COMPLETIONS, {"prompt": "hi", "temperature": 10**400}, {}, 400, "temperature"),
     ("repetition_penalty 0", COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, {}, 400, "repetition_penalty"),
     ("max_tokens past int64", COMPLETIONS, {"prompt": "hi", "max_tokens": 2**64}, {}, 400, "max_tokens"),
-    ("min_tokens past the context", COMPLETIONS, {"prompt": "hi", "max_tokens": None, "min_tokens": 5000}, {}, 400, "min_tokens"),
+    (
+        "min_tokens past the context",
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": None, "min_tokens": 5000},
+        {},
+        400,
+        "min_tokens",
+    ),
     ("seed past int64", COMPLETIONS, {"prompt": "hi", "seed": 2**64}, {}, 400, "seed"),
     ("logprobs past int64", COMPLETIONS, {"prompt": "hi", "logprobs": 2**63}, {}, 400, "logprobs"),
     ("33 stop strings", COMPLETIONS, {"prompt": "hi", "stop": [f"s{i}" for i in range(33)]}, {}, 400, "stop"),
-    ("stop token past the vocabulary", COMPLETIONS, {"prompt": "hi", "stop_token_ids": [VOCAB]}, {}, 400, "stop_token_ids"),
+    (
+        "stop token past the vocabulary",
+        COMPLETIONS,
+        {"prompt": "hi", "stop_token_ids": [VOCAB]},
+        {},
+        400,
+        "stop_token_ids",
+    ),
     ("prompt token past the vocabulary", COMPLETIONS, {"prompt": [1, VOCAB]}, {}, 400, "prompt"),
     ("more sequences than the queue", COMPLETIONS, {"prompt": "hi", "n": 9, "max_tokens": 1}, {}, 400, "n"),
     ("more sequences than a request may ask", COMPLETIONS, {"prompt": ["a", "b", "c", "d"], "n": 5}, {}, 400, "n"),
     ("empty /generate batch", "/generate", {"text": []}, {}, 400, "prompt"),
-    ("template kwargs set messages", CHAT, {"messages": USER, "chat_template_kwargs": {"messages": []}}, {}, 400, "chat_template_kwargs"),
-    ("template kwargs set add_generation_prompt", CHAT, {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}}, {}, 400, "chat_template_kwargs"),
+    (
+        "template kwargs set messages",
+        CHAT,
+        {"messages": USER, "chat_template_kwargs": {"messages": []}},
+        {},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "template kwargs set add_generation_prompt",
+        CHAT,
+        {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}},
+        {},
+        400,
+        "chat_template_kwargs",
+    ),
     ("content an object", CHAT, {"messages": [{"role": "user", "content": {"a": 1}}]}, {}, 400, "messages"),
     ("no messages", CHAT, {"messages": []}, {}, 400, "messages"),
     ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "messages"),
     ("lone surrogate in a prompt", COMPLETIONS, SURROGATE_PROMPT, {}, 400, "prompt"),
     ("lone surrogate as raw bytes", COMPLETIONS, RAW_SURROGATE_PROMPT, {}, 400, "prompt"),
-    ("lone surrogate in chat content", CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', {}, 400, "messages"),
+    (
+        "lone surrogate in chat content",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+        {},
+        400,
+        "messages",
+    ),
     ("lone surrogate in /generate text", "/generate", b'{"text": "t1 \\udc00"}', {}, 400, "text"),
     ("lone surrogate in model", COMPLETIONS, b'{"prompt": "t1", "model": "\\ud800"}', {}, 400, "model"),
     ("lone surrogate in rid", "/generate", b'{"text": "t1", "rid": "\\ud800"}', {}, 400, "rid"),
@@ -102,7 +167,14 @@ BAD_INPUTS = [
     ("nested past the parser", COMPLETIONS, b"[" * 100_00 + b"]" * 100_00, {}, 400, None),
     ("unknown model", COMPLETIONS, {"prompt": "hi", "model": "gpt-9"}, {}, 404, "model"),
     ("unknown path", "/v1/nothing", {}, {}, 404, None),
-    ("non-ASCII bearer token", COMPLETIONS, {"prompt": "hi"}, {"Authorization": "Bearer \u00e9t\u00e9".encode()}, 401, None),
+    (
+        "non-ASCII bearer token",
+        COMPLETIONS,
+        {"prompt": "hi"},
+        {"Authorization": "Bearer \u00e9t\u00e9".encode()},
+        401,
+        None,
+    ),
     ("no API key", COMPLETIONS, {"prompt": "hi"}, {"Authorization": ""}, 401, None),
 ]
 
@@ -134,10 +206,29 @@ def test_bad_input_gets_an_openai_error_and_the_connection_lives_on(server, name
 
 # Inputs that used to end the engine loop or answer 500: now served.
 ACCEPTED = [
-    ("top_k 2**31 (int32 overflow on the GPU path)", COMPLETIONS, {"prompt": "hi", "top_k": 2**31, "max_tokens": 2, "temperature": 1.0}),
+    (
+        "top_k 2**31 (int32 overflow on the GPU path)",
+        COMPLETIONS,
+        {"prompt": "hi", "top_k": 2**31, "max_tokens": 2, "temperature": 1.0},
+    ),
     ("top_k 2**63 - 1", "/generate", {"text": "hi", "sampling_params": {"top_k": 2**63 - 1, "max_new_tokens": 2}}),
-    ("min_tokens with 64 stop ids", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "min_tokens": 3, "stop_token_ids": list(range(64))}),
-    ("chat content null", CHAT, {"messages": [{"role": "user", "content": "t1"}, {"role": "assistant", "content": None}, {"role": "user", "content": "t2"}], "max_tokens": 2}),
+    (
+        "min_tokens with 64 stop ids",
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": 3, "stop_token_ids": list(range(64))},
+    ),
+    (
+        "chat content null",
+        CHAT,
+        {
+            "messages": [
+                {"role": "user", "content": "t1"},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "t2"},
+            ],
+            "max_tokens": 2,
+        },
+    ),
     ("tiny temperature is greedy", COMPLETIONS, {"prompt": "t1 t2", "max_tokens": 3, "temperature": 1e-30}),
     ("tiny top_p", COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "temperature": 1.0, "top_p": 1e-300}),
     ("emoji as a surrogate pair", COMPLETIONS, b'{"prompt": "t1 \\ud83d\\ude00", "max_tokens": 2}'),
@@ -178,7 +269,9 @@ def test_a_huge_prompt_does_not_stall_the_event_loop(server):
     result = {}
 
     def big():
-        result["r"] = httpx.post(server.url + COMPLETIONS, json={"prompt": prompt, "max_tokens": 1}, headers=AUTH, timeout=120)
+        result["r"] = httpx.post(
+            server.url + COMPLETIONS, json={"prompt": prompt, "max_tokens": 1}, headers=AUTH, timeout=120
+        )
 
     worker = threading.Thread(target=big)
     worker.start()
@@ -209,7 +302,7 @@ def _read_until_closed(s: socket.socket, limit: float) -> tuple[bytes, float]:
             if not chunk:
                 break
             data += chunk
-    except (socket.timeout, ConnectionResetError):
+    except (TimeoutError, ConnectionResetError):
         pass
     return data, time.monotonic() - started
 
@@ -220,10 +313,15 @@ def test_idle_and_half_sent_connections_are_closed(server):
     half_headers = _raw(server)
     half_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
     half_body = _raw(server)
-    half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
-                      + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")  # fmt: skip
-    results = {name: _read_until_closed(s, 5.0) for name, s in
-               [("silent", silent), ("half headers", half_headers), ("half body", half_body)]}  # fmt: skip
+    half_body.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + API_KEY.encode()
+        + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '
+    )
+    results = {
+        name: _read_until_closed(s, 5.0)
+        for name, s in [("silent", silent), ("half headers", half_headers), ("half body", half_body)]
+    }
     for name, (data, waited) in results.items():
         assert waited < 3.0, f"{name}: the server kept the connection open {waited:.1f} s"
     assert results["silent"][0] == b"", "a connection that never sent anything is closed without a word"
@@ -257,7 +355,7 @@ def test_connection_cap_answers_503(server):
             s.settimeout(0.3)
             try:
                 data = s.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if data.startswith(b"HTTP/1.1 503"):
                 refused += 1
@@ -282,7 +380,9 @@ def test_openapi_says_what_the_server_returns(server):
     completions = doc["paths"]["/v1/completions"]["post"]
     assert "422" not in completions["responses"]
     for status in ("400", "401", "404", "413", "503"):
-        assert completions["responses"][status]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+        assert completions["responses"][status]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"
+        }
     assert set(completions["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert completions["security"] == [{"bearer": []}]
     assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
@@ -297,6 +397,7 @@ def test_sigterm_past_the_timeout_ends_every_request_in_protocol_terms(folder):
     results: dict[str, object] = {}
     body = {"prompt": "t1", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     try:
+
         def streaming():
             with httpx.stream("POST", srv.url + COMPLETIONS, json={**body, "stream": True}, timeout=60) as r:
                 results["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -320,7 +421,7 @@ def test_sigterm_past_the_timeout_ends_every_request_in_protocol_terms(folder):
     assert unfinished, "with one sequence at a time, some of the 5 x 1000-token requests must still be running"
     for r in unfinished:
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-    last = json.loads(events[-2][len("data: "):])
+    last = json.loads(events[-2][len("data: ") :])
     if "error" in last:
         assert last["error"]["code"] == 503
     else:  # the stream happened to finish in time
@@ -349,8 +450,23 @@ def test_an_unrecoverable_engine_fault_exits_nonzero(folder, tmp_path, warmup):
     log = open(tmp_path / "server.log", "w")
     # The patched launch lives in this process: run the engine core in a thread of it (test_engine_core.py kills a
     # core process instead).
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, "--model", folder, "--port", str(port), *COMMON, "--engine-core", "thread",
-                             *([] if warmup else ["--skip-warmup"])], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            "--model",
+            folder,
+            "--port",
+            str(port),
+            *COMMON,
+            "--engine-core",
+            "thread",
+            *([] if warmup else ["--skip-warmup"]),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         healthy = False

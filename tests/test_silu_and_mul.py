@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.activation import silu_and_mul, silu_and_mul_reference
 

@@ -21,7 +21,6 @@ import time
 
 import httpx
 import pytest
-
 from server_process import ServerProcess, metric, metrics_when_idle
 from test_structured_output import _write_checkpoint  # byte-level BPE: structured output works, as with Qwen's
 
@@ -38,10 +37,28 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("soak")
     _write_checkpoint(str(path))
     srv = ServerProcess(
-        str(path), "--dtype", "float32", "--device", "cpu", "--num-pages", "4096", "--page-size", "8",
-        "--max-num-seqs", "64", "--served-model-name", "tiny", "--header-timeout", "2", "--body-timeout", "2",
-        "--max-connections", "64", "--max-connections-per-peer", "16",
-    )  # fmt: skip
+        str(path),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-pages",
+        "4096",
+        "--page-size",
+        "8",
+        "--max-num-seqs",
+        "64",
+        "--served-model-name",
+        "tiny",
+        "--header-timeout",
+        "2",
+        "--body-timeout",
+        "2",
+        "--max-connections",
+        "64",
+        "--max-connections-per-peer",
+        "16",
+    )
     yield srv
     srv.stop()
 
@@ -82,25 +99,74 @@ def _attacks(url: str) -> list[tuple[str, str, dict | None, bytes | None, dict, 
     """(name, path, JSON body, raw body, headers, acceptable statuses)."""
     ids = [5 + i % 90 for i in range(2000)]
     return [
-        ("json schema of 2,000 chained $defs", CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": _defs_chain(2000)}}},
-         None, {}, {400}),  # fmt: skip
-        ("Lark grammar of 5,000 chained rules", COMPLETIONS, {"prompt": "x", "max_tokens": 4,
-         "guided_grammar": _lark_chain(5000)}, None, {}, {400}),  # fmt: skip
-        ("a grammar that can never be satisfied", COMPLETIONS, {"prompt": "x", "max_tokens": 4, "guided_regex": "[^\\s\\S]"},
-         None, {}, {400}),  # fmt: skip
-        ("echo + prompt logprobs x n", COMPLETIONS, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 20,
-         "n": 128}, None, {}, {400}),  # fmt: skip
+        (
+            "json schema of 2,000 chained $defs",
+            CHAT,
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": _defs_chain(2000)}},
+            },
+            None,
+            {},
+            {400},
+        ),
+        (
+            "Lark grammar of 5,000 chained rules",
+            COMPLETIONS,
+            {"prompt": "x", "max_tokens": 4, "guided_grammar": _lark_chain(5000)},
+            None,
+            {},
+            {400},
+        ),
+        (
+            "a grammar that can never be satisfied",
+            COMPLETIONS,
+            {"prompt": "x", "max_tokens": 4, "guided_regex": "[^\\s\\S]"},
+            None,
+            {},
+            {400},
+        ),
+        (
+            "echo + prompt logprobs x n",
+            COMPLETIONS,
+            {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 20, "n": 128},
+            None,
+            {},
+            {400},
+        ),
         ("4.8 MB prompt", COMPLETIONS, {"prompt": "t1 t2 t3 " * 530_000, "max_tokens": 1}, None, {}, {400, 413}),
-        ("4,300-digit logit_bias key", COMPLETIONS, {"prompt": "x", "max_tokens": 1, "logit_bias": {"9" * 4300: 1}},
-         None, {}, {400}),  # fmt: skip
+        (
+            "4,300-digit logit_bias key",
+            COMPLETIONS,
+            {"prompt": "x", "max_tokens": 1, "logit_bias": {"9" * 4300: 1}},
+            None,
+            {},
+            {400},
+        ),
         ("100 KB header", "/health", None, None, {"x-pad": "a" * 100_000}, {400, 431}),
         # Gives up at run time ("{" and nothing can follow): the request ends in an error, never a "stop".
-        ("a recursive required object", COMPLETIONS, {"prompt": "x", "max_tokens": 8, "guided_json": {"type": "object",
-         "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}, None, {}, {500}),  # fmt: skip
+        (
+            "a recursive required object",
+            COMPLETIONS,
+            {
+                "prompt": "x",
+                "max_tokens": 8,
+                "guided_json": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+            },
+            None,
+            {},
+            {500},
+        ),
         # Served, slowly for itself only: its masks are computed off the step.
-        ("an exact-length-5,000 string", COMPLETIONS, {"prompt": "x", "max_tokens": 24, "guided_json": {"type": "string",
-         "minLength": 5000, "maxLength": 5000}}, None, {}, {200}),  # fmt: skip
+        (
+            "an exact-length-5,000 string",
+            COMPLETIONS,
+            {"prompt": "x", "max_tokens": 24, "guided_json": {"type": "string", "minLength": 5000, "maxLength": 5000}},
+            None,
+            {},
+            {200},
+        ),
     ]
 
 
@@ -194,9 +260,11 @@ def test_valid_traffic_is_served_through_every_attack(server):
     threads = [threading.Thread(target=valid_client, args=(c,)) for c in range(VALID_CLIENTS)]
     background: dict[str, int] = {}
     threads += [threading.Thread(target=attacker)]
-    extra = [threading.Thread(target=_slowloris, args=(server.port, stop, opened)),
-             threading.Thread(target=_reopening_flood, args=(server.port, stop, background)),
-             threading.Thread(target=_disconnecting_client, args=(url, stop, background))]  # fmt: skip
+    extra = [
+        threading.Thread(target=_slowloris, args=(server.port, stop, opened)),
+        threading.Thread(target=_reopening_flood, args=(server.port, stop, background)),
+        threading.Thread(target=_disconnecting_client, args=(url, stop, background)),
+    ]
     started = time.monotonic()
     for t in threads + extra:
         t.start()
@@ -221,7 +289,11 @@ def test_valid_traffic_is_served_through_every_attack(server):
         "valid_requests": len(results),
         "seconds": round(elapsed, 2),
         "attacks": {name: {"status": status, "sent": attack_counts[name]} for name, status in attack_statuses.items()},
-        "inter_token_gap_s": {"median": statistics.median(gaps), "p99": gaps[int(0.99 * (len(gaps) - 1))], "max": gaps[-1]},
+        "inter_token_gap_s": {
+            "median": statistics.median(gaps),
+            "p99": gaps[int(0.99 * (len(gaps) - 1))],
+            "max": gaps[-1],
+        },
         "slowloris_connections": len(opened),
         **background,
     }

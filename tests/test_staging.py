@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from fastqwen.engine.cuda_graph import DecodeGraphs, capture_sizes
 from fastqwen.engine.staging import BatchStaging, Layout
 

@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from checkpoints import make_checkpoint
 from server_process import free_port
 
@@ -43,7 +42,10 @@ def _cases(root, good: str) -> dict[str, tuple[list[str], list[str]]]:
         "missing folder": ([os.path.join(root, "nowhere")], ["--model", "not a local path"]),
         "no weights": ([no_weights], ["--model", "no model.safetensors"]),
         "bad config": ([bad_config], ["--model", "model_type='llama'"]),
-        "unknown hub id offline": (["nobody-here/no-such-model"], ["--model", "not in the Hugging Face cache", "HF_HUB_OFFLINE"]),
+        "unknown hub id offline": (
+            ["nobody-here/no-such-model"],
+            ["--model", "not in the Hugging Face cache", "HF_HUB_OFFLINE"],
+        ),
         "weights fail to load in the core": ([corrupt], ["the model failed to load", "SafetensorError"]),
     }
 
@@ -103,13 +105,20 @@ def test_serve_and_python_m_serve_take_the_same_flags():
 
 def test_parameter_count_matches_transformers():
     import torch
+    from fastqwen.config import ModelConfig
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from fastqwen.config import ModelConfig
-
     for tied in (True, False):
-        config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)  # fmt: skip
+        config = Qwen3Config(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=tied,
+        )
         with torch.device("meta"):
             model = Qwen3ForCausalLM(config)
         expected = sum(p.numel() for p in model.parameters())  # a tied head counts once

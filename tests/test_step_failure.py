@@ -13,13 +13,10 @@ import json
 
 import httpx
 import pytest
-
-from fastqwen import LLM, SamplingParams
-from fastqwen.engine.llm_engine import LLMEngine
-from fastqwen.engine.client import InProcessEngineClient
-from fastqwen.engine.llm_engine import MAX_FAILED_STEPS, EngineFault
-
 from checkpoints import make_checkpoint
+from fastqwen import LLM, SamplingParams
+from fastqwen.engine.client import InProcessEngineClient
+from fastqwen.engine.llm_engine import MAX_FAILED_STEPS, EngineFault, LLMEngine
 from test_server_failures import InProcessServer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -119,7 +116,9 @@ def test_a_success_resets_the_count(folder):
 @pytest.mark.parametrize(
     "error",
     [
-        RuntimeError("fastqwen: CUDA error in decode: cudaErrorIllegalAddress: an illegal memory access was encountered"),
+        RuntimeError(
+            "fastqwen: CUDA error in decode: cudaErrorIllegalAddress: an illegal memory access was encountered"
+        ),
         MemoryError(),
     ],
 )
@@ -164,7 +163,7 @@ def test_a_failed_step_is_a_500_and_the_server_goes_on(flaky_server):
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 500
+        assert json.loads(events[-2][len("data: ") :])["error"]["code"] == 500
         again = client.post("/v1/completions", json=body)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == good.json()["choices"][0]["text"]
         assert client.get("/health").json()["status"] == "ok"

@@ -4,18 +4,15 @@ order, with every token and the finish, for one request and for several merged o
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
-
+from checkpoints import make_checkpoint
 from fastqwen import SamplingParams
-from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.engine.client import InProcessEngineClient
+from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.frontend import Frontend
 from fastqwen.server.async_engine import AsyncEngine
 from fastqwen.server.serving import stream_requests
-
-from checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +62,9 @@ def test_sse_events_stay_one_line_for_clients_that_split_on_unicode_line_breaks(
     import json
 
     import httpx
-
     from fastqwen.server.serving import sse, sse_event
 
-    text = "a\u2028b\x85c\u2029d\ne\"f\\"
+    text = 'a\u2028b\x85c\u2029d\ne"f\\'
     for event in (sse({"choices": [{"text": text}]}), sse_event(json.dumps({"text": text}, ensure_ascii=False))):
         lines = [line for line in httpx.Response(200, text=event).iter_lines() if line]
         assert len(lines) == 1 and lines[0].startswith("data: ")

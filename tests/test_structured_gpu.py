@@ -10,12 +10,10 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from fastqwen import LLM, SamplingParams
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.sampling import pack_sampler_rows, sample, sample_reference, sampler_workspace
 from fastqwen.sampling_params import StructuredOutput
-
 from test_structured_output import SCHEMAS, _valid_json, _write_checkpoint
 
 
@@ -25,9 +23,12 @@ def _check(text: str, schema: dict) -> None:
     except ImportError:  # no jsonschema on this machine: the CPU tests validate; here, at least it parses
         json.loads(text)
 
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and has_cuda_kernels()), reason="needs a CUDA GPU and the kernels"
+    ),
 ]
 
 
@@ -58,16 +59,27 @@ def test_kernel_mask_and_bias_match_reference(vocab, dtype):
     temperature = [0.0, 0.0, 0.0, 0.0, 1.0, 0.7, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
     top_k = [0, 0, 0, 0, 0, 0, 40, 0, 0, 0, 0, 20]
     top_p = [1.0] * 7 + [0.9] + [1.0] * 4
-    packed = pack_sampler_rows(temperature, top_k, top_p, num_blocked=[width] * rows, masked=masked,
-                               seed=list(range(rows)), top_n=[3] * rows)  # fmt: skip
+    packed = pack_sampler_rows(
+        temperature, top_k, top_p, num_blocked=[width] * rows, masked=masked, seed=list(range(rows)), top_n=[3] * rows
+    )
     dev = torch.device("cuda")
     out = torch.zeros(rows, dtype=torch.int64, device=dev)
     lp = torch.zeros(rows, device=dev)
     top_ids = torch.zeros(rows, 3, dtype=torch.int64, device=dev)
     top_lp = torch.zeros(rows, 3, device=dev)
     ws = sampler_workspace(rows, vocab, dev)
-    sample(logits.to(dev), packed.to(dev), out, ws, lp, top_ids, top_lp, blocked=blocked.to(dev), bias=bias.to(dev),
-           mask=mask.to(dev))  # fmt: skip
+    sample(
+        logits.to(dev),
+        packed.to(dev),
+        out,
+        ws,
+        lp,
+        top_ids,
+        top_lp,
+        blocked=blocked.to(dev),
+        bias=bias.to(dev),
+        mask=mask.to(dev),
+    )
     ref = torch.zeros(rows, dtype=torch.int64)
     ref_lp, ref_ids, ref_top = torch.zeros(rows), torch.zeros(rows, 3, dtype=torch.int64), torch.zeros(rows, 3)
     sample_reference(logits.float(), packed, ref, ref_lp, ref_ids, ref_top, blocked=blocked, bias=bias, mask=mask)
@@ -96,9 +108,15 @@ def test_engine_graphs_with_grammars(tmp_path):
     graphs.replay_forward = lambda size: replays.append(size) or replay_forward(size)  # a deferred step's
     plain = [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=100 + i) for i in range(16)]
     alone = llm.generate(["free text"] * 16, plain, use_tqdm=False)
-    constrained = [SamplingParams(temperature=1.0, max_tokens=160, seed=i,
-                                  structured=StructuredOutput("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)])))
-                   for i in range(48)]  # fmt: skip
+    constrained = [
+        SamplingParams(
+            temperature=1.0,
+            max_tokens=160,
+            seed=i,
+            structured=StructuredOutput("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)])),
+        )
+        for i in range(48)
+    ]
     replays.clear()
     mixed = llm.generate(["free text"] * 16 + ["json"] * 48, plain + constrained, use_tqdm=False)
     del graphs.replay, graphs.replay_forward
@@ -141,7 +159,9 @@ def test_grammar_steps_overlap_and_match_the_serial_schedule(tmp_path):
     deferred = []
     runner = overlapped.engine.runner
     sample_deferred = runner.sample_deferred
-    runner.sample_deferred = lambda pending, skip=frozenset(): deferred.append(len(pending.requests)) or sample_deferred(pending, skip)
+    runner.sample_deferred = lambda pending, skip=frozenset(): (
+        deferred.append(len(pending.requests)) or sample_deferred(pending, skip)
+    )
     ahead0 = overlapped.engine.num_ahead_steps
     got = overlapped.generate(prompts, params, use_tqdm=False)
     want = serial.generate(prompts, params, use_tqdm=False)
@@ -196,9 +216,15 @@ def test_constrained_decode_steps_do_not_sync(tmp_path):
         return output
 
     engine.step = step_checking_syncs
-    params = [SamplingParams(temperature=1.0, max_tokens=160, seed=i,
-                             structured=StructuredOutput("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)])))
-              for i in range(16)]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            max_tokens=160,
+            seed=i,
+            structured=StructuredOutput("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)])),
+        )
+        for i in range(16)
+    ]
     outs = llm.generate(["json"] * 16, params, use_tqdm=False)
     del engine.step
     assert len(checked) > 20, checked

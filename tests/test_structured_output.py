@@ -17,13 +17,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-
+from checkpoints import hf_logits, make_checkpoint, write_byte_level_tokenizer
 from fastqwen import LLM, SamplingParams
 from fastqwen.errors import InvalidRequestError
 from fastqwen.grammar import check_structured, tool_call_structured
 from fastqwen.sampling_params import StructuredOutput
-
-from checkpoints import hf_logits, make_checkpoint, write_byte_level_tokenizer
 from server_process import ServerProcess
 from test_text import CHAT_TEMPLATE
 
@@ -37,8 +35,12 @@ SCHEMAS = [
             "name": {"type": "string", "maxLength": 6},
             "age": {"type": "integer", "minimum": 0, "maximum": 120},
             "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-            "pos": {"type": "object", "properties": {"x": {"type": "boolean"}, "y": {"enum": [1, 2, None]}},
-                    "required": ["x", "y"], "additionalProperties": False},
+            "pos": {
+                "type": "object",
+                "properties": {"x": {"type": "boolean"}, "y": {"enum": [1, 2, None]}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
         },
         "required": ["name", "age", "tags", "pos"],
         "additionalProperties": False,
@@ -46,10 +48,20 @@ SCHEMAS = [
     {
         "type": "object",
         "properties": {
-            "items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
-                "type": "object", "properties": {"id": {"type": "integer", "minimum": -5, "maximum": 5},
-                                                 "kind": {"enum": ["a", "b"]}},
-                "required": ["id", "kind"], "additionalProperties": False}},
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer", "minimum": -5, "maximum": 5},
+                        "kind": {"enum": ["a", "b"]},
+                    },
+                    "required": ["id", "kind"],
+                    "additionalProperties": False,
+                },
+            },
             "ok": {"type": "boolean"},
         },
         "required": ["items", "ok"],
@@ -57,7 +69,7 @@ SCHEMAS = [
     },
     {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,3}$"}, "minItems": 1, "maxItems": 4},
     {"enum": ["alpha", "beta", {"k": [1, 2]}]},
-]  # fmt: skip
+]
 REGEX = r"[0-9]{3}-[a-z]{2,4}( [A-Z]{1,5})?"
 
 
@@ -89,8 +101,21 @@ def llm(folder):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "4096", "--page-size", "8",
-                        "--max-num-seqs", "256", "--served-model-name", "m")  # fmt: skip
+    srv = ServerProcess(
+        folder,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-pages",
+        "4096",
+        "--page-size",
+        "8",
+        "--max-num-seqs",
+        "256",
+        "--served-model-name",
+        "m",
+    )
     yield srv
     srv.stop()
 
@@ -159,11 +184,19 @@ def test_schema_mix_and_regex_offline(llm):
     for i in range(12):
         k = i % (len(SCHEMAS) + 2)
         if k < len(SCHEMAS):
-            params.append(SamplingParams(temperature=1.0, max_tokens=160, seed=i,
-                                         structured=StructuredOutput("json_schema", json.dumps(SCHEMAS[k]))))  # fmt: skip
+            params.append(
+                SamplingParams(
+                    temperature=1.0,
+                    max_tokens=160,
+                    seed=i,
+                    structured=StructuredOutput("json_schema", json.dumps(SCHEMAS[k])),
+                )
+            )
             checks.append(lambda text, s=SCHEMAS[k]: _valid_json(text, s))
         elif k == len(SCHEMAS):
-            params.append(SamplingParams(temperature=1.0, max_tokens=60, seed=i, structured=StructuredOutput("regex", REGEX)))
+            params.append(
+                SamplingParams(temperature=1.0, max_tokens=60, seed=i, structured=StructuredOutput("regex", REGEX))
+            )
             checks.append(lambda text: re.fullmatch(REGEX, text) or pytest.fail(f"{text!r} does not match"))
         else:
             params.append(SamplingParams(temperature=1.0, max_tokens=8, seed=i))
@@ -179,12 +212,16 @@ def test_choice_grammar_and_gbnf(llm):
     choices = ["yes", "no", 'a "quoted"\nline', "ünï"]
     specs = [
         (StructuredOutput("choice", json.dumps(choices)), lambda t: t in choices),
-        (StructuredOutput("grammar", 'start: "<" ITEM ("," ITEM)* ">"\nITEM: /[a-c]{1,2}/'),
-         lambda t: re.fullmatch(r"<[a-c]{1,2}(,[a-c]{1,2})*>", t)),
+        (
+            StructuredOutput("grammar", 'start: "<" ITEM ("," ITEM)* ">"\nITEM: /[a-c]{1,2}/'),
+            lambda t: re.fullmatch(r"<[a-c]{1,2}(,[a-c]{1,2})*>", t),
+        ),
         (StructuredOutput("grammar", 'root ::= "x" ("y" | "z")+ "."'), lambda t: re.fullmatch(r"x[yz]+\.", t)),
-    ]  # fmt: skip
+    ]
     for structured, ok in specs:
-        outs = llm.generate(["hi"] * 6, SamplingParams(temperature=1.0, max_tokens=40, structured=structured), use_tqdm=False)
+        outs = llm.generate(
+            ["hi"] * 6, SamplingParams(temperature=1.0, max_tokens=40, structured=structured), use_tqdm=False
+        )
         texts = [o.text for o in outs if o.finish_reason == "stop"]
         assert len(texts) >= 4 and all(ok(t) for t in texts), texts
 
@@ -289,7 +326,13 @@ def test_logit_bias_against_hf(folder):
     # real contest.
     second = raw.topk(2, dim=-1).indices[:, 1].tolist()
     bias = {second[3]: 0.3, second[7]: 0.5, plain.token_ids[0]: -0.2}
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={str(k): v for k, v in bias.items()}), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={str(k): v for k, v in bias.items()}
+        ),
+        use_tqdm=False,
+    )[0]
     logits = hf_logits(model, prompt, out.token_ids)
     for i, token in enumerate(out.token_ids):
         x = logits[i].double().clone()
@@ -301,16 +344,30 @@ def test_logit_bias_against_hf(folder):
 
 def test_tool_call_spec_gives_valid_calls(llm):
     tools = [
-        {"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"enum": ["Paris", "東京"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["city", "days"], "additionalProperties": False}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"enum": ["Paris", "東京"]},
+                        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["city", "days"],
+                    "additionalProperties": False,
+                },
+            },
+        },
         {"type": "function", "function": {"name": "now"}},
-    ]  # fmt: skip
+    ]
     block = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
     schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         structured = tool_call_structured(tools, choice)
-        outs = llm.generate(["call"] * 6, SamplingParams(temperature=1.0, max_tokens=200, seed=3, structured=structured), use_tqdm=False)
+        outs = llm.generate(
+            ["call"] * 6, SamplingParams(temperature=1.0, max_tokens=200, seed=3, structured=structured), use_tqdm=False
+        )
         for out in outs:
             assert out.finish_reason == "stop", out.text
             calls = block.findall(out.text)
@@ -362,21 +419,52 @@ def test_server_structured_requests_all_valid(server):
     for schema in SCHEMAS:
         variants = [
             ("/v1/completions", {"prompt": "json:", "guided_json": schema}),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "json"}],
-                                      "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}}),
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "json"}],
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "s", "schema": schema, "strict": True},
+                    },
+                },
+            ),
             ("/v1/completions", {"prompt": "json:", "structured_outputs": {"json": json.dumps(schema)}}),
-        ]  # fmt: skip
+        ]
         for path, body in variants:
             for stream in (False, True):
                 payload = {"model": "m", "max_tokens": 160, "temperature": 1.0, "n": 8, "stream": stream, **body}
                 jobs.append((path, payload, lambda t, s=schema: _valid_json(t, s)))
     for stream in (False, True):
-        payload = {"model": "m", "prompt": "id:", "max_tokens": 60, "temperature": 1.0, "n": 8, "stream": stream, "guided_regex": REGEX}
-        jobs.append(("/v1/completions", payload, lambda t: re.fullmatch(REGEX, t) or pytest.fail(f"{t!r} does not match")))
-    jobs.append(("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 160, "temperature": 1.0, "json_schema": json.dumps(SCHEMAS[1])}},
-                 lambda t: _valid_json(t, SCHEMAS[1])))
-    jobs.append(("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "ebnf": 'root ::= "a" [0-9]+'}},
-                 lambda t: re.fullmatch(r"a[0-9]+", t) or pytest.fail(t)))  # fmt: skip
+        payload = {
+            "model": "m",
+            "prompt": "id:",
+            "max_tokens": 60,
+            "temperature": 1.0,
+            "n": 8,
+            "stream": stream,
+            "guided_regex": REGEX,
+        }
+        jobs.append(
+            ("/v1/completions", payload, lambda t: re.fullmatch(REGEX, t) or pytest.fail(f"{t!r} does not match"))
+        )
+    jobs.append(
+        (
+            "/generate",
+            {
+                "text": "x",
+                "sampling_params": {"max_new_tokens": 160, "temperature": 1.0, "json_schema": json.dumps(SCHEMAS[1])},
+            },
+            lambda t: _valid_json(t, SCHEMAS[1]),
+        )
+    )
+    jobs.append(
+        (
+            "/generate",
+            {"text": "x", "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "ebnf": 'root ::= "a" [0-9]+'}},
+            lambda t: re.fullmatch(r"a[0-9]+", t) or pytest.fail(t),
+        )
+    )
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: _run(server, job[0], job[1], "chat" in job[0]), jobs))
     checked = 0
@@ -390,7 +478,11 @@ def test_server_structured_requests_all_valid(server):
 @pytest.mark.parametrize(
     "path, body, field",
     [
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}}},
+            "response_format",
+        ),
         ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/completions", {"guided_regex": "a(b"}, "guided_regex"),
         ("/v1/completions", {"guided_grammar": "start: nothing_here"}, "guided_grammar"),
@@ -421,7 +513,9 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400(tmp_path):
     make_checkpoint(str(tmp_path), tied=True, seed=1)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", num_pages=64, page_size=8)
     with pytest.raises(InvalidRequestError) as e:
-        llm.generate(["t1"], SamplingParams(structured=StructuredOutput("json_object", field="guided_json")), use_tqdm=False)
+        llm.generate(
+            ["t1"], SamplingParams(structured=StructuredOutput("json_object", field="guided_json")), use_tqdm=False
+        )
     assert e.value.param == "guided_json" and "not available" in str(e.value)
 
 
@@ -432,25 +526,52 @@ def test_server_tool_choice_required_and_named_always_call(server):
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     tools = [
-        {"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"enum": ["Paris", "東京"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["city", "days"], "additionalProperties": False}}},
-        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
-    ]  # fmt: skip
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"enum": ["Paris", "東京"]},
+                        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["city", "days"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "now",
+                "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+            },
+        },
+    ]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     messages = [{"role": "user", "content": "weather?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in ("required", named):
-        whole = client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=choice,
-                                               max_tokens=300, temperature=1.0, n=4, seed=11)  # fmt: skip
+        whole = client.chat.completions.create(
+            model="m", messages=messages, tools=tools, tool_choice=choice, max_tokens=300, temperature=1.0, n=4, seed=11
+        )
         for c in whole.choices:
             assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message
             for call in c.message.tool_calls:
                 _validate(json.loads(call.function.arguments), schemas[call.function.name])
             if choice is named:
                 assert [call.function.name for call in c.message.tool_calls] == ["get_weather"]
-        stream = client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=choice,
-                                                max_tokens=300, temperature=1.0, seed=11, stream=True)  # fmt: skip
+        stream = client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=tools,
+            tool_choice=choice,
+            max_tokens=300,
+            temperature=1.0,
+            seed=11,
+            stream=True,
+        )
         names, arguments, finish = {}, {}, None
         for chunk in stream:
             for c in chunk.choices:
@@ -463,6 +584,7 @@ def test_server_tool_choice_required_and_named_always_call(server):
         for index, name in names.items():
             _validate(json.loads(arguments[index]), schemas[name])
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice="required",
-                                       response_format={"type": "json_object"})  # fmt: skip
+        client.chat.completions.create(
+            model="m", messages=messages, tools=tools, tool_choice="required", response_format={"type": "json_object"}
+        )
     assert err.value.body["param"] == "tool_choice"

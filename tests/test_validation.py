@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
+from checkpoints import make_checkpoint
 from fastqwen import LLM, InvalidRequestError, SamplingParams
 from fastqwen.config import GenerationDefaults
-
-from checkpoints import make_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -47,7 +45,13 @@ def test_bad_sampling_params(kwargs, param):
 def test_defaults_come_from_generation_config():
     defaults = GenerationDefaults(eos_token_ids=[1], temperature=0.6, top_k=20, top_p=0.95, min_p=0.0)
     filled = SamplingParams().with_defaults(defaults)
-    assert (filled.temperature, filled.top_k, filled.top_p, filled.min_p, filled.repetition_penalty) == (0.6, 20, 0.95, 0.0, 1.0)
+    assert (filled.temperature, filled.top_k, filled.top_p, filled.min_p, filled.repetition_penalty) == (
+        0.6,
+        20,
+        0.95,
+        0.0,
+        1.0,
+    )
     explicit = SamplingParams(temperature=0.0, top_k=-1, top_p=1.0).with_defaults(defaults)
     assert (explicit.temperature, explicit.top_k, explicit.top_p) == (0.0, -1, 1.0)
     assert SamplingParams().with_defaults(GenerationDefaults()).temperature == 1.0

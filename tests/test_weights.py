@@ -7,12 +7,10 @@ import os
 
 import pytest
 import torch
-
+from checkpoints import EOS_IDS, make_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import PRESETS, ModelConfig, load_model_config, resolve_dtype
 from fastqwen.weights import load_weights
-
-from checkpoints import EOS_IDS, make_checkpoint
 
 
 def test_sharded_checkpoint_loads_like_single(tmp_path):
@@ -44,7 +42,9 @@ def test_fused_projections_match_hf_tensors(tmp_path):
     assert w.lm_head.weight is w.embed, "tied embeddings must share one tensor"
 
 
-@pytest.mark.parametrize("dtype,expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)]
+)
 def test_dtype_selection(tmp_path, dtype, expected):
     folder = str(tmp_path)
     make_checkpoint(folder, tied=False, dtype=torch.bfloat16)
@@ -96,15 +96,25 @@ def test_fold_norms_keeps_every_normed_projection(fp8, tied):
     a tied LM head (the embedding) keep theirs."""
     from fastqwen.weights import NormFolding, dummy_weights, fold_norms
 
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1,
-                      head_dim=32, tie_word_embeddings=tied)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        tie_word_embeddings=tied,
+    )
     weights = dummy_weights(cfg, torch.float32, torch.device("cpu"), seed=4, fp8=fp8)
     x = torch.randn(3, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     x = x / x.pow(2).mean(-1, keepdim=True).sqrt()  # RMSNorm without its weight
 
     def normed_projections():
         pairs = [(layer.input_norm, layer.qkv) for layer in weights.layers]
-        pairs += [(layer.post_norm, layer.gate_up) for layer in weights.layers] + [(weights.final_norm, weights.lm_head)]
+        pairs += [(layer.post_norm, layer.gate_up) for layer in weights.layers] + [
+            (weights.final_norm, weights.lm_head)
+        ]
         return [(x * g.double()) @ w.dequantize(torch.float64).t() for g, w in pairs]
 
     before = normed_projections()

@@ -1,7 +1,7 @@
 """fastqwen: a readable, fast Qwen3 inference engine."""
 
-from .frontend import RequestOutput, RequestUpdate
 from .errors import InvalidRequestError
+from .frontend import RequestOutput, RequestUpdate
 from .llm import LLM
 from .sampling_params import SamplingParams
 

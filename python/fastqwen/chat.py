@@ -12,7 +12,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from typing import Iterator
+from collections.abc import Iterator
 
 from . import env
 from .config import EngineConfig
@@ -22,17 +22,35 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "fastqwen chat") -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description="Chat with a Qwen3 model in the terminal: a model loaded here (MODEL or --model, "
-                                "with the engine flags of `fastqwen serve`) or a running server (--url).")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Chat with a Qwen3 model in the terminal: a model loaded here (MODEL or --model, "
+        "with the engine flags of `fastqwen serve`) or a running server (--url).",
+    )
     chat = p.add_argument_group("chat")
-    chat.add_argument("--url", default=None, help="a running fastqwen (or any OpenAI-compatible) server, e.g. http://127.0.0.1:8000; no model is loaded here")
-    chat.add_argument("--api-key", default=None, help="with --url: the server's API key (or set FASTQWEN_API_KEY / OPENAI_API_KEY)")
-    chat.add_argument("--served-model-name", default=None, help="with --url: the model name to ask for (default: the server's first)")
+    chat.add_argument(
+        "--url",
+        default=None,
+        help="a running fastqwen (or any OpenAI-compatible) server, e.g. http://127.0.0.1:8000; no model is loaded here",
+    )
+    chat.add_argument(
+        "--api-key", default=None, help="with --url: the server's API key (or set FASTQWEN_API_KEY / OPENAI_API_KEY)"
+    )
+    chat.add_argument(
+        "--served-model-name", default=None, help="with --url: the model name to ask for (default: the server's first)"
+    )
     chat.add_argument("--system", default=None, help="a system prompt to start with")
-    chat.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0 = greedy (default: the model's generation_config.json)")
+    chat.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature, 0 = greedy (default: the model's generation_config.json)",
+    )
     chat.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
     chat.add_argument("--max-tokens", type=int, default=4096, help="most tokens of one reply")
-    chat.add_argument("--no-think", action="store_true", help="ask Qwen3 to answer without a <think> block (enable_thinking=False)")
+    chat.add_argument(
+        "--no-think", action="store_true", help="ask Qwen3 to answer without a <think> block (enable_thinking=False)"
+    )
     EngineConfig.add_cli_arguments(p, model=None)
     args = p.parse_args(argv)
     if (args.url is None) == (args.model is None):
@@ -52,7 +70,9 @@ class LocalChat:
 
         self.llm = LLM(EngineConfig.from_cli(args))
         if self.llm.tokenizer is None or self.llm.tokenizer.chat_template is None:
-            raise SystemExit(f"{args.model}: this model has no tokenizer or chat template to chat with (--tokenizer, --chat-template)")
+            raise SystemExit(
+                f"{args.model}: this model has no tokenizer or chat template to chat with (--tokenizer, --chat-template)"
+            )
         knobs = {"temperature": args.temperature, "top_p": args.top_p}
         self.params = SamplingParams(max_tokens=args.max_tokens, **{k: v for k, v in knobs.items() if v is not None})
         self.template_kwargs = {"enable_thinking": False} if args.no_think else {}
@@ -78,7 +98,9 @@ class RemoteChat:
         self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         self.model = args.served_model_name or self._get("/v1/models")["data"][0]["id"]
         self.fields = {"max_tokens": args.max_tokens, "stream": True}
-        self.fields.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})
+        self.fields.update(
+            {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None}
+        )
         if args.no_think:
             self.fields["chat_template_kwargs"] = {"enable_thinking": False}
 
@@ -103,7 +125,7 @@ class RemoteChat:
                 line = raw.decode("utf-8").strip()
                 if not line.startswith("data:"):
                     continue
-                payload = line[len("data:"):].strip()
+                payload = line[len("data:") :].strip()
                 if payload == "[DONE]":
                     break
                 event = json.loads(payload)
@@ -152,13 +174,13 @@ class ThinkRenderer:
             at = self.pending.find(tag)
             if at >= 0:
                 self._emit(self.pending[:at])
-                self.pending = self.pending[at + len(tag):]
+                self.pending = self.pending[at + len(tag) :]
                 self.thinking = not self.thinking
                 self.out.write(self.DIM + "thinking: " if self.thinking else self.RESET + "\n")
                 continue
             keep = next((n for n in range(len(tag) - 1, 0, -1) if self.pending.endswith(tag[:n])), 0)
             self._emit(self.pending[: len(self.pending) - keep])
-            self.pending = self.pending[len(self.pending) - keep:]
+            self.pending = self.pending[len(self.pending) - keep :]
             break
         self.out.flush()
 
@@ -209,7 +231,7 @@ def run(backend, system: str | None, interactive: bool, styled: bool) -> int:
             say("(conversation reset)")
             continue
         if text == "/system" or text.startswith("/system "):
-            system = text[len("/system"):].strip() or None
+            system = text[len("/system") :].strip() or None
             say(f"(system prompt {'set' if system else 'cleared'})")
             continue
         if text.startswith("/"):

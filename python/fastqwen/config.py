@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import MISSING, dataclass, field, fields, replace
 import sys
 import textwrap
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError
@@ -89,11 +89,14 @@ class ModelConfig:
         return embeddings + self.num_layers * layer + h
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"fastqwen serves dense Qwen3 models; this checkpoint is model_type={model_type!r}")
-        if cfg.get("rope_scaling") not in (None, {}) and (cfg["rope_scaling"] or {}).get("rope_type", "default") != "default":
+        if (
+            cfg.get("rope_scaling") not in (None, {})
+            and (cfg["rope_scaling"] or {}).get("rope_type", "default") != "default"
+        ):
             raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not supported")
         # transformers >= 5 nests rope_theta in rope_parameters; older configs have it at the top level.
         rope = cfg.get("rope_parameters") or {}
@@ -120,7 +123,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_preset(cls, name: str) -> "ModelConfig":
+    def from_preset(cls, name: str) -> ModelConfig:
         key = name.split("/")[-1]
         if key not in _PRESET_SHAPES:
             raise InvalidRequestError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}", "model")
@@ -153,7 +156,7 @@ class GenerationDefaults:
     do_sample: bool | None = None
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "GenerationDefaults":
+    def from_dict(cls, cfg: dict[str, Any]) -> GenerationDefaults:
         return cls(
             eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
             temperature=cfg.get("temperature"),
@@ -188,8 +191,10 @@ def checkpoint_quantization(qcfg: Any) -> str | None:
     if qcfg.get("fmt", "e4m3") != "e4m3":
         problems.append(f"fmt={qcfg.get('fmt')!r} (only 'e4m3')")
     if qcfg.get("weight_block_size") != FP8_WEIGHT_BLOCK:
-        problems.append(f"weight_block_size={qcfg.get('weight_block_size')!r} (only {FP8_WEIGHT_BLOCK}; per-tensor "
-                        "or per-channel FP8 scales are not supported)")  # fmt: skip
+        problems.append(
+            f"weight_block_size={qcfg.get('weight_block_size')!r} (only {FP8_WEIGHT_BLOCK}; per-tensor "
+            "or per-channel FP8 scales are not supported)"
+        )
     if qcfg.get("activation_scheme", "dynamic") != "dynamic":
         problems.append(f"activation_scheme={qcfg.get('activation_scheme')!r} (only 'dynamic')")
     if problems:
@@ -285,35 +290,90 @@ class EngineConfig:
     """Every engine knob and its default, in one place. `LLM(model, **knobs)`, `python -m fastqwen.serve` and the
     benchmarks all build one of these; the command-line flags are generated from the fields below."""
 
-    model: str = _knob(MISSING, "checkpoint folder, Hugging Face hub id (e.g. Qwen/Qwen3-8B: the local cache first, downloaded when missing), config.json, or a preset (" + ", ".join(PRESETS) + ") with --load-format dummy")
-    dtype: str | torch.dtype = _knob("auto", "weight and KV dtype; auto = the checkpoint's", choices=("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"))
+    model: str = _knob(
+        MISSING,
+        "checkpoint folder, Hugging Face hub id (e.g. Qwen/Qwen3-8B: the local cache first, downloaded when missing), config.json, or a preset ("
+        + ", ".join(PRESETS)
+        + ") with --load-format dummy",
+    )
+    dtype: str | torch.dtype = _knob(
+        "auto",
+        "weight and KV dtype; auto = the checkpoint's",
+        choices=("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"),
+    )
     device: str | None = _knob(None, "cuda or cpu (default: cuda when available)")
-    load_format: str = _knob("auto", "dummy = random weights with the model's shapes", choices=("auto", "safetensors", "dummy"))
+    load_format: str = _knob(
+        "auto", "dummy = random weights with the model's shapes", choices=("auto", "safetensors", "dummy")
+    )
     page_size: int = _knob(16, "tokens per KV page (a power of two, at most 128)")
     max_num_seqs: int = _knob(256, "most requests running at once")
     max_num_batched_tokens: int = _knob(8192, "token budget of one step; longer prompts are prefilled in chunks")
     max_model_len: int | None = _knob(None, "context length (default: the model's)")
     num_pages: int | None = _knob(None, "KV pages to allocate, overriding --kv-cache-memory-fraction")
-    gpu_memory_utilization: float = _knob(0.85, "on GPU: fraction of the memory left after the weights that the KV cache and activations may use", flag="--kv-cache-memory-fraction", aliases=("--gpu-memory-utilization",))
+    gpu_memory_utilization: float = _knob(
+        0.85,
+        "on GPU: fraction of the memory left after the weights that the KV cache and activations may use",
+        flag="--kv-cache-memory-fraction",
+        aliases=("--gpu-memory-utilization",),
+    )
     seed: int = _knob(0, "seed of the engine's sampler for unseeded requests (and of dummy weights)")
-    enable_prefix_caching: bool = _knob(True, "turn off the prefix cache (KV reuse across requests sharing a prefix)", flag="--disable-radix-cache", aliases=("--no-enable-prefix-caching",))
+    enable_prefix_caching: bool = _knob(
+        True,
+        "turn off the prefix cache (KV reuse across requests sharing a prefix)",
+        flag="--disable-radix-cache",
+        aliases=("--no-enable-prefix-caching",),
+    )
     disable_cuda_graph: bool = _knob(False, "run decode steps eagerly instead of replaying captured CUDA graphs")
-    cuda_graph_max_bs: int = _knob(256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly")
-    disable_overlap_schedule: bool = _knob(False, "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)")
-    quantization: str = _knob("auto", "projection weights: auto = as the checkpoint has them; fp8 = FP8 e4m3 weights with 128x128 block scales (Qwen's FP8 checkpoints as they are, dense ones quantized on load); none = dense (an FP8 checkpoint is dequantized on load)", choices=("auto", "fp8", "none"))
-    allow_reference_on_gpu: bool = _knob(False, "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1")
+    cuda_graph_max_bs: int = _knob(
+        256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly"
+    )
+    disable_overlap_schedule: bool = _knob(
+        False,
+        "record each decode step before launching the next (by default the next one runs on the GPU while the host records the last)",
+    )
+    quantization: str = _knob(
+        "auto",
+        "projection weights: auto = as the checkpoint has them; fp8 = FP8 e4m3 weights with 128x128 block scales (Qwen's FP8 checkpoints as they are, dense ones quantized on load); none = dense (an FP8 checkpoint is dequantized on load)",
+        choices=("auto", "fp8", "none"),
+    )
+    allow_reference_on_gpu: bool = _knob(
+        False,
+        "run on a GPU even when fastqwen._C was built without the CUDA kernels (every op on its slow PyTorch reference; otherwise startup fails with how to build them); also FASTQWEN_ALLOW_REFERENCE_ON_GPU=1",
+    )
     # KV cache precision (issue 20).
-    kv_cache_dtype: str = _knob("auto", "KV cache dtype: auto = the model's; fp8_e4m3 (alias fp8) = e4m3 with one scale per layer for K and for V (1.0, or the checkpoint's k_scale / v_scale), twice the tokens in the same memory", choices=KV_CACHE_DTYPES)
-    norms_in_gemv: bool = _knob(True, "run the RMSNorms of a one-sequence decode step as their own kernels instead of in the projections' GEMVs (by default, where the one-token GEMV runs every projection on one GPU, they ride on the GEMVs and the dense projections after a norm take its weight into their columns at load: model/qwen3_batch1.py)", flag="--disable-norms-in-gemv")
+    kv_cache_dtype: str = _knob(
+        "auto",
+        "KV cache dtype: auto = the model's; fp8_e4m3 (alias fp8) = e4m3 with one scale per layer for K and for V (1.0, or the checkpoint's k_scale / v_scale), twice the tokens in the same memory",
+        choices=KV_CACHE_DTYPES,
+    )
+    norms_in_gemv: bool = _knob(
+        True,
+        "run the RMSNorms of a one-sequence decode step as their own kernels instead of in the projections' GEMVs (by default, where the one-token GEMV runs every projection on one GPU, they ride on the GEMVs and the dense projections after a norm take its weight into their columns at load: model/qwen3_batch1.py)",
+        flag="--disable-norms-in-gemv",
+    )
     # ---- tensor parallelism (engine/tensor_parallel.py) ----
-    tensor_parallel_size: int = _knob(1, "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each", aliases=("--tp", "-tp"))
-    disable_custom_all_reduce: bool = _knob(False, "tensor parallelism: every all-reduce through NCCL (by default messages up to 4 MiB take the custom one-shot kernel over CUDA IPC buffers)")
+    tensor_parallel_size: int = _knob(
+        1,
+        "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each",
+        aliases=("--tp", "-tp"),
+    )
+    disable_custom_all_reduce: bool = _knob(
+        False,
+        "tensor parallelism: every all-reduce through NCCL (by default messages up to 4 MiB take the custom one-shot kernel over CUDA IPC buffers)",
+    )
     # ---- model sources (model_source.py resolves them before anything loads) ----
-    revision: str | None = _knob(None, "hub revision (branch, tag or commit) of a --model given as a Hugging Face hub id")
+    revision: str | None = _knob(
+        None, "hub revision (branch, tag or commit) of a --model given as a Hugging Face hub id"
+    )
     tokenizer: str | None = _knob(None, "tokenizer folder or hub id (default: the model's own)")
-    chat_template: str | None = _knob(None, "chat template: a jinja file, or the template itself (default: the tokenizer's)")
+    chat_template: str | None = _knob(
+        None, "chat template: a jinja file, or the template itself (default: the tokenizer's)"
+    )
     # ---- structured output (grammar/compiler.py) ----
-    grammar_cache_mib: int = _knob(512, "memory the compiled grammars kept for reuse may take, estimated (grammar/compiler.py: estimated_compile_bytes); least recently used ones are dropped")
+    grammar_cache_mib: int = _knob(
+        512,
+        "memory the compiled grammars kept for reuse may take, estimated (grammar/compiler.py: estimated_compile_bytes); least recently used ones are dropped",
+    )
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -321,27 +381,58 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be {what}, not {getattr(self, name)!r}", name)
 
         need(isinstance(self.model, str) and bool(self.model), "model", "a checkpoint path or a preset name")
-        need(_is_torch_dtype(self.dtype) or self.dtype == "auto" or self.dtype in _DTYPES, "dtype", "'auto', 'bfloat16', 'float16' or 'float32'")
+        need(
+            _is_torch_dtype(self.dtype) or self.dtype == "auto" or self.dtype in _DTYPES,
+            "dtype",
+            "'auto', 'bfloat16', 'float16' or 'float32'",
+        )
         need(self.load_format in ("auto", "safetensors", "dummy"), "load_format", "'auto', 'safetensors' or 'dummy'")
-        need(_positive_int(self.page_size) and self.page_size & (self.page_size - 1) == 0 and self.page_size <= 128, "page_size", "a power of two from 1 to 128")
+        need(
+            _positive_int(self.page_size) and self.page_size & (self.page_size - 1) == 0 and self.page_size <= 128,
+            "page_size",
+            "a power of two from 1 to 128",
+        )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             need(_positive_int(getattr(self, name)), name, "a positive integer")
-        need(self.max_model_len is None or (_positive_int(self.max_model_len) and self.max_model_len >= 2), "max_model_len", "an integer >= 2")
+        need(
+            self.max_model_len is None or (_positive_int(self.max_model_len) and self.max_model_len >= 2),
+            "max_model_len",
+            "an integer >= 2",
+        )
         need(self.num_pages is None or _positive_int(self.num_pages), "num_pages", "a positive integer")
-        need(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
-        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
+        need(
+            isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            "in (0, 1]",
+        )
+        need(
+            self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "one of " + ", ".join(map(repr, KV_CACHE_DTYPES))
+        )
         need(self.quantization in ("auto", "fp8", "none"), "quantization", "'auto', 'fp8' or 'none'")
-        need(isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0 (0 = no graphs)")
+        need(
+            isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0,
+            "cuda_graph_max_bs",
+            "an integer >= 0 (0 = no graphs)",
+        )
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
         need(_positive_int(self.grammar_cache_mib), "grammar_cache_mib", "a positive integer (MiB)")
         for name in ("revision", "tokenizer", "chat_template"):
-            need(getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""), name, "a non-empty string")
-        if is_preset(self.model) and "/" not in self.model and self.load_format != "dummy":  # "Qwen/Qwen3-8B" is a hub id
-            raise ConfigError(f"{self.model!r} is a shape preset with no weights on disk: pass a checkpoint folder or a "
-                              f"hub id (Qwen/{self.model}), or use the dummy load format", "load_format")  # fmt: skip
+            need(
+                getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""),
+                name,
+                "a non-empty string",
+            )
+        if (
+            is_preset(self.model) and "/" not in self.model and self.load_format != "dummy"
+        ):  # "Qwen/Qwen3-8B" is a hub id
+            raise ConfigError(
+                f"{self.model!r} is a shape preset with no weights on disk: pass a checkpoint folder or a "
+                f"hub id (Qwen/{self.model}), or use the dummy load format",
+                "load_format",
+            )
 
     @classmethod
-    def build(cls, model: "str | EngineConfig", **knobs) -> "EngineConfig":
+    def build(cls, model: str | EngineConfig, **knobs) -> EngineConfig:
         """A config from a model path and knobs, or a copy of a config with some knobs changed."""
         if isinstance(model, EngineConfig):
             return replace(model, **knobs)
@@ -372,10 +463,15 @@ class EngineConfig:
                 continue
             kind = int if str(f.type).startswith("int") else float if str(f.type).startswith("float") else str
             group.add_argument(
-                *names, dest=f.name, type=kind, default=None if default is MISSING else default,
+                *names,
+                dest=f.name,
+                type=kind,
+                default=None if default is MISSING else default,
                 metavar=names[0].lstrip("-").replace("-", "_").upper(),
-                required=default is MISSING, choices=meta.get("choices"), help=meta["help"],
-            )  # fmt: skip
+                required=default is MISSING,
+                choices=meta.get("choices"),
+                help=meta["help"],
+            )
 
     @classmethod
     def knob_docs(cls, indent: int = 0) -> str:
@@ -389,11 +485,17 @@ class EngineConfig:
                 head = f"{f.name}={not f.default}: "
             else:
                 head = f"{f.name} (default {f.default!r}): "
-            lines += textwrap.wrap(head + f.metadata["help"], 120 - indent, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+            lines += textwrap.wrap(
+                head + f.metadata["help"],
+                120 - indent,
+                subsequent_indent="    ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
         return textwrap.indent("\n".join(lines), " " * indent)
 
     @classmethod
-    def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
 
 

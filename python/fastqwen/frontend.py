@@ -64,7 +64,9 @@ class RequestTracker:
         params = request.params
         self.detokenizer = None
         if tokenizer is not None:
-            self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
+            self.detokenizer = tokenizer.detokenizer(
+                params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -171,7 +173,7 @@ class Frontend:
         self._ids = itertools.count()  # request ids, in arrival order
 
     @classmethod
-    def for_engine(cls, info: EngineInfo) -> "Frontend":
+    def for_engine(cls, info: EngineInfo) -> Frontend:
         """With the tokenizer the engine was configured with (by default the checkpoint folder's, if it has one)."""
         folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
         return cls(info, Tokenizer.from_folder(folder, info.chat_template) if folder else None)
@@ -179,22 +181,29 @@ class Frontend:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer.json: pass prompts as lists of token ids", "prompt")
+                raise InvalidRequestError(
+                    "this model has no tokenizer.json: pass prompts as lists of token ids", "prompt"
+                )
             # Refused before tokenizing when its length alone says it cannot fit: tokenizing 15 MB took 45 s, only
             # to refuse it then. (A prompt of the whole context is refused too: a request generates at least one token.)
             at_least = self.tokenizer.min_token_count(prompt)
             if at_least >= self.info.max_model_len:
                 raise InvalidRequestError(
                     f"this model's maximum context length is {self.info.max_model_len} tokens, but the prompt has "
-                    f"{len(prompt)} characters, which make at least {at_least} tokens: shorten the prompt", "prompt"
+                    f"{len(prompt)} characters, which make at least {at_least} tokens: shorten the prompt",
+                    "prompt",
                 )
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
         check_token_ids(list(prompt), self.info.vocab_size, "prompt")
         return list(prompt)
 
-    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+    def prepare(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> tuple[list[int], SamplingParams]:
         """Validate a request without queueing it: (prompt ids, params with every default filled)."""
         ids = self.encode(prompt)
         params = (params or SamplingParams()).with_defaults(self.info.generation_defaults)
@@ -218,7 +227,8 @@ class Frontend:
             params = replace(params, max_tokens=max(1, self.info.max_model_len - len(ids)))
             if params.min_tokens > params.max_tokens:
                 raise InvalidRequestError(
-                    f"min_tokens ({params.min_tokens}) exceeds the {params.max_tokens} tokens left in the context", "min_tokens"
+                    f"min_tokens ({params.min_tokens}) exceeds the {params.max_tokens} tokens left in the context",
+                    "min_tokens",
                 )
         if params.top_k >= self.info.vocab_size:
             # Keeping at least the whole vocabulary keeps every token: the same as off, and in every sampler's range.

@@ -50,7 +50,8 @@ def check_prompt_logprobs(num_prompt_tokens: int, start: int, param: str) -> Non
     if num_prompt_tokens - start > MAX_PROMPT_LOGPROB_TOKENS:
         raise InvalidRequestError(
             f"prompt logprobs are limited to {MAX_PROMPT_LOGPROB_TOKENS} prompt tokens per request; this one asks "
-            f"for {num_prompt_tokens - start}", param
+            f"for {num_prompt_tokens - start}",
+            param,
         )
 
 
@@ -71,5 +72,6 @@ def check_prompt_logprob_entries(positions: int, top: int, copies: int, param: s
         raise InvalidRequestError(
             f"this request asks for {total} prompt logprob entries ({positions} prompt positions x {top + 1} tokens x "
             f"{copies} choices); at most {MAX_PROMPT_LOGPROB_ENTRIES} are returned per request: lower n, {param} or "
-            "the prompt's length", param
+            "the prompt's length",
+            param,
         )

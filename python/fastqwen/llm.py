@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .frontend import Frontend, RequestOutput, RequestTracker, RequestUpdate
-from .tokenizer import Tokenizer
 from .errors import InvalidRequestError
+from .frontend import Frontend, RequestOutput, RequestTracker, RequestUpdate
 from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

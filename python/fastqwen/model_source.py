@@ -54,7 +54,9 @@ def resolve(config: EngineConfig) -> EngineConfig:
         check_checkpoint(model, config.load_format)
     tokenizer = config.tokenizer
     if tokenizer is not None:
-        tokenizer = _local_folder(tokenizer, config.revision if tokenizer == config.model else None, _TOKENIZER_FILES, "tokenizer")
+        tokenizer = _local_folder(
+            tokenizer, config.revision if tokenizer == config.model else None, _TOKENIZER_FILES, "tokenizer"
+        )
         if not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
             raise ModelSourceError(f"no tokenizer.json in {tokenizer!r}", "tokenizer")
     chat_template = config.chat_template
@@ -73,14 +75,18 @@ def read_chat_template(value: str) -> str:
         with open(value, encoding="utf-8") as f:
             source = f.read()
     else:
-        raise ModelSourceError(f"{value!r} is neither a file nor a jinja template (an inline template contains "
-                               "{{ or {%)", "chat_template")  # fmt: skip
+        raise ModelSourceError(
+            f"{value!r} is neither a file nor a jinja template (an inline template contains {{{{ or {{%)",
+            "chat_template",
+        )
     import jinja2
 
     try:
         jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
     except jinja2.TemplateSyntaxError as e:
-        raise ModelSourceError(f"the chat template does not parse: {e.message} (line {e.lineno})", "chat_template") from e
+        raise ModelSourceError(
+            f"the chat template does not parse: {e.message} (line {e.lineno})", "chat_template"
+        ) from e
     return source
 
 
@@ -103,7 +109,9 @@ def check_checkpoint(path: str, load_format: str) -> None:
     if load_format != "dummy" and not any(os.path.isfile(os.path.join(folder, name)) for name in weights):
         raise MissingFileError(
             f"no model.safetensors or model.safetensors.index.json in {folder!r} (only safetensors weights are "
-            "read; the dummy load format gives random weights of this config's shapes)", "model")  # fmt: skip
+            "read; the dummy load format gives random weights of this config's shapes)",
+            "model",
+        )
 
 
 def _local_folder(name: str, revision: str | None, patterns: list[str], field: str) -> str:
@@ -111,26 +119,32 @@ def _local_folder(name: str, revision: str | None, patterns: list[str], field: s
         return name
     if not looks_like_hub_id(name):
         presets = f", nor a preset ({', '.join(PRESETS)}) with the dummy load format" if field == "model" else ""
-        raise UnknownModelError(f"unknown {field} {name!r}: not a local path, nor a Hugging Face hub id (owner/name)"
-                                f"{presets}", field)  # fmt: skip
+        raise UnknownModelError(
+            f"unknown {field} {name!r}: not a local path, nor a Hugging Face hub id (owner/name){presets}", field
+        )
     try:
         import huggingface_hub
         from huggingface_hub.utils import HfHubHTTPError
     except ImportError as e:
-        raise ModelSourceError(f"{name!r} is no local path, and loading hub ids needs huggingface_hub "
-                               "(pip install huggingface_hub)", field) from e  # fmt: skip
+        raise ModelSourceError(
+            f"{name!r} is no local path, and loading hub ids needs huggingface_hub (pip install huggingface_hub)", field
+        ) from e
     try:  # the cache first: no network round trip when the files are there
-        return huggingface_hub.snapshot_download(name, revision=revision, allow_patterns=patterns, local_files_only=True)
+        return huggingface_hub.snapshot_download(
+            name, revision=revision, allow_patterns=patterns, local_files_only=True
+        )
     except Exception:  # not cached (LocalEntryNotFoundError), or cached without this revision
         pass
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         raise ModelSourceError(
             f"{name!r}{f' at revision {revision}' if revision else ''} is not in the Hugging Face cache "
             f"({huggingface_hub.constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set: download it first "
-            f"(hf download {name}{f' --revision {revision}' if revision else ''}) or pass a local folder", field)  # fmt: skip
+            f"(hf download {name}{f' --revision {revision}' if revision else ''}) or pass a local folder",
+            field,
+        )
     try:
         return huggingface_hub.snapshot_download(name, revision=revision, allow_patterns=patterns)
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise ModelSourceError(f"could not download {name!r} from the Hugging Face hub: {type(e).__name__}: {e}",
-                               field) from e  # fmt: skip
-
+        raise ModelSourceError(
+            f"could not download {name!r} from the Hugging Face hub: {type(e).__name__}: {e}", field
+        ) from e

@@ -51,7 +51,10 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
-            raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, not {_show(self.kind)}", self.field)
+            raise InvalidRequestError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, not {_show(self.kind)}",
+                self.field,
+            )
         if not isinstance(self.spec, str):
             raise InvalidRequestError(f"the {self.kind} must be given as text", self.field)
         if len(self.spec) > MAX_STRUCTURED_CHARS:
@@ -131,12 +134,16 @@ class SamplingParams:
         if self.top_k is not None:
             self.top_k = _int("top_k", self.top_k)
             if not -1 <= self.top_k <= _INT64_MAX:
-                raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive 64-bit integer, not {_show(self.top_k)}", "top_k")
+                raise InvalidRequestError(
+                    f"top_k must be -1, 0 (off) or a positive 64-bit integer, not {_show(self.top_k)}", "top_k"
+                )
         self.top_p = _optional_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if self.top_p is not None:
             self.top_p = max(self.top_p, MIN_TOP_P)
         self.min_p = _optional_float("min_p", self.min_p, 0.0, 1.0)
-        self.repetition_penalty = _optional_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        self.repetition_penalty = _optional_float(
+            "repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE
+        )
         self.presence_penalty = _optional_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _optional_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:
@@ -146,12 +153,15 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.logprobs)}", "logprobs")
+                raise InvalidRequestError(
+                    f"logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.logprobs)}", "logprobs"
+                )
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(
-                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.prompt_logprobs)}", "prompt_logprobs"
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], not {_show(self.prompt_logprobs)}",
+                    "prompt_logprobs",
                 )
         self.prompt_logprobs_start = _int("prompt_logprobs_start", self.prompt_logprobs_start)
         if not 0 <= self.prompt_logprobs_start <= _INT64_MAX:
@@ -161,10 +171,14 @@ class SamplingParams:
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens)
             if not 1 <= self.max_tokens <= _INT64_MAX:
-                raise InvalidRequestError(f"max_tokens must be at least 1 and fit in 64 bits, not {_show(self.max_tokens)}", "max_tokens")
+                raise InvalidRequestError(
+                    f"max_tokens must be at least 1 and fit in 64 bits, not {_show(self.max_tokens)}", "max_tokens"
+                )
         self.min_tokens = _int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= _INT64_MAX:
-            raise InvalidRequestError(f"min_tokens must be >= 0 and fit in 64 bits, not {_show(self.min_tokens)}", "min_tokens")
+            raise InvalidRequestError(
+                f"min_tokens must be >= 0 and fit in 64 bits, not {_show(self.min_tokens)}", "min_tokens"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
@@ -190,7 +204,7 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequestError("structured must be a StructuredOutput", "structured")
 
-    def with_defaults(self, defaults: GenerationDefaults) -> "SamplingParams":
+    def with_defaults(self, defaults: GenerationDefaults) -> SamplingParams:
         """A copy with every unset field filled: from generation_config.json, else the neutral value."""
 
         def pick(value, default, neutral):
@@ -229,7 +243,9 @@ def _logit_bias(bias) -> dict[int, float] | None:
     if not isinstance(bias, dict):
         raise InvalidRequestError("logit_bias must be an object mapping token ids to numbers", "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS:
-        raise InvalidRequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, not {len(bias)}", "logit_bias")
+        raise InvalidRequestError(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, not {len(bias)}", "logit_bias"
+        )
     out: dict[int, float] = {}
     for key, value in bias.items():
         if isinstance(key, str):
@@ -243,7 +259,7 @@ def _logit_bias(bias) -> dict[int, float] | None:
         if token < 0:
             raise InvalidRequestError(f"logit_bias keys must be token ids >= 0, not {token}", "logit_bias")
         if value is None:
-            raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], not null", "logit_bias")
+            raise InvalidRequestError("logit_bias values must be numbers in [-100, 100], not null", "logit_bias")
         out[token] = _optional_float("logit_bias", value, *LOGIT_BIAS_RANGE)
     return out
 
@@ -265,7 +281,11 @@ def _show(value) -> str:
 def _optional_float(name: str, value, low: float, high: float | None, low_open: bool = False) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and math.isnan(value))
+    ):
         raise InvalidRequestError(f"{name} must be a number, not {_show(value)}", name)
     try:
         value = float(value)

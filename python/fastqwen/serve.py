@@ -24,37 +24,168 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
-    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", help="the model id responses carry and /v1/models lists (default: --model); more names are aliases that requests may use too")
-    server.add_argument("--max-queued-requests", type=int, default=None, help="waiting requests beyond this get 503 with Retry-After (default: no limit)")
-    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set FASTQWEN_API_KEY)")
-    server.add_argument("--timeout-keep-alive", type=int, default=75, help="seconds an idle HTTP connection is kept open; longer than clients' own pool expiry (httpx: 5 s), so the client, not the server, closes it and never sends a request on a connection the server is closing")
-    server.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take to finish; then each gets a 503 (streams: an error event and [DONE])")
-    server.add_argument("--incremental-streaming-output", action="store_true", help="/generate streams send only the new text and output ids in each event (SGLang's flag); by default each event carries the whole output so far, as SGLang's clients expect")
-    server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN", help="answer CORS preflights and add CORS headers for these browser origins ('*' for any); off by default")
-    server.add_argument("--skip-warmup", action="store_true", help="report ready as soon as the model is loaded, without first running one short request through the engine (the warm-up takes the first request's one-time costs off the first client)")
-    server.add_argument("--engine-core", default="process", choices=["process", "thread"], help="run the engine core in a process of its own (default), or in a thread of the server process")
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model id responses carry and /v1/models lists (default: --model); more names are aliases that requests may use too",
+    )
+    server.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="waiting requests beyond this get 503 with Retry-After (default: no limit)",
+    )
+    server.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (or set FASTQWEN_API_KEY)"
+    )
+    server.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=75,
+        help="seconds an idle HTTP connection is kept open; longer than clients' own pool expiry (httpx: 5 s), so the client, not the server, closes it and never sends a request on a connection the server is closing",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish; then each gets a 503 (streams: an error event and [DONE])",
+    )
+    server.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="/generate streams send only the new text and output ids in each event (SGLang's flag); by default each event carries the whole output so far, as SGLang's clients expect",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="answer CORS preflights and add CORS headers for these browser origins ('*' for any); off by default",
+    )
+    server.add_argument(
+        "--skip-warmup",
+        action="store_true",
+        help="report ready as soon as the model is loaded, without first running one short request through the engine (the warm-up takes the first request's one-time costs off the first client)",
+    )
+    server.add_argument(
+        "--engine-core",
+        default="process",
+        choices=["process", "thread"],
+        help="run the engine core in a process of its own (default), or in a thread of the server process",
+    )
     ops = p.add_argument_group("logs and metrics")
-    ops.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="verbosity of fastqwen's own logs (the ready line shows at every level)")
-    ops.add_argument("--uvicorn-log-level", default="warning", choices=["debug", "info", "warning", "error"], help="verbosity of the HTTP server's (uvicorn's) own logs")
-    ops.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request, except /health and /metrics polls (off by default: at hundreds of requests a second it costs throughput)")
-    ops.add_argument("--enable-request-log", action="store_true", help="log one line per finished request: its x-request-id, finish reason, token counts, queue time, TTFT and total time")
-    ops.add_argument("--stats-interval", type=float, default=5.0, help="seconds between stats lines (throughput, running, waiting, KV use, prefix-cache hit rate, preemptions) while busy; 0 = none")
-    ops.add_argument("--disable-log-stats", dest="stats_interval", action="store_const", const=0.0, help="no stats lines (vLLM's flag; the same as --stats-interval 0)")
-    ops.add_argument("--metrics-compat", default="fastqwen", choices=["fastqwen", "vllm"], help="/metrics names: fastqwen:... or vllm:... (vLLM's names and labels, so its Grafana dashboard, KEDA triggers and gateway queries work unchanged)")
+    ops.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="verbosity of fastqwen's own logs (the ready line shows at every level)",
+    )
+    ops.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="verbosity of the HTTP server's (uvicorn's) own logs",
+    )
+    ops.add_argument(
+        "--enable-access-log",
+        action="store_true",
+        help="log one line per HTTP request, except /health and /metrics polls (off by default: at hundreds of requests a second it costs throughput)",
+    )
+    ops.add_argument(
+        "--enable-request-log",
+        action="store_true",
+        help="log one line per finished request: its x-request-id, finish reason, token counts, queue time, TTFT and total time",
+    )
+    ops.add_argument(
+        "--stats-interval",
+        type=float,
+        default=5.0,
+        help="seconds between stats lines (throughput, running, waiting, KV use, prefix-cache hit rate, preemptions) while busy; 0 = none",
+    )
+    ops.add_argument(
+        "--disable-log-stats",
+        dest="stats_interval",
+        action="store_const",
+        const=0.0,
+        help="no stats lines (vLLM's flag; the same as --stats-interval 0)",
+    )
+    ops.add_argument(
+        "--metrics-compat",
+        default="fastqwen",
+        choices=["fastqwen", "vllm"],
+        help="/metrics names: fastqwen:... or vllm:... (vLLM's names and labels, so its Grafana dashboard, KEDA triggers and gateway queries work unchanged)",
+    )
     limits = p.add_argument_group("server limits (what one client can take)")
-    limits.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413 before they are read")
-    limits.add_argument("--max-sequences-per-request", type=int, default=256, help="prompts x n of one HTTP request; more get 400")
-    limits.add_argument("--max-connections", type=int, default=2048, help="open HTTP connections at most; one more is answered 503 and closed")
-    limits.add_argument("--max-connections-per-peer", type=int, default=256, help="open HTTP connections from one client IP address at most (loopback included); one more is answered 429 and closed, except one that asks for /health. Behind a reverse proxy every client has the proxy's address: raise it to --max-connections there")
-    limits.add_argument("--reserved-connections", type=int, default=None, help="the last this many of --max-connections are kept for clients holding fewer than 2 connections and for /health, so clients that hold the rest cannot starve newcomers or the health probe (default: 1/16 of --max-connections)")
-    limits.add_argument("--header-timeout", type=float, default=10.0, help="seconds a connection may take to send a request's headers (from connecting, or from its first byte) before it is closed")
-    limits.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request's body may take to arrive after its headers, at most, before the connection is closed (with a 408)")
-    limits.add_argument("--min-body-rate", type=float, default=1024.0, help="bytes per second a request body must average once --header-timeout seconds have passed since its headers; a slower one is answered 408 and closed")
-    limits.add_argument("--max-header-bytes", type=int, default=16 * 1024, help="a request's head (request line and headers) larger than this is answered 431 and closed; at most 100 header lines are accepted")
-    limits.add_argument("--max-log-lines-per-second", type=float, default=100.0, help="log lines beyond this rate are dropped (and counted), so no client can fill the disk; 0 = no limit")
+    limits.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 * 2**20,
+        help="larger request bodies get 413 before they are read",
+    )
+    limits.add_argument(
+        "--max-sequences-per-request", type=int, default=256, help="prompts x n of one HTTP request; more get 400"
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=2048,
+        help="open HTTP connections at most; one more is answered 503 and closed",
+    )
+    limits.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=256,
+        help="open HTTP connections from one client IP address at most (loopback included); one more is answered 429 and closed, except one that asks for /health. Behind a reverse proxy every client has the proxy's address: raise it to --max-connections there",
+    )
+    limits.add_argument(
+        "--reserved-connections",
+        type=int,
+        default=None,
+        help="the last this many of --max-connections are kept for clients holding fewer than 2 connections and for /health, so clients that hold the rest cannot starve newcomers or the health probe (default: 1/16 of --max-connections)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers (from connecting, or from its first byte) before it is closed",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may take to arrive after its headers, at most, before the connection is closed (with a 408)",
+    )
+    limits.add_argument(
+        "--min-body-rate",
+        type=float,
+        default=1024.0,
+        help="bytes per second a request body must average once --header-timeout seconds have passed since its headers; a slower one is answered 408 and closed",
+    )
+    limits.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=16 * 1024,
+        help="a request's head (request line and headers) larger than this is answered 431 and closed; at most 100 header lines are accepted",
+    )
+    limits.add_argument(
+        "--max-log-lines-per-second",
+        type=float,
+        default=100.0,
+        help="log lines beyond this rate are dropped (and counted), so no client can fill the disk; 0 = no limit",
+    )
     args = p.parse_args(argv)
-    for flag in ("max_request_body_bytes", "max_sequences_per_request", "max_connections", "max_connections_per_peer",
-                 "header_timeout", "body_timeout", "min_body_rate", "max_header_bytes"):  # fmt: skip
+    for flag in (
+        "max_request_body_bytes",
+        "max_sequences_per_request",
+        "max_connections",
+        "max_connections_per_peer",
+        "header_timeout",
+        "body_timeout",
+        "min_body_rate",
+        "max_header_bytes",
+    ):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.reserved_connections is None:
@@ -73,11 +204,14 @@ def _raise_fd_limit(needed: int) -> None:
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and soft < needed:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else min(needed, hard), hard))
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else min(needed, hard), hard)
+            )
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and soft < needed:
             logging.getLogger("fastqwen.server").warning(
-                "the file descriptor limit (%d) is below --max-connections plus headroom (%d)", soft, needed)
+                "the file descriptor limit (%d) is below --max-connections plus headroom (%d)", soft, needed
+            )
     except (ImportError, ValueError, OSError):
         pass
 
@@ -129,7 +263,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     def on_engine_death(error: BaseException) -> None:
         # Every request in flight has had its 503; exit non-zero so a supervisor restarts the server.
         nonlocal exit_code, failure
-        logging.getLogger("fastqwen.server").critical("the engine is not running (%r): shutting down with exit status 1", error)
+        logging.getLogger("fastqwen.server").critical(
+            "the engine is not running (%r): shutting down with exit status 1", error
+        )
         exit_code, failure = 1, error
         server.should_exit = True
 
@@ -137,13 +273,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     names = args.served_model_name or [args.model]
     host = f"[{args.host}]" if ":" in args.host else args.host
     config = ServerConfig(
-        names[0], api_key, args.max_queued_requests,
-        max_request_body_bytes=args.max_request_body_bytes, max_sequences_per_request=args.max_sequences_per_request,
-        on_engine_death=on_engine_death, incremental_streaming_output=args.incremental_streaming_output,
-        model_aliases=tuple(names[1:]), metrics_compat=args.metrics_compat, request_log=args.enable_request_log,
-        stats_interval=args.stats_interval, allowed_origins=tuple(args.allowed_origins or ()),
-        url=f"http://{host}:{args.port}", warmup=not args.skip_warmup,
-    )  # fmt: skip
+        names[0],
+        api_key,
+        args.max_queued_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_sequences_per_request=args.max_sequences_per_request,
+        on_engine_death=on_engine_death,
+        incremental_streaming_output=args.incremental_streaming_output,
+        model_aliases=tuple(names[1:]),
+        metrics_compat=args.metrics_compat,
+        request_log=args.enable_request_log,
+        stats_interval=args.stats_interval,
+        allowed_origins=tuple(args.allowed_origins or ()),
+        url=f"http://{host}:{args.port}",
+        warmup=not args.skip_warmup,
+    )
     app = create_app(config, load_engine)
 
     class Server(uvicorn.Server):
@@ -157,10 +301,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
             pass  # "Uvicorn running on ..." would come before the model is loaded; the app logs the ready line
 
     limits = ConnectionLimits(
-        header_timeout=args.header_timeout, body_timeout=args.body_timeout, min_body_rate=args.min_body_rate,
-        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
-        reserved_connections=args.reserved_connections, max_header_bytes=args.max_header_bytes,
-    )  # fmt: skip
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        min_body_rate=args.min_body_rate,
+        max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer,
+        reserved_connections=args.reserved_connections,
+        max_header_bytes=args.max_header_bytes,
+    )
     _raise_fd_limit(args.max_connections + 256)
     server = Server(
         uvicorn.Config(
@@ -182,11 +330,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         return 130
     except SystemExit as e:  # uvicorn exits this way when it cannot bind (it logged why)
-        return fail(e.code if isinstance(e.code, int) and e.code else 1,
-                    f"the HTTP server could not start on {host}:{args.port} (see above; --host, --port)")
+        return fail(
+            e.code if isinstance(e.code, int) and e.code else 1,
+            f"the HTTP server could not start on {host}:{args.port} (see above; --host, --port)",
+        )
     if failure is not None:
         loading = app.state.server.load_error is not None
-        return fail(exit_code, ("the model failed to load: " if loading else "the engine stopped: ") + _one_line(failure))
+        return fail(
+            exit_code, ("the model failed to load: " if loading else "the engine stopped: ") + _one_line(failure)
+        )
     return exit_code
 
 

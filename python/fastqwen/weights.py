@@ -154,8 +154,9 @@ def _blocks(n: int) -> int:
     return -(-n // FP8_BLOCK)
 
 
-def _fused(parts: list[LinearWeight | torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype, fp8: bool,
-           name: str) -> LinearWeight:  # fmt: skip
+def _fused(
+    parts: list[LinearWeight | torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype, fp8: bool, name: str
+) -> LinearWeight:
     """Row-concatenates a projection's parts (each an FP8 LinearWeight or a dense tensor) into one LinearWeight:
     FP8 parts are kept as they are when every part is FP8 and all but the last fill whole 128-row blocks (their
     block scales then concatenate too); otherwise the parts are dequantized, and quantized again when fp8."""
@@ -164,8 +165,11 @@ def _fused(parts: list[LinearWeight | torch.Tensor], bias: torch.Tensor | None, 
         weight = torch.cat([p.weight for p in parts])
         return LinearWeight(weight, torch.cat([p.scale for p in parts]), bias)
     if fp8 and any(isinstance(p, LinearWeight) for p in parts):
-        log.warning("%s: FP8 parts that do not fill whole 128-row blocks (or mixed with dense ones) are "
-                    "dequantized and quantized again as one matrix", name)  # fmt: skip
+        log.warning(
+            "%s: FP8 parts that do not fill whole 128-row blocks (or mixed with dense ones) are "
+            "dequantized and quantized again as one matrix",
+            name,
+        )
     dense = torch.cat([p.dequantize(torch.float32) if isinstance(p, LinearWeight) else p.float() for p in parts])
     if fp8:
         return LinearWeight(*quantize_fp8(dense), bias)
@@ -174,8 +178,10 @@ def _fused(parts: list[LinearWeight | torch.Tensor], bias: torch.Tensor | None, 
 
 def _refuse_fp8_shards(cfg: ModelConfig, fp8: bool, shard: Shard) -> None:
     if not shard.whole and (fp8 or cfg.quantization is not None):
-        raise ValueError("FP8 weights with tensor parallelism are not supported yet: serve this model on one GPU, or "
-                         "a dense checkpoint with --quantization none")  # fmt: skip
+        raise ValueError(
+            "FP8 weights with tensor parallelism are not supported yet: serve this model on one GPU, or "
+            "a dense checkpoint with --quantization none"
+        )
 
 
 def load_weights(
@@ -204,15 +210,19 @@ def load_weights(
         t = _checked(src.get(name), shape, name)
         if scale_name not in src:
             if t.dtype.is_floating_point and t.element_size() == 1:
-                raise ValueError(f"tensor {name!r} is {t.dtype} but the checkpoint has no {scale_name!r}: FP8 "
-                                 "weights need their block scales (Qwen's FP8 layout)")  # fmt: skip
+                raise ValueError(
+                    f"tensor {name!r} is {t.dtype} but the checkpoint has no {scale_name!r}: FP8 "
+                    "weights need their block scales (Qwen's FP8 layout)"
+                )
             return t.to(device)
         if t.dtype != torch.float8_e4m3fn:
             raise ValueError(f"tensor {name!r} has block scales but dtype {t.dtype}; only float8_e4m3fn is supported")
         scale = _checked(src.get(scale_name), (_blocks(shape[0]), _blocks(shape[1])), scale_name)
         return LinearWeight(t.to(device), scale.to(device=device, dtype=torch.float32))
 
-    def projection(prefixes: list[str], shapes: list[tuple[int, int]], bias: torch.Tensor | None = None) -> LinearWeight:
+    def projection(
+        prefixes: list[str], shapes: list[tuple[int, int]], bias: torch.Tensor | None = None
+    ) -> LinearWeight:
         parts = [get_part(p, s) for p, s in zip(prefixes, shapes)]
         return _fused(parts, bias, dtype, fp8, prefixes[0])
 
@@ -232,7 +242,9 @@ def load_weights(
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (h,)),
-                qkv=projection([attn + "q_proj", attn + "k_proj", attn + "v_proj"], [(q, h), (kv, h), (kv, h)], qkv_bias),
+                qkv=projection(
+                    [attn + "q_proj", attn + "k_proj", attn + "v_proj"], [(q, h), (kv, h), (kv, h)], qkv_bias
+                ),
                 q_norm=get(p + "self_attn.q_norm.weight", (d,)),
                 k_norm=get(p + "self_attn.k_norm.weight", (d,)),
                 o_proj=projection([attn + "o_proj"], [(h, q)]),
@@ -284,7 +296,9 @@ def _load_shard(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch
                     get(p + "self_attn.v_proj.bias", (kv,), 0, kv_span),
                 ]
             )
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (i, h), 0, inter), get(p + "mlp.up_proj.weight", (i, h), 0, inter)])
+        gate_up = torch.cat(
+            [get(p + "mlp.gate_proj.weight", (i, h), 0, inter), get(p + "mlp.up_proj.weight", (i, h), 0, inter)]
+        )
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (h,)),
@@ -317,7 +331,9 @@ def _shard_layer(layer: LayerWeights, cfg: ModelConfig, shard: Shard) -> LayerWe
 
     return LayerWeights(
         input_norm=layer.input_norm,
-        qkv=LinearWeight(qkv_part(layer.qkv.weight), None, None if layer.qkv.bias is None else qkv_part(layer.qkv.bias)),
+        qkv=LinearWeight(
+            qkv_part(layer.qkv.weight), None, None if layer.qkv.bias is None else qkv_part(layer.qkv.bias)
+        ),
         q_norm=layer.q_norm,
         k_norm=layer.k_norm,
         o_proj=LinearWeight(layer.o_proj.weight[:, h0 * d : h1 * d].contiguous()),
@@ -437,7 +453,9 @@ def fold_norms(weights: Qwen3Weights) -> NormFolding:
         raise ValueError("fold_norms: these weights are folded already")
     if len({(layer.qkv.is_fp8, layer.gate_up.is_fp8) for layer in weights.layers}) > 1:
         raise ValueError("fold_norms: layers with dense and FP8 projections mixed")
-    layers = [(fold_norm(l.input_norm, l.qkv), fold_norm(l.post_norm, l.gate_up)) for l in weights.layers]
+    layers = [
+        (fold_norm(layer.input_norm, layer.qkv), fold_norm(layer.post_norm, layer.gate_up)) for layer in weights.layers
+    ]
     tied = weights.lm_head.weight is weights.embed
     qkv, gate_up = layers[0] if layers else (False, False)
     weights.norms_folded = NormFolding(qkv, gate_up, not tied and fold_norm(weights.final_norm, weights.lm_head))

@@ -17,8 +17,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import InvalidRequestError
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
@@ -138,8 +139,11 @@ class InProcessEngineClient:
         try:
             self._engine.check_invariants()
         except InvariantError as e:
-            logger.error("KV page ownership invariant violated while idle, pages %s: %s; taking the engine out of "
-                         "service", e.pages, e)  # fmt: skip
+            logger.error(
+                "KV page ownership invariant violated while idle, pages %s: %s; taking the engine out of service",
+                e.pages,
+                e,
+            )
             raise
 
     def _take_commands(self) -> list[RequestDelta]:

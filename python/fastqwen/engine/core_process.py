@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import signal
-import sys
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -183,9 +183,11 @@ class ProcessEngineClient:
         # as its children, which a daemonic process may not (stop() ends it). Either way its lifeline ends it when this
         # process dies without a word, and its ranks' lifelines end them when it does.
         self.process = spawn.Process(
-            target=core_main, args=(config, self._dir, os.getpid(), log_level), name="fastqwen-core",
+            target=core_main,
+            args=(config, self._dir, os.getpid(), log_level),
+            name="fastqwen-core",
             daemon=config.tensor_parallel_size == 1,
-        )  # fmt: skip
+        )
         self.process.start()
         logger.info("engine core process started (pid %d); loading the model there", self.process.pid)
         self.info = self._wait_for_info()
@@ -216,7 +218,9 @@ class ProcessEngineClient:
     # ---- EngineClient ---------------------------------------------------------------------------------------
 
     def start(self, on_output, on_death) -> None:
-        self._reader = threading.Thread(target=self._read, args=(on_output, on_death), name="fastqwen-core-reader", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, args=(on_output, on_death), name="fastqwen-core-reader", daemon=True
+        )
         self._reader.start()
 
     def add(self, requests: list[EngineRequest]) -> None:

@@ -22,7 +22,7 @@ import bisect
 import gc
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -106,16 +106,21 @@ class DecodeGraphs:
         """The ForwardBatch a graph of this size reads: views of the staging buffer on the device."""
         v = self.staging.device_views(self.layout(size))
         return ForwardBatch(
-            input_ids=v["input_ids"], positions=v["positions"], out_slots=v["out_slots"],
-            query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
-            logits_indices=v["logits_indices"], is_decode=True,
-        )  # fmt: skip
+            input_ids=v["input_ids"],
+            positions=v["positions"],
+            out_slots=v["out_slots"],
+            query_start=v["query_start"],
+            kv_lens=v["kv_lens"],
+            page_table=v["page_table"],
+            logits_indices=v["logits_indices"],
+            is_decode=True,
+        )
 
     def _run(self, batch: ForwardBatch, size: int) -> None:
         self.model.forward(batch, self.kv, logits_out=self.logits[:size])
 
     @torch.inference_mode()
-    def capture(self) -> "DecodeGraphs":
+    def capture(self) -> DecodeGraphs:
         """Capture every size; measures the time and the device memory it takes (logits buffer, pool, graphs)."""
         device = self.model.device
         # Garbage freed during a capture (a dropped engine's graphs or events, kept by a reference cycle) makes CUDA
@@ -129,7 +134,7 @@ class DecodeGraphs:
             if collecting:
                 gc.enable()
 
-    def _capture_all(self, device: torch.device) -> "DecodeGraphs":
+    def _capture_all(self, device: torch.device) -> DecodeGraphs:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(device)[0]

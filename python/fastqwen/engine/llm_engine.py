@@ -8,28 +8,28 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
-from concurrent.futures import FIRST_COMPLETED, wait
 import logging
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
 from .. import env, model_source
 from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
+from ..errors import InvalidRequestError
+from ..grammar import GrammarCompiler
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
 from ..kvcache.invariants import InvariantError
+from ..limits import check_token_ids
 from ..model import Qwen3Model, Qwen3WithBatch1Decode
 from ..ops import _native
 from ..ops.collectives import SINGLE, ParallelGroup
-from ..errors import InvalidRequestError
-from ..grammar import GrammarCompiler
-from ..limits import check_token_ids
 from ..scheduler import FinishReason, Request, RequestState, ScheduledBatch, Scheduler
 from ..sharding import Shard
 from ..weights import dummy_weights, fold_norms, load_kv_scales, load_weights
-from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .cuda_graph import DecodeGraphs, unsupported_reason
+from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .model_runner import ModelRunner
 from .sampler import make_sampler
 from .staging import staging_for
@@ -91,8 +91,10 @@ def _unrecoverable(error: BaseException) -> bool:
     text = str(error)
     return "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text
 
+
 # KV pool size on the CPU reference path when num_pages is not given.
 _CPU_KV_BYTES = 1 << 30
+
 
 def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
     """Refuse to run on a CUDA device with a native module built without the CUDA kernels (pip found no nvcc):
@@ -111,8 +113,8 @@ def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
     raise RuntimeError(
         f"{why}, so on {device} every op would run its slow PyTorch reference. Build the kernels: put the CUDA "
         "toolkit's nvcc on PATH (or set CUDACXX) and reinstall with `pip install --no-build-isolation --no-deps .` "
-        "(other GPUs than Hopper: add -Ccmake.define.FASTQWEN_CUDA_ARCHS=80); `python -c \"import fastqwen._C as c; "
-        "print(c.built_with_cuda)\"` must print True. To run the reference path on the GPU anyway, pass "
+        '(other GPUs than Hopper: add -Ccmake.define.FASTQWEN_CUDA_ARCHS=80); `python -c "import fastqwen._C as c; '
+        'print(c.built_with_cuda)"` must print True. To run the reference path on the GPU anyway, pass '
         "allow_reference_on_gpu=True (--allow-reference-on-gpu) or set FASTQWEN_ALLOW_REFERENCE_ON_GPU=1."
     )
 
@@ -152,7 +154,9 @@ class LLMEngine:
         if config.norms_in_gemv and Qwen3WithBatch1Decode.applies(weights, parallel):
             fold_norms(weights)
             model_class = Qwen3WithBatch1Decode
-        self.model = model_class(self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel)
+        self.model = model_class(
+            self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel
+        )
 
         cfg = self.rank_config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
@@ -161,8 +165,11 @@ class LLMEngine:
         k_scales = v_scales = None
         if self.kv_dtype != self.dtype and config.load_format != "dummy":
             k_scales, v_scales = load_kv_scales(folder, cfg.num_layers)
-            log.info("FP8 KV cache: K scales %s, V scales %s", "from the checkpoint" if k_scales else "1.0",
-                     "from the checkpoint" if v_scales else "1.0")  # fmt: skip
+            log.info(
+                "FP8 KV cache: K scales %s, V scales %s",
+                "from the checkpoint" if k_scales else "1.0",
+                "from the checkpoint" if v_scales else "1.0",
+            )
         # The sampler's buffers (and its penalty-count table, when graphs capture it) are allocated before the KV pool
         # is sized, so the pool gets what they leave.
         self.sampler = make_sampler(
@@ -178,8 +185,17 @@ class LLMEngine:
             )
             # Every rank schedules the same pages: the rank with the least memory left sets the pool's size.
             num_pages = parallel.min_int(num_pages)
-        self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
-                         self.device, k_scales, v_scales)  # fmt: skip
+        self.kv = KVPool(
+            cfg.num_layers,
+            num_pages,
+            page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.kv_dtype,
+            self.device,
+            k_scales,
+            v_scales,
+        )
         self.cache = RadixCache(self.kv.allocator, page_size) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv.allocator,
@@ -195,16 +211,23 @@ class LLMEngine:
         # requests could run.
         tokenizer_folder = config.tokenizer or folder  # --tokenizer (model_source resolved it to a folder)
         self.grammars = GrammarCompiler(
-            os.path.join(tokenizer_folder, "tokenizer.json") if tokenizer_folder else None, cfg.vocab_size,
-            self.generation_defaults.eos_token_ids, cache_bytes=config.grammar_cache_mib << 20,
-        )  # fmt: skip
+            os.path.join(tokenizer_folder, "tokenizer.json") if tokenizer_folder else None,
+            cfg.vocab_size,
+            self.generation_defaults.eos_token_ids,
+            cache_bytes=config.grammar_cache_mib << 20,
+        )
         self._compiling: list[tuple[Request, object]] = []  # (request, future of its compiled grammar)
         self._compile_failures: list[RequestDelta] = []  # reported with the next step
         self.check_every_step = env.check_invariants_every_step()
         self.runner = ModelRunner(
-            self.model, self.kv, self.generation_defaults.eos_token_ids, seed, self.staging, cuda_graph_max_bs=graph_bs,
+            self.model,
+            self.kv,
+            self.generation_defaults.eos_token_ids,
+            seed,
+            self.staging,
+            cuda_graph_max_bs=graph_bs,
             sampler=self.sampler,
-        )  # fmt: skip
+        )
         self.runner.mask_gate = functools.partial(rows_without_masks, wait_for_all=not parallel.single)
         self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
@@ -221,25 +244,41 @@ class LLMEngine:
         cfg, kv = self.config, self.kv
         log.info(
             "model %s: %s parameters (%s weights), %d layers, hidden %d, %d query / %d KV heads, context %d tokens, "
-            "on %s", self.engine_config.model, f"{n / 1e9:.2f} B" if (n := cfg.num_parameters) >= 1e9 else f"{n / 1e6:.2f} M",
-            "random" if self.engine_config.load_format == "dummy" else "checkpoint", cfg.num_layers, cfg.hidden_size,
-            cfg.num_heads, cfg.num_kv_heads, self.max_model_len, self.device,
-        )  # fmt: skip
+            "on %s",
+            self.engine_config.model,
+            f"{n / 1e9:.2f} B" if (n := cfg.num_parameters) >= 1e9 else f"{n / 1e6:.2f} M",
+            "random" if self.engine_config.load_format == "dummy" else "checkpoint",
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            self.max_model_len,
+            self.device,
+        )
         tokens = kv.num_pages * kv.page_size
         graphs = self.runner.graphs
         log.info(
             "%s; KV cache %d pages x %d tokens = %d tokens (%.2f GiB), %.1f full-context requests; prefix cache %s; "
-            "CUDA graphs %s", str(self.dtype).removeprefix("torch."), kv.num_pages, kv.page_size, tokens,
-            kv.num_bytes / 2**30, tokens / self.max_model_len, "on" if self.cache is not None else "off",
+            "CUDA graphs %s",
+            str(self.dtype).removeprefix("torch."),
+            kv.num_pages,
+            kv.page_size,
+            tokens,
+            kv.num_bytes / 2**30,
+            tokens / self.max_model_len,
+            "on" if self.cache is not None else "off",
             f"for decode batches {graphs.sizes[0]}..{graphs.max_bs} ({len(graphs.sizes)} sizes, captured in "
-            f"{graphs.capture_seconds:.1f} s)" if graphs is not None else "off",
-        )  # fmt: skip
+            f"{graphs.capture_seconds:.1f} s)"
+            if graphs is not None
+            else "off",
+        )
         if tokens < self.max_model_len:
             log.warning(
                 "the KV cache holds %d tokens, fewer than one request of the full context (%d): longer requests are "
                 "refused. Give it more memory (--kv-cache-memory-fraction, --num-pages) or lower --max-model-len",
-                tokens, self.max_model_len,
-            )  # fmt: skip
+                tokens,
+                self.max_model_len,
+            )
 
     def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
         """The largest decode batch to capture; 0 = no CUDA graphs."""
@@ -266,8 +305,11 @@ class LLMEngine:
         del graphs, scratch
         gc.collect()
         torch.cuda.empty_cache()
-        log.info("CUDA graphs: dry capture took %.2f s and %.0f MiB, set aside before sizing the KV pool", seconds,
-                 used / 2**20)  # fmt: skip
+        log.info(
+            "CUDA graphs: dry capture took %.2f s and %.0f MiB, set aside before sizing the KV pool",
+            seconds,
+            used / 2**20,
+        )
         return used
 
     def _default_num_pages(
@@ -318,8 +360,13 @@ class LLMEngine:
         check_token_ids(params.stop_token_ids, self.config.vocab_size, "stop_token_ids")
         if params.logit_bias:
             check_token_ids(list(params.logit_bias), self.config.vocab_size, "logit_bias")
-        req = Request(rid=request.rid, prompt_ids=list(request.prompt_ids), params=params, arrival=next(self._arrivals),
-                      arrival_time=request.arrival_time)  # fmt: skip
+        req = Request(
+            rid=request.rid,
+            prompt_ids=list(request.prompt_ids),
+            params=params,
+            arrival=next(self._arrivals),
+            arrival_time=request.arrival_time,
+        )
         if params.structured is not None:
             self.scheduler.check_fits(req.num_prompt_tokens, params.max_tokens)
             self._compiling.append((req, self.grammars.submit(params.structured)))
@@ -364,8 +411,15 @@ class LLMEngine:
                     request.grammar = self.grammars.matcher(future, ahead=True)
                 except Exception as error:  # the frontend validated the spec; this is the tokenizer-specific rest
                     request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ERROR
-                    self._compile_failures.append(RequestDelta(rid=request.rid, new_token_ids=[], new_logprobs=None,
-                                                               finish_reason="error", error=str(error)))  # fmt: skip
+                    self._compile_failures.append(
+                        RequestDelta(
+                            rid=request.rid,
+                            new_token_ids=[],
+                            new_logprobs=None,
+                            finish_reason="error",
+                            error=str(error),
+                        )
+                    )
                     continue
             still.append((request, future))
         self._compiling = still
@@ -425,10 +479,17 @@ class LLMEngine:
         if unrecoverable or not failed or self._failed_steps >= MAX_FAILED_STEPS or not self.parallel.single:
             # Under tensor parallelism the ranks must stay in step: a rank that failed may have left the others
             # inside a collective, so the whole engine goes down.
-            reason = "an unrecoverable error" if unrecoverable else (
-                "no request to pin it on" if not failed else
-                "a failure on one rank of several" if not self.parallel.single else
-                f"the {self._failed_steps}th failure in a row")
+            reason = (
+                "an unrecoverable error"
+                if unrecoverable
+                else (
+                    "no request to pin it on"
+                    if not failed
+                    else "a failure on one rank of several"
+                    if not self.parallel.single
+                    else f"the {self._failed_steps}th failure in a row"
+                )
+            )
             raise EngineFault(f"a step failed with {reason}: {error!r}") from error
         log.error("a step failed; failing its %d requests (the engine goes on)", len(failed), exc_info=error)
         self._ahead = None  # its requests are this step's; the GPU finishes it before anything later on the stream
@@ -437,8 +498,9 @@ class LLMEngine:
         for request in failed:
             if not request.finished:
                 self.scheduler.fail(request)
-            deltas.append(RequestDelta(rid=request.rid, new_token_ids=[], new_logprobs=None, finish_reason="error",
-                                       error=message))  # fmt: skip
+            deltas.append(
+                RequestDelta(rid=request.rid, new_token_ids=[], new_logprobs=None, finish_reason="error", error=message)
+            )
         try:
             self.check_invariants()
         except InvariantError as broken:
@@ -488,7 +550,9 @@ class LLMEngine:
                     new_token_ids=[tokens[index]],
                     new_logprobs=[logprobs[index]] if logprobs is not None and logprobs[index] is not None else None,
                     finish_reason=finish.value if finish is not None else None,
-                    error=request.grammar.error if finish is FinishReason.ERROR and request.grammar is not None else None,
+                    error=request.grammar.error
+                    if finish is FinishReason.ERROR and request.grammar is not None
+                    else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,

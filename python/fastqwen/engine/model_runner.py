@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -12,8 +12,8 @@ import torch
 from ..kvcache import KVPool
 from ..model import ForwardBatch, Qwen3Model
 from ..scheduler import Request, ScheduledBatch
-from .messages import TokenLogprobs
 from .cuda_graph import DecodeGraphs, fill_padding
+from .messages import TokenLogprobs
 from .sampler import ReferenceSampler, Sampler
 from .staging import BatchStaging, Layout, staging_for
 
@@ -74,7 +74,9 @@ class ModelRunner:
         self._arange = np.arange(self.staging.max_seqs + 1, dtype=np.int64)  # logits_indices / query_start of a graph
         # The engine's sampler (engine/sampler.py): the CUDA one on GPU, else the references.
         self.sampler = sampler or ReferenceSampler(model.cfg.vocab_size, self.device, eos_token_ids, seed)
-        self.mask_gate: MaskGate = lambda requests, busy: frozenset()  # the engine's (LLMEngine); none: every mask is waited for
+        self.mask_gate: MaskGate = lambda requests, busy: (
+            frozenset()
+        )  # the engine's (LLMEngine); none: every mask is waited for
         self.graphs: DecodeGraphs | None = None
         self._graph_batches: dict[int, ForwardBatch] = {}
         # Page-table rows already in the staging buffer at the last graph size: (request, pages written) per row.
@@ -88,9 +90,11 @@ class ModelRunner:
             self._graph_batches = {size: self.graphs.batch(size) for size in self.graphs.sizes}
             log.info(
                 "captured %d CUDA graphs for decode batches up to %d in %.2f s, using %.0f MiB",
-                len(self.graphs.sizes), self.graphs.max_bs, self.graphs.capture_seconds,
+                len(self.graphs.sizes),
+                self.graphs.max_bs,
+                self.graphs.capture_seconds,
                 self.graphs.memory_bytes / 2**20,
-            )  # fmt: skip
+            )
         # The one read-back of a step: sampled tokens, through pinned memory, then a wait on an event. Two buffers
         # alternate: a step launched ahead must not land on the tokens the host is still reading. The same goes for
         # the rows a step launched ahead takes its input tokens from (indexed like the read-back it goes with).
@@ -98,7 +102,9 @@ class ModelRunner:
         self._flip = 0
         self._tokens_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self._tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
-        self._source_rows_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self._source_rows_host = [
+            torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)
+        ]
         self._source_rows = torch.zeros(2, self.staging.max_seqs, dtype=torch.int64, device=self.device)
 
     def _build(self, scheduled: ScheduledBatch, size: int | None = None) -> tuple[ForwardBatch, int]:
@@ -134,9 +140,12 @@ class ModelRunner:
         chunks = scheduled.chunks
         graphs = self.graphs
         if (
-            graphs is not None and len(chunks) <= graphs.max_bs and scheduled.is_decode and all(c.samples for c in chunks)
+            graphs is not None
+            and len(chunks) <= graphs.max_bs
+            and scheduled.is_decode
+            and all(c.samples for c in chunks)
             and self.sampler.fits_graph([c.request for c in chunks])
-        ):  # fmt: skip
+        ):
             return graphs.padded_size(len(chunks))
         return 0
 
@@ -181,10 +190,15 @@ class ModelRunner:
         self.staging.upload(layout)
         graph_batch = self._graph_batches[size]
         return ForwardBatch(
-            input_ids=graph_batch.input_ids, positions=graph_batch.positions, out_slots=graph_batch.out_slots,
-            query_start=graph_batch.query_start, kv_lens=graph_batch.kv_lens, page_table=graph_batch.page_table,
-            logits_indices=graph_batch.logits_indices[:n], is_decode=True,
-        )  # fmt: skip
+            input_ids=graph_batch.input_ids,
+            positions=graph_batch.positions,
+            out_slots=graph_batch.out_slots,
+            query_start=graph_batch.query_start,
+            kv_lens=graph_batch.kv_lens,
+            page_table=graph_batch.page_table,
+            logits_indices=graph_batch.logits_indices[:n],
+            is_decode=True,
+        )
 
     def _build_eager(self, scheduled: ScheduledBatch) -> ForwardBatch:
         """Any batch, packed at its own shape; page-table rows as wide as its longest sequence, zero-filled."""
@@ -212,7 +226,9 @@ class ModelRunner:
             else:
                 span = np.arange(start, end, dtype=np.int64)
                 positions[t : t + n] = span
-                out_slots[t : t + n] = np.asarray(pages, dtype=np.int64)[span // page_size] * page_size + span % page_size
+                out_slots[t : t + n] = (
+                    np.asarray(pages, dtype=np.int64)[span // page_size] * page_size + span % page_size
+                )
             t += n
             query_start[row + 1] = t
             kv_lens[row] = end
@@ -224,10 +240,16 @@ class ModelRunner:
         self.staging.upload(layout)
         v = self.staging.device_views(layout)
         return ForwardBatch(
-            input_ids=v["input_ids"], positions=v["positions"], out_slots=v["out_slots"],
-            query_start=v["query_start"], kv_lens=v["kv_lens"], page_table=v["page_table"],
-            logits_indices=v["logits_indices"], is_decode=scheduled.is_decode, max_query_len=max_query_len,
-        )  # fmt: skip
+            input_ids=v["input_ids"],
+            positions=v["positions"],
+            out_slots=v["out_slots"],
+            query_start=v["query_start"],
+            kv_lens=v["kv_lens"],
+            page_table=v["page_table"],
+            logits_indices=v["logits_indices"],
+            is_decode=scheduled.is_decode,
+            max_query_len=max_query_len,
+        )
 
     def run_model(self, batch: ForwardBatch, graph_size: int = 0) -> torch.Tensor:
         """float32 logits [S, vocab]: a replay of the forward graph of graph_size when non-zero, the eager forward

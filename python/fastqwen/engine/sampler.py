@@ -33,7 +33,7 @@ drawn without a mask, as neutral rows in GpuSampler, and dropped by the engine) 
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -60,7 +60,7 @@ ReadBack = Callable[[torch.Tensor], list[int]]
 GRAPH_BAN_WIDTH = 64
 
 
-def make_sampler(vocab: int, max_rows: int, device: torch.device, eos_token_ids: list[int], seed: int) -> "Sampler":
+def make_sampler(vocab: int, max_rows: int, device: torch.device, eos_token_ids: list[int], seed: int) -> Sampler:
     """The CUDA sampler where its kernel runs on this device (FASTQWEN_GPU_SAMPLER=0 forces the references), else
     the reference sampler."""
     use_gpu = sample_kernel_applies(device.type == "cuda", torch.float32)
@@ -87,7 +87,9 @@ class Sampler:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()) -> Tokens:
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()
+    ) -> Tokens:
         """One token per row of logits [S, vocab] (row i samples requests[i]); read_back brings a token tensor to
         the host. Returns (tokens, logprobs or None when no row asked). `skip`: rows whose draws the caller drops
         (their grammar's mask is not ready): drawn without it, their state untouched."""
@@ -134,7 +136,9 @@ class ReferenceSampler(Sampler):
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()) -> Tokens:
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()
+    ) -> Tokens:
         want_logprobs = [r.params.logprobs for r in requests]
         raw = logits.clone() if any(n is not None for n in want_logprobs) else None
         self._process_logits(logits, requests, skip)
@@ -147,7 +151,9 @@ class ReferenceSampler(Sampler):
         token_list = read_back(tokens)
         chosen, top_ids, top_logprobs = chosen.tolist(), top_ids.tolist(), top_logprobs.tolist()
         logprobs = [
-            None if n is None else TokenLogprobs(token_list[i], chosen[i], list(zip(top_ids[i][:n], top_logprobs[i][:n])))
+            None
+            if n is None
+            else TokenLogprobs(token_list[i], chosen[i], list(zip(top_ids[i][:n], top_logprobs[i][:n])))
             for i, n in enumerate(want_logprobs)
         ]
         return token_list, logprobs
@@ -164,12 +170,16 @@ class ReferenceSampler(Sampler):
             top_k=self._to_device(top_k, torch.int64),
             top_p=self._to_device([p.top_p for p in params], torch.float32),
             min_p=self._to_device([p.min_p for p in params], torch.float32),
-            seeds=[None if p.seed is None else step_seed(p.seed, r.num_output_tokens) for p, r in zip(params, requests)],
+            seeds=[
+                None if p.seed is None else step_seed(p.seed, r.num_output_tokens) for p, r in zip(params, requests)
+            ],
             all_greedy=False,
             needs_filter=any(k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for k, p in zip(top_k, params) if not p.is_greedy),
         )
 
-    def _process_logits(self, logits: torch.Tensor, requests: list[Request], skip: frozenset[int] = frozenset()) -> None:
+    def _process_logits(
+        self, logits: torch.Tensor, requests: list[Request], skip: frozenset[int] = frozenset()
+    ) -> None:
         """Penalties and min_tokens blocking, and grammar masks (but not of the `skip` rows), in place on the raw
         logits."""
         rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
@@ -185,7 +195,9 @@ class ReferenceSampler(Sampler):
             )
         biased = [(i, r.params.logit_bias) for i, r in enumerate(requests) if r.params.logit_bias]
         if biased:
-            ops.bias_tokens(logits, [i for i, _ in biased], [list(b) for _, b in biased], [list(b.values()) for _, b in biased])
+            ops.bias_tokens(
+                logits, [i for i, _ in biased], [list(b) for _, b in biased], [list(b.values()) for _, b in biased]
+            )
         bans = [(i, self.banned(r)) for i, r in enumerate(requests)]
         bans = [(i, b) for i, b in bans if b]
         if bans:
@@ -245,10 +257,18 @@ class GpuSampler(Sampler):
         (rows whose top_n is -1 skip them), so one graph serves every step."""
         assert self.frozen, "freeze() before capturing"
         ops.sample(
-            logits[:size], self.rows[:size], self.tokens[:size], self.workspace, self.logprobs[:size],
-            self.top_ids[:size], self.top_logprobs[:size], counts=self.counts, blocked=self.blocked[:size],
-            bias=self.bias[:size], mask=self.mask[:size],
-        )  # fmt: skip
+            logits[:size],
+            self.rows[:size],
+            self.tokens[:size],
+            self.workspace,
+            self.logprobs[:size],
+            self.top_ids[:size],
+            self.top_logprobs[:size],
+            counts=self.counts,
+            blocked=self.blocked[:size],
+            bias=self.bias[:size],
+            mask=self.mask[:size],
+        )
 
     def freeze(self) -> None:
         if self.counts is None:
@@ -272,7 +292,11 @@ class GpuSampler(Sampler):
                 return False
             if p.has_penalties:
                 state = r.sampler
-                if state.slot is None or self.slot_owner[state.slot] is not r or state.counted != r.num_output_tokens + 1:
+                if (
+                    state.slot is None
+                    or self.slot_owner[state.slot] is not r
+                    or state.counted != r.num_output_tokens + 1
+                ):
                     return False
         return self.fits_graph(requests, ahead=1)
 
@@ -320,13 +344,22 @@ class GpuSampler(Sampler):
         if state.row is None:
             p = r.params
             state.row = pack_sampler_rows(
-                [p.temperature], [effective_top_k(p.top_k, self.vocab)], [p.top_p], [p.min_p], seed=[self._seed(r)],
-                step=[0], repetition=[p.repetition_penalty], presence=[p.presence_penalty],
-                frequency=[p.frequency_penalty], top_n=[-1 if p.logprobs is None else p.logprobs],
-            ).numpy()[0]  # fmt: skip
+                [p.temperature],
+                [effective_top_k(p.top_k, self.vocab)],
+                [p.top_p],
+                [p.min_p],
+                seed=[self._seed(r)],
+                step=[0],
+                repetition=[p.repetition_penalty],
+                presence=[p.presence_penalty],
+                frequency=[p.frequency_penalty],
+                top_n=[-1 if p.logprobs is None else p.logprobs],
+            ).numpy()[0]
         return state.row
 
-    def prepare(self, requests: list[Request], pad_to: int = 0, ahead: int = 0, skip: frozenset[int] = frozenset()) -> None:
+    def prepare(
+        self, requests: list[Request], pad_to: int = 0, ahead: int = 0, skip: frozenset[int] = frozenset()
+    ) -> None:
         """Pack and upload the rows' parameters (and refresh counts rows) for the next launch; rows from
         len(requests) up to pad_to (a graph's padded size) become neutral greedy rows. `ahead` = 1: the step after
         the one in flight, whose tokens the requests do not have yet. `skip`: rows that become neutral rows too
@@ -365,7 +398,9 @@ class GpuSampler(Sampler):
                     host[i, self._bans_word] = len(ids)
             if r.grammar is not None and not r.finished:  # (a request finished since its step was chosen: no mask)
                 if ahead:
-                    raise RuntimeError("GpuSampler: a grammar row cannot be prepared ahead of its token (check can_run_ahead)")
+                    raise RuntimeError(
+                        "GpuSampler: a grammar row cannot be prepared ahead of its token (check can_run_ahead)"
+                    )
                 constrained.append((r.grammar, i))
                 host[i, self._masked_word] = 1
             if p.logprobs is not None and p.logprobs > num_top:
@@ -392,8 +427,12 @@ class GpuSampler(Sampler):
         pin = self.device.type == "cuda"
         host = torch.full((self.max_rows, width), -1, dtype=torch.int32, pin_memory=pin)
         values = torch.zeros((self.max_rows, width), dtype=torch.float32, pin_memory=pin)
-        return (host, torch.full((self.max_rows, width), -1, dtype=torch.int32, device=self.device), values,
-                torch.zeros((self.max_rows, width), dtype=torch.float32, device=self.device))  # fmt: skip
+        return (
+            host,
+            torch.full((self.max_rows, width), -1, dtype=torch.int32, device=self.device),
+            values,
+            torch.zeros((self.max_rows, width), dtype=torch.float32, device=self.device),
+        )
 
     def _upload_bans(self, bans: list[tuple[int, list[int], list[float]]], n: int, graph: bool) -> None:
         """Write the step's bans where its launch reads them: the captured buffers when they are wide enough (a
@@ -425,10 +464,18 @@ class GpuSampler(Sampler):
         n = self.num_rows if rows is None else rows
         top = self.num_top > 0
         ops.sample(
-            logits[:n], self.rows[:n], self.tokens[:n], self.workspace, self.logprobs[:n],
-            self.top_ids[:n] if top else None, self.top_logprobs[:n] if top else None,
-            counts=self.counts, blocked=self._launch_blocked[:n], bias=self._launch_bias[:n], mask=self.mask[:n],
-        )  # fmt: skip
+            logits[:n],
+            self.rows[:n],
+            self.tokens[:n],
+            self.workspace,
+            self.logprobs[:n],
+            self.top_ids[:n] if top else None,
+            self.top_logprobs[:n] if top else None,
+            counts=self.counts,
+            blocked=self._launch_blocked[:n],
+            bias=self._launch_bias[:n],
+            mask=self.mask[:n],
+        )
         return self.tokens[:n]
 
     def results(self, requests: list[Request], token_list: list[int]) -> list[TokenLogprobs | None] | None:
@@ -443,10 +490,14 @@ class GpuSampler(Sampler):
         out: list[TokenLogprobs | None] = []
         for i, r in enumerate(requests):
             k = r.params.logprobs
-            out.append(None if k is None else TokenLogprobs(token_list[i], chosen[i], list(zip(ids[i][:k], lps[i][:k]))))
+            out.append(
+                None if k is None else TokenLogprobs(token_list[i], chosen[i], list(zip(ids[i][:k], lps[i][:k])))
+            )
         return out
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()) -> Tokens:
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], read_back: ReadBack, skip: frozenset[int] = frozenset()
+    ) -> Tokens:
         self.prepare(requests, skip=skip)
         tokens = self.launch(logits.contiguous() if not logits.is_contiguous() else logits)
         token_list = read_back(tokens)

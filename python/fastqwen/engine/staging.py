@@ -27,9 +27,14 @@ class Layout:
     def _sizes(self) -> list[tuple[str, int]]:
         t, b, s = self.num_tokens, self.num_seqs, self.num_samples
         return [
-            ("input_ids", 2 * t), ("positions", 2 * t), ("out_slots", 2 * t), ("logits_indices", 2 * s),
-            ("query_start", b + 1), ("kv_lens", b), ("page_table", b * self.width),
-        ]  # fmt: skip
+            ("input_ids", 2 * t),
+            ("positions", 2 * t),
+            ("out_slots", 2 * t),
+            ("logits_indices", 2 * s),
+            ("query_start", b + 1),
+            ("kv_lens", b),
+            ("page_table", b * self.width),
+        ]
 
     def offsets(self) -> dict[str, tuple[int, int]]:
         spans, at = {}, 0
@@ -99,8 +104,9 @@ class BatchStaging:
         self._uploaded.record()
 
 
-def staging_for(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int,
-                device: torch.device) -> BatchStaging:  # fmt: skip
+def staging_for(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int, device: torch.device
+) -> BatchStaging:
     """A staging buffer for the largest step the scheduler can produce; page-table rows hold a whole context."""
     width = -(-max_model_len // page_size)
     return BatchStaging(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, width, device)

@@ -75,7 +75,9 @@ def step_checksum(output: StepOutput) -> int:
 
 
 def _rank_config(config: EngineConfig, rank: int) -> tuple[EngineConfig, torch.device]:
-    device = torch.device(config.device if config.device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(
+        config.device if config.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if device.type == "cuda":
         device = torch.device("cuda", rank)  # rank r on GPU r (CUDA_VISIBLE_DEVICES picks which GPUs)
     return replace(config, device=str(device)), device
@@ -102,7 +104,9 @@ class TensorParallelEngine:
         size = config.tensor_parallel_size
         _, device = _rank_config(config, 0)
         if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise RuntimeError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
+            raise RuntimeError(
+                f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} are visible"
+            )
         # NVLink multicast (NVLS) stays off: on these machines it can take the host's GPUs out of service.
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         self._closing = False
@@ -130,15 +134,20 @@ class TensorParallelEngine:
         spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self.processes = [
             spawn.Process(
-                target=rank_main, args=(config, rank, store.port, self._dir, os.getpid(), logging.getLogger().level),
-                name=f"fastqwen-tp{rank}", daemon=True,
-            )  # fmt: skip
+                target=rank_main,
+                args=(config, rank, store.port, self._dir, os.getpid(), logging.getLogger().level),
+                name=f"fastqwen-tp{rank}",
+                daemon=True,
+            )
             for rank in range(1, size)
         ]
         for process in self.processes:
             process.start()
-        log.info("tensor parallel: started ranks 1..%d (pids %s); loading the shards", size - 1,
-                 ", ".join(str(p.pid) for p in self.processes))  # fmt: skip
+        log.info(
+            "tensor parallel: started ranks 1..%d (pids %s); loading the shards",
+            size - 1,
+            ", ".join(str(p.pid) for p in self.processes),
+        )
         self._watcher = threading.Thread(target=self._watch, name="fastqwen-tp-watch", daemon=True)
         self._watcher.start()
         try:
@@ -317,8 +326,9 @@ def _follow(engine: LLMEngine, orders, rank: int) -> None:
     while True:
         order = decoder.decode(orders.recv())
         if order.checksum != checksum:
-            raise RuntimeError(f"rank {rank} drifted from rank 0: its last step's checksum is {checksum}, rank 0's "
-                               f"{order.checksum}")  # fmt: skip
+            raise RuntimeError(
+                f"rank {rank} drifted from rank 0: its last step's checksum is {checksum}, rank 0's {order.checksum}"
+            )
         if order.stop:
             return
         for command in order.commands:
@@ -327,4 +337,3 @@ def _follow(engine: LLMEngine, orders, rank: int) -> None:
             else:
                 engine.abort(command.rid)
         checksum = step_checksum(engine.step())
-

@@ -116,7 +116,9 @@ class GrammarMatcher:
             self._start_mask()
         self._job.result()
         if self._mask_version != self.version:  # a mask of another state would let through what this one forbids
-            raise RuntimeError(f"stale grammar mask: computed after {self._mask_version} tokens, the grammar has taken {self.version}")
+            raise RuntimeError(
+                f"stale grammar mask: computed after {self._mask_version} tokens, the grammar has taken {self.version}"
+            )
         out[:] = self._mask
 
     def _start_mask(self) -> None:
@@ -145,7 +147,9 @@ def fill_bitmasks(rows: list[tuple[GrammarMatcher, int]], out: np.ndarray) -> No
         raise ValueError("fill_bitmasks: a row index is outside out")
     for m, _ in rows:
         m._settle()
-    _executor().unsafe_compute_mask_ptr([(m.matcher, i) for m, i in rows], out.ctypes.data, out.shape[1] * 4, out.shape[0])
+    _executor().unsafe_compute_mask_ptr(
+        [(m.matcher, i) for m, i in rows], out.ctypes.data, out.shape[1] * 4, out.shape[0]
+    )
 
 
 @contextlib.contextmanager
@@ -228,9 +232,13 @@ class GrammarCompiler:
             return self._tokenizer
 
     def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), llguidance_grammar(structured, tuple(self.eos_token_ids)), log_level=0)
+        matcher = llguidance.LLMatcher(
+            self._llg_tokenizer(), llguidance_grammar(structured, tuple(self.eos_token_ids)), log_level=0
+        )
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid {structured.kind.replace('_', ' ')}: {matcher.get_error()}", structured.field)
+            raise InvalidRequestError(
+                f"invalid {structured.kind.replace('_', ' ')}: {matcher.get_error()}", structured.field
+            )
         return matcher
 
     def submit(self, structured: StructuredOutput) -> Future:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Generic, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 V = TypeVar("V")
 

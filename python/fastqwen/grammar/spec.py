@@ -72,7 +72,9 @@ def _after_thinking(grammar: str, structured: StructuredOutput, eos_token_ids: t
     start, end = structured.thinking
     excluded = ",".join(str(t) for t in sorted({end, *eos_token_ids}))
     block = f"<[^{excluded}]>* <[{end}]> /\\n{{0,2}}/"
-    lark = f"start: {block} @constraint\n" if structured.thinking_open else f"start: (<[{start}]> {block})? @constraint\n"
+    lark = (
+        f"start: {block} @constraint\n" if structured.thinking_open else f"start: (<[{start}]> {block})? @constraint\n"
+    )
     return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": lark}, {**inner[0], "name": "constraint"}]})
 
 
@@ -151,7 +153,10 @@ def tokenizer_problem(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple
 
 def check_tokenizer(structured: StructuredOutput, tokenizer_json: str | None, vocab_size: int, eos_token_ids) -> None:
     """Raise InvalidRequestError (naming structured.field) when the model's tokenizer cannot drive a grammar."""
-    problem = "the model has no tokenizer.json" if not tokenizer_json or not os.path.isfile(tokenizer_json) else (
-        tokenizer_problem(tokenizer_json, vocab_size, tuple(eos_token_ids)))  # fmt: skip
+    problem = (
+        "the model has no tokenizer.json"
+        if not tokenizer_json or not os.path.isfile(tokenizer_json)
+        else (tokenizer_problem(tokenizer_json, vocab_size, tuple(eos_token_ids)))
+    )
     if problem is not None:
         raise InvalidRequestError(f"structured output is not available for this model: {problem}", structured.field)

@@ -21,8 +21,12 @@ _EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties":
 
 
 def _function(tool: Any, index: int) -> dict:
-    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
-        raise InvalidRequestError(f"tools[{index}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type", "function") != "function"
+        or not isinstance(tool.get("function"), dict)
+    ):
+        raise InvalidRequestError(f'tools[{index}] must be {{"type": "function", "function": {{...}}}}', "tools")
     function = tool["function"]
     name = function.get("name")
     if not isinstance(name, str) or not name:
@@ -43,10 +47,14 @@ def _chosen_name(tool_choice: Any) -> str | None:
         name = tool_choice["function"].get("name")
         if isinstance(name, str) and name:
             return name
-    raise InvalidRequestError('tool_choice must be "required" or {"type": "function", "function": {"name": ...}} here', "tool_choice")
+    raise InvalidRequestError(
+        'tool_choice must be "required" or {"type": "function", "function": {"name": ...}} here', "tool_choice"
+    )
 
 
-def tool_call_structured(tools: list[Any], tool_choice: Any = "required", call_tokens: bool = False) -> StructuredOutput:
+def tool_call_structured(
+    tools: list[Any], tool_choice: Any = "required", call_tokens: bool = False
+) -> StructuredOutput:
     """The spec of one or more <tool_call> blocks over `tools` (OpenAI's shape) for tool_choice "required", or of
     exactly one call of the named function. Raises InvalidRequestError (field "tools" or "tool_choice").
 
@@ -72,7 +80,11 @@ def tool_call_structured(tools: list[Any], tool_choice: Any = "required", call_t
             "x-guidance": JSON_OPTIONS,  # the compact JSON of every other schema, not llguidance's free whitespace
         }
         calls.append("%json " + json.dumps(schema, ensure_ascii=True))
-    block = 'block: <tool_call> "\\n" call "\\n" </tool_call>' if call_tokens else 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+    block = (
+        'block: <tool_call> "\\n" call "\\n" </tool_call>'
+        if call_tokens
+        else 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+    )
     rules = ["call: " + "\n    | ".join(calls), block]
     start = "start: block" if name is not None else 'start: block ("\\n" block)*'
     lark = "%llguidance {}\n" + "\n".join([start] + rules) + "\n"

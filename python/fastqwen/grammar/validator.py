@@ -38,8 +38,12 @@ class _Worker:
     def __init__(self):
         self.proc = subprocess.Popen(
             [sys.executable, _WORKER_SCRIPT, str(VALIDATOR_STACK_BYTES)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, encoding="utf-8",
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            encoding="utf-8",
+        )
         self.replies: queue.Queue = queue.Queue()
         # A reader thread turns the pipe into a queue, so that waiting for a reply can time out.
         threading.Thread(target=self._read, daemon=True, name="fastqwen-grammar-validator").start()

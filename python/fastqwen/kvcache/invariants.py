@@ -32,7 +32,9 @@ def check_kv_invariants(allocator, cache, running, waiting) -> None:
         by_requests.update(request.pages)
     for request in waiting:
         if request.pages or request.cache_node is not None:
-            raise InvariantError(f"waiting request {request.rid} holds pages {request.pages} or a cache lock", request.pages)
+            raise InvariantError(
+                f"waiting request {request.rid} holds pages {request.pages} or a cache lock", request.pages
+            )
     in_cache = cache.pages() if cache is not None else []
     if len(set(in_cache)) != len(in_cache):
         twice = sorted(p for p, n in Counter(in_cache).items() if n > 1)

@@ -20,7 +20,7 @@ import itertools
 class _Node:
     __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: "_Node | None"):
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None):
         self.key = key  # tokens, a whole number of pages
         self.pages = pages
         self.children: dict[tuple[int, ...], _Node] = {}  # by the tokens of the child's first page
@@ -41,7 +41,7 @@ class RadixCache:
 
     # ---- lookup -------------------------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], "_Node"]:
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], _Node]:
         """Pages of the longest cached whole-page prefix of tokens, and the node where the match ends.
 
         The caller passes at most len(prompt) - 1 tokens, so a fully cached prompt still computes its last token.
@@ -88,7 +88,7 @@ class RadixCache:
 
     # ---- insert -------------------------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], pages: list[int]) -> "_Node":
+    def insert(self, tokens: list[int], pages: list[int]) -> _Node:
         """Cache a computed prefix: tokens (whole pages) whose KV is in pages. Returns the node where it ends.
 
         Pages of parts the tree already has stay with their current owner; the tree takes a reference only on the
@@ -119,14 +119,14 @@ class RadixCache:
 
     # ---- locks --------------------------------------------------------------------------------------------
 
-    def lock(self, node: "_Node") -> None:
+    def lock(self, node: _Node) -> None:
         while node is not None:
             if node.lock_ref == 0:
                 self.num_locked_pages += len(node.pages)
             node.lock_ref += 1
             node = node.parent
 
-    def unlock(self, node: "_Node") -> None:
+    def unlock(self, node: _Node) -> None:
         while node is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"

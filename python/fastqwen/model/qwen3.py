@@ -16,9 +16,13 @@ from .forward_batch import ForwardBatch
 
 class Qwen3Model:
     def __init__(
-        self, cfg: ModelConfig, weights: Qwen3Weights, max_positions: int, max_batch: int = 256,
+        self,
+        cfg: ModelConfig,
+        weights: Qwen3Weights,
+        max_positions: int,
+        max_batch: int = 256,
         parallel: ParallelGroup = SINGLE,
-    ):  # fmt: skip
+    ):
         """cfg: the model as this rank sees it (sharding.Shard.rank_config: its own head counts); weights: its shard.
         Under tensor parallelism the row-parallel o_proj and down are followed by an all-reduce, the embedding and
         the LM head are vocabulary-parallel (parallel.embed, parallel.gather_vocab)."""
@@ -37,7 +41,11 @@ class Qwen3Model:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv: KVPool, logits_out: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None
+        self,
+        batch: ForwardBatch,
+        kv: KVPool,
+        logits_out: torch.Tensor | None = None,
+        extra_rows: torch.Tensor | None = None,
     ):
         """Returns float32 logits [S, vocab] for batch.logits_indices, in logits_out when given (a CUDA graph's
         persistent output, so that captured graphs do not each keep their own logits).
@@ -84,19 +92,46 @@ class Qwen3Model:
         k_cache, v_cache = kv.k(index), kv.v(index)
         k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
         ops.qk_norm_rope_store_kv(
-            qkv, layer.q_norm, layer.k_norm, self.cos_sin_cache, batch.positions,
-            k_cache, v_cache, batch.out_slots, self.cfg.rms_norm_eps, q_out=q, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+            qkv,
+            layer.q_norm,
+            layer.k_norm,
+            self.cos_sin_cache,
+            batch.positions,
+            k_cache,
+            v_cache,
+            batch.out_slots,
+            self.cfg.rms_norm_eps,
+            q_out=q,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         if batch.is_decode:
             ops.paged_attention_decode(
-                q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn,
-                self.decode_workspace, planned=decode_kernel, k_scale=k_scale, v_scale=v_scale,
-            )  # fmt: skip
+                q,
+                k_cache,
+                v_cache,
+                batch.page_table,
+                batch.kv_lens,
+                self.scale,
+                attn,
+                self.decode_workspace,
+                planned=decode_kernel,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         else:
             ops.paged_attention_prefill(
-                q, k_cache, v_cache, batch.query_start, batch.page_table, batch.kv_lens, self.scale, attn,
+                q,
+                k_cache,
+                v_cache,
+                batch.query_start,
+                batch.page_table,
+                batch.kv_lens,
+                self.scale,
+                attn,
                 batch.max_query_len or None,  # the batch builder knows it: no read-back
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

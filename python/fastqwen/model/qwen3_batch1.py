@@ -30,8 +30,9 @@ class Qwen3WithBatch1Decode(Qwen3Model):
     def applies(weights: Qwen3Weights, parallel: ParallelGroup) -> bool:
         """Whether the step runs for these weights: the one-token GEMV takes every projection on their device and
         dtype, and one rank (no all-reduce between a projection and its norm)."""
-        return parallel.single and ops.norm_in_gemv_applies(weights.embed.dtype, weights.embed.device,
-                                                            weights.projections())  # fmt: skip
+        return parallel.single and ops.norm_in_gemv_applies(
+            weights.embed.dtype, weights.embed.device, weights.projections()
+        )
 
     @torch.inference_mode()
     def forward(self, batch, kv, logits_out: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None):
@@ -56,6 +57,8 @@ class Qwen3WithBatch1Decode(Qwen3Model):
             qkv = ops.linear(residual, layer.qkv, norm=(None if folded.qkv else layer.input_norm, eps))
             self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
             ops.linear_add_residual(attn.view(1, -1), layer.o_proj, residual)
-            act = ops.linear_silu_and_mul(residual, layer.gate_up, norm=(None if folded.gate_up else layer.post_norm, eps))
+            act = ops.linear_silu_and_mul(
+                residual, layer.gate_up, norm=(None if folded.gate_up else layer.post_norm, eps)
+            )
             ops.linear_add_residual(act, layer.down, residual)
         return ops.linear(residual, w.lm_head, norm=(None if folded.lm_head else w.final_norm, eps))

@@ -17,7 +17,9 @@ from ._native import check_tensors, dtype_code, kernel_applies, native, stream_o
 from .kv_fp8 import dequantize_kv, gather_rows, is_fp8
 
 
-def attention_kernel_applies(on_gpu: bool, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
+def attention_kernel_applies(
+    on_gpu: bool, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
+) -> bool:
     """Whether paged_attention_decode / _prefill run their CUDA kernel (else the reference) for q on the GPU or not,
     of this dtype and head size, over caches of kv_dtype (default: q's): the rule csrc/attention.h states, read from
     the extension."""
@@ -108,8 +110,14 @@ def paged_attention_decode(
 
 
 def paged_attention_decode_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
-    scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """float32 math over gathered (and dequantized) pages; returns [B, H, D] in q's dtype."""
     batch, num_heads, head_dim = q.shape
@@ -135,13 +143,23 @@ def _check_paged(op: str, batch: int, q, out, k_cache, v_cache, page_table, kv_l
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"{op}: k_cache and v_cache must both be [pages, page_size, H_kv, 128]")
     if k_cache.dtype != v_cache.dtype or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
-        raise ValueError(f"{op}: the caches must both hold {q.dtype} or float8_e4m3fn, not {k_cache.dtype} and {v_cache.dtype}")
+        raise ValueError(
+            f"{op}: the caches must both hold {q.dtype} or float8_e4m3fn, not {k_cache.dtype} and {v_cache.dtype}"
+        )
     if page_table.dim() != 2 or page_table.shape[0] != batch or kv_lens.shape != (batch,):
         raise ValueError(f"{op}: page_table must be [B, max_pages] and kv_lens [B], for B = {batch} sequences")
     check_tensors(
-        op, q.device, q.dtype, q=q, out=out, k_cache=(k_cache, None), v_cache=(v_cache, None),
-        page_table=(page_table, torch.int32), kv_lens=(kv_lens, torch.int32), **more,
-    )  # fmt: skip
+        op,
+        q.device,
+        q.dtype,
+        q=q,
+        out=out,
+        k_cache=(k_cache, None),
+        v_cache=(v_cache, None),
+        page_table=(page_table, torch.int32),
+        kv_lens=(kv_lens, torch.int32),
+        **more,
+    )
 
 
 def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspace, planned, k_scale, v_scale) -> None:
@@ -150,12 +168,18 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspa
     if workspace is None:
         workspace, planned = decode_workspace(batch, num_heads, q.device), False
     if batch > workspace.max_batch or num_heads > workspace.num_heads:
-        raise ValueError(f"paged_attention_decode: the workspace holds {workspace.max_batch} sequences of "
-                         f"{workspace.num_heads} heads, not {batch} of {num_heads}")  # fmt: skip
+        raise ValueError(
+            f"paged_attention_decode: the workspace holds {workspace.max_batch} sequences of "
+            f"{workspace.num_heads} heads, not {batch} of {num_heads}"
+        )
     check_tensors(
-        "paged_attention_decode", q.device, torch.float32, part_out=workspace.part_out, part_lse=workspace.part_lse,
+        "paged_attention_decode",
+        q.device,
+        torch.float32,
+        part_out=workspace.part_out,
+        part_lse=workspace.part_lse,
         split_offsets=(workspace.split_offsets, torch.int32),
-    )  # fmt: skip
+    )
     if not planned:
         plan_decode(kv_lens, workspace, k_cache.dtype)
     m = native()
@@ -208,19 +232,30 @@ def paged_attention_prefill(
     if q.shape[0] == 0 or query_start.shape[0] <= 1:
         return out
     if attention_kernel_applies(q.is_cuda, q.dtype, head_dim, k_cache.dtype):
-        _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale)
+        _prefill_kernel(
+            q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale
+        )
         return out
     return paged_attention_prefill_reference(
         q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, k_scale, v_scale
     )
 
 
-def _prefill_kernel(q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale) -> None:
+def _prefill_kernel(
+    q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale
+) -> None:
     batch = query_start.shape[0] - 1
     _check_paged(
-        "paged_attention_prefill", batch, q, out, k_cache, v_cache, page_table, kv_lens,
+        "paged_attention_prefill",
+        batch,
+        q,
+        out,
+        k_cache,
+        v_cache,
+        page_table,
+        kv_lens,
         query_start=(query_start, torch.int32),
-    )  # fmt: skip
+    )
     if max_query_len is None:
         max_query_len = int((query_start[1:] - query_start[:-1]).max())
     m = native()

@@ -22,14 +22,17 @@ _TIMEOUT = datetime.timedelta(minutes=30)  # loading a large checkpoint on one r
 
 
 class ParallelGroup:
-    def __init__(self, rank: int = 0, size: int = 1, device_group=None, cpu_group=None,
-                 custom: CustomAllReduce | None = None):  # fmt: skip
+    def __init__(
+        self, rank: int = 0, size: int = 1, device_group=None, cpu_group=None, custom: CustomAllReduce | None = None
+    ):
         self.rank, self.size = rank, size
         self.device_group, self.cpu_group = device_group, cpu_group
         self.custom = custom
 
     @classmethod
-    def connect(cls, rank: int, size: int, store, device: torch.device, custom_all_reduce: bool = True) -> "ParallelGroup":
+    def connect(
+        cls, rank: int, size: int, store, device: torch.device, custom_all_reduce: bool = True
+    ) -> ParallelGroup:
         """Rank `rank`'s groups over `store` (a torch.distributed Store shared by the ranks). On a GPU the device
         group is NCCL and, for 2, 4 or 8 ranks and unless turned off, small all-reduces take the custom kernel."""
         cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, _TIMEOUT)

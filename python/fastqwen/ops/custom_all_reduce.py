@@ -51,10 +51,15 @@ class CustomAllReduce:
         """Whether the kernel takes this tensor (else the caller uses NCCL)."""
         nbytes = x.numel() * x.element_size()
         return (
-            self._own is not None and x.is_cuda and x.device == self.device and x.is_contiguous()
-            and dtype_code(x.dtype) is not None and 0 < nbytes <= self.max_bytes
-            and nbytes % native().ALL_REDUCE_ALIGN == 0 and x.data_ptr() % native().ALL_REDUCE_ALIGN == 0
-        )  # fmt: skip
+            self._own is not None
+            and x.is_cuda
+            and x.device == self.device
+            and x.is_contiguous()
+            and dtype_code(x.dtype) is not None
+            and 0 < nbytes <= self.max_bytes
+            and nbytes % native().ALL_REDUCE_ALIGN == 0
+            and x.data_ptr() % native().ALL_REDUCE_ALIGN == 0
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x across the ranks, in place; returns x."""

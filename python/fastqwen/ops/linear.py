@@ -56,14 +56,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-
 def _exported(name: str):
     """A contract of the kernels, defined once in csrc/ and exported by fastqwen._C in every build (the host-only one
     too)."""
     module = native()
     if module is None:
-        raise ImportError(f"fastqwen._C is not importable ({import_error()}), and {name} comes from it: reinstall "
-                          "with `pip install .`")  # fmt: skip
+        raise ImportError(
+            f"fastqwen._C is not importable ({import_error()}), and {name} comes from it: reinstall "
+            "with `pip install .`"
+        )
     return getattr(module, name)
 
 
@@ -103,7 +104,9 @@ class LinearWeight:
             want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
             if self.scale is None or tuple(self.scale.shape) != want or self.scale.dtype != torch.float32:
                 got = None if self.scale is None else (tuple(self.scale.shape), self.scale.dtype)
-                raise ValueError(f"LinearWeight: an FP8 weight [{rows}, {cols}] needs float32 block scales {want}, got {got}")
+                raise ValueError(
+                    f"LinearWeight: an FP8 weight [{rows}, {cols}] needs float32 block scales {want}, got {got}"
+                )
         elif self.scale is not None:
             raise ValueError(f"LinearWeight: a {self.weight.dtype} weight takes no scale")
         if self.bias is not None and tuple(self.bias.shape) != (rows,):
@@ -188,8 +191,10 @@ def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> t
     """The GEMV kernel itself at any token count it takes (1 to GEMV_MAX_TOKENS), whatever linear() would pick: for
     tests and benchmarks. ValueError where the kernel does not apply."""
     if not _gemv_fits(x, w, GEMV_MAX_TOKENS):
-        raise ValueError(f"gemv: the kernel does not apply to x {tuple(x.shape)} {x.dtype} on {x.device} and a "
-                         f"{w.weight.dtype} weight {tuple(w.weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"gemv: the kernel does not apply to x {tuple(x.shape)} {x.dtype} on {x.device} and a "
+            f"{w.weight.dtype} weight {tuple(w.weight.shape)}"
+        )
     if out is None:
         out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
     return _gemv(x.contiguous(), w, out)
@@ -255,8 +260,9 @@ def _quantize_for_gemm(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torc
         q = torch.empty(padded, k, dtype=FP8_DTYPE, device=x.device)
         scale_t = torch.empty(k // FP8_BLOCK, padded, dtype=torch.float32, device=x.device)
         check_tensors("linear", x.device, None, x=x)
-        native().quantize_fp8_tokens(q.data_ptr(), scale_t.data_ptr(), x.data_ptr(), m, padded, k,
-                                     dtype_code(x.dtype), stream_of(x))  # fmt: skip
+        native().quantize_fp8_tokens(
+            q.data_ptr(), scale_t.data_ptr(), x.data_ptr(), m, padded, k, dtype_code(x.dtype), stream_of(x)
+        )
         return q, scale_t.t()
     q, sx = quantize_activations(F.pad(x, (0, 0, 0, padded - m)))
     scale_a = torch.empty_strided(sx.shape, (1, padded), dtype=torch.float32, device=x.device)
@@ -268,9 +274,14 @@ def _fp8_gemm(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     padded = -(-m // 16) * 16  # cuBLASLt refuses block-scaled GEMMs whose token count (scale_a's stride) is unaligned
     q, scale_a = _quantize_for_gemm(x.contiguous(), padded)
     y = F.scaled_mm(
-        q, w.weight.t(), scale_a, F.ScalingType.BlockWise1x128, _scaled_mm_weight_scale(w),
-        F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
-    )[:m]  # fmt: skip
+        q,
+        w.weight.t(),
+        scale_a,
+        F.ScalingType.BlockWise1x128,
+        _scaled_mm_weight_scale(w),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )[:m]
     return y if w.bias is None else y + w.bias
 
 
@@ -296,8 +307,11 @@ def fp8_gemm_supported(device: torch.device, dtype: torch.dtype, w: LinearWeight
             if not _scaled_mm_ok:
                 log.warning("FP8 block-scaled GEMM gives wrong results here; FP8 prefill dequantizes instead")
         except (RuntimeError, NotImplementedError, TypeError, AttributeError) as e:
-            log.warning("FP8 block-scaled GEMM (scaled_mm 1x128 x 128x128) unavailable (%s); FP8 prefill and large "
-                        "batches dequantize the weight and run a bf16 GEMM instead", str(e).splitlines()[0])  # fmt: skip
+            log.warning(
+                "FP8 block-scaled GEMM (scaled_mm 1x128 x 128x128) unavailable (%s); FP8 prefill and large "
+                "batches dequantize the weight and run a bf16 GEMM instead",
+                str(e).splitlines()[0],
+            )
             _scaled_mm_ok = False
     return _scaled_mm_ok
 
@@ -309,12 +323,21 @@ def norm_in_gemv_applies(dtype: torch.dtype, device: torch.device, weights: list
     return all(_gemv_fits(x, w, 1) for x, w in zip(rows, weights)) and hasattr(native(), "gemv_norm")
 
 
-def _gemv_norm(epilogue, x: torch.Tensor, w: LinearWeight, out: torch.Tensor, norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0, silu_gate_up: bool = False) -> torch.Tensor:  # fmt: skip
+def _gemv_norm(
+    epilogue,
+    x: torch.Tensor,
+    w: LinearWeight,
+    out: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu_gate_up: bool = False,
+) -> torch.Tensor:
     """The one-token GEMV with a GemvEpilogue other than PLAIN (csrc/gemv.h, gemv_norm)."""
     if not _gemv_fits(x, w, 1):
-        raise ValueError(f"linear (norm in the GEMV): the one-token GEMV does not apply to x {tuple(x.shape)} "
-                         f"{x.dtype} on {x.device} and a {w.weight.dtype} weight {tuple(w.weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"linear (norm in the GEMV): the one-token GEMV does not apply to x {tuple(x.shape)} "
+            f"{x.dtype} on {x.device} and a {w.weight.dtype} weight {tuple(w.weight.shape)}"
+        )
     check_tensors("linear", x.device, None, x=x, weight=w.weight, out=(out, x.dtype))
     if norm_weight is not None:
         check_tensors("linear", x.device, x.dtype, norm_weight=norm_weight)
@@ -351,8 +374,9 @@ def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
             _scaled_mm_weight_scale(w)
 
 
-def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = False,
-                        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
+def linear_silu_and_mul(
+    x: torch.Tensor, w: LinearWeight, gemv_only: bool = False, norm: tuple[torch.Tensor, float] | None = None
+) -> torch.Tensor:
     """silu_and_mul(linear(x, w)) for w the gate and up projections stacked ([gate; up], as Qwen3's MLP keeps them):
     [M, out / 2]. Where linear would run the GEMV, one GEMV kernel computes both halves and multiplies them in its
     epilogue, bit for bit what the two ops give. gemv_only: the GEMV at any token count it takes (tests, benchmarks;
@@ -371,8 +395,9 @@ def linear_silu_and_mul(x: torch.Tensor, w: LinearWeight, gemv_only: bool = Fals
     return silu_and_mul(linear(x, w))
 
 
-def linear(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None,
-           norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
+def linear(
+    x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None
+) -> torch.Tensor:
     """y = x @ W^T (+ bias) for x [M, in] -> [M, out] of x's dtype; into `out` when given (and the GEMV runs).
     norm = (weight, eps): x is one token's residual and y = RMSNorm(x) @ W^T (+ bias), the norm done by the one-token
     GEMV as it reads x (products and sums fp32, the normalized row never rounded; ValueError where it does not run).

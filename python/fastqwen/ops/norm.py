@@ -41,8 +41,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         return out
     check_tensors("rms_norm", x.device, x.dtype, x=x, weight=weight, out=out)
     hidden = x.shape[-1]
-    native().rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden, eps,
-                      dtype_code(x.dtype), stream_of(x))  # fmt: skip
+    native().rms_norm(
+        out.data_ptr(),
+        x.data_ptr(),
+        weight.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+        dtype_code(x.dtype),
+        stream_of(x),
+    )
     return out
 
 
@@ -57,6 +65,14 @@ def fused_add_rms_norm(
         return x, residual
     check_tensors("fused_add_rms_norm", x.device, x.dtype, x=x, residual=residual, weight=weight)
     hidden = x.shape[-1]
-    native().fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden,
-                                eps, dtype_code(x.dtype), stream_of(x))  # fmt: skip
+    native().fused_add_rms_norm(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+        dtype_code(x.dtype),
+        stream_of(x),
+    )
     return x, residual

@@ -77,30 +77,58 @@ def qk_norm_rope_store_kv(
     num_kv_heads = k_cache.shape[2]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != q_size + 2 * kv_size:
-        raise ValueError(f"qk_norm_rope_store_kv: qkv must be [{num_tokens}, {q_size + 2 * kv_size}], got {tuple(qkv.shape)}")
-    for name, t, shape in (("q_weight", q_weight, (head_dim,)), ("k_weight", k_weight, (head_dim,)),
-                           ("positions", positions, (num_tokens,)), ("out_slots", out_slots, (num_tokens,))):  # fmt: skip
+        raise ValueError(
+            f"qk_norm_rope_store_kv: qkv must be [{num_tokens}, {q_size + 2 * kv_size}], got {tuple(qkv.shape)}"
+        )
+    for name, t, shape in (
+        ("q_weight", q_weight, (head_dim,)),
+        ("k_weight", k_weight, (head_dim,)),
+        ("positions", positions, (num_tokens,)),
+        ("out_slots", out_slots, (num_tokens,)),
+    ):
         if tuple(t.shape) != shape:
             raise ValueError(f"qk_norm_rope_store_kv: {name} has shape {tuple(t.shape)}, expected {shape}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"qk_norm_rope_store_kv: cos_sin_cache must be [max_positions, {head_dim}]")
     if k_cache.dtype != v_cache.dtype or not (k_cache.dtype == qkv.dtype or is_fp8(k_cache.dtype)):
-        raise ValueError(f"qk_norm_rope_store_kv: the caches must both hold {qkv.dtype} or float8_e4m3fn, "
-                         f"not {k_cache.dtype} and {v_cache.dtype}")  # fmt: skip
+        raise ValueError(
+            f"qk_norm_rope_store_kv: the caches must both hold {qkv.dtype} or float8_e4m3fn, "
+            f"not {k_cache.dtype} and {v_cache.dtype}"
+        )
     if not (k_scale > 0 and v_scale > 0 and k_scale < float("inf") and v_scale < float("inf")):
-        raise ValueError(f"qk_norm_rope_store_kv: k_scale and v_scale must be positive and finite, not {k_scale}, {v_scale}")
+        raise ValueError(
+            f"qk_norm_rope_store_kv: k_scale and v_scale must be positive and finite, not {k_scale}, {v_scale}"
+        )
     if rope_kv_kernel_applies(qkv.is_cuda, qkv.dtype, head_dim):
         check_tensors(
-            "qk_norm_rope_store_kv", qkv.device, qkv.dtype, qkv=qkv, q_weight=q_weight, k_weight=k_weight,
-            k_cache=(k_cache, None), v_cache=(v_cache, None), q_out=q_out, cos_sin_cache=(cos_sin_cache, torch.float32),
-            positions=(positions, torch.int64), out_slots=(out_slots, torch.int64),
-        )  # fmt: skip
+            "qk_norm_rope_store_kv",
+            qkv.device,
+            qkv.dtype,
+            qkv=qkv,
+            q_weight=q_weight,
+            k_weight=k_weight,
+            k_cache=(k_cache, None),
+            v_cache=(v_cache, None),
+            q_out=q_out,
+            cos_sin_cache=(cos_sin_cache, torch.float32),
+            positions=(positions, torch.int64),
+            out_slots=(out_slots, torch.int64),
+        )
         m = native()
         args = m.RopeKVArgs()
         args.qkv, args.q_weight, args.k_weight = qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr()
-        args.cos_sin, args.positions, args.out_slots = cos_sin_cache.data_ptr(), positions.data_ptr(), out_slots.data_ptr()
+        args.cos_sin, args.positions, args.out_slots = (
+            cos_sin_cache.data_ptr(),
+            positions.data_ptr(),
+            out_slots.data_ptr(),
+        )
         args.k_cache, args.v_cache, args.q_out = k_cache.data_ptr(), v_cache.data_ptr(), q_out.data_ptr()
-        args.num_tokens, args.num_heads, args.num_kv_heads, args.head_dim = num_tokens, num_heads, num_kv_heads, head_dim
+        args.num_tokens, args.num_heads, args.num_kv_heads, args.head_dim = (
+            num_tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
         args.max_pos, args.num_slots = cos_sin_cache.shape[0], k_cache.shape[0] * k_cache.shape[1]
         args.eps, args.dtype, args.stream = eps, dtype_code(qkv.dtype), stream_of(qkv)
         args.kv_dtype, args.k_scale, args.v_scale = dtype_code(k_cache.dtype), k_scale, v_scale

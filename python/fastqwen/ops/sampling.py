@@ -77,7 +77,9 @@ def block_tokens(logits: torch.Tensor, rows: list[int], tokens: list[list[int]])
     return logits
 
 
-def bias_tokens(logits: torch.Tensor, rows: list[int], tokens: list[list[int]], values: list[list[float]]) -> torch.Tensor:
+def bias_tokens(
+    logits: torch.Tensor, rows: list[int], tokens: list[list[int]], values: list[list[float]]
+) -> torch.Tensor:
     """In place: each listed token of each listed row gets its value added to its logit (logit_bias)."""
     for row, ids, vals in zip(rows, tokens, values):
         if ids:
@@ -170,8 +172,6 @@ def compute_logprobs(
     return chosen, top_ids, top_logprobs
 
 
-
-
 # ---- the kernel's contract (csrc/sampling.h) ----------------------------------------------------------------------
 #
 # One call does penalties (from a counts table kept on the device), min_tokens blocking, greedy / temperature / top-k /
@@ -202,8 +202,9 @@ def sampler_row_layout() -> SamplerRowLayout:
         from ._native import import_error
 
         raise RuntimeError(f"the sampler row layout comes from fastqwen._C, which did not import: {import_error()}")
-    return SamplerRowLayout(m.SAMPLER_ROW_WORDS, dict(m.SAMPLER_ROW_FIELDS), m.SAMPLER_MAX_TOP_N, m.COUNT_MASK,
-                            m.PROMPT_BIT)  # fmt: skip
+    return SamplerRowLayout(
+        m.SAMPLER_ROW_WORDS, dict(m.SAMPLER_ROW_FIELDS), m.SAMPLER_MAX_TOP_N, m.COUNT_MASK, m.PROMPT_BIT
+    )
 
 
 def sample_kernel_applies(on_gpu: bool, dtype: torch.dtype) -> bool:
@@ -252,7 +253,11 @@ def pack_sampler_rows(
     n = t.shape[0]
 
     def col(values, default, dtype):
-        return np.full(n, default, dtype=dtype) if values is None else np.broadcast_to(np.asarray(values, dtype=dtype), (n,))
+        return (
+            np.full(n, default, dtype=dtype)
+            if values is None
+            else np.broadcast_to(np.asarray(values, dtype=dtype), (n,))
+        )
 
     def top_k_col(values):  # Python ints of any size; past int32 a top_k keeps every token, as off does
         if values is None:
@@ -364,8 +369,15 @@ def sample(
     dev = logits.device
     if workspace is None:
         raise ValueError("sample: the kernel needs a workspace (sampler_workspace)")
-    check_tensors("sample", dev, None, logits=logits, rows=(rows, torch.int32), tokens=(tokens, torch.int64),
-                  workspace=(workspace, torch.uint8))  # fmt: skip
+    check_tensors(
+        "sample",
+        dev,
+        None,
+        logits=logits,
+        rows=(rows, torch.int32),
+        tokens=(tokens, torch.int64),
+        workspace=(workspace, torch.uint8),
+    )
     args = native().SampleArgs()
     args.logits, args.dtype, args.rows, args.vocab = logits.data_ptr(), dtype_code(logits.dtype), s, vocab
     args.params, args.tokens = rows.data_ptr(), tokens.data_ptr()
@@ -438,18 +450,34 @@ def sample_reference(
     for i, slot in enumerate(slots):
         if slot >= 0:
             word = counts[slot].long()
-            _penalize(x, i, (word & layout.count_mask).to(x.dtype), word != 0, float(f["repetition"][i]),
-                      float(f["presence"][i]), float(f["frequency"][i]))  # fmt: skip
+            _penalize(
+                x,
+                i,
+                (word & layout.count_mask).to(x.dtype),
+                word != 0,
+                float(f["repetition"][i]),
+                float(f["presence"][i]),
+                float(f["frequency"][i]),
+            )
     if blocked is not None and blocked.shape[1] > 0:
         width = blocked.shape[1]
-        bans = [(i, blocked[i, : min(int(nb), width)].long().tolist()) for i, nb in enumerate(f["num_blocked"]) if nb > 0]
+        bans = [
+            (i, blocked[i, : min(int(nb), width)].long().tolist()) for i, nb in enumerate(f["num_blocked"]) if nb > 0
+        ]
         if bias is None:
             block_tokens(x, [i for i, _ in bans], [b for _, b in bans])
         else:  # -inf entries are bans, the others biases; a ban wins over a bias of the same id
             values = [bias[i, : len(b)].tolist() for i, b in bans]
-            biased = [([t for t, v in zip(b, vs) if v != float("-inf")], [v for v in vs if v != float("-inf")]) for (_, b), vs in zip(bans, values)]
+            biased = [
+                ([t for t, v in zip(b, vs) if v != float("-inf")], [v for v in vs if v != float("-inf")])
+                for (_, b), vs in zip(bans, values)
+            ]
             bias_tokens(x, [i for i, _ in bans], [ids for ids, _ in biased], [vs for _, vs in biased])
-            block_tokens(x, [i for i, _ in bans], [[t for t, v in zip(b, vs) if v == float("-inf")] for (_, b), vs in zip(bans, values)])
+            block_tokens(
+                x,
+                [i for i, _ in bans],
+                [[t for t, v in zip(b, vs) if v == float("-inf")] for (_, b), vs in zip(bans, values)],
+            )
     if mask is not None:
         apply_token_bitmask(x, [i for i, m in enumerate(f["masked"]) if m != 0], mask)
     temps = torch.from_numpy(f["temperature"].astype(np.float32)).to(x.device)
@@ -458,10 +486,14 @@ def sample_reference(
     min_p = torch.from_numpy(f["min_p"].astype(np.float32)).to(x.device)
     sampled = temps > 0
     batch = SamplingBatch(
-        temps, top_k, top_p, min_p, seeds=[step_seed(int(a), int(b)) for a, b in zip(f["seed"], f["step"])],
+        temps,
+        top_k,
+        top_p,
+        min_p,
+        seeds=[step_seed(int(a), int(b)) for a, b in zip(f["seed"], f["step"])],
         all_greedy=not bool(sampled.any()),
         needs_filter=bool((sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0))).any()),
-    )  # fmt: skip
+    )
     drawn = torch.empty(s, dtype=torch.int64, device=x.device)
     draw_reference(x, batch, drawn)
     tokens.copy_(drawn)

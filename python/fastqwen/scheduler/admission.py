@@ -76,6 +76,10 @@ class Admission:
             return False
         for chunk in chunks:
             other = chunk.request
-            if chunk.start <= request.cached_len and chunk.end >= end and other.token_ids[:end] == request.token_ids[:end]:
+            if (
+                chunk.start <= request.cached_len
+                and chunk.end >= end
+                and other.token_ids[:end] == request.token_ids[:end]
+            ):
                 return True
         return False

@@ -29,8 +29,8 @@ import collections
 import time
 from dataclasses import dataclass
 
-from ..limits import check_fits
 from ..kvcache.radix_cache import RadixCache
+from ..limits import check_fits
 from .admission import Admission
 from .request import FinishReason, Request, RequestState
 

@@ -9,26 +9,29 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.client import EngineClient
 from ..frontend import Frontend
 from ..sampling_params import SamplingParams
+from . import http_conventions
 from .async_engine import AsyncEngine, ShuttingDownError
 from .guard import RequestGuard
+from .http_errors import APIError, install_error_handlers
+from .info_api import model_card
+from .info_api import router as info_router
 from .metrics import Metrics
-from .info_api import model_card, router as info_router
 from .native_api import router as native_router
 from .openai_api import router as openai_router
-from . import http_conventions
 from .openapi import install_openapi
-from .stats_log import log_stats
-from .http_errors import APIError, install_error_handlers
 from .state import ServerState
+from .stats_log import log_stats
 
 logger = logging.getLogger("fastqwen.server")
 # The ready line is shown at any --log-level: it is what an operator waits for.
@@ -137,8 +140,11 @@ def begin_shutdown(app: FastAPI, timeout: float) -> None:
 
     def expire() -> None:
         if state.engine is not None:
-            state.engine.fail_all(lambda: ShuttingDownError(
-                f"the server is shutting down and this request did not finish within {timeout:g} s"))  # fmt: skip
+            state.engine.fail_all(
+                lambda: ShuttingDownError(
+                    f"the server is shutting down and this request did not finish within {timeout:g} s"
+                )
+            )
 
     loop.call_soon_threadsafe(loop.call_later, timeout, expire)
 
@@ -158,8 +164,9 @@ async def _warm_up(engine: AsyncEngine) -> None:
     only logged here: an engine that died is reported (and ends the server) the way any engine death is."""
     started = time.monotonic()
     try:
-        tracker = engine.new_request(WARMUP_PROMPT, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0,
-                                                                   ignore_eos=True))
+        tracker = engine.new_request(
+            WARMUP_PROMPT, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+        )
 
         async def drain() -> None:
             engine.enqueue([tracker])
@@ -202,6 +209,11 @@ async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: 
     info = client.info
     ready_logger.info(
         "ready: serving %s%s, loaded in %.1f s (%s on %s, KV cache %d tokens, %.2f GiB)",
-        " and ".join(repr(n) for n in state.model_names), f" at {config.url}" if config.url else "",
-        time.monotonic() - started, info.dtype, info.device, info.num_pages * info.page_size, info.kv_bytes / 2**30,
-    )  # fmt: skip
+        " and ".join(repr(n) for n in state.model_names),
+        f" at {config.url}" if config.url else "",
+        time.monotonic() - started,
+        info.dtype,
+        info.device,
+        info.num_pages * info.page_size,
+        info.kv_bytes / 2**30,
+    )

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from ..engine.client import EngineClient
 from ..engine.messages import StepOutput
@@ -68,9 +68,13 @@ async def take_waiting(queue: asyncio.Queue) -> list:
 
 class AsyncEngine:
     def __init__(
-        self, client: EngineClient, frontend: Frontend, max_queued_requests: int | None = None, metrics=None,
+        self,
+        client: EngineClient,
+        frontend: Frontend,
+        max_queued_requests: int | None = None,
+        metrics=None,
         on_death: Callable[[BaseException], None] | None = None,
-    ):  # fmt: skip
+    ):
         """on_death: called on the event loop once the engine loop has died and every request was failed."""
         self.on_death = on_death
         self.client = client
@@ -78,7 +82,9 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self._queues: dict[int, asyncio.Queue] = {}
-        self._trackers: dict[int, RequestTracker] = {}  # requests not finished yet; trackers are applied on the client's thread
+        self._trackers: dict[
+            int, RequestTracker
+        ] = {}  # requests not finished yet; trackers are applied on the client's thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
 
@@ -112,7 +118,8 @@ class AsyncEngine:
             if len(requests) > self.max_queued_requests:  # would wait forever for room: a client error, not a 503
                 raise InvalidRequestError(
                     f"this request makes {len(requests)} sequences (prompts x n) but the server queues at most "
-                    f"{self.max_queued_requests}", "n"
+                    f"{self.max_queued_requests}",
+                    "n",
                 )
             if self.client.stats().num_waiting + len(requests) > self.max_queued_requests:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")

@@ -47,8 +47,10 @@ class ConnectionLimits:
 
     def __post_init__(self) -> None:
         if not 0 <= self.reserved_connections < self.max_connections:
-            raise ValueError(f"reserved_connections ({self.reserved_connections}) must be at least 0 and below "
-                             f"max_connections ({self.max_connections})")  # fmt: skip
+            raise ValueError(
+                f"reserved_connections ({self.reserved_connections}) must be at least 0 and below "
+                f"max_connections ({self.max_connections})"
+            )
 
 
 # ---- who may hold a connection slot ----------------------------------------------------------------------------
@@ -88,7 +90,9 @@ class ConnectionSlots:
     def admit(self, peer: str) -> str | Refusal:
         limits, held = self.limits, self.held.get(peer, 0)
         if self.open >= limits.max_connections:
-            return Refusal(503, f"the server holds as many connections as it may ({limits.max_connections}); retry later")
+            return Refusal(
+                503, f"the server holds as many connections as it may ({limits.max_connections}); retry later"
+            )
         within_share = held < limits.max_connections_per_peer
         if within_share and self.open < limits.max_connections - limits.reserved_connections:
             kind = GENERAL
@@ -117,8 +121,11 @@ class ConnectionSlots:
         """Why `peer` gets nothing more than /health now."""
         held, limit = self.held.get(peer, 0), self.limits.max_connections_per_peer
         if held >= limit:
-            return Refusal(429, f"too many connections from {peer or 'this client'} (at most {limit} at once); "
-                                "reuse them or retry later")  # fmt: skip
+            return Refusal(
+                429,
+                f"too many connections from {peer or 'this client'} (at most {limit} at once); "
+                "reuse them or retry later",
+            )
         return Refusal(503, "the server's connections are taken; retry later")
 
 
@@ -136,8 +143,12 @@ def _raw_error(status: int, reason: str, message: str) -> bytes:
     return head.encode() + body
 
 
-_REASONS = {400: b"Bad Request", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
-            503: b"Service Unavailable"}  # fmt: skip
+_REASONS = {
+    400: b"Bad Request",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
 
 
 class ScreenedConnection(h11.Connection):
@@ -214,32 +225,47 @@ class GuardedH11Protocol(H11Protocol):
         """The request to hand uvicorn, or why it is refused, from its head alone."""
         limits = self.limits
         if len(request.headers) > limits.max_header_count:
-            return request, Refusal(431, f"the request has {len(request.headers)} header lines; at most "
-                                         f"{limits.max_header_count} are accepted")  # fmt: skip
+            return request, Refusal(
+                431,
+                f"the request has {len(request.headers)} header lines; at most {limits.max_header_count} are accepted",
+            )
         # The head as sent, to within the separators: "METHOD TARGET HTTP/x.y\r\n", "name: value\r\n" each, "\r\n".
-        size = len(request.method) + len(request.target) + 16 + sum(len(n) + len(v) + 4 for n, v in request.headers.raw_items())
+        size = (
+            len(request.method)
+            + len(request.target)
+            + 16
+            + sum(len(n) + len(v) + 4 for n, v in request.headers.raw_items())
+        )
         if size > limits.max_header_bytes:
-            return request, Refusal(431, f"the request head is about {size} bytes; at most {limits.max_header_bytes} "
-                                         "are accepted")  # fmt: skip
+            return request, Refusal(
+                431, f"the request head is about {size} bytes; at most {limits.max_header_bytes} are accepted"
+            )
         if self._slot == HEALTH_ONLY:
             if request.target.partition(b"?")[0] != HEALTH_PATH:
                 return request, self.slots.refusal(self._peer)
             # The reserved slot is given back after this answer: "connection: close" in the request makes uvicorn
             # say it in the response, and h11 then closes the connection.
             headers = [*request.headers.raw_items(), (b"connection", b"close")]
-            request = h11.Request(method=request.method, target=request.target, headers=headers,
-                                  http_version=request.http_version)  # fmt: skip
+            request = h11.Request(
+                method=request.method, target=request.target, headers=headers, http_version=request.http_version
+            )
         return request, None
 
     def send_400_response(self, msg: str) -> None:
         refusal = self.conn.refusal or Refusal(400, msg)
         body = json.dumps(error_body(refusal.status, refusal.message)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"),
+        ]
         if refusal.status in (429, 503):
             headers.append((b"retry-after", b"1"))
         try:
             reason = _REASONS.get(refusal.status, b"Bad Request")
-            self.transport.write(self.conn.send(h11.Response(status_code=refusal.status, headers=headers, reason=reason)))
+            self.transport.write(
+                self.conn.send(h11.Response(status_code=refusal.status, headers=headers, reason=reason))
+            )
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # h11 cannot frame a response here: close without one
@@ -302,16 +328,19 @@ class GuardedH11Protocol(H11Protocol):
             self._timer = self.loop.call_later(allowed - elapsed, self._expired, phase)
             return
         self._phase = None
-        logger.warning("closed a connection from %s: request %s not received within %.3g s",
-                       self._peer or "?", phase, elapsed)  # fmt: skip
+        logger.warning(
+            "closed a connection from %s: request %s not received within %.3g s", self._peer or "?", phase, elapsed
+        )
         if phase == "headers":
             answer = bool(self.conn.trailing_data[0])  # part of a request came; a silent connection just closes
             detail = f"the request headers did not arrive within {allowed:g} s"
         else:
             answer = self.cycle is not None and not self.cycle.response_started
-            detail = (f"the request body arrived too slowly ({self.conn.body_received} bytes in {elapsed:.3g} s; "
-                      f"at least {self.limits.min_body_rate:g} bytes/s after the first {self.limits.header_timeout:g} s, "
-                      f"and all of it within {self.limits.body_timeout:g} s)")  # fmt: skip
+            detail = (
+                f"the request body arrived too slowly ({self.conn.body_received} bytes in {elapsed:.3g} s; "
+                f"at least {self.limits.min_body_rate:g} bytes/s after the first {self.limits.header_timeout:g} s, "
+                f"and all of it within {self.limits.body_timeout:g} s)"
+            )
         if answer:
             self.transport.write(_raw_error(408, "Request Timeout", detail))
         self.transport.close()  # a route waiting for the body sees the client disconnect

@@ -34,8 +34,14 @@ _DRAIN_LIMIT = 64 * 1024
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 
 
-async def send_error(send, status: int, message: str, param: str | None = None, close: bool = False,
-                     headers: dict[str, str] | None = None) -> None:  # fmt: skip
+async def send_error(
+    send,
+    status: int,
+    message: str,
+    param: str | None = None,
+    close: bool = False,
+    headers: dict[str, str] | None = None,
+) -> None:
     body = json.dumps(error_body(status, message, param)).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -97,7 +103,9 @@ class RequestGuard:
             close = length is None or length > _DRAIN_LIMIT
             if not close and not await self._drain(receive):
                 return
-            await send_error(send, 401, "a valid API key is required: send it as 'Authorization: Bearer <key>'", close=close)
+            await send_error(
+                send, 401, "a valid API key is required: send it as 'Authorization: Bearer <key>'", close=close
+            )
             return
         if length is not None and length > self.max_body_bytes:
             await self._too_large(send)

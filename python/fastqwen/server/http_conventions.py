@@ -55,9 +55,13 @@ def install(app: FastAPI, allowed_origins: list[str] | None) -> None:
     is checked, as browsers send them without credentials)."""
     if allowed_origins:
         app.add_middleware(
-            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
-            expose_headers=["x-request-id"], allow_credentials="*" not in allowed_origins,
-        )  # fmt: skip
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id"],
+            allow_credentials="*" not in allowed_origins,
+        )
     app.add_middleware(RequestIdMiddleware)
 
 

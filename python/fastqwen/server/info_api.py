@@ -7,14 +7,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Request as HTTPRequest
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from .. import __version__
 from ..limits import check_token_ids
+from .http_errors import APIError
 from .json_body import JsonBodyRoute
 from .protocol import MESSAGE_SCHEMA, TOKEN_ID_SCHEMA, exactly_one_of
-from .http_errors import APIError
 from .state import ServerState
 from .tools import check_tools, messages_for_template
 
@@ -48,9 +49,9 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow", json_schema_extra=exactly_one_of("prompt", "messages"))
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = Field(None, json_schema_extra={
-        "anyOf": [{"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}, {"type": "null"}]
-    })
+    messages: list[dict[str, Any]] | None = Field(
+        None, json_schema_extra={"anyOf": [{"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}, {"type": "null"}]}
+    )
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -68,7 +69,9 @@ def _token_id(value: Any) -> Any:
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    tokens: list[Annotated[int, BeforeValidator(_token_id)]] = Field(json_schema_extra={"type": "array", "items": TOKEN_ID_SCHEMA})
+    tokens: list[Annotated[int, BeforeValidator(_token_id)]] = Field(
+        json_schema_extra={"type": "array", "items": TOKEN_ID_SCHEMA}
+    )
 
 
 def _tokenizer(state: ServerState):
@@ -89,8 +92,12 @@ async def tokenize(body: TokenizeRequest, http_request: HTTPRequest) -> dict[str
         text = body.prompt
         if body.messages is not None:
             choice = check_tools(body.tools, None)
-            text = state.render_chat(messages_for_template(body.messages), body.add_generation_prompt,
-                                     body.chat_template_kwargs or {}, body.tools if choice else None)  # fmt: skip
+            text = state.render_chat(
+                messages_for_template(body.messages),
+                body.add_generation_prompt,
+                body.chat_template_kwargs or {},
+                body.tools if choice else None,
+            )
         return tokenizer.encode(text)
 
     def run_with_strs() -> tuple[list[int], list[str] | None]:

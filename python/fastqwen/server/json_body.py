@@ -5,7 +5,8 @@ body through JsonBodyRequest.json, which hands a body of JSON_INLINE_BELOW bytes
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import HTTPException, Request
 from fastapi.routing import APIRoute
@@ -21,7 +22,9 @@ class JsonBodyRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             try:
-                self._json = await self.app.state.server.prep.run(lambda: json.loads(body), len(body), JSON_INLINE_BELOW)
+                self._json = await self.app.state.server.prep.run(
+                    lambda: json.loads(body), len(body), JSON_INLINE_BELOW
+                )
             except PrepPoolFull as e:  # FastAPI turns anything but an HTTPException raised here into a 400
                 raise HTTPException(503, str(e), {"Retry-After": "1"}) from e
         return self._json

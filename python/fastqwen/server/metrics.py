@@ -19,9 +19,49 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 # One series per metric, not two: Prometheus computes rates from the counter itself.
 prometheus_client.disable_created_metrics()
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                         480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_TIME_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 PREFIXES = {"fastqwen": "fastqwen:", "vllm": "vllm:"}
 
 request_log = logging.getLogger("fastqwen.requests")
@@ -83,18 +123,32 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.aborted = counter("num_aborted_requests", "Requests aborted before they finished (disconnects).")
-        self._success = Counter(prefix + "request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=r)  # fmt: skip
+        self._success = Counter(
+            prefix + "request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.")
         # vLLM's older name for the same per-token gaps, which its Grafana dashboard still charts.
         self.tpot = histogram("time_per_output_token_seconds", "Time between consecutive tokens of a request.")
-        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_TIME_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first admission.", _REQUEST_TIME_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first admission to the first token.", _REQUEST_TIME_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.", _REQUEST_TIME_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds", "Time from first admission to the last token.", _REQUEST_TIME_BUCKETS)
-        self.request_tpot = histogram("request_time_per_output_token_seconds", "Mean time per output token of each request (decode time / (output tokens - 1)).")
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_TIME_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time from arrival to first admission.", _REQUEST_TIME_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "Time from first admission to the first token.", _REQUEST_TIME_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "Time from the first token to the last.", _REQUEST_TIME_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Time from first admission to the last token.", _REQUEST_TIME_BUCKETS
+        )
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token of each request (decode time / (output tokens - 1)).",
+        )
         # Token-count histograms need the context length for their buckets: made in bind(), once the model is loaded.
         self.request_prompt_tokens = self.request_generation_tokens = self.request_max_tokens = None
         self.request_max_num_generation_tokens = self.iteration_tokens = None
@@ -107,14 +161,23 @@ class Metrics:
         buckets = token_buckets(info.max_model_len)
 
         def tokens(name, doc, bucket_values=buckets):
-            return Histogram(self.prefix + name, doc, ["model_name"], buckets=bucket_values, registry=self.registry).labels(self.model_name)
+            return Histogram(
+                self.prefix + name, doc, ["model_name"], buckets=bucket_values, registry=self.registry
+            ).labels(self.model_name)
 
         self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens of each finished request.")
-        self.request_generation_tokens = tokens("request_generation_tokens", "Generated tokens of each finished request.")
+        self.request_generation_tokens = tokens(
+            "request_generation_tokens", "Generated tokens of each finished request."
+        )
         self.request_max_tokens = tokens("request_params_max_tokens", "max_tokens of each finished request.")
-        self.request_max_num_generation_tokens = tokens("request_max_num_generation_tokens", "Most tokens a finished request could have generated (its max_tokens).")
-        self.iteration_tokens = tokens("iteration_tokens_total", "Tokens computed in each engine step (prefill and decode).",
-                                       token_buckets(max(info.max_model_len, 8192)))  # fmt: skip
+        self.request_max_num_generation_tokens = tokens(
+            "request_max_num_generation_tokens", "Most tokens a finished request could have generated (its max_tokens)."
+        )
+        self.iteration_tokens = tokens(
+            "iteration_tokens_total",
+            "Tokens computed in each engine step (prefill and decode).",
+            token_buckets(max(info.max_model_len, 8192)),
+        )
         self._engine_state = _EngineState(self.prefix, self.model_name, async_engine.client)
         self.registry.register(self._engine_state)
 
@@ -170,11 +233,17 @@ class Metrics:
         if self.request_log_on:
             request_log.info(
                 "request %s%s: %s, prompt %d tokens (%d cached), output %d tokens, queue %.1f ms, TTFT %.1f ms, "
-                "total %.3f s", request.rid, f" (x-request-id {request_id})" if request_id else "",
-                output.finish_reason, output.num_prompt_tokens, output.num_cached_tokens, output.num_completion_tokens,
-                1000 * ((times.scheduled or times.arrival) - times.arrival), 1000 * (times.first_token - times.arrival),
+                "total %.3f s",
+                request.rid,
+                f" (x-request-id {request_id})" if request_id else "",
+                output.finish_reason,
+                output.num_prompt_tokens,
+                output.num_cached_tokens,
+                output.num_completion_tokens,
+                1000 * ((times.scheduled or times.arrival) - times.arrival),
+                1000 * (times.first_token - times.arrival),
                 times.finished - times.arrival,
-            )  # fmt: skip
+            )
 
     def on_abort(self) -> None:
         self.aborted.inc()
@@ -202,11 +271,14 @@ class _EngineState:
         usage_doc = "Fraction of KV pages held by requests (0 to 1); pages only the prefix cache holds count as free."
         yield gauge("kv_cache_usage_perc", usage_doc, stats.kv_usage)
         yield gauge("gpu_cache_usage_perc", usage_doc + " (vLLM's older name)", stats.kv_usage)
-        preemptions = CounterMetricFamily(p + "num_preemptions", "Requests preempted (their pages released, to be recomputed).",
-                                          labels=["model_name"])  # fmt: skip
+        preemptions = CounterMetricFamily(
+            p + "num_preemptions", "Requests preempted (their pages released, to be recomputed).", labels=["model_name"]
+        )
         preemptions.add_metric(name, stats.num_preemptions)
         yield preemptions
         config_labels = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"]
-        config = GaugeMetricFamily(p + "cache_config_info", "The KV cache's configuration, in its labels.", labels=config_labels)
+        config = GaugeMetricFamily(
+            p + "cache_config_info", "The KV cache's configuration, in its labels.", labels=config_labels
+        )
         config.add_metric([str(info.page_size), str(info.num_pages), info.dtype, str(info.prefix_caching)], 1)
         yield config

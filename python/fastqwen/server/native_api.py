@@ -12,20 +12,27 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from fastapi import APIRouter, Request as HTTPRequest
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from ..frontend import RequestOutput
 from ..limits import check_prompt_logprob_entries
+from .http_errors import APIError, client_closed_response
 from .json_body import JsonBodyRoute
 from .prep_pool import SMALL_REQUEST_BYTES
 from .protocol import GenerateRequest
 from .serving import (
-    SSE_DONE, StreamingUpdatesResponse, collect_requests, json_response_in_pieces, sse_event, stream_requests,
-)  # fmt: skip
-from .http_errors import APIError, client_closed_response
+    SSE_DONE,
+    StreamingUpdatesResponse,
+    collect_requests,
+    json_response_in_pieces,
+    sse_event,
+    stream_requests,
+)
 from .state import ServerState
 
 router = APIRouter(route_class=JsonBodyRoute)  # big bodies are parsed off the event loop
@@ -79,6 +86,7 @@ async def generate(body: GenerateRequest, http_request: HTTPRequest) -> Response
         raise APIError(400, "streaming is for one prompt at a time", "stream")
     params = body.to_sampling_params()
     state.check_sequences(len(prompts))
+
     # Tokenizing is CPU work proportional to the prompt: the prep pool's, unless the request is small.
     def make() -> list:
         requests = [state.engine.new_request(p, params) for p in prompts]
@@ -153,7 +161,9 @@ class _Cumulative:
         return self.lists[key]
 
 
-async def _stream(state: ServerState, body: GenerateRequest, request, rid: str, started: float, incremental: bool) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, body: GenerateRequest, request, rid: str, started: float, incremental: bool
+) -> AsyncIterator[str]:
     out = _Cumulative(incremental)
     count = 0
     with_logprobs = body.return_logprob
@@ -173,9 +183,13 @@ async def _stream(state: ServerState, body: GenerateRequest, request, rid: str, 
             if body.logprob_start_len >= 0 and (first is not None or (input_logprobs and not incremental)):
                 if first is not None:  # up to 32,768 positions: encoded off the event loop when big
                     input_logprobs = await state.prep.run(
-                        lambda: _input_logprobs_json(request.prompt_ids, body.logprob_start_len, first.prompt_logprobs, decode),
-                        40 * len(first.prompt_logprobs) * (body.top_logprobs_num + 1), SMALL_REQUEST_BYTES, may_refuse=False,
-                    )  # fmt: skip
+                        lambda: _input_logprobs_json(
+                            request.prompt_ids, body.logprob_start_len, first.prompt_logprobs, decode
+                        ),
+                        40 * len(first.prompt_logprobs) * (body.top_logprobs_num + 1),
+                        SMALL_REQUEST_BYTES,
+                        may_refuse=False,
+                    )
                 fields += input_logprobs
             meta_json = meta_json[:-1] + fields + "}"
         yield sse_event(f'{{"text":"{text}","output_ids":[{ids}],"meta_info":{meta_json}}}')

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any
 
-from fastapi import APIRouter, Request as HTTPRequest
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from ..engine.messages import TokenLogprobs
@@ -15,12 +17,13 @@ from ..frontend import RequestOutput, RequestTracker
 from ..grammar import tool_call_structured
 from ..limits import check_prompt_logprob_entries
 from ..sampling_params import StructuredOutput
+from .http_errors import APIError, client_closed_response
 from .json_body import JsonBodyRoute
 from .prep_pool import SMALL_REQUEST_BYTES
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .reasoning import CLOSE as THINK_CLOSE, ReasoningSplitter, prompt_opens_thinking, split_reasoning
+from .reasoning import CLOSE as THINK_CLOSE
+from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, json_response_in_pieces, sse, stream_requests
-from .http_errors import APIError, client_closed_response
 from .state import ServerState
 from .tools import ToolCallParser, check_tools, messages_for_template, parse_tool_calls
 
@@ -68,7 +71,9 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def echo_logprobs(state: ServerState, prompt_ids: list[int], entries: list[TokenLogprobs | None], as_ids: bool) -> dict[str, Any]:
+def echo_logprobs(
+    state: ServerState, prompt_ids: list[int], entries: list[TokenLogprobs | None], as_ids: bool
+) -> dict[str, Any]:
     """The prompt's part of echoed logprobs: every prompt token, the first with null logprob and top_logprobs."""
     first = prompt_ids[0]
     out = completion_logprobs(state, entries, len(_token_text(state, first)), as_ids)
@@ -87,7 +92,13 @@ def vllm_prompt_logprobs(state: ServerState, entries: list[TokenLogprobs | None]
         if entry is None:
             out.append(None)
             continue
-        ranked = {str(entry.token): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": _token_text(state, entry.token)}}
+        ranked = {
+            str(entry.token): {
+                "logprob": entry.logprob,
+                "rank": entry.rank,
+                "decoded_token": _token_text(state, entry.token),
+            }
+        }
         for rank, (t, lp) in enumerate(entry.top, 1):
             ranked.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": _token_text(state, t)})
         out.append(ranked)
@@ -107,11 +118,17 @@ def chat_logprobs(state: ServerState, entries: list[TokenLogprobs]) -> dict[str,
         text = _token_text(state, token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+    return {
+        "content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+    }
 
 
 async def _build(
-    state: ServerState, body, prompts: list, http_request: HTTPRequest, structured: StructuredOutput | None = None,
+    state: ServerState,
+    body,
+    prompts: list,
+    http_request: HTTPRequest,
+    structured: StructuredOutput | None = None,
     prompt_logprob_copies: int = 1,
 ) -> tuple[list, list[int]]:
     """Engine requests for every prompt x n choice (validated all before any is queued), and each one's prompt;
@@ -174,15 +191,26 @@ def _prompt_only(output: RequestOutput) -> RequestOutput:
     """max_tokens 0: the prompt's part only (the engine sampled one token to finish the prefill; it is dropped)."""
     if output.finish_reason not in ("length", "stop"):
         return output  # an abort or an error is what it is
-    return replace(output, token_ids=[], text="", logprobs=[] if output.logprobs is not None else None,
-                   num_completion_tokens=0, finish_reason="length", stop_reason=None)  # fmt: skip
+    return replace(
+        output,
+        token_ids=[],
+        text="",
+        logprobs=[] if output.logprobs is not None else None,
+        num_completion_tokens=0,
+        finish_reason="length",
+        stop_reason=None,
+    )
 
 
 def _prompt_text(state: ServerState, request: RequestTracker, prompt) -> str:
     """The prompt as echoed: the text as sent, or the token ids decoded."""
     if isinstance(prompt, str):
         return prompt
-    return state.engine.frontend.tokenizer.decode(request.prompt_ids, skip_special_tokens=False) if state.has_tokenizer else ""
+    return (
+        state.engine.frontend.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
+        if state.has_tokenizer
+        else ""
+    )
 
 
 def _prompt_texts(state: ServerState, body, requests: list[RequestTracker], prompts: list) -> list[str]:
@@ -231,7 +259,11 @@ def _completion_choices(state: ServerState, body: CompletionRequest, requests, o
         if p not in shared:
             owner = outputs[owner_of(i, body.n)]
             entries = owner.prompt_logprobs or []
-            echoed = echo_logprobs(state, owner.prompt_token_ids, entries, as_ids) if body.echo and o.logprobs is not None else None
+            echoed = (
+                echo_logprobs(state, owner.prompt_token_ids, entries, as_ids)
+                if body.echo and o.logprobs is not None
+                else None
+            )
             shared[p] = (echoed, vllm_prompt_logprobs(state, entries) if body.prompt_logprobs is not None else None)
         echoed, prompt_logprobs = shared[p]
         logprobs = None
@@ -271,7 +303,14 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
         events = []
         for i in range(len(requests)):
             offsets[i] = len(texts[prompt_of[i]])
-            events.append(sse({**header, "choices": [{"index": i, "text": texts[prompt_of[i]], "logprobs": None, "finish_reason": None}]}))
+            events.append(
+                sse(
+                    {
+                        **header,
+                        "choices": [{"index": i, "text": texts[prompt_of[i]], "logprobs": None, "finish_reason": None}],
+                    }
+                )
+            )
         yield "".join(events)
 
     def events_of(i: int, update, events: list[str]) -> None:
@@ -288,14 +327,23 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
                     logprobs = _join_logprobs(echo_part, logprobs)
             offsets[i] += len(text)
             # One event per token, even when its text is still held back: clients time tokens by events.
-            events.append(sse({**header, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}]}))
+            events.append(
+                sse({**header, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}]})
+            )
         elif echo_part is not None:
-            events.append(sse({**header, "choices": [{"index": i, "text": "", "logprobs": echo_part, "finish_reason": None}]}))
+            events.append(
+                sse({**header, "choices": [{"index": i, "text": "", "logprobs": echo_part, "finish_reason": None}]})
+            )
         if update.finished:
             o = _prompt_only(update.output) if body.prompt_only else update.output
             outputs[i] = o
-            choice = {"index": i, "text": "", "logprobs": None, "finish_reason": o.finish_reason,
-                      "stop_reason": vllm_stop_reason(requests[i], o)}  # fmt: skip
+            choice = {
+                "index": i,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": o.finish_reason,
+                "stop_reason": vllm_stop_reason(requests[i], o),
+            }
             events.append(sse({**header, "choices": [choice]}))
 
     def render(batch) -> str:
@@ -315,9 +363,12 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
 
     async for batch in stream_requests(state.engine, requests, state.metrics):
         # The batch that brings a prompt's logprobs echoes them to every choice: built off the event loop when big.
-        entries = sum(len(item.timed.update.prompt_logprobs or ()) for item in batch) * body.n if echo_logprobs_on else 0
-        yield await state.prep.run(lambda: render(batch), 40 * entries * ((body.logprobs or 0) + 1), SMALL_REQUEST_BYTES,
-                                   may_refuse=False)  # fmt: skip
+        entries = (
+            sum(len(item.timed.update.prompt_logprobs or ()) for item in batch) * body.n if echo_logprobs_on else 0
+        )
+        yield await state.prep.run(
+            lambda: render(batch), 40 * entries * ((body.logprobs or 0) + 1), SMALL_REQUEST_BYTES, may_refuse=False
+        )
     if held:  # a prompt whose first choice ended without its logprobs (aborted): the rest go out without them
         events: list[str] = []
         for waiting in held.values():
@@ -329,7 +380,9 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
     yield SSE_DONE
 
 
-def _after_thinking(state: ServerState, structured: StructuredOutput | None, prompt: str, opened: bool) -> StructuredOutput | None:
+def _after_thinking(
+    state: ServerState, structured: StructuredOutput | None, prompt: str, opened: bool
+) -> StructuredOutput | None:
     """A chat constraint applies to the answer: a reasoning model (its tokenizer has <think> and </think>) may think
     first, as vLLM does with a reasoning parser, unless the prompt closed the block already (Qwen3 with
     enable_thinking false); with the block opened by the prompt, the output must close it first."""
@@ -349,15 +402,23 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
         # "required" or a named function: the output is constrained to Qwen3's <tool_call> blocks whose JSON names an
         # allowed function with arguments matching its schema, so the parser below always finds a valid call.
         if constraint is not None:
-            raise APIError(400, f"tool_choice {body.tool_choice!r} constrains the output already; it cannot be combined "
-                           "with response_format or guided decoding", "tool_choice")  # fmt: skip
-        constraint = tool_call_structured(body.tools, body.tool_choice, state.token_ids("<tool_call>", "</tool_call>") is not None)
+            raise APIError(
+                400,
+                f"tool_choice {body.tool_choice!r} constrains the output already; it cannot be combined "
+                "with response_format or guided decoding",
+                "tool_choice",
+            )
+        constraint = tool_call_structured(
+            body.tools, body.tool_choice, state.token_ids("<tool_call>", "</tool_call>") is not None
+        )
     # tool_choice "none" renders no tools (vLLM's --exclude-tools-when-tool-choice-none): a model shown tools may
     # still write calls, which would then come back as content.
     tools = body.tools if choice not in (None, "none") else None
     messages = messages_for_template(body.messages)
     kwargs = body.chat_template_kwargs or {}
-    prompt = await state.prepare(http_request, lambda: state.render_chat(messages, body.add_generation_prompt, kwargs, tools))
+    prompt = await state.prepare(
+        http_request, lambda: state.render_chat(messages, body.add_generation_prompt, kwargs, tools)
+    )
     opened = prompt_opens_thinking(prompt)
     structured = _after_thinking(state, constraint, prompt, opened)
     requests, prompt_of = await _build(state, body, [prompt], http_request, structured=structured)
@@ -374,8 +435,12 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
         return client_closed_response()
     top = max(body.top_logprobs or 0, body.prompt_logprobs or 0)
     size = _response_bytes(outputs, body.n, top, 1)
-    return await state.prep.run(lambda: _chat_response(state, body, requests, outputs, prompt_of, header, opened, parse_calls),
-                                size, SMALL_REQUEST_BYTES, may_refuse=False)  # fmt: skip
+    return await state.prep.run(
+        lambda: _chat_response(state, body, requests, outputs, prompt_of, header, opened, parse_calls),
+        size,
+        SMALL_REQUEST_BYTES,
+        may_refuse=False,
+    )
 
 
 def _chat_response(state, body, requests, outputs, prompt_of, header, opened, parse_calls) -> Response:
@@ -385,7 +450,11 @@ def _chat_response(state, body, requests, outputs, prompt_of, header, opened, pa
         calls = []
         if parse_calls:
             content, calls = parse_tool_calls(content, single_call=not body.parallel_tool_calls)
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None, "tool_calls": calls}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content if content or not calls else None,
+            "tool_calls": calls,
+        }
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         choices.append(
@@ -399,16 +468,20 @@ def _chat_response(state, body, requests, outputs, prompt_of, header, opened, pa
         )
     response = {**header, "choices": choices, "usage": _usage_of(outputs, prompt_of)}
     if body.prompt_logprobs is not None:  # vLLM puts them beside the choices (every choice has the same prompt)
-        response["prompt_logprobs"] = vllm_prompt_logprobs(state, outputs[0].prompt_logprobs or [])  # (the one computed)
+        response["prompt_logprobs"] = vllm_prompt_logprobs(
+            state, outputs[0].prompt_logprobs or []
+        )  # (the one computed)
     return json_response_in_pieces(response)
 
 
 def _chat_finish_reason(output: RequestOutput, called: bool) -> str:
-    """"tool_calls" when the model stopped after calling (a call cut by max_tokens stays "length")."""
+    """ "tool_calls" when the model stopped after calling (a call cut by max_tokens stays "length")."""
     return "tool_calls" if called and output.finish_reason == "stop" else output.finish_reason
 
 
-async def _stream_chat(state, body, requests, prompt_of, header, include_usage, opened, parse_calls) -> AsyncIterator[str]:
+async def _stream_chat(
+    state, body, requests, prompt_of, header, include_usage, opened, parse_calls
+) -> AsyncIterator[str]:
     outputs: list[RequestOutput | None] = [None] * len(requests)
     splitters = [ReasoningSplitter(opened) for _ in requests]
     parsers = [ToolCallParser(single_call=not body.parallel_tool_calls) if parse_calls else None for _ in requests]
@@ -447,7 +520,9 @@ async def _stream_chat(state, body, requests, prompt_of, header, include_usage, 
             if update.finished:
                 outputs[i] = o = update.output
                 called = parsers[i] is not None and bool(parsers[i].calls)
-                events.append(chunk(i, {}, None, _chat_finish_reason(o, called), stop_reason=vllm_stop_reason(requests[i], o)))
+                events.append(
+                    chunk(i, {}, None, _chat_finish_reason(o, called), stop_reason=vllm_stop_reason(requests[i], o))
+                )
         yield "".join(events)
     if include_usage:
         yield sse({**header, "choices": [], "usage": _usage_of(outputs, prompt_of)})

@@ -116,13 +116,22 @@ _SUCCESS = {  # (path, method) -> the 200 body's model, and whether the route ca
     ("/health", "get"): (Health, False),
 }
 # One server-sent event: `data` is a JSON chunk, an error object, or [DONE] last.
-_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
 _ERROR_STATUSES = {
-    "post": {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
-             "413": "request body too large", "500": "the engine failed while running the request",
-             "503": "loading, shutting down, queue full or engine dead"},
+    "post": {
+        "400": "invalid request",
+        "401": "missing or wrong API key",
+        "404": "unknown model",
+        "413": "request body too large",
+        "500": "the engine failed while running the request",
+        "503": "loading, shutting down, queue full or engine dead",
+    },
     "get": {"401": "missing or wrong API key", "503": "loading, shutting down or engine dead"},
-}  # fmt: skip
+}
 
 
 def _schema_of(model, components: dict[str, Any]) -> dict[str, Any]:
@@ -156,20 +165,27 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
                     content["text/event-stream"] = {"schema": _SSE_EVENT}
                 responses["200"] = {"description": "OK", "content": content}
             if path == "/metrics":
-                responses["200"] = {"description": "Prometheus metrics",
-                                    "content": {"text/plain": {"schema": {"type": "string"}}}}  # fmt: skip
+                responses["200"] = {
+                    "description": "Prometheus metrics",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
                 continue
             if path in PUBLIC_PATHS:
                 if path == "/health":
-                    responses["503"] = {"description": "not ready: loading, failed, engine dead or shutting down",
-                                        "content": {"application/json": {"schema": _schema_of(Health, components)}}}  # fmt: skip
+                    responses["503"] = {
+                        "description": "not ready: loading, failed, engine dead or shutting down",
+                        "content": {"application/json": {"schema": _schema_of(Health, components)}},
+                    }
                 continue
             for status, description in _ERROR_STATUSES.get(method, {}).items():
                 if status == "401" and not api_key:
                     continue
                 responses[status] = {"description": description, "content": {"application/json": {"schema": error_ref}}}
             if path == "/v1/models/{model_id}":
-                responses["404"] = {"description": "unknown model", "content": {"application/json": {"schema": error_ref}}}
+                responses["404"] = {
+                    "description": "unknown model",
+                    "content": {"application/json": {"schema": error_ref}},
+                }
             if api_key:
                 operation["security"] = [{"bearer": []}]
     return doc

@@ -18,8 +18,9 @@ import asyncio
 import heapq
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from .async_engine import QueueFullError
 

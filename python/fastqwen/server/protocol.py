@@ -14,21 +14,28 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
-
 # What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
 MESSAGE_SCHEMA = {
     "type": "object",
     "required": ["role"],
     "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
-        "content": {"anyOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
-            {"type": "null"},
-        ]},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                },
+                {"type": "null"},
+            ]
+        },
     },
-}  # fmt: skip
+}
 
 
 # What is refused, stated in the OpenAPI document, so that a body valid by the document is accepted (schemathesis'
@@ -45,6 +52,7 @@ _STOP_TOKEN_IDS_SCHEMA = {"anyOf": [{"type": "array", "items": TOKEN_ID_SCHEMA},
 
 def exactly_one_of(a: str, b: str) -> dict[str, Any]:
     """A model's schema extra: one of the fields a and b is given (and not null), never both."""
+
     def given(name: str) -> dict[str, Any]:
         return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
 
@@ -139,10 +147,18 @@ def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise InvalidRequestError('response_format.json_schema must be {"name": ..., "schema": {...}}', "response_format")
-        return StructuredOutput("json_schema", _schema_text(spec["schema"], "response_format"),
-                                strict=bool(spec.get("strict") or False), field="response_format")  # fmt: skip
-    raise InvalidRequestError(f'response_format.type must be "text", "json_object" or "json_schema", not {kind!r}', "response_format")
+            raise InvalidRequestError(
+                'response_format.json_schema must be {"name": ..., "schema": {...}}', "response_format"
+            )
+        return StructuredOutput(
+            "json_schema",
+            _schema_text(spec["schema"], "response_format"),
+            strict=bool(spec.get("strict") or False),
+            field="response_format",
+        )
+    raise InvalidRequestError(
+        f'response_format.type must be "text", "json_object" or "json_schema", not {kind!r}', "response_format"
+    )
 
 
 # vLLM's structured_outputs object: key -> kind of StructuredOutput.
@@ -150,18 +166,28 @@ _STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "
 
 
 def _structured_outputs(value: dict[str, Any]) -> StructuredOutput | None:
-    given = [k for k in (*_STRUCTURED_OUTPUTS_KEYS, "json_object", "structural_tag") if value.get(k) not in (None, False)]
+    given = [
+        k for k in (*_STRUCTURED_OUTPUTS_KEYS, "json_object", "structural_tag") if value.get(k) not in (None, False)
+    ]
     if not given:
         return None
     if len(given) > 1:
-        raise InvalidRequestError(f"structured_outputs takes one constraint, not {', '.join(given)}", "structured_outputs")
+        raise InvalidRequestError(
+            f"structured_outputs takes one constraint, not {', '.join(given)}", "structured_outputs"
+        )
     key = given[0]
     if key == "structural_tag":
         raise InvalidRequestError("structured_outputs.structural_tag is not supported", "structured_outputs")
     if key == "json_object":
         return StructuredOutput("json_object", field="structured_outputs")
     v = value[key]
-    text = _schema_text(v, "structured_outputs") if key == "json" else _choices_text(v, "structured_outputs") if key == "choice" else v
+    text = (
+        _schema_text(v, "structured_outputs")
+        if key == "json"
+        else _choices_text(v, "structured_outputs")
+        if key == "choice"
+        else v
+    )
     if not isinstance(text, str):
         raise InvalidRequestError(f"structured_outputs.{key} must be a string", "structured_outputs")
     return StructuredOutput(_STRUCTURED_OUTPUTS_KEYS[key], text, field="structured_outputs")
@@ -206,16 +232,24 @@ class _SamplingFields(_Lenient):
 
     def structured(self) -> StructuredOutput | None:
         """The request's output constraint, from whichever field gave it (more than one is refused)."""
-        return only_one([
-            _response_format(self.response_format) if self.response_format else None,
-            StructuredOutput("json_schema", _schema_text(self.guided_json, "guided_json"), field="guided_json")
-            if self.guided_json is not None else None,
-            StructuredOutput("regex", self.guided_regex, field="guided_regex") if self.guided_regex is not None else None,
-            StructuredOutput("choice", _choices_text(self.guided_choice, "guided_choice"), field="guided_choice")
-            if self.guided_choice is not None else None,
-            StructuredOutput("grammar", self.guided_grammar, field="guided_grammar") if self.guided_grammar is not None else None,
-            _structured_outputs(self.structured_outputs) if self.structured_outputs else None,
-        ])  # fmt: skip
+        return only_one(
+            [
+                _response_format(self.response_format) if self.response_format else None,
+                StructuredOutput("json_schema", _schema_text(self.guided_json, "guided_json"), field="guided_json")
+                if self.guided_json is not None
+                else None,
+                StructuredOutput("regex", self.guided_regex, field="guided_regex")
+                if self.guided_regex is not None
+                else None,
+                StructuredOutput("choice", _choices_text(self.guided_choice, "guided_choice"), field="guided_choice")
+                if self.guided_choice is not None
+                else None,
+                StructuredOutput("grammar", self.guided_grammar, field="guided_grammar")
+                if self.guided_grammar is not None
+                else None,
+                _structured_outputs(self.structured_outputs) if self.structured_outputs else None,
+            ]
+        )
 
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt tokens, with this many alternatives
     return_tokens_as_token_ids: bool = False  # vLLM's: tokens in logprobs as "token_id:N"
@@ -321,7 +355,7 @@ class ChatCompletionRequest(_SamplingFields):
         "documents": (_truthy, _NOT_IMPLEMENTED),
         "audio": (_truthy, "this model has no audio output"),
         "modalities": (lambda m: list(m) != ["text"], "this model only writes text"),
-        "reasoning_effort": (_truthy, "Qwen3 thinks or not: use chat_template_kwargs {\"enable_thinking\": false}"),
+        "reasoning_effort": (_truthy, 'Qwen3 thinks or not: use chat_template_kwargs {"enable_thinking": false}'),
         "web_search_options": (_truthy, _NOT_IMPLEMENTED),
     }
 
@@ -357,12 +391,15 @@ class GenerateSamplingParams(_Lenient):
     ebnf: str | None = None
 
     def structured(self) -> StructuredOutput | None:
-        return only_one([
-            StructuredOutput("json_schema", _schema_text(self.json_schema, "json_schema"), field="json_schema")
-            if self.json_schema is not None else None,
-            StructuredOutput("regex", self.regex, field="regex") if self.regex is not None else None,
-            StructuredOutput("grammar", self.ebnf, field="ebnf") if self.ebnf is not None else None,
-        ])  # fmt: skip
+        return only_one(
+            [
+                StructuredOutput("json_schema", _schema_text(self.json_schema, "json_schema"), field="json_schema")
+                if self.json_schema is not None
+                else None,
+                StructuredOutput("regex", self.regex, field="regex") if self.regex is not None else None,
+                StructuredOutput("grammar", self.ebnf, field="ebnf") if self.ebnf is not None else None,
+            ]
+        )
 
     _REFUSED = {
         "n": (_not_one, "send n copies of the prompt in a batch instead"),
@@ -414,7 +451,9 @@ class GenerateRequest(_Lenient):
         self.check_refused()
         sp.check_refused()
         if self.logprob_start_len < -1:
-            raise InvalidRequestError(f"logprob_start_len must be -1 or more, not {self.logprob_start_len}", "logprob_start_len")
+            raise InvalidRequestError(
+                f"logprob_start_len must be -1 or more, not {self.logprob_start_len}", "logprob_start_len"
+            )
         prompt_logprobs = None
         if self.return_logprob and self.logprob_start_len >= 0:
             prompt_logprobs = self.top_logprobs_num
@@ -440,4 +479,3 @@ class GenerateRequest(_Lenient):
             logit_bias=sp.logit_bias,
             structured=sp.structured(),
         )
-

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
@@ -15,8 +15,8 @@ from fastapi.responses import Response, StreamingResponse
 from ..frontend import RequestOutput, RequestTracker
 from .async_engine import AsyncEngine, ServingError, TimedUpdate, take_waiting
 from .http_conventions import current_request_id
-from .metrics import Metrics, RequestTimes
 from .http_errors import error_body
+from .metrics import Metrics, RequestTimes
 
 logger = logging.getLogger("fastqwen.server")
 

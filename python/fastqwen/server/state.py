@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .async_engine import AsyncEngine
 from .http_errors import APIError
 from .metrics import Metrics
 from .prep_pool import SMALL_REQUEST_BYTES, PrepPool
-from .reasoning import CLOSE as THINK_CLOSE, OPEN as THINK_OPEN
-
+from .reasoning import CLOSE as THINK_CLOSE
+from .reasoning import OPEN as THINK_OPEN
 
 T = TypeVar("T")
 
@@ -49,8 +50,12 @@ class ServerState:
     def check_sequences(self, count: int) -> None:
         """One HTTP request may ask for at most max_sequences_per_request sequences (prompts x n)."""
         if count > self.max_sequences_per_request:
-            raise APIError(400, f"this request asks for {count} sequences (prompts x n); at most "
-                           f"{self.max_sequences_per_request} are allowed per request", "n")  # fmt: skip
+            raise APIError(
+                400,
+                f"this request asks for {count} sequences (prompts x n); at most "
+                f"{self.max_sequences_per_request} are allowed per request",
+                "n",
+            )
         if count < 1:
             raise APIError(400, "the request has no prompt", "prompt")
 
@@ -71,13 +76,24 @@ class ServerState:
         return self.token_ids(THINK_OPEN, THINK_CLOSE)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any], tools: list | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+        tools: list | None = None,
     ) -> str:
         tokenizer = self.engine.frontend.tokenizer
         if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids", "messages")
+            raise APIError(
+                400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids", "messages"
+            )
         reserved = sorted({"messages", "add_generation_prompt", "tools"} & set(kwargs))
         if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: pass them as request fields",
-                           "chat_template_kwargs")  # fmt: skip
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None, **kwargs)
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(reserved)}: pass them as request fields",
+                "chat_template_kwargs",
+            )
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools or None, **kwargs
+        )

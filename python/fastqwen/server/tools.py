@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError
@@ -75,7 +75,12 @@ class ToolCallDelta:
     def to_openai(self) -> dict[str, Any]:
         """The chunk's `tool_calls` item, in OpenAI's and vLLM's streaming shape."""
         if self.name is not None:
-            return {"index": self.index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+            return {
+                "index": self.index,
+                "id": self.id,
+                "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments},
+            }
         return {"index": self.index, "function": {"arguments": self.arguments}}
 
 
@@ -126,7 +131,9 @@ class _ValueScanner:
 
 class ToolCallParser:
     def __init__(self, single_call: bool = False):
-        self.single_call = single_call  # parallel_tool_calls false: only the first call counts, later blocks are dropped
+        self.single_call = (
+            single_call  # parallel_tool_calls false: only the first call counts, later blocks are dropped
+        )
         self.calls: list[_Call] = []
         self._buffer = ""  # text not yet decided
         self._state = "content"  # "content", "head" (inside a block, before the arguments), "arguments", "tail"
@@ -234,7 +241,9 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
-            raise InvalidRequestError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}', "tools")
+            raise InvalidRequestError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}', "tools"
+            )
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidRequestError(f"tools[{i}].function.name must be a non-empty string", "tools")
@@ -246,16 +255,23 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
         return "auto" if names else None
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise InvalidRequestError(f'tool_choice must be "none", "auto", "required" or a named function, not {tool_choice!r}', "tool_choice")
+            raise InvalidRequestError(
+                f'tool_choice must be "none", "auto", "required" or a named function, not {tool_choice!r}',
+                "tool_choice",
+            )
         if tool_choice != "none" and not names:
             raise InvalidRequestError(f'tool_choice "{tool_choice}" needs tools', "tool_choice")
         return tool_choice if names else None
     function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise InvalidRequestError('a named tool_choice is {"type": "function", "function": {"name": ...}}', "tool_choice")
+        raise InvalidRequestError(
+            'a named tool_choice is {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
     if name not in names:
-        raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
+        raise InvalidRequestError(
+            f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice"
+        )
     return name
 
 
@@ -281,7 +297,9 @@ def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]
                 try:
                     arguments = json.loads(arguments) if arguments.strip() else {}
                 except json.JSONDecodeError as e:
-                    raise InvalidRequestError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}", "messages") from e
+                    raise InvalidRequestError(
+                        f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}", "messages"
+                    ) from e
             converted.append({**call, "function": {**function, "arguments": arguments}})
         out.append({**message, "tool_calls": converted})
     return out

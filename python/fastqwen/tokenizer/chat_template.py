@@ -74,7 +74,8 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise InvalidRequestError(
-                        f"messages[{i}].content must be a string or a list of text parts ({{'type': 'text', 'text': ...}})", "messages"
+                        f"messages[{i}].content must be a string or a list of text parts ({{'type': 'text', 'text': ...}})",
+                        "messages",
                     )
                 texts.append(part["text"])
             message["content"] = "\n".join(texts)

@@ -12,7 +12,6 @@ from ..errors import InvalidRequestError
 from .chat_template import ChatTemplate, load_chat_template
 from .detokenizer import IncrementalDetokenizer
 
-
 # NFC composition shrinks UTF-8 text at most threefold (Hangul: three 3-byte jamo become one 3-byte syllable; a Latin
 # or Greek letter and its combining marks, 2.5x at most).
 _NFC_MAX_SHRINK = 3
@@ -53,7 +52,7 @@ class Tokenizer:
         self.chat_template = ChatTemplate(template, special) if template else None
 
     @classmethod
-    def from_folder(cls, folder: str, chat_template: str | None = None) -> "Tokenizer | None":
+    def from_folder(cls, folder: str, chat_template: str | None = None) -> Tokenizer | None:
         """The folder's tokenizer, or None when it has no tokenizer.json (a dummy preset, for example)."""
         if os.path.isfile(os.path.join(folder, "tokenizer.json")):
             return cls(folder, chat_template)
