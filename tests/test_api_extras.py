@@ -89,8 +89,8 @@ def script_for_chat(engine: LLMEngine, tokenizer: Tokenizer) -> None:
     real_sample = sampler.sample
     calls, answer = tokenizer.encode(CALLS_TEXT).ids, tokenizer.encode(ANSWER_TEXT).ids
 
-    def sample(logits, requests, read_back):
-        tokens, logprobs = real_sample(logits, requests, read_back)
+    def sample(logits, requests, read_back, skip=frozenset()):
+        tokens, logprobs = real_sample(logits, requests, read_back, skip)
         for i, r in enumerate(requests):
             prompt = tokenizer.decode(r.prompt_ids, skip_special_tokens=False)
             if "<|im_start|>" in prompt:
