@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fastqwen.server.json_body import parse_json
 
 BODIES = [
