@@ -56,3 +56,29 @@ def test_every_step_computes_exactly_the_budget_while_enough_work_waits(budget):
         steps += 1
         assert steps < 2000
     assert full_steps >= 5, "too few steps had a full budget of work: the test checks too little"
+
+
+def test_a_page_shortage_preempts_the_newest_running_request():
+    """Contract: when a running request needs a page and none is free, the newest running request (the last
+    admitted) is preempted, not an older one; it goes back to the front of the queue, and the others keep their pages.
+
+    Pages of 2 tokens, 7 in the pool. A and B have 2-token prompts, C and D 3-token ones: after the first step (all
+    four prefilled, 6 pages taken, 1 free) each decodes; A takes the free page, B needs one more; C and D need
+    none. Preempting D (the newest) frees 2 pages and everyone else decodes; preempting C (the bug below) would
+    also let the step run, so only the victim's identity shows the rule.
+
+    Mutation check (run once, not committed): Scheduler.schedule choosing the oldest pending request as the victim
+    (min instead of max by arrival) fails this test (C is preempted)."""
+    allocator = PageAllocator(7)
+    scheduler = Scheduler(allocator, 2, 8, 64, 64, [0])
+    a, b, c, d = (_request(rid, n, max_tokens=10) for rid, n in enumerate([2, 2, 3, 3]))
+    for request in (a, b, c, d):
+        scheduler.add(request)
+    first = _step(scheduler)
+    assert [ch.request for ch in first.chunks] == [a, b, c, d] and allocator.num_free() == 1
+    second = _step(scheduler)
+    assert scheduler.num_preemptions == 1
+    assert d.num_preemptions == 1 and list(scheduler.waiting) == [d], "the newest running request was not the victim"
+    assert [ch.request for ch in second.chunks] == [a, b, c] and scheduler.running == [a, b, c]
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions) == (0, 0, 0)
+    assert d.pages == [] and d.cached_len == 0
