@@ -10,7 +10,6 @@ twice that.
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -42,27 +41,33 @@ def e4m3_values() -> torch.Tensor:
     return torch.tensor(sorted(set(values)), dtype=torch.float64)
 
 
+def e4m3_bits(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The e4m3fn byte of each x / scale, from the definition alone (the oracle for every FP8 KV write, independent
+    of torch's conversion and of quantize_kv): the division in float64, then round to nearest, ties to the even
+    mantissa, saturating at +-448, by searching the table of the 127 non-negative finite values. That table is in
+    bit-pattern order (bits 0x00..0x7E), so a value's index is its byte and an even index an even mantissa; the sign
+    bit is x's own (-0 included)."""
+    y = x.double().cpu() / scale
+    table = torch.tensor([_e4m3_value(bits) for bits in range(0x7F)], dtype=torch.float64)
+    magnitude = y.abs().clamp(max=448.0)
+    hi = torch.searchsorted(table, magnitude).clamp(1, 0x7E)  # table[hi - 1] <= magnitude <= table[hi]
+    below, above = magnitude - table[hi - 1], table[hi] - magnitude
+    pick_hi = (above < below) | ((above == below) & (hi % 2 == 0))
+    bits = torch.where(pick_hi, hi, hi - 1)
+    return (bits | torch.signbit(y).long() << 7).to(torch.uint8)
+
+
+def _e4m3_value(bits: int) -> float:
+    """A non-negative e4m3fn byte's value: 4-bit exponent of bias 7, 3-bit mantissa, subnormal at exponent 0."""
+    exponent, mantissa = bits >> 3, bits & 7
+    if exponent == 0:
+        return mantissa / 8 * 2.0**-6
+    return (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+
+
 def nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Round to nearest, ties to the even mantissa, saturating at +-448, in float64."""
-    grid = e4m3_values()
-    x = x.double().clamp(-448.0, 448.0)
-    index = torch.searchsorted(grid, x).clamp(1, len(grid) - 1)
-    lo, hi = grid[index - 1], grid[index]
-    pick_hi = (hi - x) < (x - lo)
-    tie = (hi - x) == (x - lo)
-    # At a tie the even mantissa wins: the value whose last mantissa bit is zero.
-    hi_even = torch.tensor([_mantissa_even(v) for v in hi.tolist()], dtype=torch.bool)
-    return torch.where(pick_hi | (tie & hi_even), hi, lo)
-
-
-def _mantissa_even(v: float) -> bool:
-    if v == 0:
-        return True
-    a = abs(v)
-    if a < 2.0**-6:
-        return round(a / 2.0**-9) % 2 == 0
-    e = math.floor(math.log2(a))
-    return round((a / 2.0**e - 1) * 8) % 2 == 0
+    """x rounded to the nearest e4m3 value (ties to even, saturating at +-448), in float64."""
+    return _decode_bytes(e4m3_bits(x), e4m3_values())
 
 
 def test_quantize_rounds_to_nearest_e4m3_and_saturates():
@@ -150,8 +155,11 @@ def _decode_bytes(t: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
 
 
 def test_reference_write_stores_e4m3_of_k_over_scale():
-    """qk_norm_rope_store_kv into an FP8 pool stores exactly the quantized K and V of the same call into a float32
-    pool (and skips slot -1)."""
+    """qk_norm_rope_store_kv into an FP8 pool stores exactly the e4m3 bytes (by the float64 oracle e4m3_bits, not
+    quantize_kv) of K / k_scale and V / v_scale of the same call into a float32 pool, and skips slot -1.
+
+    Mutation check (run once, not committed): quantize_kv multiplying by the scale instead of dividing fails this
+    test."""
     heads, kv_heads, dim, tokens = 4, 2, 64, 6
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3
@@ -165,8 +173,8 @@ def test_reference_write_stores_e4m3_of_k_over_scale():
     qk_norm_rope_store_kv(qkv, qw, kw, cos_sin, positions, k32, v32, slots, 1e-6, q_a)
     qk_norm_rope_store_kv(qkv, qw, kw, cos_sin, positions, k8, v8, slots, 1e-6, q_b, k_scale=0.5, v_scale=4.0)
     assert torch.equal(q_a, q_b)
-    assert torch.equal(k8.view(torch.uint8), quantize_kv(k32, 0.5).view(torch.uint8))
-    assert torch.equal(v8.view(torch.uint8), quantize_kv(v32, 4.0).view(torch.uint8))
+    assert torch.equal(k8.view(torch.uint8), e4m3_bits(k32, 0.5))
+    assert torch.equal(v8.view(torch.uint8), e4m3_bits(v32, 4.0))
     assert k8.view(-1, kv_heads, dim)[[1, 2, 4]].view(torch.uint8).eq(0).all(), "a slot nobody wrote changed"
 
 
