@@ -28,6 +28,7 @@ from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
 from fastqwen.ops.kv_fp8 import FP8_KV_DTYPE, quantize_kv
 from test_attention_gpu import assert_within_scale, make_case, prefill_lengths, unit_roundoff
+from test_fp8_kv import e4m3_bits
 
 FP8_ATTENTION_TOLERANCE = 2.0**-2
 FP8_ATTENTION_OUTLIER = 2.0**-1
@@ -94,7 +95,8 @@ def fp8_pool(k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_rope_kv_writes_fp8(dtype, head_dim):
     """Into an FP8 pool the kernel writes exactly the e4m3 bytes of what it writes into a 16-bit pool (which
-    tests/test_kernels_gpu.py checks against the reference), quantized by the rule of ops/kv_fp8.py; padding (-1)
+    tests/test_kernels_gpu.py checks against the reference), as the float64 e4m3 oracle (test_fp8_kv.e4m3_bits,
+    independent of quantize_kv and of torch's conversion) rounds them; padding (-1)
     and slots past the pool stay untouched; q does not depend on the cache type."""
     heads, kv_heads, tokens, page, pages = 8, 2, 300, 16, 40
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
@@ -116,7 +118,7 @@ def test_rope_kv_writes_fp8(dtype, head_dim):
         q8 = torch.empty_like(q16)
         qk_norm_rope_store_kv(qkv, qw, kw, cos_sin, positions, k8, v8, slots, 1e-6, q8, k_scale, v_scale)
         assert torch.equal(q8, q16)
-        want_k, want_v = quantize_kv(k16, k_scale).view(torch.uint8), quantize_kv(v16, v_scale).view(torch.uint8)
+        want_k, want_v = e4m3_bits(k16, k_scale).cuda(), e4m3_bits(v16, v_scale).cuda()  # float64 oracle
         got_k, got_v = k8.view(torch.uint8), v8.view(torch.uint8)
         assert torch.equal(got_k, want_k), f"K: {int((got_k != want_k).sum())} bytes differ"
         assert torch.equal(got_v, want_v), f"V: {int((got_v != want_v).sum())} bytes differ"

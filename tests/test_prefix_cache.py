@@ -161,6 +161,27 @@ def test_eviction_takes_the_least_recently_used_prefix(folder):
     clean(llm)
 
 
+def test_a_hit_makes_a_prefix_the_most_recently_used():
+    """Contract of RadixCache alone: a match_prefix hit refreshes the matched path's last use, so of two cached
+    prefixes, the one inserted first but hit since is evicted after the other. (Through the engine a finished
+    request re-inserts its prefix, which refreshes it too; this holds the order without that.)
+
+    Mutation check (run once, not committed): removing the refresh in match_prefix's loop (node.last_access = now)
+    fails this test (A, the older insert, is evicted)."""
+    allocator = PageAllocator(8)
+    cache = RadixCache(allocator, 2)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]  # two pages each
+    for tokens in (a, b):
+        pages = allocator.alloc(2)
+        cache.insert(tokens, pages)
+        allocator.decref(pages)  # the tree's reference is now the only one
+    hit, _ = cache.match_prefix(a + [9])
+    assert len(hit) == 2 and allocator.num_free() == 4
+    assert cache.evict(2) == 2 and allocator.num_free() == 6
+    assert cache.match_prefix(b + [9])[0] == [], "B (least recently used) was kept"
+    assert cache.match_prefix(a + [9])[0] == hit, "A (hit last) was evicted"
+
+
 # ---- property-based: the scheduler, the cache and the allocator without a model ------------------------------
 
 
