@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
 import sys
@@ -21,6 +22,7 @@ import torch
 from common import copy_bandwidth, hf_model_like, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
+from serving import request_metrics, tokens_in
 
 
 def now() -> float:
@@ -71,13 +73,48 @@ def stream_stamps(client, url: str, prompt: list[int], new_tokens: int) -> tuple
 
 
 def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
-    """Streams /v1/completions: TTFT at the first chunk, TPOT as the median gap between later chunks."""
+    """Streams one greedy /v1/completions request: TTFT to the chunk with the first token, TPOT as vLLM and SGLang
+    report it ((end-to-end - TTFT) / (tokens - 1)), and the chunk gap, the median (and mean) gap between the chunks
+    that carry tokens (this script's HTTP TPOT before: it leaves out the first token's lateness). Tokens per chunk are
+    counted as bench/serving.py counts them, checked against the stream's usage."""
     import httpx
 
     global _client
     if _client is None:  # one connection for every request: a new client per request costs ~20 ms of its own
         _client = httpx.Client(timeout=600)
-    return stream_times(*stream_stamps(_client, url, prompt, new_tokens))
+    body = {
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks, usage = [], None
+    start = time.perf_counter()
+    with _client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now, event = time.perf_counter(), json.loads(line[6:])
+            usage = event.get("usage") or usage
+            chunks += [(now, tokens_in(choice)) for choice in event.get("choices") or ()]
+    end = time.perf_counter()
+    counted = sum(n for _, n in chunks)
+    if usage is None or counted != usage["completion_tokens"]:
+        raise RuntimeError(f"{counted} tokens counted in the chunks, the stream's usage is {usage}")
+    m = request_metrics(start, chunks, end)
+    stamps = [t for t, n in chunks if n > 0]
+    gaps = stream_times(start, stamps)
+    return {
+        "ttft_ms": m["ttft"] * 1e3,
+        "tpot_ms": m["tpot"] * 1e3 if m["tpot"] is not None else None,
+        "chunk_gap_ms": gaps["tpot_ms"],
+        "chunk_gap_mean_ms": gaps["tpot_mean_ms"],
+        "e2e_ms": m["e2e"] * 1e3,
+        "output_tokens": m["output_tokens"],
+    }
 
 
 def hf_tpot(model_name: str, prompt: list[int], new_tokens: int, device: str) -> float:

@@ -1,0 +1,102 @@
+"""bench/serving.py's per-request figures as the peers report them: TTFT to the chunk with the first token, TPOT =
+(end-to-end - TTFT) / (tokens - 1), the chunk gap beside them; checked on timings worked out by hand, then with the
+script against a tiny CPU server on both streaming APIs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from checkpoints import make_checkpoint
+from server_process import ServerProcess
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+from serving import percentiles, request_metrics, summary, tokens_in  # noqa: E402
+
+
+def test_one_requests_figures_by_hand():
+    # Sent at 10.0; a chunk with no token at 10.5 (it must not count as the first token), tokens 1, 2+3, none, 4;
+    # the stream ends at 11.4.
+    chunks = [(10.5, 0), (10.7, 1), (10.9, 2), (11.0, 0), (11.3, 1)]
+    m = request_metrics(10.0, chunks, 11.4)
+    assert m["output_tokens"] == 4
+    assert m["ttft"] == pytest.approx(0.7)
+    assert m["e2e"] == pytest.approx(1.4)
+    assert m["tpot"] == pytest.approx(0.7 / 3)  # (1.4 - 0.7) / (4 - 1)
+    assert m["chunk_gap"] == pytest.approx(0.6 / 3)  # (11.3 - 10.7) / (4 - 1): the tail after 11.3 left out
+    single = request_metrics(0.0, [(0.25, 1), (0.3, 0)], 0.4)
+    assert (single["ttft"], single["tpot"], single["chunk_gap"]) == (0.25, None, None)
+
+
+def test_summary_over_requests():
+    requests = [
+        {"ok": True, "ttft": t, "tpot": p, "chunk_gap": g, "e2e": e}
+        for t, p, g, e in [
+            (0.1, 0.01, 0.008, 1.0),
+            (0.4, 0.03, 0.02, 2.0),
+            (0.2, None, None, 0.2),
+            (0.3, 0.02, 0.01, 3),
+        ]
+    ]
+    requests.append({"ok": False})
+    s = summary(requests)
+    assert s["ttft_ms"]["mean"] == pytest.approx(250.0) and s["ttft_ms"]["median"] == pytest.approx(250.0)
+    assert s["ttft_ms"]["p99"] == pytest.approx(400.0) and s["ttft_ms"]["max"] == pytest.approx(400.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(20.0) and s["tpot_ms"]["median"] == pytest.approx(20.0)
+    assert s["chunk_gap_ms"]["median"] == pytest.approx(10.0)
+    assert s["e2e_s"]["median"] == pytest.approx(1.5)
+    assert percentiles([]) == {}
+
+
+def test_tokens_per_completions_event():
+    assert tokens_in({"text": "", "logprobs": None, "finish_reason": None}) == 1  # a token whose text is held back
+    assert tokens_in({"text": "", "logprobs": None, "finish_reason": "length"}) == 0
+    assert tokens_in({"text": "ab", "logprobs": {"tokens": ["a", "b"]}, "finish_reason": None}) == 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("reporting"))
+    make_checkpoint(folder, tied=True, seed=3)
+    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "64", "--page-size", "4")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("api", ["completions", "generate"])
+def test_serving_script_reports_per_request_figures(server, api, tmp_path):
+    out = tmp_path / "out.json"
+    args = ["--num-prompts", "4", "--concurrency", "2", "--input-len", "8", "--output-len", "6", "--vocab", "300"]
+    run = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "serving.py"), "--url", server.url, "--api", api, *args, "--json", out],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert result["api"] == api and result["completed"] == 4 and result["total_output_tokens"] == 24
+    for key in ("ttft_ms", "tpot_ms", "chunk_gap_ms"):
+        assert set(result[key]) == {"mean", "median", "p90", "p99", "max"}
+    assert len(result["requests"]) == 4
+    for r in result["requests"]:
+        assert r["output_tokens"] == 6
+        assert 0 < r["ttft"] < r["e2e"]
+        assert r["tpot"] * 5 + r["ttft"] == pytest.approx(r["e2e"], rel=1e-9)
+        assert r["chunk_gap"] * 5 <= r["e2e"] - r["ttft"]
+    middle = sorted(r["tpot"] * 1e3 for r in result["requests"])[1:3]  # the median of four: the middle two's mean
+    assert result["tpot_ms"]["median"] == pytest.approx(sum(middle) / 2)
+
+
+def test_latency_http_mode_reports_the_same_figures(server):
+    from latency import http_latency
+
+    r = http_latency(server.url, [5, 9, 14, 3], 5)
+    assert r["output_tokens"] == 5
+    assert 0 < r["ttft_ms"] < r["e2e_ms"]
+    assert r["tpot_ms"] * 4 + r["ttft_ms"] == pytest.approx(r["e2e_ms"], rel=1e-9)
+    assert r["chunk_gap_ms"] > 0 and r["chunk_gap_mean_ms"] * 4 <= r["e2e_ms"] - r["ttft_ms"]
