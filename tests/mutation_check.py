@@ -36,6 +36,7 @@ class Mutation:
         return self.path.endswith(".cu")
 
 
+KERNEL_LIBRARY = "libfastqwen_kernels.a"  # CMakeLists.txt's fastqwen_kernels target
 DECODE = "csrc/attention_decode.cu"
 PREFILL = "csrc/attention_prefill.cu"
 DECODE_TESTS = ["tests/test_attention_gpu.py::test_decode_every_chunk_counts"]
@@ -206,14 +207,18 @@ def prepare(mutation: Mutation, package: Path, work: Path, build_dir: Path | Non
     mutated.write_text(mutate(mutated.read_text(), mutation))
     build_dir = build_dir.resolve()
     compile_cmd, link, module = build_commands(build_dir, source)
-    obj = f"CMakeFiles/_C.dir/csrc/{source}.o"
+    obj = compile_cmd.split(" -o ", 1)[1].split()[0]  # where the build puts the object (its target's folder)
     compile_cmd = compile_cmd.replace(obj, str(work / f"{source}.o"))
     original = next(t for t in compile_cmd.split() if t.endswith(f"/csrc/{source}"))  # wherever the build read it
     compile_cmd = compile_cmd.replace(original, str(mutated))
     out_module = work / "fastqwen" / Path(module).name
     for existing in (work / "fastqwen").glob("_C*.so"):
         existing.unlink()
-    link = link.replace(obj, str(work / f"{source}.o"))
+    if obj in link:  # the object linked into the module directly
+        link = link.replace(obj, str(work / f"{source}.o"))
+    else:  # the kernels' static library (CMakeLists.txt): the mutated object goes first, so the linker takes its
+        # symbols and never pulls the original member out of the library
+        link = link.replace(f" {KERNEL_LIBRARY}", f" {work / f'{source}.o'} {KERNEL_LIBRARY}", 1)
     link = link.replace(f"{build_dir}/{module}", str(out_module)).replace(f" {module}", f" {out_module}")
     log = open(work / "build.log", "w")
     return subprocess.Popen(f"{compile_cmd} && {link}", shell=True, cwd=build_dir, stdout=log, stderr=subprocess.STDOUT)
