@@ -14,11 +14,23 @@ from . import env, model_source
 from .config import ConfigError, EngineConfig
 
 
+class _DefaultsOnceFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help, unless the help already says its default in words or there is
+    nothing to say (None, an off switch): argparse's ArgumentDefaultsHelpFormatter would print it a second time."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unsaid = any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS)) or "default" in text
+        if unsaid or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
 def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Serve a Qwen3 model over an OpenAI-compatible HTTP API (plus SGLang's /generate).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnceFormatter,
     )
     EngineConfig.add_cli_arguments(p)
     server = p.add_argument_group("server")
