@@ -25,3 +25,36 @@ def test_help_says_each_default_once(capsys):
     assert not doubled, doubled
     assert "(default: None)" not in " ".join(text.split())
     assert "(default: 8000)" in text and "(default: 0)" in " ".join(text.split())  # --port, --seed still say theirs
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["Qwen/Qwen3-8B", "--port", "9"],
+        ["--port", "9", "Qwen/Qwen3-8B"],
+        ["--port", "9", "Qwen/Qwen3-8B", "--device", "cpu"],
+        ["--model", "Qwen/Qwen3-8B", "--port", "9"],
+        ["Qwen/Qwen3-8B", "--model", "Qwen/Qwen3-8B", "--port", "9"],
+    ],
+)
+def test_serve_takes_the_model_before_or_after_the_flags(argv):
+    from fastqwen.serve import parse_args
+
+    args = parse_args(argv, prog="fastqwen serve")
+    assert args.model == "Qwen/Qwen3-8B" and args.port == 9
+    assert "model_positional" not in vars(args)
+
+
+def test_chat_takes_the_model_after_the_flags():
+    from fastqwen.chat import parse_args
+
+    assert parse_args(["--max-tokens", "7", "Qwen/Qwen3-8B"]).model == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize("argv", [["--port", "9"], ["a", "--model", "b"]])
+def test_serve_refuses_no_model_or_two(capsys, argv):
+    from fastqwen.serve import parse_args
+
+    with pytest.raises(SystemExit) as exit:
+        parse_args(argv, prog="fastqwen serve")
+    assert exit.value.code == 2 and "model" in capsys.readouterr().err

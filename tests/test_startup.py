@@ -75,12 +75,10 @@ def test_startup_failures_exit_nonzero_with_the_cause_last(tmp_path, folder):
 
 
 def test_fastqwen_command_usage(capsys):
-    from fastqwen.cli import _model_first, main
+    from fastqwen.cli import main
 
     assert main(["frobnicate"]) == 2 and "unknown command 'frobnicate'" in capsys.readouterr().err
     assert main([]) == 2 and "fastqwen serve MODEL" in capsys.readouterr().out
-    assert _model_first(["Qwen/Qwen3-8B", "--port", "9"]) == ["--model", "Qwen/Qwen3-8B", "--port", "9"]
-    assert _model_first(["--model", "m"]) == ["--model", "m"]
 
 
 def test_config_errors_speak_in_flags(capsys):

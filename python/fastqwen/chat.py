@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 
 from . import env
+from .cli import add_model_positional, take_model
 from .config import EngineConfig
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /exit (or Ctrl-D)"
@@ -51,8 +52,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "fastqwen chat") -> ar
     chat.add_argument(
         "--no-think", action="store_true", help="ask Qwen3 to answer without a <think> block (enable_thinking=False)"
     )
+    add_model_positional(p)
     EngineConfig.add_cli_arguments(p, model=None)
-    args = p.parse_args(argv)
+    args = take_model(p, p.parse_args(argv))
     if (args.url is None) == (args.model is None):
         p.error("give a model to load (MODEL or --model) or the --url of a running server, not both")
     return args

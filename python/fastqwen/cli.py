@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 USAGE = """usage: fastqwen {serve,chat} [MODEL] [flags]
@@ -14,11 +15,20 @@ USAGE = """usage: fastqwen {serve,chat} [MODEL] [flags]
 """
 
 
-def _model_first(argv: list[str]) -> list[str]:
-    """`MODEL --flag ...` as `--model MODEL --flag ...` (a leading positional is the model)."""
-    if argv and not argv[0].startswith("-"):
-        return ["--model", argv[0], *argv[1:]]
-    return argv
+def add_model_positional(parser: argparse.ArgumentParser) -> None:
+    """MODEL as a positional that may stand before, between or after the flags (as `vllm serve` takes it); the
+    engine's --model flag stays, and `take_model` makes the two one."""
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="the model: the same as --model")
+
+
+def take_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """args.model from MODEL or --model (one of them, or both the same)."""
+    given = args.__dict__.pop("model_positional")
+    if given is not None:
+        if args.model is not None and args.model != given:
+            parser.error(f"two models given: {given!r} and --model {args.model!r}")
+        args.model = given
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
-    command, rest = argv[0], _model_first(argv[1:])
+    command, rest = argv[0], argv[1:]
     if command == "serve":
         from .serve import main as serve
 

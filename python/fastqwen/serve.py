@@ -11,6 +11,7 @@ import logging
 import sys
 
 from . import env, model_source
+from .cli import add_model_positional, take_model
 from .config import ConfigError, EngineConfig
 
 
@@ -32,7 +33,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
         description="Serve a Qwen3 model over an OpenAI-compatible HTTP API (plus SGLang's /generate).",
         formatter_class=_DefaultsOnceFormatter,
     )
-    EngineConfig.add_cli_arguments(p)
+    add_model_positional(p)
+    EngineConfig.add_cli_arguments(p, model=None)
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -187,7 +189,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
         default=100.0,
         help="log lines beyond this rate are dropped (and counted), so no client can fill the disk; 0 = no limit",
     )
-    args = p.parse_args(argv)
+    args = take_model(p, p.parse_args(argv))
+    if args.model is None:
+        p.error("give the model to serve: MODEL or --model MODEL")
     for flag in (
         "max_request_body_bytes",
         "max_sequences_per_request",
