@@ -4,8 +4,12 @@ already in use (what real clients tripped on, issue 44)."""
 from __future__ import annotations
 
 import re
+import socket
+import subprocess
+import sys
 
 import pytest
+from checkpoints import make_checkpoint
 
 
 def _help(capsys, main, argv) -> str:
@@ -58,3 +62,21 @@ def test_serve_refuses_no_model_or_two(capsys, argv):
     with pytest.raises(SystemExit) as exit:
         parse_args(argv, prog="fastqwen serve")
     assert exit.value.code == 2 and "model" in capsys.readouterr().err
+
+
+def test_serve_on_a_port_in_use_exits_before_loading(tmp_path):
+    """The port is bound before the model loads: the error comes at once, names the port, and no engine started."""
+    make_checkpoint(str(tmp_path), tied=True, seed=3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "fastqwen", "serve", "--port", str(port), "--device", "cpu", str(tmp_path)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == 1, done.stderr
+    assert (
+        lines[-1]
+        == f"fastqwen serve: error: cannot listen on 127.0.0.1:{port}: Address already in use (--host, --port)"
+    )
+    assert len(lines) == 1, lines  # nothing loaded, nothing logged: the one line

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from . import env, model_source
@@ -232,6 +233,18 @@ def _raise_fd_limit(needed: int) -> None:
         pass
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound as uvicorn would bind it (handed to uvicorn, which listens on it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _one_line(error: BaseException) -> str:
     """An error as one line, in the command line's words where it names a knob."""
     if isinstance(error, ConfigError):
@@ -257,6 +270,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
         engine_config = model_source.resolve(EngineConfig.from_cli(args))
     except ConfigError as e:
         return fail(2, _one_line(e))
+
+    # The port before the model: a port in use is found now, not after the model has loaded (uvicorn itself binds
+    # only once the app's startup has run).
+    try:
+        listener = _bind(args.host, args.port)
+    except OSError as e:
+        return fail(1, f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (--host, --port)")
 
     import uvicorn
 
@@ -342,7 +362,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     configure_access_log(args.enable_access_log)
     limit_log_rate(args.max_log_lines_per_second)  # after uvicorn.Config, which sets up uvicorn's log handlers
     try:
-        server.run()
+        server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         return 130
     except SystemExit as e:  # uvicorn exits this way when it cannot bind (it logged why)
