@@ -12,7 +12,9 @@ import sys
 import time
 
 import pytest
+import torch
 from checkpoints import make_checkpoint
+from safetensors.torch import save_file
 from server_process import free_port
 
 # Generous for a loaded 2-core CI machine; each case takes a few seconds alone (most of it importing torch).
@@ -38,6 +40,9 @@ def _cases(root, good: str) -> dict[str, tuple[list[str], list[str]]]:
     shutil.copytree(good, corrupt)
     with open(os.path.join(corrupt, "model.safetensors"), "wb") as f:
         f.write(b"not a safetensors file")
+    wrong_tensors = os.path.join(root, "wrong_tensors")  # readable, but not this config's tensors: fails in the core
+    shutil.copytree(good, wrong_tensors)
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, os.path.join(wrong_tensors, "model.safetensors"))
     return {
         "missing folder": ([os.path.join(root, "nowhere")], ["--model", "not a local path"]),
         "no weights": ([no_weights], ["--model", "no model.safetensors"]),
@@ -46,7 +51,11 @@ def _cases(root, good: str) -> dict[str, tuple[list[str], list[str]]]:
             ["nobody-here/no-such-model"],
             ["--model", "not in the Hugging Face cache", "HF_HUB_OFFLINE"],
         ),
-        "weights fail to load in the core": ([corrupt], ["the model failed to load", "SafetensorError"]),
+        "corrupt weights": (
+            [corrupt],
+            ["--model", "/corrupt_weights/model.safetensors is not a readable safetensors file"],
+        ),
+        "weights fail to load in the core": ([wrong_tensors], ["the model failed to load", "checkpoint has no tensor"]),
     }
 
 
@@ -72,6 +81,8 @@ def test_startup_failures_exit_nonzero_with_the_cause_last(tmp_path, folder):
         for part in expected:
             assert part in last, f"{name}: {part!r} not in the last line {last!r}"
         assert "Uvicorn running" not in out + err and "ready:" not in out + err, name
+        if name == "corrupt weights":  # found before the engine starts: the one line, no traceback
+            assert len(lines) == 1, lines
 
 
 def test_fastqwen_command_usage(capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 
@@ -268,6 +269,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
         # Checked here, in a second, before the engine starts: the path or hub id, config.json, the weights, the
         # tokenizer and the chat template. A hub id not in the cache is downloaded now (HF_HUB_OFFLINE=1: never).
         engine_config = model_source.resolve(EngineConfig.from_cli(args))
+        if engine_config.load_format != "dummy" and os.path.isdir(engine_config.model):
+            from .weights import check_weight_files
+
+            check_weight_files(engine_config.model)  # a corrupt file named in one line, before the engine starts
     except ConfigError as e:
         return fail(2, _one_line(e))
 

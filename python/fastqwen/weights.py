@@ -25,9 +25,9 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .ops.linear import FP8_BLOCK, LinearWeight, quantize_fp8
 from .sharding import Shard
 
@@ -90,6 +90,29 @@ class Qwen3Weights:
                     yield t
 
 
+class CorruptWeightsError(ConfigError):
+    """A weights file that safetensors cannot read (truncated, not safetensors, a Git LFS pointer); names the file."""
+
+    def __init__(self, path: str, cause: Exception):
+        super().__init__(f"{path} is not a readable safetensors file ({cause}); download it again", "model")
+
+
+def _open(path: str):
+    """safe_open, with an error that names the file instead of the safetensors library's bare message."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CorruptWeightsError(path, e) from None
+
+
+def check_weight_files(folder: str) -> None:
+    """Read each safetensors file's header (a few kilobytes, no tensor), so that a corrupt file is reported before
+    the engine starts to load. Raises CorruptWeightsError naming the first bad file."""
+    source = _TensorSource(folder)
+    for path in sorted(set(source._file_of.values())):
+        source._handle_of(path)
+
+
 class _TensorSource:
     """Name -> tensor over one model.safetensors or a sharded set described by its index."""
 
@@ -101,7 +124,7 @@ class _TensorSource:
                 weight_map = json.load(f)["weight_map"]
             self._file_of = {name: os.path.join(folder, fname) for name, fname in weight_map.items()}
         elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
+            with _open(single) as f:
                 self._file_of = {name: single for name in f.keys()}
         else:
             raise FileNotFoundError(
@@ -116,9 +139,11 @@ class _TensorSource:
     def _handle(self, name: str):
         if name not in self._file_of:
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        path = self._file_of[name]
+        return self._handle_of(self._file_of[name])
+
+    def _handle_of(self, path: str):
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
+            self._handles[path] = _open(path)
         return self._handles[path]
 
     def get(self, name: str) -> torch.Tensor:
