@@ -48,7 +48,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "fastqwen chat") -> ar
         help="sampling temperature, 0 = greedy (default: the model's generation_config.json)",
     )
     chat.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
-    chat.add_argument("--max-tokens", type=int, default=4096, help="most tokens of one reply")
+    chat.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most tokens of one reply, bounded by the room left in the context (default: all the room left)",
+    )
     chat.add_argument(
         "--no-think", action="store_true", help="ask Qwen3 to answer without a <think> block (enable_thinking=False)"
     )
@@ -61,6 +66,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "fastqwen chat") -> ar
 
 
 # ---- the two backends: each streams one reply to a conversation as pieces of text ------------------------------
+
+
+class ReplyRefused(Exception):
+    """The model or server refused this turn (a 400: too long for the context, ...); the conversation goes on."""
 
 
 class LocalChat:
@@ -76,12 +85,25 @@ class LocalChat:
                 f"{args.model}: this model has no tokenizer or chat template to chat with (--tokenizer, --chat-template)"
             )
         knobs = {"temperature": args.temperature, "top_p": args.top_p}
-        self.params = SamplingParams(max_tokens=args.max_tokens, **{k: v for k, v in knobs.items() if v is not None})
+        # max_tokens None: the engine gives the reply all the room left in the context.
+        self.params = SamplingParams(max_tokens=None, **{k: v for k, v in knobs.items() if v is not None})
+        self.max_tokens = args.max_tokens
         self.template_kwargs = {"enable_thinking": False} if args.no_think else {}
 
     def reply(self, messages: list[dict]) -> Iterator[str]:
+        from dataclasses import replace
+
+        from .errors import InvalidRequestError
+
         prompt = self.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **self.template_kwargs)
-        rid = self.llm.add_request(prompt, self.params)
+        params = self.params
+        try:
+            if self.max_tokens is not None:  # --max-tokens, but never past the context
+                room = self.llm.frontend.info.max_model_len - len(self.llm.frontend.encode(prompt))
+                params = replace(params, max_tokens=max(1, min(self.max_tokens, room)))
+            rid = self.llm.add_request(prompt, params)
+        except InvalidRequestError as e:
+            raise ReplyRefused(str(e)) from None
         try:
             while self.llm.has_unfinished():
                 for update in self.llm.step():
@@ -99,7 +121,8 @@ class RemoteChat:
         key = args.api_key or env.client_api_key()
         self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         self.model = args.served_model_name or self._get("/v1/models")["data"][0]["id"]
-        self.fields = {"max_tokens": args.max_tokens, "stream": True}
+        # No max_tokens unless given: the server bounds the reply by the room left in the context.
+        self.fields = {"stream": True, **({"max_tokens": args.max_tokens} if args.max_tokens is not None else {})}
         self.fields.update(
             {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None}
         )
@@ -112,7 +135,14 @@ class RemoteChat:
         try:
             return urllib.request.urlopen(request, timeout=600)
         except urllib.error.HTTPError as e:
-            raise SystemExit(f"{self.url}{path}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+            text = e.read().decode(errors="replace")
+            try:
+                text = json.loads(text)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            if body is not None and 400 <= e.code < 500 and e.code not in (401, 403, 404):
+                raise ReplyRefused(f"HTTP {e.code}: {text[:500]}") from None  # this turn; the conversation goes on
+            raise SystemExit(f"{self.url}{path}: HTTP {e.code}: {text[:500]}") from None
         except urllib.error.URLError as e:
             raise SystemExit(f"{self.url}: cannot connect ({e.reason}); is the server running?") from None
 
@@ -132,7 +162,7 @@ class RemoteChat:
                     break
                 event = json.loads(payload)
                 if "error" in event:
-                    raise RuntimeError(event["error"].get("message", "the server failed"))
+                    raise ReplyRefused(event["error"].get("message", "the server failed"))
                 if not event.get("choices"):
                     continue
                 delta = event["choices"][0].get("delta", {})
@@ -249,6 +279,12 @@ def run(backend, system: str | None, interactive: bool, styled: bool) -> int:
                 renderer.write(piece)
         except KeyboardInterrupt:
             say("\n(reply interrupted)")
+        except ReplyRefused as e:
+            if pieces:  # refused mid-reply (an error event): end the line the reply was on
+                renderer.finish()
+            history.pop()  # the refused message; what came before stays
+            say(f"(refused: {' '.join(str(e).split())}; the conversation is kept, /reset to start over)")
+            continue
         renderer.finish()
         history.append({"role": "assistant", "content": "".join(pieces)})
 
