@@ -357,12 +357,18 @@ class ChatCompletionRequest(_SamplingFields):
         "modalities": (lambda m: list(m) != ["text"], "this model only writes text"),
         "reasoning_effort": (_truthy, 'Qwen3 thinks or not: use chat_template_kwargs {"enable_thinking": false}'),
         "web_search_options": (_truthy, _NOT_IMPLEMENTED),
+        "verbosity": (_truthy, "the length of the answer is the model's; bound it with max_completion_tokens"),
     }
 
     def to_sampling_params(self, choice: int = 0) -> SamplingParams:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            # Checked here: SamplingParams knows it as logprobs, which on chat is the boolean.
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], not {self.top_logprobs}", "top_logprobs"
+            )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, logprobs, choice)
