@@ -323,6 +323,30 @@ def test_tools_render_as_qwen3s_template_in_transformers(setup):
         assert httpx.post(server.url + "/detokenize", json={"tokens": got["tokens"]}).json()["prompt"] == expected
 
 
+@needs_qwen
+def test_a_call_cut_by_max_tokens_can_be_sent_back(setup):
+    """Arguments that are not JSON (a call cut by max_tokens, as agent loops send it back) are accepted and rendered as
+    they are, as Qwen3's template renders string arguments in transformers."""
+    from transformers import PreTrainedTokenizerFast
+
+    server, _, tokenizer = setup
+    cut = '{"city": "Zür'
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": cut}}
+    messages = [
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "error: cut"},
+    ]
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=qwen_template(), eos_token="<|im_end|>")
+    expected = hf.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '"arguments": ' + cut + "}" in expected
+    got = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": TOOLS})
+    assert got.status_code == 200, got.text
+    assert got.json()["tokens"] == tokenizer.encode(expected).ids
+    chat = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
 # ---- small endpoints and refused fields ------------------------------------------------------------------------
 
 

@@ -278,7 +278,7 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: an assistant turn's tool-call arguments, sent by OpenAI clients as JSON
     strings, become objects (Hugging Face's convention, which Qwen3's template renders with tojson); vLLM does the
-    same."""
+    same. Arguments that are not JSON stay a string."""
     out = []
     for i, message in enumerate(messages):
         calls = message.get("tool_calls") if isinstance(message, dict) else None
@@ -296,10 +296,9 @@ def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]
             if isinstance(arguments, str):
                 try:
                     arguments = json.loads(arguments) if arguments.strip() else {}
-                except json.JSONDecodeError as e:
-                    raise InvalidRequestError(
-                        f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}", "messages"
-                    ) from e
+                except json.JSONDecodeError:
+                    pass  # a call cut by max_tokens: kept as text, which Qwen3's template renders as it is (OpenAI
+                    # accepts it too; agent loops send such a call back)
             converted.append({**call, "function": {**function, "arguments": arguments}})
         out.append({**message, "tool_calls": converted})
     return out
