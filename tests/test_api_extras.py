@@ -347,6 +347,29 @@ def test_a_call_cut_by_max_tokens_can_be_sent_back(setup):
     assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_the_running_usage_on_every_chunk(setup, path):
+    """guidellm always sends stream_options.continuous_usage_stats: each chunk carries its choice's usage so far (as
+    vLLM sends it), which ends at the finished choice's; the last chunk still has the whole request's usage."""
+    server, _, _ = setup
+    client = openai_client(server)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model="tiny", max_tokens=6, n=2, temperature=1.0, seed=3, stream=True, stream_options=options)
+    if path == "/v1/completions":
+        chunks = list(client.completions.create(prompt=[5, 6, 7], **common))
+    else:
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "x"}], **common))
+    *per_choice, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    finals = {}
+    for index in (0, 1):
+        counts = [c.usage.completion_tokens for c in per_choice if c.choices[0].index == index]
+        assert counts == sorted(counts) and counts[0] <= 1 and counts[-1] == 6, counts
+        finals[index] = next(c.usage for c in per_choice if c.choices[0].finish_reason and c.choices[0].index == index)
+        assert finals[index].total_tokens == finals[index].prompt_tokens + 6
+    assert finals[0].prompt_tokens == last.usage.prompt_tokens
+
+
 # ---- small endpoints and refused fields ------------------------------------------------------------------------
 
 

@@ -39,6 +39,27 @@ def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, An
     }
 
 
+class _RunningUsage:
+    """stream_options.continuous_usage_stats: every chunk of a choice carries that choice's usage so far, as vLLM
+    sends it."""
+
+    def __init__(self, requests: list[RequestTracker]):
+        self.requests = requests
+        self.completion = [0] * len(requests)
+
+    def see(self, index: int, num_new_tokens: int, finished: RequestOutput | None = None) -> None:
+        self.completion[index] = finished.num_completion_tokens if finished else self.completion[index] + num_new_tokens
+
+    def of(self, index: int) -> dict[str, Any]:
+        request = self.requests[index]
+        return usage(request.num_prompt_tokens, self.completion[index], request.num_cached_tokens)
+
+
+def _running_usage(body, requests: list[RequestTracker]) -> _RunningUsage | None:
+    options = body.stream_options
+    return _RunningUsage(requests) if options is not None and options.continuous_usage_stats else None
+
+
 def _token_text(state: ServerState, token: int) -> str:
     return state.engine.frontend.tokenizer.token_text(token) if state.has_tokenizer else str(token)
 
@@ -299,18 +320,16 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
     echoed: dict[int, dict[str, Any]] = {}  # prompt index -> its echoed logprobs
     held: dict[int, list] = {}  # prompt index -> [(choice index, update)] waiting for them
     sent_echo = [False] * len(requests)
+    running = _running_usage(body, requests)
+
+    def event(i: int, choice: dict[str, Any]) -> str:
+        return sse({**header, "choices": [choice], **({"usage": running.of(i)} if running else {})})
+
     if body.echo:  # the prompt goes first, one event per choice
         events = []
         for i in range(len(requests)):
             offsets[i] = len(texts[prompt_of[i]])
-            events.append(
-                sse(
-                    {
-                        **header,
-                        "choices": [{"index": i, "text": texts[prompt_of[i]], "logprobs": None, "finish_reason": None}],
-                    }
-                )
-            )
+            events.append(event(i, {"index": i, "text": texts[prompt_of[i]], "logprobs": None, "finish_reason": None}))
         yield "".join(events)
 
     def events_of(i: int, update, events: list[str]) -> None:
@@ -318,6 +337,11 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
         if echo_logprobs_on and not sent_echo[i] and update.new_logprobs is not None:
             sent_echo[i] = True
             echo_part = echoed.get(prompt_of[i])
+        o = None
+        if update.finished:
+            o = _prompt_only(update.output) if body.prompt_only else update.output
+        if running:
+            running.see(i, 0 if body.prompt_only else len(update.new_token_ids), o)
         if not body.prompt_only:
             text = update.new_text or ""
             logprobs = None
@@ -327,15 +351,10 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
                     logprobs = _join_logprobs(echo_part, logprobs)
             offsets[i] += len(text)
             # One event per token, even when its text is still held back: clients time tokens by events.
-            events.append(
-                sse({**header, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}]})
-            )
+            events.append(event(i, {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}))
         elif echo_part is not None:
-            events.append(
-                sse({**header, "choices": [{"index": i, "text": "", "logprobs": echo_part, "finish_reason": None}]})
-            )
-        if update.finished:
-            o = _prompt_only(update.output) if body.prompt_only else update.output
+            events.append(event(i, {"index": i, "text": "", "logprobs": echo_part, "finish_reason": None}))
+        if o is not None:
             outputs[i] = o
             choice = {
                 "index": i,
@@ -344,7 +363,7 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
                 "finish_reason": o.finish_reason,
                 "stop_reason": vllm_stop_reason(requests[i], o),
             }
-            events.append(sse({**header, "choices": [choice]}))
+            events.append(event(i, choice))
 
     def render(batch) -> str:
         events: list[str] = []  # the batch's events go out in one write
@@ -486,15 +505,18 @@ async def _stream_chat(
     splitters = [ReasoningSplitter(opened) for _ in requests]
     parsers = [ToolCallParser(single_call=not body.parallel_tool_calls) if parse_calls else None for _ in requests]
     started = [False] * len(requests)
+    running = _running_usage(body, requests)
 
     def chunk(index: int, delta: dict[str, Any], logprobs=None, finish_reason=None, **extra) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
-        return sse({**header, "choices": [choice]})
+        return sse({**header, "choices": [choice], **({"usage": running.of(index)} if running else {})})
 
     async for batch in stream_requests(state.engine, requests, state.metrics):
         events = []  # the batch's events go out in one write
         for item in batch:
             i, update = item.index, item.timed.update
+            if running:
+                running.see(i, len(update.new_token_ids), update.output if update.finished else None)
             reasoning, content = splitters[i].feed(update.new_text or "")
             if update.finished:
                 r2, c2 = splitters[i].finish()

@@ -117,8 +117,8 @@ _REFUSED_SAMPLING = {
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
-    _REFUSED = {"continuous_usage_stats": (_truthy, "usage is sent once, at the end (include_usage)")}
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # vLLM's (guidellm always sends it): each chunk has its choice's usage so far
 
 
 def _schema_text(value: Any, field: str) -> str:
