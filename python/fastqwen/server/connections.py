@@ -19,6 +19,7 @@ Refusals are logged through the rate-limited log (log_limit.py), so a flood cann
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -182,6 +183,47 @@ class ScreenedConnection(h11.Connection):
         return event
 
 
+LINGER_S = 2.0  # how long a closed connection still reads (and drops) what the client sends after our response
+
+
+class _LingeringTransport:
+    """The connection's transport, closed the way a server must close while the client may still be sending (a 413
+    before the body, a refusal mid-upload): our response, then a FIN, then whatever the client still sends is read and
+    dropped for LINGER_S (at most; the slot is held meanwhile) before the socket closes. Closing at once would leave unread bytes in the kernel's buffer,
+    which makes it reset the connection, and the reset can destroy our response before the client reads it."""
+
+    def __init__(self, transport, protocol: GuardedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._closing = False
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        transport = self._transport
+        # Only a client cut off mid-body can still be sending: every other close is at once (a refused or finished
+        # connection must not outlive its slot).
+        mid_body = getattr(getattr(self._protocol, "conn", None), "their_state", None) is h11.SEND_BODY
+        if not mid_body or transport.is_closing() or not transport.can_write_eof():
+            transport.close()
+            return
+        self._protocol.lingering = True
+        try:
+            transport.write_eof()
+            transport.resume_reading()
+        except (OSError, RuntimeError):
+            transport.close()
+            return
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def is_closing(self) -> bool:
+        return self._closing or self._transport.is_closing()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 class GuardedH11Protocol(H11Protocol):
     limits = ConnectionLimits()  # set per server by protocol_with(), with its own slots
     slots = ConnectionSlots(limits)
@@ -194,6 +236,8 @@ class GuardedH11Protocol(H11Protocol):
         self._timer = None
         self._phase = None  # "headers" or "body" while a request is being read; None otherwise
         self._slot: str | None = None  # the kind of slot this connection holds; None: refused (or released)
+        self.lingering = False  # closed by us: what arrives now is dropped (_LingeringTransport)
+        transport = _LingeringTransport(transport, self)
         super().connection_made(transport)
         self._peer = self.client[0] if self.client else ""
         admitted = self.slots.admit(self._peer)
@@ -207,8 +251,21 @@ class GuardedH11Protocol(H11Protocol):
         self._arm("headers")
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:  # the rest of a body we already answered: dropped
+            return
         super().data_received(data)
         self._track()
+
+    def _close_now(self) -> None:
+        """Close without lingering: a refusal or a deadline must free the slot at once, whatever the client sends."""
+        transport = self.transport
+        (transport._transport if isinstance(transport, _LingeringTransport) else transport).close()
+
+    def eof_received(self) -> bool | None:
+        if self.lingering:  # the client is done sending too: close now
+            self.transport._transport.close()
+            return None
+        return super().eof_received()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -270,7 +327,7 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # h11 cannot frame a response here: close without one
             pass
-        self.transport.close()
+        self._close_now()
 
     # ---- the read deadline of the request in progress ------------------------------------------------------
 
@@ -343,7 +400,7 @@ class GuardedH11Protocol(H11Protocol):
             )
         if answer:
             self.transport.write(_raw_error(408, "Request Timeout", detail))
-        self.transport.close()  # a route waiting for the body sees the client disconnect
+        self._close_now()  # a route waiting for the body sees the client disconnect
 
 
 def protocol_with(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
