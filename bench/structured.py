@@ -117,13 +117,14 @@ def schemas(output_len: int) -> list[dict]:
 
 
 class MaskClock:
-    """Host time the engine spends filling grammar bitmasks (engine.sampler.fill_bitmasks, timed in place)."""
+    """Host time the samplers spend taking the step's grammar masks (engine.sampler.copy_masks, timed in place: the
+    masks are computed ahead, so this is the wait for any not yet done plus the copy)."""
 
     def __init__(self):
         import fastqwen.engine.sampler as sampler_module
 
         self.seconds, self.calls, self.rows = 0.0, 0, 0
-        fill = sampler_module.fill_bitmasks
+        fill = sampler_module.copy_masks
 
         def timed(rows, out):
             start = time.perf_counter()
@@ -132,7 +133,7 @@ class MaskClock:
             self.calls += 1
             self.rows += len(rows)
 
-        sampler_module.fill_bitmasks = timed
+        sampler_module.copy_masks = timed
 
     def take(self) -> dict:
         taken = {

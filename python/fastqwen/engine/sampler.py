@@ -22,7 +22,7 @@ request is the request's typed `sampler` field (scheduler.SamplerState).
 logit_bias entries and bans share one sparse list per row (id, value; a ban's value is -inf), fixed-width for the
 graphs (GRAPH_BAN_WIDTH) and eager above it. Structured output: a request with a grammar (`Request.grammar`) gets its
 row of a token bitmask (int32 words, vocab / 32) copied in before each draw from the mask its grammar computed ahead,
-on a worker thread (grammar.GrammarMatcher.copy_mask: the scheduler samples a request only once that mask is ready),
+on a worker thread (grammar.copy_masks: the scheduler samples a request only once that mask is ready),
 and uploaded with the rows; a per-row flag tells the kernel which rows read it, so unconstrained rows cost nothing.
 The mask of a step depends on the token of the step before, so a batch holding a constrained request is never sampled
 ahead (can_run_ahead): the engine launches such a step's forward ahead and its sampler once the step before is
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .. import env, ops
+from ..grammar import copy_masks
 from ..ops.sampling import (
     SamplingBatch,
     pack_sampler_rows,
@@ -205,8 +206,7 @@ class ReferenceSampler(Sampler):
         constrained = [(r.grammar, i) for i, r in enumerate(requests) if r.grammar is not None and i not in skip]
         if constrained:
             mask = np.zeros((len(requests), self.mask_words()), dtype=np.int32)
-            for grammar, i in constrained:
-                grammar.copy_mask(mask[i])
+            copy_masks(constrained, mask)
             ops.apply_token_bitmask(logits, [i for _, i in constrained], torch.from_numpy(mask))
 
 
@@ -408,8 +408,7 @@ class GpuSampler(Sampler):
         self._upload_bans(bans, n, graph=pad_to > 0)
         if constrained:
             masks = self.mask_host.numpy()
-            for grammar, i in constrained:  # a copy of each mask computed ahead (it waits only if the caller did not)
-                grammar.copy_mask(masks[i])
+            copy_masks(constrained, masks)  # each computed ahead: a wait only if the caller did not wait
             self.mask[:n].copy_(self.mask_host[:n], non_blocking=True)
         if pad_to > n:
             host[n:pad_to] = self._neutral_row

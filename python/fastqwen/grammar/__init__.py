@@ -16,7 +16,7 @@ model's tokenizer, and the per-step token bitmasks the samplers apply.
 Token ids only: no text of requests, no tensors (masks are filled into caller-owned int32 host memory).
 """
 
-from .compiler import GrammarCompiler, GrammarMatcher, fill_bitmasks
+from .compiler import GrammarCompiler, GrammarMatcher, copy_masks, fill_bitmasks
 from .spec import check_structured, check_tokenizer, llguidance_grammar
 from .tool_calls import tool_call_structured
 
@@ -25,6 +25,7 @@ __all__ = [
     "GrammarMatcher",
     "check_structured",
     "check_tokenizer",
+    "copy_masks",
     "fill_bitmasks",
     "llguidance_grammar",
     "tool_call_structured",

@@ -135,6 +135,13 @@ class GrammarMatcher:
             wait([self._job])
 
 
+def copy_masks(rows: list[tuple[GrammarMatcher, int]], out: np.ndarray) -> None:
+    """The samplers' one way to take the step's masks: each matcher's mask, computed ahead, into row `index` of out
+    [R, ceil(vocab / 32)] int32 (waiting for any still being computed)."""
+    for matcher, index in rows:
+        matcher.copy_mask(out[index])
+
+
 def fill_bitmasks(rows: list[tuple[GrammarMatcher, int]], out: np.ndarray) -> None:
     """Write each matcher's allowed-token bitmask into row `index` of out [R, ceil(vocab / 32)] int32 (C-contiguous,
     e.g. a pinned buffer's numpy view), all rows in parallel outside the GIL. (The engine's samplers copy the masks
