@@ -5,6 +5,7 @@ one)."""
 from __future__ import annotations
 
 from .errors import InvalidRequestError
+from .sampling_params import MAX_LOGPROBS
 
 # Prompt logprobs are kept per prompt token (with up to 20 alternatives each) until the request's first token goes
 # out, in the engine and again in the response: longer prompts are refused rather than held in memory.
@@ -61,7 +62,7 @@ def check_prompt_logprobs(num_prompt_tokens: int, start: int, param: str) -> Non
 # lm-eval's loglikelihood requests (echo, logprobs 1 to 5, n 1, a few prompts of a few thousand tokens) use a few
 # percent of it. The echo request of issue 40 (2,000 positions x 21 x n = 128: 5.4 million entries, a 158 MB response
 # built in 117 s) does not fit.
-MAX_PROMPT_LOGPROB_ENTRIES = MAX_PROMPT_LOGPROB_TOKENS * 21
+MAX_PROMPT_LOGPROB_ENTRIES = MAX_PROMPT_LOGPROB_TOKENS * (MAX_LOGPROBS + 1)  # the top-k and the prompt token
 
 
 def check_prompt_logprob_entries(positions: int, top: int, copies: int, param: str) -> None:
