@@ -17,6 +17,9 @@
 #            batch1-step-breakdown.md in bench/results/current/)
 #   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
 #            bench_serving (SGL_TOOLS)                                      (README: serving-256.md)
+#   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
+#            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
+#   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
 # Every stage after `tests` builds first if the package is not installed yet.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
@@ -244,10 +247,46 @@ stage_fp8serving() {  # bench/results/current/serving-256.md: bf16 and FP8 weigh
   done
 }
 
+SPEC_SYNTHETIC='{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_length": 2.0}'
+
+stage_speculative() {  # issue 42: a server and an engine side by side (small pools), speculation off then on
+  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  for q in ${SPEC_QUANT:-none fp8}; do
+    for mode in off on; do
+      local extra=()
+      [ "$mode" = on ] && extra=(--speculative-config "$SPEC_SYNTHETIC")
+      start_server "server_spec_${mode}_$q.log" /tmp/qwen3-8b-dummy --quantization "$q" --num-pages 2048 "${extra[@]}" &&
+        run "latency_spec_${mode}_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy \
+        --quantization "$q" --num-pages 2048 --prompt-lens 128 --new-tokens 128 --url http://127.0.0.1:8000 \
+        "${extra[@]}" --json "$OUT/latency_spec_${mode}_$q.json"
+      stop_server
+    done
+  done
+}
+
+stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in flight and cost nothing at 256
+  for c in ${SPEC_INFLIGHT:-1 4 16}; do
+    for mode in off on; do
+      local extra=()
+      [ "$mode" = on ] && extra=(--speculative-config "$SPEC_SYNTHETIC")
+      run "throughput_spec_${mode}_c$c" 120 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
+        --workload fixed --num-prompts $((c * 4)) --input-len 128 --output-len 256 --max-num-seqs "$c" \
+        "${extra[@]}" --json "$OUT/throughput_spec_${mode}_c$c.json"
+    done
+  done
+  for mode in ${SPEC_SATURATED:-off on}; do
+    local extra=()
+    [ "$mode" = on ] && extra=(--speculative-config "$SPEC_SYNTHETIC")
+    run "throughput_spec_${mode}_c256" 200 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
+      --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 "${extra[@]}" \
+      --json "$OUT/throughput_spec_${mode}_c256.json"
+  done
+}
+
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|fp8serving)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|fp8serving|speculative|specthroughput)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

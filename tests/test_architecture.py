@@ -68,6 +68,8 @@ FORBIDDEN = {
     "ops": ["engine", "server", "model", "scheduler", "kvcache", "tokenizer", "frontend"],
     "tokenizer": ["engine", "server", "model", "scheduler", "kvcache", "ops", "frontend"],
     "grammar": ["engine", "server", "model", "scheduler", "kvcache", "ops", "tokenizer", "frontend"],
+    # Drafters and the acceptance rule see token ids only; the scheduler asks for drafts, the engine verifies them.
+    "speculative": ["engine", "server", "model", "scheduler", "kvcache", "ops", "tokenizer", "frontend", "grammar"],
     # Resolved before anything loads, from the entry points and the engine: it knows files, not the machinery.
     "model_source": ["engine", "server", "model", "scheduler", "kvcache", "ops", "tokenizer", "frontend", "llm"],
     # The native module's loader, at the bottom beside env.py: ops and kvcache both load _C through it.

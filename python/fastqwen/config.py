@@ -369,6 +369,11 @@ class EngineConfig:
     chat_template: str | None = _knob(
         None, "chat template: a jinja file, or the template itself (default: the tokenizer's)"
     )
+    # ---- speculative decoding (speculative/) ----
+    speculative_config: str | None = _knob(
+        None,
+        'speculative decoding, as a JSON object: {"method": "ngram" or "suffix", "num_speculative_tokens": k (1-7), ...} (speculative/config.py lists every key; "synthetic_acceptance_length" is for benchmarks only: outputs are not the model\'s)',
+    )
     # ---- structured output (grammar/compiler.py) ----
     grammar_cache_mib: int = _knob(
         512,
@@ -416,6 +421,13 @@ class EngineConfig:
         )
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
         need(_positive_int(self.grammar_cache_mib), "grammar_cache_mib", "a positive integer (MiB)")
+        if self.speculative_config is not None:
+            from .speculative.config import SpeculativeConfig, SpeculativeConfigError
+
+            try:
+                SpeculativeConfig.parse(self.speculative_config)
+            except SpeculativeConfigError as error:
+                raise ConfigError(str(error), "speculative_config") from None
         for name in ("revision", "tokenizer", "chat_template"):
             need(
                 getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""),

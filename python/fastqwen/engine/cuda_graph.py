@@ -14,6 +14,11 @@ graph alone, on the logits the forward left.
 
 All graphs share one memory pool and are captured largest first, so the smaller ones reuse the largest one's
 activation memory.
+
+Speculative decoding's verify steps have graphs of their own (`query_len` = 1 + the draft length): each sequence
+computes query_len tokens through the prefill attention kernel and every token gets a logits row. Their padding
+sequences read the query_len first slots of page 0 (kv_lens = query_len: the causal mask of a sequence shorter than
+its query is not a case the kernel serves) and write nothing.
 """
 
 from __future__ import annotations
@@ -80,7 +85,9 @@ class DecodeGraphs:
         staging: BatchStaging,
         max_bs: int,
         post_logits: PostLogits | None = None,
+        query_len: int = 1,
     ):
+        self.query_len = query_len
         self.model = model
         self.kv = kv
         self.staging = staging
@@ -94,8 +101,22 @@ class DecodeGraphs:
         self.memory_bytes = 0
 
     def layout(self, size: int) -> Layout:
-        """A decode layout: size tokens, sequences and sampling rows; page-table rows as wide as the longest sequence."""
-        return Layout(size, size, size, self.staging.max_width)
+        """A decode layout: size sequences of query_len tokens, each token a sampling row; page-table rows as wide as
+        the longest sequence."""
+        q = self.query_len
+        return Layout(size * q, size, size * q, self.staging.max_width)
+
+    def fill_padding(self, views: dict, start: int, end: int) -> None:
+        """Sequences [start, end) of this layout become padding."""
+        q = self.query_len
+        if q == 1:
+            fill_padding(views, start, end)
+            return
+        views["input_ids"][start * q : end * q] = 0
+        views["positions"][start * q : end * q] = 0
+        views["out_slots"][start * q : end * q] = -1
+        views["kv_lens"][start:end] = q
+        views["page_table"][start:end, 0] = 0
 
     def padded_size(self, batch_size: int) -> int | None:
         """The smallest captured size that holds batch_size sequences, or None (run eager)."""
@@ -113,11 +134,12 @@ class DecodeGraphs:
             kv_lens=v["kv_lens"],
             page_table=v["page_table"],
             logits_indices=v["logits_indices"],
-            is_decode=True,
+            is_decode=self.query_len == 1,
+            max_query_len=self.query_len,
         )
 
     def _run(self, batch: ForwardBatch, size: int) -> None:
-        self.model.forward(batch, self.kv, logits_out=self.logits[:size])
+        self.model.forward(batch, self.kv, logits_out=self.logits[: size * self.query_len])
 
     @torch.inference_mode()
     def capture(self) -> DecodeGraphs:
@@ -139,22 +161,23 @@ class DecodeGraphs:
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
-        self.logits = torch.empty(self.max_bs, self.model.cfg.vocab_size, dtype=torch.float32, device=device)
+        q = self.query_len
+        self.logits = torch.empty(self.max_bs * q, self.model.cfg.vocab_size, dtype=torch.float32, device=device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):
             layout = self.layout(size)
             views = self.staging.host_views(layout)
-            fill_padding(views, 0, size)  # a capture computes on padding only: no KV is written or read
-            views["logits_indices"][:] = range(size)
-            views["query_start"][:] = range(size + 1)
+            self.fill_padding(views, 0, size)  # a capture computes on padding only: no KV is written
+            views["logits_indices"][:] = range(size * q)
+            views["query_start"][:] = range(0, (size + 1) * q, q)
             self.staging.upload(layout)
             batch = self.batch(size)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 self._run(batch, size)  # warm-up outside the capture: cuBLAS settles its kernels and workspace
                 if self.post_logits is not None:
-                    self.post_logits(self.logits[:size], size)
+                    self.post_logits(self.logits[: size * q], size * q)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._run(batch, size)
@@ -162,7 +185,7 @@ class DecodeGraphs:
             if self.post_logits is not None:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.post_logits(self.logits[:size], size)
+                    self.post_logits(self.logits[: size * q], size * q)
                 self.sample_graphs[size] = graph
             torch.cuda.current_stream(device).wait_stream(stream)  # the next upload must not overtake the warm-up
         torch.cuda.synchronize(device)
@@ -177,12 +200,12 @@ class DecodeGraphs:
         self.graphs[size].replay()
         if size in self.sample_graphs:
             self.sample_graphs[size].replay()
-        return self.logits[:size]
+        return self.logits[: size * self.query_len]
 
     def replay_forward(self, size: int) -> torch.Tensor:
-        """The forward's graph alone: logits [size, vocab], the hook not run."""
+        """The forward's graph alone: logits [size x query_len, vocab], the hook not run."""
         self.graphs[size].replay()
-        return self.logits[:size]
+        return self.logits[: size * self.query_len]
 
     def replay_sampler(self, size: int) -> None:
         """The post-logits hook's graph alone, on the logits the last forward of this size left."""

@@ -27,12 +27,14 @@ from ..ops import _native
 from ..ops.collectives import SINGLE, ParallelGroup
 from ..scheduler import FinishReason, Request, RequestState, ScheduledBatch, Scheduler
 from ..sharding import Shard
+from ..speculative import SpeculativeConfig, Speculator
 from ..weights import dummy_weights, fold_norms, load_kv_scales, load_weights
 from .cuda_graph import DecodeGraphs, unsupported_reason
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .model_runner import ModelRunner
 from .sampler import make_sampler
 from .staging import staging_for
+from .verify import emitted_tokens
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,14 @@ def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
     )
 
 
+def _with_first_rows(scheduled: ScheduledBatch):
+    """(chunk, index of its first sampling row) for every chunk; a chunk that does not sample gets -1."""
+    row = 0
+    for chunk in scheduled.chunks:
+        yield chunk, (row if chunk.samples else -1)
+        row += chunk.num_rows
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | str, parallel: ParallelGroup = SINGLE, **knobs):
         """config: an EngineConfig, or a model path/preset plus EngineConfig's knobs as keywords.
@@ -170,10 +180,22 @@ class LLMEngine:
                 "from the checkpoint" if k_scales else "1.0",
                 "from the checkpoint" if v_scales else "1.0",
             )
+        # Speculative decoding (speculative/): a verify step samples 1 + k rows per sequence, for batches up to the
+        # speculator's max_batch_size.
+        spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.speculator = Speculator(spec_config) if spec_config is not None else None
+        verify_graph = None
+        sampler_rows = self.staging.max_seqs
+        if spec_config is not None:
+            spec_bs = min(spec_config.max_batch_size, max_num_seqs)
+            query_len = spec_config.num_speculative_tokens + 1
+            sampler_rows = max(sampler_rows, spec_bs * query_len)
+            if graph_bs and spec_bs:
+                verify_graph = (spec_bs, query_len)
         # The sampler's buffers (and its penalty-count table, when graphs capture it) are allocated before the KV pool
         # is sized, so the pool gets what they leave.
         self.sampler = make_sampler(
-            cfg.vocab_size, self.staging.max_seqs, self.device, self.generation_defaults.eos_token_ids, seed
+            cfg.vocab_size, sampler_rows, self.device, self.generation_defaults.eos_token_ids, seed
         )
         if graph_bs:
             self.sampler.freeze()
@@ -205,6 +227,7 @@ class LLMEngine:
             self.max_model_len,
             self.generation_defaults.eos_token_ids,
             self.cache,
+            self.speculator,
         )
         # Structured output: grammars compile on the compiler's threads; a request waits here (not in the scheduler)
         # until its grammar is compiled and its first mask computed, so no step ever waits on either while other
@@ -227,7 +250,11 @@ class LLMEngine:
             self.staging,
             cuda_graph_max_bs=graph_bs,
             sampler=self.sampler,
+            verify_graph=verify_graph,
         )
+        if self.speculator is not None:
+            # Verify graphs take drafts of one length: a short draft is filled up (any token is a valid guess).
+            self.speculator.pad_drafts = self.runner.verify_graphs is not None
         self.runner.mask_gate = functools.partial(rows_without_masks, wait_for_all=not parallel.single)
         self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
@@ -524,8 +551,7 @@ class LLMEngine:
             pending = self.runner.launch(scheduled)
         skipped = pending.skipped
         if skipped:  # rows sampled without their grammar's mask: they compute that token again in a later step
-            rows = iter(range(len(scheduled.chunks)))
-            scheduled = ScheduledBatch([c for c in scheduled.chunks if not (c.samples and next(rows) in skipped)])
+            scheduled = ScheduledBatch([c for c, row in _with_first_rows(scheduled) if row not in skipped])
         if self.overlap and pending.host is not None:
             following = self.scheduler.schedule_ahead(scheduled)
             if following is not None:
@@ -538,17 +564,23 @@ class LLMEngine:
             kept = [i for i in range(len(tokens)) if i not in skipped]
             tokens = [tokens[i] for i in kept]
             logprobs = None if logprobs is None else [logprobs[i] for i in kept]
-        advanced = self.scheduler.update(scheduled, tokens)
+        sampled = emitted_tokens(scheduled, tokens, self.speculator) if scheduled.has_drafts else tokens
+        first_rows = [row for c, row in _with_first_rows(scheduled) if c.samples]
+        advanced = self.scheduler.update(scheduled, sampled)
         if self.check_every_step:
             self.check_invariants()
         deltas = failures
-        for request, index in advanced:
+        for request, index, kept in advanced:
             finish = request.finish_reason
+            row = first_rows[index]
+            new_logprobs = None
+            if logprobs is not None and logprobs[row] is not None:
+                new_logprobs = logprobs[row : row + kept]
             deltas.append(
                 RequestDelta(
                     rid=request.rid,
-                    new_token_ids=[tokens[index]],
-                    new_logprobs=[logprobs[index]] if logprobs is not None and logprobs[index] is not None else None,
+                    new_token_ids=request.token_ids[len(request.token_ids) - kept :],
+                    new_logprobs=new_logprobs,
                     finish_reason=finish.value if finish is not None else None,
                     error=request.grammar.error
                     if finish is FinishReason.ERROR and request.grammar is not None
@@ -571,6 +603,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
+        spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting) + len(self._compiling),
@@ -578,6 +611,10 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             num_computed_tokens=scheduler.num_computed_tokens,
             num_ahead_steps=self.num_ahead_steps,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
         )
 
     def kv_usage(self) -> float:

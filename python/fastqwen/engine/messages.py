@@ -74,6 +74,12 @@ class EngineStats:
     num_preemptions: int = 0
     num_computed_tokens: int = 0  # tokens of every step that ran: prefill work actually done, plus decodes
     num_ahead_steps: int = 0  # decode steps launched ahead by the overlap schedule
+    # Speculative decoding (vLLM's spec_decode counters): verify steps of one request, draft tokens proposed and
+    # accepted, and the accepted count at each draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from .cuda_graph import DecodeGraphs, fill_padding
 from .messages import TokenLogprobs
 from .sampler import ReferenceSampler, Sampler
 from .staging import BatchStaging, Layout, staging_for
+from .verify import sampling_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,10 @@ class ModelRunner:
         staging: BatchStaging | None = None,
         cuda_graph_max_bs: int = 0,
         sampler: Sampler | None = None,
+        verify_graph: tuple[int, int] | None = None,
     ):
+        """verify_graph: (largest batch, tokens per sequence) of speculative decoding's verify steps to capture in
+        CUDA graphs (drafts of one length for the whole batch), or None."""
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -95,12 +99,26 @@ class ModelRunner:
                 self.graphs.capture_seconds,
                 self.graphs.memory_bytes / 2**20,
             )
+        self.verify_graphs: DecodeGraphs | None = None
+        if self.graphs is not None and verify_graph is not None:
+            max_bs, query_len = verify_graph
+            self.verify_graphs = DecodeGraphs(
+                model, kv, self.staging, max_bs, self.sampler.graph_hook, query_len=query_len
+            ).capture()
+            log.info(
+                "captured %d CUDA graphs for verify steps of %d tokens per sequence, batches up to %d, in %.2f s",
+                len(self.verify_graphs.sizes),
+                query_len,
+                self.verify_graphs.max_bs,
+                self.verify_graphs.capture_seconds,
+            )
         # The one read-back of a step: sampled tokens, through pinned memory, then a wait on an event. Two buffers
         # alternate: a step launched ahead must not land on the tokens the host is still reading. The same goes for
         # the rows a step launched ahead takes its input tokens from (indexed like the read-back it goes with).
         on_gpu = self.device.type == "cuda"
         self._flip = 0
-        self._tokens_host = [torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        max_rows = getattr(self.sampler, "max_rows", self.staging.max_seqs)
+        self._tokens_host = [torch.empty(max_rows, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self._tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
         self._source_rows_host = [
             torch.empty(self.staging.max_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)
@@ -205,7 +223,7 @@ class ModelRunner:
         self._table_size = 0  # this layout may overwrite the graph layouts' page-table rows
         page_size = self.kv.page_size
         chunks = scheduled.chunks
-        num_samples = sum(1 for c in chunks if c.samples)
+        num_samples = sum(c.num_rows for c in chunks)
         width = max(len(c.request.pages) for c in chunks)
         layout = Layout(scheduled.num_tokens, len(chunks), num_samples, width)
         views = self.staging.host_views(layout)
@@ -215,28 +233,31 @@ class ModelRunner:
         query_start[0] = 0
         t = s = max_query_len = 0
         for row, chunk in enumerate(chunks):
-            request, start, end = chunk.request, chunk.start, chunk.end
+            request, start, end, draft = chunk.request, chunk.start, chunk.end, chunk.draft
             pages = request.pages
-            n = end - start
+            n = chunk.num_tokens
             max_query_len = max(max_query_len, n)
-            input_ids[t : t + n] = request.token_ids[start:end]
+            input_ids[t : t + end - start] = request.token_ids[start:end]
+            if draft:
+                input_ids[t + end - start : t + n] = draft
             if n == 1:
                 positions[t] = start
                 out_slots[t] = pages[start // page_size] * page_size + start % page_size
             else:
-                span = np.arange(start, end, dtype=np.int64)
+                span = np.arange(start, start + n, dtype=np.int64)
                 positions[t : t + n] = span
                 out_slots[t : t + n] = (
                     np.asarray(pages, dtype=np.int64)[span // page_size] * page_size + span % page_size
                 )
             t += n
             query_start[row + 1] = t
-            kv_lens[row] = end
+            kv_lens[row] = start + n
             page_table[row, : len(pages)] = pages
             page_table[row, len(pages) :] = 0  # the reference paths gather whole rows
-            if chunk.samples:
-                logits_indices[s] = t - 1
-                s += 1
+            if chunk.samples:  # the last token, and each draft token before it
+                rows = chunk.num_rows
+                logits_indices[s : s + rows] = np.arange(t - rows, t)
+                s += rows
         self.staging.upload(layout)
         v = self.staging.device_views(layout)
         return ForwardBatch(
@@ -260,7 +281,7 @@ class ModelRunner:
 
     def _read_back(self, tokens: torch.Tensor) -> list[int]:
         """The step's one device-to-host transfer: a non-blocking copy into pinned memory, then a wait for it."""
-        if self.device.type != "cuda" or tokens.shape[0] > self.staging.max_seqs:
+        if self.device.type != "cuda" or tokens.shape[0] > self._tokens_host[0].shape[0]:
             return tokens.tolist()
         host, ready = self._start_read_back(tokens)
         ready.synchronize()
@@ -302,13 +323,69 @@ class ModelRunner:
             return self._launch_ahead(chunks, after)
         if not chunks:
             return PendingStep([], tokens=[])
+        if scheduled.has_drafts:
+            size = self._verify_graph_size(scheduled)
+            if size:
+                return self._launch_verify_graph(scheduled, size)
         graph_size = self._graph_size(scheduled)
         if graph_size and self.sampler.graph_hook is not None and all(c.request.mask_ready for c in chunks):
             return self._launch_graph(chunks, graph_size)  # the graph samples too: its rows are filled first
         # (A row whose grammar mask is still computed: the sampler runs after the forward, which the mask has until.)
         batch, graph_size = self._build(scheduled, graph_size)
         tokens, logprobs, skipped = self._run_eager(scheduled, batch, graph_size)
-        return PendingStep([c.request for c in chunks if c.samples], tokens=tokens, logprobs=logprobs, skipped=skipped)
+        return PendingStep(sampling_rows(scheduled), tokens=tokens, logprobs=logprobs, skipped=skipped)
+
+    # ---- speculative decoding's verify steps ----------------------------------------------------------------------
+
+    def _verify_graph_size(self, scheduled: ScheduledBatch) -> int:
+        """The captured verify size that replays this step, or 0 (eager): every chunk decodes with a draft of the
+        captured length, and the sampler's bans fit."""
+        graphs = self.verify_graphs
+        if graphs is None or len(scheduled.chunks) > graphs.max_bs or self.sampler.graph_hook is None:
+            return 0
+        q = graphs.query_len
+        for c in scheduled.chunks:
+            if c.end - c.start != 1 or not c.samples or 1 + len(c.draft) != q:
+                return 0
+        if not self.sampler.fits_graph(sampling_rows(scheduled)):
+            return 0
+        return graphs.padded_size(len(scheduled.chunks))
+
+    def _launch_verify_graph(self, scheduled: ScheduledBatch, size: int) -> PendingStep:
+        """Replay the verify graphs (forward, then the sampler over every position) and start the read-back."""
+        graphs = self.verify_graphs
+        q = graphs.query_len
+        rows = sampling_rows(scheduled)
+        self.staging.wait_uploaded()
+        self.sampler.prepare(rows, pad_to=size * q)
+        self._table_size = 0  # this layout overwrites the decode layouts' page-table rows
+        page_size = self.kv.page_size
+        layout = graphs.layout(size)
+        views = self.staging.host_views(layout)
+        ids, positions, slots, page_table = (
+            views["input_ids"],
+            views["positions"],
+            views["out_slots"],
+            views["page_table"],
+        )
+        for b, chunk in enumerate(scheduled.chunks):
+            request, start = chunk.request, chunk.start
+            pages = np.asarray(request.pages, dtype=np.int64)
+            span = np.arange(start, start + q, dtype=np.int64)
+            ids[b * q] = request.token_ids[start]
+            ids[b * q + 1 : (b + 1) * q] = chunk.draft
+            positions[b * q : (b + 1) * q] = span
+            slots[b * q : (b + 1) * q] = pages[span // page_size] * page_size + span % page_size
+            views["kv_lens"][b] = start + q
+            page_table[b, : len(pages)] = pages
+        n = len(scheduled.chunks)
+        graphs.fill_padding(views, n, size)
+        views["logits_indices"][:] = np.arange(size * q)
+        views["query_start"][:] = np.arange(0, (size + 1) * q, q)
+        self.staging.upload(layout)
+        graphs.replay(size)
+        host, ready = self._start_read_back(self.sampler.tokens[: len(rows)])
+        return PendingStep(rows, host=host, ready=ready, num_top=self.sampler.num_top)
 
     def _launch_ahead(self, chunks, after: PendingStep) -> PendingStep | None:
         graphs, sampler = self.graphs, self.sampler
@@ -389,7 +466,7 @@ class ModelRunner:
             self._record_prompt_logprobs(hidden, prompt_rows)
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None, frozenset()
-        requests = [c.request for c in scheduled.chunks if c.samples]
+        requests = sampling_rows(scheduled)
         skipped = self.mask_gate(requests, self._device_busy())
         return *self.sampler.sample(logits[: len(requests)], requests, self._read_back, skipped), skipped
 

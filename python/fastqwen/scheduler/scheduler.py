@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..kvcache.radix_cache import RadixCache
 from ..limits import check_fits
+from ..speculative import Speculator
 from .admission import Admission
 from .request import FinishReason, Request, RequestState
 
@@ -39,11 +40,23 @@ from .request import FinishReason, Request, RequestState
 class ScheduledChunk:
     request: Request
     start: int  # first token computed (== request.cached_len when scheduled)
-    end: int  # one past the last
+    end: int  # one past the last of its own tokens
+    # Speculative decoding: tokens proposed to follow the request's last one, computed after it in the same step
+    # (their KV written at end, end + 1, ...), each position sampled: the engine keeps the run the target agrees with.
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         return self.end == len(self.request.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start + len(self.draft)
+
+    @property
+    def num_rows(self) -> int:
+        """Its sampling rows: one per verified position (none for a prefill chunk that stops short)."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass
@@ -52,11 +65,15 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.end - c.start for c in self.chunks)
+        return sum(c.num_tokens for c in self.chunks)
 
     @property
     def is_decode(self) -> bool:
-        return all(c.end - c.start == 1 for c in self.chunks)
+        return all(c.num_tokens == 1 for c in self.chunks)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(c.draft for c in self.chunks)
 
 
 class Scheduler:
@@ -69,6 +86,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: list[int],
         cache: RadixCache | None = None,
+        speculator: Speculator | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -84,6 +102,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # tokens of every step recorded: prefill work actually done, plus decodes
         self.admission = Admission(self)  # who joins the running batch, and when
+        self.speculator = speculator  # drafts for decoding requests (speculative/), or None
 
     # ---- requests in and out -------------------------------------------------------------------------------
 
@@ -118,6 +137,8 @@ class Scheduler:
         self._release(request)
         request.state = RequestState.FINISHED
         request.finish_reason = FinishReason.ERROR
+        if self.speculator is not None:
+            self.speculator.finish(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -129,12 +150,16 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         # Decodes first so a long prefill chunk never starves them; both in admission order.
         pending = sorted(self.running, key=lambda r: (r.uncomputed > 1, r.arrival))
+        speculating = self.speculator is not None and self.speculator.active(len(self.running))
         preempted = False
         while pending and budget > 0:
             request = pending.pop(0)
             n = self._chunk_size(request, budget)
             if n == 0:
                 continue  # its grammar's mask is not ready: it decodes in a later step
+            draft = self._draft(request, budget - 1) if speculating and n == request.uncomputed == 1 else ()
+            if draft and not self._grow(request, request.cached_len + 1 + len(draft)):
+                draft = ()  # no pages for the draft: decode without it before preempting anyone
             while not self._grow(request, request.cached_len + n):
                 victim = max(pending, key=lambda r: r.arrival) if pending else request
                 self._preempt(victim)
@@ -143,8 +168,8 @@ class Scheduler:
                     break
                 pending.remove(victim)
             else:
-                chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n))
-                budget -= n
+                chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n, draft))
+                budget -= n + len(draft)
         # Then waiting requests, as the admission policy (admission.py) allows.
         while self.admission.has_room(budget, preempted):
             n = self.admission.try_admit_next(chunks, budget)
@@ -174,6 +199,8 @@ class Scheduler:
         """
         if not batch.chunks or not batch.is_decode or len(batch.chunks) != len(self.running):
             return None
+        if self.speculator is not None and self.speculator.active(len(self.running)):
+            return None  # the next step's drafts follow this step's tokens: it is chosen once they are known
         if self.admission.might_admit():
             return None
         chunks = []
@@ -191,11 +218,13 @@ class Scheduler:
             return None
         return ScheduledBatch(chunks)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[Request, int]]:
-        """Record a step's results: sampled[i] belongs to the i-th sampling chunk.
+    def update(self, batch: ScheduledBatch, sampled: list[int | list[int]]) -> list[tuple[Request, int, int]]:
+        """Record a step's results: sampled[i] belongs to the i-th sampling chunk, its token, or for a chunk with a
+        draft the tokens it emits (the accepted draft tokens, then the target's next one).
 
-        Returns (request, i) for every request that got a new token, finished or not. A request that finished (or
-        was aborted) after the step was launched gets nothing.
+        Returns (request, i, n) for every request that got new tokens, finished or not: the first n of sampled[i]'s
+        tokens were kept (fewer than emitted when one of them stops the request). A request that finished (or was
+        aborted) after the step was launched gets nothing.
         """
         self.num_computed_tokens += batch.num_tokens
         advanced = []
@@ -208,19 +237,31 @@ class Scheduler:
             request.cached_len = chunk.end
             if not chunk.samples:
                 continue
-            token = sampled[index]
-            request.token_ids.append(token)
+            emitted = sampled[index]
+            tokens = emitted if isinstance(emitted, list) else [emitted]
             request.mask_missed = False
-            advanced.append((request, index))
-            reason = self._stop_reason(request, token)
-            if request.grammar is not None and not request.grammar.advance(token):
-                if request.grammar.error is not None:  # it gave up (whatever the token was, EOS included)
-                    request.stop_reason, reason = None, FinishReason.ERROR
-                elif reason is not FinishReason.STOP:
-                    request.stop_reason, reason = None, FinishReason.STOP  # the grammar is complete: nothing can follow
+            kept = 0
+            reason = None
+            for token in tokens:
+                request.token_ids.append(token)
+                kept += 1
+                reason = self._stop_reason(request, token)
+                if request.grammar is not None and not request.grammar.advance(token):
+                    if request.grammar.error is not None:  # it gave up (whatever the token was, EOS included)
+                        request.stop_reason, reason = None, FinishReason.ERROR
+                    elif reason is not FinishReason.STOP:
+                        request.stop_reason, reason = None, FinishReason.STOP  # the grammar is complete
+                if reason is not None:
+                    break
+            # The KV of the accepted draft tokens is valid (each equals the token kept at its position); the rest
+            # of the draft's KV lies past cached_len, is never read, and its pages are given back.
+            request.cached_len = chunk.end + min(kept - 1, len(chunk.draft))
+            advanced.append((request, index, kept))
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
+            elif chunk.draft:
+                self._trim_pages(request)
         if self.cache is not None:
             for chunk in batch.chunks:  # share freshly prefilled pages with requests admitted from now on
                 if chunk.end - chunk.start > 1 and not chunk.request.finished:
@@ -248,6 +289,23 @@ class Scheduler:
         if n == request.uncomputed and request.waits_for_mask:
             n -= 1
         return n
+
+    def _draft(self, request: Request, budget: int) -> tuple[int, ...]:
+        """The speculator's draft for a decoding request: no longer than the budget, and leaving room in max_tokens
+        and the context for the token the step samples anyway."""
+        limit = min(
+            budget,
+            request.params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - len(request.token_ids) - 1,
+        )
+        return self.speculator.propose(request, limit) if limit > 0 else ()
+
+    def _trim_pages(self, request: Request) -> None:
+        """Give back the pages a verify step grew for draft tokens that were rejected (past the request's tokens)."""
+        keep = self._pages_for(len(request.token_ids))
+        if len(request.pages) > keep:
+            self.allocator.decref(request.pages[keep:])
+            del request.pages[keep:]
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -326,3 +384,5 @@ class Scheduler:
         self._release(request)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
+        if self.speculator is not None:
+            self.speculator.finish(request)

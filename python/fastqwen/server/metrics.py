@@ -276,6 +276,23 @@ class _EngineState:
         )
         preemptions.add_metric(name, stats.num_preemptions)
         yield preemptions
+        if stats.spec_accepted_per_position:  # speculative decoding is on: vLLM's spec_decode counters
+            for metric, doc, value in (
+                ("spec_decode_num_drafts", "Verify steps of one request with a draft.", stats.spec_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
+            ):
+                family = CounterMetricFamily(p + metric, doc, labels=["model_name"])
+                family.add_metric(name, value)
+                yield family
+            per_position = CounterMetricFamily(
+                p + "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each draft position.",
+                labels=["model_name", "position"],
+            )
+            for position, value in enumerate(stats.spec_accepted_per_position):
+                per_position.add_metric([self.model_name, str(position)], value)
+            yield per_position
         config_labels = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"]
         config = GaugeMetricFamily(
             p + "cache_config_info", "The KV cache's configuration, in its labels.", labels=config_labels

@@ -17,11 +17,16 @@ def stats_line(before: Totals, after: Totals, seconds: float, stats, preemptions
     """One line from the totals at the start and end of an interval and the engine's stats at its end."""
     queried = after.prefix_queries - before.prefix_queries
     hit_rate = f"{100 * (after.prefix_hits - before.prefix_hits) / queried:.1f}%" if queried else "-"
+    spec = ""
+    if stats.spec_accepted_per_position:  # speculative decoding is on
+        drafts = stats.spec_num_drafts
+        length = f"{1 + stats.spec_num_accepted_tokens / drafts:.2f}" if drafts else "-"
+        spec = f", speculative acceptance length {length} since start"
     return (
         f"prompt {(after.prompt_tokens - before.prompt_tokens) / seconds:,.1f} tok/s, generation "
         f"{(after.generation_tokens - before.generation_tokens) / seconds:,.1f} tok/s, running {stats.num_running}, "
         f"waiting {stats.num_waiting}, KV cache {100 * stats.kv_usage:.1f}% used, prefix cache hit rate {hit_rate}, "
-        f"preemptions {stats.num_preemptions - preemptions_before}, finished {after.finished - before.finished}"
+        f"preemptions {stats.num_preemptions - preemptions_before}, finished {after.finished - before.finished}" + spec
     )
 
 

@@ -1,0 +1,80 @@
+"""Verifying drafts: the sampling rows of a step whose chunks carry drafts, and the tokens each chunk emits.
+
+A chunk with a draft of k tokens has 1 + k sampling rows: row 0 at the request's last token, row i after the draft's
+first i tokens. The sampler sees row i as the request with those i tokens committed (`DraftRow`): its step (the seed
+of each draw), its min_tokens bans and its output so far are those of position i, so each row is drawn exactly as
+plain decoding would draw that position. The speculator then keeps the run of draft tokens the target agrees with.
+"""
+
+from __future__ import annotations
+
+from ..scheduler import Request, ScheduledBatch
+
+
+class DraftRow:
+    """A request seen `len(draft)` tokens later, with the draft's tokens committed: what the sampler reads of a
+    verified position (parameters, step, output so far)."""
+
+    __slots__ = ("request", "draft")
+    grammar = None  # requests with a grammar are never drafted (Speculator.eligible)
+
+    def __init__(self, request: Request, draft: tuple[int, ...]):
+        self.request = request
+        self.draft = draft
+
+    @property
+    def params(self):
+        return self.request.params
+
+    @property
+    def sampler(self):
+        return self.request.sampler  # seed and packed row are the request's
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.request.output_ids + list(self.draft)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.draft)
+
+    @property
+    def finished(self) -> bool:
+        return self.request.finished
+
+    @property
+    def mask_ready(self) -> bool:
+        return True
+
+
+def sampling_rows(scheduled: ScheduledBatch) -> list:
+    """The step's sampling rows in order: each sampling chunk's request, then its draft positions."""
+    rows: list = []
+    for chunk in scheduled.chunks:
+        if chunk.samples:
+            rows.append(chunk.request)
+            rows += [DraftRow(chunk.request, chunk.draft[:i]) for i in range(1, len(chunk.draft) + 1)]
+    return rows
+
+
+def emitted_tokens(scheduled: ScheduledBatch, tokens: list[int], speculator) -> list[int | list[int]]:
+    """Per sampling chunk: its token, or for a chunk with a draft the accepted draft tokens then the target's token
+    after them (Scheduler.update's `sampled`). `tokens`: one per sampling row."""
+    out: list[int | list[int]] = []
+    row = 0
+    for chunk in scheduled.chunks:
+        if not chunk.samples:
+            continue
+        if not chunk.draft:
+            out.append(tokens[row])
+            row += 1
+            continue
+        targets = tokens[row : row + chunk.num_rows]
+        n = speculator.accepted(chunk.request, chunk.draft, targets)
+        out.append([*chunk.draft[:n], targets[n]])
+        row += chunk.num_rows
+    return out

@@ -1,0 +1,8 @@
+"""Speculative decoding: drafters that propose tokens (n-gram prompt lookup, suffix decoding) and the speculator that
+accepts them against the target's tokens. Token ids only: it must not import the engine, the scheduler, the model or
+the ops; the scheduler asks it for drafts and the engine verifies them (engine/model_runner.py)."""
+
+from .config import SpeculativeConfig, SpeculativeConfigError
+from .speculator import SpecDecodeStats, Speculator
+
+__all__ = ["SpecDecodeStats", "SpeculativeConfig", "SpeculativeConfigError", "Speculator"]

@@ -1,0 +1,137 @@
+"""The speculator: the engine's one object for speculative decoding. It asks the drafter for each decoding request's
+draft, decides from the target's tokens how much of it is accepted, steps aside for requests whose drafts keep
+failing, and counts what vLLM's spec_decode metrics count.
+
+Acceptance (`accepted`): the target samples a token at every verified position (position i sees the draft's first i
+tokens as if committed), and draft token i is accepted while every token before it was and the target drew exactly
+it. Each emitted token is then a draw from the target's own distribution given the tokens before it, so the output
+has the target's distribution whatever the drafter proposes (this is the rule for drafters that give no
+probabilities); greedy requests get exactly the tokens they would get without speculation.
+
+It sees token ids and a request's `rid`, `token_ids`, `prompt_ids`, `params` and `grammar` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import SpeculativeConfig
+from .ngram import NgramDrafter
+from .suffix import SuffixDrafter
+
+# A request whose last drafts were accepted at less than min_acceptance_rate (over at least this many drafted
+# tokens) gets no drafts for PAUSE_STEPS steps, then is tried again.
+ACCEPTANCE_WINDOW = 16
+PAUSE_STEPS = 32
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counts, as vLLM's spec_decode counters."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verify step of one request: 1 + accepted drafts on average (0 before any draft)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class _RequestState:
+    drafted: int = 0  # in the current window
+    accepted: int = 0
+    paused: int = 0  # steps left without drafts
+    synthetic_credit: float = 0.0
+
+
+def make_drafter(config: SpeculativeConfig):
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        return NgramDrafter(k, config.prompt_lookup_min, config.prompt_lookup_max)
+    return SuffixDrafter(
+        k,
+        config.suffix_decoding_max_tree_depth,
+        config.suffix_decoding_max_cached_requests,
+        config.suffix_decoding_max_spec_factor,
+        config.suffix_decoding_min_token_prob,
+    )
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.num_tokens = config.num_speculative_tokens
+        self.drafter = make_drafter(config)
+        self.synthetic = config.synthetic_acceptance_length
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * self.num_tokens)
+        self._states: dict[int, _RequestState] = {}
+        # The engine sets it when verify steps replay CUDA graphs, which take drafts of one length: a shorter draft is
+        # filled up with the last token (any token is a valid guess; a wrong one is rejected like any other).
+        self.pad_drafts = False
+
+    def active(self, num_decoding: int) -> bool:
+        """Whether a step with this many running requests verifies drafts (above max_batch_size it never does)."""
+        return num_decoding <= self.config.max_batch_size
+
+    @staticmethod
+    def eligible(request) -> bool:
+        """Requests with a grammar or penalties decode one token at a time (their sampler state follows each
+        committed token)."""
+        return request.grammar is None and not request.params.has_penalties
+
+    def propose(self, request, limit: int) -> tuple[int, ...]:
+        """The draft for a decoding request's next step: at most `limit` tokens (what max_tokens and the context leave
+        after the token the step samples anyway)."""
+        limit = min(limit, self.num_tokens)
+        if limit <= 0 or not self.eligible(request):
+            return ()
+        state = self._states.get(request.rid)
+        if state is None:
+            state = self._states[request.rid] = _RequestState()
+        tokens = request.token_ids
+        draft, _ = self.drafter.propose(request.rid, tokens, len(request.prompt_ids), limit)
+        if self.synthetic is None and state.paused:
+            state.paused -= 1
+            return ()
+        draft = draft[:limit]
+        if self.synthetic is not None or self.pad_drafts:  # (a benchmark's drafts are always full)
+            draft = draft + [tokens[-1]] * (limit - len(draft))
+        return tuple(draft)
+
+    def accepted(self, request, draft: tuple[int, ...], targets: list[int]) -> int:
+        """How many leading draft tokens are accepted, given the target's token at each of the 1 + len(draft)
+        verified positions; counts them."""
+        k = len(draft)
+        if self.synthetic is not None:
+            state = self._states.setdefault(request.rid, _RequestState())
+            state.synthetic_credit += self.synthetic - 1
+            n = min(k, int(state.synthetic_credit))
+            state.synthetic_credit -= n
+        else:
+            n = 0
+            while n < k and draft[n] == targets[n]:
+                n += 1
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += k
+        stats.num_accepted_tokens += n
+        for i in range(n):
+            stats.accepted_per_position[i] += 1
+        state = self._states.get(request.rid)
+        if state is not None and self.synthetic is None:
+            state.drafted += k
+            state.accepted += n
+            if state.drafted >= ACCEPTANCE_WINDOW:
+                if state.accepted < self.config.min_acceptance_rate * state.drafted:
+                    state.paused = PAUSE_STEPS
+                state.drafted = state.accepted = 0
+        return n
+
+    def finish(self, request) -> None:
+        """A request is done (finished, aborted or failed): drop its state; the drafter may learn from its tokens."""
+        self._states.pop(request.rid, None)
+        self.drafter.finish(request.rid, request.token_ids, len(request.prompt_ids))

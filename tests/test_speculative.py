@@ -1,0 +1,322 @@
+"""Speculative decoding on the CPU reference path: drafters against brute-force references, greedy outputs equal to
+decoding without speculation (wrong drafts included), the target's distribution kept under sampling (chi-square
+against Hugging Face's probabilities), no rejected token's KV in the prefix cache (against Hugging Face's keys),
+stops, preemption and aborts in the middle of an accepted run."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from fastqwen import LLM, SamplingParams
+from fastqwen.config import ConfigError, EngineConfig
+from fastqwen.engine.messages import EngineRequest
+from fastqwen.speculative.ngram import NgramIndex
+from fastqwen.speculative.suffix import SuffixTree
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("spec"))
+    # A sharp model (logit_scale): greedy outputs repeat themselves, as real models' do, so the drafters find matches.
+    model = make_checkpoint(path, tied=False, seed=5, logit_scale=4.0, max_positions=1024)
+    return path, model
+
+
+def make_llm(path: str, spec: dict | None = None, **knobs) -> LLM:
+    knobs = {"dtype": "float32", "device": "cpu", "page_size": 4, **knobs}
+    return LLM(path, speculative_config=spec, **knobs)
+
+
+def prompts(n: int, length: int = 24, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(n)]
+
+
+def outputs(llm: LLM, prompt_list, params) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompt_list, params, use_tqdm=False)]
+
+
+class OracleDrafter:
+    """Proposes the reference continuation with one token made wrong in half of the drafts: many drafts accepted in
+    part, many in full, many rejected at once."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], seed: int = 0):
+        self.references = references  # prompt -> its full reference output
+        self.rng = random.Random(seed)
+
+    def propose(self, rid, tokens, num_prompt_tokens, limit):
+        full = list(tokens[:num_prompt_tokens]) + self.references[tuple(tokens[:num_prompt_tokens])]
+        if full[: len(tokens)] != list(tokens):
+            return [], 0.0
+        draft = full[len(tokens) : len(tokens) + limit]
+        if draft and self.rng.random() < 0.5:
+            i = self.rng.randrange(len(draft))
+            draft[i] = (draft[i] + 1) % 250 + 3
+        return draft, float(len(draft))
+
+    def finish(self, rid, tokens, num_prompt_tokens):
+        pass
+
+
+def with_oracle(llm: LLM, prompt_list, reference_outputs) -> LLM:
+    llm.engine.speculator.drafter = OracleDrafter({tuple(p): o for p, o in zip(prompt_list, reference_outputs)})
+    return llm
+
+
+# ---- configuration ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, key",
+    [
+        ("{not json", "speculative_config"),
+        ('{"method": "medusa"}', "method"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 9}', "num_speculative_tokens"),
+        ('{"method": "ngram", "lookahead": 2}', "lookahead"),
+        ('{"num_speculative_tokens": 2}', "method"),
+        ('{"method": "ngram", "synthetic_acceptance_length": 9}', "synthetic_acceptance_length"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_key(value, key):
+    with pytest.raises(ConfigError) as error:
+        EngineConfig(model="Qwen3-0.6B", load_format="dummy", speculative_config=value)
+    assert error.value.field == "speculative_config"
+    assert key in str(error.value)
+
+
+# ---- drafters against brute force -------------------------------------------------------------------------------
+
+
+def naive_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        tail = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):  # latest earlier occurrence, followed by a token
+            if tokens[end - n : end] == tail:
+                return tokens[end : end + k]
+    return []
+
+
+def test_ngram_lookup_matches_brute_force():
+    rng = random.Random(1)
+    for _ in range(200):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 60))]
+        index = NgramIndex(2, 4)
+        cut = rng.randrange(len(tokens) + 1)
+        index.extend(tokens[:cut])  # built in two steps, as tokens are committed
+        index.extend(tokens)
+        assert index.lookup(tokens, 3) == naive_lookup(tokens, 2, 4, 3), tokens
+
+
+def test_suffix_tree_counts_every_substring_and_forgets_removed_sequences():
+    rng = random.Random(2)
+    sequences = [[rng.randrange(3) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    tree = SuffixTree(depth=5)
+    for s in sequences:
+        tree.add(s)
+    tree.add(sequences[0], sign=-1)
+    kept = sequences[1:]
+
+    def count(pattern):
+        return sum(
+            1 for s in kept for i in range(len(s) - len(pattern) + 1) if s[i : i + len(pattern)] == list(pattern)
+        )
+
+    def walk(node, path):
+        for token, child in node.children.items():
+            assert child.count == count(path + [token]), path + [token]
+            walk(child, path + [token])
+
+    walk(tree.root, [])
+    for s in kept:  # every substring up to the depth is a path
+        for i in range(len(s)):
+            node = tree.root
+            for token in s[i : i + 5]:
+                node = node.children[token]
+
+
+# ---- greedy: the same tokens, whatever the drafts ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "oracle"])
+def test_greedy_output_is_unchanged(checkpoint, method):
+    path, _ = checkpoint
+    batch = prompts(4, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    spec = {"method": "suffix" if method == "suffix" else "ngram", "num_speculative_tokens": K}
+    llm = make_llm(path, spec)
+    if method == "oracle":
+        with_oracle(llm, batch, reference)
+    assert outputs(llm, batch, params) == reference
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    if method == "oracle":  # half the drafts are right: many accepted in full, many cut short
+        assert stats.spec_accepted_per_position[K - 1] > 0
+        assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(checkpoint):
+    path, _ = checkpoint
+    batch = prompts(4, seed=4)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, long)
+    llm = with_oracle(make_llm(path, {"method": "ngram", "num_speculative_tokens": 5}), batch, reference)
+    for max_tokens in (2, 7, 11):  # ends inside a draft's reach
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        assert outputs(llm, batch, params) == [r[:max_tokens] for r in reference]
+    # A stop token that the oracle drafts several positions ahead: the output ends at its first occurrence.
+    for prompt, ref in zip(batch, reference):
+        stop = ref[9]
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+        (out,) = outputs(llm, [prompt], params)
+        assert out == ref[: ref.index(stop, 1) + 1] if stop in ref[1:] else ref
+    llm.engine.check_invariants()
+
+
+def test_preemption_and_abort_in_the_middle(checkpoint):
+    path, _ = checkpoint
+    batch = prompts(8, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    # 8 requests of 64 tokens in 4-token pages need 128 pages: 70 force preemptions on the way.
+    llm = with_oracle(make_llm(path, {"method": "ngram", "num_speculative_tokens": 4}, num_pages=70), batch, reference)
+    assert outputs(llm, batch, params) == reference
+    assert llm.engine.stats().num_preemptions > 0 and llm.engine.stats().spec_num_accepted_tokens > 0
+    # Abort two requests after a few verify steps: their pages come back, the others finish as before.
+    engine = llm.engine
+    resolved = params.with_defaults(engine.generation_defaults)
+    for rid, prompt in enumerate(batch[:4]):
+        engine.add(EngineRequest(rid=1000 + rid, prompt_ids=prompt, params=resolved, arrival_time=time.monotonic()))
+    for _ in range(4):
+        engine.step()
+    assert engine.abort(1000) and engine.abort(1001)
+    engine.check_invariants()
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()
+    assert engine.kv.allocator.num_free() + engine.cache.evictable_pages() == engine.kv.allocator.num_total()
+
+
+# ---- the prefix cache holds only accepted tokens' KV ------------------------------------------------------------
+
+
+def test_prefix_cache_holds_no_rejected_token(checkpoint):
+    """Every page in the radix cache holds the K of its tokens as Hugging Face computes them: a rejected draft
+    token's KV (written by the verify step at a position the request later fills with another token) must never be
+    given to the cache."""
+    path, model = checkpoint
+    batch = prompts(4, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    llm = with_oracle(make_llm(path, {"method": "ngram", "num_speculative_tokens": 4}), batch, reference)
+    assert outputs(llm, batch, params) == reference
+    engine = llm.engine
+    assert engine.stats().spec_num_accepted_tokens < engine.stats().spec_num_draft_tokens  # rejections happened
+    page_size = engine.kv.page_size
+    checked = 0
+
+    def walk(node, tokens, pages):
+        nonlocal checked
+        for child in node.children.values():
+            walk(child, tokens + list(child.key), pages + list(child.pages))
+        if node.parent is None or node.children:
+            return
+        with torch.no_grad():
+            cache = model(torch.tensor([tokens]), use_cache=True).past_key_values
+        for layer in range(len(model.model.layers)):
+            hf_keys = cache.layers[layer].keys[0].transpose(0, 1)  # [T, kv_heads, D]
+            ours = engine.kv.k(layer)[torch.tensor(pages)].reshape(len(pages) * page_size, *hf_keys.shape[1:])
+            torch.testing.assert_close(ours[: len(tokens)], hf_keys, atol=2e-4, rtol=2e-4)
+        checked += len(tokens)
+
+    walk(engine.cache.root, [], [])
+    assert checked > sum(len(p) for p in batch)  # the outputs' pages were checked too
+
+
+# ---- sampling keeps the target's distribution -------------------------------------------------------------------
+
+
+def test_sampled_tokens_keep_the_target_distribution(checkpoint):
+    """Three tokens, top_k = 2 at temperature 1: 8 outcomes whose probabilities Hugging Face's logits give. The
+    second and third tokens come from one verify step whose draft (the greedy continuation) is right about half the
+    time. Chi-square with 7 degrees of freedom: 24.3 is the 0.001 quantile; an accepted token past the first
+    mismatch moves the statistic into the hundreds (measured)."""
+    path, model = checkpoint
+    prompt = prompts(1, seed=9)[0]
+    n = 1200
+
+    def top2(prefix):
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix])).logits[0, -1].double()
+        values, ids = logits.topk(2)
+        return ids.tolist(), torch.softmax(values, 0).tolist()
+
+    expected, greedy = {}, []
+    ids1, p1 = top2(prompt)
+    for a, pa in zip(ids1, p1):
+        ids2, p2 = top2(prompt + [a])
+        for b, pb in zip(ids2, p2):
+            ids3, p3 = top2(prompt + [a, b])
+            for c, pc in zip(ids3, p3):
+                expected[(a, b, c)] = pa * pb * pc
+            if not greedy:
+                greedy = [ids2[0], ids3[0]]
+
+    class GreedyDraft:
+        def propose(self, rid, tokens, num_prompt_tokens, limit):
+            return greedy[:limit], 2.0
+
+        def finish(self, rid, tokens, num_prompt_tokens):
+            pass
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "max_batch_size": 4096, "min_acceptance_rate": 0.0}
+    llm = make_llm(path, spec, max_num_seqs=n, seed=11)
+    llm.engine.speculator.drafter = GreedyDraft()
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
+    counts: dict[tuple, int] = {}
+    for out in outputs(llm, [prompt] * n, params):
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > n // 2 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert set(counts) <= set(expected)
+    chi2 = sum((counts.get(cell, 0) - n * p) ** 2 / (n * p) for cell, p in expected.items())
+    assert chi2 < 24.3, (chi2, counts, expected)
+
+
+# ---- benchmark mode and the suffix cache ------------------------------------------------------------------------
+
+
+def test_synthetic_acceptance_length(checkpoint):
+    path, _ = checkpoint
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_length": 2.5}
+    llm = make_llm(path, spec)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    out = outputs(llm, prompts(2, seed=10), params)
+    assert all(len(o) == 120 for o in out)
+    stats = llm.engine.stats()
+    # Full drafts but for the last steps of each request (max_tokens caps them), and 1.5 accepted per draft.
+    assert stats.spec_num_draft_tokens >= 3 * stats.spec_num_drafts - 2 * 3
+    assert abs(stats.spec_num_accepted_tokens / stats.spec_num_drafts - 1.5) < 0.05
+
+
+def test_replayed_requests_draft_from_the_suffix_cache(checkpoint):
+    """The issue's replay test on the CPU path: greedy requests run once, their outputs enter the global suffix
+    tree, and the same requests run again with almost every draft accepted."""
+    path, _ = checkpoint
+    batch = prompts(4, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm = make_llm(path, {"method": "suffix", "num_speculative_tokens": 5}, enable_prefix_caching=False)
+    first = outputs(llm, batch, params)
+    before = llm.engine.stats()
+    assert outputs(llm, batch, params) == first
+    after = llm.engine.stats()
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    length = 1 + (after.spec_num_accepted_tokens - before.spec_num_accepted_tokens) / drafts
+    assert length >= 3, length
