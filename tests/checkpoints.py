@@ -43,8 +43,11 @@ def make_checkpoint(
     logit_scale: float = 1.0,
     seed: int = 0,
     max_shard_size: str | None = None,
+    rope_scaling: dict | None = None,
 ):
-    """Writes the checkpoint and returns the Hugging Face model (in eval mode, float32)."""
+    """Writes the checkpoint and returns the Hugging Face model (in eval mode, float32). rope_scaling: e.g. YaRN's
+    {"rope_type": "yarn", "factor": ..., "original_max_position_embeddings": ...}, saved in rope_parameters as
+    transformers 5 writes it."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -59,6 +62,7 @@ def make_checkpoint(
         max_position_embeddings=max_positions,
         tie_word_embeddings=tied,
         rope_theta=1_000_000.0,
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,
         rms_norm_eps=1e-6,
         initializer_range=0.08,
         eos_token_id=EOS_IDS[0],

@@ -147,6 +147,21 @@ MUTATIONS = [
         "the norm weight goes into the projection's columns but the norm kernels (prefill, batches) still apply it too",
     ),
     Mutation(
+        "yarn_attention_factor_left_out",
+        "python/fastqwen/ops/rope_kv.py",
+        [
+            (
+                "torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor",
+                "torch.cat([freqs.cos(), freqs.sin()], dim=-1)",
+            )
+        ],
+        [
+            "tests/test_rope_scaling.py::test_cos_sin_cache_matches_yarn_in_float64[qwen3]",
+            "tests/test_rope_scaling.py::test_greedy_matches_hf_past_the_original_context",
+        ],
+        "YaRN's cos and sin are not multiplied by its attention factor (0.1 ln(factor) + 1)",
+    ),
+    Mutation(
         "prefix_cache_evicts_most_recent",
         "python/fastqwen/kvcache/radix_cache.py",
         [

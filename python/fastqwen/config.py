@@ -50,6 +50,97 @@ def _is_torch_dtype(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.dtype)
 
 
+# ---- RoPE scaling -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (rope_type "yarn"), Qwen's documented way past the pretraining length: the inverse frequencies interpolated
+    by `factor` where a dimension turns fewer than beta_slow times over the original length, kept where it turns more
+    than beta_fast times, ramped between; cos and sin multiplied by an attention factor. Static, as in transformers:
+    the same scaling at every length. ops/rope_kv.py turns it into the cos/sin cache, exactly as transformers does."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # None: derived from factor (and mscale / mscale_all_dim)
+    truncate: bool = True  # round the ramp's ends to whole dimensions
+
+    @property
+    def context_length(self) -> int:
+        return int(self.factor * self.original_max_position_embeddings)
+
+
+# What a yarn rope_scaling may hold (transformers' own list, plus rope_theta and the old key "type").
+_YARN_KEYS = {
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+    "partial_rotary_factor",
+}
+
+
+def rope_from_dict(rope: Any, rope_theta: float, max_position_embeddings: int) -> tuple[float, YarnScaling | None]:
+    """(rope_theta, YaRN or None) from a rope_scaling / rope_parameters object, read as transformers 5 reads it:
+    rope_type (or the old key "type") "default" or "yarn"; the object's own rope_theta over the one given;
+    original_max_position_embeddings defaults to max_position_embeddings; beta_fast / beta_slow left out or 0 mean
+    32 / 1. Any other rope_type, an unknown key or a value out of range is a ValueError that names it."""
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_scaling must be a JSON object, not {rope!r}")
+    theta = rope.get("rope_theta", rope_theta)
+    if not _number(theta) or theta <= 0:
+        raise ValueError(f"rope_theta must be a positive number, not {theta!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "yarn":
+        raise ValueError(
+            f"rope_scaling rope_type {rope_type!r} is not supported: fastqwen runs RoPE unscaled (rope_type "
+            "'default') or with YaRN (rope_type 'yarn')"
+        )
+    unknown = sorted(set(rope) - _YARN_KEYS)
+    if unknown:
+        raise ValueError(f"rope_scaling of rope_type 'yarn' has unknown keys {unknown}")
+
+    def value(key: str, default: Any, ok, what: str) -> Any:
+        found = rope.get(key, default)
+        if not ok(found):
+            raise ValueError(f"rope_scaling's {key} must be {what}, not {found!r}")
+        return found
+
+    factor = value("factor", None, lambda v: _number(v) and v >= 1, "a number >= 1")
+    original = value("original_max_position_embeddings", max_position_embeddings, _positive_int, "a positive integer")
+    optional_positive = lambda v: v is None or (_number(v) and v > 0)  # noqa: E731
+    beta_fast = value("beta_fast", None, lambda v: v is None or _number(v), "a number") or 32
+    beta_slow = value("beta_slow", None, lambda v: v is None or _number(v), "a number") or 1
+    value("partial_rotary_factor", 1.0, lambda v: v == 1, "1 (Qwen3 rotates whole heads)")
+    return float(theta), YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(beta_fast),
+        beta_slow=float(beta_slow),
+        mscale=value("mscale", None, lambda v: v is None or _number(v), "a number"),
+        mscale_all_dim=value("mscale_all_dim", None, lambda v: v is None or _number(v), "a number"),
+        attention_factor=value("attention_factor", None, optional_positive, "a positive number"),
+        truncate=value("truncate", True, lambda v: isinstance(v, bool), "true or false"),
+    )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -68,6 +159,15 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     quantization: str | None = None  # the checkpoint's own: None (dense) or "fp8" (Qwen's block-scaled FP8 layout)
+    rope_scaling: YarnScaling | None = None  # None: plain RoPE
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model is made for: with YaRN, factor x the pretraining length (Qwen3: 4 x 32,768
+        = 131,072, as Qwen documents it and vLLM derives it), else max_position_embeddings."""
+        if self.rope_scaling is not None:
+            return self.rope_scaling.context_length
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -93,14 +193,11 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"fastqwen serves dense Qwen3 models; this checkpoint is model_type={model_type!r}")
-        if (
-            cfg.get("rope_scaling") not in (None, {})
-            and (cfg["rope_scaling"] or {}).get("rope_type", "default") != "default"
-        ):
-            raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not supported")
-        # transformers >= 5 nests rope_theta in rope_parameters; older configs have it at the top level.
-        rope = cfg.get("rope_parameters") or {}
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        # transformers >= 5 nests the RoPE parameters (rope_theta, and rope_type with its scaling) in rope_parameters;
+        # older configs have rope_theta at the top level and the scaling in rope_scaling, which wins where both are.
+        max_positions = cfg.get("max_position_embeddings", 40960)
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope_theta, yarn = rope_from_dict(rope, cfg.get("rope_theta", 1_000_000.0), max_positions)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(
@@ -112,8 +209,9 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 40960),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_positions,
+            rope_scaling=yarn,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -222,8 +320,40 @@ def is_preset(model: str) -> bool:
     return model.split("/")[-1] in _PRESET_SHAPES and not os.path.isdir(model)
 
 
-def load_model_config(model: str) -> tuple[ModelConfig, GenerationDefaults]:
-    """Config for a checkpoint folder, a config.json path, or a preset name."""
+def load_model_config(model: str, rope_scaling: dict | None = None) -> tuple[ModelConfig, GenerationDefaults]:
+    """Config for a checkpoint folder, a config.json path, or a preset name. rope_scaling (--rope-scaling) replaces
+    the checkpoint's own, as vLLM's flag does (a bad one is a ConfigError naming it)."""
+    cfg, gen = _load_model_config(model)
+    if rope_scaling is not None:
+        try:
+            rope_theta, yarn = rope_from_dict(rope_scaling, cfg.rope_theta, cfg.max_position_embeddings)
+        except ValueError as e:
+            raise ConfigError(str(e), "rope_scaling") from e
+        cfg = replace(cfg, rope_theta=rope_theta, rope_scaling=yarn)
+    return cfg, gen
+
+
+def context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """The engine's context length: --max-model-len, or the model's own. Longer than the model's is refused: past
+    the length it was trained for, unscaled RoPE gives positions the model never saw."""
+    if max_model_len is None:
+        return cfg.context_length
+    if max_model_len > cfg.context_length:
+        how = (
+            f"with YaRN factor {cfg.rope_scaling.factor:g} x original_max_position_embeddings "
+            f"{cfg.rope_scaling.original_max_position_embeddings}"
+            if cfg.rope_scaling is not None
+            else "max_position_embeddings, without RoPE scaling; to go further pass --rope-scaling, e.g. Qwen3's "
+            'documented YaRN to 131,072 tokens: \'{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}\''
+        )
+        raise ConfigError(
+            f"{max_model_len} is longer than the model's context of {cfg.context_length} tokens ({how})",
+            "max_model_len",
+        )
+    return max_model_len
+
+
+def _load_model_config(model: str) -> tuple[ModelConfig, GenerationDefaults]:
     if is_preset(model):
         cfg = ModelConfig.from_preset(model)
         return cfg, GenerationDefaults(eos_token_ids=list(cfg.eos_token_ids))
@@ -308,7 +438,17 @@ class EngineConfig:
     page_size: int = _knob(16, "tokens per KV page (a power of two, at most 128)")
     max_num_seqs: int = _knob(256, "most requests running at once")
     max_num_batched_tokens: int = _knob(8192, "token budget of one step; longer prompts are prefilled in chunks")
-    max_model_len: int | None = _knob(None, "context length (default: the model's)")
+    max_model_len: int | None = _knob(
+        None,
+        "context length (default: the model's: max_position_embeddings, or with YaRN factor x "
+        "original_max_position_embeddings); longer than the model's is refused unless --rope-scaling extends it",
+    )
+    rope_scaling: str | dict | None = _knob(
+        None,
+        'RoPE scaling as JSON, in place of the checkpoint\'s rope_scaling: \'{"rope_type":"yarn","factor":4.0,'
+        "\"original_max_position_embeddings\":32768}' is YaRN to 4 x 32,768 = 131,072 tokens (Qwen3's documented "
+        "long context; static, as in Hugging Face transformers); rope_type default or yarn",
+    )
     num_pages: int | None = _knob(None, "KV pages to allocate, overriding --kv-cache-memory-fraction")
     gpu_memory_utilization: float = _knob(
         0.85,
@@ -404,6 +544,12 @@ class EngineConfig:
             "max_model_len",
             "an integer >= 2",
         )
+        if isinstance(self.rope_scaling, str):  # the command line gives JSON text
+            try:
+                self.rope_scaling = json.loads(self.rope_scaling)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"rope_scaling is not valid JSON ({e}): {self.rope_scaling!r}", "rope_scaling") from e
+        need(self.rope_scaling is None or isinstance(self.rope_scaling, dict), "rope_scaling", "a JSON object")
         need(self.num_pages is None or _positive_int(self.num_pages), "num_pages", "a positive integer")
         need(
             isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,

@@ -14,7 +14,7 @@ import sys
 
 from . import env, model_source
 from .cli import add_model_positional, take_model
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, context_length, load_model_config
 
 
 class _DefaultsOnceFormatter(argparse.HelpFormatter):
@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
         # Checked here, in a second, before the engine starts: the path or hub id, config.json, the weights, the
         # tokenizer and the chat template. A hub id not in the cache is downloaded now (HF_HUB_OFFLINE=1: never).
         engine_config = model_source.resolve(EngineConfig.from_cli(args))
+        # --rope-scaling applied to the model's config, and --max-model-len against the context that gives.
+        context_length(
+            load_model_config(engine_config.model, engine_config.rope_scaling)[0], engine_config.max_model_len
+        )
         if engine_config.load_format != "dummy" and os.path.isdir(engine_config.model):
             from .weights import check_weight_files
 

@@ -16,7 +16,14 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import torch
 
 from .. import env, model_source
-from ..config import EngineConfig, load_model_config, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
+from ..config import (
+    EngineConfig,
+    context_length,
+    load_model_config,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+    resolve_quantization,
+)
 from ..errors import InvalidRequestError
 from ..grammar import GrammarCompiler
 from ..kvcache import KVPool, RadixCache, check_kv_invariants
@@ -144,10 +151,10 @@ class LLMEngine:
         device = config.device
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         check_kernels_for(self.device, config.allow_reference_on_gpu)
-        self.config, self.generation_defaults = load_model_config(model)
+        self.config, self.generation_defaults = load_model_config(model, config.rope_scaling)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.max_model_len = config.max_model_len or self.config.max_position_embeddings
+        self.max_model_len = context_length(self.config, config.max_model_len)
 
         folder = model if os.path.isdir(model) else os.path.dirname(model)
         shard = Shard(parallel.rank, parallel.size)
@@ -270,7 +277,7 @@ class LLMEngine:
         """What an operator checks first: which model, how big, and how much KV room it got."""
         cfg, kv = self.config, self.kv
         log.info(
-            "model %s: %s parameters (%s weights), %d layers, hidden %d, %d query / %d KV heads, context %d tokens, "
+            "model %s: %s parameters (%s weights), %d layers, hidden %d, %d query / %d KV heads, context %d tokens%s, "
             "on %s",
             self.engine_config.model,
             f"{n / 1e9:.2f} B" if (n := cfg.num_parameters) >= 1e9 else f"{n / 1e6:.2f} M",
@@ -280,6 +287,9 @@ class LLMEngine:
             cfg.num_heads,
             cfg.num_kv_heads,
             self.max_model_len,
+            ""
+            if (yarn := cfg.rope_scaling) is None
+            else f" (YaRN x{yarn.factor:g} over {yarn.original_max_position_embeddings})",
             self.device,
         )
         tokens = kv.num_pages * kv.page_size

@@ -32,7 +32,9 @@ class Qwen3Model:
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim**-0.5
-        self.cos_sin_cache = ops.rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, self.device)
+        self.cos_sin_cache = ops.rope_cos_sin_cache(
+            cfg.head_dim, max_positions, cfg.rope_theta, self.device, cfg.rope_scaling
+        )
         # Split-KV decode scratch and plan, allocated once (nothing is allocated inside a step), where the kernel runs.
         self.decode_workspace = None
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):

@@ -5,11 +5,17 @@ One op so that the CUDA version reads the fused qkv projection once and writes q
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
 from .kv_fp8 import is_fp8, store_rows
 from .norm import rms_norm_reference
+
+if TYPE_CHECKING:
+    from ..config import YarnScaling
 
 
 def rope_kv_kernel_applies(on_gpu: bool, dtype: torch.dtype, head_dim: int) -> bool:
@@ -18,15 +24,57 @@ def rope_kv_kernel_applies(on_gpu: bool, dtype: torch.dtype, head_dim: int) -> b
     return kernel_applies("qk_norm_rope_store_kv", on_gpu, dtype) and head_dim in native().ROPE_KV_HEAD_DIMS
 
 
-def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device: torch.device) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of each frequency in the first half, sin in the second.
+def rope_cos_sin_cache(
+    head_dim: int, max_positions: int, theta: float, device: torch.device, yarn: YarnScaling | None = None
+) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of each frequency in the first half, sin in the second; with YaRN both
+    times its attention factor, so the kernel and the reference need nothing more.
 
-    inv_freq and the products are computed exactly as transformers' default RoPE does, in float32.
+    inv_freq, the products and the attention factor are computed exactly as transformers' RoPE does, in float32.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, yarn, device)
     freqs = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor).contiguous()
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, yarn: YarnScaling | None, device: torch.device
+) -> tuple[torch.Tensor, float]:
+    """float32 inverse frequencies [head_dim / 2] and the factor cos and sin are multiplied by, as transformers'
+    default and yarn RoPE compute them (modeling_rope_utils.py: _compute_default_rope_parameters,
+    _compute_yarn_parameters), operation for operation so that the float32 roundings are the same."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    pos_freqs = theta**exponents
+    if yarn is None:
+        return 1.0 / pos_freqs, 1.0
+    factor = yarn.factor
+    if yarn.attention_factor is not None:
+        attention_factor = yarn.attention_factor
+    elif yarn.mscale and yarn.mscale_all_dim:
+        attention_factor = _yarn_mscale(factor, yarn.mscale) / _yarn_mscale(factor, yarn.mscale_all_dim)
+    else:
+        attention_factor = _yarn_mscale(factor, 1.0)
+    # The dimensions whose wavelength fits beta_fast times into the original length keep their frequency; those that
+    # fit fewer than beta_slow times are interpolated (divided by factor); a linear ramp over the dimensions between.
+    original = yarn.original_max_position_embeddings
+
+    def dimension_turning(times: float) -> float:  # the (fractional) dimension that turns `times` over `original`
+        return head_dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_turning(yarn.beta_fast), dimension_turning(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    keep = 1 - ramp  # written as transformers writes it (1 - (1 - ramp) below is not ramp in float32)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
