@@ -253,32 +253,38 @@ class Metrics:
 
 
 class _EngineState:
-    """A collector that reads the engine's latest stats at scrape time."""
+    """A collector that reads the engine's latest stats at scrape time: one series per engine, labelled `engine` as
+    vLLM labels them ("0", and "1".. for data-parallel replicas)."""
 
     def __init__(self, prefix: str, model_name: str, client):
         self.prefix, self.model_name, self.client = prefix, model_name, client
 
     def collect(self):
-        stats, info, p, name = self.client.stats(), self.client.info, self.prefix, [self.model_name]
+        engines, p, labels = self.client.per_engine(), self.prefix, ["model_name", "engine"]
 
-        def gauge(metric, doc, value):
-            family = GaugeMetricFamily(p + metric, doc, labels=["model_name"])
-            family.add_metric(name, value)
+        def per_engine(family, value):
+            for index, (info, stats) in enumerate(engines):
+                family.add_metric([self.model_name, str(index)], value(info, stats))
             return family
 
-        yield gauge("num_requests_running", "Requests holding KV pages and computing.", stats.num_running)
-        yield gauge("num_requests_waiting", "Requests queued for admission.", stats.num_waiting)
+        def gauge(metric, doc, value):
+            return per_engine(GaugeMetricFamily(p + metric, doc, labels=labels), value)
+
+        yield gauge("num_requests_running", "Requests holding KV pages and computing.", lambda i, s: s.num_running)
+        yield gauge("num_requests_waiting", "Requests queued for admission.", lambda i, s: s.num_waiting)
         usage_doc = "Fraction of KV pages held by requests (0 to 1); pages only the prefix cache holds count as free."
-        yield gauge("kv_cache_usage_perc", usage_doc, stats.kv_usage)
-        yield gauge("gpu_cache_usage_perc", usage_doc + " (vLLM's older name)", stats.kv_usage)
-        preemptions = CounterMetricFamily(
-            p + "num_preemptions", "Requests preempted (their pages released, to be recomputed).", labels=["model_name"]
+        yield gauge("kv_cache_usage_perc", usage_doc, lambda i, s: s.kv_usage)
+        yield gauge("gpu_cache_usage_perc", usage_doc + " (vLLM's older name)", lambda i, s: s.kv_usage)
+        preemptions_doc = "Requests preempted (their pages released, to be recomputed)."
+        yield per_engine(
+            CounterMetricFamily(p + "num_preemptions", preemptions_doc, labels=labels), lambda i, s: s.num_preemptions
         )
-        preemptions.add_metric(name, stats.num_preemptions)
-        yield preemptions
-        config_labels = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"]
+        config_labels = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"]
         config = GaugeMetricFamily(
             p + "cache_config_info", "The KV cache's configuration, in its labels.", labels=config_labels
         )
-        config.add_metric([str(info.page_size), str(info.num_pages), info.dtype, str(info.prefix_caching)], 1)
+        for index, (info, _) in enumerate(engines):
+            config.add_metric(
+                [str(info.page_size), str(info.num_pages), info.dtype, str(info.prefix_caching), str(index)], 1
+            )
         yield config
