@@ -18,7 +18,10 @@ import httpx
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from fastqwen import SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
+from fastqwen.engine.data_parallel import DataParallelEngineClient
+from fastqwen.engine.messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from fastqwen.engine.replica_router import MUCH_BUSIER_BY_REQUESTS, ReplicaRouter, page_hashes
 from server_process import ServerProcess
 from test_orphans import descendants, ipc_folders, wait_until_gone
@@ -81,6 +84,55 @@ def test_the_routers_estimate_is_bounded_by_the_pool_and_forgets_deepest_pages_f
     assert router.cached_pages(0, hashes) == 4, "the first 4 pages stay, the deepest go"
     assert page_hashes([1, 2, 3], PAGE) == [], "a partial page is never shared"
     assert page_hashes([9] + first[1:], PAGE)[1] != hashes[1], "each page's hash covers the pages before it"
+
+
+class FakeReplica:
+    """An EngineClient that records what reaches it; its load is what the test says."""
+
+    def __init__(self, num_pages: int = 64):
+        self.info = EngineInfo("m", 384, 1024, num_pages, PAGE, device="cpu")
+        self.load, self.added, self.aborted = 0, [], []
+
+    def start(self, on_output, on_death):
+        self.on_output, self.on_death = on_output, on_death
+
+    def add(self, requests):
+        self.added += [r.rid for r in requests]
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+    def stats(self):
+        return EngineStats(num_running=self.load, kv_usage=0.5 if self.load else 0.0)
+
+    alive = True
+
+
+def request(rid: int, prompt: list[int]) -> EngineRequest:
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=4), 0.0)
+
+
+def test_the_client_routes_aborts_to_the_requests_replica_and_forgets_what_ended():
+    replicas = [FakeReplica(64), FakeReplica(32)]
+    client = DataParallelEngineClient(replicas)
+    assert client.info.num_pages == 32, "requests are checked against the smallest pool"
+    outputs, deaths = [], []
+    client.start(outputs.append, deaths.append)
+    shared = list(range(100, 116))
+    client.add([request(1, shared + [1]), request(2, [7, 8]), request(3, shared + [3])])  # one call: spread as routed
+    assert (replicas[0].added, replicas[1].added) == ([1, 3], [2])
+    replicas[0].load = 1
+    assert client.stats().num_running == 1 and client.stats().kv_usage == pytest.approx(0.5 * 64 / 96)
+    assert [s.num_running for _, s in client.per_engine()] == [1, 0]
+    client.abort(2)
+    replicas[0].on_output(StepOutput([RequestDelta(1, [5], None, finish_reason="stop")], 0.0))
+    client.abort(1)  # finished: not sent anywhere
+    client.abort(3)
+    assert (replicas[0].aborted, replicas[1].aborted) == ([3], [2])
+    assert len(outputs) == 1 and not client._home, "every request ended or aborted is forgotten"
+    replicas[1].on_death(RuntimeError("gone"))
+    replicas[0].on_death(RuntimeError("also gone"))
+    assert [str(e) for e in deaths] == ["data-parallel replica 1: gone"] and not client.alive
 
 
 # ---- refusals -----------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ server exits non-zero (a supervisor restarts it); stopping the server stops the 
 ends with the server however the server ends (engine/lifeline.py).
 
 Threads: `add` is called on the event loop only (the router is not locked); `abort` also on the replicas' reader
-threads (stop strings); the request-to-replica map is written by `add` and emptied by the readers as requests finish.
+threads (stop strings); the request-to-replica map is written by `add` and emptied as requests finish (the readers)
+or are aborted.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ class DataParallelEngineClient:
                 replica.add(batch)
 
     def abort(self, rid: int) -> None:
-        index = self._home.get(rid)
-        if index is not None:  # (else it has finished: nothing to abort)
+        index = self._home.pop(rid, None)  # (an aborted request gets no final delta: forgotten here)
+        if index is not None:  # (else it has finished or was aborted: nothing to abort)
             self.replicas[index].abort(rid)
 
     def stats(self) -> EngineStats:
