@@ -491,11 +491,16 @@ class EngineConfig:
         "run the RMSNorms of a one-sequence decode step as their own kernels instead of in the projections' GEMVs (by default, where the one-token GEMV runs every projection on one GPU, they ride on the GEMVs and the dense projections after a norm take its weight into their columns at load: model/qwen3_batch1.py)",
         flag="--disable-norms-in-gemv",
     )
-    # ---- tensor parallelism (engine/tensor_parallel.py) ----
+    # ---- parallelism: tensor (engine/tensor_parallel.py) and data (engine/data_parallel.py) ----
     tensor_parallel_size: int = _knob(
         1,
-        "split the model across this many GPUs (GPUs 0..N-1; on the CPU, processes), one process each",
+        "split the model across this many GPUs (GPUs K..K+N-1 from --device cuda:K, else 0..N-1; on the CPU, processes), one process each",
         aliases=("--tp", "-tp"),
+    )
+    data_parallel_size: int = _knob(
+        1,
+        "the server only: this many engine replicas behind the one HTTP front end, each an engine-core process on GPUs of its own (replica r on the tensor-parallel group r*TP..r*TP+TP-1; on the CPU, processes sharing the cores); a request goes to the least busy replica unless one holding its prefix in cache is not much busier (engine/replica_router.py)",
+        aliases=("--dp", "-dp"),
     )
     disable_custom_all_reduce: bool = _knob(
         False,
@@ -566,6 +571,7 @@ class EngineConfig:
             "an integer >= 0 (0 = no graphs)",
         )
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
+        need(_positive_int(self.data_parallel_size), "data_parallel_size", "a positive integer")
         need(_positive_int(self.grammar_cache_mib), "grammar_cache_mib", "a positive integer (MiB)")
         if self.speculative_config is not None:
             from .speculative.config import SpeculativeConfig, SpeculativeConfigError

@@ -30,7 +30,8 @@ class LLM:
         """knobs: any field of config.EngineConfig, by keyword (the list below is generated from it).
 
         tensor_parallel_size=N: the model split across N GPUs (or N CPU processes), this process being rank 0;
-        close() stops the other ranks (they also end with this process).
+        close() stops the other ranks (they also end with this process). data_parallel_size above 1 is refused
+        (ConfigError): data parallelism is the server's (`fastqwen serve --dp N`); here one engine runs.
 
         Knobs:
         """

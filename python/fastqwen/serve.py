@@ -212,6 +212,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
         p.error("--reserved-connections must be at least 0 and below --max-connections")
     if args.stats_interval < 0:
         p.error("--stats-interval must be >= 0")
+    if args.engine_core == "thread" and args.data_parallel_size > 1:
+        p.error("--data-parallel-size above 1 runs one engine-core process per replica: use --engine-core process")
     return args
 
 
@@ -291,15 +293,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
 
     from .engine.client import InProcessEngineClient
     from .engine.core_process import ProcessEngineClient
+    from .engine.data_parallel import DataParallelEngineClient
     from .engine.factory import make_engine
     from .server.app import ServerConfig, begin_shutdown, create_app
     from .server.connections import ConnectionLimits, protocol_with
     from .server.http_conventions import configure_access_log
     from .server.log_limit import limit_log_rate
 
-    def load_engine() -> InProcessEngineClient | ProcessEngineClient:
+    def load_engine() -> InProcessEngineClient | ProcessEngineClient | DataParallelEngineClient:
         if args.engine_core == "thread":
             return InProcessEngineClient(make_engine(engine_config))
+        if engine_config.data_parallel_size > 1:
+            return DataParallelEngineClient.launch(engine_config, logging.getLogger().level)
         return ProcessEngineClient(engine_config, logging.getLogger().level)
 
     exit_code = 0

@@ -1,7 +1,8 @@
 """The engine as its frontend sees it: EngineRequests and aborts go in, StepOutputs come out through a callback,
-and stats can be read at any time. EngineClient is that interface, with two implementations: InProcessEngineClient
+and stats can be read at any time. EngineClient is that interface, with three implementations: InProcessEngineClient
 (here) runs the engine loop in a thread of this process (`--engine-core thread`); ProcessEngineClient
-(engine/core_process.py, the server's default) runs it in a process of its own, across two ZeroMQ sockets.
+(engine/core_process.py, the server's default) runs it in a process of its own, across two ZeroMQ sockets; and
+DataParallelEngineClient (engine/data_parallel.py, `--data-parallel-size N`) routes over N ProcessEngineClients.
 
 `on_output` gets each step's StepOutput on a thread of the client's (here the engine thread); it must be quick: hand
 the output over, do not process it there. If the loop dies, `on_death` is called once with the error and `alive`
@@ -43,6 +44,11 @@ class EngineClient(Protocol):
     def abort(self, rid: int) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def per_engine(self) -> list[tuple[EngineInfo, EngineStats]]:
+        """Each engine's info and latest stats: one entry, or one per data-parallel replica in replica order
+        (engine/data_parallel.py), for metrics labelled by engine."""
+        ...
 
     @property
     def alive(self) -> bool: ...
@@ -86,6 +92,9 @@ class InProcessEngineClient:
     def stats(self) -> EngineStats:
         stats = self._stats
         return replace(stats, num_waiting=stats.num_waiting + max(0, self._num_added - self._num_taken))
+
+    def per_engine(self) -> list[tuple[EngineInfo, EngineStats]]:
+        return [(self.info, self.stats())]
 
     @property
     def alive(self) -> bool:

@@ -84,12 +84,14 @@ def _addresses(folder: str) -> tuple[str, str]:
     return f"ipc://{folder}/to_core", f"ipc://{folder}/to_frontend"
 
 
-def core_main(config: EngineConfig, folder: str, server_pid: int, log_level: int) -> None:
-    """The core process's entry point: load the engine, report its info, then serve steps until told to stop."""
-    lifeline.end_with_parent(server_pid, "engine core")  # first: a server already gone is not served
+def core_main(config: EngineConfig, folder: str, server_pid: int, log_level: int, replica: int | None = None) -> None:
+    """The core process's entry point: load the engine, report its info, then serve steps until told to stop.
+    replica: which data-parallel replica this core is (engine/data_parallel.py), None without data parallelism."""
+    name = "core" if replica is None else f"core {replica}"
+    lifeline.end_with_parent(server_pid, f"engine {name}")  # first: a server already gone is not served
     lifeline.remove_when_orphaned(folder)
     to_core, to_frontend = _addresses(folder)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [{name}]: %(message)s")
     # Ctrl-C reaches the whole process group: the core ends quietly (the frontend reports the shutdown), not with a
     # KeyboardInterrupt traceback from wherever it happened to be.
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))
@@ -102,7 +104,7 @@ def core_main(config: EngineConfig, folder: str, server_pid: int, log_level: int
     try:
         from .factory import make_engine
 
-        engine = make_engine(config)
+        engine = make_engine(config, replica)
     except BaseException as e:
         logger.exception("the engine could not start")
         outbox.send_multipart([b"failed", codec.encode(f"{type(e).__name__}: {e}")])
@@ -165,9 +167,13 @@ class CoreStartError(RuntimeError):
 
 
 class ProcessEngineClient:
-    """EngineClient for an engine core in a child process (started by the constructor, which waits for it to load)."""
+    """EngineClient for an engine core in a child process (started by the constructor, which waits for it to load
+    unless `wait` is False: then `wait_until_loaded` must be called before the client is used)."""
 
-    def __init__(self, config: EngineConfig, log_level: int = logging.INFO):
+    def __init__(
+        self, config: EngineConfig, log_level: int = logging.INFO, replica: int | None = None, wait: bool = True
+    ):
+        """replica: this core's index among data-parallel replicas (None: no data parallelism)."""
         self._dir = lifeline.ipc_folder("fastqwen")
         to_core, to_frontend = _addresses(self._dir)
         self._context = zmq.Context()
@@ -184,18 +190,25 @@ class ProcessEngineClient:
         # process dies without a word, and its ranks' lifelines end them when it does.
         self.process = spawn.Process(
             target=core_main,
-            args=(config, self._dir, os.getpid(), log_level),
-            name="fastqwen-core",
+            args=(config, self._dir, os.getpid(), log_level, replica),
+            name="fastqwen-core" if replica is None else f"fastqwen-core{replica}",
             daemon=config.tensor_parallel_size == 1,
         )
-        self.process.start()
-        logger.info("engine core process started (pid %d); loading the model there", self.process.pid)
-        self.info = self._wait_for_info()
         self._stats = CoreStats(EngineStats(), 0)
         self._num_added = 0  # requests sent to the core (written by the event loop only)
         self._reader: threading.Thread | None = None
         self._stopping = False
+        self._sockets_closed = False
         self.error: BaseException | None = None
+        self.info: EngineInfo | None = None
+        self.process.start()
+        logger.info("engine core process started (pid %d); loading the model there", self.process.pid)
+        if wait:
+            self.wait_until_loaded()
+
+    def wait_until_loaded(self) -> None:
+        """Wait for the core to report its EngineInfo; raises CoreStartError if it cannot load."""
+        self.info = self._wait_for_info()
 
     def _wait_for_info(self) -> EngineInfo:
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
@@ -234,6 +247,9 @@ class ProcessEngineClient:
         latest = self._stats  # one reference, swapped whole by the reader
         in_flight = max(0, self._num_added - latest.num_received)
         return replace(latest.stats, num_waiting=latest.stats.num_waiting + in_flight)
+
+    def per_engine(self) -> list[tuple[EngineInfo, EngineStats]]:
+        return [(self.info, self.stats())]
 
     @property
     def alive(self) -> bool:
@@ -288,6 +304,9 @@ class ProcessEngineClient:
             on_death(e)
 
     def _shutdown_sockets(self) -> None:
+        if self._sockets_closed:  # (a core that failed to load, then stopped)
+            return
+        self._sockets_closed = True
         for socket in (self._outbox, self._inbox):
             socket.close(linger=0)
         self._context.term()

@@ -79,7 +79,9 @@ def _rank_config(config: EngineConfig, rank: int) -> tuple[EngineConfig, torch.d
         config.device if config.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     if device.type == "cuda":
-        device = torch.device("cuda", rank)  # rank r on GPU r (CUDA_VISIBLE_DEVICES picks which GPUs)
+        # Rank r on GPU base + r: base is the device's index (a data-parallel replica's first GPU), else 0.
+        # (CUDA_VISIBLE_DEVICES picks which GPUs are seen.)
+        device = torch.device("cuda", (device.index or 0) + rank)
     return replace(config, device=str(device)), device
 
 
@@ -103,9 +105,9 @@ class TensorParallelEngine:
     def __init__(self, config: EngineConfig):
         size = config.tensor_parallel_size
         _, device = _rank_config(config, 0)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
+        if device.type == "cuda" and torch.cuda.device_count() < device.index + size:
             raise RuntimeError(
-                f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} are visible"
+                f"tensor_parallel_size={size} needs {size} GPUs from {device}; {torch.cuda.device_count()} are visible"
             )
         # NVLink multicast (NVLS) stays off: on these machines it can take the host's GPUs out of service.
         os.environ["NCCL_NVLS_ENABLE"] = "0"

@@ -161,19 +161,22 @@ async def _warm_up(engine: AsyncEngine) -> None:
     server reports ready: on an H100 with Qwen3-8B, the first stream without it waited 79 ms for its second token and
     47 ms for its first, against 7 and 23 ms with it (bench/results/2026-11-23-h100-first-requests). Not a
     client's request: it runs before the metrics are bound to the engine, so they count none of it. A failure is
-    only logged here: an engine that died is reported (and ends the server) the way any engine death is."""
+    only logged here: an engine that died is reported (and ends the server) the way any engine death is.
+    With data-parallel replicas, one request each: their first tokens differ, so no prefix draws two to one replica
+    and the least busy one takes each."""
     started = time.monotonic()
     try:
-        tracker = engine.new_request(
-            WARMUP_PROMPT, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
-        )
+        params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+        trackers = [
+            engine.new_request([index, *WARMUP_PROMPT[1:]], params) for index in range(len(engine.client.per_engine()))
+        ]
 
-        async def drain() -> None:
-            engine.enqueue([tracker])
+        async def drain(tracker) -> None:
             async for _ in engine.updates(tracker):
                 pass
 
-        await asyncio.wait_for(drain(), WARMUP_TIMEOUT_S)
+        engine.enqueue(trackers)
+        await asyncio.wait_for(asyncio.gather(*(drain(t) for t in trackers)), WARMUP_TIMEOUT_S)
         logger.info("warm-up request done in %.2f s", time.monotonic() - started)
     except Exception as e:  # (a timeout too: leaving updates() early aborts the request)
         logger.warning("the warm-up request failed (%s: %s); serving without it", type(e).__name__, e)

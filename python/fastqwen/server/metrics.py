@@ -253,49 +253,55 @@ class Metrics:
 
 
 class _EngineState:
-    """A collector that reads the engine's latest stats at scrape time."""
+    """A collector that reads the engine's latest stats at scrape time: one series per engine, labelled `engine` as
+    vLLM labels them ("0", and "1".. for data-parallel replicas)."""
 
     def __init__(self, prefix: str, model_name: str, client):
         self.prefix, self.model_name, self.client = prefix, model_name, client
 
     def collect(self):
-        stats, info, p, name = self.client.stats(), self.client.info, self.prefix, [self.model_name]
+        engines, p, labels = self.client.per_engine(), self.prefix, ["model_name", "engine"]
 
-        def gauge(metric, doc, value):
-            family = GaugeMetricFamily(p + metric, doc, labels=["model_name"])
-            family.add_metric(name, value)
+        def per_engine(family, value):
+            for index, (info, stats) in enumerate(engines):
+                family.add_metric([self.model_name, str(index)], value(info, stats))
             return family
 
-        yield gauge("num_requests_running", "Requests holding KV pages and computing.", stats.num_running)
-        yield gauge("num_requests_waiting", "Requests queued for admission.", stats.num_waiting)
+        def gauge(metric, doc, value):
+            return per_engine(GaugeMetricFamily(p + metric, doc, labels=labels), value)
+
+        yield gauge("num_requests_running", "Requests holding KV pages and computing.", lambda i, s: s.num_running)
+        yield gauge("num_requests_waiting", "Requests queued for admission.", lambda i, s: s.num_waiting)
         usage_doc = "Fraction of KV pages held by requests (0 to 1); pages only the prefix cache holds count as free."
-        yield gauge("kv_cache_usage_perc", usage_doc, stats.kv_usage)
-        yield gauge("gpu_cache_usage_perc", usage_doc + " (vLLM's older name)", stats.kv_usage)
-        preemptions = CounterMetricFamily(
-            p + "num_preemptions", "Requests preempted (their pages released, to be recomputed).", labels=["model_name"]
+        yield gauge("kv_cache_usage_perc", usage_doc, lambda i, s: s.kv_usage)
+        yield gauge("gpu_cache_usage_perc", usage_doc + " (vLLM's older name)", lambda i, s: s.kv_usage)
+        preemptions_doc = "Requests preempted (their pages released, to be recomputed)."
+        yield per_engine(
+            CounterMetricFamily(p + "num_preemptions", preemptions_doc, labels=labels), lambda i, s: s.num_preemptions
         )
-        preemptions.add_metric(name, stats.num_preemptions)
-        yield preemptions
-        if stats.spec_accepted_per_position:  # speculative decoding is on: vLLM's spec_decode counters
-            for metric, doc, value in (
-                ("spec_decode_num_drafts", "Verify steps of one request with a draft.", stats.spec_num_drafts),
-                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_num_draft_tokens),
-                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
+        if engines[0][1].spec_accepted_per_position:  # speculative decoding is on: vLLM's spec_decode counters
+            for metric, doc, field in (
+                ("spec_decode_num_drafts", "Verify steps of one request with a draft.", "spec_num_drafts"),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_num_draft_tokens"),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
             ):
-                family = CounterMetricFamily(p + metric, doc, labels=["model_name"])
-                family.add_metric(name, value)
-                yield family
+                family = CounterMetricFamily(p + metric, doc, labels=labels)
+                yield per_engine(family, lambda i, s, field=field: getattr(s, field))
             per_position = CounterMetricFamily(
                 p + "spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted at each draft position.",
-                labels=["model_name", "position"],
+                labels=[*labels, "position"],
             )
-            for position, value in enumerate(stats.spec_accepted_per_position):
-                per_position.add_metric([self.model_name, str(position)], value)
+            for index, (_, stats) in enumerate(engines):
+                for position, value in enumerate(stats.spec_accepted_per_position):
+                    per_position.add_metric([self.model_name, str(index), str(position)], value)
             yield per_position
-        config_labels = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"]
+        config_labels = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"]
         config = GaugeMetricFamily(
             p + "cache_config_info", "The KV cache's configuration, in its labels.", labels=config_labels
         )
-        config.add_metric([str(info.page_size), str(info.num_pages), info.dtype, str(info.prefix_caching)], 1)
+        for index, (info, _) in enumerate(engines):
+            config.add_metric(
+                [str(info.page_size), str(info.num_pages), info.dtype, str(info.prefix_caching), str(index)], 1
+            )
         yield config
