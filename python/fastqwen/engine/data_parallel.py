@@ -166,4 +166,8 @@ def total_stats(engines: list[tuple[EngineInfo, EngineStats]]) -> EngineStats:
         num_preemptions=sum(s.num_preemptions for _, s in engines),
         num_computed_tokens=sum(s.num_computed_tokens for _, s in engines),
         num_ahead_steps=sum(s.num_ahead_steps for _, s in engines),
+        spec_num_drafts=sum(s.spec_num_drafts for _, s in engines),
+        spec_num_draft_tokens=sum(s.spec_num_draft_tokens for _, s in engines),
+        spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for _, s in engines),
+        spec_accepted_per_position=[sum(column) for column in zip(*(s.spec_accepted_per_position for _, s in engines))],
     )
