@@ -320,3 +320,39 @@ def test_replayed_requests_draft_from_the_suffix_cache(checkpoint):
     drafts = after.spec_num_drafts - before.spec_num_drafts
     length = 1 + (after.spec_num_accepted_tokens - before.spec_num_accepted_tokens) / drafts
     assert length >= 3, length
+
+
+# ---- through the server -----------------------------------------------------------------------------------------
+
+
+def test_server_streams_accepted_runs_and_exports_the_counters(checkpoint):
+    """A real server with --speculative-config: a streamed greedy completion equals the offline output without
+    speculation, and /metrics carries vLLM's spec_decode counters."""
+    import httpx
+    from server_process import ServerProcess
+
+    path, _ = checkpoint
+    prompt = prompts(1, seed=14)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    (reference,) = outputs(make_llm(path), [prompt], params)
+    spec = '{"method": "suffix", "num_speculative_tokens": 4}'
+    server = ServerProcess(path, "--device", "cpu", "--dtype", "float32", "--speculative-config", spec)
+    try:
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert whole["token_ids"] == reference
+        text = ""  # the second run drafts from the first one's output: runs of several tokens per delta
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+        assert text == whole["text"]
+        metrics = httpx.get(server.url + "/metrics").text
+        accepted = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("fastqwen:spec_decode_num_accepted_tokens_total")
+        ]
+        assert accepted and accepted[0] > 0, metrics
+    finally:
+        server.stop()
