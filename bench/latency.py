@@ -22,7 +22,7 @@ import torch
 from common import copy_bandwidth, hf_model_like, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
-from serving import request_metrics, tokens_in
+from serving import chunk_tokens, request_metrics
 
 
 def now() -> float:
@@ -88,7 +88,7 @@ def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     chunks, usage = [], None
     start = time.perf_counter()
@@ -99,7 +99,7 @@ def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
                 continue
             now, event = time.perf_counter(), json.loads(line[6:])
             usage = event.get("usage") or usage
-            chunks += [(now, tokens_in(choice)) for choice in event.get("choices") or ()]
+            chunks += chunk_tokens(now, event, chunks)
     end = time.perf_counter()
     counted = sum(n for _, n in chunks)
     if usage is None or counted != usage["completion_tokens"]:

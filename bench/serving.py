@@ -73,6 +73,16 @@ def tokens_in(choice: dict) -> int:
     return len(logprobs["tokens"]) if logprobs else int(choice.get("finish_reason") is None)
 
 
+def chunk_tokens(now: float, event: dict, chunks: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """(time, tokens) for each choice of a stream event. With continuous usage stats (one choice), the tokens are what
+    its usage added: a chunk may carry several tokens (speculative decoding emits runs). Without, tokens_in."""
+    choices = event.get("choices") or ()
+    usage = event.get("usage")
+    if choices and usage and len(choices) == 1:
+        return [(now, usage["completion_tokens"] - sum(n for _, n in chunks))]
+    return [(now, tokens_in(choice)) for choice in choices]
+
+
 async def one_request(http: httpx.AsyncClient, api: str, model: str, prompt: list[int], output_len: int) -> dict:
     try:
         if api == "generate":
@@ -97,7 +107,7 @@ async def _stream_completions(http: httpx.AsyncClient, model: str, prompt: list[
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     chunks: list[tuple[float, int]] = []
     usage = None
@@ -108,7 +118,7 @@ async def _stream_completions(http: httpx.AsyncClient, model: str, prompt: list[
         async for now, event in _events(response):
             if event.get("usage"):
                 usage = event["usage"]
-            chunks += [(now, tokens_in(choice)) for choice in event.get("choices") or ()]
+            chunks += chunk_tokens(now, event, chunks)
     end = time.perf_counter()
     if usage is None:
         return {"ok": False, "status": 200, "error": "no usage in the stream"}
