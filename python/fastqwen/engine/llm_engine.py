@@ -196,7 +196,12 @@ class LLMEngine:
             k_scales,
             v_scales,
         )
-        self.cache = RadixCache(self.kv.allocator, page_size) if config.enable_prefix_caching else None
+        # KV-cache events (engine/kv_events.py): the cache records, a thread of the publisher sends. Rank 0 alone
+        # publishes: the other tensor-parallel ranks' caches are the same.
+        events = config.kv_events_config
+        publishes = events is not None and events.publishes and config.enable_prefix_caching and parallel.rank == 0
+        self.cache = RadixCache(self.kv.allocator, page_size, publishes) if config.enable_prefix_caching else None
+        self.kv_events = None  # the publisher, started last (below): nothing after it can fail and leave it running
         self.scheduler = Scheduler(
             self.kv.allocator,
             page_size,
@@ -237,6 +242,10 @@ class LLMEngine:
         self.num_ahead_steps = 0
         self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
         self._failed_steps = 0  # in a row
+        if publishes:
+            from .kv_events import KVEventPublisher  # (the schema and its thread only when asked for)
+
+            self.kv_events = KVEventPublisher(events, page_size, "GPU" if self.device.type == "cuda" else "CPU")
         self._log_summary()
 
     def _log_summary(self) -> None:
@@ -447,7 +456,9 @@ class LLMEngine:
                 del self._compiling[i]
                 request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ABORT
                 return True
-        return self.scheduler.abort(rid) is not None
+        aborted = self.scheduler.abort(rid) is not None
+        self._publish_cache_events()  # its computed prefix went into the cache, and no step may follow soon
+        return aborted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None or bool(self._compiling or self._compile_failures)
@@ -468,9 +479,16 @@ class LLMEngine:
         try:
             output = self._step()
         except Exception as error:
-            return self._fail_step(error)
-        self._failed_steps = 0
+            output = self._fail_step(error)
+        else:
+            self._failed_steps = 0
+        self._publish_cache_events()
         return output
+
+    def _publish_cache_events(self) -> None:
+        """Hand what the prefix cache stored and removed since the last call to the KV-event publisher's thread."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.cache.take_events())
 
     def _fail_step(self, error: Exception) -> StepOutput:
         failed = list({id(r): r for r in self._step_requests}.values())
@@ -578,6 +596,7 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             num_computed_tokens=scheduler.num_computed_tokens,
             num_ahead_steps=self.num_ahead_steps,
+            num_cached_pages=self.cache.num_pages if self.cache is not None else 0,
         )
 
     def kv_usage(self) -> float:
@@ -591,7 +610,11 @@ class LLMEngine:
         engine/tensor_parallel.py). One engine in one process: never."""
 
     def close(self) -> None:
-        """Stop what the engine started besides itself (the other tensor-parallel ranks; nothing here)."""
+        """Stop what the engine started besides itself: the KV-event publisher's thread (and, for
+        TensorParallelEngine, the other ranks)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def check_invariants(self) -> None:
         """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises

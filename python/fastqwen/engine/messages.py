@@ -74,6 +74,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_computed_tokens: int = 0  # tokens of every step that ran: prefill work actually done, plus decodes
     num_ahead_steps: int = 0  # decode steps launched ahead by the overlap schedule
+    num_cached_pages: int = 0  # pages the prefix cache holds (what a KV-event subscriber's rebuilt set must count)
 
 
 @dataclass
