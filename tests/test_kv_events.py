@@ -383,8 +383,8 @@ def start_server(folder: str, events: dict, *extra: str) -> ServerProcess:
 
 
 def workload(server: ServerProcess, seed: int) -> list[tuple[list[int], bool]]:
-    """Groups sharing a 3-page system prompt (matches split nodes), unrelated prompts, and one stream cut off after
-    its first tokens (an abort: its computed prefix is cached outside any step). Returns (tokens, cut off) each."""
+    """Groups sharing a 3-page system prompt (matches split nodes), unrelated prompts, then one stream cut off after
+    two pages of output (an abort). Returns (tokens, whether cut off) for each."""
     import random
 
     rng = random.Random(seed)
@@ -412,13 +412,86 @@ def workload(server: ServerProcess, seed: int) -> list[tuple[list[int], bool]]:
                 }
                 async with http.stream("POST", "/generate", json=body) as r:
                     async for line in r.aiter_lines():
-                        if line.startswith("data:"):
+                        output = json.loads(line[5:])["output_ids"] if line.startswith("data:") else []
+                        if len(output) >= 2 * PAGE:
                             break  # leaving the block closes the connection: the server aborts the request
-                return cut, True
+                return cut + output, True
 
-            return await asyncio.gather(*(one(p) for p in prompts), cut_off())
+            done = await asyncio.gather(*(one(p) for p in prompts))
+            # Alone and last: when the abort comes before it finishes, its decoded pages go into the cache with the
+            # abort, and no step follows (test_an_abort_publishes_the_pages_it_cached_at_once holds this exactly).
+            return done + [await cut_off()]
 
     return asyncio.run(scenario())
+
+
+def test_an_address_in_use_is_refused_naming_it_and_frees_the_other_socket(folder):
+    from fastqwen.engine.llm_engine import LLMEngine
+
+    pub, replay = free_port(), free_port()
+    context = zmq.Context()
+    taken = context.socket(zmq.ROUTER)
+    taken.bind(f"tcp://127.0.0.1:{replay}")
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
+    try:
+        with pytest.raises(RuntimeError, match=f"replay_endpoint: cannot bind tcp://127.0.0.1:{replay}: Address"):
+            LLMEngine(folder, dtype="float32", device="cpu", num_pages=8, kv_events_config=events)
+        again = context.socket(zmq.PUB)
+        again.bind(f"tcp://*:{pub}")  # the PUB socket it had bound was closed
+        again.close(linger=0)
+    finally:
+        taken.close(linger=0)
+        context.term()
+
+
+def test_events_need_the_prefix_cache():
+    with pytest.raises(ConfigError, match="prefix cache is off"):
+        EngineConfig(model="m", enable_prefix_caching=False, kv_events_config='{"enable_kv_cache_events": true}')
+
+
+class RecordingPublisher:
+    def __init__(self):
+        self.batches = []
+
+    def publish(self, records):
+        self.batches.append(records)
+
+    def close(self):
+        pass
+
+
+def test_an_abort_publishes_the_pages_it_cached_at_once(folder):
+    """An aborted request's decoded pages go into the cache with the abort, between steps; they are handed to the
+    publisher then, not with a next step that may not come for a long time (an idle server steps no more).
+
+    Mutation check (run once, not committed): LLMEngine.abort not publishing fails this test."""
+    from fastqwen.engine.llm_engine import LLMEngine
+    from fastqwen.engine.messages import EngineRequest
+
+    events = {"enable_kv_cache_events": True, "endpoint": "inproc://kv-events-abort"}  # (no port taken)
+    engine = LLMEngine(folder, dtype="float32", device="cpu", num_pages=32, page_size=4, kv_events_config=events)
+    engine.kv_events.close()
+    engine.kv_events = recorder = RecordingPublisher()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True).with_defaults(GenerationDefaults())
+    engine.add(EngineRequest(1, [5, 6, 7, 8, 9, 10], params, time.monotonic()))
+
+    def decoded() -> int:
+        running = engine.scheduler.running
+        return running[0].num_output_tokens if running else 0
+
+    while decoded() < 8:
+        engine.step()
+    stored = sum(len(r.hashes) for batch in recorder.batches for r in batch if isinstance(r, PagesStored))
+    assert stored == 1  # the prompt's whole page, cached once prefilled
+    recorder.batches.clear()
+    engine.abort(1)
+    (batch,) = recorder.batches
+    assert [len(r.hashes) for r in batch] == [2] and engine.cache.num_pages == 3  # 13 tokens computed
+    engine.close()
 
 
 def test_a_subscriber_rebuilds_exactly_the_servers_cached_pages(folder):
@@ -427,8 +500,7 @@ def test_a_subscriber_rebuilds_exactly_the_servers_cached_pages(folder):
     from the stream are as many as the server's cache holds, each a prefix the server computed.
 
     Mutation check (run once, not committed): not recording PagesRemoved in RadixCache.evict fails this test (the
-    rebuilt set keeps evicted pages); so does LLMEngine.abort not publishing (the cut-off stream's pages arrive
-    only with a later step, and none comes)."""
+    rebuilt set keeps evicted pages)."""
     pub, replay = free_port(), free_port()
     subscriber = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", bind_pub=True)
     server = start_server(
@@ -475,3 +547,40 @@ def test_a_late_subscriber_catches_up_through_the_replay_socket(folder):
         server.stop()
         if late is not None:
             late.close()
+
+
+def test_under_tensor_parallelism_rank_0_alone_publishes(folder):
+    """Two ranks on the CPU, the PUB socket bound to a TCP port (a second rank binding it too would fail the start):
+    the pages rebuilt from the replay socket are those of rank 0's tree, walked.
+
+    Mutation check (run once, not committed): every rank starting a publisher fails this test (rank 1 cannot bind)."""
+    from fastqwen import LLM
+    from fastqwen import SamplingParams as Params
+
+    pub, replay = free_port(), free_port()
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        "topic": TOPIC,
+    }
+    llm = LLM(
+        folder,
+        dtype="float32",
+        device="cpu",
+        num_pages=64,
+        page_size=PAGE,
+        tensor_parallel_size=2,
+        kv_events_config=events,
+    )
+    subscriber = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        prompts = [[3 + i] * 40 + list(range(1, 12 + 5 * i)) for i in range(3)]
+        llm.generate(prompts, Params(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        deadline = time.monotonic() + 10
+        while len(subscriber.rebuilt.pages) != llm.engine.cache.num_pages and time.monotonic() < deadline:
+            subscriber.catch_up()
+        assert subscriber.rebuilt.prefixes() == tree_prefixes(llm.engine.cache) != set()
+    finally:
+        subscriber.close()
+        llm.close()

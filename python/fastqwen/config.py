@@ -506,6 +506,12 @@ class EngineConfig:
         need(_positive_int(self.grammar_cache_mib), "grammar_cache_mib", "a positive integer (MiB)")
         if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
             self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_events_config is not None and self.kv_events_config.publishes and not self.enable_prefix_caching:
+            raise ConfigError(
+                "kv_events_config publishes the prefix cache's pages, and the prefix cache is off "
+                "(--disable-radix-cache): turn one on or the other off",
+                "kv_events_config",
+            )
         for name in ("revision", "tokenizer", "chat_template"):
             need(
                 getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""),

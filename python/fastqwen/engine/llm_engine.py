@@ -129,10 +129,28 @@ class LLMEngine:
         # A hub id becomes its local snapshot, the chat template its text; a missing file fails here, before loading.
         self.engine_config = config = model_source.resolve(EngineConfig.build(config, **knobs))
         self.parallel = parallel
-        model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
-        max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         device = config.device
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        # KV-cache events (engine/kv_events.py): the cache records, the publisher's thread sends. Rank 0 alone
+        # publishes (the other tensor-parallel ranks' caches are the same). Started first: a port in use fails now,
+        # not after the model has loaded.
+        self.kv_events = None
+        events = config.kv_events_config
+        if events is not None and events.publishes and config.enable_prefix_caching and parallel.rank == 0:
+            from .kv_events import KVEventPublisher  # (the schema and its thread only when asked for)
+
+            medium = "GPU" if self.device.type == "cuda" else "CPU"
+            self.kv_events = KVEventPublisher(events, config.page_size, medium)
+        try:
+            self._build(config, parallel)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, parallel: ParallelGroup) -> None:
+        """The rest of __init__: the weights, the KV pool, the cache, the scheduler, the runner."""
+        model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
+        max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         check_kernels_for(self.device, config.allow_reference_on_gpu)
         self.config, self.generation_defaults = load_model_config(model)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
@@ -196,12 +214,8 @@ class LLMEngine:
             k_scales,
             v_scales,
         )
-        # KV-cache events (engine/kv_events.py): the cache records, a thread of the publisher sends. Rank 0 alone
-        # publishes: the other tensor-parallel ranks' caches are the same.
-        events = config.kv_events_config
-        publishes = events is not None and events.publishes and config.enable_prefix_caching and parallel.rank == 0
-        self.cache = RadixCache(self.kv.allocator, page_size, publishes) if config.enable_prefix_caching else None
-        self.kv_events = None  # the publisher, started last (below): nothing after it can fail and leave it running
+        recording = self.kv_events is not None
+        self.cache = RadixCache(self.kv.allocator, page_size, recording) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv.allocator,
             page_size,
@@ -242,10 +256,6 @@ class LLMEngine:
         self.num_ahead_steps = 0
         self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
         self._failed_steps = 0  # in a row
-        if publishes:
-            from .kv_events import KVEventPublisher  # (the schema and its thread only when asked for)
-
-            self.kv_events = KVEventPublisher(events, page_size, "GPU" if self.device.type == "cuda" else "CPU")
         self._log_summary()
 
     def _log_summary(self) -> None:

@@ -23,19 +23,19 @@ _ROOT_SEED = b"fastqwen"  # hashed in place of a parent hash for a page at the s
 
 
 def page_hash(parent: int | None, tokens) -> int:
-    """The 64-bit hash of a page: its parent page's hash (None at the root) chained with its token ids."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(_ROOT_SEED if parent is None else parent.to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
-    return int.from_bytes(h.digest(), "little")
+    """The 64-bit hash of a page: blake2b over its parent page's hash (little-endian; the bytes b"fastqwen" at the
+    root) and its token ids (each 4 bytes, little-endian)."""
+    return chain_hashes(parent, tokens, len(tokens))[0]
 
 
 def chain_hashes(parent: int | None, tokens, page_size: int) -> list[int]:
     """Hashes of consecutive whole pages of tokens, the first one's parent being `parent`."""
-    hashes = []
-    for at in range(0, len(tokens), page_size):
-        parent = page_hash(parent, tokens[at : at + page_size])
-        hashes.append(parent)
+    data = struct.pack(f"<{len(tokens)}I", *tokens)  # once for every page
+    step, hashes = 4 * page_size, []
+    previous = _ROOT_SEED if parent is None else parent.to_bytes(8, "little")
+    for at in range(0, len(data), step):
+        previous = hashlib.blake2b(previous + data[at : at + step], digest_size=8).digest()
+        hashes.append(int.from_bytes(previous, "little"))
     return hashes
 
 
