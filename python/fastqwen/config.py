@@ -405,6 +405,86 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
 
 
+# ---- KV-cache events (engine/kv_events.py publishes them) ----------------------------------------------------------
+
+KV_EVENT_PUBLISHERS = ("zmq", "null")
+_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """--kv-events-config, in vLLM's spelling and with vLLM's defaults, so a deployment written for vLLM's flag works
+    unchanged. Published only when enable_kv_cache_events is true and the publisher is "zmq" (the default once
+    enabled); "null" publishes nothing and, here, records nothing either."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled
+    endpoint: str = (
+        "tcp://*:5557"  # the PUB socket: bound when it has a wildcard ("*", "::") or is ipc/inproc, else connected
+    )
+    replay_endpoint: str | None = None  # the ROUTER socket that replays buffered batches (always bound)
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread before a step waits for it
+    topic: str = ""  # the first frame of every message: what subscribers filter on, e.g. "kv@<pod>@<model>"
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def parse(cls, value: str | dict) -> KVEventsConfig:
+        """From the flag's JSON text or a dict; a ConfigError naming what is wrong otherwise."""
+
+        def bad(message: str) -> ConfigError:
+            return ConfigError(message, "kv_events_config")
+
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise bad(f"kv_events_config is not valid JSON ({e}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise bad(f"kv_events_config must be a JSON object, not {value!r}")
+        unknown = sorted(set(value) - set(KV_EVENTS_KEYS))
+        if unknown:
+            raise bad(f"kv_events_config has unknown keys {unknown}; the keys are {', '.join(KV_EVENTS_KEYS)}")
+
+        def need(ok: bool, key: str, what: str) -> None:
+            if not ok:
+                raise bad(f"kv_events_config's {key} must be {what}, not {value[key]!r}")
+
+        if "enable_kv_cache_events" in value:
+            need(isinstance(value["enable_kv_cache_events"], bool), "enable_kv_cache_events", "true or false")
+        if value.get("publisher") is not None:
+            need(value["publisher"] in KV_EVENT_PUBLISHERS, "publisher", '"zmq" or "null"')
+        for key in ("endpoint", "replay_endpoint"):
+            if key in value and not (key == "replay_endpoint" and value[key] is None):  # no replay socket: null
+                need(
+                    isinstance(value[key], str) and value[key].startswith(_ENDPOINT_SCHEMES),
+                    key,
+                    "a ZeroMQ address (tcp://host:port, tcp://*:port, ipc://path or inproc://name)",
+                )
+        for key in ("buffer_steps", "max_queue_size"):
+            if key in value:
+                need(_positive_int(value[key]), key, "a positive integer")
+        if "hwm" in value:
+            need(
+                isinstance(value["hwm"], int) and not isinstance(value["hwm"], bool) and value["hwm"] >= 0,
+                "hwm",
+                "an integer >= 0 (0: no limit)",
+            )
+        if "topic" in value:
+            need(isinstance(value["topic"], str), "topic", "a string")
+        config = cls(**value)
+        if config.publisher is None:
+            config = replace(config, publisher="zmq" if config.enable_kv_cache_events else "null")
+        return config
+
+
+KV_EVENTS_KEYS = tuple(f.name for f in fields(KVEventsConfig))
+
+
 # ---- engine knobs ------------------------------------------------------------------------------------------------
 
 
@@ -524,6 +604,14 @@ class EngineConfig:
         512,
         "memory the compiled grammars kept for reuse may take, estimated (grammar/compiler.py: estimated_compile_bytes); least recently used ones are dropped",
     )
+    # ---- KV-cache events for gateways that route by prefix (engine/kv_events.py) ----
+    kv_events_config: str | dict | KVEventsConfig | None = _knob(
+        None,
+        "publish the prefix cache's stored and removed pages as vLLM's KV-cache events over ZeroMQ, for gateways that "
+        "route by cached prefix: a JSON object with the keys "
+        + ", ".join(KV_EVENTS_KEYS)
+        + """, e.g. '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5558", "topic": "kv@pod-0@Qwen3-8B"}' (docs/kv-events.md)""",
+    )
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -580,6 +668,14 @@ class EngineConfig:
                 SpeculativeConfig.parse(self.speculative_config)
             except SpeculativeConfigError as error:
                 raise ConfigError(str(error), "speculative_config") from None
+        if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
+            self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_events_config is not None and self.kv_events_config.publishes and not self.enable_prefix_caching:
+            raise ConfigError(
+                "kv_events_config publishes the prefix cache's pages, and the prefix cache is off "
+                "(--disable-radix-cache): turn one on or the other off",
+                "kv_events_config",
+            )
         for name in ("revision", "tokenizer", "chat_template"):
             need(
                 getattr(self, name) is None or (isinstance(getattr(self, name), str) and getattr(self, name) != ""),

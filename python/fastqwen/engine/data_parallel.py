@@ -166,6 +166,7 @@ def total_stats(engines: list[tuple[EngineInfo, EngineStats]]) -> EngineStats:
         num_preemptions=sum(s.num_preemptions for _, s in engines),
         num_computed_tokens=sum(s.num_computed_tokens for _, s in engines),
         num_ahead_steps=sum(s.num_ahead_steps for _, s in engines),
+        num_cached_pages=sum(s.num_cached_pages for _, s in engines),
         spec_num_drafts=sum(s.spec_num_drafts for _, s in engines),
         spec_num_draft_tokens=sum(s.spec_num_draft_tokens for _, s in engines),
         spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for _, s in engines),

@@ -146,10 +146,28 @@ class LLMEngine:
         # A hub id becomes its local snapshot, the chat template its text; a missing file fails here, before loading.
         self.engine_config = config = model_source.resolve(EngineConfig.build(config, **knobs))
         self.parallel = parallel
-        model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
-        max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         device = config.device
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        # KV-cache events (engine/kv_events.py): the cache records, the publisher's thread sends. Rank 0 alone
+        # publishes (the other tensor-parallel ranks' caches are the same). Started first: a port in use fails now,
+        # not after the model has loaded.
+        self.kv_events = None
+        events = config.kv_events_config
+        if events is not None and events.publishes and config.enable_prefix_caching and parallel.rank == 0:
+            from .kv_events import KVEventPublisher  # (the schema and its thread only when asked for)
+
+            medium = "GPU" if self.device.type == "cuda" else "CPU"
+            self.kv_events = KVEventPublisher(events, config.page_size, medium)
+        try:
+            self._build(config, parallel)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, parallel: ParallelGroup) -> None:
+        """The rest of __init__: the weights, the KV pool, the cache, the scheduler, the runner."""
+        model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
+        max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         check_kernels_for(self.device, config.allow_reference_on_gpu)
         self.config, self.generation_defaults = load_model_config(model, config.rope_scaling)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
@@ -225,7 +243,8 @@ class LLMEngine:
             k_scales,
             v_scales,
         )
-        self.cache = RadixCache(self.kv.allocator, page_size) if config.enable_prefix_caching else None
+        recording = self.kv_events is not None
+        self.cache = RadixCache(self.kv.allocator, page_size, recording) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv.allocator,
             page_size,
@@ -484,7 +503,9 @@ class LLMEngine:
                 del self._compiling[i]
                 request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ABORT
                 return True
-        return self.scheduler.abort(rid) is not None
+        aborted = self.scheduler.abort(rid) is not None
+        self._publish_cache_events()  # its computed prefix went into the cache, and no step may follow soon
+        return aborted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None or bool(self._compiling or self._compile_failures)
@@ -505,9 +526,16 @@ class LLMEngine:
         try:
             output = self._step()
         except Exception as error:
-            return self._fail_step(error)
-        self._failed_steps = 0
+            output = self._fail_step(error)
+        else:
+            self._failed_steps = 0
+        self._publish_cache_events()
         return output
+
+    def _publish_cache_events(self) -> None:
+        """Hand what the prefix cache stored and removed since the last call to the KV-event publisher's thread."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.cache.take_events())
 
     def _fail_step(self, error: Exception) -> StepOutput:
         failed = list({id(r): r for r in self._step_requests}.values())
@@ -625,6 +653,7 @@ class LLMEngine:
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
+            num_cached_pages=self.cache.num_pages if self.cache is not None else 0,
         )
 
     def kv_usage(self) -> float:
@@ -638,7 +667,11 @@ class LLMEngine:
         engine/tensor_parallel.py). One engine in one process: never."""
 
     def close(self) -> None:
-        """Stop what the engine started besides itself (the other tensor-parallel ranks; nothing here)."""
+        """Stop what the engine started besides itself: the KV-event publisher's thread (and, for
+        TensorParallelEngine, the other ranks)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def check_invariants(self) -> None:
         """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises

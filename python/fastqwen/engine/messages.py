@@ -80,6 +80,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    num_cached_pages: int = 0  # pages the prefix cache holds (what a KV-event subscriber's rebuilt set must count)
 
 
 @dataclass

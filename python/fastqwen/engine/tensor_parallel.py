@@ -221,6 +221,9 @@ class TensorParallelEngine:
             if process.is_alive():
                 process.kill()
                 process.join(5)
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.close()  # rank 0's own: its KV-event publisher
         parallel = self.__dict__.get("parallel")
         if parallel is not None and parallel.custom is not None and not kill:
             parallel.custom.close()  # the other ranks have exited: nobody reads this rank's buffer any more

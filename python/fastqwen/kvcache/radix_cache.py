@@ -9,6 +9,9 @@ remapped under a running request.
 
 Nodes on the path of a running request are locked (lock_ref > 0) and never evicted: their pages are mapped anyway,
 so evicting them would free nothing. Eviction takes unlocked leaves, least recently used first.
+
+With record_events, the cache also logs each page it takes and lets go of, under chained page hashes (kvcache/
+events.py), for the KV-cache event publisher; the engine takes the log after each step (take_events).
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from __future__ import annotations
 import heapq
 import itertools
 
+from .events import CacheCleared, CacheEvent, PagesRemoved, PagesStored, chain_hashes
+
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "pages", "hashes", "children", "parent", "lock_ref", "last_access")
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None):
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, hashes: list[int] = ()):
         self.key = key  # tokens, a whole number of pages
         self.pages = pages
+        self.hashes = hashes  # each page's chained hash (kvcache/events.py), when the cache records events
         self.children: dict[tuple[int, ...], _Node] = {}  # by the tokens of the child's first page
         self.parent = parent
         self.lock_ref = 0
@@ -30,9 +36,10 @@ class _Node:
 
 
 class RadixCache:
-    def __init__(self, allocator, page_size: int):
+    def __init__(self, allocator, page_size: int, record_events: bool = False):
         self.allocator = allocator
         self.page_size = page_size
+        self.events: list[CacheEvent] | None = [] if record_events else None
         self.root = _Node((), [], None)
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
@@ -76,12 +83,14 @@ class RadixCache:
     def _split(self, node: _Node, num_pages: int) -> _Node:
         """Cut node after num_pages pages; returns the new upper part (the lower part keeps node's children)."""
         ps = self.page_size
-        upper = _Node(node.key[: num_pages * ps], node.pages[:num_pages], node.parent)
+        # The pages stay in the tree (only the node they hang in changes): nothing to report to event subscribers.
+        upper = _Node(node.key[: num_pages * ps], node.pages[:num_pages], node.parent, node.hashes[:num_pages])
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[node.key[:ps]] = upper
         node.key = node.key[num_pages * ps :]
         node.pages = node.pages[num_pages:]
+        node.hashes = node.hashes[num_pages:]
         node.parent = upper
         upper.children[node.key[:ps]] = node
         return upper
@@ -105,6 +114,10 @@ class RadixCache:
                 new_pages = pages[at // ps :]
                 self.allocator.incref(new_pages)
                 child = _Node(tuple(tokens[at:]), list(new_pages), node)
+                if self.events is not None:
+                    parent_hash = node.hashes[-1] if node.hashes else None  # (the root has none)
+                    child.hashes = chain_hashes(parent_hash, child.key, ps)
+                    self.events.append(PagesStored(child.hashes, parent_hash, list(child.key)))
                 node.children[first] = child
                 self.num_pages += len(new_pages)
                 child.last_access = now
@@ -148,6 +161,8 @@ class RadixCache:
         while freed < num_pages and leaves:
             _, _, node = heapq.heappop(leaves)
             self.allocator.decref(node.pages)
+            if self.events is not None:
+                self.events.append(PagesRemoved(node.hashes))
             freed += len(node.pages)
             self.num_pages -= len(node.pages)
             parent = node.parent
@@ -157,8 +172,20 @@ class RadixCache:
         return freed
 
     def reset(self) -> None:
-        """Drop every unlocked node (all of them when no request runs)."""
-        self.evict(self.num_pages)
+        """Drop every unlocked node (all of them when no request runs: reported as one CacheCleared)."""
+        if self.events is None or self.num_locked_pages:
+            self.evict(self.num_pages)
+            return
+        for node in self._nodes():
+            self.allocator.decref(node.pages)
+        self.root.children.clear()
+        self.num_pages = 0
+        self.events.append(CacheCleared())
+
+    def take_events(self) -> list[CacheEvent]:
+        """The events recorded since the last call (and none from now on are in it)."""
+        events, self.events = self.events, []
+        return events
 
     # ---- inspection ---------------------------------------------------------------------------------------
 
