@@ -37,21 +37,26 @@ def engine_latency(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
     device sync is added between steps (one would stall the decode step the engine launched ahead)."""
     start = now()
     llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
-    stamps = []
+    stamps, counts = [], []
     while llm.has_unfinished():
-        if llm.step():
+        updates = llm.step()
+        if updates:
             stamps.append(time.perf_counter())
-    return stream_times(start, stamps)
+            counts.append(sum(len(u.new_token_ids) for u in updates))
+    return stream_times(start, stamps, counts)
 
 
-def stream_times(start: float, stamps: list[float]) -> dict:
-    """TTFT; TPOT as the median gap between later tokens (tpot_ms) and as their mean (tpot_mean_ms: from the first
-    token to the last over the tokens after the first, the way vLLM's and SGLang's benchmarks report TPOT)."""
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+def stream_times(start: float, stamps: list[float], counts: list[int] | None = None) -> dict:
+    """TTFT; TPOT as the median gap between later steps per token they brought (tpot_ms) and as the mean (tpot_mean_ms:
+    from the first token to the last over the tokens after the first, the way vLLM's and SGLang's benchmarks report
+    TPOT). counts: tokens each stamp brought (1 each when not given; more with speculative decoding)."""
+    counts = counts or [1] * len(stamps)
+    gaps = [(b - a) / n for a, b, n in zip(stamps, stamps[1:], counts[1:]) if n]
+    later = sum(counts[1:])
     return {
         "ttft_ms": (stamps[0] - start) * 1e3,
         "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None,
-        "tpot_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else None,
+        "tpot_mean_ms": (stamps[-1] - stamps[0]) / later * 1e3 if later else None,
     }
 
 
