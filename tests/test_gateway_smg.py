@@ -12,8 +12,8 @@ long system prompt of its group and a question of its own, sent in shuffled orde
 about half of the system prompts (NUM_PAGES), the regime where routing matters: round robin makes each replica serve
 every group, so each replica's cache churns through all of them; cache-aware routing sends a group to one replica,
 so each replica holds only its half. Under LRU eviction that about doubles the hit rate (2.0 to 2.1x in a simulation
-of this shape; measured 1.65 to 2.49x over 14 runs, 8 of them at 1.8x or more, where partly evicted prompts still give round robin
-partial hits). One run of 128 requests varies by about +-15%, so the assertion's floor is MIN_HIT_RATIO.
+of this shape; measured 1.65 to 2.49x over 14 runs, 8 of them at 1.8x or more, as partly evicted prompts still give
+round robin partial hits). One run of 128 requests varies by about +-15%, so the assertion's floor is MIN_HIT_RATIO.
 """
 
 from __future__ import annotations
