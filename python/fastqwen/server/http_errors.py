@@ -80,5 +80,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: HTTPRequest, e: StarletteHTTPException):
+    async def on_http(request: HTTPRequest, e: StarletteHTTPException):
+        if e.status_code == 404 and e.detail == "Not Found":  # no route: say which, for whoever probed it (a gateway)
+            return error_response(404, f"no endpoint {request.method} {request.url.path} on this server", None)
         return error_response(e.status_code, str(e.detail), None, e.headers)

@@ -1,13 +1,14 @@
 """The small endpoints clients of vLLM and SGLang expect beside generation: one model's card (/v1/models/{id}),
-/tokenize and /detokenize in vLLM's shapes (prompts and chat messages), /version, and SGLang's /server_info
-(alias /get_server_info)."""
+/tokenize and /detokenize in vLLM's shapes (prompts and chat messages), /version, SGLang's /server_info
+(alias /get_server_info), and the load report gateways poll (/v1/loads, alias /get_loads)."""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -148,3 +149,33 @@ async def server_info(http_request: HTTPRequest) -> dict[str, Any]:
         "default_sampling_params": defaults,
         "internal_states": [dataclasses.asdict(state.engine.client.stats())],
     }
+
+
+# The sections of SGLang's load report; fastqwen fills `core` and leaves the others out (a reader takes them as absent).
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+
+@router.get("/v1/loads")
+@router.get("/get_loads")
+async def loads(http_request: HTTPRequest, include: str = Query("core")) -> dict[str, Any]:
+    """The scheduler's load in the shape SGLang serves and SMG's load monitor polls (`?include=core,...`): one entry
+    per data-parallel rank (one here), with the queue, the running requests and the KV pages in use."""
+    unknown = [s for s in (part.strip() for part in include.split(",")) if s and s not in LOAD_SECTIONS]
+    if unknown:
+        raise APIError(400, f"include: unknown section {unknown[0]!r}; known: {', '.join(LOAD_SECTIONS)}", "include")
+    state: ServerState = http_request.app.state.server
+    info, stats, totals = state.engine.frontend.info, state.engine.client.stats(), state.metrics.totals
+    capacity = info.num_pages * info.page_size
+    rank = {
+        "dp_rank": 0,
+        "num_running_reqs": stats.num_running,
+        "num_waiting_reqs": stats.num_waiting,
+        "num_total_reqs": stats.num_running + stats.num_waiting,
+        "num_used_tokens": round(stats.kv_usage * info.num_pages) * info.page_size,
+        "max_total_num_tokens": capacity,
+        "token_usage": stats.kv_usage,
+        # Since the server started (SGLang's is recent): prompt tokens found in the prefix cache / looked up.
+        "cache_hit_rate": totals.prefix_hits / totals.prefix_queries if totals.prefix_queries else 0.0,
+    }
+    timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    return {"timestamp": timestamp, "dp_rank_count": 1, "loads": [rank]}

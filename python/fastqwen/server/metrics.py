@@ -1,6 +1,10 @@
 """Prometheus metrics with vLLM's names, labels and meanings, under the prefix `fastqwen:` by default or `vllm:` with
 --metrics-compat vllm, so that vLLM's Grafana dashboard, KEDA triggers and gateway queries read them unchanged.
 
+The few gauges that gateways route by (GATEWAY_GAUGES: queue depth, running requests, KV use, the cache's
+configuration) are served under `vllm:` in either naming: SMG's load monitor, the Gateway API Inference Extension's
+endpoint picker and llm-d read those names and no others, and a replica behind them should need no flag for it.
+
 Per-request figures are observed by the server as each request's updates arrive (serving.py); engine state
 (running, waiting, KV use, preemptions) is read from the engine's latest stats at scrape time. Plain running totals
 are kept next to the Prometheus objects for the periodic stats line (stats_log.py). No `_created` series.
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # One series per metric, not two: Prometheus computes rates from the counter itself.
 prometheus_client.disable_created_metrics()
@@ -63,6 +67,9 @@ _REQUEST_TIME_BUCKETS = (
     7680.0,
 )
 PREFIXES = {"fastqwen": "fastqwen:", "vllm": "vllm:"}
+# The engine-state series a gateway reads, always also under vLLM's prefix (see the module docstring).
+GATEWAY_PREFIX = PREFIXES["vllm"]
+GATEWAY_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info")
 
 request_log = logging.getLogger("fastqwen.requests")
 
@@ -260,6 +267,12 @@ class _EngineState:
         self.prefix, self.model_name, self.client = prefix, model_name, client
 
     def collect(self):
+        for family in self._families():
+            yield family
+            if self.prefix != GATEWAY_PREFIX and family.name.removeprefix(self.prefix) in GATEWAY_GAUGES:
+                yield _renamed(family, GATEWAY_PREFIX + family.name.removeprefix(self.prefix))
+
+    def _families(self):
         engines, p, labels = self.client.per_engine(), self.prefix, ["model_name", "engine"]
 
         def per_engine(family, value):
@@ -305,3 +318,10 @@ class _EngineState:
                 [str(info.page_size), str(info.num_pages), info.dtype, str(info.prefix_caching), str(index)], 1
             )
         yield config
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    """The same series under another name (a gauge's samples are named as the family is)."""
+    alias = Metric(name, family.documentation, family.type)
+    alias.samples = [sample._replace(name=name) for sample in family.samples]
+    return alias

@@ -181,6 +181,11 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
                 if status == "401" and not api_key:
                     continue
                 responses[status] = {"description": description, "content": {"application/json": {"schema": error_ref}}}
+            if method == "get" and any(p.get("in") == "query" for p in operation.get("parameters", [])):
+                responses["400"] = {
+                    "description": "invalid query parameter",
+                    "content": {"application/json": {"schema": error_ref}},
+                }
             if path == "/v1/models/{model_id}":
                 responses["404"] = {
                     "description": "unknown model",
