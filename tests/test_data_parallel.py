@@ -212,6 +212,7 @@ def test_concurrent_requests_spread_over_both_replicas(dp2):
     try:
         streaming.wait(30)
         text = httpx.get(dp2.url + "/metrics").text
+        loads = httpx.get(dp2.url + "/v1/loads").json()  # what SMG's load monitor reads: one entry per replica
     finally:
         release.set()
         for thread in threads:
@@ -219,6 +220,7 @@ def test_concurrent_requests_spread_over_both_replicas(dp2):
     running = per_engine(text, "fastqwen:num_requests_running")
     waiting = per_engine(text, "fastqwen:num_requests_waiting")
     assert {e: running[e] + waiting[e] for e in running} == {"0": 2, "1": 2}, text
+    assert loads["dp_rank_count"] == 2 and [r["num_total_reqs"] for r in loads["loads"]] == [2, 2], loads
 
 
 def test_requests_sharing_a_long_prefix_go_to_the_replica_that_caches_it(dp2):

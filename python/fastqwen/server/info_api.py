@@ -159,23 +159,27 @@ LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 @router.get("/get_loads")
 async def loads(http_request: HTTPRequest, include: str = Query("core")) -> dict[str, Any]:
     """The scheduler's load in the shape SGLang serves and SMG's load monitor polls (`?include=core,...`): one entry
-    per data-parallel rank (one here), with the queue, the running requests and the KV pages in use."""
+    per data-parallel rank (--data-parallel-size), with the queue, the running requests and the KV pages in use."""
     unknown = [s for s in (part.strip() for part in include.split(",")) if s and s not in LOAD_SECTIONS]
     if unknown:
         raise APIError(400, f"include: unknown section {unknown[0]!r}; known: {', '.join(LOAD_SECTIONS)}", "include")
     state: ServerState = http_request.app.state.server
-    info, stats, totals = state.engine.frontend.info, state.engine.client.stats(), state.metrics.totals
-    capacity = info.num_pages * info.page_size
-    rank = {
-        "dp_rank": 0,
-        "num_running_reqs": stats.num_running,
-        "num_waiting_reqs": stats.num_waiting,
-        "num_total_reqs": stats.num_running + stats.num_waiting,
-        "num_used_tokens": round(stats.kv_usage * info.num_pages) * info.page_size,
-        "max_total_num_tokens": capacity,
-        "token_usage": stats.kv_usage,
-        # Since the server started (SGLang's is recent): prompt tokens found in the prefix cache / looked up.
-        "cache_hit_rate": totals.prefix_hits / totals.prefix_queries if totals.prefix_queries else 0.0,
-    }
+    totals = state.metrics.totals
+    # Since the server started (SGLang's is recent): prompt tokens found in the prefix cache / looked up.
+    hit_rate = totals.prefix_hits / totals.prefix_queries if totals.prefix_queries else 0.0
+    ranks = []
+    for index, (info, stats) in enumerate(state.engine.client.per_engine()):
+        ranks.append(
+            {
+                "dp_rank": index,
+                "num_running_reqs": stats.num_running,
+                "num_waiting_reqs": stats.num_waiting,
+                "num_total_reqs": stats.num_running + stats.num_waiting,
+                "num_used_tokens": round(stats.kv_usage * info.num_pages) * info.page_size,
+                "max_total_num_tokens": info.num_pages * info.page_size,
+                "token_usage": stats.kv_usage,
+                "cache_hit_rate": hit_rate,
+            }
+        )
     timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    return {"timestamp": timestamp, "dp_rank_count": 1, "loads": [rank]}
+    return {"timestamp": timestamp, "dp_rank_count": len(ranks), "loads": ranks}
