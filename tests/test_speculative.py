@@ -356,3 +356,55 @@ def test_server_streams_accepted_runs_and_exports_the_counters(checkpoint):
         assert accepted and accepted[0] > 0, metrics
     finally:
         server.stop()
+
+
+# ---- the overlap schedule -----------------------------------------------------------------------------------------
+
+
+def test_overlap_schedule_runs_ahead_only_when_no_request_may_draft():
+    """While speculation is on, the next decode step is chosen ahead of this one's tokens only when no running
+    request may carry a draft (its draft follows those tokens): requests with penalties decode with the overlap
+    schedule as before; one eligible request stops it."""
+    from fastqwen.config import GenerationDefaults
+    from fastqwen.kvcache import PageAllocator
+    from fastqwen.scheduler import Request, Scheduler
+    from fastqwen.speculative import SpeculativeConfig, Speculator
+
+    def request(rid: int, penalty: float) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, presence_penalty=penalty)
+        params = params.with_defaults(GenerationDefaults())
+        return Request(rid=rid, prompt_ids=[5, 6, 7, 8], params=params, arrival=rid)
+
+    speculator = Speculator(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}))
+    scheduler = Scheduler(PageAllocator(256), 4, 8, 64, 512, [0], speculator=speculator)
+    for rid in range(2):
+        scheduler.add(request(rid, penalty=0.5))
+    scheduler.update(scheduler.schedule(), [9, 9])  # prefills
+    decode = scheduler.schedule()
+    assert decode.is_decode and not decode.has_drafts
+    assert scheduler.schedule_ahead(decode) is not None
+    scheduler.update(decode, [9, 9])
+    scheduler.add(request(2, penalty=0.0))  # eligible: its drafts follow its tokens
+    scheduler.update(scheduler.schedule(), [9, 9, 9])
+    decode = scheduler.schedule()
+    assert scheduler.schedule_ahead(decode) is None
+
+
+def test_stop_string_inside_an_accepted_run(checkpoint):
+    """A stop string that ends inside a run of accepted tokens: the text ends where it would without speculation."""
+    path, _ = checkpoint
+    batch = prompts(3, seed=15)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = make_llm(path)
+    reference = base.generate(batch, long, use_tqdm=False)
+    llm = with_oracle(
+        make_llm(path, {"method": "ngram", "num_speculative_tokens": 5}), batch, [r.token_ids for r in reference]
+    )
+    for prompt, ref in zip(batch, reference):
+        stop = ref.text[len(ref.text) // 2 : len(ref.text) // 2 + 3]
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+        (expected,) = base.generate([prompt], params, use_tqdm=False)
+        (got,) = llm.generate([prompt], params, use_tqdm=False)
+        assert got.text == expected.text and got.finish_reason == expected.finish_reason == "stop"
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+    llm.engine.check_invariants()

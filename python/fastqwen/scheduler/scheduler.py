@@ -199,8 +199,12 @@ class Scheduler:
         """
         if not batch.chunks or not batch.is_decode or len(batch.chunks) != len(self.running):
             return None
-        if self.speculator is not None and self.speculator.active(len(self.running)):
-            return None  # the next step's drafts follow this step's tokens: it is chosen once they are known
+        speculator = self.speculator
+        if speculator is not None and speculator.active(len(self.running)):
+            # A draft follows this step's tokens: the next step is chosen once they are known, unless no request may
+            # draft (grammars, penalties, paused for low acceptance).
+            if any([speculator.may_draft(r) for r in self.running]):
+                return None
         if self.admission.might_admit():
             return None
         chunks = []

@@ -83,6 +83,18 @@ class Speculator:
         committed token)."""
         return request.grammar is None and not request.params.has_penalties
 
+    def may_draft(self, request) -> bool:
+        """Whether the request's next step may carry a draft (asked once per step by the scheduler's overlap schedule,
+        which launches the next step before this one's tokens are known only when no request may draft). A paused
+        request counts the step."""
+        if not self.eligible(request):
+            return False
+        state = self._states.get(request.rid)
+        if state is not None and state.paused and self.synthetic is None:
+            state.paused -= 1
+            return False
+        return True
+
     def propose(self, request, limit: int) -> tuple[int, ...]:
         """The draft for a decoding request's next step: at most `limit` tokens (what max_tokens and the context leave
         after the token the step samples anyway)."""
