@@ -304,6 +304,13 @@ def test_synthetic_acceptance_length(checkpoint):
     # Full drafts but for the last steps of each request (max_tokens caps them), and 1.5 accepted per draft.
     assert stats.spec_num_draft_tokens >= 3 * stats.spec_num_drafts - 2 * 3
     assert abs(stats.spec_num_accepted_tokens / stats.spec_num_drafts - 1.5) < 0.05
+    # Benchmark mode: requests that rely on sampling's guarantees are refused, naming the field.
+    from fastqwen.errors import InvalidRequestError
+
+    for field, extra in (("seed", {"seed": 3}), ("logprobs", {"logprobs": 1})):
+        with pytest.raises(InvalidRequestError) as error:
+            llm.generate(prompts(1), SamplingParams(max_tokens=4, **extra), use_tqdm=False)
+        assert error.value.param == field
 
 
 def test_replayed_requests_draft_from_the_suffix_cache(checkpoint):

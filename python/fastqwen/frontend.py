@@ -223,6 +223,14 @@ class Frontend:
             check_structured(params.structured, tokenizer_json, info.vocab_size, info.generation_defaults.eos_token_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+        if self.info.synthetic_speculation:
+            for field, value in (("seed", params.seed), ("logprobs", params.logprobs)):
+                if value is not None:
+                    raise InvalidRequestError(
+                        f"{field}: this server runs speculative decoding with synthetic acceptance (a benchmark mode: "
+                        "outputs are not the model's), so what sampling guarantees cannot be given",
+                        field,
+                    )
         if params.max_tokens is None:
             params = replace(params, max_tokens=max(1, self.info.max_model_len - len(ids)))
             if params.min_tokens > params.max_tokens:

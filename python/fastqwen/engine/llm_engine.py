@@ -403,6 +403,7 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             kv_bytes=self.kv.num_bytes,
+            synthetic_speculation=self.speculator is not None and self.speculator.synthetic is not None,
             tokenizer=self.engine_config.tokenizer,
             chat_template=self.engine_config.chat_template,
         )

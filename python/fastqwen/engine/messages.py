@@ -97,6 +97,9 @@ class EngineInfo:
     dtype: str = ""  # of weights and KV, e.g. "bfloat16"
     device: str = ""  # e.g. "cuda:0"
     kv_bytes: int = 0  # the KV pool's size in bytes
+    # Benchmark-only speculative decoding (synthetic_acceptance_length): outputs are not the model's, so requests
+    # that rely on what sampling guarantees (a seed's reproducibility, logprobs) are refused.
+    synthetic_speculation: bool = False
     # Passed through from EngineConfig for the frontend (the engine never reads them): the tokenizer folder, when not
     # the model's, and a chat template that replaces the tokenizer's.
     tokenizer: str | None = None
