@@ -135,7 +135,9 @@ def _attacks(url: str) -> list[tuple[str, str, dict | None, bytes | None, dict, 
             {},
             {400},
         ),
-        ("4.8 MB prompt", COMPLETIONS, {"prompt": "t1 t2 t3 " * 530_000, "max_tokens": 1}, None, {}, {400, 413}),
+        # 408 when the machine is loaded enough that the upload outlasts the body deadline (seen with 5 test runs on
+        # 2 cores): a refusal as clear as 413's.
+        ("4.8 MB prompt", COMPLETIONS, {"prompt": "t1 t2 t3 " * 530_000, "max_tokens": 1}, None, {}, {400, 408, 413}),
         (
             "4,300-digit logit_bias key",
             COMPLETIONS,
