@@ -213,6 +213,8 @@ class Frontend:
         self, prompt: str | list[int], params: SamplingParams | None = None
     ) -> tuple[list[int], SamplingParams]:
         """Validate a request without queueing it: (prompt ids, params with every default filled)."""
+        if self.info.task == "embed":
+            raise InvalidRequestError("this model serves embeddings only (--task embed), not generation", "model")
         ids = self.encode(prompt)
         params = (params or SamplingParams()).with_defaults(self.info.generation_defaults)
         check_token_ids(params.stop_token_ids, self.info.vocab_size, "stop_token_ids")
