@@ -82,6 +82,18 @@ def _hf_embedding(folder: str, ids: list[int]) -> torch.Tensor:
     return torch.nn.functional.normalize(last, dim=-1)
 
 
+def test_reranker_prompt_is_qwens():
+    """The format of Qwen3-Reranker's model card, written out here independently of retrieval.py."""
+    expected = (
+        "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+        'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+        "<Instruct>: Given a web search query, retrieve relevant passages that answer the query\n<Query>: q\n"
+        "<Document>: d<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert rerank_prompt("q", "d") == expected
+    assert "<Instruct>: find code\n" in rerank_prompt("q", "d", "find code")
+
+
 def test_task_detection():
     assert detect_task("/m/Qwen3-8B", ["Qwen3ForCausalLM"], True) == "generate"
     assert detect_task("/m/anything", ["Qwen3Model"], True) == "embed"
