@@ -571,6 +571,11 @@ class EngineConfig:
         "run the RMSNorms of a one-sequence decode step as their own kernels instead of in the projections' GEMVs (by default, where the one-token GEMV runs every projection on one GPU, they ride on the GEMVs and the dense projections after a norm take its weight into their columns at load: model/qwen3_batch1.py)",
         flag="--disable-norms-in-gemv",
     )
+    task: str = _knob(
+        "auto",
+        "what the model serves: generate (completions and chat), embed (/v1/embeddings: Qwen3-Embedding) or score (/v1/rerank and /score: Qwen3-Reranker); auto = from the checkpoint (pooling.py: a bare *Model architecture, no LM head or a name with Embedding: embed; a name with Reranker: score; else generate)",
+        choices=("auto", "generate", "embed", "score"),
+    )
     # ---- parallelism: tensor (engine/tensor_parallel.py) and data (engine/data_parallel.py) ----
     tensor_parallel_size: int = _knob(
         1,

@@ -20,6 +20,8 @@ from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogpr
 from .errors import InvalidRequestError
 from .grammar import check_structured, check_tokenizer
 from .limits import check_fits, check_prompt_logprobs, check_token_ids
+from .pooling import PoolingParams
+from .retrieval import rerank_prompt
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -41,6 +43,8 @@ class RequestOutput:
     error: str | None = None  # for finish_reason "error"
     # For params.prompt_logprobs: one per prompt position from params.prompt_logprobs_start on; None for position 0.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A prefill-only request's result (pooling.py): the normalized embedding, or the score's probabilities.
+    pooled: list[float] | None = None
 
 
 @dataclass
@@ -75,6 +79,7 @@ class RequestTracker:
         self.num_cached_tokens = 0
         self.first_scheduled_time: float | None = None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.pooled: list[float] | None = None
 
     @property
     def rid(self) -> int:
@@ -103,6 +108,8 @@ class RequestTracker:
         if self.finished:
             return None
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
         if delta.first_scheduled_time is not None:
             self.first_scheduled_time = delta.first_scheduled_time
         params = self.request.params
@@ -161,6 +168,7 @@ class RequestTracker:
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,
+            pooled=self.pooled,
         )
 
 
@@ -178,7 +186,7 @@ class Frontend:
         folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
         return cls(info, Tokenizer.from_folder(folder, info.chat_template) if folder else None)
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(
@@ -193,7 +201,7 @@ class Frontend:
                     f"{len(prompt)} characters, which make at least {at_least} tokens: shorten the prompt",
                     "prompt",
                 )
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens)
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -205,6 +213,8 @@ class Frontend:
         self, prompt: str | list[int], params: SamplingParams | None = None
     ) -> tuple[list[int], SamplingParams]:
         """Validate a request without queueing it: (prompt ids, params with every default filled)."""
+        if self.info.task == "embed":
+            raise InvalidRequestError("this model serves embeddings only (--task embed), not generation", "model")
         ids = self.encode(prompt)
         params = (params or SamplingParams()).with_defaults(self.info.generation_defaults)
         check_token_ids(params.stop_token_ids, self.info.vocab_size, "stop_token_ids")
@@ -250,3 +260,35 @@ class Frontend:
         ids, params = self.prepare(prompt, params)
         request = EngineRequest(rid=next(self._ids), prompt_ids=ids, params=params, arrival_time=time.monotonic())
         return RequestTracker(request, self.tokenizer)
+
+    # ---- prefill-only requests (pooling.py, retrieval.py) ---------------------------------------------------
+
+    def new_embedding_request(self, prompt: str | list[int], param: str = "input") -> RequestTracker:
+        """Embed a text (tokenized with the tokenizer's own special tokens: Qwen3-Embedding's appends the
+        <|endoftext|> it pools) or a list of token ids (as they are). Raises InvalidRequestError naming `param`."""
+        return self._pooling_request(prompt, PoolingParams("embed"), param, add_special_tokens=True)
+
+    def new_score_request(
+        self, query: str, document: str, instruction: str | None = None, param: str = "documents"
+    ) -> RequestTracker:
+        """Score a document against a query with Qwen3-Reranker's prompt: the result is [P(yes), P(no)]."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("scoring needs the model's tokenizer.json", param)
+        ids = [self.tokenizer.token_id("yes"), self.tokenizer.token_id("no")]
+        if None in ids:
+            raise InvalidRequestError('this tokenizer has no single "yes" and "no" tokens to score with', "model")
+        return self._pooling_request(rerank_prompt(query, document, instruction), PoolingParams("score", ids), param)
+
+    def _pooling_request(
+        self, prompt: str | list[int], pooling: PoolingParams, param: str, add_special_tokens: bool = False
+    ) -> RequestTracker:
+        try:
+            ids = self.encode(prompt, add_special_tokens)
+            # It fits the context and the pool as a request that generates one token would (its last position's
+            # KV is written too).
+            check_fits(len(ids), 1, self.info.max_model_len, self.info.page_size, self.info.num_pages)
+        except InvalidRequestError as error:
+            raise InvalidRequestError(str(error), param) from None
+        params = SamplingParams(max_tokens=1).with_defaults(self.info.generation_defaults)
+        request = EngineRequest(next(self._ids), ids, params, time.monotonic(), pooling=pooling)
+        return RequestTracker(request, None)

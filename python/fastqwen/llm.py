@@ -82,6 +82,49 @@ class LLM:
             bar.close()
         return [t.output() for t in trackers]
 
+    # ---- prefill-only requests: Qwen3-Embedding and Qwen3-Reranker (pooling.py) ----------------------------
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None) -> list[list[float]]:
+        """The embedding of every prompt (a text, tokenized with the tokenizer's special tokens, or a list of token
+        ids), in prompt order: the last position's final hidden state, L2-normalized; `dimensions` keeps the first
+        that many values, normalized again. Needs an engine of task embed."""
+        from .retrieval import check_dimensions, truncate_embedding
+
+        check_dimensions(dimensions, self.frontend.info.hidden_size)
+        prompts = self._prompt_list(prompts)
+        outputs = self._run_all([self.frontend.new_embedding_request(p, "prompts") for p in prompts])
+        return [truncate_embedding(o.pooled, dimensions) for o in outputs]
+
+    def score(self, query: str, documents: str | Sequence[str], instruction: str | None = None) -> list[float]:
+        """Qwen3-Reranker's relevance of each document to the query (P("yes") with Qwen's prompt), in document
+        order. Needs an engine of task score."""
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        trackers = [self.frontend.new_score_request(query, d, instruction) for d in documents]
+        return [o.pooled[0] for o in self._run_all(trackers)]
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    def _run_all(self, trackers: list[RequestTracker]) -> list[RequestOutput]:
+        """Queue validated requests, step until they are done, and raise for one that failed."""
+        for tracker in trackers:
+            self._add(tracker)
+        try:
+            while any(not t.finished for t in trackers) and self.engine.has_unfinished():
+                self.step()
+        except BaseException:
+            for tracker in trackers:
+                self.abort(tracker.rid)
+            raise
+        outputs = [t.output() for t in trackers]
+        failed = next((o for o in outputs if o.pooled is None), None)
+        if failed is not None:
+            raise RuntimeError(f"a request ended with {failed.finish_reason}: {failed.error}")
+        return outputs
+
     # ---- step by step, for streaming ----------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:

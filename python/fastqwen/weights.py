@@ -61,13 +61,15 @@ class Qwen3Weights:
     embed: torch.Tensor  # [vocab, hidden]; a rank's [vocab_rows, hidden] slice under tensor parallelism
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: LinearWeight  # [vocab, hidden] (sliced like embed), dense; its weight is the embed tensor itself when tied
+    # [vocab, hidden] (sliced like embed), dense; its weight is the embed tensor itself when tied. None for a checkpoint
+    # saved without one (transformers' Qwen3Model, as Qwen3-Embedding's): it can embed (pooling.py), never generate.
+    lm_head: LinearWeight | None
     norms_folded: NormFolding = field(default_factory=NormFolding)
 
     def projections(self) -> list[LinearWeight]:
         """Every projection: each layer's qkv, o_proj, gate_up and down, then the LM head."""
         layers = [p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-        return layers + [self.lm_head]
+        return layers + ([self.lm_head] if self.lm_head is not None else [])
 
     def num_bytes(self) -> int:
         seen: set[int] = set()
@@ -81,7 +83,8 @@ class Qwen3Weights:
     def _tensors(self):
         yield self.embed
         yield self.final_norm
-        yield from self.lm_head.tensors()
+        if self.lm_head is not None:
+            yield from self.lm_head.tensors()
         for layer in self.layers:
             for t in vars(layer).values():
                 if isinstance(t, LinearWeight):
@@ -131,6 +134,12 @@ class _TensorSource:
                 f"no model.safetensors or model.safetensors.index.json in {folder!r} "
                 "(the dummy load format gives random weights)"
             )
+        # The name each tensor is asked for -> the name it is stored under. A checkpoint saved from transformers'
+        # bare Qwen3Model (Qwen3-Embedding's) names its tensors without the "model." prefix of Qwen3ForCausalLM.
+        self._stored = {name: name for name in self._file_of}
+        if not any(name.startswith("model.") for name in self._file_of):
+            self._stored = {"model." + name: name for name in self._file_of}
+            self._file_of = {"model." + name: path for name, path in self._file_of.items()}
         self._handles: dict[str, object] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -147,12 +156,12 @@ class _TensorSource:
         return self._handles[path]
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get_tensor(self._stored[name])
 
     def get_part(self, name: str, shape: tuple[int, ...], dim: int, span: tuple[int, int]) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [first, end) of a tensor whose whole shape must be `shape`; only that
         part is read from the file."""
-        part = self._handle(name).get_slice(name)
+        part = self._handle(name).get_slice(self._stored[name])
         _checked_shape(tuple(part.get_shape()), shape, name)
         first, end = span
         return part[first:end] if dim == 0 else part[:, first:end]
@@ -281,8 +290,10 @@ def load_weights(
     embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
     if cfg.tie_word_embeddings:
         lm_head = LinearWeight(embed)
-    else:
+    elif "lm_head.weight" in src:
         lm_head = LinearWeight(get("lm_head.weight", (cfg.vocab_size, h)))
+    else:
+        lm_head = None  # an embedding checkpoint (pooling.detect_task)
     return Qwen3Weights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
 
 

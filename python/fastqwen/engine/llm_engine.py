@@ -17,6 +17,7 @@ import torch
 
 from .. import env, model_source
 from ..config import (
+    ConfigError,
     EngineConfig,
     context_length,
     load_model_config,
@@ -32,6 +33,7 @@ from ..limits import check_token_ids
 from ..model import Qwen3Model, Qwen3WithBatch1Decode
 from ..ops import _native
 from ..ops.collectives import SINGLE, ParallelGroup
+from ..pooling import architectures_of, detect_task
 from ..scheduler import FinishReason, Request, RequestState, ScheduledBatch, Scheduler
 from ..sharding import Shard
 from ..speculative import SpeculativeConfig, Speculator
@@ -183,10 +185,13 @@ class LLMEngine:
             weights = dummy_weights(self.config, self.dtype, self.device, seed, fp8=self.fp8, shard=shard)
         else:
             weights = load_weights(folder, self.config, self.dtype, self.device, fp8=self.fp8, shard=shard)
+        self.task = self._resolve_task(config, weights.lm_head is not None, parallel)
         # Where it runs, a one-sequence decode step carries its RMSNorms in the GEMVs (model/qwen3_batch1.py), the
-        # norm weights folded into the dense projections after them at load.
+        # norm weights folded into the dense projections after them at load (not for a model that pools: its final
+        # norm must stay the norm it is, and it rarely decodes).
         model_class = Qwen3Model
-        if config.norms_in_gemv and Qwen3WithBatch1Decode.applies(weights, parallel):
+        pools = self.task != "generate"
+        if config.norms_in_gemv and not pools and Qwen3WithBatch1Decode.applies(weights, parallel):
             fold_norms(weights)
             model_class = Qwen3WithBatch1Decode
         self.model = model_class(
@@ -195,7 +200,9 @@ class LLMEngine:
 
         cfg = self.rank_config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
-        graph_bs = self._graph_max_bs(config.disable_cuda_graph, config.cuda_graph_max_bs, max_num_seqs)
+        # An embedding model never decodes (and may have no LM head to capture): no decode graphs.
+        no_graphs = config.disable_cuda_graph or self.task == "embed"
+        graph_bs = self._graph_max_bs(no_graphs, config.cuda_graph_max_bs, max_num_seqs)
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         k_scales = v_scales = None
         if self.kv_dtype != self.dtype and config.load_format != "dummy":
@@ -291,6 +298,22 @@ class LLMEngine:
         self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
         self._failed_steps = 0  # in a row
         self._log_summary()
+
+    @staticmethod
+    def _resolve_task(config: EngineConfig, has_lm_head: bool, parallel: ParallelGroup) -> str:
+        """--task, or the checkpoint's (pooling.detect_task); refuses what this checkpoint or setup cannot serve."""
+        task = config.task
+        if task == "auto":
+            task = detect_task(config.model, architectures_of(config.model), has_lm_head)
+        if task != "embed" and not has_lm_head:
+            raise ConfigError(
+                f"this checkpoint has no LM head (lm_head.weight) and is not tied: it can embed only (--task embed), "
+                f"not {task}",
+                "task",
+            )
+        if task != "generate" and not parallel.single:
+            raise ConfigError(f"--task {task} runs on one GPU per engine (no tensor parallelism yet)", "task")
+        return task
 
     def _log_summary(self) -> None:
         """What an operator checks first: which model, how big, and how much KV room it got."""
@@ -406,6 +429,8 @@ class LLMEngine:
             synthetic_speculation=self.speculator is not None and self.speculator.synthetic is not None,
             tokenizer=self.engine_config.tokenizer,
             chat_template=self.engine_config.chat_template,
+            task=self.task,
+            hidden_size=self.config.hidden_size,
         )
 
     def add(self, request: EngineRequest) -> None:
@@ -417,18 +442,37 @@ class LLMEngine:
         check_token_ids(params.stop_token_ids, self.config.vocab_size, "stop_token_ids")
         if params.logit_bias:
             check_token_ids(list(params.logit_bias), self.config.vocab_size, "logit_bias")
+        self._check_task(request)
         req = Request(
             rid=request.rid,
             prompt_ids=list(request.prompt_ids),
             params=params,
             arrival=next(self._arrivals),
             arrival_time=request.arrival_time,
+            pooling=request.pooling,
         )
         if params.structured is not None:
             self.scheduler.check_fits(req.num_prompt_tokens, params.max_tokens)
             self._compiling.append((req, self.grammars.submit(params.structured)))
             return
         self.scheduler.add(req)
+
+    def _check_task(self, request: EngineRequest) -> None:
+        """A request this engine's task serves: pooling requests of its task; generation unless it embeds (a
+        reranker is a causal LM: it generates too, in the same steps as its scores)."""
+        pooling = request.pooling
+        if pooling is None:
+            if self.task == "embed":
+                raise InvalidRequestError("this model serves embeddings only (--task embed), not generation", "model")
+            return
+        if pooling.task != self.task:
+            raise InvalidRequestError(f"this model serves {self.task}, not {pooling.task} (--task)", "model")
+        if pooling.task == "score":
+            if not pooling.token_ids:
+                raise InvalidRequestError("a score request names the token ids it scores", "token_ids")
+            check_token_ids(pooling.token_ids, self.config.vocab_size, "token_ids")
+        if request.params.structured is not None:
+            raise InvalidRequestError("a prefill-only request has no structured output", "response_format")
 
     def _admit_compiled(self) -> None:
         """Hand requests whose grammar is compiled and whose first mask is computed to the scheduler (a failed compile
@@ -609,6 +653,20 @@ class LLMEngine:
         if self.check_every_step:
             self.check_invariants()
         deltas = failures
+        for chunk in scheduled.chunks:  # prefill-only requests this step finished (update released their pages)
+            request = chunk.request
+            if chunk.pools and request.pooled is not None and request.finish_reason is FinishReason.STOP:
+                deltas.append(
+                    RequestDelta(
+                        rid=request.rid,
+                        new_token_ids=[],
+                        new_logprobs=None,
+                        finish_reason="stop",
+                        num_cached_tokens=request.num_cached_tokens,
+                        first_scheduled_time=request.first_scheduled_time,
+                        pooled=request.pooled,
+                    )
+                )
         for request, index, kept in advanced:
             finish = request.finish_reason
             row = first_rows[index]

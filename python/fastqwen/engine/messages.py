@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import GenerationDefaults
+from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams  # every default filled, max_tokens set
     arrival_time: float  # time.monotonic() when the frontend received it
+    # A prefill-only request (pooling.py): its result comes back in RequestDelta.pooled, and no token is generated.
+    pooling: PoolingParams | None = None
 
 
 @dataclass
@@ -49,6 +52,8 @@ class RequestDelta:
     # With the first token of a request that asked for prompt logprobs: one per prompt position from
     # max(params.prompt_logprobs_start, 1) on (the first prompt token has none).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # A pooling request's result, in its finishing delta: the normalized embedding, or the score's probabilities.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -104,3 +109,5 @@ class EngineInfo:
     # the model's, and a chat template that replaces the tokenizer's.
     tokenizer: str | None = None
     chat_template: str | None = None
+    task: str = "generate"  # what the engine serves: generate, embed or score (pooling.py)
+    hidden_size: int = 0  # the length of an embedding

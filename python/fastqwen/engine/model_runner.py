@@ -35,6 +35,15 @@ class PromptRows:
 
 
 @dataclass
+class PooledRows:
+    """The token rows of an eager step that end a prefill-only request (pooling.py): row i is owners[i]'s last
+    prompt position, whose final hidden state gives its result."""
+
+    rows: list[int]
+    owners: list[Request]
+
+
+@dataclass
 class PendingStep:
     """A launched step. An eager step is complete (tokens set); a graph step's tokens are on their way to `host`,
     in pinned memory, and `ready` fires when they are there. A deferred step has run its forward only: its sampler
@@ -152,6 +161,18 @@ class ModelRunner:
                     owners.append(request)
             t += end - start
         return PromptRows(rows, targets, owners) if rows else None
+
+    @staticmethod
+    def _pooled_rows(scheduled: ScheduledBatch) -> PooledRows | None:
+        """The rows of this step that end a prefill-only request (never a graph step: those chunks do not sample)."""
+        rows, owners = [], []
+        t = 0
+        for chunk in scheduled.chunks:
+            t += chunk.num_tokens
+            if chunk.pools:
+                rows.append(t - 1)
+                owners.append(chunk.request)
+        return PooledRows(rows, owners) if rows else None
 
     def _graph_size(self, scheduled: ScheduledBatch) -> int:
         """The captured size that replays this step, or 0 when it runs eagerly."""
@@ -458,12 +479,19 @@ class ModelRunner:
 
     def _run_eager(self, scheduled: ScheduledBatch, batch: ForwardBatch, graph_size: int):
         prompt_rows = None if graph_size else self._prompt_rows(scheduled)
-        if prompt_rows is None:
+        pooled_rows = None if graph_size else self._pooled_rows(scheduled)
+        if prompt_rows is None and pooled_rows is None:
             logits = self.run_model(batch, graph_size)
         else:
-            rows = torch.tensor(prompt_rows.rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            # Final hidden states of extra rows: the prompt-logprob rows, then the pooled ones.
+            extra = (prompt_rows.rows if prompt_rows else []) + (pooled_rows.rows if pooled_rows else [])
+            rows = torch.tensor(extra, dtype=torch.int64).to(self.device, non_blocking=True)
             logits, hidden = self.model.forward(batch, self.kv, extra_rows=rows)
-            self._record_prompt_logprobs(hidden, prompt_rows)
+            num_prompt_rows = len(prompt_rows.rows) if prompt_rows else 0
+            if prompt_rows is not None:
+                self._record_prompt_logprobs(hidden[:num_prompt_rows], prompt_rows)
+            if pooled_rows is not None:
+                self._record_pooled(hidden[num_prompt_rows:], pooled_rows)
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None, frozenset()
         requests = sampling_rows(scheduled)
@@ -477,6 +505,24 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return lambda: not done.query()
+
+    def _record_pooled(self, hidden: torch.Tensor, pooled_rows: PooledRows) -> None:
+        """Each prefill-only request's result from its last position's final hidden state: embed, the state
+        L2-normalized (in float32); score, the softmax over the logits of its token ids (the LM head a slice of rows
+        at a time, as for prompt logprobs)."""
+        embed = [i for i, r in enumerate(pooled_rows.owners) if r.pooling.task == "embed"]
+        score = [i for i, r in enumerate(pooled_rows.owners) if r.pooling.task == "score"]
+        if embed:
+            vectors = torch.nn.functional.normalize(hidden[embed].float(), dim=-1).tolist()
+            for i, vector in zip(embed, vectors):
+                pooled_rows.owners[i].pooled = vector
+        for s in range(0, len(score), PROMPT_LOGPROB_SLICE):
+            part = score[s : s + PROMPT_LOGPROB_SLICE]
+            logits = self.model.lm_head_logits(hidden[part])
+            for k, i in enumerate(part):
+                owner = pooled_rows.owners[i]
+                ids = torch.tensor(owner.pooling.token_ids, dtype=torch.int64, device=self.device)
+                owner.pooled = torch.softmax(logits[k, ids], dim=-1).tolist()
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: PromptRows) -> None:
         """Logprobs of the prompt tokens these rows predict (raw distribution, as for sampled tokens), appended to each

@@ -138,4 +138,6 @@ class Qwen3Model:
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""
+        if hidden.shape[0] == 0:  # (a step of prefill-only rows: an embedding model has no LM head to run)
+            return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
         return self.parallel.gather_vocab(ops.linear(hidden, self.weights.lm_head), self.cfg.vocab_size).float()

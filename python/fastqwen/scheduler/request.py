@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 
 
@@ -77,6 +78,10 @@ class Request:
     pending_prompt_logprobs: list = field(default_factory=list)
     grammar: TokenConstraint | None = None  # structured output: set (compiled) before the request is scheduled
     mask_missed: bool = False  # a step dropped its row for want of its grammar's mask (cleared with its next token)
+    # A prefill-only request (pooling.py): it finishes at the step that computes its last prompt token, whose result
+    # the model runner puts in `pooled`; it is never sampled.
+    pooling: PoolingParams | None = None
+    pooled: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

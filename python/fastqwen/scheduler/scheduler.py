@@ -47,7 +47,12 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.request.token_ids)
+        return self.end == len(self.request.token_ids) and self.request.pooling is None
+
+    @property
+    def pools(self) -> bool:
+        """The last chunk of a prefill-only request: its last position is pooled, not sampled, and it finishes."""
+        return self.end == len(self.request.token_ids) and self.request.pooling is not None
 
     @property
     def num_tokens(self) -> int:
@@ -239,6 +244,10 @@ class Scheduler:
             if request.finished:
                 continue
             request.cached_len = chunk.end
+            if chunk.pools:  # the model runner put its result in request.pooled
+                self.running.remove(request)
+                self._finish(request, FinishReason.STOP)
+                continue
             if not chunk.samples:
                 continue
             emitted = sampled[index]

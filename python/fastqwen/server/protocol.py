@@ -485,3 +485,108 @@ class GenerateRequest(_Lenient):
             logit_bias=sp.logit_bias,
             structured=sp.structured(),
         )
+
+
+# ---- retrieval: /v1/embeddings, /v1/rerank, /score (server/retrieval_api.py) ----------------------------------------
+
+_REFUSED_POOLING = {
+    "truncate_prompt_tokens": (_truthy, "inputs are never truncated; shorten the input"),
+    "priority": (_truthy, "requests are served in arrival order"),
+}
+
+
+def _texts(value: Any, field: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise InvalidRequestError(f"{field} must be a string or a non-empty list of strings", field)
+    return value
+
+
+class EmbeddingRequest(_Lenient):
+    """OpenAI's embeddings body (`user` is metadata, accepted as OpenAI does)."""
+
+    input: Any = _described(_PROMPT_SCHEMA)
+    model: str | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    _REFUSED = _REFUSED_POOLING
+
+    def inputs(self) -> list[str | list[int]]:
+        if self.encoding_format not in ("float", "base64"):
+            raise InvalidRequestError(
+                f'encoding_format must be "float" or "base64", not {self.encoding_format!r}', "encoding_format"
+            )
+        inputs = _prompts(self.input, "input")
+        for item in inputs:
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequestError("an input is an empty string", "input")
+            elif not isinstance(item, list) or not item or not all(type(t) is int for t in item):
+                raise InvalidRequestError(
+                    "input must be a string, a list of strings, a list of token ids, or a list of those", "input"
+                )
+        return inputs
+
+
+class _ScoreFields(_Lenient):
+    model: str | None = None
+    # Qwen3-Reranker's task instruction (its model card's "Instruct"; SGLang calls it `instruct`): by default the
+    # card's web-search one.
+    instruction: str | None = None
+
+    _REFUSED = _REFUSED_POOLING
+
+    def instruction_text(self) -> str | None:
+        value = self.instruction if self.instruction is not None else (self.model_extra or {}).get("instruct")
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError("instruction must be a string", "instruction")
+        return value
+
+
+class RerankRequest(_ScoreFields):
+    """vLLM's (Cohere's and Jina's) rerank body; SGLang's has the same fields."""
+
+    query: str
+    documents: list[Any] = _described({"type": "array", "minItems": 1, "items": {"anyOf": [_TEXT, {"type": "object"}]}})
+    top_n: int | None = None
+    return_documents: bool = True
+
+    def document_texts(self) -> list[str]:
+        """Each document as text: a string, or an object with a "text" string (Cohere's)."""
+        texts = []
+        for d in self.documents:
+            text = d.get("text") if isinstance(d, dict) else d
+            if not isinstance(text, str):
+                raise InvalidRequestError('each document is a string or an object with a "text" string', "documents")
+            texts.append(text)
+        if not texts:
+            raise InvalidRequestError("documents is empty", "documents")
+        return texts
+
+    def checked_top_n(self, count: int) -> int:
+        """How many results to return: top_n, or every document (top_n 0 means all, as in vLLM)."""
+        if self.top_n is None or self.top_n == 0:
+            return count
+        if self.top_n < 0:
+            raise InvalidRequestError(f"top_n must be at least 1, not {self.top_n}", "top_n")
+        return min(self.top_n, count)
+
+
+class ScoreRequest(_ScoreFields):
+    """vLLM's /score body: text_1 against each of text_2 (one text_1 for all, or as many as text_2, pairwise)."""
+
+    text_1: Any = None
+    text_2: Any = None
+
+    def pairs(self) -> list[tuple[str, str]]:
+        first, second = _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise InvalidRequestError(
+                f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or one per text_2", "text_1"
+            )
+        return list(zip(first, second))

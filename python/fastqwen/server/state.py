@@ -47,17 +47,18 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.frontend.info.max_model_len
 
-    def check_sequences(self, count: int) -> None:
-        """One HTTP request may ask for at most max_sequences_per_request sequences (prompts x n)."""
+    def check_sequences(self, count: int, param: str = "n", what: str = "prompts x n") -> None:
+        """One HTTP request may ask for at most max_sequences_per_request sequences (prompts x n; inputs to embed,
+        documents to score)."""
         if count > self.max_sequences_per_request:
             raise APIError(
                 400,
-                f"this request asks for {count} sequences (prompts x n); at most "
+                f"this request asks for {count} sequences ({what}); at most "
                 f"{self.max_sequences_per_request} are allowed per request",
-                "n",
+                param,
             )
         if count < 1:
-            raise APIError(400, "the request has no prompt", "prompt")
+            raise APIError(400, "the request has no prompt", "prompt" if param == "n" else param)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:

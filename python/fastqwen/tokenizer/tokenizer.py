@@ -62,11 +62,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Qwen3 adds no BOS token; the chat template, not the tokenizer, adds special tokens. encode_batch, not
         # encode: it releases the GIL while it works, so a long prompt tokenized in a worker thread does not stall
         # the server's event loop (encode holds the GIL throughout: seconds for a 10 MB prompt).
-        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        # add_special_tokens: the tokenizer's own post-processor (Qwen3-Embedding's appends <|endoftext|>, the token
+        # whose hidden state its model card pools), for embedding inputs.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def min_token_count(self, text: str) -> int:
         """A lower bound on len(encode(text)), in a few milliseconds for megabytes (encoding takes seconds): 0 when
