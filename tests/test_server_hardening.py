@@ -412,9 +412,11 @@ def test_sigterm_past_the_timeout_ends_every_request_in_protocol_terms(folder):
         srv.proc.send_signal(signal.SIGTERM)
         for w in workers:
             w.join(60)
-        assert srv.proc.wait(30) in (0, -signal.SIGTERM)
+        assert srv.proc.wait(30) == 0  # a drain, even one that ended requests at its timeout, is a clean stop
     finally:
         srv.stop()
+    with open(srv.log_path) as f:
+        assert "SIGTERM: shutting down, draining " in f.read()
     events = results["stream"]
     assert events[-1] == "data: [DONE]"
     unfinished = [r for k, r in results.items() if k.startswith("whole") and r.status_code != 200]
@@ -426,6 +428,52 @@ def test_sigterm_past_the_timeout_ends_every_request_in_protocol_terms(folder):
         assert last["error"]["code"] == 503
     else:  # the stream happened to finish in time
         assert last["choices"][0]["finish_reason"] == "length"
+
+
+def _wait_for_log(srv: ServerProcess, text: str, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while text not in (log := srv.log()):
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{log}"
+        time.sleep(0.05)
+    return log
+
+
+def test_ctrl_c_says_what_it_does_and_a_second_one_stops_at_once(folder):
+    """The first Ctrl-C logs the drain it starts and how to cut it short; the second ends the open stream with an
+    OpenAI-shaped error event and [DONE], within seconds (not the 60 s drain), with no traceback, exit status 130."""
+    srv = ServerProcess(folder, *COMMON, "--shutdown-timeout", "60")
+    events: list[str] = []
+    streaming = threading.Event()
+    body = {"prompt": "t1", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def stream():
+        with httpx.stream("POST", srv.url + COMPLETIONS, json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    streaming.set()
+
+    reader = threading.Thread(target=stream)
+    try:
+        reader.start()
+        assert streaming.wait(30)
+        srv.proc.send_signal(signal.SIGINT)
+        log = _wait_for_log(srv, "Ctrl-C again to stop now")
+        assert "SIGINT: shutting down, draining 1 requests, up to 60 s; Ctrl-C again to stop now" in log
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(30) == 130
+        assert time.monotonic() - started < 10
+        reader.join(10)
+    finally:
+        srv.stop()
+    with open(srv.log_path) as f:
+        log = f.read()
+    assert "SIGINT again: stopping now, ending 1 requests with an error" in log
+    assert "Traceback" not in log, log
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError" and "SIGINT" in error["message"]
 
 
 DRIVER = """

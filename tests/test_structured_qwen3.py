@@ -320,3 +320,71 @@ def test_required_tool_call_through_qwen3s_template(qwen3_server, thinking):
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
         for call in choice.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def _chat_both_ways(url: str, body: dict) -> tuple[dict, list[dict]]:
+    """The non-streamed message, and the streamed chunks' deltas (one list per chunk), for the same seeded body."""
+    import httpx
+
+    whole = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert "choices" in whole, whole
+    deltas = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                deltas.append(json.loads(line[len("data: ") :])["choices"][0]["delta"])
+    return whole["choices"][0]["message"], deltas
+
+
+def _joined(deltas: list[dict], key: str) -> str:
+    return "".join(d.get(key) or "" for d in deltas)
+
+
+def test_text_before_a_lone_close_is_reasoning_when_the_grammar_leaves_thinking_free(qwen3_server):
+    """A structured chat request with thinking on: the grammar leaves a thinking block free, then constrains. Forced
+    here: <think> is biased out and the constraint makes the model write letters and </think> before its JSON (what
+    a model does when its template opened the block unseen). Text before the first </think> is reasoning, as vLLM's
+    Qwen3 parser has it, so content is exactly the JSON, streamed or not."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(QWEN_TOKENIZER)
+    open_id, close_id = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "a number?"}],
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 3,
+        "logit_bias": {str(open_id): -100},
+        # (</think> as its token: spelled as text in a regex, llguidance offers the token but then refuses it)
+        "structured_outputs": {"grammar": f'start: /[a-z]{{2,6}}/ <[{close_id}]> "{{\\"n\\": " /[0-9]/ "}}"'},
+    }
+    message, deltas = _chat_both_ways(qwen3_server.url, body)
+    assert re.fullmatch(r'\{"n": [0-9]\}', message["content"]), message
+    assert re.fullmatch("[a-z]{2,6}", message["reasoning_content"]), message
+    assert _joined(deltas, "content") == message["content"]
+    assert _joined(deltas, "reasoning_content") == message["reasoning_content"]
+
+
+def test_a_plain_request_streams_its_content_past_a_lone_close(qwen3_server):
+    """Without a constraint (an Instruct-2507 model never writes </think>), output with no <think> is content as it
+    comes: a lone </think> does not turn what came before it into reasoning, and nothing waits for the end."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(QWEN_TOKENIZER)
+    open_id, close_id = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 5,
+        "logit_bias": {str(open_id): -100, str(close_id): 11},
+    }
+    message, deltas = _chat_both_ways(qwen3_server.url, body)
+    assert "</think>" in message["content"] and "reasoning_content" not in message, message
+    assert not message["content"].startswith("</think>"), "the close should come after some text"
+    assert _joined(deltas, "content") == message["content"]
+    assert not any("reasoning_content" in d for d in deltas)
+    with_content = [i for i, d in enumerate(deltas) if d.get("content")]
+    assert len(with_content) > 3, f"the content came in {len(with_content)} pieces: held back, not streamed"

@@ -7,14 +7,21 @@ process rather than leaving a server that answers 503 forever. The ready line ap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 
 from . import env, model_source
 from .cli import add_model_positional, take_model
 from .config import ConfigError, EngineConfig, context_length, load_model_config
+
+shutdown_logger = logging.getLogger("fastqwen.shutdown")
+shutdown_logger.setLevel(logging.INFO)  # what a stop is doing shows at any --log-level, like the ready line
+# After a second signal, how long the ended requests' error events get to go out before connections are cut.
+FORCED_STOP_GRACE_S = 2.0
 
 
 class _DefaultsOnceFormatter(argparse.HelpFormatter):
@@ -66,7 +73,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds running requests may take to finish; then each gets a 503 (streams: an error event and [DONE])",
+        help="on SIGTERM or Ctrl-C, seconds running requests may take to finish; then each gets a 503 (streams: an error event and [DONE]). A second signal ends them so at once (exit status 130 after a second Ctrl-C)",
     )
     server.add_argument(
         "--incremental-streaming-output",
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     from .engine.core_process import ProcessEngineClient
     from .engine.data_parallel import DataParallelEngineClient
     from .engine.factory import make_engine
-    from .server.app import ServerConfig, begin_shutdown, create_app
+    from .server.app import ServerConfig, begin_shutdown, create_app, requests_in_flight, stop_now
     from .server.connections import ConnectionLimits, protocol_with
     from .server.http_conventions import configure_access_log
     from .server.log_limit import limit_log_rate
@@ -341,11 +348,47 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     app = create_app(config, load_engine)
 
     class Server(uvicorn.Server):
+        """uvicorn's server with fastqwen's two-step stop: the first SIGINT/SIGTERM drains, a second stops now."""
+
+        forced_by: int | None = None  # the signal that cut the drain short
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # As uvicorn's, without re-raising the signal once the server has stopped (on Ctrl-C that was a
+            # KeyboardInterrupt and its traceback): main() returns the documented exit status instead.
+            originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in originals.items():
+                    signal.signal(sig, handler)
+
         def handle_exit(self, sig, frame) -> None:
-            # From the first SIGTERM/SIGINT on, new requests get 503 and /health says so, while running ones drain
-            # until --shutdown-timeout; then they get their 503 too.
-            begin_shutdown(app, args.shutdown_timeout)
-            super().handle_exit(sig, frame)
+            name = signal.Signals(sig).name
+            if not self.should_exit:
+                # From now on new requests get 503 and /health says so, while running ones drain until
+                # --shutdown-timeout; then they get their 503 too.
+                shutdown_logger.warning(
+                    "%s: shutting down, draining %d requests, up to %g s; Ctrl-C again to stop now",
+                    name,
+                    requests_in_flight(app),
+                    args.shutdown_timeout,
+                )
+                begin_shutdown(app, args.shutdown_timeout)
+                self.should_exit = True
+                return
+            if self.forced_by is not None:
+                return
+            self.forced_by = sig
+            shutdown_logger.warning(
+                "%s again: stopping now, ending %d requests with an error", name, requests_in_flight(app)
+            )
+            # The streams get their error event through the normal path and the connections close by themselves;
+            # uvicorn's own force (it cancels the handlers mid-write) only for a client that keeps its connection.
+            stop_now(app, f"the server was stopped ({name}) before this request finished")
+            loop = app.state.server.loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(loop.call_later, FORCED_STOP_GRACE_S, setattr, self, "force_exit", True)
 
         def _log_started_message(self, listeners) -> None:
             pass  # "Uvicorn running on ..." would come before the model is loaded; the app logs the ready line
@@ -377,7 +420,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
     limit_log_rate(args.max_log_lines_per_second)  # after uvicorn.Config, which sets up uvicorn's log handlers
     try:
         server.run(sockets=[listener])
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signals: nothing was serving yet
         return 130
     except SystemExit as e:  # uvicorn exits this way when it cannot bind (it logged why)
         return fail(
@@ -389,6 +432,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
         return fail(
             exit_code, ("the model failed to load: " if loading else "the engine stopped: ") + _one_line(failure)
         )
+    if server.forced_by is not None:  # 130 after a second Ctrl-C, as a shell reports an interrupted command
+        shutdown_logger.warning("stopped before the drain finished")
+        return 128 + server.forced_by
+    if server.should_exit:
+        shutdown_logger.info("shut down cleanly")
     return exit_code
 
 

@@ -151,6 +151,23 @@ def begin_shutdown(app: FastAPI, timeout: float) -> None:
     loop.call_soon_threadsafe(loop.call_later, timeout, expire)
 
 
+def requests_in_flight(app: FastAPI) -> int:
+    state: ServerState = app.state.server
+    return state.engine.in_flight if state.engine is not None else 0
+
+
+def stop_now(app: FastAPI, reason: str) -> None:
+    """End every request in flight now, with a 503 (streams: an error event and [DONE]), without waiting for the
+    drain. Safe to call from a signal handler."""
+    state: ServerState = app.state.server
+    state.draining = True
+    loop = state.loop
+    if loop is None or loop.is_closed() or state.engine is None:
+        return
+    engine = state.engine
+    loop.call_soon_threadsafe(engine.fail_all, lambda: ShuttingDownError(reason))
+
+
 # The warm-up request: a few prompt tokens and a few steps of decode, greedy.
 WARMUP_PROMPT = [0] * 8
 WARMUP_TOKENS = 16

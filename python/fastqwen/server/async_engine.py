@@ -101,6 +101,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.client.alive and self.error is None
 
+    @property
+    def in_flight(self) -> int:
+        """Sequences enqueued whose consumers have not finished reading them."""
+        return len(self._queues)
+
     # ---- requests -----------------------------------------------------------------------------------------
 
     def new_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestTracker:

@@ -440,6 +440,8 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     )
     opened = prompt_opens_thinking(prompt)
     structured = _after_thinking(state, constraint, prompt, opened)
+    # The grammar leaves thinking free until </think>: split where it does (reasoning.py says why only here).
+    splitting = (opened, structured is not None and structured.thinking is not None)
     requests, prompt_of = await _build(state, body, [prompt], http_request, structured=structured)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
@@ -447,7 +449,7 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_header = {**header, "object": "chat.completion.chunk"}
-        body_iter = _stream_chat(state, body, requests, prompt_of, chunk_header, include_usage, opened, parse_calls)
+        body_iter = _stream_chat(state, body, requests, prompt_of, chunk_header, include_usage, splitting, parse_calls)
         return StreamingUpdatesResponse(body_iter, state.engine, requests)
     outputs = await collect_requests(state.engine, requests, state.metrics, http_request)
     if outputs is None:
@@ -455,17 +457,17 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     top = max(body.top_logprobs or 0, body.prompt_logprobs or 0)
     size = _response_bytes(outputs, body.n, top, 1)
     return await state.prep.run(
-        lambda: _chat_response(state, body, requests, outputs, prompt_of, header, opened, parse_calls),
+        lambda: _chat_response(state, body, requests, outputs, prompt_of, header, splitting, parse_calls),
         size,
         SMALL_REQUEST_BYTES,
         may_refuse=False,
     )
 
 
-def _chat_response(state, body, requests, outputs, prompt_of, header, opened, parse_calls) -> Response:
+def _chat_response(state, body, requests, outputs, prompt_of, header, splitting, parse_calls) -> Response:
     choices = []
     for i, (request, o) in enumerate(zip(requests, outputs)):
-        reasoning, content = split_reasoning(o.text or "", opened)
+        reasoning, content = split_reasoning(o.text or "", *splitting)
         calls = []
         if parse_calls:
             content, calls = parse_tool_calls(content, single_call=not body.parallel_tool_calls)
@@ -499,10 +501,10 @@ def _chat_finish_reason(output: RequestOutput, called: bool) -> str:
 
 
 async def _stream_chat(
-    state, body, requests, prompt_of, header, include_usage, opened, parse_calls
+    state, body, requests, prompt_of, header, include_usage, splitting, parse_calls
 ) -> AsyncIterator[str]:
     outputs: list[RequestOutput | None] = [None] * len(requests)
-    splitters = [ReasoningSplitter(opened) for _ in requests]
+    splitters = [ReasoningSplitter(*splitting) for _ in requests]
     parsers = [ToolCallParser(single_call=not body.parallel_tool_calls) if parse_calls else None for _ in requests]
     started = [False] * len(requests)
     running = _running_usage(body, requests)

@@ -2,6 +2,12 @@
 
 One splitter serves streaming (fed delta by delta) and whole responses (fed once), so both split identically. Text
 that might be the start of a tag is held until the next delta decides it.
+
+A request whose grammar leaves a thinking block free before its constraint (a structured chat request with thinking
+on) takes vLLM's Qwen3 rule: text before the first </think> is reasoning even without a <think> before it, so that
+`content` is exactly what the constraint accepts. Its text is held until </think> or the end decides which it is.
+Other requests never wait for a </think> that may not come (Instruct-2507 models never write one): their output
+is content from the first character that cannot begin <think>.
 """
 
 from __future__ import annotations
@@ -18,11 +24,15 @@ def _partial_tag_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
-    def __init__(self, prompt_opened_thinking: bool = False):
-        # "start": not yet known whether the output opens a think block; "reasoning"; "content".
+    def __init__(self, prompt_opened_thinking: bool = False, close_ends_reasoning: bool = False):
+        """close_ends_reasoning: text before a </think> is reasoning even when no <think> opened it."""
+        # "start": not yet known whether the output opens a think block; "undecided" (close_ends_reasoning): no
+        # <think>, but a </think> may still come; "reasoning"; "content".
         self._state = "reasoning" if prompt_opened_thinking else "start"
+        self._close_ends_reasoning = close_ends_reasoning
         self._buffer = ""
         self._strip_newlines = False  # content right after </think> starts with blank lines to drop
+        self.saw_block = prompt_opened_thinking  # whether the output had a thinking block (possibly empty)
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning, content) text that is now certain."""
@@ -34,10 +44,16 @@ class ReasoningSplitter:
                 if stripped.startswith(OPEN):
                     self._buffer = stripped[len(OPEN) :]
                     self._state = "reasoning"
+                    self.saw_block = True
                 elif OPEN.startswith(stripped):
                     return reasoning, content  # could still become <think>: wait
                 else:
-                    self._state = "content"
+                    self._state = "undecided" if self._close_ends_reasoning else "content"
+            elif self._state == "undecided":
+                if CLOSE not in self._buffer:
+                    return reasoning, content  # reasoning if a </think> comes, content if the output ends first
+                self._state = "reasoning"
+                self.saw_block = True
             elif self._state == "reasoning":
                 at = self._buffer.find(CLOSE)
                 if at == -1:
@@ -62,7 +78,7 @@ class ReasoningSplitter:
     def finish(self) -> tuple[str, str]:
         """Whatever is held: the output ended."""
         rest, self._buffer = self._buffer, ""
-        if self._state == "reasoning":
+        if self._state == "reasoning":  # ("undecided" ends as content: no </think> came)
             return rest, ""
         return "", rest.lstrip("\n") if self._strip_newlines else rest
 
@@ -73,10 +89,10 @@ def prompt_opens_thinking(prompt: str) -> bool:
     return tail.endswith(OPEN)
 
 
-def split_reasoning(text: str, prompt_opened_thinking: bool = False) -> tuple[str | None, str]:
-    splitter = ReasoningSplitter(prompt_opened_thinking)
+def split_reasoning(
+    text: str, prompt_opened_thinking: bool = False, close_ends_reasoning: bool = False
+) -> tuple[str | None, str]:
+    splitter = ReasoningSplitter(prompt_opened_thinking, close_ends_reasoning)
     r1, c1 = splitter.feed(text)
     r2, c2 = splitter.finish()
-    reasoning = r1 + r2
-    saw_block = prompt_opened_thinking or text.lstrip().startswith(OPEN)
-    return (reasoning if saw_block else None), c1 + c2
+    return (r1 + r2 if splitter.saw_block else None), c1 + c2
