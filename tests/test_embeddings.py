@@ -12,11 +12,10 @@ import httpx
 import pytest
 import torch
 from checkpoints import write_byte_level_tokenizer
-from server_process import ServerProcess
-
 from fastqwen import LLM
 from fastqwen.pooling import detect_task
 from fastqwen.retrieval import rerank_prompt
+from server_process import ServerProcess
 
 SHAPE = dict(
     vocab_size=320,
@@ -187,7 +186,9 @@ def test_embeddings_server(embedding_folder):
         assert max(abs(a - b) for a, b in zip(decoded, expected_short)) < 1e-5
         by_client = client.embeddings.create(model=embedding_folder, input=[[5, 6, 7], [8, 9]], dimensions=8)
         assert len(by_client.data[0].embedding) == 8
-        assert torch.dot(torch.tensor(by_client.data[1].embedding), torch.tensor(offline.embed([8, 9], 8)[0])) > 1 - 1e-4
+        assert (
+            torch.dot(torch.tensor(by_client.data[1].embedding), torch.tensor(offline.embed([8, 9], 8)[0])) > 1 - 1e-4
+        )
         bad = [
             ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
             ({"input": "x", "dimensions": 0}, "dimensions"),

@@ -14,7 +14,7 @@ import math
 from .errors import InvalidRequestError
 
 RERANK_SYSTEM = (
-    'Judge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the '
+    "Judge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the "
     'answer can only be "yes" or "no".'
 )
 # The instruction Qwen's model card uses when none is given.

@@ -29,8 +29,8 @@ from .info_api import router as info_router
 from .metrics import Metrics
 from .native_api import router as native_router
 from .openai_api import router as openai_router
-from .retrieval_api import router as retrieval_router
 from .openapi import install_openapi
+from .retrieval_api import router as retrieval_router
 from .state import ServerState
 from .stats_log import log_stats
 

@@ -31,7 +31,9 @@ router = APIRouter(route_class=JsonBodyRoute)
 def _check_task(state: ServerState, task: str, endpoint: str) -> None:
     served = state.engine.frontend.info.task
     if served != task:
-        raise APIError(400, f"this model serves {served}, not {endpoint} (start the server with --task {task})", "model")
+        raise APIError(
+            400, f"this model serves {served}, not {endpoint} (start the server with --task {task})", "model"
+        )
 
 
 async def _run(state: ServerState, http_request: HTTPRequest, make) -> list[RequestOutput] | None:
@@ -101,7 +103,9 @@ async def _rerank(body: RerankRequest, http_request: HTTPRequest) -> Response:
     body.check_refused()
     documents = body.document_texts()
     top_n = body.checked_top_n(len(documents))
-    outputs = await _scores(state, http_request, [(body.query, d) for d in documents], body.instruction_text(), "documents")
+    outputs = await _scores(
+        state, http_request, [(body.query, d) for d in documents], body.instruction_text(), "documents"
+    )
     if outputs is None:
         return client_closed_response()
     order = sorted(range(len(documents)), key=lambda i: -outputs[i].pooled[0])[:top_n]
@@ -147,4 +151,3 @@ async def score(body: ScoreRequest, http_request: HTTPRequest) -> Response:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
     )
-
