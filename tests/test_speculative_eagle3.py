@@ -91,7 +91,7 @@ def setup(tmp_path_factory):
 
 
 def make_llm(path: str, spec: dict | None = None, **knobs) -> LLM:
-    knobs = {"dtype": "float32", "device": "cpu", "page_size": 4, **knobs}
+    knobs = {"dtype": "float32", "device": "cpu", "page_size": 4, "num_pages": 256, **knobs}
     return LLM(path, speculative_config=spec, **knobs)
 
 
@@ -182,10 +182,13 @@ def test_greedy_output_is_unchanged_and_the_kv_invariant_holds(setup):
 @pytest.mark.parametrize("synthetic", [None, 2.5])
 def test_every_draft_equals_the_float64_reference(setup, synthetic):
     """Each proposal the drafter makes, recomputed from scratch: the head's KV after verify steps (drafts rejected,
-    or accepted several at a time in the benchmark mode) must equal one built over the committed tokens only."""
+    or accepted several at a time in the benchmark mode) and preemptions must equal one built over the committed
+    tokens only."""
     target, model, head, w = setup
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K, "synthetic_acceptance_length": synthetic}
-    llm = make_llm(target, spec, enable_prefix_caching=False)
+    # 2 requests of 36 tokens in 4-token pages need 18 pages and more for drafts: 14 force preemptions, after which
+    # the head's KV is recomputed from position 0.
+    llm = make_llm(target, spec, enable_prefix_caching=False, num_pages=14)
     drafter = llm.engine.speculator.drafter
     proposals = []
     propose = drafter.propose
@@ -198,7 +201,8 @@ def test_every_draft_equals_the_float64_reference(setup, synthetic):
     drafter.propose = recording
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs(llm, prompts(2, seed=8), params)
-    assert llm.engine.stats().spec_num_accepted_tokens > 0 or synthetic is None
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and (stats.spec_num_accepted_tokens > 0 or synthetic is None)
     checked = 0
     for tokens, draft, limit in proposals[:: max(1, len(proposals) // 8)]:
         assert draft == reference_drafts(model, w, tokens, min(K, limit)), len(tokens)
