@@ -132,8 +132,13 @@ def reference_drafts(model, w: dict, tokens: list[int], k: int) -> list[int]:
     keys, values = [], []
 
     def layer(token_ids, feature, positions):
-        x = torch.cat([rms(embed[token_ids], w["midlayer.input_layernorm.weight"]),
-                       rms(feature, w["midlayer.hidden_norm.weight"])], -1)
+        x = torch.cat(
+            [
+                rms(embed[token_ids], w["midlayer.input_layernorm.weight"]),
+                rms(feature, w["midlayer.hidden_norm.weight"]),
+            ],
+            -1,
+        )
         q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(-1, nh, hd), positions)
         keys.append(rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(-1, nkv, hd), positions))
         values.append((x @ w["midlayer.self_attn.v_proj.weight"].T).view(-1, nkv, hd))
@@ -145,7 +150,9 @@ def reference_drafts(model, w: dict, tokens: list[int], k: int) -> list[int]:
         attn = torch.einsum("htn,nhd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), vv)
         residual = feature + attn.reshape(len(positions), -1) @ w["midlayer.self_attn.o_proj.weight"].T
         y = rms(residual, w["midlayer.post_attention_layernorm.weight"])
-        mlp = (torch.nn.functional.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (y @ w["midlayer.mlp.up_proj.weight"].T))
+        mlp = torch.nn.functional.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (
+            y @ w["midlayer.mlp.up_proj.weight"].T
+        )
         out = residual + mlp @ w["midlayer.mlp.down_proj.weight"].T
         draft = int((rms(out[-1], w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
         return draft + int(w["d2t"][draft]), out[-1:]

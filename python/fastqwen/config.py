@@ -670,7 +670,8 @@ class EngineConfig:
                 raise ConfigError(str(error), "speculative_config") from None
             if spec.method == "eagle3" and self.tensor_parallel_size != 1:
                 raise ConfigError(
-                    "speculative_config: method 'eagle3' runs on one rank (tensor_parallel_size 1)", "speculative_config"
+                    "speculative_config: method 'eagle3' runs on one rank (tensor_parallel_size 1)",
+                    "speculative_config",
                 )
         if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
             self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)

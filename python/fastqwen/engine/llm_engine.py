@@ -354,10 +354,12 @@ class LLMEngine:
     def _eagle3_drafter(self, spec_config: SpeculativeConfig, weights):
         """The EAGLE-3 head from its folder, checked against the target; the target captures its aux layers."""
         from ..model.eagle3 import Eagle3Head, load_eagle3
-        from ..speculative.eagle3 import Eagle3Drafter
+        from .eagle3_drafter import Eagle3Drafter
 
         try:
-            head_config, head_weights = load_eagle3(spec_config.model, self.config, weights.embed, self.dtype, self.device)
+            head_config, head_weights = load_eagle3(
+                spec_config.model, self.config, weights.embed, self.dtype, self.device
+            )
         except SpeculativeConfigError as error:
             raise ConfigError(str(error), "speculative_config") from None
         self.model.aux_layers = head_config.capture_layers

@@ -8,7 +8,7 @@ The head at position p reads the token at p + 1 and a feature of position p, and
   `fc` is skipped): the residual stream after the layer's MLP, as SGLang and vLLM feed it back.
 
 Positions are the sequence's own (RoPE at p, the head's rope_theta). The head's KV is its own, one layer: the
-drafter (speculative/eagle3.py) keeps it per request and hands it in; attention is a plain causal softmax over it.
+drafter (engine/eagle3_drafter.py) keeps it per request and hands it in; attention is a plain causal softmax over it.
 """
 
 from __future__ import annotations
@@ -236,7 +236,9 @@ class Eagle3Head:
         kv.positions = torch.cat([kv.positions, positions])
         attn = self._attention(q, kv, positions)
         residual = features + ops.linear(attn.reshape(rows, -1), w.o_proj)  # the feature is the layer's residual
-        out = residual + ops.linear(ops.linear_silu_and_mul(ops.rms_norm(residual, w.post_norm, eps), w.gate_up), w.down)
+        out = residual + ops.linear(
+            ops.linear_silu_and_mul(ops.rms_norm(residual, w.post_norm, eps), w.gate_up), w.down
+        )
         logits = ops.linear(ops.rms_norm(out, w.final_norm, eps), w.lm_head)
         draft_ids = logits.float().argmax(dim=-1)
         return draft_ids + w.d2t[draft_ids], out

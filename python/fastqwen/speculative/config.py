@@ -128,7 +128,7 @@ class SpeculativeConfig:
 
     def _check_eagle3_folder(self) -> None:
         """The head's folder exists and its config.json names the EAGLE-3 architecture (the shapes are checked
-        against the target when the engine loads it: speculative/eagle3.py)."""
+        against the target when the engine loads it: model/eagle3.py)."""
         folder = self.model
         if not isinstance(folder, str) or not folder:
             raise SpeculativeConfigError(
@@ -142,7 +142,9 @@ class SpeculativeConfig:
             with open(config_path) as f:
                 head = json.load(f)
         except (OSError, json.JSONDecodeError) as error:
-            raise SpeculativeConfigError(f"speculative_config.model: {config_path} is unreadable: {error}", "model") from None
+            raise SpeculativeConfigError(
+                f"speculative_config.model: {config_path} is unreadable: {error}", "model"
+            ) from None
         architectures = head.get("architectures") if isinstance(head, dict) else None
         if not isinstance(architectures, list) or not set(architectures) & set(EAGLE3_ARCHITECTURES):
             raise SpeculativeConfigError(

@@ -52,7 +52,9 @@ class _RequestState:
 def make_drafter(config: SpeculativeConfig):
     k = config.num_speculative_tokens
     if config.method == "eagle3":
-        raise ValueError("the eagle3 drafter needs the target's weights: the engine builds it (speculative/eagle3.py)")
+        raise ValueError(
+            "the eagle3 drafter needs the target's weights: the engine builds it (engine/eagle3_drafter.py)"
+        )
     if config.method == "ngram":
         return NgramDrafter(k, config.prompt_lookup_min, config.prompt_lookup_max)
     return SuffixDrafter(
@@ -66,7 +68,7 @@ def make_drafter(config: SpeculativeConfig):
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter=None):
-        """drafter: the eagle3 method's (speculative/eagle3.py), which the engine builds around the target's weights;
+        """drafter: the eagle3 method's (engine/eagle3_drafter.py), which the engine builds around the target's weights;
         the other methods' are made here."""
         self.config = config
         self.num_tokens = config.num_speculative_tokens

@@ -1,4 +1,5 @@
-"""The `eagle3` drafter: an EAGLE-3 head (model/eagle3.py) drafting from the target's hidden states.
+"""The `eagle3` drafter: an EAGLE-3 head (model/eagle3.py) drafting from the target's hidden states. It lives in the
+engine, beside the model it reads; the speculator (speculative/) asks it for drafts as it asks the token-id drafters.
 
 Per request it keeps the head's KV over the positions the target has computed and kept, each built from the target's
 aux hidden states at p and the token at p + 1, and the head's prediction after the last of them. After every step
