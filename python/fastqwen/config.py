@@ -597,7 +597,7 @@ class EngineConfig:
     # ---- speculative decoding (speculative/) ----
     speculative_config: str | None = _knob(
         None,
-        'speculative decoding, as a JSON object: {"method": "ngram" or "suffix", "num_speculative_tokens": k (1-7), ...} (speculative/config.py lists every key; "synthetic_acceptance_length" is for benchmarks only: outputs are not the model\'s)',
+        'speculative decoding, as a JSON object: {"method": "ngram", "suffix" or "eagle3" (with "model": the EAGLE-3 head folder), "num_speculative_tokens": k (1-7), ...} (speculative/config.py lists every key; "synthetic_acceptance_length" is for benchmarks only: outputs are not the model\'s)',
     )
     # ---- structured output (grammar/compiler.py) ----
     grammar_cache_mib: int = _knob(
