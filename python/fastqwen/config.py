@@ -602,7 +602,7 @@ class EngineConfig:
     # ---- speculative decoding (speculative/) ----
     speculative_config: str | None = _knob(
         None,
-        'speculative decoding, as a JSON object: {"method": "ngram" or "suffix", "num_speculative_tokens": k (1-7), ...} (speculative/config.py lists every key; "synthetic_acceptance_length" is for benchmarks only: outputs are not the model\'s)',
+        'speculative decoding, as a JSON object: {"method": "ngram", "suffix" or "eagle3" (with "model": the EAGLE-3 head folder), "num_speculative_tokens": k (1-7), ...} (speculative/config.py lists every key; "synthetic_acceptance_length" is for benchmarks only: outputs are not the model\'s)',
     )
     # ---- structured output (grammar/compiler.py) ----
     grammar_cache_mib: int = _knob(
@@ -670,9 +670,14 @@ class EngineConfig:
             from .speculative.config import SpeculativeConfig, SpeculativeConfigError
 
             try:
-                SpeculativeConfig.parse(self.speculative_config)
+                spec = SpeculativeConfig.parse(self.speculative_config)
             except SpeculativeConfigError as error:
                 raise ConfigError(str(error), "speculative_config") from None
+            if spec.method == "eagle3" and self.tensor_parallel_size != 1:
+                raise ConfigError(
+                    "speculative_config: method 'eagle3' runs on one rank (tensor_parallel_size 1)",
+                    "speculative_config",
+                )
         if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
             self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if self.kv_events_config is not None and self.kv_events_config.publishes and not self.enable_prefix_caching:

@@ -36,7 +36,8 @@ from ..ops.collectives import SINGLE, ParallelGroup
 from ..pooling import architectures_of, detect_task
 from ..scheduler import FinishReason, Request, RequestState, ScheduledBatch, Scheduler
 from ..sharding import Shard
-from ..speculative import SpeculativeConfig, Speculator
+from ..speculative import SpeculativeConfig, SpeculativeConfigError, Speculator
+from ..speculative.config import MAX_SPECULATIVE_TOKENS
 from ..weights import dummy_weights, fold_norms, load_kv_scales, load_weights
 from .cuda_graph import DecodeGraphs, unsupported_reason
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
@@ -138,6 +139,14 @@ def _with_first_rows(scheduled: ScheduledBatch):
         row += chunk.num_rows
 
 
+def _with_first_token_rows(scheduled: ScheduledBatch):
+    """(chunk, index of its first token row in the step's forward) for every chunk."""
+    row = 0
+    for chunk in scheduled.chunks:
+        yield chunk, row
+        row += chunk.num_tokens
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | str, parallel: ParallelGroup = SINGLE, **knobs):
         """config: an EngineConfig, or a model path/preset plus EngineConfig's knobs as keywords.
@@ -189,19 +198,25 @@ class LLMEngine:
         # Where it runs, a one-sequence decode step carries its RMSNorms in the GEMVs (model/qwen3_batch1.py), the
         # norm weights folded into the dense projections after them at load (not for a model that pools: its final
         # norm must stay the norm it is, and it rarely decodes).
+        # Speculative decoding (speculative/): parsed here, since an EAGLE-3 head changes how the target runs.
+        spec_config = SpeculativeConfig.parse(config.speculative_config)
+        eagle3 = spec_config is not None and spec_config.method == "eagle3"
         model_class = Qwen3Model
         pools = self.task != "generate"
-        if config.norms_in_gemv and not pools and Qwen3WithBatch1Decode.applies(weights, parallel):
+        if config.norms_in_gemv and not pools and not eagle3 and Qwen3WithBatch1Decode.applies(weights, parallel):
             fold_norms(weights)
             model_class = Qwen3WithBatch1Decode
         self.model = model_class(
             self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel
         )
 
+        drafter = self._eagle3_drafter(spec_config, weights) if eagle3 else None
         cfg = self.rank_config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
-        # An embedding model never decodes (and may have no LM head to capture): no decode graphs.
-        no_graphs = config.disable_cuda_graph or self.task == "embed"
+        # An embedding model never decodes (and may have no LM head to capture): no decode graphs. The EAGLE-3 drafter
+        # reads the target's aux hidden states of every step, which only eager steps capture: no CUDA graphs (so no
+        # verify graphs and no step launched ahead) while it is on.
+        no_graphs = config.disable_cuda_graph or self.task == "embed" or eagle3
         graph_bs = self._graph_max_bs(no_graphs, config.cuda_graph_max_bs, max_num_seqs)
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         k_scales = v_scales = None
@@ -212,10 +227,8 @@ class LLMEngine:
                 "from the checkpoint" if k_scales else "1.0",
                 "from the checkpoint" if v_scales else "1.0",
             )
-        # Speculative decoding (speculative/): a verify step samples 1 + k rows per sequence, for batches up to the
-        # speculator's max_batch_size.
-        spec_config = SpeculativeConfig.parse(config.speculative_config)
-        self.speculator = Speculator(spec_config) if spec_config is not None else None
+        # A verify step samples 1 + k rows per sequence, for batches up to the speculator's max_batch_size.
+        self.speculator = Speculator(spec_config, drafter) if spec_config is not None else None
         verify_graph = None
         sampler_rows = self.staging.max_seqs
         if spec_config is not None:
@@ -288,6 +301,7 @@ class LLMEngine:
         if self.speculator is not None:
             # Verify graphs take drafts of one length: a short draft is filled up (any token is a valid guess).
             self.speculator.pad_drafts = self.runner.verify_graphs is not None
+        self.runner.capture_aux = eagle3
         self.runner.mask_gate = functools.partial(rows_without_masks, wait_for_all=not parallel.single)
         self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
@@ -358,6 +372,28 @@ class LLMEngine:
                 tokens,
                 self.max_model_len,
             )
+
+    def _eagle3_drafter(self, spec_config: SpeculativeConfig, weights):
+        """The EAGLE-3 head from its folder, checked against the target; the target captures its aux layers."""
+        from ..model.eagle3 import Eagle3Head, load_eagle3
+        from .eagle3_drafter import Eagle3Drafter
+
+        try:
+            head_config, head_weights = load_eagle3(
+                spec_config.model, self.config, weights.embed, self.dtype, self.device
+            )
+        except SpeculativeConfigError as error:
+            raise ConfigError(str(error), "speculative_config") from None
+        self.model.aux_layers = head_config.capture_layers
+        log.info(
+            "EAGLE-3 head %s: hidden %d, draft vocabulary %d, reading the target's layers %s; steps run eager",
+            spec_config.model,
+            head_config.hidden_size,
+            head_config.draft_vocab_size,
+            head_config.capture_layers,
+        )
+        head = Eagle3Head(head_config, head_weights, self.max_model_len + MAX_SPECULATIVE_TOKENS + 1)
+        return Eagle3Drafter(head, spec_config.num_speculative_tokens)
 
     def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
         """The largest decode batch to capture; 0 = no CUDA graphs."""
@@ -633,6 +669,7 @@ class LLMEngine:
             self._step_requests = [c.request for c in scheduled.chunks]
             pending = self.runner.launch(scheduled)
         skipped = pending.skipped
+        token_rows = list(_with_first_token_rows(scheduled))  # before skipped rows leave the batch
         if skipped:  # rows sampled without their grammar's mask: they compute that token again in a later step
             scheduled = ScheduledBatch([c for c, row in _with_first_rows(scheduled) if row not in skipped])
         if self.overlap and pending.host is not None:
@@ -650,6 +687,8 @@ class LLMEngine:
         sampled = emitted_tokens(scheduled, tokens, self.speculator) if scheduled.has_drafts else tokens
         first_rows = [row for c, row in _with_first_rows(scheduled) if c.samples]
         advanced = self.scheduler.update(scheduled, sampled)
+        if pending.aux_hidden is not None:  # an EAGLE-3 drafter advances over the positions the step kept
+            self.speculator.observe(token_rows, pending.aux_hidden)
         if self.check_every_step:
             self.check_invariants()
         deltas = failures

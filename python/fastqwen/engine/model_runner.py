@@ -58,6 +58,7 @@ class PendingStep:
     deferred: bool = False
     forward_done: torch.cuda.Event | None = None  # a deferred step's: fires when its forward has run
     skipped: frozenset[int] = frozenset()  # sampling rows drawn without their grammar's mask: the engine drops them
+    aux_hidden: torch.Tensor | None = None  # an eager step's hidden states at the aux layers, per token row (eagle3)
 
 
 # The engine's choice of the sampling rows whose grammar mask is not ready (ModelRunner.mask_gate): given the rows'
@@ -108,6 +109,9 @@ class ModelRunner:
                 self.graphs.capture_seconds,
                 self.graphs.memory_bytes / 2**20,
             )
+        # An EAGLE-3 drafter reads the target's hidden states at model.aux_layers for every token row: eager steps
+        # then capture them (the engine runs no CUDA graph while it does).
+        self.capture_aux = False
         self.verify_graphs: DecodeGraphs | None = None
         if self.graphs is not None and verify_graph is not None:
             max_bs, query_len = verify_graph
@@ -353,8 +357,12 @@ class ModelRunner:
             return self._launch_graph(chunks, graph_size)  # the graph samples too: its rows are filled first
         # (A row whose grammar mask is still computed: the sampler runs after the forward, which the mask has until.)
         batch, graph_size = self._build(scheduled, graph_size)
-        tokens, logprobs, skipped = self._run_eager(scheduled, batch, graph_size)
-        return PendingStep(sampling_rows(scheduled), tokens=tokens, logprobs=logprobs, skipped=skipped)
+        aux = None
+        if self.capture_aux and not graph_size:
+            width = len(self.model.aux_layers) * self.model.cfg.hidden_size
+            aux = torch.empty(batch.num_tokens, width, dtype=self.model.dtype, device=self.device)
+        tokens, logprobs, skipped = self._run_eager(scheduled, batch, graph_size, aux)
+        return PendingStep(sampling_rows(scheduled), tokens=tokens, logprobs=logprobs, skipped=skipped, aux_hidden=aux)
 
     # ---- speculative decoding's verify steps ----------------------------------------------------------------------
 
@@ -477,16 +485,20 @@ class ModelRunner:
         host, ready = self._start_read_back(self.sampler.tokens[:n])
         return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
 
-    def _run_eager(self, scheduled: ScheduledBatch, batch: ForwardBatch, graph_size: int):
+    def _run_eager(self, scheduled: ScheduledBatch, batch: ForwardBatch, graph_size: int, aux=None):
         prompt_rows = None if graph_size else self._prompt_rows(scheduled)
         pooled_rows = None if graph_size else self._pooled_rows(scheduled)
         if prompt_rows is None and pooled_rows is None:
-            logits = self.run_model(batch, graph_size)
+            logits = (
+                self.model.forward(batch, self.kv, aux_out=aux)
+                if aux is not None
+                else self.run_model(batch, graph_size)
+            )
         else:
             # Final hidden states of extra rows: the prompt-logprob rows, then the pooled ones.
             extra = (prompt_rows.rows if prompt_rows else []) + (pooled_rows.rows if pooled_rows else [])
             rows = torch.tensor(extra, dtype=torch.int64).to(self.device, non_blocking=True)
-            logits, hidden = self.model.forward(batch, self.kv, extra_rows=rows)
+            logits, hidden = self.model.forward(batch, self.kv, extra_rows=rows, aux_out=aux)
             num_prompt_rows = len(prompt_rows.rows) if prompt_rows else 0
             if prompt_rows is not None:
                 self._record_prompt_logprobs(hidden[:num_prompt_rows], prompt_rows)

@@ -40,6 +40,8 @@ class Qwen3Model:
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
         ops.prepare_linear(weights.projections(), self.dtype, self.device)
+        # EAGLE-3 (model/eagle3.py): the layers whose entering residual stream forward copies into aux_out, when given.
+        self.aux_layers: tuple[int, ...] = ()
 
     @torch.inference_mode()
     def forward(
@@ -48,13 +50,17 @@ class Qwen3Model:
         kv: KVPool,
         logits_out: torch.Tensor | None = None,
         extra_rows: torch.Tensor | None = None,
+        aux_out: torch.Tensor | None = None,
     ):
         """Returns float32 logits [S, vocab] for batch.logits_indices, in logits_out when given (a CUDA graph's
         persistent output, so that captured graphs do not each keep their own logits).
 
         extra_rows (token rows of the batch, for prompt logprobs): then returns (logits, their final hidden states
         [E, hidden]), for the caller to project with lm_head_logits a slice at a time (a logits row is as wide as the
-        vocabulary, far larger than a hidden row)."""
+        vocabulary, far larger than a hidden row).
+
+        aux_out [T, len(aux_layers) * hidden] (an EAGLE-3 drafter's input): filled with the residual stream of every
+        token row as it enters each of self.aux_layers (the layers' count: after the last layer, before the norm)."""
         cfg, w = self.cfg, self.weights
         num_tokens = batch.num_tokens
         eps = cfg.rms_norm_eps
@@ -70,12 +76,16 @@ class Qwen3Model:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
             else:
                 ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
+            if aux_out is not None:
+                self._capture(aux_out, index, residual)
             qkv = ops.linear(hidden, layer.qkv)
             self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
             hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
             ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             act = ops.linear_silu_and_mul(hidden, layer.gate_up)
             hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
+        if aux_out is not None and len(w.layers) in self.aux_layers:
+            self._capture(aux_out, len(w.layers), hidden + residual)
         # Only the rows that sample reach the final norm and the LM head.
         rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
         hidden = hidden[rows]
@@ -88,6 +98,12 @@ class Qwen3Model:
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
+
+    def _capture(self, aux_out: torch.Tensor, index: int, stream: torch.Tensor) -> None:
+        width = stream.shape[1]
+        for slot, layer in enumerate(self.aux_layers):
+            if layer == index:
+                aux_out[:, slot * width : (slot + 1) * width].copy_(stream)
 
     def _attention(self, index, layer, batch, kv, qkv, q, attn, decode_kernel: bool) -> None:
         """Layer index's q/k-norm + RoPE + KV write, then attention into attn."""

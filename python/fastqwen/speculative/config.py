@@ -7,10 +7,13 @@ start. Standard library only: fastqwen/config.py validates it while building the
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "eagle3")
+# The architecture name the published EAGLE-3 heads (SpecForge, AngelSlim) carry in their config.json.
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 # Drafts of up to 7 tokens: a verify step computes 1 + k positions per sequence, and the tensor-core GEMV that streams
 # the weights once for all of them takes at most 8 tokens.
 MAX_SPECULATIVE_TOKENS = 7
@@ -28,6 +31,8 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 3
+    # eagle3: the draft head's folder (config.json + safetensors, the published EAGLE-3 layout).
+    model: str | None = None
     # ngram (prompt lookup): the longest and shortest tail of the sequence looked up in its own earlier tokens.
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -82,6 +87,10 @@ class SpeculativeConfig:
             "num_speculative_tokens",
             f"an integer from 1 to {MAX_SPECULATIVE_TOKENS}",
         )
+        if self.method == "eagle3":
+            self._check_eagle3_folder()
+        else:
+            need(self.model is None, "model", f"unset for method {self.method!r} (only eagle3 loads a draft model)")
         need(_int_in(self.prompt_lookup_min, 1, 64), "prompt_lookup_min", "an integer from 1 to 64")
         need(
             _int_in(self.prompt_lookup_max, self.prompt_lookup_min, 64),
@@ -116,6 +125,33 @@ class SpeculativeConfig:
             "synthetic_acceptance_length",
             "a number from 1 to num_speculative_tokens + 1",
         )
+
+    def _check_eagle3_folder(self) -> None:
+        """The head's folder exists and its config.json names the EAGLE-3 architecture (the shapes are checked
+        against the target when the engine loads it: model/eagle3.py)."""
+        folder = self.model
+        if not isinstance(folder, str) or not folder:
+            raise SpeculativeConfigError(
+                "speculative_config.model must name the EAGLE-3 draft head's folder for method 'eagle3'", "model"
+            )
+        config_path = os.path.join(folder, "config.json")
+        if not os.path.isfile(config_path):
+            what = "has no config.json" if os.path.isdir(folder) else "is not a folder"
+            raise SpeculativeConfigError(f"speculative_config.model {folder!r} {what}", "model")
+        try:
+            with open(config_path) as f:
+                head = json.load(f)
+        except (OSError, json.JSONDecodeError) as error:
+            raise SpeculativeConfigError(
+                f"speculative_config.model: {config_path} is unreadable: {error}", "model"
+            ) from None
+        architectures = head.get("architectures") if isinstance(head, dict) else None
+        if not isinstance(architectures, list) or not set(architectures) & set(EAGLE3_ARCHITECTURES):
+            raise SpeculativeConfigError(
+                f"speculative_config.model {folder!r} is not an EAGLE-3 head: its config.json has architectures "
+                f"{architectures!r}, expected {list(EAGLE3_ARCHITECTURES)!r}",
+                "model",
+            )
 
 
 def _int_in(value: Any, lo: int, hi: int) -> bool:

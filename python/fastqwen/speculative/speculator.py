@@ -8,7 +8,8 @@ it. Each emitted token is then a draw from the target's own distribution given t
 has the target's distribution whatever the drafter proposes (this is the rule for drafters that give no
 probabilities); greedy requests get exactly the tokens they would get without speculation.
 
-It sees token ids and a request's `rid`, `token_ids`, `prompt_ids`, `params` and `grammar` only.
+It sees token ids and a request's `rid`, `token_ids`, `prompt_ids`, `params`, `grammar` and `cached_len` only (and,
+for the eagle3 drafter, the target's hidden states: `observe`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class _RequestState:
 
 def make_drafter(config: SpeculativeConfig):
     k = config.num_speculative_tokens
+    if config.method == "eagle3":
+        raise ValueError(
+            "the eagle3 drafter needs the target's weights: the engine builds it (engine/eagle3_drafter.py)"
+        )
     if config.method == "ngram":
         return NgramDrafter(k, config.prompt_lookup_min, config.prompt_lookup_max)
     return SuffixDrafter(
@@ -62,10 +67,12 @@ def make_drafter(config: SpeculativeConfig):
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, drafter=None):
+        """drafter: the eagle3 method's (engine/eagle3_drafter.py), which the engine builds around the target's weights;
+        the other methods' are made here."""
         self.config = config
         self.num_tokens = config.num_speculative_tokens
-        self.drafter = make_drafter(config)
+        self.drafter = drafter if drafter is not None else make_drafter(config)
         self.synthetic = config.synthetic_acceptance_length
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.num_tokens)
         self._states: dict[int, _RequestState] = {}
@@ -142,6 +149,20 @@ class Speculator:
                     state.paused = PAUSE_STEPS
                 state.drafted = state.accepted = 0
         return n
+
+    def observe(self, chunks_and_rows, aux_hidden) -> None:
+        """A drafter that reads the target's hidden states (eagle3) advances over what a step computed and kept:
+        chunks_and_rows gives each chunk of the step with its first token row in aux_hidden [T, ...]. Each request's
+        kept positions run from its chunk's start to its cached_len (Scheduler.update has recorded the step)."""
+        advance = getattr(self.drafter, "advance", None)
+        if advance is None or aux_hidden is None:
+            return
+        for chunk, row in chunks_and_rows:
+            request = chunk.request
+            kept = request.cached_len - chunk.start
+            if request.finished or kept <= 0 or not self.eligible(request):
+                continue
+            advance(request, chunk.start, aux_hidden[row : row + kept])
 
     def finish(self, request) -> None:
         """A request is done (finished, aborted or failed): drop its state; the drafter may learn from its tokens."""
