@@ -58,7 +58,9 @@ def server(tmp_path_factory):
         data["eos_token_id"] = value
         with open(os.path.join(folder, name), "w") as f:
             json.dump(data, f)
-    srv = ServerProcess(folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--served-model-name", "m")
+    srv = ServerProcess(
+        folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--served-model-name", "m"
+    )
     yield srv, AutoTokenizer.from_pretrained(folder)
     srv.stop()
 

@@ -657,9 +657,7 @@ class ResponsesRequest(_Lenient):
             raise InvalidRequestError(f"reasoning.effort {effort!r} is not one of OpenAI's efforts", "reasoning")
         thinking = effort not in _EFFORTS_WITHOUT_THINKING
         if kwargs.get("enable_thinking", thinking) != thinking:
-            raise InvalidRequestError(
-                "reasoning.effort and chat_template_kwargs.enable_thinking disagree", "reasoning"
-            )
+            raise InvalidRequestError("reasoning.effort and chat_template_kwargs.enable_thinking disagree", "reasoning")
         kwargs["enable_thinking"] = thinking
         return kwargs
 

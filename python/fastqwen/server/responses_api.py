@@ -62,7 +62,9 @@ class _Turn:
             thought = any(item["type"] == "reasoning" for item in output)
             reasoning = reasoning_tokens(finished.token_ids, thinking and thinking[1], thought)
             request = start.requests[0]
-            used = usage(request.num_prompt_tokens, request.num_cached_tokens, finished.num_completion_tokens, reasoning)
+            used = usage(
+                request.num_prompt_tokens, request.num_cached_tokens, finished.num_completion_tokens, reasoning
+            )
         return {
             "id": self.id,
             "object": "response",

@@ -81,7 +81,9 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 conversation.add({"role": role, "content": text})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not isinstance(parts, list):
+                raise _fail(where, "a reasoning item's content is a list of reasoning_text parts")
+            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
             turn = conversation.assistant()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + text
         elif kind == "function_call":
