@@ -178,11 +178,3 @@ async def get_response(response_id: str, http_request: HTTPRequest) -> Response:
     if stored is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
     return JSONResponse(stored.response)
-
-
-@router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, http_request: HTTPRequest) -> Response:
-    state: ServerState = http_request.app.state.server
-    if not state.responses.delete(response_id):
-        raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -50,9 +50,3 @@ class ResponseStore:
         while len(self._entries) > self.max_responses or self._bytes > self.max_bytes:
             _, dropped = self._entries.popitem(last=False)
             self._bytes -= dropped.size
-
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._bytes -= entry.size
-        return entry is not None
