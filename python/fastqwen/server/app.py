@@ -30,6 +30,7 @@ from .metrics import Metrics
 from .native_api import router as native_router
 from .openai_api import router as openai_router
 from .openapi import install_openapi
+from .responses_api import router as responses_router
 from .retrieval_api import router as retrieval_router
 from .state import ServerState
 from .stats_log import log_stats
@@ -100,6 +101,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
     guarded = [Depends(require_ready)]  # the API key is checked before this, by the guard
     app.include_router(openai_router, dependencies=guarded)
     app.include_router(retrieval_router, dependencies=guarded)
+    app.include_router(responses_router, dependencies=guarded)
     app.include_router(native_router, dependencies=guarded)
     app.include_router(info_router, dependencies=guarded)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter
@@ -411,9 +411,19 @@ def _after_thinking(
     return replace(structured, thinking=thinking, thinking_open=opened)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest) -> Response:
-    state: ServerState = http_request.app.state.server
+@dataclass
+class ChatStart:
+    """A chat request queued on the engine, and what reading its output needs."""
+
+    requests: list[RequestTracker]
+    prompt_of: list[int]
+    opened: bool  # the prompt opened the thinking block
+    parse_calls: bool  # tools were rendered: the output goes through the tool-call parser
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, http_request: HTTPRequest) -> ChatStart:
+    """Validate a chat request, render its prompt with the chat template (tools included), choose its output
+    constraint (response_format, or the tool-call grammar) and queue it. /v1/responses runs through here too."""
     state.check_model(body.model)
     constraint = body.to_sampling_params().structured  # a bad field is refused before the template is rendered
     choice = check_tools(body.tools, body.tool_choice)
@@ -443,9 +453,16 @@ async def chat_completions(body: ChatCompletionRequest, http_request: HTTPReques
     # The grammar leaves thinking free until </think>: split where it does (reasoning.py says why only here).
     splitting = (opened, structured is not None and structured.thinking is not None)
     requests, prompt_of = await _build(state, body, [prompt], http_request, structured=structured)
+    return ChatStart(requests, prompt_of, opened, tools is not None)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest) -> Response:
+    state: ServerState = http_request.app.state.server
+    start = await start_chat(state, body, http_request)
+    requests, prompt_of, opened, parse_calls = start.requests, start.prompt_of, start.opened, start.parse_calls
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
-    parse_calls = tools is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_header = {**header, "object": "chat.completion.chunk"}

@@ -97,6 +97,18 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class ResponseObject(BaseModel):
+    """/v1/responses' answer (its items follow OpenAI's Responses types)."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
 class ModelList(BaseModel):
     object: str
     data: list[ModelCard]
@@ -111,6 +123,8 @@ _SUCCESS = {  # (path, method) -> the 200 body's model, and whether the route ca
     ("/v1/completions", "post"): (CompletionResponse, True),
     ("/v1/chat/completions", "post"): (ChatCompletionResponse, True),
     ("/generate", "post"): (GenerateResponse | list[GenerateResponse], True),
+    ("/v1/responses", "post"): (ResponseObject, True),
+    ("/v1/responses/{response_id}", "get"): (ResponseObject, False),
     ("/v1/models", "get"): (ModelList, False),
     ("/v1/models/{model_id}", "get"): (ModelCard, False),
     ("/health", "get"): (Health, False),
@@ -125,12 +139,16 @@ _ERROR_STATUSES = {
     "post": {
         "400": "invalid request",
         "401": "missing or wrong API key",
-        "404": "unknown model",
+        "404": "unknown model or previous_response_id",
         "413": "request body too large",
         "500": "the engine failed while running the request",
         "503": "loading, shutting down, queue full or engine dead",
     },
-    "get": {"401": "missing or wrong API key", "503": "loading, shutting down or engine dead"},
+    "get": {
+        "401": "missing or wrong API key",
+        "404": "unknown model or stored response",
+        "503": "loading, shutting down or engine dead",
+    },
 }
 
 

@@ -590,3 +590,204 @@ class ScoreRequest(_ScoreFields):
                 f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or one per text_2", "text_1"
             )
         return list(zip(first, second))
+
+
+# ---- /v1/responses ---------------------------------------------------------------------------------------------------
+
+# Reasoning efforts: Qwen3 thinks or not (its thinking has no budget), so "none" and "minimal" turn the thinking block
+# off (enable_thinking false) and every other effort leaves it on.
+_EFFORTS_WITHOUT_THINKING = ("none", "minimal")
+_EFFORTS_WITH_THINKING = ("low", "medium", "high", "xhigh")
+_CHAT_ONLY = "it belongs to /v1/chat/completions"
+
+
+class ResponsesRequest(_Lenient):
+    """OpenAI's Responses API, translated to a chat request (to_chat_request) so that one path renders, constrains and
+    parses. Its fields are those OpenAI documents; vLLM's sampling extras (seed, top_k, logit_bias, ...) pass through."""
+
+    model: str | None = None
+    input: Any = _described(
+        {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object"}}]}, default=None
+    )
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # identifiers: echoed, they change nothing
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache is automatic: nothing to key
+    truncation: str | None = None
+    service_tier: str | None = None
+    top_logprobs: int | None = None
+    # vLLM's extras, honoured as on chat completions.
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _REFUSED = {
+        **_REFUSED_SAMPLING,
+        "background": (_truthy, "responses are answered in the request that makes them"),
+        "include": (_truthy, "no extra output data (reasoning.encrypted_content, logprobs, ...) is available"),
+        "conversation": (_truthy, "conversations are not stored: pass previous_response_id"),
+        "prompt": (_truthy, "prompt templates are not stored: pass input"),
+        "max_tool_calls": (_truthy, _NOT_IMPLEMENTED),
+        "context_management": (_truthy, _NOT_IMPLEMENTED),
+        "moderation": (_truthy, "there is no moderation model"),
+        "prompt_cache_options": (_truthy, "the prefix cache is automatic"),
+        "prompt_cache_retention": (lambda v: v != "in_memory", "the prefix cache is in memory only"),
+        "background_options": (_truthy, "responses are answered in the request that makes them"),
+        "access_programs": (_truthy, _NOT_IMPLEMENTED),
+        "image": (_truthy, "this model reads and writes text only"),
+        "stream_options": (lambda v: bool(v and v.get("include_obfuscation")), "events are never padded"),
+        "truncation": (lambda v: v != "disabled", "prompts are never truncated; shorten the input"),
+        "service_tier": (lambda v: v not in ("auto", "default"), "there is one service tier"),
+        "top_logprobs": (_truthy, _NOT_IMPLEMENTED),
+        # Chat completions' names, which would be ignored here.
+        "messages": (_truthy, "pass input"),
+        "response_format": (_truthy, "pass text.format"),
+        "max_tokens": (_truthy, "pass max_output_tokens"),
+        "max_completion_tokens": (_truthy, "pass max_output_tokens"),
+        "n": (_not_one, "a response has one output"),
+        "logprobs": (_truthy, _CHAT_ONLY),
+        "reasoning_effort": (_truthy, "pass reasoning.effort"),
+        "functions": (_truthy, "pass tools"),
+        "function_call": (_truthy, "pass tool_choice"),
+        "add_generation_prompt": (lambda v: v is not True, _CHAT_ONLY),
+    }
+
+    def check(self) -> None:
+        self.check_refused()
+        if self.input is None:
+            raise InvalidRequestError("input is required: a string or a list of input items", "input")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise InvalidRequestError(
+                f"max_output_tokens must be at least 1, not {self.max_output_tokens}", "max_output_tokens"
+            )
+        if self.previous_response_id is not None and not isinstance(self.previous_response_id, str):
+            raise InvalidRequestError("previous_response_id must be a string", "previous_response_id")
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """Responses' flat function tools ({"type": "function", "name", "parameters", ...}) in chat's nested shape."""
+        if self.tools is None:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise InvalidRequestError(
+                    f"tools[{i}]: only function tools are supported, not {kind!r} (this server runs no built-in tools)",
+                    "tools",
+                )
+            if "function" in tool and "name" not in tool:
+                raise InvalidRequestError(
+                    f'tools[{i}]: Responses tools are flat: {{"type": "function", "name": ..., "parameters": ...}}',
+                    "tools",
+                )
+            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+            out.append({"type": "function", "function": function})
+        return out
+
+    def chat_tool_choice(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str):
+            return choice
+        if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        raise InvalidRequestError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice"
+        )
+
+    def chat_response_format(self) -> dict[str, Any] | None:
+        """text.format in chat's response_format shape; text.verbosity other than medium is refused."""
+        text = self.text or {}
+        unknown = sorted(set(text) - {"format", "verbosity"})
+        if unknown:
+            raise InvalidRequestError(f"text.{unknown[0]} is not supported", "text")
+        if text.get("verbosity") not in (None, "medium"):
+            raise InvalidRequestError(
+                "text.verbosity is not supported: the length of the answer is the model's; bound it with "
+                "max_output_tokens",
+                "text",
+            )
+        fmt = text.get("format")
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind in ("text", "json_object"):
+            return {"type": kind}
+        if kind == "json_schema":
+            if "schema" not in fmt:
+                raise InvalidRequestError(
+                    'text.format json_schema is {"type": "json_schema", "name": ..., "schema": {...}}', "text"
+                )
+            spec = {"name": fmt.get("name", "output"), "schema": fmt["schema"], "strict": fmt.get("strict")}
+            return {"type": "json_schema", "json_schema": spec}
+        raise InvalidRequestError(
+            f'text.format.type must be "text", "json_object" or "json_schema", not {kind!r}', "text"
+        )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs with reasoning.effort applied (enable_thinking)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        reasoning = self.reasoning or {}
+        unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
+        if unknown:
+            raise InvalidRequestError(f"reasoning.{unknown[0]} is not supported", "reasoning")
+        summary = reasoning.get("summary") or reasoning.get("generate_summary")
+        if summary not in (None, "auto"):
+            # "auto" lets the server choose, and it gives none: the reasoning item carries the whole reasoning text.
+            raise InvalidRequestError(
+                f"reasoning.summary {summary!r} is not supported: reasoning items carry the reasoning text itself",
+                "reasoning",
+            )
+        effort = reasoning.get("effort")
+        if effort is None:
+            return kwargs
+        if effort not in _EFFORTS_WITHOUT_THINKING + _EFFORTS_WITH_THINKING:
+            raise InvalidRequestError(f"reasoning.effort {effort!r} is not one of OpenAI's efforts", "reasoning")
+        thinking = effort not in _EFFORTS_WITHOUT_THINKING
+        if kwargs.get("enable_thinking", thinking) != thinking:
+            raise InvalidRequestError("reasoning.effort and chat_template_kwargs.enable_thinking disagree", "reasoning")
+        kwargs["enable_thinking"] = thinking
+        return kwargs
+
+    def to_chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request this response is made by: messages are the conversation (instructions, previous turns and
+        input, as chat messages)."""
+        fields = dict(
+            model=self.model,
+            messages=messages,
+            tools=self.chat_tools(),
+            tool_choice=self.chat_tool_choice(),
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self.chat_response_format(),
+            max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stream=self.stream,
+            seed=self.seed,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            stop=self.stop,
+            chat_template_kwargs=self.template_kwargs(),
+        )
+        return ChatCompletionRequest(**fields)

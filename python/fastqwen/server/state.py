@@ -12,6 +12,7 @@ from .metrics import Metrics
 from .prep_pool import SMALL_REQUEST_BYTES, PrepPool
 from .reasoning import CLOSE as THINK_CLOSE
 from .reasoning import OPEN as THINK_OPEN
+from .responses_store import ResponseStore
 
 T = TypeVar("T")
 
@@ -30,6 +31,7 @@ class ServerState:
         self.incremental_streaming_output = False  # /generate streams: only the new part in each event
         self.stats_task: asyncio.Task | None = None  # the periodic stats line
         self.prep = PrepPool()  # CPU work that grows with a request: parsing, tokenizing, big responses
+        self.responses = ResponseStore()  # /v1/responses kept for previous_response_id (bounded: responses_store.py)
 
     async def prepare(self, http_request, fn: Callable[[], T], always_pooled: bool = False) -> T:
         """fn(): the CPU work of preparing this request, inline on the event loop when its body is small (and the work

