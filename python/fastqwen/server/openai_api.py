@@ -417,7 +417,9 @@ class ChatStart:
 
     requests: list[RequestTracker]
     prompt_of: list[int]
-    opened: bool  # the prompt opened the thinking block
+    # The reasoning splitter's arguments (reasoning.py): whether the prompt opened the thinking block, and whether the
+    # text before the first </think> is reasoning anyway (the grammar leaves thinking free until it: see why there).
+    splitting: tuple[bool, bool]
     parse_calls: bool  # tools were rendered: the output goes through the tool-call parser
 
 
@@ -453,14 +455,14 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, http_reque
     # The grammar leaves thinking free until </think>: split where it does (reasoning.py says why only here).
     splitting = (opened, structured is not None and structured.thinking is not None)
     requests, prompt_of = await _build(state, body, [prompt], http_request, structured=structured)
-    return ChatStart(requests, prompt_of, opened, tools is not None)
+    return ChatStart(requests, prompt_of, splitting, tools is not None)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest) -> Response:
     state: ServerState = http_request.app.state.server
     start = await start_chat(state, body, http_request)
-    requests, prompt_of, opened, parse_calls = start.requests, start.prompt_of, start.opened, start.parse_calls
+    requests, prompt_of, splitting, parse_calls = start.requests, start.prompt_of, start.splitting, start.parse_calls
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     header = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     if body.stream:

@@ -102,7 +102,7 @@ class _Turn:
 
 def _parsers(body: ResponsesRequest, start: ChatStart) -> tuple[ReasoningSplitter, ToolCallParser | None]:
     parser = ToolCallParser(single_call=not body.parallel_tool_calls) if start.parse_calls else None
-    return ReasoningSplitter(start.opened), parser
+    return ReasoningSplitter(*start.splitting), parser
 
 
 def _feed(splitter, parser, builder: OutputBuilder, text: str, finished: RequestOutput | None) -> list[dict]:
