@@ -5,7 +5,9 @@ stops, preemption and aborts in the middle of an accepted run."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import time
 
 import pytest
@@ -414,4 +416,35 @@ def test_stop_string_inside_an_accepted_run(checkpoint):
         (got,) = llm.generate([prompt], params, use_tqdm=False)
         assert got.text == expected.text and got.finish_reason == expected.finish_reason == "stop"
     assert llm.engine.stats().spec_num_accepted_tokens > 0
+    llm.engine.check_invariants()
+
+
+# ---- grammars -----------------------------------------------------------------------------------------------------
+
+
+def test_grammar_masks_every_verified_position(tmp_path):
+    """Requests with a regex or a JSON schema draft too: drafts are cut to what the grammar allows, and every verified
+    position draws under the mask of its own state. Greedy outputs equal decoding without speculation (a position
+    drawn without its mask would pick the unconstrained argmax as the target's token after an accepted run), and
+    each output matches its grammar."""
+    from fastqwen.sampling_params import StructuredOutput
+    from test_structured_output import REGEX, SCHEMAS, _write_checkpoint
+
+    folder = str(tmp_path)
+    _write_checkpoint(folder)
+    knobs = dict(dtype="float32", device="cpu", num_pages=512, page_size=8)
+    specs = [StructuredOutput("regex", REGEX), StructuredOutput("json_schema", json.dumps(SCHEMAS[0]))]
+    batch = [[(7 * i + j) % 200 + 40 for j in range(12)] for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured=specs[i % 2]) for i in range(4)]
+    base = LLM(folder, **knobs)
+    reference = base.generate(batch, params, use_tqdm=False)
+    llm = LLM(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **knobs)
+    with_oracle(llm, batch, [r.token_ids for r in reference])
+    out = llm.generate(batch, params, use_tqdm=False)
+    assert [o.token_ids for o in out] == [r.token_ids for r in reference]
+    for o, spec in zip(out, specs):  # (a JSON answer cut by max_tokens is only a valid prefix)
+        if o.finish_reason == "stop":
+            assert re.fullmatch(REGEX, o.text) if spec.kind == "regex" else json.loads(o.text) is not None
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     llm.engine.check_invariants()

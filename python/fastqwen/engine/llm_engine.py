@@ -670,7 +670,11 @@ class LLMEngine:
             pending = self.runner.launch(scheduled)
         skipped = pending.skipped
         token_rows = list(_with_first_token_rows(scheduled))  # before skipped rows leave the batch
+        dropped: set[int] = set()  # the sampling rows of the skipped chunks (a drafted chunk has several)
         if skipped:  # rows sampled without their grammar's mask: they compute that token again in a later step
+            for c, row in _with_first_rows(scheduled):
+                if row in skipped:
+                    dropped.update(range(row, row + c.num_rows))
             scheduled = ScheduledBatch([c for c, row in _with_first_rows(scheduled) if row not in skipped])
         if self.overlap and pending.host is not None:
             following = self.scheduler.schedule_ahead(scheduled)
@@ -681,7 +685,7 @@ class LLMEngine:
                     self._ahead = (following, launched)
         tokens, logprobs = self.runner.collect(pending)
         if skipped:
-            kept = [i for i in range(len(tokens)) if i not in skipped]
+            kept = [i for i in range(len(tokens)) if i not in dropped]
             tokens = [tokens[i] for i in kept]
             logprobs = None if logprobs is None else [logprobs[i] for i in kept]
         sampled = emitted_tokens(scheduled, tokens, self.speculator) if scheduled.has_drafts else tokens

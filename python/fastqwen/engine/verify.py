@@ -2,8 +2,8 @@
 
 A chunk with a draft of k tokens has 1 + k sampling rows: row 0 at the request's last token, row i after the draft's
 first i tokens. The sampler sees row i as the request with those i tokens committed (`DraftRow`): its step (the seed
-of each draw), its min_tokens bans and its output so far are those of position i, so each row is drawn exactly as
-plain decoding would draw that position. The speculator then keeps the run of draft tokens the target agrees with.
+of each draw), its min_tokens bans, its output so far and its grammar's mask are those of position i, so each row is
+drawn exactly as plain decoding would draw that position. The speculator then keeps the run of draft tokens the target agrees with.
 """
 
 from __future__ import annotations
@@ -11,16 +11,33 @@ from __future__ import annotations
 from ..scheduler import Request, ScheduledBatch
 
 
+class DraftMask:
+    """The grammar mask of a verified position: the request's matcher's state after the draft's tokens, computed when
+    the sampler copies it (GrammarMatcher.copy_draft_mask; the matcher is left where it was)."""
+
+    __slots__ = ("matcher", "draft")
+    error = None
+    ready = True
+    pending = None
+
+    def __init__(self, matcher, draft: tuple[int, ...]):
+        self.matcher, self.draft = matcher, draft
+
+    def copy_mask(self, out) -> None:
+        self.matcher.copy_draft_mask(self.draft, out)
+
+
 class DraftRow:
     """A request seen `len(draft)` tokens later, with the draft's tokens committed: what the sampler reads of a
-    verified position (parameters, step, output so far)."""
+    verified position (parameters, step, output so far, grammar mask)."""
 
-    __slots__ = ("request", "draft")
-    grammar = None  # requests with a grammar are never drafted (Speculator.eligible)
+    __slots__ = ("request", "draft", "grammar")
 
     def __init__(self, request: Request, draft: tuple[int, ...]):
         self.request = request
         self.draft = draft
+        # The scheduler drafts only tokens the grammar allows (Speculator.propose): this state takes a token.
+        self.grammar = DraftMask(request.grammar, draft) if request.grammar is not None else None
 
     @property
     def params(self):

@@ -121,6 +121,39 @@ class GrammarMatcher:
             )
         out[:] = self._mask
 
+    # ---- speculative decoding: drafts checked against the grammar, masks of the positions after them ------------
+
+    def draftable(self, draft: list[int]) -> int:
+        """How many leading draft tokens the grammar allows without completing: a verify step samples the position
+        after each, so the state after each must still take a token. The matcher is left where it was."""
+        self._settle()
+        allowed = self.matcher.validate_tokens(list(draft))
+        consumed = kept = 0
+        try:
+            for token in draft[:allowed]:
+                if not self.matcher.consume_token(token):
+                    break
+                consumed += 1
+                if self.matcher.is_stopped() or self.matcher.is_error():
+                    break
+                kept += 1
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        return kept
+
+    def copy_draft_mask(self, draft: tuple[int, ...], out: np.ndarray) -> None:
+        """The mask of the state after the draft's tokens (all allowed: see draftable) into out, the matcher left
+        where it was."""
+        self._settle()
+        if draft and self.matcher.try_consume_tokens(list(draft)) != len(draft):
+            raise RuntimeError("a draft token the grammar does not allow reached a verify step")
+        try:
+            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        finally:
+            if draft:
+                self.matcher.rollback(len(draft))
+
     def _start_mask(self) -> None:
         self._job = _mask_pool().submit(self._compute_mask, self.version)
 

@@ -86,9 +86,8 @@ class Speculator:
 
     @staticmethod
     def eligible(request) -> bool:
-        """Requests with a grammar or penalties decode one token at a time (their sampler state follows each
-        committed token)."""
-        return request.grammar is None and not request.params.has_penalties
+        """Requests with penalties decode one token at a time (the sampler's counts follow each committed token)."""
+        return not request.params.has_penalties
 
     def may_draft(self, request) -> bool:
         """Whether the request's next step may carry a draft (asked once per step by the scheduler's overlap schedule,
@@ -119,6 +118,8 @@ class Speculator:
         draft = draft[:limit]
         if self.synthetic is not None or self.pad_drafts:  # (a benchmark's drafts are always full)
             draft = draft + [tokens[-1]] * (limit - len(draft))
+        if request.grammar is not None:  # only tokens the grammar allows, none that completes it
+            draft = draft[: request.grammar.draftable(draft)]
         return tuple(draft)
 
     def accepted(self, request, draft: tuple[int, ...], targets: list[int]) -> int:
