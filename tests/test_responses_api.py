@@ -301,11 +301,57 @@ def test_reasoning_items_match_chats_split(server):
     assert _joined(events, "response.reasoning_text.delta") == chat["reasoning_content"]
 
 
+def test_encrypted_reasoning_carries_the_thinking_through_a_stateless_tool_loop(server):
+    """Codex with store false: include reasoning.encrypted_content puts an opaque string on each reasoning item (the
+    stream's done item too); sent back in input with no other copy of the text, it renders as the assistant turn's
+    reasoning (the prompt's token count equals Hugging Face's for that conversation); a value the server did not make
+    is a 400 naming it."""
+    import openai
+
+    srv, tokenizer = server
+    client = _client(srv)
+    body = dict(input="weather?", tools=[TOOL], tool_choice="required", max_output_tokens=8, temperature=0)
+    encrypted = dict(include=["reasoning.encrypted_content"], store=False)
+    first = client.responses.create(model="m", **body, **encrypted)
+    reasoning = first.output[0]
+    assert reasoning.type == "reasoning" and reasoning.content[0].text, first.output  # the premise: it thinks
+    assert isinstance(reasoning.encrypted_content, str) and reasoning.content[0].text not in reasoning.encrypted_content
+    done = [e.item for e in _stream_events(srv, **body, **encrypted) if e.type == "response.output_item.done"]
+    assert done[0].encrypted_content == reasoning.encrypted_content
+
+    sent_back = {
+        "type": "reasoning",
+        "id": reasoning.id,
+        "summary": [],
+        "encrypted_content": reasoning.encrypted_content,
+    }
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    loop = [{"role": "user", "content": "weather?"}, sent_back, call, output]
+    second = client.responses.create(model="m", input=loop, tools=[TOOL], max_output_tokens=1, **encrypted)
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": reasoning.content[0].text,
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    }
+    conversation = [{"role": "user", "content": "weather?"}, assistant, {"role": "tool", "content": "sunny"}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
+    assert second.usage.input_tokens == _prompt_tokens(tokenizer, conversation, tools=chat_tools)
+
+    for bad in ("not ours", "eyJ2IjoxfQ=="):  # not base64; base64 of JSON without the version
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(
+                model="m", input=[loop[0], {**sent_back, "encrypted_content": bad}], max_output_tokens=1, **encrypted
+            )
+        assert "input[1].encrypted_content" in caught.value.body["message"], caught.value.body
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
         ("background", True),
-        ("include", ["reasoning.encrypted_content"]),
+        ("include", ["message.output_text.logprobs"]),
         ("tools", [{"type": "web_search"}]),
         ("text", {"verbosity": "high"}),
         ("truncation", "auto"),

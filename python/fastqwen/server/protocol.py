@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from .responses_encrypted import INCLUDE_NAME as ENCRYPTED_REASONING
 
 # What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
 MESSAGE_SCHEMA = {
@@ -628,6 +629,7 @@ class ResponsesRequest(_Lenient):
     truncation: str | None = None
     service_tier: str | None = None
     top_logprobs: int | None = None
+    include: Any = None  # only "reasoning.encrypted_content" (what Codex asks for with store false)
     # vLLM's extras, honoured as on chat completions.
     seed: int | None = None
     top_k: int | None = None
@@ -642,7 +644,6 @@ class ResponsesRequest(_Lenient):
     _REFUSED = {
         **_REFUSED_SAMPLING,
         "background": (_truthy, "responses are answered in the request that makes them"),
-        "include": (_truthy, "no extra output data (reasoning.encrypted_content, logprobs, ...) is available"),
         "conversation": (_truthy, "conversations are not stored: pass previous_response_id"),
         "prompt": (_truthy, "prompt templates are not stored: pass input"),
         "max_tool_calls": (_truthy, _NOT_IMPLEMENTED),
@@ -680,6 +681,16 @@ class ResponsesRequest(_Lenient):
             )
         if self.previous_response_id is not None and not isinstance(self.previous_response_id, str):
             raise InvalidRequestError("previous_response_id must be a string", "previous_response_id")
+        if self.include is not None and not isinstance(self.include, list):
+            raise InvalidRequestError("include must be a list of strings", "include")
+        for value in self.include or []:
+            if value != ENCRYPTED_REASONING:
+                raise InvalidRequestError(
+                    f"include {value!r} is not supported: only {ENCRYPTED_REASONING!r} is available", "include"
+                )
+
+    def includes_encrypted_reasoning(self) -> bool:
+        return ENCRYPTED_REASONING in (self.include or [])
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """Responses' flat function tools ({"type": "function", "name", "parameters", ...}) in chat's nested shape."""

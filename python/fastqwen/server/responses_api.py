@@ -135,7 +135,7 @@ async def create_response(body: ResponsesRequest, http_request: HTTPRequest) -> 
     if outputs is None:
         return client_closed_response()
     output = outputs[0]
-    builder = OutputBuilder()
+    builder = OutputBuilder(body.includes_encrypted_reasoning())
     splitter, parser = _parsers(body, start)
     _feed(splitter, parser, builder, output.text or "", output)
     response = turn.response(builder.items, output, start)
@@ -154,7 +154,7 @@ async def _stream(turn: _Turn, start: ChatStart) -> AsyncIterator[str]:
     yield _event(sequence, {"type": "response.created", "response": snapshot}) + _event(
         sequence, {"type": "response.in_progress", "response": snapshot}
     )
-    builder = OutputBuilder()
+    builder = OutputBuilder(turn.body.includes_encrypted_reasoning())
     splitter, parser = _parsers(turn.body, start)
     finished = None
     async for batch in stream_requests(state.engine, start.requests, state.metrics):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidRequestError
+from .responses_encrypted import reasoning_of
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -55,6 +56,17 @@ class _Conversation:
         self._assistant_open = False
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its encrypted_content when it has one (a stateless client's only copy: Codex sends the
+    item back with store false), else its content, else its summary."""
+    if item.get("encrypted_content") is not None:
+        return reasoning_of(item["encrypted_content"], where + ".encrypted_content")
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise _fail(where, "a reasoning item's content is a list of reasoning_text parts")
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
 def input_messages(value: Any) -> list[dict[str, Any]]:
     """The request's input as chat messages."""
     if isinstance(value, str):
@@ -80,10 +92,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             else:
                 conversation.add({"role": role, "content": text})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            if not isinstance(parts, list):
-                raise _fail(where, "a reasoning item's content is a list of reasoning_text parts")
-            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            text = _reasoning_text(item, where)
             turn = conversation.assistant()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + text
         elif kind == "function_call":

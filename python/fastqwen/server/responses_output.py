@@ -13,6 +13,7 @@ import copy
 import uuid
 from typing import Any
 
+from .responses_encrypted import encrypted_content
 from .tools import ToolCallDelta
 
 
@@ -21,7 +22,8 @@ def new_id(prefix: str) -> str:
 
 
 class OutputBuilder:
-    def __init__(self) -> None:
+    def __init__(self, encrypt_reasoning: bool = False) -> None:
+        self.encrypt_reasoning = encrypt_reasoning  # include reasoning.encrypted_content: set when an item is done
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
         self._held = ""  # whitespace content not yet given to a message
@@ -103,6 +105,8 @@ class OutputBuilder:
                 events.append(self._event("response.output_text.done", content_index=0, text=part["text"], logprobs=[]))
             else:
                 events.append(self._event("response.reasoning_text.done", content_index=0, text=part["text"]))
+                if self.encrypt_reasoning:
+                    item["encrypted_content"] = encrypted_content(part["text"])
             events.append(self._event("response.content_part.done", content_index=0, part=_copy(part)))
         item["status"] = status
         events.append({"type": "response.output_item.done", "output_index": len(self.items) - 1, "item": _copy(item)})
