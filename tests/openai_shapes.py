@@ -175,7 +175,8 @@ def _checking_stream(http, kind: str):
 
 
 def _lines_for(request, response) -> _Lines | None:
-    if response.status_code != 200 or _type_for(request.url.path, False) is None:
+    # Only a POST answers with a completion (a HEAD probe or a CORS preflight to the same path has no body).
+    if request.method != "POST" or response.status_code != 200 or _type_for(request.url.path, False) is None:
         return None
     streamed = response.headers.get("content-type", "").startswith("text/event-stream")
     return _Lines(request.url.path, streamed)
