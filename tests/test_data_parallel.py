@@ -213,6 +213,7 @@ def test_concurrent_requests_spread_over_both_replicas(dp2):
         streaming.wait(30)
         text = httpx.get(dp2.url + "/metrics").text
         loads = httpx.get(dp2.url + "/v1/loads").json()  # what SMG's load monitor reads: one entry per replica
+        states = httpx.get(dp2.url + "/server_info").json()["internal_states"]  # SGLang's: one per DP rank
     finally:
         release.set()
         for thread in threads:
@@ -221,6 +222,7 @@ def test_concurrent_requests_spread_over_both_replicas(dp2):
     waiting = per_engine(text, "fastqwen:num_requests_waiting")
     assert {e: running[e] + waiting[e] for e in running} == {"0": 2, "1": 2}, text
     assert loads["dp_rank_count"] == 2 and [r["num_total_reqs"] for r in loads["loads"]] == [2, 2], loads
+    assert [s["num_running"] + s["num_waiting"] for s in states] == [2, 2], states
 
 
 def test_requests_sharing_a_long_prefix_go_to_the_replica_that_caches_it(dp2):

@@ -147,7 +147,8 @@ async def server_info(http_request: HTTPRequest) -> dict[str, Any]:
         "disable_radix_cache": not info.prefix_caching,
         "kv_cache_bytes": info.kv_bytes,
         "default_sampling_params": defaults,
-        "internal_states": [dataclasses.asdict(state.engine.client.stats())],
+        # One entry per data-parallel replica, as SGLang lists its DP ranks.
+        "internal_states": [dataclasses.asdict(stats) for _, stats in state.engine.client.per_engine()],
     }
 
 
