@@ -69,9 +69,9 @@ def count_verify_replays(llm: LLM) -> list[int]:
     runner, counter = llm.engine.runner, [0]
     launch = runner._launch_verify_graph
 
-    def counting(scheduled, size):
+    def counting(scheduled, size, rows):
         counter[0] += 1
-        return launch(scheduled, size)
+        return launch(scheduled, size, rows)
 
     runner._launch_verify_graph = counting
     return counter

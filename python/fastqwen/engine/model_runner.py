@@ -348,10 +348,12 @@ class ModelRunner:
             return self._launch_ahead(chunks, after)
         if not chunks:
             return PendingStep([], tokens=[])
+        rows = None  # the sampling rows, made once (a drafted chunk has one per verified position)
         if scheduled.has_drafts:
-            size = self._verify_graph_size(scheduled)
+            rows = sampling_rows(scheduled)
+            size = self._verify_graph_size(scheduled, rows)
             if size:
-                return self._launch_verify_graph(scheduled, size)
+                return self._launch_verify_graph(scheduled, size, rows)
         graph_size = self._graph_size(scheduled)
         if graph_size and self.sampler.graph_hook is not None and all(c.request.mask_ready for c in chunks):
             return self._launch_graph(chunks, graph_size)  # the graph samples too: its rows are filled first
@@ -361,12 +363,13 @@ class ModelRunner:
         if self.capture_aux and not graph_size:
             width = len(self.model.aux_layers) * self.model.cfg.hidden_size
             aux = torch.empty(batch.num_tokens, width, dtype=self.model.dtype, device=self.device)
-        tokens, logprobs, skipped = self._run_eager(scheduled, batch, graph_size, aux)
-        return PendingStep(sampling_rows(scheduled), tokens=tokens, logprobs=logprobs, skipped=skipped, aux_hidden=aux)
+        rows = rows if rows is not None else sampling_rows(scheduled)
+        tokens, logprobs, skipped = self._run_eager(scheduled, rows, batch, graph_size, aux)
+        return PendingStep(rows, tokens=tokens, logprobs=logprobs, skipped=skipped, aux_hidden=aux)
 
     # ---- speculative decoding's verify steps ----------------------------------------------------------------------
 
-    def _verify_graph_size(self, scheduled: ScheduledBatch) -> int:
+    def _verify_graph_size(self, scheduled: ScheduledBatch, rows: list) -> int:
         """The captured verify size that replays this step, or 0 (eager): every chunk decodes with a draft of the
         captured length, and the sampler's bans fit."""
         graphs = self.verify_graphs
@@ -376,15 +379,14 @@ class ModelRunner:
         for c in scheduled.chunks:
             if c.end - c.start != 1 or not c.samples or 1 + len(c.draft) != q:
                 return 0
-        if not self.sampler.fits_graph(sampling_rows(scheduled)):
+        if not self.sampler.fits_graph(rows):
             return 0
         return graphs.padded_size(len(scheduled.chunks))
 
-    def _launch_verify_graph(self, scheduled: ScheduledBatch, size: int) -> PendingStep:
+    def _launch_verify_graph(self, scheduled: ScheduledBatch, size: int, rows: list) -> PendingStep:
         """Replay the verify graphs (forward, then the sampler over every position) and start the read-back."""
         graphs = self.verify_graphs
         q = graphs.query_len
-        rows = sampling_rows(scheduled)
         self.staging.wait_uploaded()
         self.sampler.prepare(rows, pad_to=size * q)
         self._table_size = 0  # this layout overwrites the decode layouts' page-table rows
@@ -485,7 +487,8 @@ class ModelRunner:
         host, ready = self._start_read_back(self.sampler.tokens[:n])
         return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
 
-    def _run_eager(self, scheduled: ScheduledBatch, batch: ForwardBatch, graph_size: int, aux=None):
+    def _run_eager(self, scheduled: ScheduledBatch, requests: list, batch: ForwardBatch, graph_size: int, aux=None):
+        """The forward and the sampler of an eager step; `requests`: its sampling rows (verify.sampling_rows)."""
         prompt_rows = None if graph_size else self._prompt_rows(scheduled)
         pooled_rows = None if graph_size else self._pooled_rows(scheduled)
         if prompt_rows is None and pooled_rows is None:
@@ -506,7 +509,6 @@ class ModelRunner:
                 self._record_pooled(hidden[num_prompt_rows:], pooled_rows)
         if logits.shape[0] == 0:  # only unfinished prefill chunks: KV written, nothing to sample
             return [], None, frozenset()
-        requests = sampling_rows(scheduled)
         skipped = self.mask_gate(requests, self._device_busy())
         return *self.sampler.sample(logits[: len(requests)], requests, self._read_back, skipped), skipped
 

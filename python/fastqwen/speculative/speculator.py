@@ -90,9 +90,9 @@ class Speculator:
         return not request.params.has_penalties
 
     def may_draft(self, request) -> bool:
-        """Whether the request's next step may carry a draft (asked once per step by the scheduler's overlap schedule,
-        which launches the next step before this one's tokens are known only when no request may draft). A paused
-        request counts the step."""
+        """Whether the request's next step may carry a draft: eligible, and not paused for low acceptance (a paused
+        request counts the step). Asked by propose, and by the scheduler's overlap schedule, which launches the next
+        step before this one's tokens are known only when no request may draft."""
         if not self.eligible(request):
             return False
         state = self._states.get(request.rid)
@@ -105,16 +105,12 @@ class Speculator:
         """The draft for a decoding request's next step: at most `limit` tokens (what max_tokens and the context leave
         after the token the step samples anyway)."""
         limit = min(limit, self.num_tokens)
-        if limit <= 0 or not self.eligible(request):
+        if limit <= 0 or not self.may_draft(request):
             return ()
-        state = self._states.get(request.rid)
-        if state is None:
-            state = self._states[request.rid] = _RequestState()
+        self._states.setdefault(request.rid, _RequestState())
         tokens = request.token_ids
+        # (A drafter indexes the tokens it has not seen at its next call: nothing is lost while a request is paused.)
         draft, _ = self.drafter.propose(request.rid, tokens, len(request.prompt_ids), limit)
-        if self.synthetic is None and state.paused:
-            state.paused -= 1
-            return ()
         draft = draft[:limit]
         if self.synthetic is not None or self.pad_drafts:  # (a benchmark's drafts are always full)
             draft = draft + [tokens[-1]] * (limit - len(draft))
