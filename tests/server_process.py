@@ -17,7 +17,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
+class LoggedProcess:
+    """A process on 127.0.0.1 whose output goes to a log file, waited for until it says it is ready, and stopped with
+    SIGTERM (SIGKILL after 30 s). The servers here and the gateway in tests/test_gateway_smg.py are ones."""
+
+    def __init__(self, what: str, cmd: list[str], log_path: str, ready, timeout: float):
+        """ready(): whether the process is ready to serve (an HTTP error counts as not yet)."""
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if ready():
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{what} was not ready in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+class ServerProcess(LoggedProcess):
     def __init__(self, model: str, *args: str, timeout: float = 120.0, log_dir: str | None = None):
         """log_dir: where the server's log goes (default: next to the model folder)."""
         self.port = free_port()
@@ -33,35 +70,9 @@ class ServerProcess:
             "--port",
             str(self.port),
         ]
-        self.log_path = os.path.join(log_dir or os.path.dirname(model), f"server-{self.port}.log")
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([*cmd, *args], stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        self._log.flush()
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._log.close()
+        log_path = os.path.join(log_dir or os.path.dirname(model), f"server-{self.port}.log")
+        healthy = lambda: httpx.get(self.url + "/health", timeout=1.0).status_code == 200  # noqa: E731
+        super().__init__("the server", [*cmd, *args], log_path, healthy, timeout)
 
 
 def metrics_when_idle(url: str, timeout: float = 30.0) -> str:

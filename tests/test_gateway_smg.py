@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from checkpoints import VOCAB, make_checkpoint, record_result
-from server_process import ServerProcess, free_port, metric
+from server_process import LoggedProcess, ServerProcess, free_port, metric
 
 pytestmark = pytest.mark.gateway
 
@@ -64,7 +63,7 @@ def replicas(folder):
         server.stop()
 
 
-class Gateway:
+class Gateway(LoggedProcess):
     """`python -m smg launch` on 127.0.0.1 in front of the given workers; ready once SMG reports all of them ready
     with a load report read. Its load monitor polls every second here (10 s by default) so that the first report is
     not waited for, and its grace period for in-flight requests at shutdown is short (none are left by then)."""
@@ -76,39 +75,15 @@ class Gateway:
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
         cmd += ["--load-monitor-interval", "1", "--shutdown-grace-period-secs", "1"]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # its own metrics listener
-        self.log_path = f"{log_dir}/smg-{policy}-{self.port}.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"smg exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                listed = self.workers()
-                if len(listed) == len(workers) and all(w["status"] == "ready" and "engine_load" in w for w in listed):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"smg did not report {len(workers)} ready workers in {timeout} s:\n{self.log()}")
+
+        def ready() -> bool:
+            listed = self.workers()
+            return len(listed) == len(workers) and all(w["status"] == "ready" and "engine_load" in w for w in listed)
+
+        super().__init__(f"smg ({policy})", cmd, f"{log_dir}/smg-{policy}-{self.port}.log", ready, timeout)
 
     def workers(self) -> list[dict]:
         return httpx.get(self.url + "/workers", timeout=2.0).json()["workers"]
-
-    def log(self) -> str:
-        self._log.flush()
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
