@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from ..config import EngineConfig
 from .client import DeathCallback, EngineClient, OutputCallback
@@ -157,18 +157,16 @@ def common_info(infos: list[EngineInfo]) -> EngineInfo:
 
 
 def total_stats(engines: list[tuple[EngineInfo, EngineStats]]) -> EngineStats:
-    """The replicas' stats as one engine's: counts added up, KV use over all the pages."""
+    """The replicas' stats as one engine's: every count added up (a list of counts position by position), and KV use
+    over all the pages."""
     pages = sum(info.num_pages for info, _ in engines)
-    return EngineStats(
-        num_running=sum(s.num_running for _, s in engines),
-        num_waiting=sum(s.num_waiting for _, s in engines),
-        kv_usage=sum(s.kv_usage * info.num_pages for info, s in engines) / max(1, pages),
-        num_preemptions=sum(s.num_preemptions for _, s in engines),
-        num_computed_tokens=sum(s.num_computed_tokens for _, s in engines),
-        num_ahead_steps=sum(s.num_ahead_steps for _, s in engines),
-        num_cached_pages=sum(s.num_cached_pages for _, s in engines),
-        spec_num_drafts=sum(s.spec_num_drafts for _, s in engines),
-        spec_num_draft_tokens=sum(s.spec_num_draft_tokens for _, s in engines),
-        spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for _, s in engines),
-        spec_accepted_per_position=[sum(column) for column in zip(*(s.spec_accepted_per_position for _, s in engines))],
-    )
+    totals = {}
+    for f in fields(EngineStats):
+        values = [getattr(stats, f.name) for _, stats in engines]
+        if f.name == "kv_usage":
+            totals[f.name] = sum(v * info.num_pages for v, (info, _) in zip(values, engines)) / max(1, pages)
+        elif isinstance(values[0], list):
+            totals[f.name] = [sum(column) for column in zip(*values)]
+        else:
+            totals[f.name] = sum(values)
+    return EngineStats(**totals)
