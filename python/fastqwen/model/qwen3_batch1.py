@@ -35,10 +35,19 @@ class Qwen3WithBatch1Decode(Qwen3Model):
         )
 
     @torch.inference_mode()
-    def forward(self, batch, kv, logits_out: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None):
-        """Qwen3Model.forward; a decode step of one sequence (no prompt-logprob rows) takes batch1_decode."""
-        if not (self.norms_in_gemv and batch.is_decode and batch.num_tokens == 1 and extra_rows is None):
-            return super().forward(batch, kv, logits_out, extra_rows)
+    def forward(
+        self,
+        batch,
+        kv,
+        logits_out: torch.Tensor | None = None,
+        extra_rows: torch.Tensor | None = None,
+        aux_out: torch.Tensor | None = None,
+    ):
+        """Qwen3Model.forward; a decode step of one sequence (no prompt-logprob rows, no EAGLE-3 hidden states)
+        takes batch1_decode."""
+        simple = extra_rows is None and aux_out is None
+        if not (self.norms_in_gemv and batch.is_decode and batch.num_tokens == 1 and simple):
+            return super().forward(batch, kv, logits_out, extra_rows, aux_out)
         logits = self.batch1_decode(batch, kv)
         return logits.float() if logits_out is None else logits_out.copy_(logits)
 
