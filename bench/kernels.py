@@ -30,7 +30,12 @@ from fastqwen.ops import (
     rope_cos_sin_cache,
 )
 from fastqwen.ops._native import has_cuda_kernels
-from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
+from fastqwen.ops.attention import (
+    paged_attention_decode_reference,
+    paged_attention_prefill_reference,
+    prefill_uses_hopper_kernel,
+    set_hopper_prefill,
+)
 from fastqwen.ops.kv_fp8 import quantize_kv
 from fastqwen.ops.norm import rms_norm_reference
 from fastqwen.ops.rope_kv import apply_rope_reference
@@ -271,9 +276,40 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16
         "new_tokens": new,
         "prefix": prefix,
         "flops": flops,
+        "kernel": "hopper" if prefill_uses_hopper_kernel(qs[0], k_cache) else "tensor_cores",
         "ours_us": us,
         "ours_tflops": flops / (us * 1e-6) / 1e12,
     }
+    if row["kernel"] == "hopper":  # the tensor-core kernel (csrc/attention_prefill.cu) on the same inputs
+        previous = set_hopper_prefill(False)
+        try:
+            graph = graph_of(ours)
+            tc_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
+            del graph
+        finally:
+            set_hopper_prefill(previous)
+        row["tensor_cores_us"] = tc_us
+        row["tensor_cores_tflops"] = flops / (tc_us * 1e-6) / 1e12
+        from fastqwen.ops._native import native
+
+        native().set_paged_attention_prefill_hopper_persistent(False)  # one block per work item instead
+        try:
+            graph = graph_of(ours)
+            np_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
+            del graph
+        finally:
+            native().set_paged_attention_prefill_hopper_persistent(True)
+        row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
+        # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns.
+        for variant in range(4):
+            native().set_paged_attention_prefill_hopper_variant(variant)
+            try:
+                graph = graph_of(ours)
+                v_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
+                del graph
+            finally:
+                native().set_paged_attention_prefill_hopper_variant(0)
+            row[f"hopper_variant{variant}_tflops"] = flops / (v_us * 1e-6) / 1e12
     del k_cache, v_cache, qs, outs, want
     torch.cuda.empty_cache()
     if kv != "bf16":
@@ -408,9 +444,17 @@ def main() -> int:
             else f"SDPA {name}: {r.get(f'sdpa_{name}_error')}"
             for name in SDPA_BACKENDS
         )
+        variants = " ".join(format(r.get(f"hopper_variant{v}_tflops", 0), ".0f") for v in range(4))
+        previous_kernel = (
+            f" (variants {variants}, "
+            f"not persistent {r['hopper_one_block_per_tile_tflops']:>4.0f}, tensor-core kernel "
+            f"{r['tensor_cores_tflops']:>4.0f})"
+            if "tensor_cores_tflops" in r
+            else ""
+        )
         print(
             f"paged_attention_prefill {r['kv_dtype']:<4} B={r['batch']:<2} new={r['new_tokens']:<5} prefix={r['prefix']:<5} | "
-            f"{r['ours_us']:>8.1f} us {r['ours_tflops']:>5.0f} TFLOP/s | {sdpa}"
+            f"{r['kernel']:<12} {r['ours_us']:>8.1f} us {r['ours_tflops']:>5.0f} TFLOP/s{previous_kernel} | {sdpa}"
         )
     print_sample_rows(sample_rows)
     if args.json:

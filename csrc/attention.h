@@ -64,4 +64,14 @@ struct PrefillArgs : PagedAttentionArgs {
 
 void paged_attention_prefill(const PrefillArgs& args);
 
+// The same on Hopper (attention_prefill_hopper.cu: TMA, wgmma, warp-specialized), for 16-bit caches with pages of 16
+// or more tokens; available on a compute capability 9.0 device when the extension was built for sm_90a.
+bool paged_attention_prefill_hopper_available(int device);
+void paged_attention_prefill_hopper(const PrefillArgs& args);
+// Whether its grid is persistent (one block per SM looping over the work, the default) or one block per work item.
+// For benchmarks that compare the two.
+void set_paged_attention_prefill_hopper_persistent(bool persistent);
+// Which pipeline (bit 0: softmax overlapped with the previous tile's P V; bit 1: warpgroups take turns issuing).
+void set_paged_attention_prefill_hopper_variant(int variant);
+
 }  // namespace fastqwen

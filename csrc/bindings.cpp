@@ -338,6 +338,16 @@ PYBIND11_MODULE(_C, m) {
       "paged_attention_prefill", [](const fastqwen::PrefillArgs& args) { fastqwen::paged_attention_prefill(args); },
       py::arg("args"), "Causal attention of several query tokens per sequence (varlen) over its pages, on tensor cores.");
   m.def(
+      "paged_attention_prefill_hopper",
+      [](const fastqwen::PrefillArgs& args) { fastqwen::paged_attention_prefill_hopper(args); }, py::arg("args"),
+      "paged_attention_prefill on Hopper's TMA and wgmma (16-bit caches, pages of 16 or more tokens).");
+  m.def("paged_attention_prefill_hopper_available", &fastqwen::paged_attention_prefill_hopper_available,
+        py::arg("device"), "Whether paged_attention_prefill_hopper runs on this CUDA device (sm_90a build, CC 9.0).");
+  m.def("set_paged_attention_prefill_hopper_persistent", &fastqwen::set_paged_attention_prefill_hopper_persistent,
+        py::arg("persistent"), "Persistent grid (default) or one block per work item, for benchmarks.");
+  m.def("set_paged_attention_prefill_hopper_variant", &fastqwen::set_paged_attention_prefill_hopper_variant,
+        py::arg("variant"), "Pipeline of the Hopper prefill kernel, for benchmarks: bit 0 overlap, bit 1 ping-pong.");
+  m.def(
       "sampler_workspace_bytes", &fastqwen::sampler_workspace_bytes, py::arg("max_rows"), py::arg("vocab"),
       "Bytes of scratch memory sample() needs for up to max_rows rows.");
   m.def(

@@ -29,7 +29,12 @@ import torch
 from checkpoints import record_result
 from fastqwen.ops import decode_workspace, paged_attention_decode, paged_attention_prefill, plan_decode
 from fastqwen.ops._native import has_cuda_kernels, native
-from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
+from fastqwen.ops.attention import (
+    paged_attention_decode_reference,
+    paged_attention_prefill_reference,
+    prefill_uses_hopper_kernel,
+    set_hopper_prefill,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -151,6 +156,20 @@ def test_decode_bad_arguments():
 # Prefill / extend: q_lens new tokens at the end of kv_lens cached tokens per sequence.
 
 
+@pytest.fixture(params=["hopper", "tensor_cores"])
+def prefill_kernel(request):
+    """Runs a prefill test on each kernel: csrc/attention_prefill_hopper.cu (where the device has it: 16-bit caches,
+    pages of 16 or more) and csrc/attention_prefill.cu."""
+    previous = set_hopper_prefill(request.param == "hopper")
+    if request.param == "hopper":
+        probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
+        if not prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda")):
+            set_hopper_prefill(previous)
+            pytest.skip("no Hopper prefill kernel on this device")
+    yield request.param
+    set_hopper_prefill(previous)
+
+
 def make_prefill_case(kv_heads, group, page_size, q_lens, kv_lens, dtype, seed):
     q_dec, k_cache, v_cache, table, lens = make_case(len(kv_lens), kv_heads, group, page_size, kv_lens, dtype, seed)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
@@ -181,13 +200,13 @@ def prefill_lengths(rng: random.Random, page_size: int) -> tuple[list[int], list
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
 @pytest.mark.parametrize("page_size", [1, 16, 128])
-def test_prefill_matches_reference(dtype, group, page_size):
+def test_prefill_matches_reference(dtype, group, page_size, prefill_kernel):
     q_lens, kv_lens = prefill_lengths(random.Random(group * 1000 + page_size), page_size)
     check_prefill(*make_prefill_case(2, group, page_size, q_lens, kv_lens, dtype, seed=group + page_size))
 
 
-@pytest.mark.parametrize("page_size", [2, 4, 8, 32, 64])
-def test_prefill_other_page_sizes(page_size):
+@pytest.mark.parametrize("page_size", [2, 4, 8, 32, 64, 1024])
+def test_prefill_other_page_sizes(page_size, prefill_kernel):  # under 16: the tensor-core kernel either way
     q_lens, prefixes = [5, 130, 1], [3 * page_size - 1, 0, 50]
     kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
     check_prefill(*make_prefill_case(4, 4, page_size, q_lens, kv_lens, torch.bfloat16, seed=page_size))
@@ -203,12 +222,12 @@ def test_prefill_other_page_sizes(page_size):
     ],
     ids=["prompt4096", "extend32768", "mixed", "batch512"],
 )
-def test_prefill_long_and_wide(q_lens, prefixes):
+def test_prefill_long_and_wide(q_lens, prefixes, prefill_kernel):
     kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
     check_prefill(*make_prefill_case(8, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=len(q_lens)))
 
 
-def test_prefill_small_max_query_len_still_complete():
+def test_prefill_small_max_query_len_still_complete(prefill_kernel):
     """max_query_len only sizes the grid: a smaller one makes blocks loop over more tiles, never skip them."""
     case = make_prefill_case(2, 4, 16, [700, 20], [900, 20], torch.bfloat16, seed=5)
     check_prefill(*case, max_query_len=1)
@@ -430,7 +449,7 @@ def prefill_reference(q, keys, values, q_len, scale, block=512):
     ],
     ids=["prompt4096", "extend32768", "mixed"],
 )
-def test_prefill_every_tile_counts(q_lens, prefixes):
+def test_prefill_every_tile_counts(q_lens, prefixes, prefill_kernel):
     kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
     q, k_cache, v_cache, table, lens, keys, values = make_planted_case(
         2, 4, 16, kv_lens, q_lens, torch.bfloat16, seed=len(q_lens)
@@ -457,4 +476,4 @@ def test_prefill_every_tile_counts(q_lens, prefixes):
         )
 
     check_each(range(len(q_lens)), check_sequence)
-    record_result("planted_attention.json", f"prefill_{len(q_lens)}seq_{max(kv_lens)}", figures)
+    record_result("planted_attention.json", f"prefill_{prefill_kernel}_{len(q_lens)}seq_{max(kv_lens)}", figures)

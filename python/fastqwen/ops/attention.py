@@ -263,7 +263,34 @@ def _prefill_kernel(
     _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale, k_scale, v_scale)
     args.query_start = query_start.data_ptr()
     args.max_query_len = max_query_len
-    m.paged_attention_prefill(args)
+    if prefill_uses_hopper_kernel(q, k_cache):
+        m.paged_attention_prefill_hopper(args)
+    else:
+        m.paged_attention_prefill(args)
+
+
+_hopper_prefill_enabled = True
+_hopper_prefill_devices: dict[int, bool] = {}
+
+
+def prefill_uses_hopper_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The one rule between the two prefill kernels: csrc/attention_prefill_hopper.cu (TMA + wgmma) on a Hopper GPU
+    the extension was built for (sm_90a), for caches of q's dtype with pages of 16 or more tokens; everything else
+    (FP8 caches, smaller pages, other GPUs) takes csrc/attention_prefill.cu."""
+    if not (_hopper_prefill_enabled and q.is_cuda and k_cache.dtype == q.dtype and k_cache.shape[1] >= 16):
+        return False
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if device not in _hopper_prefill_devices:
+        _hopper_prefill_devices[device] = bool(native().paged_attention_prefill_hopper_available(device))
+    return _hopper_prefill_devices[device]
+
+
+def set_hopper_prefill(enabled: bool) -> bool:
+    """Whether prefill may take the Hopper kernel (default on); returns the previous setting. For tests and
+    benchmarks that compare the two kernels."""
+    global _hopper_prefill_enabled
+    previous, _hopper_prefill_enabled = _hopper_prefill_enabled, bool(enabled)
+    return previous
 
 
 def paged_attention_prefill_reference(

@@ -1,0 +1,600 @@
+// Paged prefill / extend attention for Hopper (sm_90a), in the manner of FlashAttention-3: a producer warp streams K
+// and V tiles from the paged pool into a shared-memory ring with bulk tensor copies (TMA) that complete on mbarriers,
+// and two consumer warpgroups run both matrix multiplies on wgmma, with the softmax in registers between them.
+//
+// A block owns 128 packed query rows of one (sequence, KV head): packed row r is query token r / G of head
+// kvh * G + r % G (the G query heads of a KV head share every K/V tile, as in attention_prefill.cu). Consumer
+// warpgroup c owns rows 64 c .. 64 c + 63. K/V tiles are 128 keys; a tile is 8 boxes of 16 keys, each inside one
+// page (pages of 16 or more keys), read at (column half, kv head, pool slot) of the pool viewed as [slots, H_kv, 128].
+// Keys past the sequence, or on a page id outside the pool, read as zeros (a box at an out-of-range slot), so a
+// masked key never brings NaN in. The causal mask is aligned to the end of each sequence (the extend case: query i
+// of n new tokens sits at kv_len - n + i); a block stops at the last tile its last row sees, and the tiles every
+// row sees in full skip the mask. Blocks are numbered longest work first (the query tiles nearest each sequence's
+// end, which see the most keys), so the hardware's in-order block dispatch balances the causal triangle.
+//
+// What this kernel does not cover (pages under 16 keys, FP8 caches, GPUs without sm_90a) takes attention_prefill.cu;
+// ops/attention.py holds the one rule that picks.
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "attention.h"
+#include "common.cuh"
+#include "cuda_check.h"
+#include "device_cache.h"
+#include "dtype.h"
+#include "hopper.cuh"
+#include "paged_kv.cuh"
+
+namespace fastqwen {
+namespace {
+
+constexpr int kD = kAttentionHeadDim;
+constexpr int kBM = 128;        // packed query rows per block (two consumer warpgroups of 64)
+constexpr int kBN = 128;        // keys per K/V tile
+constexpr int kStages = 2;      // K/V tiles in flight
+constexpr int kBoxKeys = 16;    // keys per bulk copy (within one page)
+constexpr int kThreads = 384;   // warpgroup 0: producer; 1 and 2: consumers
+constexpr int kHalfBytes = kBN * 128;              // one 64-column half of a K or V tile (128-byte rows)
+constexpr int kTileBytes = 2 * kHalfBytes;         // a K or V tile: 32 KB
+constexpr int kQBytes = 2 * kBM * 128;             // the Q tile: 32 KB
+constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes + 1024 /* barriers */ + 1024 /* alignment */;
+constexpr float kLog2e = 1.4426950408889634f;
+// Registers per thread after setmaxnreg. The block's pool is what it launched with (__launch_bounds__(384, 1): 168
+// each), and an increase that the pool cannot cover waits forever, so the split must fit in it.
+constexpr int kLaunchRegs = 168, kProducerRegs = 32, kConsumerRegs = 232;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "setmaxnreg beyond the pool");
+
+struct Params {
+  const void* q;
+  const int* query_start;
+  const int* page_table;
+  const int* kv_lens;
+  void* out;
+  int batch, num_heads, num_kv_heads, group, page_shift, max_pages;
+  int total_slots;  // num_pages * page_size: a box at this slot is out of range and reads zeros
+  int num_pages;
+  int m_tiles;      // query tiles of the longest sequence
+  float scale_log2;
+};
+
+// Shared memory, from a 1,024-aligned base: Q (two 64-column halves of 128 rows), then per stage K and V (two halves
+// of 128 keys each), then the barriers.
+struct Smem {
+  uint32_t q, k[kStages], v[kStages], full_k[kStages], full_v[kStages], empty[kStages];
+  __device__ explicit Smem(uint32_t base) {
+    q = base;
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      k[s] = base + kQBytes + s * 2 * kTileBytes;
+      v[s] = k[s] + kTileBytes;
+    }
+    const uint32_t bars = base + kQBytes + kStages * 2 * kTileBytes;
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      full_k[s] = bars + 8 * s;
+      full_v[s] = bars + 8 * (kStages + s);
+      empty[s] = bars + 8 * (2 * kStages + s);
+    }
+  }
+};
+
+// One query tile of one (sequence, KV head), and how many K/V tiles its rows see.
+struct Work {
+  int b, kvh, row0, rows, q0, prefix, kv_len, n_tiles;
+};
+
+// Work item i (i < m_tiles * B * H_kv) is query tile `from_end` (counted from its sequence's end) of (b, kvh) with
+// from_end = i / (B * H_kv): the tiles that see the most keys come first. The same item also owns the tiles
+// from_end + m_tiles, + 2 m_tiles, ... (only when max_query_len understated a sequence: never in the engine).
+__device__ __forceinline__ Work work_of(const Params& p, int item, int round) {
+  const int per_tile = p.batch * p.num_kv_heads;
+  const int from_end = item / per_tile + round * p.m_tiles;
+  const int rest = item % per_tile;
+  Work w;
+  w.kvh = rest % p.num_kv_heads;
+  w.b = rest / p.num_kv_heads;
+  w.q0 = p.query_start[w.b];
+  const int n_q = p.query_start[w.b + 1] - w.q0;
+  w.rows = n_q * p.group;
+  const int tiles = (w.rows + kBM - 1) / kBM;
+  w.row0 = (tiles - 1 - from_end) * kBM;  // < 0: this sequence has no such tile
+  w.kv_len = p.kv_lens[w.b];
+  w.prefix = w.kv_len - n_q;
+  const int last_row = min(w.rows, w.row0 + kBM) - 1;
+  const int kv_end = max(0, min(w.kv_len, w.prefix + last_row / p.group + 1));
+  w.n_tiles = (kv_end + kBN - 1) / kBN;
+  return w;
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+template <>
+__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Named barriers: 1 + c, warpgroup c's Q tile is written; 3 + c, warpgroup c may issue its matrix multiplies.
+constexpr int kQReadyBarrier = 1, kIssueBarrier = 3;
+
+// The two consumer warpgroups take turns issuing their matrix multiplies (ping-pong), so that one's softmax runs
+// while the tensor cores work through the other's: warpgroup c waits on its barrier (which the other's arrival
+// completes), issues, then arrives on the other's.
+template <bool kPingpong>
+__device__ __forceinline__ void issue_turn_begin(int c) {
+  if constexpr (kPingpong) hopper::named_barrier(kIssueBarrier + c, 256);
+}
+template <bool kPingpong>
+__device__ __forceinline__ void issue_turn_end(int c) {
+  if constexpr (kPingpong) asm volatile("bar.arrive %0, 256;\n" ::"r"(kIssueBarrier + (c ^ 1)) : "memory");
+}
+
+// Online softmax of one S tile (raw scores) for this thread's two rows, in place: the probabilities relative to the
+// new running max (log2 units, one FFMA and one exp2 per score). Returns each row's rescale factor of O and l.
+template <bool kMasked>
+__device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
+                                             const int (&row_pos)[2], int key0, int lane, float scale_log2) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+    // Column nb * 8 + e of this thread is key key0 + 2 (lane % 4) + nb * 8 + e: compared with a constant (a per-key
+    // bound would be hoisted out of the loop into 64 registers).
+    const int limit = row_pos[h] - key0 - (lane % 4) * 2;
+#pragma unroll
+    for (int nb = 0; nb < 16; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = sc[nb * 4 + h * 2 + e];
+        if (kMasked && nb * 8 + e > limit) x = -INFINITY;
+        mx = fmaxf(mx, x);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run[h], mx);
+    const float m_scaled = m_new == -INFINITY ? 0.0f : m_new * scale_log2;  // a row with no key yet stays at zero
+    alpha[h] = mma::fast_exp2(m_run[h] * scale_log2 - m_scaled);
+    m_run[h] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nb = 0; nb < 16; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = sc[nb * 4 + h * 2 + e];
+        x = mma::fast_exp2(fmaf(x, scale_log2, -m_scaled));
+        sum += x;
+      }
+    }
+    l_run[h] = l_run[h] * alpha[h] + sum;  // this thread's share; the quad is summed at the end
+  }
+}
+
+// kOverlap: the softmax of tile j runs while P_{j-1} V_{j-1} does (else S, softmax, P V in turn). kPingpong: the
+// warpgroups take turns issuing. Both off by default (measured slower so far: docs/experiments.md);
+// set_paged_attention_prefill_hopper_variant picks one for benchmarks.
+template <typename T, bool kOverlap, bool kPingpong>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_hopper_kernel(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                          const Params p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace hopper;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const Smem sm(base);
+  const int tid = threadIdx.x;
+  const int warpgroup = tid / 128;
+  const int items = p.m_tiles * p.batch * p.num_kv_heads;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(sm.full_k[s], 1);
+      mbar_init(sm.full_v[s], 1);
+      mbar_init(sm.empty[s], 8);  // one arrival per consumer warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // Producer: warp 0 issues every copy, lane i the 16-key boxes i of K and V (their page ids load in parallel);
+    // the other warps leave, and the warpgroup gives its registers to the consumers.
+    regs_dec<kProducerRegs>();
+    if (tid >= 32) return;
+    const int lane = tid;
+    if (lane == 0) {
+      prefetch_tensor_map(&k_map);
+      prefetch_tensor_map(&v_map);
+    }
+    const int page_mask = (1 << p.page_shift) - 1;
+    int it = 0;  // K/V tiles loaded so far: stage it % kStages, its use (it / kStages)
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      for (int round = 0;; ++round) {
+        const Work w = work_of(p, item, round);
+        if (w.row0 < 0) break;
+        const int* pages = p.page_table + static_cast<int64_t>(w.b) * p.max_pages;
+        for (int j = 0; j < w.n_tiles; ++j, ++it) {
+          const int s = it % kStages;
+          int slot = p.total_slots;
+          if (lane < kBN / kBoxKeys) {
+            const int pos = j * kBN + lane * kBoxKeys;
+            const int page_index = pos >> p.page_shift;
+            int page = -1;
+            if (pos < w.kv_len && page_index < p.max_pages) page = pages[page_index];
+            if (page >= 0 && page < p.num_pages) slot = (page << p.page_shift) + (pos & page_mask);
+          }
+          mbar_wait(sm.empty[s], ((it / kStages) & 1) ^ 1);
+          if (lane == 0) {  // both barriers expect their whole tile
+            mbar_arrive_expect_tx(sm.full_k[s], kTileBytes);
+            mbar_arrive_expect_tx(sm.full_v[s], kTileBytes);
+          }
+          __syncwarp();
+          if (lane < kBN / kBoxKeys) {
+            const uint32_t offset = lane * kBoxKeys * 128;
+            tma_load_3d(sm.k[s] + offset, &k_map, sm.full_k[s], 0, w.kvh, slot);
+            tma_load_3d(sm.k[s] + kHalfBytes + offset, &k_map, sm.full_k[s], 64, w.kvh, slot);
+            tma_load_3d(sm.v[s] + offset, &v_map, sm.full_v[s], 0, w.kvh, slot);
+            tma_load_3d(sm.v[s] + kHalfBytes + offset, &v_map, sm.full_v[s], 64, w.kvh, slot);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  regs_inc<kConsumerRegs>();
+  const int c = warpgroup - 1;             // 0 or 1: rows 64 c ..
+  const int ctid = tid - 128 * warpgroup;  // 0..127 within the warpgroup
+  const int warp = ctid / 32, lane = ctid % 32;
+  const int G = p.group;
+  const uint32_t q_rows = sm.q + c * 64 * 128;
+  T* out = static_cast<T*>(p.out);
+  if (c == 1) issue_turn_end<kPingpong>(c);  // warpgroup 0 issues first
+
+  int it = 0;  // as the producer's
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    for (int round = 0;; ++round) {
+      const Work w = work_of(p, item, round);
+      if (w.row0 < 0) break;
+
+      // Q: this warpgroup's 64 rows into the swizzled halves (rows past the sequence are zero). Its previous tile's
+      // matrix multiplies have all completed, so the rows are free.
+      {
+        const T* q = static_cast<const T*>(p.q);
+#pragma unroll
+        for (int i = 0; i < 64 * 16 / 128; ++i) {
+          const int chunk_id = ctid + i * 128;
+          const int r = chunk_id / 16, chunk = chunk_id % 16;  // chunk: 16 bytes = 8 elements of the 128
+          const int row = c * 64 + r;
+          const int pr = w.row0 + row;
+          uint4 v = {0u, 0u, 0u, 0u};
+          if (pr < w.rows) {
+            v = __ldg(reinterpret_cast<const uint4*>(
+                q + ((static_cast<int64_t>(w.q0) + pr / G) * p.num_heads + w.kvh * G + pr % G) * kD + chunk * 8));
+          }
+          const uint32_t dst = sm.q + (chunk / 8) * (kBM * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
+                       "r"(v.w));
+        }
+        fence_async_shared();
+        named_barrier(kQReadyBarrier + c, 128);
+      }
+
+      // This thread's two rows (h = 0: warp row lane / 4, h = 1: + 8) and their positions.
+      int row_pos[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_pos[h] = w.prefix + (w.row0 + c * 64 + warp * 16 + lane / 4 + h * 8) / G;
+      // Tiles every row of this warpgroup sees in full need no mask; tiles past its last row's keys are only
+      // waited for and released (every warp takes part in every tile's barriers, in order).
+      const int wg_first_row = w.row0 + c * 64;
+      const int full_end = w.prefix + wg_first_row / G + 1;
+      const int wg_last_row = min(w.rows, wg_first_row + 64) - 1;
+      const int wg_end = wg_last_row < wg_first_row ? 0 : max(0, min(w.kv_len, w.prefix + wg_last_row / G + 1));
+      const int n = w.n_tiles;
+      const int n_wg = (wg_end + kBN - 1) / kBN;  // <= n
+
+      float o[64];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+      float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+      unsigned a[8][4];  // P of the latest tile, the A operand of its P V
+      float sc[64];
+
+      auto stage = [&](int j) { return (it + j) % kStages; };
+      auto parity = [&](int j) { return static_cast<uint32_t>(((it + j) / kStages) & 1); };
+      auto issue_s = [&](int j) {
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {  // the first 4 k16 steps in the low column half, the rest high
+          const uint32_t off = (kk % 4) * 32;     // the k16 slice inside the 128-byte rows
+          const uint64_t da = sw128_desc(q_rows + (kk / 4) * (kBM * 128) + off, 16, 1024);
+          const uint64_t db = sw128_desc(sm.k[stage(j)] + (kk / 4) * kHalfBytes + off, 16, 1024);
+          if (kk == 0) {
+            Wgmma<T>::ss_first(sc, da, db);
+          } else {
+            Wgmma<T>::ss(sc, da, db, 1);
+          }
+        }
+        wgmma_commit();
+      };
+      // P's accumulators of n8 blocks 2 kk and 2 kk + 1 are the A fragment of k16 step kk; V is read MN-major (its
+      // rows are keys, its 128 columns two 64-column halves kHalfBytes apart).
+      auto issue_pv = [&](int j) {
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) {
+          Wgmma<T>::rs(o, a[kk], sw128_desc(sm.v[stage(j)] + kk * 16 * 128, kHalfBytes, 1024));
+        }
+        wgmma_commit();
+      };
+      auto softmax = [&](int j, float (&alpha)[2]) {
+        fence_regs(sc);
+        if ((j + 1) * kBN > full_end) {
+          softmax_tile<true>(sc, m_run, l_run, alpha, row_pos, j * kBN, lane, p.scale_log2);
+        } else {
+          softmax_tile<false>(sc, m_run, l_run, alpha, row_pos, j * kBN, lane, p.scale_log2);
+        }
+      };
+      auto pack_p = [&] {
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) {
+          a[kk][0] = pack2<T>(sc[8 * kk + 0], sc[8 * kk + 1]);
+          a[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
+          a[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
+          a[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
+        }
+      };
+      auto release = [&](int j) {
+        if (lane == 0) mbar_arrive(sm.empty[stage(j)]);  // this warp is done with tile j
+      };
+
+      // n + 1 turns per tile for both warpgroups: S_0; then S_j with P_{j-1} V_{j-1} (the softmax of S_j runs while
+      // P V does; O is rescaled after it); then the last P V; then the tiles this warpgroup's rows do not see.
+      if constexpr (!kOverlap) {
+        for (int j = 0; j < n_wg; ++j) {
+          mbar_wait(sm.full_k[stage(j)], parity(j));
+          issue_turn_begin<kPingpong>(c);
+          wgmma_fence();
+          issue_s(j);
+          issue_turn_end<kPingpong>(c);
+          wgmma_wait<0>();
+          float alpha[2];
+          softmax(j, alpha);
+#pragma unroll
+          for (int nb = 0; nb < 16; ++nb) {
+            o[nb * 4 + 0] *= alpha[0];
+            o[nb * 4 + 1] *= alpha[0];
+            o[nb * 4 + 2] *= alpha[1];
+            o[nb * 4 + 3] *= alpha[1];
+          }
+          pack_p();
+          mbar_wait(sm.full_v[stage(j)], parity(j));
+          issue_turn_begin<kPingpong>(c);
+          wgmma_fence();
+          issue_pv(j);
+          issue_turn_end<kPingpong>(c);
+          wgmma_wait<0>();
+          fence_regs(o);
+          release(j);
+        }
+        for (int j = n_wg; j < n; ++j) {  // two turns per tile, as above
+          mbar_wait(sm.full_k[stage(j)], parity(j));
+          mbar_wait(sm.full_v[stage(j)], parity(j));
+          issue_turn_begin<kPingpong>(c);
+          issue_turn_end<kPingpong>(c);
+          issue_turn_begin<kPingpong>(c);
+          issue_turn_end<kPingpong>(c);
+          release(j);
+        }
+      } else {
+        if (n_wg > 0) {
+          mbar_wait(sm.full_k[stage(0)], parity(0));
+          issue_turn_begin<kPingpong>(c);
+          wgmma_fence();
+          issue_s(0);
+          issue_turn_end<kPingpong>(c);
+          wgmma_wait<0>();
+          float alpha[2];
+          softmax(0, alpha);
+          pack_p();
+          for (int j = 1; j < n_wg; ++j) {
+            mbar_wait(sm.full_k[stage(j)], parity(j));
+            mbar_wait(sm.full_v[stage(j - 1)], parity(j - 1));
+            issue_turn_begin<kPingpong>(c);
+            wgmma_fence();
+            issue_s(j);
+            issue_pv(j - 1);
+            issue_turn_end<kPingpong>(c);
+            wgmma_wait<1>();
+            softmax(j, alpha);
+            wgmma_wait<0>();
+            fence_regs(o);
+            release(j - 1);
+  #pragma unroll
+            for (int nb = 0; nb < 16; ++nb) {
+              o[nb * 4 + 0] *= alpha[0];
+              o[nb * 4 + 1] *= alpha[0];
+              o[nb * 4 + 2] *= alpha[1];
+              o[nb * 4 + 3] *= alpha[1];
+            }
+            pack_p();
+          }
+          mbar_wait(sm.full_v[stage(n_wg - 1)], parity(n_wg - 1));
+          issue_turn_begin<kPingpong>(c);
+          wgmma_fence();
+          issue_pv(n_wg - 1);
+          issue_turn_end<kPingpong>(c);
+          wgmma_wait<0>();
+          fence_regs(o);
+          release(n_wg - 1);
+        } else {
+          issue_turn_begin<kPingpong>(c);
+          issue_turn_end<kPingpong>(c);
+        }
+        for (int j = n_wg; j < n; ++j) {  // every warp waits for every tile, in order, and releases it
+          mbar_wait(sm.full_k[stage(j)], parity(j));
+          mbar_wait(sm.full_v[stage(j)], parity(j));
+          issue_turn_begin<kPingpong>(c);
+          issue_turn_end<kPingpong>(c);
+          release(j);
+        }
+      }
+      it += n;
+
+      // Normalize and store this thread's two rows (pairs of adjacent dims).
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float l = l_run[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int pr = w.row0 + c * 64 + warp * 16 + lane / 4 + h * 8;
+        if (pr < w.rows) {
+          T* dst = out + ((static_cast<int64_t>(w.q0) + pr / G) * p.num_heads + w.kvh * G + pr % G) * kD + (lane % 4) * 2;
+#pragma unroll
+          for (int nb = 0; nb < 16; ++nb) {
+            *reinterpret_cast<unsigned*>(dst + nb * 8) = pack2<T>(o[nb * 4 + h * 2] * inv, o[nb * 4 + h * 2 + 1] * inv);
+          }
+        }
+      }
+    }
+  }
+  if (c == 0) issue_turn_begin<kPingpong>(c);  // matches warpgroup 1's last arrival (barriers end balanced)
+#endif
+}
+
+using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+
+EncodeTiled encode_tiled() {
+  static EncodeTiled fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    cuda_check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found),
+               "paged_attention_prefill_hopper: cudaGetDriverEntryPointByVersion");
+    if (found != cudaDriverEntryPointSuccess || ptr == nullptr) {
+      throw std::runtime_error("paged_attention_prefill_hopper: the driver has no cuTensorMapEncodeTiled");
+    }
+    return reinterpret_cast<EncodeTiled>(ptr);
+  }();
+  return fn;
+}
+
+// The pool [slots, H_kv, 128] as a tensor map whose box is 16 slots x 1 head x 64 columns (128 bytes, swizzled).
+CUtensorMap pool_map(const void* pool, int dtype, int64_t slots, int64_t num_kv_heads) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(num_kv_heads),
+                              static_cast<cuuint64_t>(slots)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD * 2), static_cast<cuuint64_t>(num_kv_heads * kD * 2)};
+  const cuuint32_t box[3] = {64, 1, kBoxKeys};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r = encode_tiled()(
+      &map, dtype == kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      const_cast<void*>(pool), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    throw std::runtime_error("paged_attention_prefill_hopper: cuTensorMapEncodeTiled failed (" + std::to_string(r) + ")");
+  }
+  return map;
+}
+
+bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
+int kernel_variant = 0;  // set_paged_attention_prefill_hopper_variant: bit 0 overlap, bit 1 ping-pong (measured slower: off)
+
+template <typename T, bool kOverlap, bool kPingpong>
+void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items,
+                    cudaStream_t stream) {
+  auto kernel = prefill_hopper_kernel<T, kOverlap, kPingpong>;
+  static PerDevice<bool> configured;
+  configured.get([&](int) {
+    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+               "paged_attention_prefill_hopper: cudaFuncSetAttribute");
+    return true;
+  });
+  static PerDevice<int> sms;
+  const int num_sms = sms.get([](int device) {
+    int n = 0;
+    cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    return n;
+  });
+  // Persistent: one block per SM (its shared memory allows no second), each taking every grid-th work item.
+  const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
+  kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(k_map, v_map, p);
+  cuda_check_launch("paged_attention_prefill_hopper kernel launch");
+}
+
+template <typename T>
+void launch(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items, cudaStream_t stream) {
+  switch (kernel_variant) {
+    case 0: return launch_variant<T, false, false>(k_map, v_map, p, items, stream);
+    case 1: return launch_variant<T, true, false>(k_map, v_map, p, items, stream);
+    case 2: return launch_variant<T, false, true>(k_map, v_map, p, items, stream);
+    default: return launch_variant<T, true, true>(k_map, v_map, p, items, stream);
+  }
+}
+
+}  // namespace
+
+void set_paged_attention_prefill_hopper_persistent(bool persistent) { persistent_grid = persistent; }
+void set_paged_attention_prefill_hopper_variant(int variant) { kernel_variant = variant & 3; }
+
+bool paged_attention_prefill_hopper_available(int device) {
+  static PerDevice<bool> available;
+  int current = 0;
+  cuda_check(cudaGetDevice(&current), "cudaGetDevice");
+  if (current != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  const bool result = available.get([](int dev) {
+    cudaDeviceProp prop{};
+    cuda_check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+    if (prop.major != 9 || prop.minor != 0) return false;
+    // Built for sm_90a: the kernel's binary is Hopper's own (else this file compiled to an empty body).
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, true, true>) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return attr.binaryVersion == 90;
+  });
+  if (current != device) cuda_check(cudaSetDevice(current), "cudaSetDevice");
+  return result;
+}
+
+void paged_attention_prefill_hopper(const PrefillArgs& a) {
+  const std::string op = "paged_attention_prefill_hopper: ";
+  const int shift = check_paged_attention(op, a);
+  if (a.kv_dtype != a.dtype) throw std::invalid_argument(op + "the caches must hold q's dtype (FP8 caches take paged_attention_prefill)");
+  if (a.page_size < kBoxKeys) throw std::invalid_argument(op + "page_size must be at least 16");
+  if (a.batch < 0 || a.num_kv_heads > 65535) throw std::invalid_argument(op + "batch or heads out of range");
+  if (a.max_query_len < 0 || a.max_query_len > (int64_t{1} << 24)) throw std::invalid_argument(op + "max_query_len out of range");
+  if (a.num_pages * a.page_size >= (int64_t{1} << 31) - 1) throw std::invalid_argument(op + "the pool has too many slots");
+  if (a.batch == 0 || a.max_query_len == 0) return;
+  for (uintptr_t ptr : {a.q, a.k_cache, a.v_cache, a.out}) {
+    if (ptr == 0 || !aligned16(ptr)) throw std::invalid_argument(op + "q, caches and out must be 16-byte aligned");
+  }
+  for (uintptr_t ptr : {a.query_start, a.page_table, a.kv_lens}) {
+    if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "query_start, page_table and kv_lens must be int32");
+  }
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t slots = a.num_pages * a.page_size;
+  const int64_t m_tiles = (a.max_query_len * group + kBM - 1) / kBM;
+  const int64_t blocks = m_tiles * a.batch * a.num_kv_heads;  // work items
+  if (blocks > (int64_t{1} << 31) - 1) throw std::invalid_argument(op + "too many query tiles");
+  Params p{reinterpret_cast<const void*>(a.q), reinterpret_cast<const int*>(a.query_start),
+           reinterpret_cast<const int*>(a.page_table), reinterpret_cast<const int*>(a.kv_lens),
+           reinterpret_cast<void*>(a.out), static_cast<int>(a.batch), static_cast<int>(a.num_heads),
+           static_cast<int>(a.num_kv_heads), static_cast<int>(group), shift, static_cast<int>(a.max_pages),
+           static_cast<int>(slots), static_cast<int>(a.num_pages), static_cast<int>(m_tiles),
+           static_cast<float>(a.scale) * kLog2e};
+  const CUtensorMap k_map = pool_map(reinterpret_cast<const void*>(a.k_cache), a.dtype, slots, a.num_kv_heads);
+  const CUtensorMap v_map = pool_map(reinterpret_cast<const void*>(a.v_cache), a.dtype, slots, a.num_kv_heads);
+  auto s = reinterpret_cast<cudaStream_t>(a.stream);
+  FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill_hopper: ", a.dtype, kHalfTypes, T, launch<T>(k_map, v_map, p, blocks, s));
+}
+
+}  // namespace fastqwen
