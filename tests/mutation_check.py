@@ -1,13 +1,19 @@
 """Do the tests fail where the bugs would be? Builds mutants of the package (one deliberate bug each) and runs the tests
 that should catch each one against it; a mutant "survives" when they all pass.
 
-    python tests/mutation_check.py --build-dir BUILD [--only gpu|cpu] [--out DIR]
+    python tests/mutation_check.py --build-dir BUILD [--only gpu|cpu] [--names A,B] [--jobs N] [--out DIR]
 
 Each mutant is a copy of the installed package (or of the one on PYTHONPATH) with one exact-string edit: a Python
-file edited in the copy, or a CUDA file recompiled into the copy's _C module. For the CUDA ones, BUILD is the CMake
-build directory of that package (`pip install --no-build-isolation --no-deps -Cbuild-dir=BUILD .`): only the mutated
-file is recompiled, with the build's own nvcc and link commands (`ninja -t commands`). Nothing in the source tree is
-changed. Exit status 0 when every mutant is caught.
+file edited in the copy, or a native file (csrc/: a CUDA or C++ source, or a header with the sources that include
+it) recompiled into the copy's _C module. For the native ones, BUILD is the CMake build directory of that package
+(`pip install --no-build-isolation --no-deps -Cbuild-dir=BUILD .`; a host-only build, without CUDA, serves the C++
+mutants whose tests run on the CPU): only the mutated sources are recompiled, with the build's own compile and link
+commands (`ninja -t commands`). Nothing in the source tree is changed.
+
+--only gpu / cpu picks the mutants whose tests need a GPU / run on the CPU. A mutant whose tests need more GPUs than
+the machine has (the custom all-reduce's: two) is reported as NOT RUN, neither caught nor survived. The builds run
+in parallel (as many as there are cores); --jobs N runs N mutants' tests at once (they share the GPU). Exit status 0
+when every mutant that ran was caught.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+HEADERS = (".h", ".cuh")
 
 
 @dataclass
@@ -30,10 +38,22 @@ class Mutation:
     edits: list[tuple[str, str]]  # (exact text, its replacement); each text must occur exactly once
     tests: list[str]  # pytest node ids that must fail
     why: str
+    rebuild: tuple[str, ...] = ()  # a header's mutant: the csrc/ sources recompiled with it (each includes it)
+    gpus: int | None = None  # GPUs its tests need; None: one for a CUDA file or header, none otherwise
+
+    def __post_init__(self):
+        if self.gpus is None:
+            self.gpus = 1 if self.path.endswith((".cu", ".cuh")) else 0
 
     @property
-    def cuda(self) -> bool:
-        return self.path.endswith(".cu")
+    def native(self) -> bool:
+        """Compiled into _C: a source or header under csrc/."""
+        return self.path.startswith("csrc/")
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The csrc/ sources (file names) that the mutant recompiles."""
+        return self.rebuild if self.path.endswith(HEADERS) else (Path(self.path).name,)
 
 
 KERNEL_LIBRARY = "libfastqwen_kernels.a"  # CMakeLists.txt's fastqwen_kernels target
@@ -145,6 +165,7 @@ MUTATIONS = [
         [("    norm_weight.fill_(1)\n", "")],
         ["tests/test_gemv_gpu.py::test_engine_norms_in_gemv_match_the_norm_kernels[none]"],
         "the norm weight goes into the projection's columns but the norm kernels (prefill, batches) still apply it too",
+        gpus=1,
     ),
     Mutation(
         "yarn_attention_factor_left_out",
@@ -174,6 +195,286 @@ MUTATIONS = [
 ]
 
 
+SAMPLER = "csrc/sampling.cu"
+SAMPLER_DRAWS = "tests/test_sampler_gpu.py::test_draws_stay_in_the_reference_set_and_match_its_distribution"
+ROPE_KV = "csrc/rope_kv.cu"
+ROPE_KV_TESTS = [  # 33 tokens: a head per warp; 257: four
+    "tests/test_kernels_gpu.py::test_qk_norm_rope_store_kv[33-16-32-8-dtype0]",
+    "tests/test_kernels_gpu.py::test_qk_norm_rope_store_kv[257-16-32-8-dtype0]",
+]
+NORM = "csrc/norm.cu"
+ACTIVATION = "csrc/activation.cu"
+SILU_TESTS = ["tests/test_silu_and_mul.py::test_kernel_matches_reference[4096-7-dtype0]"]
+GEMV_TC = "csrc/gemv_tc.cu"
+FP8_QUANT = "csrc/fp8_quant.cu"
+FP8_QUANT_TESTS = ["tests/test_gemv_gpu.py::test_fp8_activation_quantizer_matches_reference[17]"]
+ALLOCATOR = "csrc/page_allocator.cpp"
+
+# The kernel families beside attention and the one-token GEMV (issue 43): the sampler, RoPE + KV write, the norms,
+# SiLU-and-mul, the tensor-core GEMV, FP8 quantization, e4m3 conversion, the custom all-reduce, the page allocator.
+MUTATIONS += [
+    Mutation(
+        "sampler_top_p_drops_the_crossing_token",
+        SAMPLER,
+        [
+            (
+                "  const bool pa = p_off || (z_known && __fdiv_rn(ca - wa, zk) < r.p.top_p);",
+                "  const bool pa = p_off || (z_known && __fdiv_rn(ca, zk) < r.p.top_p);",
+            ),
+            (
+                "  const bool pb = p_off || (z_known && __fdiv_rn(cb - wb, zk) < r.p.top_p);",
+                "  const bool pb = p_off || (z_known && __fdiv_rn(cb, zk) < r.p.top_p);",
+            ),
+        ],
+        [f"{SAMPLER_DRAWS}[case0-dtype0]", f"{SAMPLER_DRAWS}[case6-dtype0]"],
+        "top-p keeps a token when the mass up to and including it is below top_p, so the token that crosses top_p "
+        "(which the nucleus includes) is never drawn",
+    ),
+    Mutation(
+        "sampler_min_p_against_the_probability",
+        SAMPLER,
+        [
+            (
+                "  const bool keep_a = va && in_a && pa && ea >= r.p.min_p;",
+                "  const bool keep_a = va && in_a && pa && ea >= r.p.min_p * sum64;",
+            ),
+            (
+                "  const bool keep_b = vb && in_b && pb && eb >= r.p.min_p;",
+                "  const bool keep_b = vb && in_b && pb && eb >= r.p.min_p * sum64;",
+            ),
+        ],
+        ["tests/test_sampler_gpu.py::test_min_p_keeps_tokens_by_their_ratio_to_the_top"],
+        "min-p compares a token's probability (over the 64 best) with min_p instead of its ratio to the top token's",
+    ),
+    Mutation(
+        "sampler_reads_row_lists_at_the_grid_stride",
+        SAMPLER,
+        [
+            (
+                "  const int64_t at = static_cast<int64_t>(row) * ws.max_ctas * kList;",
+                "  const int64_t at = static_cast<int64_t>(row) * ctas * kList;",
+            )
+        ],
+        [
+            "tests/test_sampler_gpu.py::test_logprobs_of_sampled_rows_and_bf16",
+            "tests/test_sampler_gpu.py::test_same_seed_and_step_give_the_same_token_whatever_the_batch",
+        ],
+        "the finish kernel finds a row's candidate lists at row * (scan blocks launched) where the scan wrote them at "
+        "row * (blocks the workspace holds): in batches of more than a few rows, a row decides from another row's list",
+    ),
+    Mutation(
+        "rope_rotates_the_wrong_way",
+        ROPE_KV,
+        [
+            (
+                "      const float rotated = first_half ? -partner : partner;",
+                "      const float rotated = first_half ? partner : -partner;",
+            )
+        ],
+        ROPE_KV_TESTS,
+        "rotate_half's sign on the wrong half: q and k turned by -position",
+    ),
+    Mutation(
+        "rope_row_of_the_token_index",
+        ROPE_KV,
+        [
+            (
+                "  const float* cs = cos_sin + (pos_ok ? pos : 0) * D;",
+                "  const float* cs = cos_sin + (pos_ok ? t : 0) * D;",
+            )
+        ],
+        ROPE_KV_TESTS,
+        "cos and sin read at the token's index in the batch instead of its position",
+    ),
+    Mutation(
+        "kv_write_leaves_out_the_q_heads",
+        ROPE_KV,
+        [
+            (
+                "      const int64_t dst = (slot * num_kv_heads + (h - num_heads)) * D + lane * kEpl;",
+                "      const int64_t dst = (slot * num_kv_heads + h) * D + lane * kEpl;",
+            )
+        ],
+        ROPE_KV_TESTS,
+        "a KV head's slot offset counts the q heads before it (h, not h - num_heads): K and V land in later slots",
+    ),
+    Mutation(
+        "kv_fp8_k_written_with_v_scale",
+        ROPE_KV,
+        [("      store_kv(k_cache + dst, out, k_scale);", "      store_kv(k_cache + dst, out, v_scale);")],
+        ["tests/test_fp8_kv_gpu.py::test_rope_kv_writes_fp8[128-dtype0]"],
+        "K is divided by V's scale on its way into an FP8 cache",
+    ),
+    Mutation(
+        "norm_eps_left_out",
+        NORM,
+        [
+            (
+                "  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);\n  P* orow",
+                "  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden));\n  P* orow",
+            )
+        ],
+        ["tests/test_kernels_gpu.py::test_norms_where_eps_counts[1e-06]"],
+        "the one-pass RMSNorm leaves eps out of the rsqrt (rows whose mean square is near eps, and rows of zeros)",
+    ),
+    Mutation(
+        "fused_norm_leaves_the_residual_unwritten",
+        NORM,
+        [("        rrow[v] = vals[i];\n", "")],
+        ["tests/test_kernels_gpu.py::test_rms_norm_and_fused_add[17-4096-dtype0]"],
+        "the one-pass residual-add + RMSNorm normalizes x + residual but does not store the sum as the new residual",
+    ),
+    Mutation(
+        "fused_norm_two_pass_normalizes_the_input",
+        NORM,
+        [("  const T* src = FUSED ? residual : x;", "  const T* src = x;")],
+        ["tests/test_kernels_gpu.py::test_norms_on_misaligned_rows"],
+        "the two-pass residual-add + RMSNorm (any size or alignment) scales x instead of x + residual in its second pass",
+    ),
+    Mutation(
+        "silu_of_up_times_gate",
+        ACTIVATION,
+        [
+            (
+                "    for (int k = 0; k < VEC; ++k) r.v[k] = silu_mul(g.v[k], u.v[k]);",
+                "    for (int k = 0; k < VEC; ++k) r.v[k] = silu_mul(u.v[k], g.v[k]);",
+            )
+        ],
+        SILU_TESTS,
+        "the halves swapped: silu(up) * gate",
+    ),
+    Mutation(
+        "silu_rows_strided_by_d",
+        ACTIVATION,
+        [
+            (
+                "    const P* gate = reinterpret_cast<const P*>(x + row * 2 * d);\n"
+                "    const P* up = reinterpret_cast<const P*>(x + row * 2 * d + d);",
+                "    const P* gate = reinterpret_cast<const P*>(x + row * d);\n"
+                "    const P* up = reinterpret_cast<const P*>(x + row * d + d);",
+            )
+        ],
+        SILU_TESTS,
+        "input rows taken d apart instead of 2 * d (the output's row length): every row past the first reads the wrong "
+        "gate and up",
+    ),
+    Mutation(
+        "gemv_tc_warp_drops_its_last_step",
+        GEMV_TC,
+        [
+            (
+                "  const int my_units = (units - warp + kWarps - 1) / kWarps;",
+                "  const int my_units = (units - warp) / kWarps;",
+            )
+        ],
+        ["tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-bf16]"],
+        "a warp's count of 128-byte steps rounded down: warps 1 to 7 skip their last k-chunk of every row",
+    ),
+    Mutation(
+        "gemv_tc_last_partial_tile_dropped",
+        GEMV_TC,
+        [
+            (
+                "  const int tiles = SILU ? (n / 2 + 7) / 8 : (n + 15) / 16;",
+                "  const int tiles = SILU ? (n / 2 + 7) / 8 : n / 16;",
+            )
+        ],
+        ["tests/test_gemv_gpu.py::test_gemv_lm_head_odd_rows_bias_and_fp16[bf16]"],
+        "the grid has n / 16 row tiles, rounded down: the rows past the last multiple of 16 are never computed",
+    ),
+    Mutation(
+        "fp8_quant_scale_inverted",
+        FP8_QUANT,
+        [("    scale = fmaxf(amax, 1e-12f) / kE4M3Max;", "    scale = kE4M3Max / fmaxf(amax, 1e-12f);")],
+        FP8_QUANT_TESTS,
+        "the activation scale is 448 / amax instead of amax / 448",
+    ),
+    Mutation(
+        "fp8_quant_scales_row_major",
+        FP8_QUANT,
+        [
+            (
+                "  if (lane == 0) scale_t[static_cast<int64_t>(group) * padded_m + row] = scale;",
+                "  if (lane == 0) scale_t[static_cast<int64_t>(row) * groups + group] = scale;",
+            )
+        ],
+        FP8_QUANT_TESTS,
+        "the scales written token-major where the GEMM reads them column-major (group * padded rows + row)",
+    ),
+    Mutation(
+        "e4m3_read_as_e5m2",
+        "csrc/kv_fp8.cuh",
+        [
+            (
+                "__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);",
+                "__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E5M2);",
+            )
+        ],
+        [
+            "tests/test_fp8_kv_gpu.py::test_decode_fp8[16-4-dtype0]",
+            "tests/test_fp8_kv_gpu.py::test_prefill_fp8[64-4-dtype0]",
+            "tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]",
+        ],
+        "fp8x2_to_half2 decodes the bytes as e5m2 (5 exponent bits, bias 15) instead of e4m3 (4, bias 7): the FP8 KV "
+        "cache's reads in decode and prefill attention, and the one-token FP8 GEMV's weights",
+        rebuild=("attention_decode.cu", "attention_prefill.cu", "gemv.cu"),
+    ),
+    Mutation(
+        "e4m3_high_pair_from_the_low_bytes",
+        "csrc/common.cuh",
+        [
+            (
+                '  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(out) : "r"(bits));',
+                '  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(out) : "r"(bits));',
+            )
+        ],
+        ["tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]"],
+        "e4m3x2_hi converts the low two bytes: the tensor-core FP8 GEMV uses half of each word's weights twice",
+        rebuild=("gemv_tc.cu",),
+    ),
+    Mutation(
+        "e4m3_write_without_saturation",
+        "csrc/kv_fp8.cuh",
+        [("__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)", "__nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E4M3)")],
+        ["tests/test_fp8_kv_gpu.py::test_rope_kv_writes_fp8[128-dtype0]"],
+        "the FP8 KV write does not saturate: values past 448 become NaN instead of 448",
+        rebuild=("rope_kv.cu",),
+    ),
+    Mutation(
+        "all_reduce_drops_the_last_rank",
+        "csrc/custom_all_reduce.cu",
+        [
+            (
+                "    for (int p = 0; p < WORLD; ++p) {  // rank order on every rank",
+                "    for (int p = 0; p < WORLD - 1; ++p) {  // rank order on every rank",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[2-bfloat16]"],
+        "the one-shot all-reduce sums every rank's buffer but the last one's",
+        gpus=2,
+    ),
+    Mutation(
+        "decref_keeps_freed_pages_off_the_free_list",
+        ALLOCATOR,
+        [
+            (
+                "  for (auto it = freed.rbegin(); it != freed.rend(); ++it) free_stack_.push_back(static_cast<int32_t>(*it));\n",
+                "",
+            )
+        ],
+        ["tests/test_allocator.py::test_incref_decref", "tests/test_allocator.py::test_randomized_against_model[0]"],
+        "decref brings a page's count to 0 and returns it as freed, but never puts it back on the free list (leaked)",
+    ),
+    Mutation(
+        "decref_refcount_off_by_one",
+        ALLOCATOR,
+        [("    if (count_[p] > refcount_[p]) {", "    if (count_[p] >= refcount_[p]) {")],
+        ["tests/test_allocator.py::test_incref_decref", "tests/test_allocator.py::test_randomized_against_model[0]"],
+        "decref refuses to take a page's last reference (a decref as many times as the refcount reads as a double free)",
+    ),
+]
+
+
 def mutate(text: str, mutation: Mutation) -> str:
     for old, new in mutation.edits:
         if text.count(old) != 1:
@@ -193,50 +494,85 @@ def installed_package() -> Path:
     return Path(out.stdout.strip())
 
 
-def build_commands(build_dir: Path, source: str) -> tuple[str, str, str]:
-    """The build's compile command for csrc/<source>, its link command, and the module's file name."""
+def gpus_here() -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    return int(out.stdout.strip() or 0)
+
+
+def build_commands(build_dir: Path, sources: tuple[str, ...]) -> tuple[dict[str, str], str, str]:
+    """The build's compile command for each csrc/<source>, its link command, and the module's file name."""
     lines = subprocess.run(
         ["ninja", "-C", str(build_dir), "-t", "commands"], capture_output=True, text=True, check=True
     ).stdout.splitlines()
-    compile_cmd = next(
-        line for line in lines if line.rstrip().endswith(f"/csrc/{source}") or f"/csrc/{source} -o" in line
-    )
+    compiles = {
+        source: next(
+            line for line in lines if line.rstrip().endswith(f"/csrc/{source}") or f"/csrc/{source} -o" in line
+        )
+        for source in sources
+    }
     link = next(line for line in reversed(lines) if " -shared " in line)
     module = link.split(" -o ", 1)[1].split()[0]
-    return compile_cmd, link, module
+    return compiles, link, module
 
 
 def prepare(mutation: Mutation, package: Path, work: Path, build_dir: Path | None) -> subprocess.Popen | None:
-    """The mutant's package copy under work/; for a CUDA mutation, the compile and link started (a Popen)."""
+    """The mutant's package copy under work/; for a native mutation, the compiles and the link started (a Popen)."""
     if work.exists():
         shutil.rmtree(work)
     shutil.copytree(package, work / "fastqwen", ignore=shutil.ignore_patterns("__pycache__"))
-    if not mutation.cuda:
+    if not mutation.native:
         target = work / "fastqwen" / Path(mutation.path).relative_to("python/fastqwen")
         target.write_text(mutate(target.read_text(), mutation))
         return None
-    assert build_dir is not None, "CUDA mutations need --build-dir"
-    shutil.copytree(REPO / "csrc", work / "csrc")  # quoted includes resolve next to the mutated file
-    source = Path(mutation.path).name
-    mutated = work / "csrc" / source
+    assert build_dir is not None, "native mutations need --build-dir"
+    shutil.copytree(REPO / "csrc", work / "csrc")  # quoted includes resolve next to the file: the mutated header too
+    mutated = work / "csrc" / Path(mutation.path).name
     mutated.write_text(mutate(mutated.read_text(), mutation))
     build_dir = build_dir.resolve()
-    compile_cmd, link, module = build_commands(build_dir, source)
-    obj = compile_cmd.split(" -o ", 1)[1].split()[0]  # where the build puts the object (its target's folder)
-    compile_cmd = compile_cmd.replace(obj, str(work / f"{source}.o"))
-    original = next(t for t in compile_cmd.split() if t.endswith(f"/csrc/{source}"))  # wherever the build read it
-    compile_cmd = compile_cmd.replace(original, str(mutated))
+    compiles, link, module = build_commands(build_dir, mutation.sources)
+    commands, in_library = [], []
+    for source, compile_cmd in compiles.items():
+        obj = compile_cmd.split(" -o ", 1)[1].split()[0]  # where the build puts the object (its target's folder)
+        mine = str(work / f"{source}.o")
+        compile_cmd = compile_cmd.replace(obj, mine)
+        original = next(t for t in compile_cmd.split() if t.endswith(f"/csrc/{source}"))  # wherever the build read it
+        commands.append(compile_cmd.replace(original, str(work / "csrc" / source)))
+        if obj in link:  # an object linked into the module directly (the host code: bindings, page allocator)
+            link = link.replace(obj, mine)
+        else:
+            in_library.append(mine)
+    if in_library:  # objects of the kernels' static library (CMakeLists.txt): the mutated ones go first, so the
+        # linker takes their symbols and never pulls the original members out of the library
+        link = link.replace(f" {KERNEL_LIBRARY}", f" {' '.join(in_library)} {KERNEL_LIBRARY}", 1)
     out_module = work / "fastqwen" / Path(module).name
     for existing in (work / "fastqwen").glob("_C*.so"):
         existing.unlink()
-    if obj in link:  # the object linked into the module directly
-        link = link.replace(obj, str(work / f"{source}.o"))
-    else:  # the kernels' static library (CMakeLists.txt): the mutated object goes first, so the linker takes its
-        # symbols and never pulls the original member out of the library
-        link = link.replace(f" {KERNEL_LIBRARY}", f" {work / f'{source}.o'} {KERNEL_LIBRARY}", 1)
     link = link.replace(f"{build_dir}/{module}", str(out_module)).replace(f" {module}", f" {out_module}")
     log = open(work / "build.log", "w")
-    return subprocess.Popen(f"{compile_cmd} && {link}", shell=True, cwd=build_dir, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        " && ".join(commands + [link]), shell=True, cwd=build_dir, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def build(mutation: Mutation, package: Path, work: Path, build_dir: Path | None) -> bool:
+    try:
+        process = prepare(mutation, package, work, build_dir)
+    except Exception as error:  # a missing build command, a drifted text: reported with the mutant
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "build.log").write_text(f"{type(error).__name__}: {error}\n")
+        return False
+    return process is None or process.wait() == 0
+
+
+def built(mutation: Mutation, work: Path) -> bool:
+    if not (work / "fastqwen").exists():
+        return False
+    return not mutation.native or any((work / "fastqwen").glob("_C*.so"))
 
 
 def run_tests(mutation: Mutation, work: Path) -> tuple[str, str]:
@@ -261,13 +597,17 @@ def run_tests(mutation: Mutation, work: Path) -> tuple[str, str]:
     errors = [line for line in lines if line.startswith("E  ")][:12]  # the assertion that caught it
     tail = "\n".join(errors + lines[-3:])
     verdict = {0: "SURVIVED", 1: "CAUGHT"}.get(result.returncode, f"ERROR (pytest exit {result.returncode})")
+    if result.returncode == 0 and lines and " passed" not in lines[-1]:
+        verdict = "NOT CAUGHT (its tests were skipped)"  # neither caught nor a survivor: the tests did not run
     return verdict, tail
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build-dir", type=Path, default=None)
-    p.add_argument("--only", choices=["gpu", "cpu"], default=None, help="only the CUDA (gpu) or Python (cpu) mutants")
+    p.add_argument("--only", choices=["gpu", "cpu"], default=None, help="only the mutants whose tests need a GPU / not")
+    p.add_argument("--names", default=None, help="only these mutants (comma-separated names)")
+    p.add_argument("--jobs", type=int, default=1, help="mutants tested at once (default 1)")
     p.add_argument("--work", type=Path, default=Path("/tmp/fastqwen-mutants"))
     p.add_argument("--out", type=Path, default=None, help="write mutations.log here")
     p.add_argument(
@@ -277,38 +617,67 @@ def main() -> int:
         help="build: only make the mutants (e.g. while other tests use the GPU); test: only test those made",
     )
     args = p.parse_args()
-    chosen = [m for m in MUTATIONS if args.only is None or m.cuda == (args.only == "gpu")]
-    builds = {}
-    if args.phase != "test":
-        package = installed_package()
-        for mutation in chosen:
-            builds[mutation.name] = prepare(mutation, package, args.work / mutation.name, args.build_dir)
+    chosen = [m for m in MUTATIONS if args.only is None or (m.gpus > 0) == (args.only == "gpu")]
+    if args.names:
+        names = set(args.names.split(","))
+        unknown = names - {m.name for m in MUTATIONS}
+        if unknown:
+            p.error(f"no such mutants: {sorted(unknown)}")
+        chosen = [m for m in chosen if m.name in names]
+    gpus = gpus_here() if any(m.gpus > 1 for m in chosen) else 1
+    not_run = {
+        m.name: f"NOT RUN (its tests need {m.gpus} GPU{'s' if m.gpus > 1 else ''}, this machine has {gpus})"
+        for m in chosen
+        if m.gpus > gpus
+    }
+    if args.build_dir is None:
+        for m in chosen:
+            if m.native:
+                not_run.setdefault(m.name, "NOT RUN (a native mutant: no --build-dir)")
+    runnable = [m for m in chosen if m.name not in not_run]
+    package = installed_package() if args.phase != "test" else None
+    builds = ThreadPoolExecutor(max_workers=os.cpu_count() or 4)
+    made = {
+        m.name: builds.submit(build, m, package, args.work / m.name, args.build_dir) if args.phase != "test" else None
+        for m in runnable
+    }
     if args.phase == "build":
-        failed = [name for name, build in builds.items() if build is not None and build.wait() != 0]
-        print(f"built {len(builds) - len(failed)} of {len(builds)} mutants" + (f"; failed: {failed}" if failed else ""))
+        failed = [name for name, future in made.items() if not future.result()]
+        print(f"built {len(made) - len(failed)} of {len(made)} mutants" + (f"; failed: {failed}" if failed else ""))
         return 1 if failed else 0
-    lines, caught = [], 0
-    for mutation in chosen:
+
+    def verdict_of(mutation: Mutation) -> tuple[str, str]:
+        if mutation.name in not_run:
+            return not_run[mutation.name], ""
         work = args.work / mutation.name
-        build = builds.get(mutation.name)
-        built = build.wait() == 0 if build is not None else not mutation.cuda or any((work / "fastqwen").glob("_C*.so"))
-        if not built:
+        future = made[mutation.name]
+        if not (future.result() if future is not None else built(mutation, work)):
             log = work / "build.log"
-            verdict, tail = "ERROR (build failed)", log.read_text()[-2000:] if log.exists() else "not built"
-        else:
-            verdict, tail = run_tests(mutation, work)
-        caught += verdict == "CAUGHT"
-        lines.append(
+            return "ERROR (build failed)", log.read_text()[-2000:] if log.exists() else "not built"
+        return run_tests(mutation, work)
+
+    def report(mutation: Mutation) -> tuple[str, str]:
+        verdict, tail = verdict_of(mutation)
+        entry = (
             f"== {mutation.name}: {verdict}\n   bug: {mutation.why}\n   tests: {' '.join(mutation.tests)}\n"
             + "\n".join("   | " + t for t in tail.splitlines())
         )
-        print(lines[-1], flush=True)
-    summary = f"{caught} of {len(chosen)} mutants caught"
+        print(entry, flush=True)  # as each finishes; the log keeps MUTATIONS' order
+        return verdict, entry
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as testers:
+        results = list(testers.map(report, chosen))
+    builds.shutdown()
+    verdicts = [verdict for verdict, _ in results]
+    lines = [entry for _, entry in results]
+    caught = sum(v == "CAUGHT" for v in verdicts)
+    ran = sum(not v.startswith("NOT RUN") for v in verdicts)
+    summary = f"{caught} of {ran} mutants caught" + (f"; {len(chosen) - ran} not run" if ran < len(chosen) else "")
     print(summary)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mutations.log").write_text("\n".join(lines + [summary]) + "\n")
-    return 0 if caught == len(chosen) else 1
+    return 0 if caught == ran else 1
 
 
 if __name__ == "__main__":

@@ -8,15 +8,28 @@ import random
 
 import pytest
 import torch
-from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint, teacher_forced_match
+from checkpoints import (
+    TWO_BF16_ENGINES,
+    engine_logits,
+    float32_spread,
+    hf_greedy,
+    hf_logits,
+    make_checkpoint,
+    record_result,
+    teacher_forced_match,
+)
 from fastqwen import LLM, SamplingParams
 from fastqwen.ops import _native
 
-# Stated tolerance: every bf16 logit within 2.5% of the largest |logit| of HF's bf16 logits. (2% until the batch-1
-# decode step took the RMSNorm weights into the following projections' columns, which rounds every W * g to bf16
-# once: on the H100 our error against the float32 truth stayed at HF bf16's own, 0.54 to 0.74 against 0.60 to 0.71
-# of logits up to 43, while our distance to HF bf16 grew from 1.6% to 2.1%: git show 1274b3f:bench/results/2026-11-24-h100-norm-in-gemv.)
-LOGIT_TOLERANCE = 0.025
+# Tolerances (issue 43), each measured in the test's own run: the spread is how far a bf16 reference's logits lie from
+# float32's on the same contexts, teacher-forced, as a fraction of the largest |logit|; a bf16 engine is held within
+# TWO_BF16_ENGINES times it of a bf16 reference (tests/checkpoints.py). Before, a fixed 2.5% of the largest |logit|
+# (2% until the norm-in-GEMV change measured 2.1%). Measured on the H100 for this model: HF bf16's spread 0.60 to 0.71
+# of logits up to 43 (about 1.65%), ours against HF bf16 2.1% (1.3 spreads); on the CPU the spread is 1.9%.
+# Minimum decisive steps: about half of what the CPU estimate of the spread leaves (32 of 96 for the greedy test, 42
+# of 96 for the kernels against the reference ops), so the GPU's own spread may differ without emptying the check.
+MIN_DECISIVE_GREEDY = 16
+MIN_DECISIVE_KERNELS = 20
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,37 +81,48 @@ def test_bf16_logits_within_tolerance_of_hf(bf16_checkpoint):
                 "hf_bf16_vs_fp32": (ref_bf16 - truth).abs().max().item(),
             }
         )
-    results = {"device": torch.cuda.get_device_name(), "rows": rows}
+    # The spread: HF bf16's own distance to the float32 truth over these prompts (teacher-forced on our tokens).
+    spread = max(row["hf_bf16_vs_fp32"] / row["max_abs_logit"] for row in rows)
+    tolerance = TWO_BF16_ENGINES * spread
+    results = {"device": torch.cuda.get_device_name(), "rows": rows, "spread": spread, "tolerance": tolerance}
     print(json.dumps(results, indent=1))
     if os.environ.get("FASTQWEN_RESULTS_DIR"):
         with open(os.path.join(os.environ["FASTQWEN_RESULTS_DIR"], "engine_bf16_parity.json"), "w") as f:
             json.dump(results, f, indent=1)
     for row in rows:
-        # Stated tolerance: our bf16 error against the float32 truth is at most twice HF's own bf16 error (plus a
-        # bf16 ulp of the largest logit), and we stay within LOGIT_TOLERANCE of HF's bf16 logits.
+        # Our bf16 error against the float32 truth is at most twice HF's own on the same prompt (plus a bf16 ulp of
+        # the largest logit), and we stay within the tolerance of HF's bf16 logits: two bf16 computations.
         ulp = row["max_abs_logit"] * 2**-8
         assert row["ours_vs_fp32"] <= 2 * row["hf_bf16_vs_fp32"] + ulp, row
-        assert row["ours_vs_hf_bf16"] <= LOGIT_TOLERANCE * row["max_abs_logit"], row
+        assert row["ours_vs_hf_bf16"] <= tolerance * row["max_abs_logit"], row
 
 
 def test_bf16_greedy_tokens_match_hf(bf16_checkpoint):
     """Greedy tokens equal HF's wherever HF's top-1 margin exceeds twice the logit tolerance.
 
-    With every logit within DELTA of HF's, the argmax can only differ at a step whose top-1 margin is under
+    The tolerance is TWO_BF16_ENGINES times the spread measured here: HF bf16's distance to HF float32 on the same
+    sequences. With every logit within DELTA of HF's, the argmax can only differ at a step whose top-1 margin is under
     2 * DELTA. So: (1) teacher-forced on HF's greedy sequence, every decisive step gives HF's token (all prefixes in
-    one batch); (2) free-running generation is identical to HF's up to the first near-tie.
+    one batch); (2) free-running generation is identical to HF's up to the first near-tie; at least
+    MIN_DECISIVE_GREEDY decisive steps.
     """
-    folder, hf_bf16, _ = bf16_checkpoint
+    folder, hf_bf16, hf_fp32 = bf16_checkpoint
     llm = LLM(folder, dtype="bfloat16", device="cuda", page_size=16, num_pages=512)
     rng = random.Random(1)
-    decisive_steps = identical_prefix = 0
+    cases, spread = [], 0.0
     for n in (5, 33, 128):
         prompt = [rng.randrange(0, 380) for _ in range(n)]
         expected = hf_greedy(hf_bf16, prompt, 32)
         reference = hf_logits(hf_bf16, prompt, expected)
+        truth = hf_logits(hf_fp32, prompt, expected)
+        spread = max(spread, (reference - truth).abs().max().item() / reference.abs().max().item())
+        cases.append((prompt, expected, reference))
+    tolerance = TWO_BF16_ENGINES * spread
+    decisive_steps = identical_prefix = 0
+    for prompt, expected, reference in cases:
         top2 = reference.topk(2, dim=-1).values
         margins = (top2[:, 0] - top2[:, 1]).tolist()
-        threshold = 2 * LOGIT_TOLERANCE * reference.abs().max().item()
+        threshold = 2 * tolerance * reference.abs().max().item()
         prefixes = [prompt + expected[:k] for k in range(len(expected))]
         one_step = llm.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         for k, out in enumerate(one_step):
@@ -109,17 +133,26 @@ def test_bf16_greedy_tokens_match_hf(bf16_checkpoint):
         first_tie = next((k for k, m in enumerate(margins) if m <= threshold), len(margins))
         assert free.token_ids[:first_tie] == expected[:first_tie]
         identical_prefix += first_tie
-    assert decisive_steps >= 40, f"only {decisive_steps} of 96 steps were decisive: the test checks too little"
+    record_result(
+        "engine_gpu.json",
+        "greedy_vs_hf",
+        {"spread": spread, "tolerance": tolerance, "decisive": decisive_steps, "identical_prefix": identical_prefix},
+    )
+    assert decisive_steps >= MIN_DECISIVE_GREEDY, (
+        f"only {decisive_steps} of 96 steps were decisive: the test checks too little"
+    )
     print(f"decisive steps {decisive_steps}/96, identical free-running prefix {identical_prefix} tokens")
     llm.engine.kv.allocator.check()
 
 
 def test_kernel_engine_matches_reference_op_engine(bf16_checkpoint, monkeypatch):
     """The engine on its CUDA kernels (tensor-core prefill/extend and decode attention, norms, RoPE/KV, sampler, CUDA
-    graphs) against the same engine on the PyTorch reference ops. (1) Teacher-forced on the reference's greedy
-    sequence (every prefix in one batch: a varlen prefill whose prefixes also hit the radix cache, so most rows
-    extend a cached prefix that ends mid-page), every step whose reference top-1 margin exceeds twice the tolerance
-    gives the reference's token. (2) Free-running, logits stay within LOGIT_TOLERANCE while the tokens agree."""
+    graphs) against the same engine on the PyTorch reference ops. The tolerance: TWO_BF16_ENGINES times the reference
+    engine's spread, its distance to the same engine in float32, measured here. (1) Teacher-forced on the reference's
+    greedy sequence (every prefix in one batch: a varlen prefill whose prefixes also hit the radix cache, so most rows
+    extend a cached prefix that ends mid-page), logits within the tolerance at every step, and every step whose
+    reference top-1 margin exceeds twice the tolerance gives the reference's token (at least MIN_DECISIVE_KERNELS).
+    (2) Free-running, logits stay within the tolerance while the tokens agree."""
     if not _native.has_cuda_kernels():
         pytest.skip("needs the CUDA kernels")
     folder, _, _ = bf16_checkpoint
@@ -131,10 +164,18 @@ def test_kernel_engine_matches_reference_op_engine(bf16_checkpoint, monkeypatch)
     references = [engine_logits(reference_llm, p, 32) for p in prompts]
     del reference_llm
     monkeypatch.undo()
+    spread = float32_spread(folder, prompts, references, **kwargs)
+    tolerance = TWO_BF16_ENGINES * spread
     kernel_llm = LLM(folder, **kwargs)
     assert kernel_llm.engine.runner.graphs is not None
-    decisive, _ = teacher_forced_match(kernel_llm, prompts, references, LOGIT_TOLERANCE)
-    assert decisive >= 30, f"only {decisive} of 96 steps were decisive: the test checks too little"
+    decisive, worst = teacher_forced_match(
+        kernel_llm, prompts, references, tolerance, min_decisive=MIN_DECISIVE_KERNELS, bound_forced=True
+    )
+    record_result(
+        "engine_gpu.json",
+        "kernels_vs_reference_ops",
+        {"spread": spread, "tolerance": tolerance, "worst": worst, "decisive": decisive},
+    )
     kernel_llm.engine.kv.allocator.check()
 
 

@@ -51,13 +51,46 @@ def test_rms_norm_and_fused_add(dtype, hidden, tokens):
 
 
 def test_norms_on_misaligned_rows():
-    """A view that starts off a 16-byte boundary takes the two-pass kernel and gives the same result."""
+    """A view that starts off a 16-byte boundary takes the two-pass kernel and gives the same result, for the plain
+    norm and for residual-add + norm (whose second pass must scale the sum, not x)."""
     base = torch.randn(9 * 4096 + 3, device="cuda", dtype=torch.bfloat16)
     x = base[3:].view(9, 4096)
     weight = (1 + 0.2 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
     out = torch.full((9, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
     rms_norm(x, weight, EPS, out=out)
     assert_close_to_reference(out, rms_norm_reference(x, weight, EPS))
+
+    residual_base = torch.randn(9 * 4096 + 5, device="cuda", dtype=torch.bfloat16) * 4
+    residual = residual_base[5:].view(9, 4096)  # off the boundary too
+    want_residual = residual + x
+    want_x = rms_norm_reference(want_residual, weight, EPS)
+    fused_add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(residual, want_residual), "the residual sum is one bf16 add: it must match exactly"
+    assert_close_to_reference(x, want_x)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-2])
+def test_norms_where_eps_counts(eps):
+    """Rows whose mean square is from 0 (a row of zeros) to 10^4 times eps, where eps moves the result: both kernels
+    (one-pass, and two-pass on a misaligned view) against the reference, plain and after a residual add. At
+    eps = 1e-6 (Qwen3's) the rows are of size 1e-3, as the k-norm sees in a head that is nearly zero."""
+    gen = torch.Generator(device="cuda").manual_seed(int(1 / eps))
+    hidden, sizes = 4096, [0.0, 0.3, 1.0, 3.0, 100.0]  # each row's rms in units of sqrt(eps)
+    rms = torch.tensor(sizes, device="cuda")[:, None] * eps**0.5
+    weight = (1 + 0.2 * torch.randn(hidden, device="cuda", generator=gen)).to(torch.bfloat16)
+    for offset in (0, 3):  # 0: the one-pass kernel; 3 elements off a 16-byte boundary: the two-pass one
+        buffer = torch.empty(len(sizes) * hidden + offset, device="cuda", dtype=torch.bfloat16)
+        x = buffer[offset:].view(len(sizes), hidden)
+        x.copy_(torch.randn(len(sizes), hidden, device="cuda", generator=gen) * rms)
+        want = rms_norm_reference(x, weight, eps)
+        mean_square = x.double().pow(2).mean(-1)
+        assert (want[0] == 0).all() and (mean_square[1:4] < 10 * eps).all(), "eps must matter in these rows"
+        out = torch.full_like(x, float("nan"))
+        rms_norm(x, weight, eps, out=out)
+        assert_close_to_reference(out, want)
+        residual = torch.zeros_like(x)  # the sum is x itself
+        fused_add_rms_norm(x, residual, weight, eps)
+        assert_close_to_reference(x, want)
 
 
 def qk_reference(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, num_heads):

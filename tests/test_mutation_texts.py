@@ -1,8 +1,12 @@
 """The mutants of tests/mutation_check.py still apply: each edit's text occurs exactly once in the file it edits (a
-mutant whose text drifted away from the code would stop the mutation run instead of testing anything)."""
+mutant whose text drifted away from the code would stop the mutation run instead of testing anything), a header's
+mutant recompiles sources that include it, and the tests named to catch each mutant exist (the GPU ones cannot be
+collected here, so a misspelt node id would only show on the GPU machine)."""
+
+import re
 
 import pytest
-from mutation_check import MUTATIONS, REPO, mutate
+from mutation_check import HEADERS, MUTATIONS, REPO, mutate
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name)
@@ -10,3 +14,33 @@ def test_mutant_text_is_in_the_source(mutation):
     source = (REPO / mutation.path).read_text()
     mutant = mutate(source, mutation)  # raises RuntimeError unless every text occurs exactly once
     assert mutant != source
+
+
+def includes(source: str, header: str, seen: frozenset = frozenset()) -> bool:
+    """Whether csrc/<source> includes csrc/<header>, directly or through other csrc headers."""
+    for name in re.findall(r'^#include "([^"]+)"', (REPO / "csrc" / source).read_text(), re.MULTILINE):
+        if name == header or (
+            name not in seen and (REPO / "csrc" / name).exists() and includes(name, header, seen | {name})
+        ):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("mutation", [m for m in MUTATIONS if m.native], ids=lambda m: m.name)
+def test_native_mutant_recompiles_what_it_changes(mutation):
+    header = mutation.path.endswith(HEADERS)
+    assert bool(mutation.rebuild) == header, "a header's mutant names the sources to recompile; a source's does not"
+    for source in mutation.sources:
+        assert source.endswith((".cu", ".cpp")) and (REPO / "csrc" / source).exists(), source
+        if header:
+            assert includes(source, mutation.path.removeprefix("csrc/")), f"{source} does not include {mutation.path}"
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name)
+def test_the_catching_tests_exist(mutation):
+    assert mutation.tests
+    for node in mutation.tests:
+        path, _, rest = node.partition("::")
+        function = re.match(r"\w+", rest).group(0)
+        assert (REPO / path).exists(), node
+        assert re.search(rf"^def {function}\(", (REPO / path).read_text(), re.MULTILINE), node

@@ -108,9 +108,32 @@ def test_draws_stay_in_the_reference_set_and_match_its_distribution(case, dtype)
     vocab, scale, t, k, p, mp = case
     gen = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
     row = (torch.randn(vocab, generator=gen, device="cuda") * scale).to(dtype)
+    assert_draws_match_the_reference(row, t, k, p, mp)
+
+
+def test_min_p_keeps_tokens_by_their_ratio_to_the_top():
+    """min-p keeps the tokens whose probability is at least min_p times the top token's. A row whose best tokens sit
+    at set ratios to the first (1, 0.5, 0.3, 0.2, 0.15, 0.11, then 0.09 and below; the rest about e^-10): min_p = 0.1
+    keeps six of them (decided from the 64 best), where min_p taken as a probability (0.1 of their mass, 2.5) would
+    keep three. Random rows leave this to chance: one top token far above the rest keeps it alone either way."""
+    vocab = 5000
+    gen = torch.Generator(device="cuda").manual_seed(71)
+    row = torch.randn(vocab, generator=gen, device="cuda") - 10
+    ratios = torch.tensor([1, 0.5, 0.3, 0.2, 0.15, 0.11, 0.09, 0.07, 0.05], device="cuda")
+    row[torch.randperm(vocab, generator=gen, device="cuda")[: len(ratios)]] = ratios.log()
+    for dtype in (torch.float32, torch.bfloat16):
+        kept = assert_draws_match_the_reference(row.to(dtype), 1.0, 0, 1.0, 0.1)
+        assert kept == 6, kept
+
+
+def assert_draws_match_the_reference(row: torch.Tensor, t: float, k: int, p: float, mp: float) -> int:
+    """40,000 draws from one row (batches of the row, a step each): none outside the reference's kept set (up to
+    ambiguous_tokens), frequencies by chi-square against its float64 probabilities. Returns the kept set's size."""
+    vocab = row.shape[0]
     row64 = row.double()
     mask = reference_mask(row64, t, k, p, mp).cuda()
     allowed = mask | ambiguous_tokens(row64, t, k, p, mp)
+    assert int(mask.sum()) >= 2, "one kept token: the draws would say nothing about the filter's boundary"
     probs = torch.softmax(row64 / t, dim=-1) * mask
     probs = probs / probs.sum()
     draws, batch = 40_000, 4000 if vocab == QWEN_VOCAB else 10_000
@@ -125,6 +148,7 @@ def test_draws_stay_in_the_reference_set_and_match_its_distribution(case, dtype)
     assert outside == 0, f"{outside} draws outside the reference's kept set"
     ok, stat, limit = chi_square_ok(hist.cpu(), probs.cpu(), draws)
     assert ok, f"chi-square {stat:.1f} above {limit:.1f} over {int(mask.sum())} kept tokens"
+    return int(mask.sum())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
