@@ -61,6 +61,11 @@ DECODE = "csrc/attention_decode.cu"
 PREFILL = "csrc/attention_prefill.cu"
 DECODE_TESTS = ["tests/test_attention_gpu.py::test_decode_every_chunk_counts"]
 PREFILL_TESTS = ["tests/test_attention_gpu.py::test_prefill_every_tile_counts"]
+PREFILL_HOPPER = "csrc/attention_prefill_hopper.cu"
+PREFILL_HOPPER_TESTS = [  # both run each prefill case on both kernels (the fixture prefill_kernel)
+    "tests/test_attention_gpu.py::test_prefill_every_tile_counts",
+    "tests/test_attention_gpu.py::test_prefill_long_and_wide",
+]
 
 MUTATIONS = [
     Mutation(
@@ -127,6 +132,25 @@ MUTATIONS = [
         ],
         PREFILL_TESTS,
         "the first 64-key tile is masked out whenever there is more than one",
+    ),
+    Mutation(
+        "prefill_hopper_drops_the_last_partial_tile",
+        PREFILL_HOPPER,
+        [("      const int n_wg = (wg_end + kBN - 1) / kBN;  // <= n", "      const int n_wg = wg_end / kBN;  // <= n")],
+        PREFILL_HOPPER_TESTS,
+        "the Hopper kernel's warpgroups skip the last K/V tile their rows see when it is not full",
+    ),
+    Mutation(
+        "prefill_hopper_causal_offset_ignores_the_prefix",
+        PREFILL_HOPPER,
+        [
+            (
+                "for (int h = 0; h < 2; ++h) row_pos[h] = w.prefix + (w.row0 + c * 64 + warp * 16 + lane / 4 + h * 8) / G;",
+                "for (int h = 0; h < 2; ++h) row_pos[h] = (w.row0 + c * 64 + warp * 16 + lane / 4 + h * 8) / G;",
+            )
+        ],
+        PREFILL_HOPPER_TESTS,
+        "the Hopper kernel's causal mask puts query i at position i, not after the cached prefix (extend)",
     ),
     Mutation(
         "prefill_no_rescale",

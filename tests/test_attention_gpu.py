@@ -17,6 +17,9 @@ expects the named tests to fail; the log is in git show 1274b3f:bench/results/20
   decode_skip_first_chunk, decode_merge_skips_last_chunk, decode_merge_equal_weights, decode_ignores_split_limit
       -> test_decode_every_chunk_counts
   prefill_skips_first_tile, prefill_no_rescale -> test_prefill_every_tile_counts
+  prefill_hopper_drops_the_last_partial_tile, prefill_hopper_causal_offset_ignores_the_prefix
+      -> test_prefill_every_tile_counts, test_prefill_long_and_wide (their [hopper] cases)
+Every prefill test runs on both prefill kernels (the prefill_kernel fixture).
 """
 
 from __future__ import annotations
