@@ -160,6 +160,48 @@ def http_only(args, rng: random.Random) -> int:
     return 0
 
 
+def matmul_tflops(iters: int = 20) -> float:
+    """The bf16 tensor-core rate of this GPU, as an 8192^3 matmul runs (the prefill's compute limit)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    from common import time_fn
+
+    return 2 * 8192**3 / (time_fn(lambda: a @ b, iters) * 1e-3) / 1e12
+
+
+def ttft_rows(llm: LLM, lengths: list[int], rng: random.Random) -> list[dict]:
+    """TTFT of one prompt per length (median of 3), and the limit: the prefill's FLOPs (every projection for every
+    token, causal attention, the LM head for the last token) at the measured matmul rate."""
+    cfg = llm.engine.config
+    weights = llm.engine.model.weights
+    lm_head = cfg.vocab_size * cfg.hidden_size
+    linear = sum(p.weight.numel() for p in weights.projections()) + (lm_head if weights.lm_head is None else 0)
+    rate = matmul_tflops()
+    rows = []
+    for n in lengths:
+        # A new prompt each run: a repeated one would come from the prefix cache.
+        runs = [engine_latency(llm, [rng.randrange(cfg.vocab_size) for _ in range(n)], 1)["ttft_ms"] for _ in range(3)]
+        attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+        flops = 2 * (linear - lm_head) * n + 2 * lm_head + attention
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "ttft_ms": statistics.median(runs),
+                "runs_ms": runs,
+                "prefill_tflop": flops / 1e12,
+                "attention_share": attention / flops,
+                "matmul_tflops": rate,
+                "flop_limit_ms": flops / (rate * 1e12) * 1e3,
+            }
+        )
+        print(
+            f"TTFT {n:>6} tokens: {rows[-1]['ttft_ms']:8.1f} ms   limit {rows[-1]['flop_limit_ms']:7.1f} ms "
+            f"({flops / 1e12:.1f} TFLOP at {rate:.0f} TFLOP/s, attention {attention / flops:.0%})",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=8192)
@@ -170,6 +212,13 @@ def main() -> int:
         "--http-only",
         action="store_true",
         help="measure only through --url (no engine in this process: the server holds the GPU memory)",
+    )
+    p.add_argument(
+        "--ttft-lens",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also the TTFT of one prompt of each length (median of 3, offline), beside the FLOP limit of its prefill",
     )
     p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
     p.add_argument("--json", default=None)
@@ -213,6 +262,8 @@ def main() -> int:
     if args.url:
         result["ttft_256_http_ms"] = http_latency(args.url, ttft_prompt, 1)["ttft_ms"]
     result["rows"] = rows
+    if args.ttft_lens:
+        result["ttft"] = ttft_rows(llm, args.ttft_lens, rng)
     # Free the engine's GPU memory (weights, KV pool, graphs) before the baseline builds its own model.
     del llm, graphs, weights
     gc.collect()
