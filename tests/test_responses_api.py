@@ -332,15 +332,132 @@ def test_encrypted_reasoning_carries_the_thinking_through_a_stateless_tool_loop(
         assert "input[1].encrypted_content" in caught.value.body["message"], caught.value.body
 
 
+# ---- include ["message.output_text.logprobs"] ----------------------------------------------------------------------
+
+
+def _without_bytes(logprobs) -> list:
+    return [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs or []]) for lp in logprobs]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_output_text_logprobs_are_chats_for_the_answers_tokens(server, thinking):
+    """The output_text carries the logprobs chat completions give for the same greedy request, less the thinking
+    block's tokens (through </think> and the newlines after it): each with its bytes and top_logprobs alternatives;
+    the stream's deltas carry the same tokens in order, and so does the done event. Thinking is forced by a bias on
+    <think> and </think> (the random model writes a few of each, then the JSON)."""
+    srv, tokenizer = server
+    bias = {str(tokenizer.convert_tokens_to_ids(t)): 3 for t in ("<think>", "</think>")} if thinking else {}
+    common = {"temperature": 0, "logit_bias": bias}
+    body = {
+        **common,
+        "input": "a number please",
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": SCHEMA, "strict": True}},
+        "reasoning": None if thinking else NO_THINKING,
+        "max_output_tokens": 40,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    chat = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={
+            **common,
+            "model": "m",
+            "messages": [{"role": "user", "content": "a number please"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}},
+            "chat_template_kwargs": {"enable_thinking": thinking},
+            "max_tokens": 40,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        timeout=120,
+    ).json()["choices"][0]
+    expected = chat["logprobs"]["content"]
+    if thinking:
+        assert chat["message"]["reasoning_content"], chat  # the premise: it thinks, then answers
+        expected = expected[[lp["token"] for lp in expected].index("</think>") + 1 :]
+        while expected[0]["token"].strip("\n") == "":
+            expected = expected[1:]
+    whole = _create(srv, **body)
+    assert [item.type for item in whole.output] == (["reasoning"] if thinking else []) + ["message"], whole.output
+    part = whole.output[-1].content[0]
+    assert part.text == chat["message"]["content"] == "".join(lp.token for lp in part.logprobs)
+    assert [(lp.token, lp.bytes) for lp in part.logprobs] == [(lp["token"], lp["bytes"]) for lp in expected]
+    assert [lp.logprob for lp in part.logprobs] == pytest.approx([lp["logprob"] for lp in expected], abs=1e-4)
+    for got, want in zip(part.logprobs, expected):
+        assert [t.token for t in got.top_logprobs] == [t["token"] for t in want["top_logprobs"]]
+        assert [t.bytes for t in got.top_logprobs] == [list(t.token.encode()) for t in got.top_logprobs]
+        assert got.top_logprobs[0].logprob >= got.top_logprobs[1].logprob
+    events = _stream_events(srv, **body)
+    check_event_order(events)
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert _without_bytes(streamed) == _without_bytes(done.logprobs) == _without_bytes(part.logprobs)
+
+
+def test_output_text_logprobs_follow_the_text_through_reasoning_and_calls():
+    """Without a model: outputs whose text goes through the reasoning splitter and the tool-call parser, fed whole and
+    in random pieces. Each output_text's logprobs are exactly the tokens of its text (the thinking block, the newlines
+    after it, calls and the whitespace around them are not), the deltas' add up to the part's, and the items come in
+    the same order however the output was fed (text after a call is a message after it)."""
+    import random
+    from types import SimpleNamespace
+
+    from fastqwen.engine.messages import TokenLogprobs
+    from fastqwen.server.reasoning import ReasoningSplitter
+    from fastqwen.server.responses_api import _feed
+    from fastqwen.server.responses_logprobs import TextLogprobs
+    from fastqwen.server.responses_output import OutputBuilder
+    from fastqwen.server.tools import ToolCallParser
+
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    cases = [  # (tokens, with tools, (prompt opened thinking, close ends reasoning), the answer's tokens)
+        (["<think>", "hm", "</think>", "\n\n", "Hel", "lo"], False, (False, False), [[4, 5]]),
+        (["hm", "</think>", "\n", "ok", "</think>"], False, (True, False), [[3, 4]]),
+        (["a", "</think>", "b"], False, (False, True), [[2]]),
+        (["a", " b"], False, (False, True), [[0, 1]]),
+        (["\n\n", call, "\n", "after"], True, (False, False), [[2, 3]]),  # (the newlines before the call: dropped)
+        (["Sure", ".", "\n\n", call, "\n", "<tool_call>", call[11:], "\n\n"], True, (False, False), [[0, 1, 2]]),
+        (
+            ["<", "tool", "_call>", call[11:-12], "</tool", "_call>", "\n", "after", " <", "x"],
+            True,
+            (False, False),
+            [[6, 7, 8, 9]],
+        ),  # fmt: skip
+    ]
+    for tokens, tools, splitting, answers in cases:
+        kinds = set()
+        for seed in range(6):
+            rng = random.Random(seed)
+            cuts = [0] + [i for i in range(1, len(tokens)) if seed == 1 or (seed > 1 and rng.random() < 0.5)]
+            entries = [TokenLogprobs(i, -float(i), [(i, -float(i))]) for i in range(len(tokens))]
+            splitter, parser = ReasoningSplitter(*splitting), ToolCallParser() if tools else None
+            builder = OutputBuilder(logprobs=TextLogprobs(tokens.__getitem__, splitter, tools))
+            events = []
+            for a, b in zip(cuts, cuts[1:] + [len(tokens)]):
+                end = SimpleNamespace(finish_reason="stop") if b == len(tokens) else None
+                events += _feed(splitter, parser, builder, "".join(tokens[a:b]), entries[a:b], end)
+            parts = [item["content"][0] for item in builder.items if item["type"] == "message"]
+            assert [[-int(lp["logprob"]) for lp in part["logprobs"]] for part in parts] == answers, (tokens, cuts)
+            for part in parts:
+                assert "".join(lp["token"] for lp in part["logprobs"]) == part["text"]
+            streamed = [
+                lp["token"] for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]
+            ]
+            assert streamed == [lp["token"] for part in parts for lp in part["logprobs"]]
+            kinds.add(tuple(item["type"] for item in builder.items))
+        assert len(kinds) == 1, kinds  # the same items in the same order, however the output was fed
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
         ("background", True),
-        ("include", ["message.output_text.logprobs"]),
+        ("include", ["file_search_call.results"]),
         ("tools", [{"type": "web_search"}]),
         ("text", {"verbosity": "high"}),
         ("truncation", "auto"),
-        ("top_logprobs", 3),
+        ("top_logprobs", 21),
+        ("top_logprobs", -1),
         ("response_format", {"type": "json_object"}),
         ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
         ("reasoning", {"summary": "detailed"}),

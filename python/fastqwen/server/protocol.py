@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from .responses_encrypted import INCLUDE_NAME as ENCRYPTED_REASONING
+from .responses_logprobs import INCLUDE_NAME as OUTPUT_LOGPROBS
 
 # What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
 MESSAGE_SCHEMA = {
@@ -628,8 +629,8 @@ class ResponsesRequest(_Lenient):
     prompt_cache_key: str | None = None  # the prefix cache is automatic: nothing to key
     truncation: str | None = None
     service_tier: str | None = None
-    top_logprobs: int | None = None
-    include: Any = None  # only "reasoning.encrypted_content" (what Codex asks for with store false)
+    top_logprobs: int | None = None  # alternatives per token, with include message.output_text.logprobs
+    include: Any = None  # reasoning.encrypted_content (what Codex asks for with store false), output text logprobs
     # vLLM's extras, honoured as on chat completions.
     seed: int | None = None
     top_k: int | None = None
@@ -657,7 +658,6 @@ class ResponsesRequest(_Lenient):
         "stream_options": (lambda v: bool(v and v.get("include_obfuscation")), "events are never padded"),
         "truncation": (lambda v: v != "disabled", "prompts are never truncated; shorten the input"),
         "service_tier": (lambda v: v not in ("auto", "default"), "there is one service tier"),
-        "top_logprobs": (_truthy, _NOT_IMPLEMENTED),
         # Chat completions' names, which would be ignored here.
         "messages": (_truthy, "pass input"),
         "response_format": (_truthy, "pass text.format"),
@@ -684,13 +684,23 @@ class ResponsesRequest(_Lenient):
         if self.include is not None and not isinstance(self.include, list):
             raise InvalidRequestError("include must be a list of strings", "include")
         for value in self.include or []:
-            if value != ENCRYPTED_REASONING:
+            if value not in (ENCRYPTED_REASONING, OUTPUT_LOGPROBS):
                 raise InvalidRequestError(
-                    f"include {value!r} is not supported: only {ENCRYPTED_REASONING!r} is available", "include"
+                    f"include {value!r} is not supported: only {ENCRYPTED_REASONING!r} and {OUTPUT_LOGPROBS!r} are "
+                    "available",
+                    "include",
                 )
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], not {self.top_logprobs}", "top_logprobs"
+            )
 
     def includes_encrypted_reasoning(self) -> bool:
         return ENCRYPTED_REASONING in (self.include or [])
+
+    def includes_output_logprobs(self) -> bool:
+        """Output text logprobs, as OpenAI gives them: only with this include (top_logprobs alone gives none)."""
+        return OUTPUT_LOGPROBS in (self.include or [])
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """Responses' flat function tools ({"type": "function", "name", "parameters", ...}) in chat's nested shape."""
@@ -801,4 +811,6 @@ class ResponsesRequest(_Lenient):
             stop=self.stop,
             chat_template_kwargs=self.template_kwargs(),
         )
+        if self.includes_output_logprobs():
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         return ChatCompletionRequest(**fields)

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from .responses_encrypted import encrypted_content
+from .responses_logprobs import TextLogprobs, without_bytes
 from .tools import ToolCallDelta
 
 
@@ -22,8 +23,9 @@ def new_id(prefix: str) -> str:
 
 
 class OutputBuilder:
-    def __init__(self, encrypt_reasoning: bool = False) -> None:
+    def __init__(self, encrypt_reasoning: bool = False, logprobs: TextLogprobs | None = None) -> None:
         self.encrypt_reasoning = encrypt_reasoning  # include reasoning.encrypted_content: set when an item is done
+        self.logprobs = logprobs  # include message.output_text.logprobs: what each output_text delta carries
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
         self._held = ""  # whitespace content not yet given to a message
@@ -43,6 +45,8 @@ class OutputBuilder:
             if call.name is not None:
                 item = {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": ""}
                 self._held = ""
+                if self.logprobs is not None:
+                    self.logprobs.skip_to_call()
                 self._start(events, item, "fc", None)
             if call.arguments:
                 self._open["arguments"] += call.arguments
@@ -56,6 +60,8 @@ class OutputBuilder:
             self._add_content(events, "", flush=True)
         if not self.items:  # nothing at all: an empty answer, as chat's content ""
             self._start(events, _message(), "msg", "output_text")
+        if self._is_open("message") and self.logprobs is not None:
+            self._take_logprobs(self._open["content"][0])  # tokens whose text came with the last delta, held till now
         self._close(events, "incomplete" if incomplete else "completed")
         return events
 
@@ -88,9 +94,18 @@ class OutputBuilder:
             events.append(self._event("response.content_part.added", content_index=0, part=_part(part, "")))
 
     def _add_text(self, events: list[dict[str, Any]], text: str, kind: str) -> None:
-        self._open["content"][0]["text"] += text
-        extra = {"logprobs": []} if kind == "response.output_text.delta" else {}
+        part = self._open["content"][0]
+        part["text"] += text
+        extra = {}
+        if kind == "response.output_text.delta":
+            given = self._take_logprobs(part)
+            extra = {"logprobs": without_bytes(given)}
         events.append(self._event(kind, content_index=0, delta=text, **extra))
+
+    def _take_logprobs(self, part: dict[str, Any]) -> list[dict[str, Any]]:
+        given = self.logprobs.take() if self.logprobs is not None else []
+        part["logprobs"] += given
+        return given
 
     def _close(self, events: list[dict[str, Any]], status: str) -> None:
         item = self._open
@@ -102,7 +117,10 @@ class OutputBuilder:
         else:
             part = item["content"][0]
             if item["type"] == "message":
-                events.append(self._event("response.output_text.done", content_index=0, text=part["text"], logprobs=[]))
+                logprobs = without_bytes(part["logprobs"])
+                events.append(
+                    self._event("response.output_text.done", content_index=0, text=part["text"], logprobs=logprobs)
+                )
             else:
                 events.append(self._event("response.reasoning_text.done", content_index=0, text=part["text"]))
                 if self.encrypt_reasoning:
