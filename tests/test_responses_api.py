@@ -286,6 +286,31 @@ def test_reasoning_items_match_chats_split(server):
     assert _joined(events, "response.reasoning_text.delta") == chat["reasoning_content"]
 
 
+@pytest.mark.parametrize(
+    "reasoning",
+    [
+        {"effort": "medium", "summary": "auto"},  # Codex CLI's default
+        {"effort": "max", "summary": "auto", "context": "current_turn"},
+        {"effort": "high", "context": "auto"},
+    ],
+)
+def test_reasoning_summary_auto_gives_the_reasoning_text_and_no_summary(server, reasoning):
+    """There is no summarizer: with summary auto the reasoning item has summary [] and the thinking text as
+    reasoning_text content, streamed as reasoning_text events (no reasoning_summary ones)."""
+    srv, _ = server
+    body = {"input": "weather?", "tools": [TOOL], "tool_choice": "required", "max_output_tokens": 8, "temperature": 0}
+    whole = _create(srv, **body, reasoning=reasoning)
+    item = whole.output[0]
+    assert item.type == "reasoning" and item.summary == [] and item.content[0].type == "reasoning_text", whole.output
+    assert item.content[0].text and whole.reasoning.effort == reasoning["effort"]
+    events = _stream_events(srv, **body, reasoning=reasoning)
+    check_event_order(events)
+    kinds = {e.type for e in events}
+    assert {"response.reasoning_text.delta", "response.reasoning_text.done"} <= kinds
+    assert not any("summary" in kind for kind in kinds), kinds
+    assert _joined(events, "response.reasoning_text.delta") == item.content[0].text
+
+
 def test_encrypted_reasoning_carries_the_thinking_through_a_stateless_tool_loop(server):
     """Codex with store false: include reasoning.encrypted_content puts an opaque string on each reasoning item (the
     stream's done item too); sent back in input with no other copy of the text, it renders as the assistant turn's
@@ -461,6 +486,7 @@ def test_output_text_logprobs_follow_the_text_through_reasoning_and_calls():
         ("response_format", {"type": "json_object"}),
         ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
         ("reasoning", {"summary": "detailed"}),
+        ("reasoning", {"context": "all_turns"}),
         ("max_output_tokens", 0),
     ],
 )

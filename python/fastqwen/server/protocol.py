@@ -599,7 +599,7 @@ class ScoreRequest(_ScoreFields):
 # Reasoning efforts: Qwen3 thinks or not (its thinking has no budget), so "none" and "minimal" turn the thinking block
 # off (enable_thinking false) and every other effort leaves it on.
 _EFFORTS_WITHOUT_THINKING = ("none", "minimal")
-_EFFORTS_WITH_THINKING = ("low", "medium", "high", "xhigh")
+_EFFORTS_WITH_THINKING = ("low", "medium", "high", "xhigh", "max")
 _CHAT_ONLY = "it belongs to /v1/chat/completions"
 
 
@@ -766,14 +766,22 @@ class ResponsesRequest(_Lenient):
         """chat_template_kwargs with reasoning.effort applied (enable_thinking)."""
         kwargs = dict(self.chat_template_kwargs or {})
         reasoning = self.reasoning or {}
-        unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
+        unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary", "context"})
         if unknown:
             raise InvalidRequestError(f"reasoning.{unknown[0]} is not supported", "reasoning")
         summary = reasoning.get("summary") or reasoning.get("generate_summary")
         if summary not in (None, "auto"):
-            # "auto" lets the server choose, and it gives none: the reasoning item carries the whole reasoning text.
+            # "auto" (Codex CLI's default) lets the server choose, and it gives none: there is no summarizer, the
+            # reasoning item carries the whole reasoning text as reasoning_text content (as vLLM's do).
             raise InvalidRequestError(
                 f"reasoning.summary {summary!r} is not supported: reasoning items carry the reasoning text itself",
+                "reasoning",
+            )
+        if reasoning.get("context") not in (None, "auto", "current_turn"):
+            # Qwen3's template keeps the reasoning of the turn in progress (its tool loop) and drops earlier turns'.
+            raise InvalidRequestError(
+                "reasoning.context must be auto or current_turn: Qwen3's chat template renders only the current "
+                "turn's reasoning",
                 "reasoning",
             )
         effort = reasoning.get("effort")
