@@ -85,9 +85,13 @@ _PARTS = {
 }
 
 
+_CUSTOM_DELTA = "response.custom_tool_call_input.delta"
+
+
 def check_event_order(events) -> None:
     """created, in_progress, then per output item in order: output_item.added, [content_part.added, deltas, done,
-    content_part.done] (message, reasoning) or [arguments deltas, arguments done] (function_call), output_item.done;
+    content_part.done] (message, reasoning), [arguments deltas, arguments done] (function_call) or [input delta, input
+    done] (custom_tool_call), output_item.done;
     then completed or incomplete. Sequence numbers count from 0; every item event names its item and index."""
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
@@ -109,6 +113,11 @@ def check_event_order(events) -> None:
             delta, done = _PARTS[item.type]
             assert body[0] == "response.content_part.added" and body[-2:] == [done, "response.content_part.done"]
             assert set(body[1:-2]) <= {delta}, body
+        elif item.type == "custom_tool_call":  # its input comes whole when the call is done
+            assert body in (
+                ["response.custom_tool_call_input.done"],
+                [_CUSTOM_DELTA, "response.custom_tool_call_input.done"],
+            )
         else:
             assert item.type == "function_call", item.type
             assert body[-1] == "response.function_call_arguments.done"
@@ -496,3 +505,176 @@ def test_unsupported_fields_are_refused_by_name(server, field, value):
     r = httpx.post(srv.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field, r.json()
+
+
+# ---- Codex CLI's requests ------------------------------------------------------------------------------------------
+# The shape Codex CLI 0.159.2 sends with its default config (recorded against a custom model by the agent-pier
+# project's protocol fixtures; codex-rs/codex-api's ResponsesApiRequest): no instructions (a developer message instead),
+# function tools with strict false, apply_patch as a custom (freeform) tool, sub-agent tools in a namespace, the
+# web_search tool (unless web_search = "disabled"), tool_choice auto, reasoning effort and summary auto, store false,
+# stream, include reasoning.encrypted_content, prompt_cache_key and client_metadata. Descriptions are shortened.
+
+_OBJECT = {"type": "object", "additionalProperties": False}
+CODEX_TOOLS = [
+    {
+        "type": "function",
+        "name": "exec_command",
+        "description": "Runs a command in a PTY, returning output or a session ID for ongoing interaction.",
+        "strict": False,
+        "parameters": {
+            **_OBJECT,
+            "properties": {
+                "cmd": {"type": "string", "description": "Shell command to execute."},
+                "workdir": {"type": "string", "description": "Working directory for the command."},
+                "yield_time_ms": {"type": "number", "description": "Wait before yielding output."},
+            },
+            "required": ["cmd"],
+        },
+    },
+    {
+        "type": "function",
+        "name": "write_stdin",
+        "description": "Writes characters to an existing unified exec session and returns recent output.",
+        "strict": False,
+        "parameters": {
+            **_OBJECT,
+            "properties": {"session_id": {"type": "number"}, "chars": {"type": "string"}},
+            "required": ["session_id"],
+        },
+    },  # fmt: skip
+    {
+        "type": "custom",
+        "name": "apply_patch",
+        "description": "The `apply_patch` tool can be used to edit files. This is a FREEFORM tool, so do not wrap "
+        "the patch in JSON.",
+        "format": {
+            "type": "grammar",
+            "syntax": "lark",
+            "definition": 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\n'
+            'end_patch: "*** End Patch" LF?\nhunk: add_hunk\nadd_hunk: "*** Add File: " filename LF add_line+\n'
+            'filename: /(.+)/\nadd_line: "+" /(.*)/ LF -> line\n%import common.LF\n',
+        },
+    },
+    {
+        "type": "namespace",
+        "name": "multi_agent_v1",
+        "description": "Tools for spawning and managing sub-agents.",
+        "tools": [
+            {
+                "type": "function",
+                "name": "close_agent",
+                "description": "Close an agent.",
+                "strict": False,
+                "parameters": {**_OBJECT, "properties": {"target": {"type": "string"}}, "required": ["target"]},
+            }
+        ],
+    },
+    {
+        "type": "function",
+        "name": "get_goal",
+        "description": "Get the current goal for this thread.",
+        "strict": False,
+        "parameters": {**_OBJECT, "properties": {}, "required": []},
+    },
+]
+CODEX_WEB_SEARCH = {"type": "web_search", "external_web_access": False}
+CODEX_CONTEXT = [
+    {
+        "type": "message",
+        "id": "msg_01",
+        "role": "developer",
+        "content": [
+            {"type": "input_text", "text": "<permissions instructions>\nsandbox_mode is read-only.\n</permissions instructions>"},
+            {"type": "input_text", "text": "<skills_instructions>\n## Skills\n</skills_instructions>"},
+        ],
+    },
+    {
+        "type": "message",
+        "id": "msg_02",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "<environment_context>\n  <cwd>/w</cwd>\n</environment_context>"}],
+    },
+    {"type": "message", "id": "msg_03", "role": "user", "content": [{"type": "input_text", "text": "Add a file."}]},
+]  # fmt: skip
+
+
+def _codex_body(input_items, **changes) -> dict:
+    body = {
+        "model": "m",
+        "input": input_items,
+        "tools": CODEX_TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "01a115ae-3a28-78d2-ab5c-fdf8991414d1",
+        "client_metadata": {"session_id": "01a115ae", "turn_id": "01a115ae-3a30", "x-codex-installation-id": "0e45"},
+        "max_output_tokens": 24,  # (not Codex's: it keeps the random model short)
+    }
+    return {**body, **changes}
+
+
+def test_codex_cli_requests_are_served(server):
+    """Codex's default request streams (every event an openai type, in OpenAI's order; a reasoning item would carry
+    encrypted_content); a custom tool's call comes back as a custom_tool_call whose input is a string, a namespaced
+    function's with its namespace; Codex's next request (the reasoning, a custom_tool_call with its output, a
+    function_call with a content-array output) is the conversation Hugging Face's template renders for those turns;
+    the web_search tool, which only OpenAI's servers run, is a 400 naming tools that says how to turn it off."""
+    srv, tokenizer = server
+    events = _stream_events(srv, **{k: v for k, v in _codex_body(CODEX_CONTEXT).items() if k != "stream"})
+    check_event_order(events)
+    first = events[-1].response
+    assert first.status in ("completed", "incomplete") and first.output, first
+    for item in first.output:
+        assert item.type != "reasoning" or (item.summary == [] and item.encrypted_content), item
+    # A reasoning item to send back (this greedy request thinks: test_reasoning_items_match_chats_split).
+    thinking = dict(input="weather?", tools=[TOOL], tool_choice="required", max_output_tokens=8, temperature=0)
+    reasoning = _create(srv, **thinking, include=["reasoning.encrypted_content"], store=False).output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content
+
+    no_thinking = {"reasoning": {"effort": "none", "summary": "auto"}, "max_output_tokens": 40}
+    for choice, kind, name in (
+        ({"type": "custom", "name": "apply_patch"}, "custom_tool_call", "apply_patch"),
+        ({"type": "function", "name": "close_agent"}, "function_call", "close_agent"),
+    ):
+        events = _stream_events(srv, **_codex_body(CODEX_CONTEXT, tool_choice=choice, stream=True, **no_thinking))
+        check_event_order(events)
+        call = events[-1].response.output[-1]
+        assert call.type == kind and call.name == name, events[-1].response.output
+        if kind == "custom_tool_call":
+            done = next(e for e in events if e.type == "response.custom_tool_call_input.done")
+            assert isinstance(call.input, str) and done.input == call.input
+        else:
+            assert call.namespace == "multi_agent_v1"
+
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n"
+    turn = [
+        {"type": "reasoning", "id": reasoning.id, "summary": [], "content": None,
+         "encrypted_content": reasoning.encrypted_content},
+        {"type": "custom_tool_call", "id": "ctc_1", "call_id": "call_1", "name": "apply_patch", "input": patch},
+        {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Success. Updated a.txt"},
+        {"type": "function_call", "id": "fc_2", "call_id": "call_2", "name": "exec_command",
+         "arguments": '{"cmd": "ls"}'},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "a.txt"}]},
+    ]  # fmt: skip
+    events = _stream_events(srv, **_codex_body(CODEX_CONTEXT + turn, max_output_tokens=2))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    bare = _create(srv, **_codex_body(CODEX_CONTEXT + turn, stream=False, tools=None, max_output_tokens=1))
+    patched = {"type": "function", "function": {"name": "apply_patch", "arguments": {"input": patch}}}
+    listed = {"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "ls"}}}
+    conversation = [
+        {"role": "system", "content": CODEX_CONTEXT[0]["content"][0]["text"] + CODEX_CONTEXT[0]["content"][1]["text"]},
+        {"role": "user", "content": CODEX_CONTEXT[1]["content"][0]["text"]},
+        {"role": "user", "content": "Add a file."},
+        {"role": "assistant", "content": "", "reasoning_content": reasoning.content[0].text, "tool_calls": [patched]},
+        {"role": "tool", "content": "Success. Updated a.txt"},
+        {"role": "assistant", "content": "", "tool_calls": [listed]},  # (a call after an output: a turn of its own)
+        {"role": "tool", "content": "a.txt"},
+    ]
+    assert bare.usage.input_tokens == _prompt_tokens(tokenizer, conversation)
+
+    r = httpx.post(srv.url + "/v1/responses", json=_codex_body(CODEX_CONTEXT, tools=CODEX_TOOLS + [CODEX_WEB_SEARCH]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert "tools[5]" in r.json()["error"]["message"] and 'web_search = \\"disabled\\"' in r.text, r.text

@@ -15,6 +15,7 @@ from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from .responses_encrypted import INCLUDE_NAME as ENCRYPTED_REASONING
 from .responses_logprobs import INCLUDE_NAME as OUTPUT_LOGPROBS
+from .responses_tools import ToolCatalog, tool_catalog
 
 # What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
 MESSAGE_SCHEMA = {
@@ -702,35 +703,24 @@ class ResponsesRequest(_Lenient):
         """Output text logprobs, as OpenAI gives them: only with this include (top_logprobs alone gives none)."""
         return OUTPUT_LOGPROBS in (self.include or [])
 
+    def tool_catalog(self) -> ToolCatalog:
+        """The request's tools (function, custom and namespace tools) as chat's function tools (responses_tools)."""
+        return tool_catalog(self.tools or [])
+
     def chat_tools(self) -> list[dict[str, Any]] | None:
-        """Responses' flat function tools ({"type": "function", "name", "parameters", ...}) in chat's nested shape."""
-        if self.tools is None:
-            return None
-        out = []
-        for i, tool in enumerate(self.tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise InvalidRequestError(
-                    f"tools[{i}]: only function tools are supported, not {kind!r} (this server runs no built-in tools)",
-                    "tools",
-                )
-            if "function" in tool and "name" not in tool:
-                raise InvalidRequestError(
-                    f'tools[{i}]: Responses tools are flat: {{"type": "function", "name": ..., "parameters": ...}}',
-                    "tools",
-                )
-            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-            out.append({"type": "function", "function": function})
-        return out
+        return None if self.tools is None else self.tool_catalog().chat_tools
 
     def chat_tool_choice(self) -> str | dict[str, Any] | None:
         choice = self.tool_choice
+        if choice == "auto" and not self.tools:
+            return None  # (Codex CLI sends "auto" with its tools, an empty list included: no tools, nothing to choose)
         if choice is None or isinstance(choice, str):
             return choice
-        if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        if choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
             return {"type": "function", "function": {"name": choice["name"]}}
         raise InvalidRequestError(
-            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice"
+            'tool_choice must be "none", "auto", "required" or {"type": "function" or "custom", "name": ...}',
+            "tool_choice",
         )
 
     def chat_response_format(self) -> dict[str, Any] | None:

@@ -111,7 +111,7 @@ def _parsers(
     logprobs = None
     if body.includes_output_logprobs():
         logprobs = TextLogprobs(state.engine.frontend.tokenizer.token_text, splitter, start.parse_calls)
-    return splitter, parser, OutputBuilder(body.includes_encrypted_reasoning(), logprobs)
+    return splitter, parser, OutputBuilder(body.includes_encrypted_reasoning(), logprobs, body.tool_catalog())
 
 
 def _feed(
