@@ -49,27 +49,35 @@ def _tokenizer(folder: str, *, eos_suffix: bool = False, yes_no: bool = False) -
     tok.save(path)
 
 
-@pytest.fixture(scope="module")
-def embedding_folder(tmp_path_factory) -> str:
+def write_embedding_checkpoint(folder: str) -> str:
+    """A tiny Qwen3-Embedding: a bare Qwen3Model (no LM head, tensors without "model.")."""
     from transformers import Qwen3Config, Qwen3Model
 
-    folder = str(tmp_path_factory.mktemp("tiny-Qwen3-Embedding"))
     torch.manual_seed(0)
-    Qwen3Model(Qwen3Config(**SHAPE)).save_pretrained(folder)  # no LM head, tensors without "model."
+    Qwen3Model(Qwen3Config(**SHAPE)).save_pretrained(folder)
     _tokenizer(folder, eos_suffix=True)
     return folder
 
 
-@pytest.fixture(scope="module")
-def reranker_folder(tmp_path_factory) -> str:
+def write_reranker_checkpoint(parent: str) -> str:
+    """A tiny Qwen3-Reranker (a causal LM, detected by its folder's name) in parent; its folder."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    folder = str(tmp_path_factory.mktemp("x") / "tiny-Qwen3-Reranker")
+    folder = os.path.join(parent, "tiny-Qwen3-Reranker")
     torch.manual_seed(1)
-    _tokenizer_folder = folder
     Qwen3ForCausalLM(Qwen3Config(**{**SHAPE, "vocab_size": 322})).save_pretrained(folder)
-    _tokenizer(_tokenizer_folder, yes_no=True)
+    _tokenizer(folder, yes_no=True)
     return folder
+
+
+@pytest.fixture(scope="module")
+def embedding_folder(tmp_path_factory) -> str:
+    return write_embedding_checkpoint(str(tmp_path_factory.mktemp("tiny-Qwen3-Embedding")))
+
+
+@pytest.fixture(scope="module")
+def reranker_folder(tmp_path_factory) -> str:
+    return write_reranker_checkpoint(str(tmp_path_factory.mktemp("x")))
 
 
 def _hf_embedding(folder: str, ids: list[int]) -> torch.Tensor:

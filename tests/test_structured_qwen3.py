@@ -80,6 +80,44 @@ def test_every_kind_can_follow_thinking(setup, kind, spec, answer, wrong):
     assert not _accepts(compiler, structured, enc("<think>\nhm</think>\n\n" + wrong))
 
 
+@pytest.mark.parametrize(
+    "kind, spec, text",
+    [
+        ("regex", "ab</think>cd", "ab</think>cd"),
+        ("choice", json.dumps(["<tool_call>x"]), "<tool_call>x"),
+        ("json_schema", json.dumps({"const": "<|im_end|>"}), '"<|im_end|>"'),
+        ("grammar", 'start: "<think>" /[0-9]/', "<think>0"),  # (the lowest token id: 0)
+    ],
+)
+@pytest.mark.parametrize("thinking", [False, True])
+def test_text_that_spells_an_added_token_comes_out_as_text(setup, kind, spec, text, thinking):
+    """llguidance tokenizes forced text with Hugging Face's tokenizer, which cuts Qwen3's added tokens out of it,
+    and then refuses the token it offered (forced_text.py): each mask's tokens are accepted, and the text comes out
+    as ordinary tokens, on the engine's path (masks computed ahead) and llguidance's executor's."""
+    tokenizer, (open_id, close_id), compiler = setup
+    structured = StructuredOutput(kind, spec, thinking=(open_id, close_id) if thinking else None)
+    compiled = compiler.submit(structured)
+    mask = np.zeros((1, (VOCAB + 31) // 32), dtype=np.int32)
+    for ahead in (False, True):
+        matcher, ids = compiler.matcher(compiled, ahead=ahead), []
+        for _ in range(40):
+            if ahead:
+                matcher.copy_mask(mask[0])
+            else:
+                fill_bitmasks([(matcher, 0)], mask)
+            allowed = [int(t) for t in np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little"))]
+            allowed = [t for t in allowed if t not in (EOS, open_id)]  # (no thinking block: straight to the answer)
+            if not allowed:
+                break
+            assert all(matcher.matcher.validate_tokens([t]) == 1 for t in allowed), allowed
+            ids.append(allowed[0])
+            if not matcher.advance(allowed[0]):
+                break
+        assert matcher.error is None and matcher.accepting, matcher.error
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+        assert all(t < 151643 for t in ids), ids  # text tokens only: the added ones start at <|endoftext|>
+
+
 @pytest.mark.parametrize("opened", [False, True])
 def test_random_walks_end_in_valid_answers(setup, opened):
     """Tokens drawn at random from each step's mask (biased towards closing the block so walks finish): the text
@@ -221,8 +259,8 @@ TOOLS = [
 
 
 def test_tool_call_grammar_walks_with_qwen3_tokens(setup):
-    """With the call tokens in the grammar every allowed token is accepted (spelled as text, llguidance offers the
-    <tool_call> token and then refuses it), and every walk is a valid call."""
+    """With the call tokens in the grammar (the model writes the tokens it was trained on, not their text) every
+    allowed token is accepted, and every walk is a valid call."""
     import jsonschema
     from fastqwen.grammar import tool_call_structured
     from fastqwen.server.tools import parse_tool_calls
@@ -342,7 +380,7 @@ def test_text_before_a_lone_close_is_reasoning_when_the_grammar_leaves_thinking_
         "temperature": 1.0,
         "seed": 3,
         "logit_bias": {str(open_id): -100},
-        # (</think> as its token: spelled as text in a regex, llguidance offers the token but then refuses it)
+        # (</think> as its token, as a model writes it: spelled as text, it would come out as ordinary tokens)
         "structured_outputs": {"grammar": f'start: /[a-z]{{2,6}}/ <[{close_id}]> "{{\\"n\\": " /[0-9]/ "}}"'},
     }
     message, deltas = _chat_both_ways(qwen3_server.url, body)
@@ -374,3 +412,18 @@ def test_a_plain_request_streams_its_content_past_a_lone_close(qwen3_server):
     assert not any("reasoning_content" in d for d in deltas)
     with_content = [i for i, d in enumerate(deltas) if d.get("content")]
     assert len(with_content) > 3, f"the content came in {len(with_content)} pieces: held back, not streamed"
+
+
+def test_a_regex_that_spells_think_works_through_chat(qwen3_server):
+    """The server's side of the repair above: a regex that spells </think> (a special token in Qwen3's tokenizer)
+    gets that text as content, streamed or not, where llguidance's forced token made it a 500."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 20,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "structured_outputs": {"regex": "ab</think>c[0-9]"},
+    }
+    message, deltas = _chat_both_ways(qwen3_server.url, body)
+    assert re.fullmatch("ab</think>c[0-9]", message["content"]), message
+    assert _joined(deltas, "content") == message["content"]

@@ -24,6 +24,7 @@ from fastqwen.sampling_params import StructuredOutput
 from fastqwen.sharding import Shard
 from fastqwen.weights import _TensorSource, dummy_weights, load_weights, shard_weights
 from server_process import ServerProcess
+from test_embeddings import KNOBS, write_embedding_checkpoint, write_reranker_checkpoint
 
 VOCAB = 390  # not a multiple of 4: the last rank's vocabulary slice is padded
 NEW_TOKENS = 24
@@ -213,6 +214,35 @@ def test_tp4_replicates_kv_heads_and_matches_hf(model):
         assert [o.token_ids for o in outputs] == expected
     finally:
         llm.close()
+
+
+def test_embeddings_and_scores_under_tp2_are_one_ranks(tmp_path):
+    """Pooling under tensor parallelism: every rank computes the last position's hidden state (replicated after the
+    row-parallel all-reduce) or the reranker's yes/no logits (the LM head's vocabulary slices gathered), and rank 0's
+    result is returned. TP=2 against TP=1 (itself checked against Hugging Face in test_embeddings): embeddings of an
+    embedding checkpoint without an LM head (each rank loads its slices), a reranker's scores and its generation."""
+    embedding_folder = write_embedding_checkpoint(str(tmp_path / "embedding"))
+    reranker_folder = write_reranker_checkpoint(str(tmp_path))
+    texts = ["the quick brown fox", "漢字 and emoji 🙂, a longer input than the first one", [5, 6, 7]]
+    query, documents = "what is the capital of China?", ["Beijing is the capital of China.", "Gravity.", "no idea"]
+    one_embed, one_score = LLM(embedding_folder, **KNOBS), LLM(reranker_folder, **KNOBS)
+    expected_vectors, expected_scores = one_embed.embed(texts), one_score.score(query, documents)
+    for folder in (embedding_folder, reranker_folder):
+        llm = LLM(folder, **KNOBS, tensor_parallel_size=2)
+        try:
+            if folder == embedding_folder:
+                for got, want in zip(llm.embed(texts), expected_vectors):
+                    assert torch.dot(torch.tensor(got), torch.tensor(want)).item() > 1 - 1e-5
+            else:
+                scores = llm.score(query, documents)
+                assert max(abs(a - b) for a, b in zip(scores, expected_scores)) < 1e-5, (scores, expected_scores)
+                greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)  # (a reranker also generates)
+                assert (
+                    llm.generate([[5, 6, 7, 8]], greedy)[0].token_ids
+                    == one_score.generate([[5, 6, 7, 8]], greedy)[0].token_ids
+                )
+        finally:
+            llm.close()
 
 
 def test_a_rank_that_dies_ends_the_engine(model):

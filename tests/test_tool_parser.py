@@ -75,3 +75,13 @@ def test_single_call_keeps_the_first():
     content, calls = parse_tool_calls(text, single_call=True)
     assert [c["function"]["name"] for c in calls] == ["a"] and content == "\ntrailing"
     assert streamed(text, 1, single_call=True)[1][0]["name"] == "a"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whitespace_after_calls_splits_the_same_however_fed(seed):
+    """Newlines between and after calls are not content, but the whitespace in text that follows a call is (a piece
+    of only spaces, or a held "<", must not lose it)."""
+    calls = CALL.format(name="a", args="{}") + "\n" + CALL.format(name="b", args="{}")
+    for tail, content in (("\nsee you < soon\n\n", "\nsee you < soon\n\n"), ("\n\n", ""), ("\n <x", "\n <x")):
+        assert parse_tool_calls(calls + tail)[0] == content
+        assert streamed(calls + tail, seed)[0] == content

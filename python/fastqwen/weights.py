@@ -353,7 +353,12 @@ def _load_shard(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch
         return _pad_rows(get(name, (cfg.vocab_size, h), 0, vocab_span), vocab_rows)
 
     embed = vocab_table("model.embed_tokens.weight")
-    lm_head = LinearWeight(embed if cfg.tie_word_embeddings else vocab_table("lm_head.weight"))
+    if cfg.tie_word_embeddings:
+        lm_head = LinearWeight(embed)
+    elif "lm_head.weight" in src:
+        lm_head = LinearWeight(vocab_table("lm_head.weight"))
+    else:
+        lm_head = None  # an embedding checkpoint (pooling.detect_task), as in _load_whole
     return Qwen3Weights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
 
 

@@ -194,7 +194,7 @@ class LLMEngine:
             weights = dummy_weights(self.config, self.dtype, self.device, seed, fp8=self.fp8, shard=shard)
         else:
             weights = load_weights(folder, self.config, self.dtype, self.device, fp8=self.fp8, shard=shard)
-        self.task = self._resolve_task(config, weights.lm_head is not None, parallel)
+        self.task = self._resolve_task(config, weights.lm_head is not None)
         # Where it runs, a one-sequence decode step carries its RMSNorms in the GEMVs (model/qwen3_batch1.py), the
         # norm weights folded into the dense projections after them at load (not for a model that pools: its final
         # norm must stay the norm it is, and it rarely decodes).
@@ -314,8 +314,9 @@ class LLMEngine:
         self._log_summary()
 
     @staticmethod
-    def _resolve_task(config: EngineConfig, has_lm_head: bool, parallel: ParallelGroup) -> str:
-        """--task, or the checkpoint's (pooling.detect_task); refuses what this checkpoint or setup cannot serve."""
+    def _resolve_task(config: EngineConfig, has_lm_head: bool) -> str:
+        """--task, or the checkpoint's (pooling.detect_task); refuses what this checkpoint cannot serve. (Every task
+        runs under tensor parallelism: the pooled hidden state is replicated on every rank, the LM head gathered.)"""
         task = config.task
         if task == "auto":
             task = detect_task(config.model, architectures_of(config.model), has_lm_head)
@@ -325,8 +326,6 @@ class LLMEngine:
                 f"not {task}",
                 "task",
             )
-        if task != "generate" and not parallel.single:
-            raise ConfigError(f"--task {task} runs on one GPU per engine (no tensor parallelism yet)", "task")
         return task
 
     def _log_summary(self) -> None:

@@ -11,6 +11,8 @@ model's tokenizer, and the per-step token bitmasks the samplers apply.
   compiled grammar by (kind, spec, strict), hands each request its own `GrammarMatcher`, which computes the mask of
   each state ahead on a worker thread (outside the GIL) for the samplers to copy; `fill_bitmasks` computes several
   matchers' masks at once (llguidance's executor), for tests and benchmarks.
+- `forced_text.py`: text a grammar forces that spells an added token (`</think>`) comes out as ordinary tokens, where
+  llguidance would offer the added token and then refuse it.
 - `tool_calls.py`: the spec that forces Qwen3's <tool_call> blocks for tool_choice "required" or a named function.
 
 Token ids only: no text of requests, no tensors (masks are filled into caller-owned int32 host memory).

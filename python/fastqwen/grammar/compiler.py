@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutput
+from .forced_text import repair_forced_mask
 from .lru import ByteBudgetLRU
 from .spec import llguidance_grammar
 from .validator import VALIDATOR_STACK_BYTES
@@ -62,10 +63,20 @@ class GrammarMatcher:
     slow mask delays its own request and not the step. `version` counts the tokens taken; the mask is stamped with the
     version it was computed for, and `copy_mask` refuses one of another state. Without `ahead`, copy_mask computes
     the mask when asked (tests, tools).
+
+    tokenizer: the one the grammar was compiled for, to repair a mask that offers only a token the grammar refuses
+    (forced_text.py); None leaves llguidance's masks as they are.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int, ahead: bool = False):
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        mask_words: int,
+        ahead: bool = False,
+        tokenizer: llguidance.LLTokenizer | None = None,
+    ):
         self.matcher = matcher
+        self.tokenizer = tokenizer
         self.error: str | None = None  # why the grammar gave up, once it has: the request then ends with an error
         self.version = 0  # tokens taken: the state the next mask belongs to
         self._ahead = ahead
@@ -150,6 +161,7 @@ class GrammarMatcher:
             raise RuntimeError("a draft token the grammar does not allow reached a verify step")
         try:
             self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            self._repair(out)
         finally:
             if draft:
                 self.matcher.rollback(len(draft))
@@ -160,7 +172,12 @@ class GrammarMatcher:
     def _compute_mask(self, version: int) -> None:
         """On a mask thread: llguidance fills the request's own buffer (outside the GIL)."""
         self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        self._repair(self._mask)
         self._mask_version = version
+
+    def _repair(self, mask: np.ndarray) -> None:
+        if self.tokenizer is not None:
+            repair_forced_mask(self.matcher, self.tokenizer, mask)
 
     def _settle(self) -> None:
         """Wait for a mask in flight (before the matcher is used from another thread)."""
@@ -190,6 +207,8 @@ def fill_bitmasks(rows: list[tuple[GrammarMatcher, int]], out: np.ndarray) -> No
     _executor().unsafe_compute_mask_ptr(
         [(m.matcher, i) for m, i in rows], out.ctypes.data, out.shape[1] * 4, out.shape[0]
     )
+    for m, i in rows:
+        m._repair(out[i])
 
 
 @contextlib.contextmanager
@@ -321,7 +340,7 @@ class GrammarCompiler:
     def matcher(self, compiled: Future, ahead: bool = False) -> GrammarMatcher:
         """A fresh matcher of a finished compile (raises its error if it failed); `ahead`: it computes each mask as
         soon as its state is reached (GrammarMatcher), starting with the first."""
-        return GrammarMatcher(compiled.result().deep_copy(), self.mask_words, ahead)
+        return GrammarMatcher(compiled.result().deep_copy(), self.mask_words, ahead, self._llg_tokenizer())
 
     def close(self) -> None:
         if self._pool is not None:

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from .responses_encrypted import INCLUDE_NAME as ENCRYPTED_REASONING
+from .responses_logprobs import INCLUDE_NAME as OUTPUT_LOGPROBS
+from .responses_tools import ToolCatalog, tool_catalog
 
 # What a chat message looks like, for the OpenAPI document (validation is the chat template's: normalize_messages).
 MESSAGE_SCHEMA = {
@@ -598,7 +600,7 @@ class ScoreRequest(_ScoreFields):
 # Reasoning efforts: Qwen3 thinks or not (its thinking has no budget), so "none" and "minimal" turn the thinking block
 # off (enable_thinking false) and every other effort leaves it on.
 _EFFORTS_WITHOUT_THINKING = ("none", "minimal")
-_EFFORTS_WITH_THINKING = ("low", "medium", "high", "xhigh")
+_EFFORTS_WITH_THINKING = ("low", "medium", "high", "xhigh", "max")
 _CHAT_ONLY = "it belongs to /v1/chat/completions"
 
 
@@ -628,8 +630,8 @@ class ResponsesRequest(_Lenient):
     prompt_cache_key: str | None = None  # the prefix cache is automatic: nothing to key
     truncation: str | None = None
     service_tier: str | None = None
-    top_logprobs: int | None = None
-    include: Any = None  # only "reasoning.encrypted_content" (what Codex asks for with store false)
+    top_logprobs: int | None = None  # alternatives per token, with include message.output_text.logprobs
+    include: Any = None  # reasoning.encrypted_content (what Codex asks for with store false), output text logprobs
     # vLLM's extras, honoured as on chat completions.
     seed: int | None = None
     top_k: int | None = None
@@ -657,7 +659,6 @@ class ResponsesRequest(_Lenient):
         "stream_options": (lambda v: bool(v and v.get("include_obfuscation")), "events are never padded"),
         "truncation": (lambda v: v != "disabled", "prompts are never truncated; shorten the input"),
         "service_tier": (lambda v: v not in ("auto", "default"), "there is one service tier"),
-        "top_logprobs": (_truthy, _NOT_IMPLEMENTED),
         # Chat completions' names, which would be ignored here.
         "messages": (_truthy, "pass input"),
         "response_format": (_truthy, "pass text.format"),
@@ -684,43 +685,42 @@ class ResponsesRequest(_Lenient):
         if self.include is not None and not isinstance(self.include, list):
             raise InvalidRequestError("include must be a list of strings", "include")
         for value in self.include or []:
-            if value != ENCRYPTED_REASONING:
+            if value not in (ENCRYPTED_REASONING, OUTPUT_LOGPROBS):
                 raise InvalidRequestError(
-                    f"include {value!r} is not supported: only {ENCRYPTED_REASONING!r} is available", "include"
+                    f"include {value!r} is not supported: only {ENCRYPTED_REASONING!r} and {OUTPUT_LOGPROBS!r} are "
+                    "available",
+                    "include",
                 )
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], not {self.top_logprobs}", "top_logprobs"
+            )
 
     def includes_encrypted_reasoning(self) -> bool:
         return ENCRYPTED_REASONING in (self.include or [])
 
+    def includes_output_logprobs(self) -> bool:
+        """Output text logprobs, as OpenAI gives them: only with this include (top_logprobs alone gives none)."""
+        return OUTPUT_LOGPROBS in (self.include or [])
+
+    def tool_catalog(self) -> ToolCatalog:
+        """The request's tools (function, custom and namespace tools) as chat's function tools (responses_tools)."""
+        return tool_catalog(self.tools or [])
+
     def chat_tools(self) -> list[dict[str, Any]] | None:
-        """Responses' flat function tools ({"type": "function", "name", "parameters", ...}) in chat's nested shape."""
-        if self.tools is None:
-            return None
-        out = []
-        for i, tool in enumerate(self.tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise InvalidRequestError(
-                    f"tools[{i}]: only function tools are supported, not {kind!r} (this server runs no built-in tools)",
-                    "tools",
-                )
-            if "function" in tool and "name" not in tool:
-                raise InvalidRequestError(
-                    f'tools[{i}]: Responses tools are flat: {{"type": "function", "name": ..., "parameters": ...}}',
-                    "tools",
-                )
-            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-            out.append({"type": "function", "function": function})
-        return out
+        return None if self.tools is None else self.tool_catalog().chat_tools
 
     def chat_tool_choice(self) -> str | dict[str, Any] | None:
         choice = self.tool_choice
+        if choice == "auto" and not self.tools:
+            return None  # (Codex CLI sends "auto" with its tools, an empty list included: no tools, nothing to choose)
         if choice is None or isinstance(choice, str):
             return choice
-        if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        if choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
             return {"type": "function", "function": {"name": choice["name"]}}
         raise InvalidRequestError(
-            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice"
+            'tool_choice must be "none", "auto", "required" or {"type": "function" or "custom", "name": ...}',
+            "tool_choice",
         )
 
     def chat_response_format(self) -> dict[str, Any] | None:
@@ -756,14 +756,22 @@ class ResponsesRequest(_Lenient):
         """chat_template_kwargs with reasoning.effort applied (enable_thinking)."""
         kwargs = dict(self.chat_template_kwargs or {})
         reasoning = self.reasoning or {}
-        unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
+        unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary", "context"})
         if unknown:
             raise InvalidRequestError(f"reasoning.{unknown[0]} is not supported", "reasoning")
         summary = reasoning.get("summary") or reasoning.get("generate_summary")
         if summary not in (None, "auto"):
-            # "auto" lets the server choose, and it gives none: the reasoning item carries the whole reasoning text.
+            # "auto" (Codex CLI's default) lets the server choose, and it gives none: there is no summarizer, the
+            # reasoning item carries the whole reasoning text as reasoning_text content (as vLLM's do).
             raise InvalidRequestError(
                 f"reasoning.summary {summary!r} is not supported: reasoning items carry the reasoning text itself",
+                "reasoning",
+            )
+        if reasoning.get("context") not in (None, "auto", "current_turn"):
+            # Qwen3's template keeps the reasoning of the turn in progress (its tool loop) and drops earlier turns'.
+            raise InvalidRequestError(
+                "reasoning.context must be auto or current_turn: Qwen3's chat template renders only the current "
+                "turn's reasoning",
                 "reasoning",
             )
         effort = reasoning.get("effort")
@@ -801,4 +809,6 @@ class ResponsesRequest(_Lenient):
             stop=self.stop,
             chat_template_kwargs=self.template_kwargs(),
         )
+        if self.includes_output_logprobs():
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         return ChatCompletionRequest(**fields)

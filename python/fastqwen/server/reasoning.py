@@ -15,7 +15,7 @@ from __future__ import annotations
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def _partial_tag_suffix(text: str, tag: str) -> int:
+def partial_tag_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -57,7 +57,7 @@ class ReasoningSplitter:
             elif self._state == "reasoning":
                 at = self._buffer.find(CLOSE)
                 if at == -1:
-                    keep = _partial_tag_suffix(self._buffer, CLOSE)
+                    keep = partial_tag_suffix(self._buffer, CLOSE)
                     reasoning += self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     return reasoning, content

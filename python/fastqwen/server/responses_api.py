@@ -21,10 +21,12 @@ from .openai_api import ChatStart, start_chat
 from .protocol import ResponsesRequest
 from .reasoning import ReasoningSplitter
 from .responses_items import assistant_message, input_messages
+from .responses_logprobs import TextLogprobs
 from .responses_output import OutputBuilder, new_id, reasoning_tokens, usage
 from .responses_store import json_size
 from .serving import StreamingUpdatesResponse, collect_requests, sse, stream_requests
 from .state import ServerState
+from .tools import CLOSE as TOOL_CALL_CLOSE
 from .tools import ToolCallParser
 
 router = APIRouter(route_class=JsonBodyRoute)
@@ -87,6 +89,7 @@ class _Turn:
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [],
+            "top_logprobs": body.top_logprobs,
             "top_p": body.top_p,
             "truncation": "disabled",
             "usage": used,
@@ -100,24 +103,40 @@ class _Turn:
         self.state.responses.put(response, self.history + turn, self.history_size + json_size(turn))
 
 
-def _parsers(body: ResponsesRequest, start: ChatStart) -> tuple[ReasoningSplitter, ToolCallParser | None]:
+def _parsers(
+    state: ServerState, body: ResponsesRequest, start: ChatStart
+) -> tuple[ReasoningSplitter, ToolCallParser | None, OutputBuilder]:
     parser = ToolCallParser(single_call=not body.parallel_tool_calls) if start.parse_calls else None
-    return ReasoningSplitter(*start.splitting), parser
+    splitter = ReasoningSplitter(*start.splitting)
+    logprobs = None
+    if body.includes_output_logprobs():
+        logprobs = TextLogprobs(state.engine.frontend.tokenizer.token_text, splitter, start.parse_calls)
+    return splitter, parser, OutputBuilder(body.includes_encrypted_reasoning(), logprobs, body.tool_catalog())
 
 
-def _feed(splitter, parser, builder: OutputBuilder, text: str, finished: RequestOutput | None) -> list[dict]:
-    """Output text through the reasoning splitter and the tool-call parser into the builder: its events."""
+def _feed(
+    splitter, parser, builder: OutputBuilder, text: str, logprobs: list | None, finished: RequestOutput | None
+) -> list[dict]:
+    """Output text (and its tokens' logprobs) through the reasoning splitter and the tool-call parser into the
+    builder: its events."""
+    if builder.logprobs is not None:
+        builder.logprobs.add(logprobs or [])
+        if finished is not None:
+            builder.logprobs.finish()
     reasoning, content = splitter.feed(text)
     if finished is not None:
         r2, c2 = splitter.finish()
         reasoning, content = reasoning + r2, content + c2
-    calls = []
-    if parser is not None:  # the content goes through the tool-call parser; reasoning never does
-        content, calls = parser.feed(content)
+    if parser is None:
+        events = builder.feed(reasoning, content, [])
+    else:  # the content goes through the tool-call parser (reasoning never does), one call at a time: text after a
+        # call (in the same piece) is an item after it
+        events, pieces = [], content.split(TOOL_CALL_CLOSE)
+        for i, piece in enumerate(pieces):
+            text, calls = parser.feed(piece if i == len(pieces) - 1 else piece + TOOL_CALL_CLOSE)
+            events += builder.feed(reasoning if i == 0 else "", text, calls)
         if finished is not None:
-            c3, calls3 = parser.finish()
-            content, calls = content + c3, calls + calls3
-    events = builder.feed(reasoning, content, calls)
+            events += builder.feed("", *parser.finish())
     if finished is not None:
         events += builder.finish(finished.finish_reason == "length")
     return events
@@ -135,9 +154,8 @@ async def create_response(body: ResponsesRequest, http_request: HTTPRequest) -> 
     if outputs is None:
         return client_closed_response()
     output = outputs[0]
-    builder = OutputBuilder(body.includes_encrypted_reasoning())
-    splitter, parser = _parsers(body, start)
-    _feed(splitter, parser, builder, output.text or "", output)
+    splitter, parser, builder = _parsers(state, body, start)
+    _feed(splitter, parser, builder, output.text or "", output.logprobs, output)
     response = turn.response(builder.items, output, start)
     turn.remember(response)
     return JSONResponse(response)
@@ -154,8 +172,7 @@ async def _stream(turn: _Turn, start: ChatStart) -> AsyncIterator[str]:
     yield _event(sequence, {"type": "response.created", "response": snapshot}) + _event(
         sequence, {"type": "response.in_progress", "response": snapshot}
     )
-    builder = OutputBuilder(turn.body.includes_encrypted_reasoning())
-    splitter, parser = _parsers(turn.body, start)
+    splitter, parser, builder = _parsers(state, turn.body, start)
     finished = None
     async for batch in stream_requests(state.engine, start.requests, state.metrics):
         events = []
@@ -163,7 +180,7 @@ async def _stream(turn: _Turn, start: ChatStart) -> AsyncIterator[str]:
             update = item.timed.update
             if update.finished:
                 finished = update.output
-            events += _feed(splitter, parser, builder, update.new_text or "", finished)
+            events += _feed(splitter, parser, builder, update.new_text or "", update.new_logprobs, finished)
         yield "".join(_event(sequence, e) for e in events)
     response = turn.response(builder.items, finished, start)
     turn.remember(response)

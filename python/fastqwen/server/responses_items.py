@@ -1,9 +1,10 @@
 """/v1/responses input items as chat messages, and a response's output items as the assistant message they make.
 
 Input is a string (one user message) or a list of items: messages (role user, system, developer or assistant; content
-a string or text parts), function_call and function_call_output items (a tool loop), and reasoning items (a previous
-output sent back). Calls and reasoning join the assistant message they belong to, as Qwen3's chat template expects:
-one assistant turn with reasoning_content, content and tool_calls.
+a string or text parts), function_call and function_call_output items (a tool loop; custom_tool_call and
+custom_tool_call_output for custom tools, whose input is the `input` argument of the function they are rendered as:
+responses_tools), and reasoning items (a previous output sent back). Calls and reasoning join the assistant message
+they belong to, as Qwen3's chat template expects: one assistant turn with reasoning_content, content and tool_calls.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from .responses_encrypted import reasoning_of
+from .responses_tools import custom_arguments
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -95,16 +97,20 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             text = _reasoning_text(item, where)
             turn = conversation.assistant()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + text
-        elif kind == "function_call":
-            name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "")
+        elif kind in ("function_call", "custom_tool_call"):
+            name, call_id = item.get("name"), item.get("call_id")
+            arguments = item.get("arguments", "") if kind == "function_call" else item.get("input", "")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, str):
-                raise _fail(where, "a function_call item needs name, call_id and arguments (a string)")
+                field = "arguments" if kind == "function_call" else "input"
+                raise _fail(where, f"a {kind} item needs name, call_id and {field} (a string)")
+            if kind == "custom_tool_call":
+                arguments = custom_arguments(arguments)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             conversation.assistant().setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
-                raise _fail(where, "a function_call_output item needs call_id")
+                raise _fail(where, f"a {kind} item needs call_id")
             conversation.add({"role": "tool", "tool_call_id": call_id, "content": _text(output, where + ".output")})
         else:
             raise _fail(where, f"input items of type {kind!r} are not supported")
@@ -119,7 +125,8 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
             message["reasoning_content"] = "".join(part["text"] for part in item["content"])
         elif item["type"] == "message":
             message["content"] += "".join(part["text"] for part in item["content"])
-        elif item["type"] == "function_call":
-            call = {"name": item["name"], "arguments": item["arguments"]}
+        elif item["type"] in ("function_call", "custom_tool_call"):
+            arguments = item["arguments"] if item["type"] == "function_call" else custom_arguments(item["input"])
+            call = {"name": item["name"], "arguments": arguments}
             message.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": call})
     return message

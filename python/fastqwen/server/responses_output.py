@@ -2,9 +2,10 @@
 
 One builder serves streaming (fed delta by delta) and whole responses (fed once), so both give the same items. It is
 fed what the reasoning splitter and the tool-call parser made certain: reasoning text opens a reasoning item, content
-a message item, each call a function_call item; an item is done when the next one opens or the output ends. The
-events follow the order OpenAI documents: output_item.added, content_part.added, the deltas, their done event,
-content_part.done, output_item.done. Whitespace the model writes before a call is held, and dropped if a call follows.
+a message item, each call a function_call item (a custom_tool_call item for a custom tool, its input given whole when
+the call is done: responses_tools); an item is done when the next one opens or the output ends. The events follow the
+order OpenAI documents: output_item.added, content_part.added, the deltas, their done event, content_part.done,
+output_item.done. Whitespace the model writes before a call is held, and dropped if a call follows.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import uuid
 from typing import Any
 
 from .responses_encrypted import encrypted_content
+from .responses_logprobs import TextLogprobs, without_bytes
+from .responses_tools import ToolCatalog, custom_input
 from .tools import ToolCallDelta
 
 
@@ -22,8 +25,13 @@ def new_id(prefix: str) -> str:
 
 
 class OutputBuilder:
-    def __init__(self, encrypt_reasoning: bool = False) -> None:
+    def __init__(
+        self, encrypt_reasoning: bool = False, logprobs: TextLogprobs | None = None, tools: ToolCatalog | None = None
+    ) -> None:
         self.encrypt_reasoning = encrypt_reasoning  # include reasoning.encrypted_content: set when an item is done
+        self.logprobs = logprobs  # include message.output_text.logprobs: what each output_text delta carries
+        self.tools = tools or ToolCatalog()  # which calls are custom tools' and which belong to a namespace
+        self._arguments = ""  # the open custom tool call's arguments as the model writes them ({"input": ...})
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
         self._held = ""  # whitespace content not yet given to a message
@@ -41,10 +49,14 @@ class OutputBuilder:
             self._add_content(events, content)
         for call in calls:
             if call.name is not None:
-                item = {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": ""}
+                item = self.tools.call_item(call.id, call.name)
                 self._held = ""
-                self._start(events, item, "fc", None)
-            if call.arguments:
+                if self.logprobs is not None:
+                    self.logprobs.skip_to_call()
+                self._start(events, item, "fc" if item["type"] == "function_call" else "ctc", None)
+            if call.arguments and self._is_open("custom_tool_call"):
+                self._arguments += call.arguments  # (its input is known once the arguments end)
+            elif call.arguments:
                 self._open["arguments"] += call.arguments
                 events.append(self._event("response.function_call_arguments.delta", delta=call.arguments))
         return events
@@ -52,10 +64,12 @@ class OutputBuilder:
     def finish(self, incomplete: bool) -> list[dict[str, Any]]:
         """The output ended (cut by max_output_tokens when incomplete: the last item is incomplete)."""
         events: list[dict[str, Any]] = []
-        if self._held and not any(item["type"] == "function_call" for item in self.items):
+        if self._held and not any(item["type"] in _CALLS for item in self.items):
             self._add_content(events, "", flush=True)
         if not self.items:  # nothing at all: an empty answer, as chat's content ""
             self._start(events, _message(), "msg", "output_text")
+        if self._is_open("message") and self.logprobs is not None:
+            self._take_logprobs(self._open["content"][0])  # tokens whose text came with the last delta, held till now
         self._close(events, "incomplete" if incomplete else "completed")
         return events
 
@@ -88,9 +102,18 @@ class OutputBuilder:
             events.append(self._event("response.content_part.added", content_index=0, part=_part(part, "")))
 
     def _add_text(self, events: list[dict[str, Any]], text: str, kind: str) -> None:
-        self._open["content"][0]["text"] += text
-        extra = {"logprobs": []} if kind == "response.output_text.delta" else {}
+        part = self._open["content"][0]
+        part["text"] += text
+        extra = {}
+        if kind == "response.output_text.delta":
+            given = self._take_logprobs(part)
+            extra = {"logprobs": without_bytes(given)}
         events.append(self._event(kind, content_index=0, delta=text, **extra))
+
+    def _take_logprobs(self, part: dict[str, Any]) -> list[dict[str, Any]]:
+        given = self.logprobs.take() if self.logprobs is not None else []
+        part["logprobs"] += given
+        return given
 
     def _close(self, events: list[dict[str, Any]], status: str) -> None:
         item = self._open
@@ -99,10 +122,18 @@ class OutputBuilder:
         if item["type"] == "function_call":
             events.append(self._event("response.function_call_arguments.done", arguments=item["arguments"]))
             events[-1]["name"] = item["name"]
+        elif item["type"] == "custom_tool_call":
+            item["input"], self._arguments = custom_input(self._arguments), ""
+            if item["input"]:
+                events.append(self._event("response.custom_tool_call_input.delta", delta=item["input"]))
+            events.append(self._event("response.custom_tool_call_input.done", input=item["input"]))
         else:
             part = item["content"][0]
             if item["type"] == "message":
-                events.append(self._event("response.output_text.done", content_index=0, text=part["text"], logprobs=[]))
+                logprobs = without_bytes(part["logprobs"])
+                events.append(
+                    self._event("response.output_text.done", content_index=0, text=part["text"], logprobs=logprobs)
+                )
             else:
                 events.append(self._event("response.reasoning_text.done", content_index=0, text=part["text"]))
                 if self.encrypt_reasoning:
@@ -111,6 +142,9 @@ class OutputBuilder:
         item["status"] = status
         events.append({"type": "response.output_item.done", "output_index": len(self.items) - 1, "item": _copy(item)})
         self._open = None
+
+
+_CALLS = ("function_call", "custom_tool_call")
 
 
 def _message() -> dict[str, Any]:

@@ -139,6 +139,9 @@ class ToolCallParser:
         self._state = "content"  # "content", "head" (inside a block, before the arguments), "arguments", "tail"
         self._scanner: _ValueScanner | None = None
         self._dropping = False  # inside a call block past the first, with single_call
+        # Whitespace after a call, held: content if text follows it, dropped if a call or the end does (so that the
+        # output splits the same however it is fed). None: no call just ended.
+        self._space_after_call: str | None = None
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """(content, tool-call pieces) that are now certain."""
@@ -153,19 +156,26 @@ class ToolCallParser:
         """Whatever is held: the output ended (a block cut short keeps the arguments written so far)."""
         content, deltas = self.feed("")
         rest, self._buffer = self._buffer, ""
-        if self._state == "content" and not (self.calls and rest.isspace()):
-            content += rest
+        pieces = [content]
+        if self._state == "content":
+            self._content(pieces, rest)
         elif self._state == "head":
-            content += OPEN + rest  # it never became a call: the text as written
+            self._content(pieces, OPEN + rest)  # it never became a call: the text as written
         elif self._state == "arguments" and rest and not self._dropping:
             self.calls[-1].arguments += rest
             deltas.append(ToolCallDelta(len(self.calls) - 1, arguments=rest))
-        return content, deltas
+        return "".join(pieces), deltas
 
     def _content(self, content: list[str], text: str) -> None:
-        # Between and after calls the model writes newlines: not content.
-        if text and not (self.calls and text.isspace()):
-            content.append(text)
+        # Between and after calls the model writes newlines: not content, unless text follows them.
+        if not text:
+            return
+        if self._space_after_call is not None:
+            self._space_after_call += text
+            if self._space_after_call.isspace():
+                return
+            text, self._space_after_call = self._space_after_call, None
+        content.append(text)
 
     def _step(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
         """Consume what the buffer decides; True when something changed and another step may decide more."""
@@ -186,9 +196,10 @@ class ToolCallParser:
             if verdict == "maybe" and CLOSE not in buf:
                 return False  # wait for more
             if verdict != "call":  # not a call: the block is content, as written
-                content.append(OPEN)
+                self._content(content, OPEN)
                 self._state = "content"
                 return True
+            self._space_after_call = None  # the whitespace before this call is dropped
             self._buffer = buf[at:]
             self._state = "arguments"
             self._scanner = _ValueScanner()
@@ -216,6 +227,7 @@ class ToolCallParser:
             return False
         self._buffer = buf[at + len(CLOSE) :]
         self._state = "content"
+        self._space_after_call = ""
         return True
 
 
