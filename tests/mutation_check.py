@@ -136,7 +136,12 @@ MUTATIONS = [
     Mutation(
         "prefill_hopper_drops_the_last_partial_tile",
         PREFILL_HOPPER,
-        [("      const int n_wg = (wg_end + kBN - 1) / kBN;  // <= n", "      const int n_wg = wg_end / kBN;  // <= n")],
+        [
+            (
+                "      const int n_wg = (wg_end + kBN - 1) / kBN;  // <= n",
+                "      const int n_wg = wg_end / kBN;  // <= n",
+            )
+        ],
         PREFILL_HOPPER_TESTS,
         "the Hopper kernel's warpgroups skip the last K/V tile their rows see when it is not full",
     ),
