@@ -65,6 +65,7 @@ PREFILL_HOPPER = "csrc/attention_prefill_hopper.cu"
 PREFILL_HOPPER_TESTS = [  # both run each prefill case on both kernels (the fixture prefill_kernel)
     "tests/test_attention_gpu.py::test_prefill_every_tile_counts",
     "tests/test_attention_gpu.py::test_prefill_long_and_wide",
+    "tests/test_engine_gpu.py::test_hopper_prefill_engine_matches_the_tensor_core_prefill_engine",
 ]
 
 MUTATIONS = [

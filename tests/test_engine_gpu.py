@@ -179,6 +179,42 @@ def test_kernel_engine_matches_reference_op_engine(bf16_checkpoint, monkeypatch)
     kernel_llm.engine.kv.allocator.check()
 
 
+def test_hopper_prefill_engine_matches_the_tensor_core_prefill_engine(bf16_checkpoint):
+    """Issue 48: the engine with csrc/attention_prefill_hopper.cu against the same engine on csrc/attention_prefill.cu
+    (ops.attention.set_hopper_prefill(False)), teacher-forced on the latter's greedy sequences: every prefix in one
+    varlen batch (prefills, and extends over cached prefixes that end mid-page), then decode. Tolerance as in
+    test_kernel_engine_matches_reference_op_engine: TWO_BF16_ENGINES times the reference's measured float32 spread."""
+    from fastqwen.ops.attention import prefill_uses_hopper_kernel, set_hopper_prefill
+
+    probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
+    if not (
+        _native.has_cuda_kernels()
+        and prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda"))
+    ):
+        pytest.skip("needs the Hopper prefill kernel")
+    folder, _, _ = bf16_checkpoint
+    rng = random.Random(11)
+    prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (9, 170, 420)]  # the checkpoint holds 512
+    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=1024, max_num_batched_tokens=256)
+    previous = set_hopper_prefill(False)
+    try:
+        old_llm = LLM(folder, **kwargs)
+        references = [engine_logits(old_llm, p, 32) for p in prompts]
+        del old_llm
+    finally:
+        set_hopper_prefill(previous)
+    tolerance = TWO_BF16_ENGINES * float32_spread(folder, prompts, references, **kwargs)
+    new_llm = LLM(folder, **kwargs)
+    decisive, worst = teacher_forced_match(
+        new_llm, prompts, references, tolerance, min_decisive=MIN_DECISIVE_KERNELS, bound_forced=True
+    )
+    record_result(
+        "engine_gpu.json",
+        "hopper_prefill_vs_tensor_core_prefill",
+        {"tolerance": tolerance, "worst": worst, "decisive": decisive},
+    )
+
+
 def test_dummy_preset_runs_on_gpu():
     llm = LLM("Qwen3-0.6B", load_format="dummy", device="cuda", num_pages=64, max_model_len=1024)
     out = llm.generate(
