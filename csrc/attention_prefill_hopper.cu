@@ -109,19 +109,6 @@ __device__ __forceinline__ Work work_of(const Params& p, int item, int round) {
   return w;
 }
 
-template <typename T>
-__device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&v);
-}
-template <>
-__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&v);
-}
-
 // Named barriers: 1 + c, warpgroup c's Q tile is written; 3 + c, warpgroup c may issue its matrix multiplies.
 constexpr int kQReadyBarrier = 1, kIssueBarrier = 3;
 
@@ -345,10 +332,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto pack_p = [&] {
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {
-          a[kk][0] = pack2<T>(sc[8 * kk + 0], sc[8 * kk + 1]);
-          a[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
-          a[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
-          a[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
+          a[kk][0] = mma::Mma<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
+          a[kk][1] = mma::Mma<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
+          a[kk][2] = mma::Mma<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
+          a[kk][3] = mma::Mma<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
       };
       auto release = [&](int j) {
@@ -460,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           T* dst = out + ((static_cast<int64_t>(w.q0) + pr / G) * p.num_heads + w.kvh * G + pr % G) * kD + (lane % 4) * 2;
 #pragma unroll
           for (int nb = 0; nb < 16; ++nb) {
-            *reinterpret_cast<unsigned*>(dst + nb * 8) = pack2<T>(o[nb * 4 + h * 2] * inv, o[nb * 4 + h * 2 + 1] * inv);
+            *reinterpret_cast<unsigned*>(dst + nb * 8) = mma::Mma<T>::pack(o[nb * 4 + h * 2] * inv, o[nb * 4 + h * 2 + 1] * inv);
           }
         }
       }
