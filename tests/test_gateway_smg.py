@@ -219,7 +219,7 @@ def test_cache_aware_routing_beats_round_robin_on_shared_prefixes(replicas, gate
 
 
 def test_a_replica_killed_mid_run_is_routed_around(folder, replicas, gateways):
-    """Kill one replica (SIGKILL) after a quarter of the requests: requests sent after that all succeed on the other
+    """Kill one replica (SIGKILL) after a quarter of the requests, one of them served by it: requests sent after that all succeed on the other
     replica, and every answer equals the same prompt's greedy output computed alone. A request may fail only if it was
     on the killed replica when it died (SMG retries those elsewhere, so usually none does)."""
     from fastqwen import LLM, SamplingParams
@@ -230,8 +230,11 @@ def test_a_replica_killed_mid_run_is_routed_around(folder, replicas, gateways):
     kill_after = len(prompts) // 4
 
     def kill_when_due(outcome: Outcome, state: dict) -> None:
+        # Due once a quarter is done and the victim has served one of them (under load the gateway may have sent the
+        # first quarter elsewhere; killing an idle replica would test nothing).
         state["done"] = state.get("done", 0) + 1
-        if state["done"] == kill_after:
+        state["victim_served"] = state.get("victim_served", False) or outcome.worker == victim.url
+        if state["done"] >= kill_after and state["victim_served"] and not state.get("killed"):
             victim.proc.kill()
             victim.proc.wait()
             state["killed"] = True
