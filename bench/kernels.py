@@ -237,6 +237,7 @@ PREFILL_CASES = [
 ]
 # The best kernels on the same GPU, through PyTorch's scaled_dot_product_attention: FlashAttention-2 and cuDNN's.
 SDPA_BACKENDS = ("flash", "cudnn")
+HOPPER_VARIANTS = 8  # csrc/attention_prefill_hopper.cu: set_paged_attention_prefill_hopper_variant 0..7
 
 
 def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16") -> dict:
@@ -258,7 +259,8 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16
     scale = HEAD_DIM**-0.5
     want = torch.empty_like(qs[0])
     paged_attention_prefill(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, outs[0], new)
-    if batch * new * total <= 8 * 4096 * 4096:
+    checked = batch * new * total <= 8 * 4096 * 4096
+    if checked:
         paged_attention_prefill_reference(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, want)
         torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
     flops = 4 * HEADS * HEAD_DIM * batch * sum(prefix + i + 1 for i in range(new))
@@ -300,16 +302,23 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16
         finally:
             native().set_paged_attention_prefill_hopper_persistent(True)
         row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
-        # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns.
-        for variant in range(4):
-            native().set_paged_attention_prefill_hopper_variant(variant)
-            try:
+        # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
+        # K/V stages. Each one's output is checked against the reference before it is timed.
+        default_variant = native().set_paged_attention_prefill_hopper_variant(0)
+        try:
+            for variant in range(HOPPER_VARIANTS):
+                native().set_paged_attention_prefill_hopper_variant(variant)
+                if checked:
+                    outs[0].fill_(float("nan"))
+                    paged_attention_prefill(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, outs[0], new)
+                    torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
                 graph = graph_of(ours)
                 v_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
                 del graph
-            finally:
-                native().set_paged_attention_prefill_hopper_variant(0)
-            row[f"hopper_variant{variant}_tflops"] = flops / (v_us * 1e-6) / 1e12
+                row[f"hopper_variant{variant}_tflops"] = flops / (v_us * 1e-6) / 1e12
+        finally:
+            native().set_paged_attention_prefill_hopper_variant(default_variant)
+        row["hopper_default_variant"] = default_variant
     del k_cache, v_cache, qs, outs, want
     torch.cuda.empty_cache()
     if kv != "bf16":
@@ -444,7 +453,7 @@ def main() -> int:
             else f"SDPA {name}: {r.get(f'sdpa_{name}_error')}"
             for name in SDPA_BACKENDS
         )
-        variants = " ".join(format(r.get(f"hopper_variant{v}_tflops", 0), ".0f") for v in range(4))
+        variants = " ".join(format(r.get(f"hopper_variant{v}_tflops", 0), ".0f") for v in range(HOPPER_VARIANTS))
         previous_kernel = (
             f" (variants {variants}, "
             f"not persistent {r['hopper_one_block_per_tile_tflops']:>4.0f}, tensor-core kernel "

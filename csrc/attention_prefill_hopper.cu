@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "attention.h"
 #include "common.cuh"
@@ -34,17 +35,19 @@ namespace {
 constexpr int kD = kAttentionHeadDim;
 constexpr int kBM = 128;        // packed query rows per block (two consumer warpgroups of 64)
 constexpr int kBN = 128;        // keys per K/V tile
-constexpr int kStages = 2;      // K/V tiles in flight
+constexpr int kMaxStages = 3;   // K/V tiles in flight: 2 or 3 (a template parameter; 3 fill shared memory)
 constexpr int kBoxKeys = 16;    // keys per bulk copy (within one page)
 constexpr int kThreads = 384;   // warpgroup 0: producer; 1 and 2: consumers
 constexpr int kHalfBytes = kBN * 128;              // one 64-column half of a K or V tile (128-byte rows)
 constexpr int kTileBytes = 2 * kHalfBytes;         // a K or V tile: 32 KB
 constexpr int kQBytes = 2 * kBM * 128;             // the Q tile: 32 KB
+template <int kStages>
 constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes + 1024 /* barriers */ + 1024 /* alignment */;
+static_assert(kSmemBytes<kMaxStages> <= 227 * 1024, "beyond an SM's shared memory");
 constexpr float kLog2e = 1.4426950408889634f;
 // Registers per thread after setmaxnreg. The block's pool is what it launched with (__launch_bounds__(384, 1): 168
 // each), and an increase that the pool cannot cover waits forever, so the split must fit in it.
-constexpr int kLaunchRegs = 168, kProducerRegs = 32, kConsumerRegs = 232;
+constexpr int kLaunchRegs = 168, kProducerRegs = 24, kConsumerRegs = 240;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "setmaxnreg beyond the pool");
 
 struct Params {
@@ -61,24 +64,18 @@ struct Params {
 };
 
 // Shared memory, from a 1,024-aligned base: Q (two 64-column halves of 128 rows), then per stage K and V (two halves
-// of 128 keys each), then the barriers.
+// of 128 keys each), then the barriers. Addresses are computed from the stage, not held in arrays: a stage chosen at
+// run time would index such an array in local memory.
+template <int kStages>
 struct Smem {
-  uint32_t q, k[kStages], v[kStages], full_k[kStages], full_v[kStages], empty[kStages];
-  __device__ explicit Smem(uint32_t base) {
-    q = base;
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      k[s] = base + kQBytes + s * 2 * kTileBytes;
-      v[s] = k[s] + kTileBytes;
-    }
-    const uint32_t bars = base + kQBytes + kStages * 2 * kTileBytes;
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      full_k[s] = bars + 8 * s;
-      full_v[s] = bars + 8 * (kStages + s);
-      empty[s] = bars + 8 * (2 * kStages + s);
-    }
-  }
+  uint32_t q;
+  __device__ explicit Smem(uint32_t base) : q(base) {}
+  __device__ uint32_t k(int s) const { return q + kQBytes + s * 2 * kTileBytes; }
+  __device__ uint32_t v(int s) const { return k(s) + kTileBytes; }
+  __device__ uint32_t bars() const { return q + kQBytes + kStages * 2 * kTileBytes; }
+  __device__ uint32_t full_k(int s) const { return bars() + 8 * s; }
+  __device__ uint32_t full_v(int s) const { return bars() + 8 * (kStages + s); }
+  __device__ uint32_t empty(int s) const { return bars() + 8 * (2 * kStages + s); }
 };
 
 // One query tile of one (sequence, KV head), and how many K/V tiles its rows see.
@@ -167,7 +164,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2],
 // kOverlap: the softmax of tile j runs while P_{j-1} V_{j-1} does (else S, softmax, P V in turn). kPingpong: the
 // warpgroups take turns issuing. Both off by default (measured slower so far: docs/experiments.md);
 // set_paged_attention_prefill_hopper_variant picks one for benchmarks.
-template <typename T, bool kOverlap, bool kPingpong>
+template <typename T, bool kOverlap, bool kPingpong, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_hopper_kernel(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
                           const Params p) {
@@ -175,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using namespace hopper;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const Smem sm(base);
+  const Smem<kStages> sm(base);
   const int tid = threadIdx.x;
   const int warpgroup = tid / 128;
   const int items = p.m_tiles * p.batch * p.num_kv_heads;
@@ -183,9 +180,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(sm.full_k[s], 1);
-      mbar_init(sm.full_v[s], 1);
-      mbar_init(sm.empty[s], 8);  // one arrival per consumer warp
+      mbar_init(sm.full_k(s), 1);
+      mbar_init(sm.full_v(s), 1);
+      mbar_init(sm.empty(s), 8);  // one arrival per consumer warp
     }
     mbar_fence_init();
   }
@@ -218,18 +215,18 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (pos < w.kv_len && page_index < p.max_pages) page = pages[page_index];
             if (page >= 0 && page < p.num_pages) slot = (page << p.page_shift) + (pos & page_mask);
           }
-          mbar_wait(sm.empty[s], ((it / kStages) & 1) ^ 1);
+          mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
           if (lane == 0) {  // both barriers expect their whole tile
-            mbar_arrive_expect_tx(sm.full_k[s], kTileBytes);
-            mbar_arrive_expect_tx(sm.full_v[s], kTileBytes);
+            mbar_arrive_expect_tx(sm.full_k(s), kTileBytes);
+            mbar_arrive_expect_tx(sm.full_v(s), kTileBytes);
           }
           __syncwarp();
           if (lane < kBN / kBoxKeys) {
             const uint32_t offset = lane * kBoxKeys * 128;
-            tma_load_3d(sm.k[s] + offset, &k_map, sm.full_k[s], 0, w.kvh, slot);
-            tma_load_3d(sm.k[s] + kHalfBytes + offset, &k_map, sm.full_k[s], 64, w.kvh, slot);
-            tma_load_3d(sm.v[s] + offset, &v_map, sm.full_v[s], 0, w.kvh, slot);
-            tma_load_3d(sm.v[s] + kHalfBytes + offset, &v_map, sm.full_v[s], 64, w.kvh, slot);
+            tma_load_3d(sm.k(s) + offset, &k_map, sm.full_k(s), 0, w.kvh, slot);
+            tma_load_3d(sm.k(s) + kHalfBytes + offset, &k_map, sm.full_k(s), 64, w.kvh, slot);
+            tma_load_3d(sm.v(s) + offset, &v_map, sm.full_v(s), 0, w.kvh, slot);
+            tma_load_3d(sm.v(s) + kHalfBytes + offset, &v_map, sm.full_v(s), 64, w.kvh, slot);
           }
         }
       }
@@ -299,11 +296,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto stage = [&](int j) { return (it + j) % kStages; };
       auto parity = [&](int j) { return static_cast<uint32_t>(((it + j) / kStages) & 1); };
       auto issue_s = [&](int j) {
+        const uint64_t q_desc = desc_at(sw128_desc(q_rows, 16, 1024));
+        const uint64_t k_desc = desc_at(sw128_desc(sm.k(stage(j)), 16, 1024));
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {  // the first 4 k16 steps in the low column half, the rest high
           const uint32_t off = (kk % 4) * 32;     // the k16 slice inside the 128-byte rows
-          const uint64_t da = sw128_desc(q_rows + (kk / 4) * (kBM * 128) + off, 16, 1024);
-          const uint64_t db = sw128_desc(sm.k[stage(j)] + (kk / 4) * kHalfBytes + off, 16, 1024);
+          const uint64_t da = q_desc + (((kk / 4) * (kBM * 128) + off) >> 4);
+          const uint64_t db = k_desc + (((kk / 4) * kHalfBytes + off) >> 4);
           if (kk == 0) {
             Wgmma<T>::ss_first(sc, da, db);
           } else {
@@ -315,9 +314,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // P's accumulators of n8 blocks 2 kk and 2 kk + 1 are the A fragment of k16 step kk; V is read MN-major (its
       // rows are keys, its 128 columns two 64-column halves kHalfBytes apart).
       auto issue_pv = [&](int j) {
+        const uint64_t v_desc = desc_at(sw128_desc(sm.v(stage(j)), kHalfBytes, 1024));
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {
-          Wgmma<T>::rs(o, a[kk], sw128_desc(sm.v[stage(j)] + kk * 16 * 128, kHalfBytes, 1024));
+          Wgmma<T>::rs(o, a[kk], v_desc + ((kk * 16 * 128) >> 4));
         }
         wgmma_commit();
       };
@@ -339,14 +339,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       };
       auto release = [&](int j) {
-        if (lane == 0) mbar_arrive(sm.empty[stage(j)]);  // this warp is done with tile j
+        if (lane == 0) mbar_arrive(sm.empty(stage(j)));  // this warp is done with tile j
       };
 
       // n + 1 turns per tile for both warpgroups: S_0; then S_j with P_{j-1} V_{j-1} (the softmax of S_j runs while
       // P V does; O is rescaled after it); then the last P V; then the tiles this warpgroup's rows do not see.
       if constexpr (!kOverlap) {
         for (int j = 0; j < n_wg; ++j) {
-          mbar_wait(sm.full_k[stage(j)], parity(j));
+          mbar_wait(sm.full_k(stage(j)), parity(j));
           issue_turn_begin<kPingpong>(c);
           wgmma_fence();
           issue_s(j);
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             o[nb * 4 + 3] *= alpha[1];
           }
           pack_p();
-          mbar_wait(sm.full_v[stage(j)], parity(j));
+          mbar_wait(sm.full_v(stage(j)), parity(j));
           issue_turn_begin<kPingpong>(c);
           wgmma_fence();
           issue_pv(j);
@@ -372,8 +372,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           release(j);
         }
         for (int j = n_wg; j < n; ++j) {  // two turns per tile, as above
-          mbar_wait(sm.full_k[stage(j)], parity(j));
-          mbar_wait(sm.full_v[stage(j)], parity(j));
+          mbar_wait(sm.full_k(stage(j)), parity(j));
+          mbar_wait(sm.full_v(stage(j)), parity(j));
           issue_turn_begin<kPingpong>(c);
           issue_turn_end<kPingpong>(c);
           issue_turn_begin<kPingpong>(c);
@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       } else {
         if (n_wg > 0) {
-          mbar_wait(sm.full_k[stage(0)], parity(0));
+          mbar_wait(sm.full_k(stage(0)), parity(0));
           issue_turn_begin<kPingpong>(c);
           wgmma_fence();
           issue_s(0);
@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           softmax(0, alpha);
           pack_p();
           for (int j = 1; j < n_wg; ++j) {
-            mbar_wait(sm.full_k[stage(j)], parity(j));
-            mbar_wait(sm.full_v[stage(j - 1)], parity(j - 1));
+            mbar_wait(sm.full_k(stage(j)), parity(j));
+            mbar_wait(sm.full_v(stage(j - 1)), parity(j - 1));
             issue_turn_begin<kPingpong>(c);
             wgmma_fence();
             issue_s(j);
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             pack_p();
           }
-          mbar_wait(sm.full_v[stage(n_wg - 1)], parity(n_wg - 1));
+          mbar_wait(sm.full_v(stage(n_wg - 1)), parity(n_wg - 1));
           issue_turn_begin<kPingpong>(c);
           wgmma_fence();
           issue_pv(n_wg - 1);
@@ -426,8 +426,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           issue_turn_end<kPingpong>(c);
         }
         for (int j = n_wg; j < n; ++j) {  // every warp waits for every tile, in order, and releases it
-          mbar_wait(sm.full_k[stage(j)], parity(j));
-          mbar_wait(sm.full_v[stage(j)], parity(j));
+          mbar_wait(sm.full_k(stage(j)), parity(j));
+          mbar_wait(sm.full_v(stage(j)), parity(j));
           issue_turn_begin<kPingpong>(c);
           issue_turn_end<kPingpong>(c);
           release(j);
@@ -492,15 +492,15 @@ CUtensorMap pool_map(const void* pool, int dtype, int64_t slots, int64_t num_kv_
 }
 
 bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
-int kernel_variant = 0;  // set_paged_attention_prefill_hopper_variant: bit 0 overlap, bit 1 ping-pong (measured slower: off)
+int kernel_variant = 0;  // set_paged_attention_prefill_hopper_variant: bit 0 overlap, bit 1 ping-pong, bit 2 three stages
 
-template <typename T, bool kOverlap, bool kPingpong>
+template <typename T, bool kOverlap, bool kPingpong, int kStages>
 void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items,
                     cudaStream_t stream) {
-  auto kernel = prefill_hopper_kernel<T, kOverlap, kPingpong>;
+  auto kernel = prefill_hopper_kernel<T, kOverlap, kPingpong, kStages>;
   static PerDevice<bool> configured;
   configured.get([&](int) {
-    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kStages>),
                "paged_attention_prefill_hopper: cudaFuncSetAttribute");
     return true;
   });
@@ -512,24 +512,31 @@ void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Pa
   });
   // Persistent: one block per SM (its shared memory allows no second), each taking every grid-th work item.
   const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
-  kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(k_map, v_map, p);
+  kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes<kStages>, stream>>>(k_map, v_map, p);
   cuda_check_launch("paged_attention_prefill_hopper kernel launch");
 }
 
 template <typename T>
 void launch(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items, cudaStream_t stream) {
   switch (kernel_variant) {
-    case 0: return launch_variant<T, false, false>(k_map, v_map, p, items, stream);
-    case 1: return launch_variant<T, true, false>(k_map, v_map, p, items, stream);
-    case 2: return launch_variant<T, false, true>(k_map, v_map, p, items, stream);
-    default: return launch_variant<T, true, true>(k_map, v_map, p, items, stream);
+    case 0: return launch_variant<T, false, false, 2>(k_map, v_map, p, items, stream);
+    case 1: return launch_variant<T, true, false, 2>(k_map, v_map, p, items, stream);
+    case 2: return launch_variant<T, false, true, 2>(k_map, v_map, p, items, stream);
+    case 3: return launch_variant<T, true, true, 2>(k_map, v_map, p, items, stream);
+    case 4: return launch_variant<T, false, false, 3>(k_map, v_map, p, items, stream);
+    case 5: return launch_variant<T, true, false, 3>(k_map, v_map, p, items, stream);
+    case 6: return launch_variant<T, false, true, 3>(k_map, v_map, p, items, stream);
+    default: return launch_variant<T, true, true, 3>(k_map, v_map, p, items, stream);
   }
 }
 
 }  // namespace
 
 void set_paged_attention_prefill_hopper_persistent(bool persistent) { persistent_grid = persistent; }
-void set_paged_attention_prefill_hopper_variant(int variant) { kernel_variant = variant & 3; }
+int set_paged_attention_prefill_hopper_variant(int variant) {
+  if (variant < 0 || variant > 7) throw std::invalid_argument("set_paged_attention_prefill_hopper_variant: variant must be 0..7");
+  return std::exchange(kernel_variant, variant);
+}
 
 bool paged_attention_prefill_hopper_available(int device) {
   static PerDevice<bool> available;
@@ -542,7 +549,7 @@ bool paged_attention_prefill_hopper_available(int device) {
     if (prop.major != 9 || prop.minor != 0) return false;
     // Built for sm_90a: the kernel's binary is Hopper's own (else this file compiled to an empty body).
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, true, true>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, false, false, 2>) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }

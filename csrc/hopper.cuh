@@ -81,6 +81,14 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint
   return d;
 }
 
+// The descriptor of k16 step kk is the step's base descriptor plus the step's byte offset / 16 (the start-address
+// field; shared addresses stay below 2^18, so the field never carries). The base passes through an opaque move so
+// that the compiler builds it where it is used instead of keeping every step's descriptor of every stage live.
+__device__ __forceinline__ uint64_t desc_at(uint64_t base_desc) {
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(base_desc));
+  return base_desc;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
