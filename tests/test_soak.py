@@ -251,7 +251,12 @@ def test_valid_traffic_is_served_through_every_attack(server):
                     except Exception as e:  # noqa: BLE001
                         status = -1
                         failures.append(f"attack {attack[0]}: {e!r}")
-                    if attack_statuses.get(attack[0], status) != status:
+                    # The same answer every time, except a body deadline's 408, which depends on how loaded the
+                    # machine is (either answer is a refusal; the allowed set is checked below).
+                    settled = {attack_statuses.get(attack[0], status), status} - {408}
+                    if status not in attack[5]:
+                        failures.append(f"attack {attack[0]}: {status}, not one of {sorted(attack[5])}")
+                    elif len(settled) > 1:
                         failures.append(f"attack {attack[0]}: {status} after {attack_statuses[attack[0]]}")
                     attack_statuses[attack[0]] = status
                     attack_counts[attack[0]] = attack_counts.get(attack[0], 0) + 1
