@@ -12,7 +12,12 @@
 // row sees in full skip the mask. Blocks are numbered longest work first (the query tiles nearest each sequence's
 // end, which see the most keys), so the hardware's in-order block dispatch balances the causal triangle.
 //
-// What this kernel does not cover (pages under 16 keys, FP8 caches, GPUs without sm_90a) takes attention_prefill.cu;
+// An FP8 (e4m3) cache: the copies bring the e4m3 tiles into a second ring, and the producer warpgroup's other three
+// warps convert them to fp16 (exact: every e4m3 value is an fp16 value) in the layout the 16-bit copies write; the
+// matrix multiplies then run in fp16 (q converted on its way into shared memory), k_scale folded into the softmax
+// scale and v_scale into the output, as in attention_prefill.cu. Two stages only (three do not fit beside the ring).
+//
+// What this kernel does not cover (pages under 16 keys, GPUs without sm_90a) takes attention_prefill.cu;
 // ops/attention.py holds the one rule that picks.
 #include <cudaTypedefs.h>
 
@@ -27,6 +32,7 @@
 #include "device_cache.h"
 #include "dtype.h"
 #include "hopper.cuh"
+#include "kv_fp8.cuh"
 #include "paged_kv.cuh"
 
 namespace fastqwen {
@@ -41,14 +47,26 @@ constexpr int kThreads = 384;   // warpgroup 0: producer; 1 and 2: consumers
 constexpr int kHalfBytes = kBN * 128;              // one 64-column half of a K or V tile (128-byte rows)
 constexpr int kTileBytes = 2 * kHalfBytes;         // a K or V tile: 32 KB
 constexpr int kQBytes = 2 * kBM * 128;             // the Q tile: 32 KB
-template <int kStages>
-constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes + 1024 /* barriers */ + 1024 /* alignment */;
-static_assert(kSmemBytes<kMaxStages> <= 227 * 1024, "beyond an SM's shared memory");
+constexpr int kRawTileBytes = kBN * kD;            // an e4m3 K or V tile as copied (16 KB, rows of 128 bytes)
+constexpr int kConverterThreads = 96;              // FP8: warps 1..3 of the producer warpgroup
+template <int kStages, bool kFp8>
+constexpr int kSmemBytes = kQBytes + kStages * (2 * kTileBytes + (kFp8 ? 2 * kRawTileBytes : 0)) + 1024 /* barriers */ +
+                           1024 /* alignment */;
+constexpr int kMaxSmemBytes = 227 * 1024;
+static_assert(kSmemBytes<kMaxStages, false> <= kMaxSmemBytes && kSmemBytes<2, true> <= kMaxSmemBytes,
+              "beyond an SM's shared memory");
 constexpr float kLog2e = 1.4426950408889634f;
 // Registers per thread after setmaxnreg. The block's pool is what it launched with (__launch_bounds__(384, 1): 168
 // each), and an increase that the pool cannot cover waits forever, so the split must fit in it.
-constexpr int kLaunchRegs = 168, kProducerRegs = 24, kConsumerRegs = 240;
-static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "setmaxnreg beyond the pool");
+// FP8 caches: the producer warpgroup converts tiles too and keeps more (24 spilled 80 bytes there).
+constexpr int kLaunchRegs = 168;
+template <bool kFp8>
+constexpr int kProducerRegs = kFp8 ? 40 : 24;
+template <bool kFp8>
+constexpr int kConsumerRegs = kFp8 ? 232 : 240;
+static_assert(128 * kProducerRegs<false> + 256 * kConsumerRegs<false> <= kThreads * kLaunchRegs &&
+                  128 * kProducerRegs<true> + 256 * kConsumerRegs<true> <= kThreads * kLaunchRegs,
+              "setmaxnreg beyond the pool");
 
 struct Params {
   const void* q;
@@ -60,23 +78,60 @@ struct Params {
   int total_slots;  // num_pages * page_size: a box at this slot is out of range and reads zeros
   int num_pages;
   int m_tiles;      // query tiles of the longest sequence
-  float scale_log2;
+  float scale_log2;  // softmax scale * k_scale * log2(e)
+  float v_scale;     // 1 for 16-bit caches
 };
 
 // Shared memory, from a 1,024-aligned base: Q (two 64-column halves of 128 rows), then per stage K and V (two halves
-// of 128 keys each), then the barriers. Addresses are computed from the stage, not held in arrays: a stage chosen at
-// run time would index such an array in local memory.
-template <int kStages>
+// of 128 keys each), then (FP8) per stage the e4m3 K and V tiles as copied, then the barriers. Addresses are computed
+// from the stage, not held in arrays: a stage chosen at run time would index such an array in local memory.
+// full_k/full_v: a stage's 16-bit K/V tiles are ready (the copies' bytes; FP8: the three converter warps' arrivals);
+// empty: the 8 consumer warps are done with them; raw_full_k/raw_full_v, raw_empty: the same for the e4m3 ring.
+template <int kStages, bool kFp8>
 struct Smem {
   uint32_t q;
   __device__ explicit Smem(uint32_t base) : q(base) {}
   __device__ uint32_t k(int s) const { return q + kQBytes + s * 2 * kTileBytes; }
   __device__ uint32_t v(int s) const { return k(s) + kTileBytes; }
-  __device__ uint32_t bars() const { return q + kQBytes + kStages * 2 * kTileBytes; }
+  __device__ uint32_t raw_k(int s) const { return q + kQBytes + kStages * 2 * kTileBytes + s * 2 * kRawTileBytes; }
+  __device__ uint32_t raw_v(int s) const { return raw_k(s) + kRawTileBytes; }
+  __device__ uint32_t bars() const { return q + kQBytes + kStages * (2 * kTileBytes + (kFp8 ? 2 * kRawTileBytes : 0)); }
   __device__ uint32_t full_k(int s) const { return bars() + 8 * s; }
   __device__ uint32_t full_v(int s) const { return bars() + 8 * (kStages + s); }
   __device__ uint32_t empty(int s) const { return bars() + 8 * (2 * kStages + s); }
+  __device__ uint32_t raw_full_k(int s) const { return bars() + 8 * (3 * kStages + s); }
+  __device__ uint32_t raw_full_v(int s) const { return bars() + 8 * (4 * kStages + s); }
+  __device__ uint32_t raw_empty(int s) const { return bars() + 8 * (5 * kStages + s); }
 };
+
+// FP8: an e4m3 tile as copied (key r's 128 bytes at r * 128) to fp16 in the 16-bit tiles' layout (two 64-column
+// halves, 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8)), by the converter threads (t < 96).
+__device__ __forceinline__ void convert_fp8_tile(uint32_t raw, uint32_t dst, int t) {
+  for (int chunk = t; chunk < kBN * 8; chunk += kConverterThreads) {  // chunk: 16 e4m3 values, columns 16 (chunk % 8)
+    const int key = chunk / 8, cc = chunk % 8;
+    uint32_t x, y, z, w;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x), "=r"(y), "=r"(z), "=r"(w) : "r"(raw + chunk * 16));
+    const uint32_t row = dst + (cc / 4) * kHalfBytes + key * 128;
+    const int c0 = (cc % 4) * 2;  // the first of its two 16-byte fp16 chunks in the half
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + ((c0 ^ (key % 8)) << 4)),
+                 "r"(fp8x2_to_half2(x)), "r"(fp8x2_to_half2(x >> 16)), "r"(fp8x2_to_half2(y)),
+                 "r"(fp8x2_to_half2(y >> 16)));
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + (((c0 + 1) ^ (key % 8)) << 4)),
+                 "r"(fp8x2_to_half2(z)), "r"(fp8x2_to_half2(z >> 16)), "r"(fp8x2_to_half2(w)),
+                 "r"(fp8x2_to_half2(w >> 16)));
+  }
+}
+
+// Two q values (a 32-bit pair of T) as the matrix multiplies' type C (fp16 for FP8 caches).
+template <typename T, typename C>
+__device__ __forceinline__ uint32_t q_pair_as(uint32_t v) {
+  if constexpr (std::is_same<T, C>::value) {
+    return v;
+  } else {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+    return mma::Mma<C>::pack(f.x, f.y);
+  }
+}
 
 // One query tile of one (sequence, KV head), and how many K/V tiles its rows see.
 struct Work {
@@ -164,7 +219,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2],
 // kOverlap: the softmax of tile j runs while P_{j-1} V_{j-1} does (else S, softmax, P V in turn). kPingpong: the
 // warpgroups take turns issuing. Both off by default (measured slower so far: docs/experiments.md);
 // set_paged_attention_prefill_hopper_variant picks one for benchmarks.
-template <typename T, bool kOverlap, bool kPingpong, int kStages>
+template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_hopper_kernel(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
                           const Params p) {
@@ -172,7 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   using namespace hopper;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const Smem<kStages> sm(base);
+  constexpr bool kFp8 = kIsFp8<Kv>;
+  using C = std::conditional_t<kFp8, __half, T>;  // the matrix multiplies' type
+  const Smem<kStages, kFp8> sm(base);
   const int tid = threadIdx.x;
   const int warpgroup = tid / 128;
   const int items = p.m_tiles * p.batch * p.num_kv_heads;
@@ -180,9 +237,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(sm.full_k(s), 1);
-      mbar_init(sm.full_v(s), 1);
+      mbar_init(sm.full_k(s), kFp8 ? kConverterThreads / 32 : 1);
+      mbar_init(sm.full_v(s), kFp8 ? kConverterThreads / 32 : 1);
       mbar_init(sm.empty(s), 8);  // one arrival per consumer warp
+      if constexpr (kFp8) {
+        mbar_init(sm.raw_full_k(s), 1);
+        mbar_init(sm.raw_full_v(s), 1);
+        mbar_init(sm.raw_empty(s), kConverterThreads / 32);
+      }
     }
     mbar_fence_init();
   }
@@ -190,9 +252,39 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {
     // Producer: warp 0 issues every copy, lane i the 16-key boxes i of K and V (their page ids load in parallel);
-    // the other warps leave, and the warpgroup gives its registers to the consumers.
-    regs_dec<kProducerRegs>();
-    if (tid >= 32) return;
+    // the other warps leave (FP8: convert the copied tiles), and the warpgroup gives its registers to the consumers.
+    regs_dec<kProducerRegs<kFp8>>();
+    if (tid >= 32) {
+      if constexpr (kFp8) {
+        const int t = tid - 32;
+        int it = 0;  // as the producer's
+        for (int item = blockIdx.x; item < items; item += gridDim.x) {
+          for (int round = 0;; ++round) {
+            const Work w = work_of(p, item, round);
+            if (w.row0 < 0) break;
+            for (int j = 0; j < w.n_tiles; ++j, ++it) {
+              const int s = it % kStages;
+              const uint32_t phase = (it / kStages) & 1;
+              mbar_wait(sm.empty(s), phase ^ 1);  // the consumers are done with this stage's fp16 tiles
+              mbar_wait(sm.raw_full_k(s), phase);
+              convert_fp8_tile(sm.raw_k(s), sm.k(s), t);
+              fence_async_shared();  // the fp16 tiles are read by wgmma (the async proxy)
+              __syncwarp();
+              if (t % 32 == 0) mbar_arrive(sm.full_k(s));
+              mbar_wait(sm.raw_full_v(s), phase);
+              convert_fp8_tile(sm.raw_v(s), sm.v(s), t);
+              fence_async_shared();
+              __syncwarp();
+              if (t % 32 == 0) {
+                mbar_arrive(sm.full_v(s));
+                mbar_arrive(sm.raw_empty(s));
+              }
+            }
+          }
+        }
+      }
+      return;
+    }
     const int lane = tid;
     if (lane == 0) {
       prefetch_tensor_map(&k_map);
@@ -215,18 +307,32 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (pos < w.kv_len && page_index < p.max_pages) page = pages[page_index];
             if (page >= 0 && page < p.num_pages) slot = (page << p.page_shift) + (pos & page_mask);
           }
-          mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
-          if (lane == 0) {  // both barriers expect their whole tile
-            mbar_arrive_expect_tx(sm.full_k(s), kTileBytes);
-            mbar_arrive_expect_tx(sm.full_v(s), kTileBytes);
-          }
-          __syncwarp();
-          if (lane < kBN / kBoxKeys) {
-            const uint32_t offset = lane * kBoxKeys * 128;
-            tma_load_3d(sm.k(s) + offset, &k_map, sm.full_k(s), 0, w.kvh, slot);
-            tma_load_3d(sm.k(s) + kHalfBytes + offset, &k_map, sm.full_k(s), 64, w.kvh, slot);
-            tma_load_3d(sm.v(s) + offset, &v_map, sm.full_v(s), 0, w.kvh, slot);
-            tma_load_3d(sm.v(s) + kHalfBytes + offset, &v_map, sm.full_v(s), 64, w.kvh, slot);
+          if constexpr (kFp8) {  // into the e4m3 ring: one 128-byte-wide box per 16 keys
+            mbar_wait(sm.raw_empty(s), ((it / kStages) & 1) ^ 1);
+            if (lane == 0) {
+              mbar_arrive_expect_tx(sm.raw_full_k(s), kRawTileBytes);
+              mbar_arrive_expect_tx(sm.raw_full_v(s), kRawTileBytes);
+            }
+            __syncwarp();
+            if (lane < kBN / kBoxKeys) {
+              const uint32_t offset = lane * kBoxKeys * kD;
+              tma_load_3d(sm.raw_k(s) + offset, &k_map, sm.raw_full_k(s), 0, w.kvh, slot);
+              tma_load_3d(sm.raw_v(s) + offset, &v_map, sm.raw_full_v(s), 0, w.kvh, slot);
+            }
+          } else {
+            mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
+            if (lane == 0) {  // both barriers expect their whole tile
+              mbar_arrive_expect_tx(sm.full_k(s), kTileBytes);
+              mbar_arrive_expect_tx(sm.full_v(s), kTileBytes);
+            }
+            __syncwarp();
+            if (lane < kBN / kBoxKeys) {
+              const uint32_t offset = lane * kBoxKeys * 128;
+              tma_load_3d(sm.k(s) + offset, &k_map, sm.full_k(s), 0, w.kvh, slot);
+              tma_load_3d(sm.k(s) + kHalfBytes + offset, &k_map, sm.full_k(s), 64, w.kvh, slot);
+              tma_load_3d(sm.v(s) + offset, &v_map, sm.full_v(s), 0, w.kvh, slot);
+              tma_load_3d(sm.v(s) + kHalfBytes + offset, &v_map, sm.full_v(s), 64, w.kvh, slot);
+            }
           }
         }
       }
@@ -235,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Consumers.
-  regs_inc<kConsumerRegs>();
+  regs_inc<kConsumerRegs<kFp8>>();
   const int c = warpgroup - 1;             // 0 or 1: rows 64 c ..
   const int ctid = tid - 128 * warpgroup;  // 0..127 within the warpgroup
   const int warp = ctid / 32, lane = ctid % 32;
@@ -266,8 +372,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 q + ((static_cast<int64_t>(w.q0) + pr / G) * p.num_heads + w.kvh * G + pr % G) * kD + chunk * 8));
           }
           const uint32_t dst = sm.q + (chunk / 8) * (kBM * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
-          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
-                       "r"(v.w));
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(q_pair_as<T, C>(v.x)),
+                       "r"(q_pair_as<T, C>(v.y)), "r"(q_pair_as<T, C>(v.z)), "r"(q_pair_as<T, C>(v.w)));
         }
         fence_async_shared();
         named_barrier(kQReadyBarrier + c, 128);
@@ -304,9 +410,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint64_t da = q_desc + (((kk / 4) * (kBM * 128) + off) >> 4);
           const uint64_t db = k_desc + (((kk / 4) * kHalfBytes + off) >> 4);
           if (kk == 0) {
-            Wgmma<T>::ss_first(sc, da, db);
+            Wgmma<C>::ss_first(sc, da, db);
           } else {
-            Wgmma<T>::ss(sc, da, db, 1);
+            Wgmma<C>::ss(sc, da, db, 1);
           }
         }
         wgmma_commit();
@@ -317,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint64_t v_desc = desc_at(sw128_desc(sm.v(stage(j)), kHalfBytes, 1024));
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {
-          Wgmma<T>::rs(o, a[kk], v_desc + ((kk * 16 * 128) >> 4));
+          Wgmma<C>::rs(o, a[kk], v_desc + ((kk * 16 * 128) >> 4));
         }
         wgmma_commit();
       };
@@ -332,10 +438,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto pack_p = [&] {
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {
-          a[kk][0] = mma::Mma<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
-          a[kk][1] = mma::Mma<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
-          a[kk][2] = mma::Mma<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
-          a[kk][3] = mma::Mma<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
+          a[kk][0] = mma::Mma<C>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
+          a[kk][1] = mma::Mma<C>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
+          a[kk][2] = mma::Mma<C>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
+          a[kk][3] = mma::Mma<C>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
       };
       auto release = [&](int j) {
@@ -441,7 +547,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float l = l_run[h];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv = l > 0.0f ? p.v_scale / l : 0.0f;
         const int pr = w.row0 + c * 64 + warp * 16 + lane / 4 + h * 8;
         if (pr < w.rows) {
           T* dst = out + ((static_cast<int64_t>(w.q0) + pr / G) * p.num_heads + w.kvh * G + pr % G) * kD + (lane % 4) * 2;
@@ -473,18 +579,24 @@ EncodeTiled encode_tiled() {
   return fn;
 }
 
-// The pool [slots, H_kv, 128] as a tensor map whose box is 16 slots x 1 head x 64 columns (128 bytes, swizzled).
-CUtensorMap pool_map(const void* pool, int dtype, int64_t slots, int64_t num_kv_heads) {
+// The pool [slots, H_kv, 128] as a tensor map whose box is 16 slots x 1 head x 128 bytes: 64 columns swizzled for
+// 16-bit caches (the layout wgmma reads), all 128 e4m3 columns unswizzled for FP8 ones (the converters' input).
+CUtensorMap pool_map(const void* pool, int kv_dtype, int64_t slots, int64_t num_kv_heads) {
   CUtensorMap map;
+  const bool fp8 = kv_dtype == kFP8E4M3;
+  const cuuint64_t bytes = fp8 ? 1 : 2;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(num_kv_heads),
                               static_cast<cuuint64_t>(slots)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD * 2), static_cast<cuuint64_t>(num_kv_heads * kD * 2)};
-  const cuuint32_t box[3] = {64, 1, kBoxKeys};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD * bytes), static_cast<cuuint64_t>(num_kv_heads * kD * bytes)};
+  const cuuint32_t box[3] = {fp8 ? 128u : 64u, 1, kBoxKeys};
   const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUtensorMapDataType type = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : kv_dtype == kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r = encode_tiled()(
-      &map, dtype == kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
-      const_cast<void*>(pool), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &map, type, 3, const_cast<void*>(pool), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     throw std::runtime_error("paged_attention_prefill_hopper: cuTensorMapEncodeTiled failed (" + std::to_string(r) + ")");
   }
@@ -494,13 +606,14 @@ CUtensorMap pool_map(const void* pool, int dtype, int64_t slots, int64_t num_kv_
 bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
 int kernel_variant = 0;  // set_paged_attention_prefill_hopper_variant: bit 0 overlap, bit 1 ping-pong, bit 2 three stages
 
-template <typename T, bool kOverlap, bool kPingpong, int kStages>
+template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages>
 void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items,
                     cudaStream_t stream) {
-  auto kernel = prefill_hopper_kernel<T, kOverlap, kPingpong, kStages>;
+  auto kernel = prefill_hopper_kernel<T, Kv, kOverlap, kPingpong, kStages>;
+  constexpr int smem_bytes = kSmemBytes<kStages, kIsFp8<Kv>>;
   static PerDevice<bool> configured;
   configured.get([&](int) {
-    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kStages>),
+    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
                "paged_attention_prefill_hopper: cudaFuncSetAttribute");
     return true;
   });
@@ -512,22 +625,30 @@ void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Pa
   });
   // Persistent: one block per SM (its shared memory allows no second), each taking every grid-th work item.
   const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
-  kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes<kStages>, stream>>>(k_map, v_map, p);
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem_bytes, stream>>>(k_map, v_map, p);
   cuda_check_launch("paged_attention_prefill_hopper kernel launch");
 }
 
-template <typename T>
+// FP8 caches take two stages and no overlap whatever the variant says: a third stage does not fit beside the e4m3
+// ring, and the overlap's registers (240) do not fit beside the converters' (40; the overlap spills at 232).
+template <typename T, typename Kv>
 void launch(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items, cudaStream_t stream) {
-  switch (kernel_variant) {
-    case 0: return launch_variant<T, false, false, 2>(k_map, v_map, p, items, stream);
-    case 1: return launch_variant<T, true, false, 2>(k_map, v_map, p, items, stream);
-    case 2: return launch_variant<T, false, true, 2>(k_map, v_map, p, items, stream);
-    case 3: return launch_variant<T, true, true, 2>(k_map, v_map, p, items, stream);
-    case 4: return launch_variant<T, false, false, 3>(k_map, v_map, p, items, stream);
-    case 5: return launch_variant<T, true, false, 3>(k_map, v_map, p, items, stream);
-    case 6: return launch_variant<T, false, true, 3>(k_map, v_map, p, items, stream);
-    default: return launch_variant<T, true, true, 3>(k_map, v_map, p, items, stream);
+  const int variant = kIsFp8<Kv> ? kernel_variant & 2 : kernel_variant;
+  if constexpr (!kIsFp8<Kv>) {
+    switch (variant) {
+      case 4: return launch_variant<T, Kv, false, false, 3>(k_map, v_map, p, items, stream);
+      case 5: return launch_variant<T, Kv, true, false, 3>(k_map, v_map, p, items, stream);
+      case 6: return launch_variant<T, Kv, false, true, 3>(k_map, v_map, p, items, stream);
+      case 7: return launch_variant<T, Kv, true, true, 3>(k_map, v_map, p, items, stream);
+      default: break;
+    }
   }
+  if constexpr (!kIsFp8<Kv>) {
+    if (variant == 1) return launch_variant<T, Kv, true, false, 2>(k_map, v_map, p, items, stream);
+    if (variant == 3) return launch_variant<T, Kv, true, true, 2>(k_map, v_map, p, items, stream);
+  }
+  if (variant == 2) return launch_variant<T, Kv, false, true, 2>(k_map, v_map, p, items, stream);
+  return launch_variant<T, Kv, false, false, 2>(k_map, v_map, p, items, stream);
 }
 
 }  // namespace
@@ -549,7 +670,7 @@ bool paged_attention_prefill_hopper_available(int device) {
     if (prop.major != 9 || prop.minor != 0) return false;
     // Built for sm_90a: the kernel's binary is Hopper's own (else this file compiled to an empty body).
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, false, false, 2>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, __nv_bfloat16, false, false, 2>) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }
@@ -562,7 +683,6 @@ bool paged_attention_prefill_hopper_available(int device) {
 void paged_attention_prefill_hopper(const PrefillArgs& a) {
   const std::string op = "paged_attention_prefill_hopper: ";
   const int shift = check_paged_attention(op, a);
-  if (a.kv_dtype != a.dtype) throw std::invalid_argument(op + "the caches must hold q's dtype (FP8 caches take paged_attention_prefill)");
   if (a.page_size < kBoxKeys) throw std::invalid_argument(op + "page_size must be at least 16");
   if (a.batch < 0 || a.num_kv_heads > 65535) throw std::invalid_argument(op + "batch or heads out of range");
   if (a.max_query_len < 0 || a.max_query_len > (int64_t{1} << 24)) throw std::invalid_argument(op + "max_query_len out of range");
@@ -574,6 +694,7 @@ void paged_attention_prefill_hopper(const PrefillArgs& a) {
   for (uintptr_t ptr : {a.query_start, a.page_table, a.kv_lens}) {
     if (ptr == 0 || ptr % 4 != 0) throw std::invalid_argument(op + "query_start, page_table and kv_lens must be int32");
   }
+  const bool fp8 = a.kv_dtype == kFP8E4M3;  // check_paged_attention: q's dtype or e4m3 with positive scales
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t slots = a.num_pages * a.page_size;
   const int64_t m_tiles = (a.max_query_len * group + kBM - 1) / kBM;
@@ -584,11 +705,12 @@ void paged_attention_prefill_hopper(const PrefillArgs& a) {
            reinterpret_cast<void*>(a.out), static_cast<int>(a.batch), static_cast<int>(a.num_heads),
            static_cast<int>(a.num_kv_heads), static_cast<int>(group), shift, static_cast<int>(a.max_pages),
            static_cast<int>(slots), static_cast<int>(a.num_pages), static_cast<int>(m_tiles),
-           static_cast<float>(a.scale) * kLog2e};
-  const CUtensorMap k_map = pool_map(reinterpret_cast<const void*>(a.k_cache), a.dtype, slots, a.num_kv_heads);
-  const CUtensorMap v_map = pool_map(reinterpret_cast<const void*>(a.v_cache), a.dtype, slots, a.num_kv_heads);
+           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0)};
+  const CUtensorMap k_map = pool_map(reinterpret_cast<const void*>(a.k_cache), a.kv_dtype, slots, a.num_kv_heads);
+  const CUtensorMap v_map = pool_map(reinterpret_cast<const void*>(a.v_cache), a.kv_dtype, slots, a.num_kv_heads);
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
-  FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill_hopper: ", a.dtype, kHalfTypes, T, launch<T>(k_map, v_map, p, blocks, s));
+  FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill_hopper: ", a.dtype, kHalfTypes, T,
+                          fp8 ? launch<T, Fp8E4M3>(k_map, v_map, p, blocks, s) : launch<T, T>(k_map, v_map, p, blocks, s));
 }
 
 }  // namespace fastqwen

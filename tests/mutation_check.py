@@ -159,6 +159,30 @@ MUTATIONS = [
         "the Hopper kernel's causal mask puts query i at position i, not after the cached prefix (extend)",
     ),
     Mutation(
+        "prefill_hopper_fp8_ignores_v_scale",
+        PREFILL_HOPPER,
+        [
+            (
+                "        const float inv = l > 0.0f ? p.v_scale / l : 0.0f;",
+                "        const float inv = l > 0.0f ? 1.0f / l : 0.0f;",
+            )
+        ],
+        ["tests/test_fp8_kv_gpu.py::test_prefill_fp8", "tests/test_fp8_kv_gpu.py::test_prefill_fp8_long_extends"],
+        "the Hopper kernel reads an FP8 cache's V without its scale",
+    ),
+    Mutation(
+        "prefill_hopper_fp8_converts_unswizzled",
+        PREFILL_HOPPER,
+        [
+            (
+                "    const int c0 = (cc % 4) * 2;  // the first",
+                "    const int c0 = ((cc % 4) * 2) ^ (key % 8);  // the first",
+            )
+        ],
+        ["tests/test_fp8_kv_gpu.py::test_prefill_fp8", "tests/test_fp8_kv_gpu.py::test_prefill_fp8_long_extends"],
+        "the FP8 converters write fp16 chunks where the 128-byte swizzle does not put them (wgmma reads other columns)",
+    ),
+    Mutation(
         "prefill_no_rescale",
         PREFILL,
         [("          const float alpha = fast_exp2(m_run[mi][h] - m_use);", "          const float alpha = 1.0f;")],

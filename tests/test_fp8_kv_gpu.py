@@ -34,10 +34,15 @@ from checkpoints import (
 )
 from fastqwen import LLM
 from fastqwen.ops import paged_attention_decode, paged_attention_prefill, qk_norm_rope_store_kv, rope_cos_sin_cache
-from fastqwen.ops._native import has_cuda_kernels
-from fastqwen.ops.attention import paged_attention_decode_reference, paged_attention_prefill_reference
+from fastqwen.ops._native import has_cuda_kernels, native
+from fastqwen.ops.attention import (
+    paged_attention_decode_reference,
+    paged_attention_prefill_reference,
+    prefill_uses_hopper_kernel,
+    set_hopper_prefill,
+)
 from fastqwen.ops.kv_fp8 import FP8_KV_DTYPE, quantize_kv
-from test_attention_gpu import assert_within_scale, make_case, prefill_lengths, unit_roundoff
+from test_attention_gpu import assert_within_scale, make_case, prefill_kernel, prefill_lengths, unit_roundoff  # noqa: F401
 from test_fp8_kv import e4m3_bits
 
 FP8_ATTENTION_TOLERANCE = 2.0**-2
@@ -201,11 +206,17 @@ def test_decode_fp8_is_batch_invariant():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_prefill_fp8(dtype, group, page_size):
+def test_prefill_fp8(dtype, group, page_size, prefill_kernel):  # noqa: F811 (the fixture)
     q_lens, kv_lens = prefill_lengths(random.Random(group * 100 + page_size), page_size)
     k_scale, v_scale = (0.25, 1.5) if page_size == 64 else (1.0, 1.0)
-    _, k, v, table, lens, k8, v8 = _decode_case(dtype, group, page_size, kv_lens, group + page_size, k_scale, v_scale)
-    gen = torch.Generator(device="cuda").manual_seed(group)
+    check_prefill_fp8(dtype, group, page_size, q_lens, kv_lens, k_scale, v_scale, seed=group + page_size)
+
+
+def check_prefill_fp8(dtype, group, page_size, q_lens, kv_lens, k_scale, v_scale, seed):
+    """The FP8 prefill against the dequantized float reference, and against the 16-bit kernel on the unquantized
+    cache within the e4m3 tolerance."""
+    _, k, v, table, lens, k8, v8 = _decode_case(dtype, group, page_size, kv_lens, seed, k_scale, v_scale)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(sum(q_lens), 2 * group, 128, device="cuda", generator=gen).to(dtype)
     starts = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
     out = torch.full_like(q, float("nan"))
@@ -217,7 +228,33 @@ def test_prefill_fp8(dtype, group, page_size):
     unquantized = torch.empty_like(q)
     paged_attention_prefill(q, k.to(dtype), v.to(dtype), starts, table, lens, SCALE, unquantized, max(q_lens))
     worst = assert_e4m3_tolerance(out, unquantized, "prefill fp8 vs 16-bit kernel")
-    record_result("fp8_kv.json", f"prefill_{dtype}_g{group}_p{page_size}_worst_fraction_of_tolerance", worst)
+    kernel = "hopper" if prefill_uses_hopper_kernel(q, k8) else "tensor_cores"
+    record_result("fp8_kv.json", f"prefill_{kernel}_{dtype}_g{group}_p{page_size}_worst_fraction_of_tolerance", worst)
+
+
+def test_prefill_fp8_long_extends(prefill_kernel):  # noqa: F811 (the fixture)
+    """Extends at the end of 32k and 9k cached tokens beside a whole prompt: many tiles through the e4m3 ring."""
+    q_lens, prefixes = [512, 1, 700], [32768 - 512, 9000, 0]
+    kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
+    check_prefill_fp8(torch.bfloat16, 4, 16, q_lens, kv_lens, 0.5, 2.0, seed=7)
+
+
+@pytest.mark.parametrize("variant", range(8))
+def test_hopper_prefill_fp8_every_pipeline(variant):
+    """The Hopper kernel's pipelines on an FP8 cache (it takes two stages and no overlap whatever the variant: the
+    variants that ask for them run its nearest pipeline, and must be right too)."""
+    previous_kernel = set_hopper_prefill(True)
+    previous_variant = native().set_paged_attention_prefill_hopper_variant(variant)
+    try:
+        probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
+        if not prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=FP8_KV_DTYPE, device="cuda")):
+            pytest.skip("no Hopper prefill kernel on this device")
+        q_lens, kv_lens = prefill_lengths(random.Random(variant), 16)
+        check_prefill_fp8(torch.bfloat16, 4, 16, q_lens, kv_lens, 0.5, 2.0, seed=variant)
+        check_prefill_fp8(torch.float16, 8, 32, q_lens, kv_lens, 1.0, 1.0, seed=variant + 1)
+    finally:
+        native().set_paged_attention_prefill_hopper_variant(previous_variant)
+        set_hopper_prefill(previous_kernel)
 
 
 def test_fp8_bad_arguments():

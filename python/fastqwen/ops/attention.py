@@ -275,9 +275,10 @@ _hopper_prefill_devices: dict[int, bool] = {}
 
 def prefill_uses_hopper_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The one rule between the two prefill kernels: csrc/attention_prefill_hopper.cu (TMA + wgmma) on a Hopper GPU
-    the extension was built for (sm_90a), for caches of q's dtype with pages of 16 or more tokens; everything else
-    (FP8 caches, smaller pages, other GPUs) takes csrc/attention_prefill.cu."""
-    if not (_hopper_prefill_enabled and q.is_cuda and k_cache.dtype == q.dtype and k_cache.shape[1] >= 16):
+    the extension was built for (sm_90a), for caches of q's dtype or FP8 e4m3 with pages of 16 or more tokens;
+    everything else (smaller pages, other GPUs) takes csrc/attention_prefill.cu."""
+    cache_ok = k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+    if not (_hopper_prefill_enabled and q.is_cuda and cache_ok and k_cache.shape[1] >= 16):
         return False
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if device not in _hopper_prefill_devices:
