@@ -288,6 +288,7 @@ def test_engine_with_fp8_pool_follows_float32_truth(checkpoint):
         expected = hf_greedy(hf, prompt, 32)
         references.append((expected, hf_logits(hf, prompt, expected)))
     decisive, _ = teacher_forced_match(llm, prompts, references, FP8_LOGIT_TOLERANCE)
+    # 17 of 192 decisive at the time of writing (float32 on the CPU: the same count every run).
     assert decisive >= 10, f"only {decisive} of 192 steps were decisive: the test checks too little"
     print(f"decisive steps: {decisive}")
     llm.engine.check_invariants()
