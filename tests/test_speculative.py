@@ -1,7 +1,8 @@
 """Speculative decoding on the CPU reference path: drafters against brute-force references, greedy outputs equal to
 decoding without speculation (wrong drafts included), the target's distribution kept under sampling (chi-square
 against Hugging Face's probabilities), no rejected token's KV in the prefix cache (against Hugging Face's keys),
-stops, preemption and aborts in the middle of an accepted run."""
+stops, preemption and aborts in the middle of an accepted run, penalties counting the draft tokens before each
+verified position (on the reference sampler and on the CUDA sampler's engine side, cpu_graphs)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from cpu_graphs import graph_llm, plain_llm
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
 from fastqwen.engine.messages import EngineRequest
@@ -69,6 +71,22 @@ class OracleDrafter:
 def with_oracle(llm: LLM, prompt_list, reference_outputs) -> LLM:
     llm.engine.speculator.drafter = OracleDrafter({tuple(p): o for p, o in zip(prompt_list, reference_outputs)})
     return llm
+
+
+class WrongDrafter:
+    """Proposes full drafts that the target never draws: each token one past the reference's at its position. Every
+    verified position but the first is rejected."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]]):
+        self.references = references
+
+    def propose(self, rid, tokens, num_prompt_tokens, limit):
+        full = list(tokens[:num_prompt_tokens]) + self.references[tuple(tokens[:num_prompt_tokens])]
+        draft = [t % 250 + 4 for t in full[len(tokens) : len(tokens) + limit]]
+        return draft, float(len(draft))
+
+    def finish(self, rid, tokens, num_prompt_tokens):
+        pass
 
 
 # ---- configuration ----------------------------------------------------------------------------------------------
@@ -162,6 +180,74 @@ def test_greedy_output_is_unchanged(checkpoint, method):
     if method == "oracle":  # half the drafts are right: many accepted in full, many cut short
         assert stats.spec_accepted_per_position[K - 1] > 0
         assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+# ---- penalties: every verified position counts the draft tokens before it ----------------------------------------
+
+# Penalties that make tokens already drawn likely again (repetition below 1, presence rewarded) with frequency pulling
+# the other way: greedy outputs repeat themselves (the drafters find matches), and a count missing or extra at a
+# verified position moves its distribution far (the chi-square test measured the distribution of that mistake).
+PENALTIES = dict(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=0.5)
+
+
+def sampler_llm(path: str, sampler: str, monkeypatch, spec: dict | None = None, **knobs) -> LLM:
+    """An engine on the reference sampler, or on the CUDA sampler's engine side (GpuSampler, its kernel the
+    reference on the CPU: cpu_graphs) eager ("gpu") or with decode and verify graph stand-ins ("gpu-graphs")."""
+    knobs = {"page_size": 4, **knobs}
+    if sampler == "reference":
+        return make_llm(path, spec, **knobs)
+    if sampler == "gpu":
+        return plain_llm(monkeypatch, path, speculative_config=spec, **knobs)
+    knobs.setdefault("num_pages", 512)  # (else the engine measures the graphs' device memory)
+    llm = graph_llm(monkeypatch, path, speculative_config=spec, **knobs)
+    assert spec is None or llm.engine.runner.verify_graphs is not None
+    return llm
+
+
+@pytest.fixture(scope="module")
+def penalized(checkpoint):
+    """Prompts, greedy parameters with every penalty set, and their outputs without speculation (reference sampler)."""
+    path, _ = checkpoint
+    batch = prompts(4, seed=16)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, **PENALTIES)
+    return batch, params, outputs(make_llm(path), batch, params)
+
+
+@pytest.mark.parametrize(
+    "sampler, method",
+    [("reference", m) for m in ("ngram", "suffix", "oracle", "wrong")] + [("gpu", "drafts"), ("gpu-graphs", "drafts")],
+)
+def test_greedy_output_with_penalties_is_unchanged(checkpoint, penalized, monkeypatch, sampler, method):
+    """Greedy requests with repetition, presence and frequency penalties draft like any other and get exactly the
+    tokens of decoding without speculation: each verified position is penalized for the draft tokens before it, and
+    a rejected token is never counted afterwards. The CUDA sampler's engine side runs the half-wrong oracle, then the
+    always-wrong drafter (counts rows per position, kept or freed once the step is recorded)."""
+    path, _ = checkpoint
+    batch, params, reference = penalized
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    spec = {
+        "method": "suffix" if method == "suffix" else "ngram",
+        "num_speculative_tokens": K,
+        "min_acceptance_rate": 0.0,  # (the wrong drafter is never paused)
+    }
+    llm = sampler_llm(path, sampler, monkeypatch, spec)
+    drafters = {"oracle": [OracleDrafter(references)], "wrong": [WrongDrafter(references)]}.get(method, [None])
+    if method == "drafts":
+        drafters = [OracleDrafter(references), WrongDrafter(references)]
+    for drafter in drafters:
+        if drafter is not None:
+            llm.engine.speculator.drafter = drafter
+        before = llm.engine.stats()
+        assert outputs(llm, batch, params) == reference
+        after = llm.engine.stats()
+        assert after.spec_num_drafts > before.spec_num_drafts
+        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        assert (accepted == 0) if isinstance(drafter, WrongDrafter) else (accepted > 0)
+    if method == "suffix":  # again, drafting from the first run's outputs: long accepted runs
+        assert outputs(llm, batch, params) == reference
+    if sampler == "gpu-graphs":  # verify steps replayed their graphs (forward, then the sampler over every position)
+        assert llm.engine.runner.verify_graphs.sampler_replays
+    llm.engine.check_invariants()
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(checkpoint):
@@ -372,28 +458,38 @@ def test_server_streams_accepted_runs_and_exports_the_counters(checkpoint):
 
 def test_overlap_schedule_runs_ahead_only_when_no_request_may_draft():
     """While speculation is on, the next decode step is chosen ahead of this one's tokens only when no running
-    request may carry a draft (its draft follows those tokens): requests with penalties decode with the overlap
-    schedule as before; one eligible request stops it."""
+    request may carry a draft (its draft follows those tokens): requests paused for low acceptance decode with the
+    overlap schedule as before; one that may draft stops it, penalties or not (they no longer keep a request from
+    drafting)."""
     from fastqwen.config import GenerationDefaults
     from fastqwen.kvcache import PageAllocator
     from fastqwen.scheduler import Request, Scheduler
     from fastqwen.speculative import SpeculativeConfig, Speculator
+    from fastqwen.speculative.speculator import ACCEPTANCE_WINDOW
 
-    def request(rid: int, penalty: float) -> Request:
-        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, presence_penalty=penalty)
+    def request(rid: int) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, presence_penalty=0.5)
         params = params.with_defaults(GenerationDefaults())
         return Request(rid=rid, prompt_ids=[5, 6, 7, 8], params=params, arrival=rid)
+
+    def pause(r: Request) -> None:  # a window of rejected drafts
+        speculator.propose(r, 2)
+        for _ in range(ACCEPTANCE_WINDOW // 2):
+            speculator.accepted(r, (1, 1), [2, 2, 2])
 
     speculator = Speculator(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}))
     scheduler = Scheduler(PageAllocator(256), 4, 8, 64, 512, [0], speculator=speculator)
     for rid in range(2):
-        scheduler.add(request(rid, penalty=0.5))
+        scheduler.add(request(rid))
     scheduler.update(scheduler.schedule(), [9, 9])  # prefills
+    for r in scheduler.running:
+        assert speculator.may_draft(r)
+        pause(r)
     decode = scheduler.schedule()
     assert decode.is_decode and not decode.has_drafts
     assert scheduler.schedule_ahead(decode) is not None
     scheduler.update(decode, [9, 9])
-    scheduler.add(request(2, penalty=0.0))  # eligible: its drafts follow its tokens
+    scheduler.add(request(2))  # may draft: its drafts follow its tokens
     scheduler.update(scheduler.schedule(), [9, 9, 9])
     decode = scheduler.schedule()
     assert scheduler.schedule_ahead(decode) is None
