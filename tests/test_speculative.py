@@ -18,6 +18,7 @@ from cpu_graphs import graph_llm, plain_llm
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
 from fastqwen.engine.messages import EngineRequest
+from fastqwen.ops import _native
 from fastqwen.speculative.ngram import NgramIndex
 from fastqwen.speculative.suffix import SuffixTree
 
@@ -250,6 +251,78 @@ def test_greedy_output_with_penalties_is_unchanged(checkpoint, penalized, monkey
     llm.engine.check_invariants()
 
 
+on_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _native.has_cuda_kernels()), reason="needs a GPU and the CUDA kernels"
+)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, on_gpu]), "cpu"])
+def test_gpu_sampler_counts_rows_of_a_verify_step(device, graph):
+    """The CUDA sampler's counts table through a verify step and the step after it, row by row against counts
+    written from the token lists: verified position i's row holds the prompt bits, the output, the draft's first i
+    tokens and that position's draw; once the step is recorded, the request keeps the row of its last kept position
+    (not rebuilt) and it counts exactly the committed tokens, and the step's other rows are free. Eager (sample) and
+    as a graph step (frozen buffers, padded rows, graph_hook); on the CPU the kernel is its reference."""
+    from fastqwen.config import GenerationDefaults
+    from fastqwen.engine.sampler import GpuSampler
+    from fastqwen.engine.verify import DraftRow
+    from fastqwen.ops.sampling import sampler_row_layout
+    from fastqwen.scheduler import Request
+
+    vocab, dev = 384, torch.device(device)  # (the test checkpoints' vocabulary, as the GPU tests run the kernel)
+    sampler = GpuSampler(vocab, max_rows=16, device=dev, eos_token_ids=[0], seed=1)
+    if graph:
+        sampler.freeze()
+    prompt_bit = sampler_row_layout().prompt_bit
+
+    def request(rid: int, **penalties) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, **penalties)
+        r = Request(rid=rid, prompt_ids=[1, 2, 3, 9], params=params.with_defaults(GenerationDefaults()), arrival=rid)
+        r.token_ids += [5, 6, 5]
+        return r
+
+    def counted(r: Request, extra) -> list[int]:
+        output = r.output_ids + list(extra)
+        return [output.count(t) | (prompt_bit if t in r.prompt_ids else 0) for t in range(vocab)]
+
+    def step(rows: list, picks: list[int]) -> None:
+        """Greedy draws of `picks` (one per row, far above every other logit, penalties or not)."""
+        size = len(rows) + 2 if graph else len(rows)
+        logits = torch.zeros(size, vocab)
+        logits[range(len(rows)), picks] = 50.0
+        logits = logits.to(dev)
+        if graph:
+            sampler.prepare(rows, pad_to=size)
+            sampler.graph_hook(logits, size)
+            tokens = sampler.tokens[: len(rows)].tolist()
+        else:
+            tokens, _ = sampler.sample(logits, rows, lambda t: t.tolist())
+        assert tokens == picks
+
+    a, b, c = request(0, **PENALTIES), request(1), request(2, frequency_penalty=0.7)
+    draft_a, draft_c = (30, 5, 7), (11, 12)
+    rows = [a, *[DraftRow(a, draft_a[:i]) for i in (1, 2, 3)], b, c, *[DraftRow(c, draft_c[:i]) for i in (1, 2)]]
+    picks_a, picks_c = [30, 5, 31, 32], [13, 14, 15]  # a keeps 2 draft tokens then 31; c keeps none, then 13
+    step(rows, picks_a + [20] + picks_c)
+    table = sampler.counts.cpu()
+    for r, draft, picks in ((a, draft_a, picks_a), (c, draft_c, picks_c)):
+        positions = r.sampler.verified[1]
+        assert len(set(positions)) == len(draft) + 1
+        for i, slot in enumerate(positions):
+            assert table[slot].tolist() == counted(r, draft[:i] + (picks[i],)), (r.rid, i)
+    kept_a, kept_c = a.sampler.verified[1][2], c.sampler.verified[1][0]
+    a.token_ids += [30, 5, 31]  # what Scheduler.update commits
+    b.token_ids += [20]
+    c.token_ids += [13]
+    step([a, b, c], [40, 41, 5])
+    assert (a.sampler.slot, c.sampler.slot) == (kept_a, kept_c)
+    table = sampler.counts.cpu()
+    assert table[kept_a].tolist() == counted(a, [40]) and table[kept_c].tolist() == counted(c, [5])
+    owned = [i for i, owner in enumerate(sampler.slot_owner) if owner is not None and not owner.finished]
+    assert sorted(owned) == sorted([kept_a, kept_c])
+
+
 def test_stops_and_max_tokens_inside_an_accepted_run(checkpoint):
     path, _ = checkpoint
     batch = prompts(4, seed=4)
@@ -331,27 +404,41 @@ def test_prefix_cache_holds_no_rejected_token(checkpoint):
 # ---- sampling keeps the target's distribution -------------------------------------------------------------------
 
 
-def test_sampled_tokens_keep_the_target_distribution(checkpoint):
-    """Three tokens, top_k = 2 at temperature 1: 8 outcomes whose probabilities Hugging Face's logits give. The
-    second and third tokens come from one verify step whose draft (the greedy continuation) is right about half the
-    time. Chi-square with 7 degrees of freedom: 24.3 is the 0.001 quantile; an accepted token past the first
-    mismatch moves the statistic into the hundreds (measured)."""
+def penalize(logits: torch.Tensor, prompt: list[int], output: list[int], params: dict) -> torch.Tensor:
+    """The three penalties as their definitions state them (sampling_params.py), for the test's expectations."""
+    x = logits.clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / params["repetition_penalty"] if x[t] > 0 else x[t] * params["repetition_penalty"]
+    for t in set(output):
+        x[t] -= params["presence_penalty"] + params["frequency_penalty"] * output.count(t)
+    return x
+
+
+@pytest.mark.parametrize("penalties, sampler", [(False, "reference"), (True, "reference"), (True, "gpu")])
+def test_sampled_tokens_keep_the_target_distribution(checkpoint, monkeypatch, penalties, sampler):
+    """Three tokens, top_k = 2 at temperature 1: 8 outcomes whose probabilities Hugging Face's logits give (with
+    PENALTIES applied as defined, for the penalized runs). The second and third tokens come from one verify step whose
+    draft (the greedy continuation) is right about half the time. Chi-square with 7 degrees of freedom: 24.3 is the
+    0.001 quantile; an accepted token past the first mismatch moves the statistic into the hundreds (measured), and
+    so does the third token's position not counting the draft token before it (about 1,300 expected, and outcomes
+    outside the 8)."""
     path, model = checkpoint
     prompt = prompts(1, seed=9)[0]
     n = 1200
+    pen = PENALTIES if penalties else dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 
-    def top2(prefix):
+    def top2(output):
         with torch.no_grad():
-            logits = model(torch.tensor([prefix])).logits[0, -1].double()
-        values, ids = logits.topk(2)
+            logits = model(torch.tensor([prompt + output])).logits[0, -1].double()
+        values, ids = penalize(logits, prompt, output, pen).topk(2)
         return ids.tolist(), torch.softmax(values, 0).tolist()
 
     expected, greedy = {}, []
-    ids1, p1 = top2(prompt)
+    ids1, p1 = top2([])
     for a, pa in zip(ids1, p1):
-        ids2, p2 = top2(prompt + [a])
+        ids2, p2 = top2([a])
         for b, pb in zip(ids2, p2):
-            ids3, p3 = top2(prompt + [a, b])
+            ids3, p3 = top2([a, b])
             for c, pc in zip(ids3, p3):
                 expected[(a, b, c)] = pa * pb * pc
             if not greedy:
@@ -365,9 +452,9 @@ def test_sampled_tokens_keep_the_target_distribution(checkpoint):
             pass
 
     spec = {"method": "ngram", "num_speculative_tokens": 2, "max_batch_size": 4096, "min_acceptance_rate": 0.0}
-    llm = make_llm(path, spec, max_num_seqs=n, seed=11)
+    llm = sampler_llm(path, sampler, monkeypatch, spec, max_num_seqs=n, seed=11)
     llm.engine.speculator.drafter = GreedyDraft()
-    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True, **(pen if penalties else {}))
     counts: dict[tuple, int] = {}
     for out in outputs(llm, [prompt] * n, params):
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
