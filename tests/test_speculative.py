@@ -251,6 +251,40 @@ def test_greedy_output_with_penalties_is_unchanged(checkpoint, penalized, monkey
     llm.engine.check_invariants()
 
 
+@pytest.mark.parametrize("sampler", ["reference", "gpu", "gpu-graphs"])
+def test_seeded_sampling_with_every_parameter_is_unchanged(checkpoint, monkeypatch, sampler):
+    """Seeded sampled requests with top-k, top-p, min-p, logit_bias, min_tokens and penalties: each draw is a function
+    of the seed, the step and the processed logits, so with speculation (half-wrong oracle, always-wrong drafter) every
+    token equals decoding without it, when every verified position takes its own step's seed, bans, bias and counts."""
+    path, _ = checkpoint
+    batch = prompts(6, seed=21)
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            top_k=(0, 20)[i % 2],
+            top_p=(1.0, 0.9)[i // 2 % 2],
+            min_p=0.05 * (i % 3),
+            seed=100 + i,
+            max_tokens=40,
+            min_tokens=10,
+            logit_bias={7: 3.0, 11: -2.0},
+            **(PENALTIES if i % 2 else {}),
+        )
+        for i in range(6)
+    ]
+    reference = outputs(make_llm(path), batch, params)
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, sampler, monkeypatch, spec)
+    for drafter in (OracleDrafter(references), WrongDrafter(references)):
+        llm.engine.speculator.drafter = drafter
+        before = llm.engine.stats().spec_num_accepted_tokens
+        assert outputs(llm, batch, params) == reference
+        assert (llm.engine.stats().spec_num_accepted_tokens > before) == isinstance(drafter, OracleDrafter)
+    if sampler == "gpu-graphs":
+        assert llm.engine.runner.verify_graphs.sampler_replays
+
+
 on_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and _native.has_cuda_kernels()), reason="needs a GPU and the CUDA kernels"
 )
