@@ -187,7 +187,7 @@ def test_greedy_output_is_unchanged(checkpoint, method):
 
 # Penalties that make tokens already drawn likely again (repetition below 1, presence rewarded) with frequency pulling
 # the other way: greedy outputs repeat themselves (the drafters find matches), and a count missing or extra at a
-# verified position moves its distribution far (the chi-square test measured the distribution of that mistake).
+# verified position moves its distribution far (test_sampled_tokens_keep_the_target_distribution gives the figure).
 PENALTIES = dict(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=0.5)
 
 
@@ -232,9 +232,11 @@ def test_greedy_output_with_penalties_is_unchanged(checkpoint, penalized, monkey
         "min_acceptance_rate": 0.0,  # (the wrong drafter is never paused)
     }
     llm = sampler_llm(path, sampler, monkeypatch, spec)
-    drafters = {"oracle": [OracleDrafter(references)], "wrong": [WrongDrafter(references)]}.get(method, [None])
-    if method == "drafts":
-        drafters = [OracleDrafter(references), WrongDrafter(references)]
+    drafters = {
+        "oracle": [OracleDrafter(references)],
+        "wrong": [WrongDrafter(references)],
+        "drafts": [OracleDrafter(references), WrongDrafter(references)],
+    }.get(method, [None])  # (ngram, suffix: the configured drafter)
     for drafter in drafters:
         if drafter is not None:
             llm.engine.speculator.drafter = drafter
