@@ -35,42 +35,44 @@ class DoneEvent:
 
 
 class StandInGraphs(DecodeGraphs):
-    """Replays that compute eagerly: the forward on the batch's rows that are not padding (kv_len > 0; the rest
-    get zero logits), the sampler graph by calling the post-logits hook. Counts both kinds of replay."""
+    """Replays that compute eagerly: the forward on the batch's sequences that are not padding (padding writes no KV:
+    out_slots -1; its rows get zero logits), the sampler graph by calling the post-logits hook. Counts both kinds of
+    replay. Verify graphs (query_len > 1) too: each sequence computes query_len tokens."""
 
     def capture(self) -> StandInGraphs:
-        self.logits = torch.zeros(self.max_bs, self.model.cfg.vocab_size)
+        self.logits = torch.zeros(self.max_bs * self.query_len, self.model.cfg.vocab_size)
         self.forwards: list[int] = []
         self.sampler_replays: list[int] = []
         return self
 
     def replay_forward(self, size: int) -> torch.Tensor:
         self.forwards.append(size)
-        b = self.batch(size)
-        n = int((b.kv_lens > 0).sum())
+        b, q = self.batch(size), self.query_len
+        n = int((b.out_slots.view(size, q)[:, 0] >= 0).sum())  # (the padding sequences come last)
         rows = ForwardBatch(
-            input_ids=b.input_ids[:n],
-            positions=b.positions[:n],
-            out_slots=b.out_slots[:n],
+            input_ids=b.input_ids[: n * q],
+            positions=b.positions[: n * q],
+            out_slots=b.out_slots[: n * q],
             query_start=b.query_start[: n + 1],
             kv_lens=b.kv_lens[:n],
             page_table=b.page_table[:n],
-            logits_indices=b.logits_indices[:n],
-            is_decode=True,
-            max_query_len=1,
+            logits_indices=b.logits_indices[: n * q],
+            is_decode=q == 1,
+            max_query_len=q,
         )
-        self.logits[:size] = 0.0
-        self.logits[:n] = self.model.forward(rows, self.kv)
-        return self.logits[:size]
+        self.logits[: size * q] = 0.0
+        self.logits[: n * q] = self.model.forward(rows, self.kv)
+        return self.logits[: size * q]
 
     def replay_sampler(self, size: int) -> None:
         self.sampler_replays.append(size)
-        self.post_logits(self.logits[:size], size)
+        q = self.query_len
+        self.post_logits(self.logits[: size * q], size * q)
 
     def replay(self, size: int) -> torch.Tensor:
         self.replay_forward(size)
         self.replay_sampler(size)
-        return self.logits[:size]
+        return self.logits[: size * self.query_len]
 
 
 def graph_llm(monkeypatch, folder: str, **kwargs) -> LLM:

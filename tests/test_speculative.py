@@ -1,7 +1,8 @@
 """Speculative decoding on the CPU reference path: drafters against brute-force references, greedy outputs equal to
 decoding without speculation (wrong drafts included), the target's distribution kept under sampling (chi-square
 against Hugging Face's probabilities), no rejected token's KV in the prefix cache (against Hugging Face's keys),
-stops, preemption and aborts in the middle of an accepted run."""
+stops, preemption and aborts in the middle of an accepted run, penalties counting the draft tokens before each
+verified position (on the reference sampler and on the CUDA sampler's engine side, cpu_graphs)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import time
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from cpu_graphs import graph_llm, plain_llm
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
 from fastqwen.engine.messages import EngineRequest
+from fastqwen.ops import _native
 from fastqwen.speculative.ngram import NgramIndex
 from fastqwen.speculative.suffix import SuffixTree
 
@@ -69,6 +72,22 @@ class OracleDrafter:
 def with_oracle(llm: LLM, prompt_list, reference_outputs) -> LLM:
     llm.engine.speculator.drafter = OracleDrafter({tuple(p): o for p, o in zip(prompt_list, reference_outputs)})
     return llm
+
+
+class WrongDrafter:
+    """Proposes full drafts that the target never draws: each token one past the reference's at its position. Every
+    verified position but the first is rejected."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]]):
+        self.references = references
+
+    def propose(self, rid, tokens, num_prompt_tokens, limit):
+        full = list(tokens[:num_prompt_tokens]) + self.references[tuple(tokens[:num_prompt_tokens])]
+        draft = [t % 250 + 4 for t in full[len(tokens) : len(tokens) + limit]]
+        return draft, float(len(draft))
+
+    def finish(self, rid, tokens, num_prompt_tokens):
+        pass
 
 
 # ---- configuration ----------------------------------------------------------------------------------------------
@@ -164,6 +183,182 @@ def test_greedy_output_is_unchanged(checkpoint, method):
         assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
+# ---- penalties: every verified position counts the draft tokens before it ----------------------------------------
+
+# Penalties that make tokens already drawn likely again (repetition below 1, presence rewarded) with frequency pulling
+# the other way: greedy outputs repeat themselves (the drafters find matches), and a count missing or extra at a
+# verified position moves its distribution far (test_sampled_tokens_keep_the_target_distribution gives the figure).
+PENALTIES = dict(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=0.5)
+
+
+def sampler_llm(path: str, sampler: str, monkeypatch, spec: dict | None = None, **knobs) -> LLM:
+    """An engine on the reference sampler, or on the CUDA sampler's engine side (GpuSampler, its kernel the
+    reference on the CPU: cpu_graphs) eager ("gpu") or with decode and verify graph stand-ins ("gpu-graphs")."""
+    knobs = {"page_size": 4, **knobs}
+    if sampler == "reference":
+        return make_llm(path, spec, **knobs)
+    if sampler == "gpu":
+        return plain_llm(monkeypatch, path, speculative_config=spec, **knobs)
+    knobs.setdefault("num_pages", 512)  # (else the engine measures the graphs' device memory)
+    llm = graph_llm(monkeypatch, path, speculative_config=spec, **knobs)
+    assert spec is None or llm.engine.runner.verify_graphs is not None
+    return llm
+
+
+@pytest.fixture(scope="module")
+def penalized(checkpoint):
+    """Prompts, greedy parameters with every penalty set, and their outputs without speculation (reference sampler)."""
+    path, _ = checkpoint
+    batch = prompts(4, seed=16)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, **PENALTIES)
+    return batch, params, outputs(make_llm(path), batch, params)
+
+
+@pytest.mark.parametrize(
+    "sampler, method",
+    [("reference", m) for m in ("ngram", "suffix", "oracle", "wrong")] + [("gpu", "drafts"), ("gpu-graphs", "drafts")],
+)
+def test_greedy_output_with_penalties_is_unchanged(checkpoint, penalized, monkeypatch, sampler, method):
+    """Greedy requests with repetition, presence and frequency penalties draft like any other and get exactly the
+    tokens of decoding without speculation: each verified position is penalized for the draft tokens before it, and
+    a rejected token is never counted afterwards. The CUDA sampler's engine side runs the half-wrong oracle, then the
+    always-wrong drafter (counts rows per position, kept or freed once the step is recorded)."""
+    path, _ = checkpoint
+    batch, params, reference = penalized
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    spec = {
+        "method": "suffix" if method == "suffix" else "ngram",
+        "num_speculative_tokens": K,
+        "min_acceptance_rate": 0.0,  # (the wrong drafter is never paused)
+    }
+    llm = sampler_llm(path, sampler, monkeypatch, spec)
+    drafters = {
+        "oracle": [OracleDrafter(references)],
+        "wrong": [WrongDrafter(references)],
+        "drafts": [OracleDrafter(references), WrongDrafter(references)],
+    }.get(method, [None])  # (ngram, suffix: the configured drafter)
+    for drafter in drafters:
+        if drafter is not None:
+            llm.engine.speculator.drafter = drafter
+        before = llm.engine.stats()
+        assert outputs(llm, batch, params) == reference
+        after = llm.engine.stats()
+        assert after.spec_num_drafts > before.spec_num_drafts
+        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        assert (accepted == 0) if isinstance(drafter, WrongDrafter) else (accepted > 0)
+    if method == "suffix":  # again, drafting from the first run's outputs: long accepted runs
+        assert outputs(llm, batch, params) == reference
+    if sampler == "gpu-graphs":  # verify steps replayed their graphs (forward, then the sampler over every position)
+        assert llm.engine.runner.verify_graphs.sampler_replays
+    llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("sampler", ["reference", "gpu", "gpu-graphs"])
+def test_seeded_sampling_with_every_parameter_is_unchanged(checkpoint, monkeypatch, sampler):
+    """Seeded sampled requests with top-k, top-p, min-p, logit_bias, min_tokens and penalties: each draw is a function
+    of the seed, the step and the processed logits, so with speculation (half-wrong oracle, always-wrong drafter) every
+    token equals decoding without it, when every verified position takes its own step's seed, bans, bias and counts."""
+    path, _ = checkpoint
+    batch = prompts(6, seed=21)
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            top_k=(0, 20)[i % 2],
+            top_p=(1.0, 0.9)[i // 2 % 2],
+            min_p=0.05 * (i % 3),
+            seed=100 + i,
+            max_tokens=40,
+            min_tokens=10,
+            logit_bias={7: 3.0, 11: -2.0},
+            **(PENALTIES if i % 2 else {}),
+        )
+        for i in range(6)
+    ]
+    reference = outputs(make_llm(path), batch, params)
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, sampler, monkeypatch, spec)
+    for drafter in (OracleDrafter(references), WrongDrafter(references)):
+        llm.engine.speculator.drafter = drafter
+        before = llm.engine.stats().spec_num_accepted_tokens
+        assert outputs(llm, batch, params) == reference
+        assert (llm.engine.stats().spec_num_accepted_tokens > before) == isinstance(drafter, OracleDrafter)
+    if sampler == "gpu-graphs":
+        assert llm.engine.runner.verify_graphs.sampler_replays
+
+
+on_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _native.has_cuda_kernels()), reason="needs a GPU and the CUDA kernels"
+)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, on_gpu]), "cpu"])
+def test_gpu_sampler_counts_rows_of_a_verify_step(device, graph):
+    """The CUDA sampler's counts table through a verify step and the step after it, row by row against counts
+    written from the token lists: verified position i's row holds the prompt bits, the output, the draft's first i
+    tokens and that position's draw; once the step is recorded, the request keeps the row of its last kept position
+    (not rebuilt) and it counts exactly the committed tokens, and the step's other rows are free. Eager (sample) and
+    as a graph step (frozen buffers, padded rows, graph_hook); on the CPU the kernel is its reference."""
+    from fastqwen.config import GenerationDefaults
+    from fastqwen.engine.sampler import GpuSampler
+    from fastqwen.engine.verify import DraftRow
+    from fastqwen.ops.sampling import sampler_row_layout
+    from fastqwen.scheduler import Request
+
+    vocab, dev = 384, torch.device(device)  # (the test checkpoints' vocabulary, as the GPU tests run the kernel)
+    sampler = GpuSampler(vocab, max_rows=16, device=dev, eos_token_ids=[0], seed=1)
+    if graph:
+        sampler.freeze()
+    prompt_bit = sampler_row_layout().prompt_bit
+
+    def request(rid: int, **penalties) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, **penalties)
+        r = Request(rid=rid, prompt_ids=[1, 2, 3, 9], params=params.with_defaults(GenerationDefaults()), arrival=rid)
+        r.token_ids += [5, 6, 5]
+        return r
+
+    def counted(r: Request, extra) -> list[int]:
+        output = r.output_ids + list(extra)
+        return [output.count(t) | (prompt_bit if t in r.prompt_ids else 0) for t in range(vocab)]
+
+    def step(rows: list, picks: list[int]) -> None:
+        """Greedy draws of `picks` (one per row, far above every other logit, penalties or not)."""
+        size = len(rows) + 2 if graph else len(rows)
+        logits = torch.zeros(size, vocab)
+        logits[range(len(rows)), picks] = 50.0
+        logits = logits.to(dev)
+        if graph:
+            sampler.prepare(rows, pad_to=size)
+            sampler.graph_hook(logits, size)
+            tokens = sampler.tokens[: len(rows)].tolist()
+        else:
+            tokens, _ = sampler.sample(logits, rows, lambda t: t.tolist())
+        assert tokens == picks
+
+    a, b, c = request(0, **PENALTIES), request(1), request(2, frequency_penalty=0.7)
+    draft_a, draft_c = (30, 5, 7), (11, 12)
+    rows = [a, *[DraftRow(a, draft_a[:i]) for i in (1, 2, 3)], b, c, *[DraftRow(c, draft_c[:i]) for i in (1, 2)]]
+    picks_a, picks_c = [30, 5, 31, 32], [13, 14, 15]  # a keeps 2 draft tokens then 31; c keeps none, then 13
+    step(rows, picks_a + [20] + picks_c)
+    table = sampler.counts.cpu()
+    for r, draft, picks in ((a, draft_a, picks_a), (c, draft_c, picks_c)):
+        positions = r.sampler.verified[1]
+        assert len(set(positions)) == len(draft) + 1
+        for i, slot in enumerate(positions):
+            assert table[slot].tolist() == counted(r, draft[:i] + (picks[i],)), (r.rid, i)
+    kept_a, kept_c = a.sampler.verified[1][2], c.sampler.verified[1][0]
+    a.token_ids += [30, 5, 31]  # what Scheduler.update commits
+    b.token_ids += [20]
+    c.token_ids += [13]
+    step([a, b, c], [40, 41, 5])
+    assert (a.sampler.slot, c.sampler.slot) == (kept_a, kept_c)
+    table = sampler.counts.cpu()
+    assert table[kept_a].tolist() == counted(a, [40]) and table[kept_c].tolist() == counted(c, [5])
+    owned = [i for i, owner in enumerate(sampler.slot_owner) if owner is not None and not owner.finished]
+    assert sorted(owned) == sorted([kept_a, kept_c])
+
+
 def test_stops_and_max_tokens_inside_an_accepted_run(checkpoint):
     path, _ = checkpoint
     batch = prompts(4, seed=4)
@@ -245,27 +440,41 @@ def test_prefix_cache_holds_no_rejected_token(checkpoint):
 # ---- sampling keeps the target's distribution -------------------------------------------------------------------
 
 
-def test_sampled_tokens_keep_the_target_distribution(checkpoint):
-    """Three tokens, top_k = 2 at temperature 1: 8 outcomes whose probabilities Hugging Face's logits give. The
-    second and third tokens come from one verify step whose draft (the greedy continuation) is right about half the
-    time. Chi-square with 7 degrees of freedom: 24.3 is the 0.001 quantile; an accepted token past the first
-    mismatch moves the statistic into the hundreds (measured)."""
+def penalize(logits: torch.Tensor, prompt: list[int], output: list[int], params: dict) -> torch.Tensor:
+    """The three penalties as their definitions state them (sampling_params.py), for the test's expectations."""
+    x = logits.clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / params["repetition_penalty"] if x[t] > 0 else x[t] * params["repetition_penalty"]
+    for t in set(output):
+        x[t] -= params["presence_penalty"] + params["frequency_penalty"] * output.count(t)
+    return x
+
+
+@pytest.mark.parametrize("penalties, sampler", [(False, "reference"), (True, "reference"), (True, "gpu")])
+def test_sampled_tokens_keep_the_target_distribution(checkpoint, monkeypatch, penalties, sampler):
+    """Three tokens, top_k = 2 at temperature 1: 8 outcomes whose probabilities Hugging Face's logits give (with
+    PENALTIES applied as defined, for the penalized runs). The second and third tokens come from one verify step whose
+    draft (the greedy continuation) is right about half the time. Chi-square with 7 degrees of freedom: 24.3 is the
+    0.001 quantile; an accepted token past the first mismatch moves the statistic into the hundreds (measured), and
+    so does the third token's position not counting the draft token before it (about 1,300 expected, and outcomes
+    outside the 8)."""
     path, model = checkpoint
     prompt = prompts(1, seed=9)[0]
     n = 1200
+    pen = PENALTIES if penalties else dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 
-    def top2(prefix):
+    def top2(output):
         with torch.no_grad():
-            logits = model(torch.tensor([prefix])).logits[0, -1].double()
-        values, ids = logits.topk(2)
+            logits = model(torch.tensor([prompt + output])).logits[0, -1].double()
+        values, ids = penalize(logits, prompt, output, pen).topk(2)
         return ids.tolist(), torch.softmax(values, 0).tolist()
 
     expected, greedy = {}, []
-    ids1, p1 = top2(prompt)
+    ids1, p1 = top2([])
     for a, pa in zip(ids1, p1):
-        ids2, p2 = top2(prompt + [a])
+        ids2, p2 = top2([a])
         for b, pb in zip(ids2, p2):
-            ids3, p3 = top2(prompt + [a, b])
+            ids3, p3 = top2([a, b])
             for c, pc in zip(ids3, p3):
                 expected[(a, b, c)] = pa * pb * pc
             if not greedy:
@@ -279,9 +488,9 @@ def test_sampled_tokens_keep_the_target_distribution(checkpoint):
             pass
 
     spec = {"method": "ngram", "num_speculative_tokens": 2, "max_batch_size": 4096, "min_acceptance_rate": 0.0}
-    llm = make_llm(path, spec, max_num_seqs=n, seed=11)
+    llm = sampler_llm(path, sampler, monkeypatch, spec, max_num_seqs=n, seed=11)
     llm.engine.speculator.drafter = GreedyDraft()
-    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True, **(pen if penalties else {}))
     counts: dict[tuple, int] = {}
     for out in outputs(llm, [prompt] * n, params):
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
@@ -372,28 +581,38 @@ def test_server_streams_accepted_runs_and_exports_the_counters(checkpoint):
 
 def test_overlap_schedule_runs_ahead_only_when_no_request_may_draft():
     """While speculation is on, the next decode step is chosen ahead of this one's tokens only when no running
-    request may carry a draft (its draft follows those tokens): requests with penalties decode with the overlap
-    schedule as before; one eligible request stops it."""
+    request may carry a draft (its draft follows those tokens): requests paused for low acceptance decode with the
+    overlap schedule as before; one that may draft stops it, penalties or not (they no longer keep a request from
+    drafting)."""
     from fastqwen.config import GenerationDefaults
     from fastqwen.kvcache import PageAllocator
     from fastqwen.scheduler import Request, Scheduler
     from fastqwen.speculative import SpeculativeConfig, Speculator
+    from fastqwen.speculative.speculator import ACCEPTANCE_WINDOW
 
-    def request(rid: int, penalty: float) -> Request:
-        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, presence_penalty=penalty)
+    def request(rid: int) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, presence_penalty=0.5)
         params = params.with_defaults(GenerationDefaults())
         return Request(rid=rid, prompt_ids=[5, 6, 7, 8], params=params, arrival=rid)
+
+    def pause(r: Request) -> None:  # a window of rejected drafts
+        speculator.propose(r, 2)
+        for _ in range(ACCEPTANCE_WINDOW // 2):
+            speculator.accepted(r, (1, 1), [2, 2, 2])
 
     speculator = Speculator(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}))
     scheduler = Scheduler(PageAllocator(256), 4, 8, 64, 512, [0], speculator=speculator)
     for rid in range(2):
-        scheduler.add(request(rid, penalty=0.5))
+        scheduler.add(request(rid))
     scheduler.update(scheduler.schedule(), [9, 9])  # prefills
+    for r in scheduler.running:
+        assert speculator.may_draft(r)
+        pause(r)
     decode = scheduler.schedule()
     assert decode.is_decode and not decode.has_drafts
     assert scheduler.schedule_ahead(decode) is not None
     scheduler.update(decode, [9, 9])
-    scheduler.add(request(2, penalty=0.0))  # eligible: its drafts follow its tokens
+    scheduler.add(request(2))  # may draft: its drafts follow its tokens
     scheduler.update(scheduler.schedule(), [9, 9, 9])
     decode = scheduler.schedule()
     assert scheduler.schedule_ahead(decode) is None

@@ -1,6 +1,9 @@
 """Speculative decoding on the GPU: verify steps replayed from their CUDA graphs (forward and sampler) give the
 greedy tokens of decoding without speculation, with ngram, suffix and a half-wrong oracle drafter; logprobs are the
-target's; the KV ownership invariant holds; synthetic acceptance runs the verify graphs at every captured size."""
+target's; the KV ownership invariant holds; synthetic acceptance runs the verify graphs at every captured size; greedy
+requests with penalties keep their tokens (each verified position counts the draft before it; the CUDA sampler's
+counts rows per position: tests/test_speculative.py's test_gpu_sampler_counts_rows_of_a_verify_step[cuda-*] checks
+them row by row)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 from fastqwen import LLM, SamplingParams
-from test_speculative import OracleDrafter
+from test_speculative import PENALTIES, OracleDrafter, WrongDrafter, penalize
 
 pytestmark = [
     pytest.mark.gpu,
@@ -138,3 +141,50 @@ def test_seeded_sampling_is_reproducible(folder):
     second = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     assert first == second
     assert llm.engine.stats().spec_num_drafts > 0
+
+
+# The penalized logits' gap at a divergence (Hugging Face in float32 against the engine's bf16): NEAR_TIE in logprob
+# units, plus the penalties' scaling of a logit (repetition 0.8 divides a positive one by 0.8).
+NEAR_TIE_PENALIZED = 0.5
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "oracle", "wrong"])
+def test_greedy_tokens_with_penalties_unchanged_with_verify_graphs(folder, method):
+    """Greedy requests with repetition, presence and frequency penalties draft and replay the verify graphs: their
+    tokens equal decoding without speculation up to a first divergence, and that one only at a near-tie of the
+    penalized logits (Hugging Face's in float32, penalized as defined, at that position). A verified position that
+    missed the draft tokens before it, or counts that kept a rejected token, move a penalized logit by 0.5 to 2:
+    far past the near-ties, in most requests."""
+    from transformers import Qwen3ForCausalLM
+
+    batch = prompts(12, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, **PENALTIES)
+    base = make_llm(folder)
+    reference = [o.token_ids for o in base.generate(batch, params, use_tqdm=False)]
+    del base
+    spec = {"method": "suffix" if method == "suffix" else "ngram", "num_speculative_tokens": K}
+    spec["min_acceptance_rate"] = 0.0  # (the wrong drafter is never paused)
+    llm = make_llm(folder, spec)
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    if method in ("oracle", "wrong"):
+        llm.engine.speculator.drafter = (OracleDrafter if method == "oracle" else WrongDrafter)(references)
+    replays = count_verify_replays(llm)
+    out = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    if method == "suffix":  # again, drafting from the first run's outputs
+        out = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert replays[0] > 0
+    stats = llm.engine.stats()
+    assert (stats.spec_num_accepted_tokens == 0) if method == "wrong" else (stats.spec_num_accepted_tokens > 0)
+    model = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    exact = 0
+    for prompt, mine, theirs in zip(batch, out, reference):
+        assert len(mine) == len(theirs)
+        j = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if x != y), None)
+        exact += j is None
+        if j is not None:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + theirs[:j]])).logits[0, -1].double()
+            x = penalize(logits, prompt, theirs[:j], PENALTIES)
+            assert x[theirs[j]] - x[mine[j]] <= NEAR_TIE_PENALIZED, (j, float(x[theirs[j]] - x[mine[j]]))
+    assert exact >= len(batch) // 3
+    llm.engine.check_invariants()

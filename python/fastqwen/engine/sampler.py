@@ -28,6 +28,15 @@ The mask of a step depends on the token of the step before, so a batch holding a
 ahead (can_run_ahead): the engine launches such a step's forward ahead and its sampler once the step before is
 recorded (ModelRunner.sample_deferred). Rows whose mask is not ready when their step samples are skipped (`skip`:
 drawn without a mask, as neutral rows in GpuSampler, and dropped by the engine) and decode again in a later step.
+
+Speculative decoding's verify steps (engine/verify.py): a request's row 0 is followed by a `DraftRow` per draft
+position, position i the request with the draft's first i tokens committed, so its penalties must count them. The
+reference sampler reads that from the rows' token lists. GpuSampler gives each draft position a counts row of its own
+for the step, filled on the device from the request's row plus the draft's first i tokens (`_fill_draft_rows`), into
+which the kernel counts that position's draw as usual: the row of position i then counts exactly the tokens committed
+if the step keeps i draft tokens and that position's draw. Once the step is recorded, the next prepare keeps the row
+of the last kept position as the request's and frees the others (`_settle`), so the committed counts never include a
+rejected token.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from ..ops.sampling import (
 from ..sampling_params import MAX_LOGPROBS
 from ..scheduler import Request
 from .messages import TokenLogprobs
+from .verify import DraftRow
 
 Tokens = tuple[list[int], "list[TokenLogprobs | None] | None"]
 ReadBack = Callable[[torch.Tensor], list[int]]
@@ -285,7 +295,8 @@ class GpuSampler(Sampler):
         """Whether the step after the one just prepared for these requests can be prepared before that one's tokens
         reach the host: no row wants logprobs (they would overwrite the buffers the host has still to read), the
         bans fit the graphs, no row has a grammar (its mask needs the token in flight), and every penalty row is
-        counted on the device up to the token in flight (a row rebuilt from the token lists would miss it)."""
+        counted on the device up to the token in flight (a row rebuilt from the token lists would miss it; so is one
+        that a verify step left to settle)."""
         for r in requests:
             p = r.params
             if p.logprobs is not None or r.grammar is not None:
@@ -294,6 +305,7 @@ class GpuSampler(Sampler):
                 state = r.sampler
                 if (
                     state.slot is None
+                    or state.verified is not None
                     or self.slot_owner[state.slot] is not r
                     or state.counted != r.num_output_tokens + 1
                 ):
@@ -326,6 +338,45 @@ class GpuSampler(Sampler):
         state.slot = slot
         self.counts[slot] = penalty_row(r.prompt_ids, r.output_ids, self.vocab, self.device)
         return slot
+
+    def _draft_slot(self, row: DraftRow, batch_ids: set[int]) -> int:
+        """A counts row of a verified position for this step, owned by its request (filled by _fill_draft_rows)."""
+        slot = self._free_slot(batch_ids)
+        self.slot_owner[slot] = row.request
+        return slot
+
+    def _settle(self, r: Request) -> None:
+        """After a verify step is recorded: the counts row of the position that drew the request's last kept token
+        becomes its row (it counts the kept draft tokens and that draw, nothing rejected); the step's other rows are
+        freed. A request that kept nothing (failed, or finished meanwhile) gets its row rebuilt when it samples again."""
+        state = r.sampler
+        before, positions = state.verified
+        state.verified = None
+        kept = r.num_output_tokens - before
+        keep = positions[kept - 1] if 1 <= kept <= len(positions) else None
+        for slot in positions:
+            if slot != keep and self.slot_owner[slot] is r:
+                self.slot_owner[slot] = None
+        if keep is not None and self.slot_owner[keep] is r:
+            state.slot, state.counted = keep, r.num_output_tokens
+        else:
+            state.slot, state.counted = None, -1
+
+    def _fill_draft_rows(self, fills: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        """(slot of a verified position, slot of its request's row, the draft tokens before that position): each
+        position's row becomes its request's row (as of this step, before its kernel counts anything) plus those
+        tokens. On the stream, before the launch: one small upload, a row gather (a temporary of those rows) and a
+        scatter-add."""
+        n = len(fills)
+        rows = [slot for slot, _, draft in fills for _ in draft]
+        tokens = [t for _, _, draft in fills for t in draft]
+        index = torch.tensor(
+            [slot for slot, _, _ in fills] + [base for _, base, _ in fills] + rows + tokens, dtype=torch.int64
+        ).to(self.device, non_blocking=True)
+        targets, sources, rows_at, tokens_at = index.split([n, n, len(rows), len(tokens)])
+        self.counts.index_copy_(0, targets, self.counts.index_select(0, sources))
+        ones = torch.ones(len(rows), dtype=self.counts.dtype, device=self.device)
+        self.counts.view(-1).index_add_(0, rows_at * self.vocab + tokens_at, ones)
 
     def _free_slot(self, batch_ids: set[int]) -> int:
         for i, owner in enumerate(self.slot_owner):
@@ -363,11 +414,24 @@ class GpuSampler(Sampler):
         """Pack and upload the rows' parameters (and refresh counts rows) for the next launch; rows from
         len(requests) up to pad_to (a graph's padded size) become neutral greedy rows. `ahead` = 1: the step after
         the one in flight, whose tokens the requests do not have yet. `skip`: rows that become neutral rows too
-        (their draws are dropped: requests whose grammar mask is not ready)."""
+        (their draws are dropped: requests whose grammar mask is not ready; a skipped request's draft rows go with it).
+        Draft rows (a verify step's, never ahead) get counts rows of their own (see the module's docstring)."""
         n = len(requests)
         if max(n, pad_to) > self.max_rows:
             raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
         batch_ids = {id(r) for r in requests}
+        draft_rows = []
+        for i, r in enumerate(requests):  # before any slot is taken: the last verify step's rows not kept are freed
+            if type(r) is DraftRow:
+                draft_rows.append(i)
+            elif r.sampler.verified is not None:
+                self._settle(r)
+        if draft_rows:
+            if ahead:
+                raise RuntimeError("GpuSampler: a verify step is never prepared ahead of its tokens")
+            if skip:
+                skipped = {id(requests[i]) for i in skip}
+                skip = skip | {i for i in draft_rows if id(requests[i].request) in skipped}
         if self._uploaded is not None:
             self._uploaded.synchronize()
         host = self.rows_host.numpy()
@@ -380,6 +444,8 @@ class GpuSampler(Sampler):
         words[:n, step_hi] = (steps >> np.uint64(32)).astype(np.uint32)
         bans: list[tuple[int, list[int], list[float]]] = []
         slots: list[Request] = []
+        verified: dict[int, tuple[Request, list[int]]] = {}  # request id -> (request, counts row of each position)
+        fills: list[tuple[int, int, tuple[int, ...]]] = []
         constrained: list[tuple[object, int]] = []
         num_top = -1
         for i in skip:
@@ -389,8 +455,16 @@ class GpuSampler(Sampler):
                 continue
             p = r.params
             if p.has_penalties:
-                host[i, self._slot_word] = self._slot(r, batch_ids, ahead)
-                slots.append(r)
+                if isinstance(r, DraftRow):  # (its request's row came just before, with the same parameters)
+                    slot = self._draft_slot(r, batch_ids)
+                    positions = verified[id(r.request)][1]
+                    fills.append((slot, positions[0], r.draft))
+                    positions.append(slot)
+                else:
+                    slot = self._slot(r, batch_ids, ahead)
+                    verified[id(r)] = (r, [slot])
+                    slots.append(r)
+                host[i, self._slot_word] = slot
             if p.logit_bias or p.min_tokens:
                 ids, values = self.adjustments(r, ahead)
                 if ids:
@@ -405,6 +479,11 @@ class GpuSampler(Sampler):
                 host[i, self._masked_word] = 1
             if p.logprobs is not None and p.logprobs > num_top:
                 num_top = p.logprobs
+        if fills:
+            self._fill_draft_rows(fills)
+            for r, positions in verified.values():
+                if len(positions) > 1:
+                    r.sampler.verified = (r.num_output_tokens, tuple(positions))
         self._upload_bans(bans, n, graph=pad_to > 0)
         if constrained:
             masks = self.mask_host.numpy()

@@ -2,8 +2,9 @@
 
 A chunk with a draft of k tokens has 1 + k sampling rows: row 0 at the request's last token, row i after the draft's
 first i tokens. The sampler sees row i as the request with those i tokens committed (`DraftRow`): its step (the seed
-of each draw), its min_tokens bans, its output so far and its grammar's mask are those of position i, so each row is
-drawn exactly as plain decoding would draw that position. The speculator then keeps the run of draft tokens the target agrees with.
+of each draw), its min_tokens bans, its output so far (what its penalties count) and its grammar's mask are those of
+position i, so each row is drawn exactly as plain decoding would draw that position. The speculator then keeps the
+run of draft tokens the target agrees with.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ class SamplerState:
     slot: int | None = None  # its row of the penalty counts table
     counted: int = -1  # how many of its output tokens that row has counted (the one in flight included)
     row: object | None = None  # its packed sampler row (numpy, step 0, no slot, no bans), packed once
+    # After a verify step, until the sampler's next step settles it: (output tokens before that step, the counts row
+    # of each verified position), the row of position i counting the draft's first i tokens and that position's draw.
+    verified: tuple[int, tuple[int, ...]] | None = None
 
 
 class TokenConstraint(Protocol):

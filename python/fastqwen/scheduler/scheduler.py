@@ -207,7 +207,7 @@ class Scheduler:
         speculator = self.speculator
         if speculator is not None and speculator.active(len(self.running)):
             # A draft follows this step's tokens: the next step is chosen once they are known, unless no request may
-            # draft (grammars, penalties, paused for low acceptance).
+            # draft (every one is paused for low acceptance).
             if any([speculator.may_draft(r) for r in self.running]):
                 return None
         if self.admission.might_admit():

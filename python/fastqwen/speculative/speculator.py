@@ -3,13 +3,14 @@ draft, decides from the target's tokens how much of it is accepted, steps aside 
 failing, and counts what vLLM's spec_decode metrics count.
 
 Acceptance (`accepted`): the target samples a token at every verified position (position i sees the draft's first i
-tokens as if committed), and draft token i is accepted while every token before it was and the target drew exactly
-it. Each emitted token is then a draw from the target's own distribution given the tokens before it, so the output
-has the target's distribution whatever the drafter proposes (this is the rule for drafters that give no
-probabilities); greedy requests get exactly the tokens they would get without speculation.
+tokens as if committed: its seed, bans, penalty counts and grammar state are those of that position), and draft
+token i is accepted while every token before it was and the target drew exactly it. Each emitted token is then a
+draw from the target's own distribution given the tokens before it, so the output has the target's distribution
+whatever the drafter proposes (this is the rule for drafters that give no probabilities); greedy requests get
+exactly the tokens they would get without speculation.
 
-It sees token ids and a request's `rid`, `token_ids`, `prompt_ids`, `params`, `grammar` and `cached_len` only (and,
-for the eagle3 drafter, the target's hidden states: `observe`).
+It sees token ids and a request's `rid`, `token_ids`, `prompt_ids`, `grammar` and `cached_len` only (and, for the
+eagle3 drafter, the target's hidden states: `observe`).
 """
 
 from __future__ import annotations
@@ -84,17 +85,11 @@ class Speculator:
         """Whether a step with this many running requests verifies drafts (above max_batch_size it never does)."""
         return num_decoding <= self.config.max_batch_size
 
-    @staticmethod
-    def eligible(request) -> bool:
-        """Requests with penalties decode one token at a time (the sampler's counts follow each committed token)."""
-        return not request.params.has_penalties
-
     def may_draft(self, request) -> bool:
-        """Whether the request's next step may carry a draft: eligible, and not paused for low acceptance (a paused
-        request counts the step). Asked by propose, and by the scheduler's overlap schedule, which launches the next
-        step before this one's tokens are known only when no request may draft."""
-        if not self.eligible(request):
-            return False
+        """Whether the request's next step may carry a draft: any request may (penalties, grammars and seeds are
+        honoured at every verified position, engine/verify.py), unless paused for low acceptance (a paused request
+        counts the step). Asked by propose, and by the scheduler's overlap schedule, which launches the next step
+        before this one's tokens are known only when no request may draft."""
         state = self._states.get(request.rid)
         if state is not None and state.paused and self.synthetic is None:
             state.paused -= 1
@@ -157,7 +152,7 @@ class Speculator:
         for chunk, row in chunks_and_rows:
             request = chunk.request
             kept = request.cached_len - chunk.start
-            if request.finished or kept <= 0 or not self.eligible(request):
+            if request.finished or kept <= 0:
                 continue
             advance(request, chunk.start, aux_hidden[row : row + kept])
 
