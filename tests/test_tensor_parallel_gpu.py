@@ -8,12 +8,14 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import time
 import traceback
 
 import pytest
 import torch
 from checkpoints import make_checkpoint, record_result
 from fastqwen import LLM
+from server_process import free_port
 from test_cuda_graph_gpu import generate_recording, workload
 
 pytestmark = [
@@ -87,22 +89,34 @@ def _worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None
 
 
 def _run_ranks(world: int, dtype_name: str) -> None:
-    port = 29400 + world + len(dtype_name)
+    """The ranks in processes of their own, on a port nobody holds (a fixed one could meet the store of an earlier
+    test's rank still shutting down, and wait). One deadline for all; once a rank has failed, the others get a few
+    seconds (they may be waiting in a collective for it) and are killed, so a failure is reported, not a hang."""
     ctx = multiprocessing.get_context("spawn")
     failures = ctx.Queue()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, dtype_name, failures)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(240)
+    deadline = time.monotonic() + 240
+    failed_at = None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 10:
+            break
+        time.sleep(0.2)
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.kill()
+        p.join(10)
     errors = []
     while not failures.empty():
         errors.append(failures.get())
+    assert not errors and all(p.exitcode == 0 for p in procs), (
+        "\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}"
+    )
     assert not hung, f"{len(hung)} ranks hung"
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors)
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
