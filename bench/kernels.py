@@ -237,7 +237,7 @@ PREFILL_CASES = [
 ]
 # The best kernels on the same GPU, through PyTorch's scaled_dot_product_attention: FlashAttention-2 and cuDNN's.
 SDPA_BACKENDS = ("flash", "cudnn")
-HOPPER_VARIANTS = 8  # csrc/attention_prefill_hopper.cu: set_paged_attention_prefill_hopper_variant 0..7
+HOPPER_VARIANTS = 16  # csrc/attention_prefill_hopper.cu: set_paged_attention_prefill_hopper_variant 0..15
 
 
 def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16") -> dict:
@@ -303,7 +303,7 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16
             native().set_paged_attention_prefill_hopper_persistent(True)
         row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
         # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
-        # K/V stages. Each one's output is checked against the reference before it is timed.
+        # K/V stages, bit 3 a dynamic schedule. Each one's output is checked against the reference before it is timed.
         default_variant = native().set_paged_attention_prefill_hopper_variant(0)
         try:
             for variant in range(HOPPER_VARIANTS):

@@ -71,8 +71,9 @@ void paged_attention_prefill_hopper(const PrefillArgs& args);
 // Whether its grid is persistent (one block per SM looping over the work, the default) or one block per work item.
 // For benchmarks that compare the two.
 void set_paged_attention_prefill_hopper_persistent(bool persistent);
-// Which pipeline, 0..7 (bit 0: softmax overlapped with the previous tile's P V; bit 1: warpgroups take turns
-// issuing; bit 2: three K/V stages instead of two). Returns the one it replaces.
+// Which pipeline, 0..15 (bit 0: softmax overlapped with the previous tile's P V; bit 1: warpgroups take turns
+// issuing; bit 2: three K/V stages instead of two; bit 3: work items fetched from a device counter instead of taken
+// in a fixed stride). Returns the one it replaces.
 int set_paged_attention_prefill_hopper_variant(int variant);
 
 }  // namespace fastqwen

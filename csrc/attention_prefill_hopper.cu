@@ -58,7 +58,8 @@ static_assert(kSmemBytes<kMaxStages, false> <= kMaxSmemBytes && kSmemBytes<2, tr
 constexpr float kLog2e = 1.4426950408889634f;
 // Registers per thread after setmaxnreg. The block's pool is what it launched with (__launch_bounds__(384, 1): 168
 // each), and an increase that the pool cannot cover waits forever, so the split must fit in it.
-// FP8 caches: the producer warpgroup converts tiles too and keeps more (24 spilled 80 bytes there).
+// FP8 caches: the producer warpgroup converts tiles too and keeps more (24 spilled 80 bytes there). The dynamic
+// schedule's producer warp spills 36 bytes at 24 (kept: it waits on barriers most of the time, the consumers do not).
 constexpr int kLaunchRegs = 168;
 template <bool kFp8>
 constexpr int kProducerRegs = kFp8 ? 40 : 24;
@@ -102,7 +103,55 @@ struct Smem {
   __device__ uint32_t raw_full_k(int s) const { return bars() + 8 * (3 * kStages + s); }
   __device__ uint32_t raw_full_v(int s) const { return bars() + 8 * (4 * kStages + s); }
   __device__ uint32_t raw_empty(int s) const { return bars() + 8 * (5 * kStages + s); }
+  // Dynamic schedule: slot i (of 2) holds a work item id, item_full(i) says it is written, item_empty(i) that every
+  // warp that reads it (8 consumer warps, FP8's 3 converter warps) has.
+  __device__ uint32_t item_full(int i) const { return bars() + 8 * (6 * kStages + i); }
+  __device__ uint32_t item_empty(int i) const { return bars() + 8 * (6 * kStages + 2 + i); }
+  __device__ uint32_t item_slot(int i) const { return bars() + 8 * (6 * kStages + 4) + 4 * i; }
 };
+static_assert(8 * (6 * kMaxStages + 4) + 8 <= 1024, "the barriers' space");
+
+// The dynamic schedule's counter of fetched work items on this device (zero between launches: the block that fetches
+// last, grid + items - 1, puts it back). So launches of this kernel on one device must not overlap in time (one
+// stream, as the engine runs its layers).
+__device__ int dynamic_item_counter = 0;
+
+// The work items a block takes, k = 0, 1, ...: statically blockIdx.x + k gridDim.x, or (kDynamic) whatever the
+// device counter hands out when the producer warp asks, so that a block that drew short items takes more (the
+// hardware's in-order dispatch of a grid of one block per item does the same, without the persistent prologue).
+// The producer warp fetches and writes the id to a two-slot ring; the warps that follow it read it there.
+template <bool kDynamic, int kStages, bool kFp8>
+__device__ __forceinline__ int producer_next_item(const Smem<kStages, kFp8>& sm, int k, int items, int lane) {
+  if constexpr (!kDynamic) {
+    return blockIdx.x + k * gridDim.x;
+  } else {
+    int item = 0;
+    if (lane == 0) {
+      item = atomicAdd(&dynamic_item_counter, 1);
+      if (item == items + static_cast<int>(gridDim.x) - 1) atomicExch(&dynamic_item_counter, 0);  // the last fetch
+    }
+    item = __shfl_sync(0xffffffffu, item, 0);
+    hopper::mbar_wait(sm.item_empty(k % 2), ((k / 2) & 1) ^ 1);
+    if (lane == 0) {
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sm.item_slot(k % 2)), "r"(item) : "memory");
+      hopper::mbar_arrive(sm.item_full(k % 2));
+    }
+    return item;
+  }
+}
+template <bool kDynamic, int kStages, bool kFp8>
+__device__ __forceinline__ int follower_next_item(const Smem<kStages, kFp8>& sm, int k, int lane) {
+  if constexpr (!kDynamic) {
+    return blockIdx.x + k * gridDim.x;
+  } else {
+    hopper::mbar_wait(sm.item_full(k % 2), (k / 2) & 1);
+    int item;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(item) : "r"(sm.item_slot(k % 2)) : "memory");
+    __syncwarp();
+    if (lane == 0) hopper::mbar_arrive(sm.item_empty(k % 2));
+    return item;
+  }
+}
 
 // FP8: an e4m3 tile as copied (key r's 128 bytes at r * 128) to fp16 in the 16-bit tiles' layout (two 64-column
 // halves, 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8)), by the converter threads (t < 96).
@@ -219,7 +268,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2],
 // kOverlap: the softmax of tile j runs while P_{j-1} V_{j-1} does (else S, softmax, P V in turn). kPingpong: the
 // warpgroups take turns issuing. Both off by default (measured slower so far: docs/experiments.md);
 // set_paged_attention_prefill_hopper_variant picks one for benchmarks.
-template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages>
+template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_hopper_kernel(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
                           const Params p) {
@@ -246,6 +295,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_init(sm.raw_empty(s), kConverterThreads / 32);
       }
     }
+    if constexpr (kDynamic) {
+      for (int i = 0; i < 2; ++i) {
+        mbar_init(sm.item_full(i), 1);
+        mbar_init(sm.item_empty(i), 8 + (kFp8 ? kConverterThreads / 32 : 0));
+      }
+    }
     mbar_fence_init();
   }
   __syncthreads();
@@ -258,7 +313,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kFp8) {
         const int t = tid - 32;
         int it = 0;  // as the producer's
-        for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        for (int k = 0;; ++k) {
+          const int item = follower_next_item<kDynamic>(sm, k, t % 32);
+          if (item >= items) break;
           for (int round = 0;; ++round) {
             const Work w = work_of(p, item, round);
             if (w.row0 < 0) break;
@@ -292,7 +349,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const int page_mask = (1 << p.page_shift) - 1;
     int it = 0;  // K/V tiles loaded so far: stage it % kStages, its use (it / kStages)
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    for (int k = 0;; ++k) {
+      const int item = producer_next_item<kDynamic>(sm, k, items, lane);
+      if (item >= items) break;
       for (int round = 0;; ++round) {
         const Work w = work_of(p, item, round);
         if (w.row0 < 0) break;
@@ -351,7 +410,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (c == 1) issue_turn_end<kPingpong>(c);  // warpgroup 0 issues first
 
   int it = 0;  // as the producer's
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+  for (int k = 0;; ++k) {
+    const int item = follower_next_item<kDynamic>(sm, k, lane);
+    if (item >= items) break;
     for (int round = 0;; ++round) {
       const Work w = work_of(p, item, round);
       if (w.row0 < 0) break;
@@ -604,12 +665,12 @@ CUtensorMap pool_map(const void* pool, int kv_dtype, int64_t slots, int64_t num_
 }
 
 bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
-int kernel_variant = 0;  // set_paged_attention_prefill_hopper_variant: bit 0 overlap, bit 1 ping-pong, bit 2 three stages
+int kernel_variant = 0;  // set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic
 
-template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages>
+template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic>
 void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items,
                     cudaStream_t stream) {
-  auto kernel = prefill_hopper_kernel<T, Kv, kOverlap, kPingpong, kStages>;
+  auto kernel = prefill_hopper_kernel<T, Kv, kOverlap, kPingpong, kStages, kDynamic>;
   constexpr int smem_bytes = kSmemBytes<kStages, kIsFp8<Kv>>;
   static PerDevice<bool> configured;
   configured.get([&](int) {
@@ -623,39 +684,47 @@ void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Pa
     cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
     return n;
   });
-  // Persistent: one block per SM (its shared memory allows no second), each taking every grid-th work item.
+  // Persistent: one block per SM (its shared memory allows no second), each taking work items in turn.
   const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
   kernel<<<static_cast<unsigned>(grid), kThreads, smem_bytes, stream>>>(k_map, v_map, p);
   cuda_check_launch("paged_attention_prefill_hopper kernel launch");
+}
+
+// The pipeline of variant bits 0..2 with a static or dynamic schedule.
+template <typename T, typename Kv, bool kDynamic>
+void launch_pipeline(int variant, const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items,
+                     cudaStream_t stream) {
+  if constexpr (!kIsFp8<Kv>) {
+    switch (variant) {
+      case 1: return launch_variant<T, Kv, true, false, 2, kDynamic>(k_map, v_map, p, items, stream);
+      case 3: return launch_variant<T, Kv, true, true, 2, kDynamic>(k_map, v_map, p, items, stream);
+      case 4: return launch_variant<T, Kv, false, false, 3, kDynamic>(k_map, v_map, p, items, stream);
+      case 5: return launch_variant<T, Kv, true, false, 3, kDynamic>(k_map, v_map, p, items, stream);
+      case 6: return launch_variant<T, Kv, false, true, 3, kDynamic>(k_map, v_map, p, items, stream);
+      case 7: return launch_variant<T, Kv, true, true, 3, kDynamic>(k_map, v_map, p, items, stream);
+      default: break;
+    }
+  }
+  if (variant == 2) return launch_variant<T, Kv, false, true, 2, kDynamic>(k_map, v_map, p, items, stream);
+  return launch_variant<T, Kv, false, false, 2, kDynamic>(k_map, v_map, p, items, stream);
 }
 
 // FP8 caches take two stages and no overlap whatever the variant says: a third stage does not fit beside the e4m3
 // ring, and the overlap's registers (240) do not fit beside the converters' (40; the overlap spills at 232).
 template <typename T, typename Kv>
 void launch(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items, cudaStream_t stream) {
-  const int variant = kIsFp8<Kv> ? kernel_variant & 2 : kernel_variant;
-  if constexpr (!kIsFp8<Kv>) {
-    switch (variant) {
-      case 4: return launch_variant<T, Kv, false, false, 3>(k_map, v_map, p, items, stream);
-      case 5: return launch_variant<T, Kv, true, false, 3>(k_map, v_map, p, items, stream);
-      case 6: return launch_variant<T, Kv, false, true, 3>(k_map, v_map, p, items, stream);
-      case 7: return launch_variant<T, Kv, true, true, 3>(k_map, v_map, p, items, stream);
-      default: break;
-    }
-  }
-  if constexpr (!kIsFp8<Kv>) {
-    if (variant == 1) return launch_variant<T, Kv, true, false, 2>(k_map, v_map, p, items, stream);
-    if (variant == 3) return launch_variant<T, Kv, true, true, 2>(k_map, v_map, p, items, stream);
-  }
-  if (variant == 2) return launch_variant<T, Kv, false, true, 2>(k_map, v_map, p, items, stream);
-  return launch_variant<T, Kv, false, false, 2>(k_map, v_map, p, items, stream);
+  const int variant = kIsFp8<Kv> ? kernel_variant & (2 | 8) : kernel_variant;
+  if (variant & 8) return launch_pipeline<T, Kv, true>(variant & 7, k_map, v_map, p, items, stream);
+  return launch_pipeline<T, Kv, false>(variant & 7, k_map, v_map, p, items, stream);
 }
 
 }  // namespace
 
 void set_paged_attention_prefill_hopper_persistent(bool persistent) { persistent_grid = persistent; }
 int set_paged_attention_prefill_hopper_variant(int variant) {
-  if (variant < 0 || variant > 7) throw std::invalid_argument("set_paged_attention_prefill_hopper_variant: variant must be 0..7");
+  if (variant < 0 || variant > 15) {
+    throw std::invalid_argument("set_paged_attention_prefill_hopper_variant: variant must be 0..15");
+  }
   return std::exchange(kernel_variant, variant);
 }
 
@@ -670,7 +739,7 @@ bool paged_attention_prefill_hopper_available(int device) {
     if (prop.major != 9 || prop.minor != 0) return false;
     // Built for sm_90a: the kernel's binary is Hopper's own (else this file compiled to an empty body).
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, __nv_bfloat16, false, false, 2>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, __nv_bfloat16, false, false, 2, false>) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }

@@ -346,7 +346,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_paged_attention_prefill_hopper_persistent", &fastqwen::set_paged_attention_prefill_hopper_persistent,
         py::arg("persistent"), "Persistent grid (default) or one block per work item, for benchmarks.");
   m.def("set_paged_attention_prefill_hopper_variant", &fastqwen::set_paged_attention_prefill_hopper_variant,
-        py::arg("variant"), "Pipeline of the Hopper prefill kernel (0..7: bit 0 overlap, bit 1 ping-pong, bit 2 three stages), for benchmarks\n"
+        py::arg("variant"), "Pipeline of the Hopper prefill kernel (0..15: bit 0 overlap, bit 1 ping-pong, bit 2 three stages, bit 3 dynamic\n"
+        "schedule), for benchmarks"
         "and tests; returns the previous one.");
   m.def(
       "sampler_workspace_bytes", &fastqwen::sampler_workspace_bytes, py::arg("max_rows"), py::arg("vocab"),

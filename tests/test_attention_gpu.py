@@ -230,10 +230,10 @@ def test_prefill_long_and_wide(q_lens, prefixes, prefill_kernel):
     check_prefill(*make_prefill_case(8, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=len(q_lens)))
 
 
-@pytest.mark.parametrize("variant", range(8))
+@pytest.mark.parametrize("variant", range(16))
 def test_hopper_prefill_every_pipeline_matches_reference(variant):
     """Each pipeline of the Hopper kernel (set_paged_attention_prefill_hopper_variant: overlap, ping-pong, two or three
-    stages; the default is one of them, the others are benchmarked) on ragged prompts and extends, both dtypes."""
+    stages, static or dynamic schedule; the default is one of them, the others are benchmarked) on ragged prompts and extends, both dtypes."""
     previous_kernel = set_hopper_prefill(True)
     previous_variant = native().set_paged_attention_prefill_hopper_variant(variant)
     try:
