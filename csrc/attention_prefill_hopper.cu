@@ -266,8 +266,8 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2],
 }
 
 // kOverlap: the softmax of tile j runs while P_{j-1} V_{j-1} does (else S, softmax, P V in turn). kPingpong: the
-// warpgroups take turns issuing. Both off by default (measured slower so far: docs/experiments.md);
-// set_paged_attention_prefill_hopper_variant picks one for benchmarks.
+// warpgroups take turns issuing. kStages: K/V tiles in flight. kDynamic: the schedule of work items.
+// set_paged_attention_prefill_hopper_variant picks them (kernel_variant below holds the default, the best measured).
 template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_hopper_kernel(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
@@ -665,7 +665,10 @@ CUtensorMap pool_map(const void* pool, int kv_dtype, int64_t slots, int64_t num_
 }
 
 bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
-int kernel_variant = 0;  // set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic
+// set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic. The default:
+// overlap, ping-pong and three stages, the best mean over bench/kernels.py's 16-bit prefill cases on an H100
+// (2026-11-27: 492 TFLOP/s against 479 for none of them; with two stages the overlap starves, 348-430).
+int kernel_variant = 7;
 
 template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic>
 void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items,
