@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a machine with 2 (or more) GPUs (nvidia-h200-x2): build, the TP tests, then the TP bars.
 #   bash bench/gpu_check_tp.sh OUTDIR [STAGE ...]
-# Stages (default: tests allreduce latency throughput; each fits in one 10-minute device call):
+# Stages (default: tests allreduce latency fp8 throughput; each fits in one 10-minute device call):
 #   tests       build, pytest the tensor-parallel tests (GPU and CPU)                  -> build.log, tests.log
 #   allreduce   bench/tp_bench.py: custom all-reduce vs NCCL at decode sizes, hidden 5120 and 4096
 #   latency     batch-1 TPOT with its limit (rank 0's weight bytes over the copy bandwidth of the same run), random
 #               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1
+#   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
 # NCCL_NVLS_ENABLE=0 throughout (no NVLink multicast objects: they can take the host's GPUs out of service).
 set -u -o pipefail
 
-OUT="${1:?usage: bash bench/gpu_check_tp.sh OUTDIR [tests|allreduce|latency|throughput ...]}"
+OUT="${1:?usage: bash bench/gpu_check_tp.sh OUTDIR [tests|allreduce|latency|fp8|throughput ...]}"
 shift
-STAGES="${*:-tests allreduce latency throughput}"
+STAGES="${*:-tests allreduce latency fp8 throughput}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
@@ -45,7 +46,8 @@ for stage in $STAGES; do
   case "$stage" in
     tests)
       FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
-        tests/test_tensor_parallel_gpu.py tests/test_tensor_parallel.py tests/test_cuda_graph_gpu.py \
+        tests/test_tensor_parallel_gpu.py tests/test_tensor_parallel.py tests/test_tensor_parallel_fp8.py \
+        tests/test_cuda_graph_gpu.py \
         > "$OUT/tests.log" 2>&1 || rc=1
       pytest_report "$OUT/tests.log" 40 ;;
     allreduce)
@@ -57,6 +59,9 @@ for stage in $STAGES; do
         run "latency_$1_tp$2" 240 python3 bench/latency.py --model "Qwen3-$1" --load-format dummy --tp "$2" \
           --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_$1_tp$2.json"
       done ;;
+    fp8)
+      run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
+        --quantization fp8 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fp8.json" ;;
     throughput)
       for spec in "32B 1" "32B 2" "8B 2"; do
         set -- $spec

@@ -222,6 +222,59 @@ MUTATIONS = [
         gpus=1,
     ),
     Mutation(
+        "tp_fp8_scale_blocks_of_the_rank_before",
+        "python/fastqwen/weights.py",
+        [
+            (
+                "        return first // FP8_BLOCK, _blocks(end)\n",
+                "        return first // FP8_BLOCK - (shard.rank == 1), _blocks(end) - (shard.rank == 1)\n",
+            )
+        ],
+        [
+            "tests/test_tensor_parallel_fp8.py::test_fp8_checkpoint_shards_take_their_scale_blocks[2]",
+            "tests/test_tensor_parallel_fp8.py::test_tp2_fp8_checkpoint_matches_tp1_teacher_forced",
+        ],
+        "tensor-parallel rank 1 takes its FP8 weights' rows and columns with the scale blocks of the rows or columns "
+        "before them (rank 0's at TP=2)",
+    ),
+    Mutation(
+        "tp_rank_1_skips_its_row_parallel_shard",
+        "python/fastqwen/weights.py",
+        [
+            (
+                "        loaded = [get_part(prefix, shape, dim, span) for prefix, shape, span in parts]\n",
+                "        loaded = [get_part(prefix, shape, dim, (0, s[1] - s[0]) if dim == cols and shard.rank == 1 else s) "
+                "for prefix, shape, s in parts]\n",
+            )
+        ],
+        [
+            "tests/test_tensor_parallel_fp8.py::test_fp8_checkpoint_shards_take_their_scale_blocks[2]",
+            "tests/test_tensor_parallel_fp8.py::test_online_quantization_is_per_shard_and_equals_the_whole_models[checkpoint]",
+            "tests/test_tensor_parallel_fp8.py::test_tp2_fp8_checkpoint_matches_tp1_teacher_forced",
+        ],
+        "tensor-parallel rank 1 skips its own columns of o_proj and down and loads rank 0's again",
+    ),
+    Mutation(
+        "tp_fp8_dummy_rank_1_left_unquantized",
+        "python/fastqwen/weights.py",
+        [
+            (
+                "        return _quantized(layer) if fp8 else layer\n",
+                "        return _quantized(layer) if fp8 and shard.rank != 1 else layer\n",
+            )
+        ],
+        ["tests/test_tensor_parallel_fp8.py::test_online_quantization_is_per_shard_and_equals_the_whole_models[dummy]"],
+        "random weights with fp8 under tensor parallelism: rank 1 keeps its shard dense",
+    ),
+    Mutation(
+        "tp_fp8_split_scale_block_not_refused",
+        "python/fastqwen/weights.py",
+        [("    if first % FP8_BLOCK == 0 and (end % FP8_BLOCK == 0 or end == shape[dim]):\n", "    if True:\n")],
+        ["tests/test_tensor_parallel_fp8.py::test_a_split_that_cuts_a_scale_block_is_refused_naming_the_projection"],
+        "a tensor-parallel split that cuts an FP8 scale block in two loads (each rank scaling its rows by blocks that "
+        "are not theirs) instead of being refused",
+    ),
+    Mutation(
         "yarn_attention_factor_left_out",
         "python/fastqwen/ops/rope_kv.py",
         [

@@ -277,18 +277,3 @@ def test_server_tp2_matches_hf_and_exits_when_a_rank_dies(model):
         assert not any(alive(pid) for pid in core)
     finally:
         server.stop()
-
-
-def test_fp8_weights_are_refused_across_ranks(model):
-    """FP8 projections are not sharded (their 128x128 block scales would have to split with them): refused, never
-    loaded wrong."""
-    folder = model[0]
-    cfg, _ = load_model_config(folder)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        dummy_weights(cfg, torch.float32, torch.device("cpu"), fp8=True, shard=Shard(0, 2))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        load_weights(folder, cfg, torch.float32, torch.device("cpu"), fp8=True, shard=Shard(1, 2))
-    load_weights(folder, cfg, torch.float32, torch.device("cpu"), fp8=True)  # one rank: fine
-    # Through the engine: the cause itself, not "a rank could not start".
-    with pytest.raises(ValueError, match="FP8 weights with tensor parallelism"):
-        LLM(folder, dtype="float32", device="cpu", num_pages=64, tensor_parallel_size=2, quantization="fp8")

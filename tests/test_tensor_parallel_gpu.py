@@ -171,9 +171,20 @@ def folder(tmp_path_factory):
     return folder
 
 
-def test_tp2_matches_tp1_teacher_forced(folder):
+@pytest.mark.parametrize("quantization", ["auto", "fp8"])
+def test_tp2_matches_tp1_teacher_forced(folder, quantization):
+    """quantization "fp8": each rank quantizes its shard on load and runs the FP8 GEMV and GEMM on it (every split of
+    this shape falls on whole 128 blocks, so both runs hold the same FP8 values)."""
     prompts, max_tokens = workload(24, seed=3)
-    knobs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, max_num_seqs=32, cuda_graph_max_bs=16)
+    knobs = dict(
+        dtype="bfloat16",
+        device="cuda",
+        page_size=16,
+        num_pages=512,
+        max_num_seqs=32,
+        cuda_graph_max_bs=16,
+        quantization=quantization,
+    )
     single = LLM(folder, **knobs)
     one = generate_recording(single, prompts, max_tokens)
     del single
@@ -187,4 +198,5 @@ def test_tp2_matches_tp1_teacher_forced(folder):
         llm.close()
     compared, worst = compare(two, one)
     assert compared >= len(prompts)
-    record_result("tensor_parallel.json", "tp2_vs_tp1", {"steps_compared": compared, "worst_logit_diff_rel": worst})
+    key = "tp2_vs_tp1" if quantization == "auto" else f"tp2_vs_tp1_{quantization}"
+    record_result("tensor_parallel.json", key, {"steps_compared": compared, "worst_logit_diff_rel": worst})

@@ -13,8 +13,10 @@ Norm folding (fold_norms, for the batch-1 decode step whose GEMVs carry the RMSN
 dense projection right after an RMSNorm takes the norm's weight into its columns, so that its GEMV reads x alone.
 
 With tensor parallelism each rank loads only its shard (sharding.py says which rows and columns): straight from the
-safetensors file, slice by slice (safe_open's get_slice), so no rank ever holds a whole weight matrix. FP8 weights
-are not sharded yet: FP8 with more than one rank is refused.
+safetensors file, slice by slice (safe_open's get_slice), so no rank ever holds a whole weight matrix. An FP8
+projection's shard takes the rows or columns of weight_scale_inv's 128x128 blocks that go with its own (a shard
+that would split a block is refused, naming the projection); a dense one quantized on load is quantized shard by
+shard.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -195,6 +197,8 @@ def _fused(
     FP8 parts are kept as they are when every part is FP8 and all but the last fill whole 128-row blocks (their
     block scales then concatenate too); otherwise the parts are dequantized, and quantized again when fp8."""
     all_fp8 = all(isinstance(p, LinearWeight) for p in parts)
+    if not fp8 and not any(isinstance(p, LinearWeight) for p in parts):
+        return LinearWeight(torch.cat([p.to(dtype) for p in parts]), None, bias)  # no float32 copy of the whole
     if fp8 and all_fp8 and all(p.out_features % FP8_BLOCK == 0 for p in parts[:-1]):
         weight = torch.cat([p.weight for p in parts])
         return LinearWeight(weight, torch.cat([p.scale for p in parts]), bias)
@@ -210,147 +214,113 @@ def _fused(
     return LinearWeight(dense.to(dtype), None, bias)
 
 
-def _refuse_fp8_shards(cfg: ModelConfig, fp8: bool, shard: Shard) -> None:
-    if not shard.whole and (fp8 or cfg.quantization is not None):
-        raise ValueError(
-            "FP8 weights with tensor parallelism are not supported yet: serve this model on one GPU, or "
-            "a dense checkpoint with --quantization none"
-        )
+def _scale_blocks(name: str, shape: tuple[int, int], dim: int, span: tuple[int, int], shard: Shard) -> tuple[int, int]:
+    """The block rows (dim 0) or block columns (dim 1) of an FP8 weight's weight_scale_inv that go with the rows or
+    columns [first, end) a rank takes: [first / 128, ceil(end / 128)). A span that does not start and end on a block
+    boundary (the matrix's end excepted) would share a scale block with another rank's span: refused, naming the
+    projection and the sizes (Qwen3's head_dim of 128 keeps every head, replicated KV heads included, on whole
+    blocks; an intermediate size split into parts that are not multiples of 128 is what can hit this)."""
+    first, end = span
+    if first % FP8_BLOCK == 0 and (end % FP8_BLOCK == 0 or end == shape[dim]):
+        return first // FP8_BLOCK, _blocks(end)
+    what = "rows" if dim == 0 else "columns"
+    raise ValueError(
+        f"{name} {list(shape)} is FP8 with {FP8_BLOCK}x{FP8_BLOCK} block scales, and tensor parallel rank "
+        f"{shard.rank} of {shard.size} would take its {what} [{first}, {end}), which do not fall on {FP8_BLOCK}-"
+        f"{what[:-1]} block boundaries: choose a tensor parallel size that splits it into whole blocks"
+    )
 
 
 def load_weights(
     folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False, shard: Shard = Shard()
 ) -> Qwen3Weights:
     """Loads a checkpoint (dense, or Qwen's FP8 layout); fp8 chooses FP8 projections (see the module docstring).
-    With a shard of several ranks: this rank's part only, read slice by slice, never whole."""
-    _refuse_fp8_shards(cfg, fp8, shard)
-    if not shard.whole:
-        return _load_shard(folder, cfg, dtype, device, shard)
-    src = _TensorSource(folder)
-    h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
-
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A dense tensor of `dtype` (an FP8 one with block scales is dequantized)."""
-        part = get_part(name.removesuffix(".weight"), shape) if name.endswith(".weight") else None
-        if isinstance(part, LinearWeight):
-            return part.dequantize(dtype)
-        t = part if part is not None else _checked(src.get(name), shape, name).to(device)
-        return t.to(dtype=dtype)
-
-    def get_part(prefix: str, shape: tuple[int, int]) -> LinearWeight | torch.Tensor:
-        """`prefix.weight`: an FP8 LinearWeight when the checkpoint has its weight_scale_inv, else the raw tensor on
-        the device (an e4m3 tensor without scales is refused: its values mean nothing alone)."""
-        name, scale_name = prefix + ".weight", prefix + ".weight_scale_inv"
-        t = _checked(src.get(name), shape, name)
-        if scale_name not in src:
-            if t.dtype.is_floating_point and t.element_size() == 1:
-                raise ValueError(
-                    f"tensor {name!r} is {t.dtype} but the checkpoint has no {scale_name!r}: FP8 "
-                    "weights need their block scales (Qwen's FP8 layout)"
-                )
-            return t.to(device)
-        if t.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"tensor {name!r} has block scales but dtype {t.dtype}; only float8_e4m3fn is supported")
-        scale = _checked(src.get(scale_name), (_blocks(shape[0]), _blocks(shape[1])), scale_name)
-        return LinearWeight(t.to(device), scale.to(device=device, dtype=torch.float32))
-
-    def projection(
-        prefixes: list[str], shapes: list[tuple[int, int]], bias: torch.Tensor | None = None
-    ) -> LinearWeight:
-        parts = [get_part(p, s) for p, s in zip(prefixes, shapes)]
-        return _fused(parts, bias, dtype, fp8, prefixes[0])
-
-    layers = []
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        qkv_bias = None
-        if cfg.attention_bias:
-            qkv_bias = torch.cat(
-                [
-                    get(p + "self_attn.q_proj.bias", (q,)),
-                    get(p + "self_attn.k_proj.bias", (kv,)),
-                    get(p + "self_attn.v_proj.bias", (kv,)),
-                ]
-            )
-        attn = p + "self_attn."
-        layers.append(
-            LayerWeights(
-                input_norm=get(p + "input_layernorm.weight", (h,)),
-                qkv=projection(
-                    [attn + "q_proj", attn + "k_proj", attn + "v_proj"], [(q, h), (kv, h), (kv, h)], qkv_bias
-                ),
-                q_norm=get(p + "self_attn.q_norm.weight", (d,)),
-                k_norm=get(p + "self_attn.k_norm.weight", (d,)),
-                o_proj=projection([attn + "o_proj"], [(h, q)]),
-                post_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=projection([p + "mlp.gate_proj", p + "mlp.up_proj"], [(i, h), (i, h)]),
-                down=projection([p + "mlp.down_proj"], [(h, i)]),
-            )
-        )
-    embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
-    if cfg.tie_word_embeddings:
-        lm_head = LinearWeight(embed)
-    elif "lm_head.weight" in src:
-        lm_head = LinearWeight(get("lm_head.weight", (cfg.vocab_size, h)))
-    else:
-        lm_head = None  # an embedding checkpoint (pooling.detect_task)
-    return Qwen3Weights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
-
-
-def _load_shard(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard) -> Qwen3Weights:
-    """This rank's shard of a dense checkpoint (read slice by slice, never whole)."""
+    With a shard of several ranks: this rank's part only (rows of the column-parallel projections, columns of the
+    row-parallel ones, an FP8 weight's scale blocks with them), read slice by slice, never whole."""
     src = _TensorSource(folder)
     h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
     if not shard.whole:
         shard.check(cfg)
     heads, kv_heads, inter = shard.heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
     q_span, kv_span = (heads[0] * d, heads[1] * d), (kv_heads[0] * d, kv_heads[1] * d)
+    rows, cols = 0, 1  # the dimension a span selects: column-parallel projections split rows, row-parallel columns
+
+    def read(name: str, shape: tuple[int, ...], dim: int | None = None, span: tuple[int, int] | None = None):
+        """The stored tensor (its rows or columns in span, read alone, under tensor parallelism) on the device."""
+        if shard.whole or dim is None:
+            return _checked(src.get(name), shape, name).to(device)
+        return src.get_part(name, shape, dim, span).to(device)
+
+    def get_part(
+        prefix: str, shape: tuple[int, ...], dim: int | None = None, span: tuple[int, int] | None = None
+    ) -> LinearWeight | torch.Tensor:
+        """`prefix.weight` (this rank's span of it): an FP8 LinearWeight with the scale blocks that go with the span
+        when the checkpoint has its weight_scale_inv, else the raw tensor on the device (an e4m3 tensor without scales
+        is refused: its values mean nothing alone)."""
+        name, scale_name = prefix + ".weight", prefix + ".weight_scale_inv"
+        t = read(name, shape, dim, span)
+        if scale_name not in src:
+            if t.dtype.is_floating_point and t.element_size() == 1:
+                raise ValueError(
+                    f"tensor {name!r} is {t.dtype} but the checkpoint has no {scale_name!r}: FP8 "
+                    "weights need their block scales (Qwen's FP8 layout)"
+                )
+            return t
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"tensor {name!r} has block scales but dtype {t.dtype}; only float8_e4m3fn is supported")
+        blocks = (_blocks(shape[0]), _blocks(shape[1]))
+        whole = shard.whole or dim is None
+        scale = read(scale_name, blocks, dim, None if whole else _scale_blocks(prefix, shape, dim, span, shard))
+        return LinearWeight(t, scale.to(torch.float32))
 
     def get(name: str, shape: tuple[int, ...], dim: int | None = None, span: tuple[int, int] | None = None):
-        if shard.whole or dim is None:
-            t = _checked(src.get(name), shape, name)
-        else:
-            t = src.get_part(name, shape, dim, span)
-        return t.to(device=device, dtype=dtype)
+        """A dense tensor of `dtype` (an FP8 one with block scales is dequantized)."""
+        if not name.endswith(".weight"):
+            return read(name, shape, dim, span).to(dtype)
+        part = get_part(name.removesuffix(".weight"), shape, dim, span)
+        return part.dequantize(dtype) if isinstance(part, LinearWeight) else part.to(dtype)
+
+    def projection(parts: list[tuple[str, tuple[int, int], tuple[int, int]]], dim: int, bias=None) -> LinearWeight:
+        """One projection from its (prefix, whole shape, this rank's span) parts, row-concatenated."""
+        loaded = [get_part(prefix, shape, dim, span) for prefix, shape, span in parts]
+        return _fused(loaded, bias, dtype, fp8, parts[0][0])
 
     layers = []
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        qkv = torch.cat(
-            [
-                get(p + "self_attn.q_proj.weight", (q, h), 0, q_span),
-                get(p + "self_attn.k_proj.weight", (kv, h), 0, kv_span),
-                get(p + "self_attn.v_proj.weight", (kv, h), 0, kv_span),
-            ]
-        )
+        attn = p + "self_attn."
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat(
                 [
-                    get(p + "self_attn.q_proj.bias", (q,), 0, q_span),
-                    get(p + "self_attn.k_proj.bias", (kv,), 0, kv_span),
-                    get(p + "self_attn.v_proj.bias", (kv,), 0, kv_span),
+                    get(attn + "q_proj.bias", (q,), rows, q_span),
+                    get(attn + "k_proj.bias", (kv,), rows, kv_span),
+                    get(attn + "v_proj.bias", (kv,), rows, kv_span),
                 ]
             )
-        gate_up = torch.cat(
-            [get(p + "mlp.gate_proj.weight", (i, h), 0, inter), get(p + "mlp.up_proj.weight", (i, h), 0, inter)]
-        )
+        qkv = [
+            (attn + "q_proj", (q, h), q_span),
+            (attn + "k_proj", (kv, h), kv_span),
+            (attn + "v_proj", (kv, h), kv_span),
+        ]
+        gate_up = [(p + "mlp.gate_proj", (i, h), inter), (p + "mlp.up_proj", (i, h), inter)]
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (h,)),
-                qkv=LinearWeight(qkv, None, qkv_bias),
-                q_norm=get(p + "self_attn.q_norm.weight", (d,)),
-                k_norm=get(p + "self_attn.k_norm.weight", (d,)),
-                o_proj=LinearWeight(get(p + "self_attn.o_proj.weight", (h, q), 1, q_span)),
+                qkv=projection(qkv, rows, qkv_bias),
+                q_norm=get(attn + "q_norm.weight", (d,)),
+                k_norm=get(attn + "k_norm.weight", (d,)),
+                o_proj=projection([(attn + "o_proj", (h, q), q_span)], cols),
                 post_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=LinearWeight(gate_up),
-                down=LinearWeight(get(p + "mlp.down_proj.weight", (h, i), 1, inter)),
+                gate_up=projection(gate_up, rows),
+                down=projection([(p + "mlp.down_proj", (h, i), inter)], cols),
             )
         )
     vocab_rows, vocab_span = shard.vocab_rows(cfg.vocab_size), shard.vocab(cfg.vocab_size)
 
     def vocab_table(name: str) -> torch.Tensor:
-        return _pad_rows(get(name, (cfg.vocab_size, h), 0, vocab_span), vocab_rows)
+        """The embedding or the LM head: this rank's vocabulary rows, padded to the height every rank has."""
+        return _pad_rows(get(name, (cfg.vocab_size, h), rows, vocab_span), vocab_rows)
 
     embed = vocab_table("model.embed_tokens.weight")
     if cfg.tie_word_embeddings:
@@ -358,7 +328,7 @@ def _load_shard(folder: str, cfg: ModelConfig, dtype: torch.dtype, device: torch
     elif "lm_head.weight" in src:
         lm_head = LinearWeight(vocab_table("lm_head.weight"))
     else:
-        lm_head = None  # an embedding checkpoint (pooling.detect_task), as in _load_whole
+        lm_head = None  # an embedding checkpoint (pooling.detect_task)
     return Qwen3Weights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
 
 
@@ -384,6 +354,17 @@ def _shard_layer(layer: LayerWeights, cfg: ModelConfig, shard: Shard) -> LayerWe
     )
 
 
+def _quantized(layer: LayerWeights) -> LayerWeights:
+    """The layer with its projections quantized to FP8 (quantize_fp8: 128x128 block scales)."""
+
+    def fp8(w: LinearWeight) -> LinearWeight:
+        return LinearWeight(*quantize_fp8(w.weight), w.bias)
+
+    return replace(
+        layer, qkv=fp8(layer.qkv), o_proj=fp8(layer.o_proj), gate_up=fp8(layer.gate_up), down=fp8(layer.down)
+    )
+
+
 def shard_weights(full: Qwen3Weights, cfg: ModelConfig, shard: Shard) -> Qwen3Weights:
     """This rank's shard of whole weights already in memory (for dummy weights: a checkpoint is sliced on read)."""
     if shard.whole:
@@ -404,8 +385,8 @@ def dummy_weights(
     """Random weights with the real shapes, made on the device (no checkpoint needed, for benchmarks); with fp8 the
     projections are quantized as they are made. Under tensor parallelism each rank draws every layer whole (the same
     numbers at any TP size) and keeps its shard: one layer at a time, so no rank holds more than one whole layer
-    beyond its shard."""
-    _refuse_fp8_shards(cfg, fp8, shard)
+    beyond its shard; with fp8 each rank quantizes its shard (the same values as the whole model's where the shard
+    boundaries fall on 128 blocks)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     h, q, kv, i, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
@@ -419,8 +400,7 @@ def dummy_weights(
         return 1.0 + rand(n, std=0.05)
 
     def proj(rows: int, cols: int, bias: torch.Tensor | None = None) -> LinearWeight:
-        w = rand(rows, cols)
-        return LinearWeight(*quantize_fp8(w), bias) if fp8 else LinearWeight(w, None, bias)
+        return LinearWeight(rand(rows, cols), None, bias)
 
     def one_layer() -> LayerWeights:
         layer = LayerWeights(
@@ -433,7 +413,8 @@ def dummy_weights(
             gate_up=proj(2 * i, h),
             down=proj(h, i),
         )
-        return layer if shard.whole else _shard_layer(layer, cfg, shard)
+        layer = layer if shard.whole else _shard_layer(layer, cfg, shard)
+        return _quantized(layer) if fp8 else layer
 
     layers = [one_layer() for _ in range(cfg.num_layers)]
     embed = rand(cfg.vocab_size, h)
