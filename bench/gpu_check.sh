@@ -184,9 +184,9 @@ bench_serving() {  # bench_serving NAME BACKEND... : SGLang's client against the
 stage_serving15() {  # the engine-core process bars: HTTP against offline, same run (issue 15)
   echo "== serving with the engine core process: random Qwen3-8B, 128 in / 1024 out"
   python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
-  # 512 requests, as the HTTP runs below (256 run at once: two waves).
+  # 512 requests, as the HTTP runs below (256 run at once: two waves; the default batch limit follows the pool).
   run throughput_8b_128x1024_512 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
-    --num-prompts 512 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_128x1024_512.json"
+    --num-prompts 512 --input-len 128 --output-len 1024 --max-num-seqs 256 --json "$OUT/throughput_8b_128x1024_512.json"
   # The decode step at batch 256 with 640 cached tokens, the middle of this workload's 128..1152 (ITL's yardstick).
   run profile_8b_b256_ctx640 150 python3 bench/profile_step.py --model Qwen3-8B --batch 256 --prompt-len 640 --steps 32 \
     --json "$OUT/profile_8b_b256_ctx640.json"
@@ -237,7 +237,7 @@ stage_fp8serving() {  # bench/results/current/serving-256.md: bf16 and FP8 weigh
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   for q in none fp8; do
     run "throughput_8b_128x1024_$q" 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
-      --quantization "$q" --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 \
+      --quantization "$q" --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 --max-num-seqs 256 \
       --json "$OUT/throughput_8b_128x1024_$q.json"
     [ -n "$SGL_TOOLS" ] || { echo "SGL_TOOLS not set: no HTTP run"; continue; }
     start_server "server_serving_$q.log" /tmp/qwen3-8b-dummy --quantization "$q"
@@ -278,7 +278,7 @@ stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in fli
     local extra=()
     [ "$mode" = on ] && extra=(--speculative-config "$SPEC_SYNTHETIC")
     run "throughput_spec_${mode}_c256" 200 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
-      --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 "${extra[@]}" \
+      --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 --max-num-seqs 256 "${extra[@]}" \
       --json "$OUT/throughput_spec_${mode}_c256.json"
   done
 }

@@ -222,6 +222,49 @@ MUTATIONS = [
         ["tests/test_prefix_cache.py::test_eviction_takes_the_least_recently_used_prefix"],
         "eviction takes the most recently used prefix first",
     ),
+    Mutation(
+        "batch_limit_ignores_a_short_context",
+        "python/fastqwen/engine/batch_limit.py",
+        [("    typical = min(TYPICAL_SEQUENCE_TOKENS, max_model_len)\n", "    typical = TYPICAL_SEQUENCE_TOKENS\n")],
+        [
+            "tests/test_batch_limit.py::test_the_default_limit_follows_the_pool[120000-300-400]",
+            "tests/test_batch_limit.py::test_a_batch_above_256_replays_a_graph",
+        ],
+        "the default batch limit counts 1,024 tokens a sequence even where the context is shorter (the pool of 512 "
+        "sequences of a 512-token context gets 256)",
+    ),
+    Mutation(
+        "graphs_stop_at_256",
+        "python/fastqwen/engine/cuda_graph.py",
+        [("*range(80, max_bs + 1, 16), max_bs}", "*range(80, min(max_bs, 256) + 1, 16), max_bs}")],
+        [
+            "tests/test_batch_limit.py::test_the_engine_sizes_everything_from_the_limit",
+            "tests/test_cuda_graph_gpu.py::test_graph_decode_matches_eager_at_the_sizes_above_256",
+        ],
+        "no graph sizes between 256 and the largest: batches of 257 and more pad to the largest graph",
+        gpus=1,
+    ),
+    Mutation(
+        "sampler_rows_uploaded_up_to_256",
+        "python/fastqwen/engine/sampler.py",
+        [("        rows = max(n, pad_to)\n", "        rows = min(max(n, pad_to), 256)\n")],
+        ["tests/test_sampler_gpu.py::test_engine_sampler_at_512_rows_matches_the_reference_sampler"],
+        "GpuSampler.prepare uploads the parameters of the first 256 rows only: rows past them draw with stale ones",
+        gpus=1,
+    ),
+    Mutation(
+        "batch_limit_from_all_the_free_memory",
+        "python/fastqwen/engine/llm_engine.py",
+        [
+            (
+                "                config.gpu_memory_utilization,\n                cfg,\n",
+                "                1.0,\n                cfg,\n",
+            )
+        ],
+        ["tests/test_cuda_graph_gpu.py::test_the_default_limit_from_free_memory"],
+        "the default batch limit is chosen from a pool of all the free memory, not its --kv-cache-memory-fraction",
+        gpus=1,
+    ),
 ]
 
 
