@@ -223,6 +223,18 @@ MUTATIONS = [
         "eviction takes the most recently used prefix first",
     ),
     Mutation(
+        "kv_written_through_e5m2",
+        "python/fastqwen/ops/kv_fp8.py",
+        [
+            (
+                "    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)\n",
+                "    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e5m2).float().to(FP8_KV_DTYPE)\n",
+            )
+        ],
+        ["tests/test_fp8_kv.py::test_fp8_weights_with_fp8_pool_follow_float32_truth"],
+        "the reference FP8 KV write rounds to e5m2 (two mantissa bits) before e4m3: twice the rounding error",
+    ),
+    Mutation(
         "batch_limit_ignores_a_short_context",
         "python/fastqwen/engine/batch_limit.py",
         [("    typical = min(TYPICAL_SEQUENCE_TOKENS, max_model_len)\n", "    typical = TYPICAL_SEQUENCE_TOKENS\n")],
@@ -487,6 +499,7 @@ MUTATIONS += [
             "tests/test_fp8_kv_gpu.py::test_decode_fp8[16-4-dtype0]",
             "tests/test_fp8_kv_gpu.py::test_prefill_fp8[64-4-dtype0]",
             "tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]",
+            "tests/test_fp8_kv_gpu.py::test_engine_fp8_weights_and_fp8_kv_match_the_reference_ops",
         ],
         "fp8x2_to_half2 decodes the bytes as e5m2 (5 exponent bits, bias 15) instead of e4m3 (4, bias 7): the FP8 KV "
         "cache's reads in decode and prefill attention, and the one-token FP8 GEMV's weights",
