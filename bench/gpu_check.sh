@@ -20,6 +20,8 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
+#   stepaccount  bench/step_account.py: the decode step of random Qwen3-8B at batch 64, 256 and 512 per kernel family
+#            against each family's bound; bf16, then FP8 weights + FP8 KV (issue 47)
 # Every stage after `tests` builds first if the package is not installed yet.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
@@ -282,11 +284,17 @@ stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in fli
       --json "$OUT/throughput_spec_${mode}_c256.json"
   done
 }
+stage_stepaccount() {  # issue 47: the saturated step accounted for, bf16 and FP8 weights + FP8 KV
+  run step_account_bf16 280 python3 bench/step_account.py --model Qwen3-8B --load-format dummy \
+    --json "$OUT/step_account_bf16.json"
+  run step_account_fp8 280 python3 bench/step_account.py --model Qwen3-8B --load-format dummy --quantization fp8 \
+    --kv-cache-dtype fp8_e4m3 --json "$OUT/step_account_fp8.json"
+}
 
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|fp8serving|speculative|specthroughput)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|fp8serving|speculative|specthroughput|stepaccount)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
