@@ -20,6 +20,8 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
+#   stepaccount  bench/step_account.py: the decode step of random Qwen3-8B at batch 64, 256 and 512 per kernel family
+#            against each family's bound; bf16, then FP8 weights + FP8 KV (issue 47)
 # Every stage after `tests` builds first if the package is not installed yet.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
@@ -184,9 +186,9 @@ bench_serving() {  # bench_serving NAME BACKEND... : SGLang's client against the
 stage_serving15() {  # the engine-core process bars: HTTP against offline, same run (issue 15)
   echo "== serving with the engine core process: random Qwen3-8B, 128 in / 1024 out"
   python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
-  # 512 requests, as the HTTP runs below (256 run at once: two waves).
+  # 512 requests, as the HTTP runs below (256 run at once: two waves; the default batch limit follows the pool).
   run throughput_8b_128x1024_512 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed \
-    --num-prompts 512 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_128x1024_512.json"
+    --num-prompts 512 --input-len 128 --output-len 1024 --max-num-seqs 256 --json "$OUT/throughput_8b_128x1024_512.json"
   # The decode step at batch 256 with 640 cached tokens, the middle of this workload's 128..1152 (ITL's yardstick).
   run profile_8b_b256_ctx640 150 python3 bench/profile_step.py --model Qwen3-8B --batch 256 --prompt-len 640 --steps 32 \
     --json "$OUT/profile_8b_b256_ctx640.json"
@@ -237,7 +239,7 @@ stage_fp8serving() {  # bench/results/current/serving-256.md: bf16 and FP8 weigh
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   for q in none fp8; do
     run "throughput_8b_128x1024_$q" 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
-      --quantization "$q" --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 \
+      --quantization "$q" --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 --max-num-seqs 256 \
       --json "$OUT/throughput_8b_128x1024_$q.json"
     [ -n "$SGL_TOOLS" ] || { echo "SGL_TOOLS not set: no HTTP run"; continue; }
     start_server "server_serving_$q.log" /tmp/qwen3-8b-dummy --quantization "$q"
@@ -278,15 +280,21 @@ stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in fli
     local extra=()
     [ "$mode" = on ] && extra=(--speculative-config "$SPEC_SYNTHETIC")
     run "throughput_spec_${mode}_c256" 200 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
-      --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 "${extra[@]}" \
+      --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 --max-num-seqs 256 "${extra[@]}" \
       --json "$OUT/throughput_spec_${mode}_c256.json"
   done
+}
+stage_stepaccount() {  # issue 47: the saturated step accounted for, bf16 and FP8 weights + FP8 KV
+  run step_account_bf16 280 python3 bench/step_account.py --model Qwen3-8B --load-format dummy \
+    --json "$OUT/step_account_bf16.json"
+  run step_account_fp8 280 python3 bench/step_account.py --model Qwen3-8B --load-format dummy --quantization fp8 \
+    --kv-cache-dtype fp8_e4m3 --json "$OUT/step_account_fp8.json"
 }
 
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|fp8serving|speculative|specthroughput)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|fp8serving|speculative|specthroughput|stepaccount)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -299,6 +299,61 @@ MUTATIONS = [
         ["tests/test_prefix_cache.py::test_eviction_takes_the_least_recently_used_prefix"],
         "eviction takes the most recently used prefix first",
     ),
+    Mutation(
+        "kv_written_through_e5m2",
+        "python/fastqwen/ops/kv_fp8.py",
+        [
+            (
+                "    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)\n",
+                "    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e5m2).float().to(FP8_KV_DTYPE)\n",
+            )
+        ],
+        ["tests/test_fp8_kv.py::test_fp8_weights_with_fp8_pool_follow_float32_truth"],
+        "the reference FP8 KV write rounds to e5m2 (two mantissa bits) before e4m3: twice the rounding error",
+    ),
+    Mutation(
+        "batch_limit_ignores_a_short_context",
+        "python/fastqwen/engine/batch_limit.py",
+        [("    typical = min(TYPICAL_SEQUENCE_TOKENS, max_model_len)\n", "    typical = TYPICAL_SEQUENCE_TOKENS\n")],
+        [
+            "tests/test_batch_limit.py::test_the_default_limit_follows_the_pool[120000-300-400]",
+            "tests/test_batch_limit.py::test_a_batch_above_256_replays_a_graph",
+        ],
+        "the default batch limit counts 1,024 tokens a sequence even where the context is shorter (the pool of 512 "
+        "sequences of a 512-token context gets 256)",
+    ),
+    Mutation(
+        "graphs_stop_at_256",
+        "python/fastqwen/engine/cuda_graph.py",
+        [("*range(80, max_bs + 1, 16), max_bs}", "*range(80, min(max_bs, 256) + 1, 16), max_bs}")],
+        [
+            "tests/test_batch_limit.py::test_the_engine_sizes_everything_from_the_limit",
+            "tests/test_cuda_graph_gpu.py::test_graph_decode_matches_eager_at_the_sizes_above_256",
+        ],
+        "no graph sizes between 256 and the largest: batches of 257 and more pad to the largest graph",
+        gpus=1,
+    ),
+    Mutation(
+        "sampler_rows_uploaded_up_to_256",
+        "python/fastqwen/engine/sampler.py",
+        [("        rows = max(n, pad_to)\n", "        rows = min(max(n, pad_to), 256)\n")],
+        ["tests/test_sampler_gpu.py::test_engine_sampler_at_512_rows_matches_the_reference_sampler"],
+        "GpuSampler.prepare uploads the parameters of the first 256 rows only: rows past them draw with stale ones",
+        gpus=1,
+    ),
+    Mutation(
+        "batch_limit_from_all_the_free_memory",
+        "python/fastqwen/engine/llm_engine.py",
+        [
+            (
+                "                config.gpu_memory_utilization,\n                cfg,\n",
+                "                1.0,\n                cfg,\n",
+            )
+        ],
+        ["tests/test_cuda_graph_gpu.py::test_the_default_limit_from_free_memory"],
+        "the default batch limit is chosen from a pool of all the free memory, not its --kv-cache-memory-fraction",
+        gpus=1,
+    ),
 ]
 
 
@@ -521,6 +576,7 @@ MUTATIONS += [
             "tests/test_fp8_kv_gpu.py::test_decode_fp8[16-4-dtype0]",
             "tests/test_fp8_kv_gpu.py::test_prefill_fp8[64-4-dtype0]",
             "tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]",
+            "tests/test_fp8_kv_gpu.py::test_engine_fp8_weights_and_fp8_kv_match_the_reference_ops",
         ],
         "fp8x2_to_half2 decodes the bytes as e5m2 (5 exponent bits, bias 15) instead of e4m3 (4, bias 7): the FP8 KV "
         "cache's reads in decode and prefill attention, and the one-token FP8 GEMV's weights",

@@ -1,5 +1,5 @@
-"""CUDA-graph decode against eager decode on the same engine settings: tokens, logits, padding, fallback, and every
-captured batch size up to 256."""
+"""CUDA-graph decode against eager decode on the same engine settings: tokens, logits, padding, fallback, every
+captured batch size up to 256, and the sizes up to 512 that the default batch limit takes when the pool holds them."""
 
 from __future__ import annotations
 
@@ -174,6 +174,76 @@ def test_graph_decode_matches_eager_at_every_captured_size(folder):
     assert all(size >= rows for rows, size in decode_steps), "a decode step ran eagerly or in too small a graph"
     assert {size for _, size in decode_steps} == set(sizes), "not every captured graph was replayed"
     assert {rows for rows, size in decode_steps if rows == size} == set(sizes), "not every graph ran full"
+
+
+def test_graph_decode_matches_eager_at_the_sizes_above_256(folder):
+    """Batches up to 512 (issue 47): a pool of 16,384 pages x 16 tokens holds 512 sequences of this checkpoint's
+    whole context (512 tokens), so the engine takes the default batch limit, 512, and captures graphs up to it. Against
+    eager decode: 512 sequences, 256 of which run 258 tokens while the other 256 finish one step apart, so the decode
+    batch runs through every size from 512 down to 257 and each captured size above 256 (272 ... 512, every 16) is
+    replayed, full and padded. Same tokens and logits within the tolerance at every step."""
+    rng = random.Random(512)
+    prompts = [[rng.randrange(0, 380) for _ in range(rng.randint(3, 16))] for _ in range(512)]
+    max_tokens = [258] * 256 + [i + 2 for i in range(256)]  # decode step k (1..256) runs 513 - k rows
+    kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=16384, max_num_batched_tokens=16384)
+    graph_llm = LLM(folder, **kwargs)
+    assert graph_llm.engine.max_num_seqs == 512 and graph_llm.engine.runner.sampler.max_rows >= 512
+    sizes = graph_llm.engine.runner.graphs.sizes
+    above = [s for s in sizes if s > 256]
+    assert above == list(range(272, 513, 16)), sizes
+    graph_run = generate_recording(graph_llm, prompts, max_tokens)
+    del graph_llm
+    eager_run = generate_recording(LLM(folder, disable_cuda_graph=True, **kwargs), prompts, max_tokens)
+    compared, worst = compare(graph_run, eager_run)
+    record_result(
+        "cuda_graph_every_size.json",
+        "graph_vs_eager_above_256",
+        {"sizes": above, "steps_compared": compared, "steps": sum(max_tokens), "max_logit_diff_of_largest": worst},
+    )
+    assert compared >= 0.8 * sum(max_tokens), f"only {compared} of {sum(max_tokens)} steps compared"
+    decode_steps = [(rows, size) for rows, size, decode in graph_run[2] if decode]
+    assert all(size == 0 for _, size, _ in eager_run[2])
+    assert all(size >= rows for rows, size in decode_steps), "a decode step ran eagerly or in too small a graph"
+    assert max(rows for rows, _ in decode_steps) == 512, "the 512 sequences never decoded together"
+    assert set(above) <= {size for rows, size in decode_steps if rows == size}, "not every graph above 256 ran full"
+    assert set(above) <= {size for rows, size in decode_steps if rows < size}, "not every graph above 256 ran padded"
+
+
+def test_the_default_limit_from_free_memory(folder):
+    """No --num-pages and no --max-num-seqs: the limit comes from the pool the free memory will give
+    (batch_limit.estimated_pool_pages). The memory fraction is chosen so that the estimate holds about 408 sequences
+    of the context (512 tokens): the limit 400 (as the rule rounds it), graphs captured up to it, and steps that run.
+    At this fraction (about 1%) the estimate moves by about 10 pages of 32 per sequence when the free memory drifts by
+    50 MB between the test's reading and the engine's. The pool the engine then sized from measured memory is recorded
+    next to it (for this tiny model the capture's fixed costs, which the estimate leaves out, are a large part of it)."""
+    from fastqwen.config import load_model_config
+    from fastqwen.engine import batch_limit
+    from fastqwen.kvcache import KVPool
+    from fastqwen.ops import decode_workspace_bytes
+
+    cfg, _ = load_model_config(folder)
+    assert cfg.max_position_embeddings == 512
+    page_bytes = KVPool.bytes_per_page(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    largest = batch_limit.LARGEST_DEFAULT
+    buffers = largest * batch_limit.per_sequence_buffer_bytes(cfg, decode_workspace_bytes(1, cfg.num_heads))
+    set_aside = batch_limit.step_activation_bytes(cfg, 8192, largest) + largest * batch_limit.per_sequence_graph_bytes(
+        cfg
+    )
+    target = 408 * 512 // 16 * page_bytes
+    free = torch.cuda.mem_get_info()[0]
+    utilization = (target + set_aside) / (free - buffers)
+    llm = LLM(folder, dtype="bfloat16", device="cuda", page_size=16, gpu_memory_utilization=utilization)
+    engine = llm.engine
+    limit = engine.max_num_seqs
+    tokens = engine.kv.num_pages * engine.kv.page_size
+    record_result(
+        "cuda_graph_every_size.json",
+        "default_limit_from_free_memory",
+        {"limit": limit, "pool_tokens": tokens, "limit_the_pool_holds": batch_limit.default_max_num_seqs(tokens, 512)},
+    )
+    assert limit == 400 and engine.runner.graphs.max_bs == limit, limit
+    out = llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert out[0].token_ids == out[1].token_ids == out[2].token_ids
 
 
 def test_padding_rows_write_no_kv_and_logits_match_eager(folder):

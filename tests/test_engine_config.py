@@ -81,6 +81,15 @@ def test_flags_set_their_fields_with_the_right_types():
     assert alias.gpu_memory_utilization == 0.3 and alias.enable_prefix_caching is False
 
 
+def test_the_batch_limits_default_to_the_pool():
+    """No --max-num-seqs or --cuda-graph-max-bs: None, which the engine resolves from the KV pool
+    (engine/batch_limit.py); given, the numbers."""
+    config = EngineConfig.from_cli(_parse(["--model", "m"]))
+    assert config.max_num_seqs is None and config.cuda_graph_max_bs is None
+    given = EngineConfig.from_cli(_parse(["--model", "m", "--max-num-seqs", "512", "--cuda-graph-max-bs", "384"]))
+    assert (given.max_num_seqs, given.cuda_graph_max_bs) == (512, 384)
+
+
 def test_callers_override_defaults():
     config = EngineConfig.from_cli(_parse([], model="Qwen3-8B", load_format="dummy", max_model_len=4096))
     assert (config.model, config.load_format, config.max_model_len) == ("Qwen3-8B", "dummy", 4096)
@@ -93,12 +102,16 @@ def test_callers_override_defaults():
         ("page_size", 256),
         ("page_size", 0),
         ("max_num_seqs", 0),
+        ("max_num_seqs", True),
+        ("max_num_seqs", 2.5),
         ("max_num_batched_tokens", -1),
         ("max_model_len", 1),
         ("num_pages", 0),
         ("gpu_memory_utilization", 0.0),
         ("gpu_memory_utilization", 1.5),
         ("cuda_graph_max_bs", -1),
+        ("cuda_graph_max_bs", True),
+        ("cuda_graph_max_bs", "8"),
         ("load_format", "pt"),
         ("dtype", "int8"),
     ],

@@ -13,6 +13,8 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 from fastqwen import LLM, SamplingParams
+from fastqwen.config import GenerationDefaults
+from fastqwen.engine.sampler import GpuSampler, ReferenceSampler, effective_top_k
 from fastqwen.ops._native import has_cuda_kernels
 from fastqwen.ops.sampling import (
     apply_penalties,
@@ -25,6 +27,7 @@ from fastqwen.ops.sampling import (
     sampler_workspace,
     top_k_top_p_min_p_mask,
 )
+from fastqwen.scheduler import Request
 
 pytestmark = [
     pytest.mark.gpu,
@@ -550,3 +553,93 @@ def test_min_tokens_with_64_stop_ids_under_graphs_matches_eager(graph_folder):
         if i != 4:
             assert len(g.token_ids) >= 6 and not set(g.token_ids[:6]) & set(stops), i
     assert replays, "no step replayed a graph once min_tokens was out"
+
+
+# ---- the engine's sampler at the largest default batch (issue 47) ------------------------------------------------
+
+ENGINE_ROWS = 512
+EOS = [QWEN_VOCAB - 1, QWEN_VOCAB - 2]
+
+
+def sampler_request(i: int, top: list[int], rng: random.Random) -> Request:
+    """Row i's request, one of four kinds by i % 4, with prompt and output tokens that make its penalties and bans
+    decide: greedy with penalties and logprobs; greedy with a min_tokens ban of its best token and a logit_bias on its
+    second and sixth; seeded top-k/top-p; unseeded min-p with a repetition penalty. `top`: the row's best token ids."""
+    params = [
+        SamplingParams(
+            temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3, logprobs=3
+        ),
+        SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[top[0]], logit_bias={top[1]: -30.0, top[5]: 5.0}),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1000 + i),
+        SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2),
+    ][i % 4]
+    prompt = [top[2]] + [rng.randrange(QWEN_VOCAB - 2) for _ in range(20)]
+    request = Request(rid=i, prompt_ids=prompt, params=params.with_defaults(GenerationDefaults()), arrival=i)
+    request.token_ids += [top[0], top[0], top[1]]  # three outputs: under min_tokens
+    return request
+
+
+def assert_rows_match_the_reference(logits: torch.Tensor, requests: list, tokens: list[int], results) -> None:
+    """Each row against ReferenceSampler on the same logits and requests: greedy rows its token, sampled rows a token
+    of its kept set (penalties, bias and bans applied by the reference, as the draws' tests take it: up to
+    ambiguous_tokens), rows with logprobs the same chosen logprob (within the kernel tests' 3e-5) and top ids."""
+    reference = ReferenceSampler(QWEN_VOCAB, logits.device, EOS, seed=0)
+    want, want_logprobs = reference.sample(logits.clone(), requests, lambda t: t.tolist())
+    processed = logits.clone()
+    reference._process_logits(processed, requests)  # what the draws are taken from
+    for i, r in enumerate(requests):
+        p = r.params
+        if p.is_greedy:
+            assert tokens[i] == want[i], f"row {i}: {tokens[i]}, the reference {want[i]}"
+        else:
+            t, k, top_p, min_p = p.temperature, effective_top_k(p.top_k, QWEN_VOCAB), p.top_p, p.min_p
+            kept = reference_mask(processed[i].double(), t, k, top_p, min_p)
+            ok = bool(kept[tokens[i]]) or bool(ambiguous_tokens(processed[i], t, k, top_p, min_p)[tokens[i]])
+            assert ok, f"row {i}: token {tokens[i]} outside the reference's kept set"
+        if p.logprobs is not None:
+            got, ref = results[i], want_logprobs[i]
+            assert got.token == ref.token and abs(got.logprob - ref.logprob) <= 3e-5, (i, got, ref)
+            assert [t for t, _ in got.top] == [t for t, _ in ref.top], i
+
+
+def test_engine_sampler_at_512_rows_matches_the_reference_sampler():
+    """The GPU sampler as the engine runs it at the largest default batch: 512 rows of requests prepared by
+    GpuSampler.prepare and drawn by its graph hook replayed from a CUDA graph captured at 512 rows, against
+    ReferenceSampler (assert_rows_match_the_reference) on every row. Then a second step as the engine takes it: each
+    request's token appended, 300 of the requests (rows 212 to 511 of the first step, so their penalty counts
+    rows were counted on the device at rows past 256) in rows 0 to 299, rows 300 to 511 padding: the real rows against
+    the reference from the token lists, the padding rows greedy on their raw logits."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(47)
+    rng = random.Random(47)
+    sampler = GpuSampler(QWEN_VOCAB, ENGINE_ROWS, device, EOS, seed=5)
+    sampler.freeze()
+    logits = torch.empty(ENGINE_ROWS, QWEN_VOCAB, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the warm-up draws neutral rows: nothing is counted
+        sampler.graph_hook(logits, ENGINE_ROWS)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sampler.graph_hook(logits, ENGINE_ROWS)
+
+    def step(requests: list) -> list[int]:
+        sampler.prepare(requests, pad_to=ENGINE_ROWS)
+        graph.replay()
+        tokens = sampler.tokens[:ENGINE_ROWS].tolist()
+        assert_rows_match_the_reference(logits[: len(requests)], requests, tokens, sampler.results(requests, tokens))
+        return tokens
+
+    logits.copy_(torch.randn(ENGINE_ROWS, QWEN_VOCAB, generator=gen, device="cuda") * 3)
+    top = logits.topk(8, dim=-1).indices.tolist()
+    requests = [sampler_request(i, top[i], rng) for i in range(ENGINE_ROWS)]
+    assert sum(r.params.has_penalties for r in requests[256:]) >= 128
+    tokens = step(requests)
+    for r, token in zip(requests, tokens):
+        r.token_ids.append(token)
+    logits.copy_(torch.randn(ENGINE_ROWS, QWEN_VOCAB, generator=gen, device="cuda") * 3)
+    second = requests[212:]
+    tokens = step(second)
+    padding = logits[len(second) :].argmax(dim=-1).tolist()
+    assert tokens[len(second) :] == padding, "padding rows are not neutral greedy rows"

@@ -516,7 +516,11 @@ class EngineConfig:
         "auto", "dummy = random weights with the model's shapes", choices=("auto", "safetensors", "dummy")
     )
     page_size: int = _knob(16, "tokens per KV page (a power of two, at most 128)")
-    max_num_seqs: int = _knob(256, "most requests running at once")
+    max_num_seqs: int | None = _knob(
+        None,
+        "most requests running at once (default: as many as the KV pool holds at 1,024 tokens each, or the context "
+        "length if shorter, in steps of 16 from 256 to 512: engine/batch_limit.py)",
+    )
     max_num_batched_tokens: int = _knob(8192, "token budget of one step; longer prompts are prefilled in chunks")
     max_model_len: int | None = _knob(
         None,
@@ -544,8 +548,10 @@ class EngineConfig:
         aliases=("--no-enable-prefix-caching",),
     )
     disable_cuda_graph: bool = _knob(False, "run decode steps eagerly instead of replaying captured CUDA graphs")
-    cuda_graph_max_bs: int = _knob(
-        256, "largest decode batch captured in a CUDA graph (capped by --max-num-seqs); larger batches run eagerly"
+    cuda_graph_max_bs: int | None = _knob(
+        None,
+        "largest decode batch captured in a CUDA graph (default and cap: the batch limit, --max-num-seqs); larger "
+        "batches run eagerly",
     )
     disable_overlap_schedule: bool = _knob(
         False,
@@ -635,8 +641,12 @@ class EngineConfig:
             "page_size",
             "a power of two from 1 to 128",
         )
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            need(_positive_int(getattr(self, name)), name, "a positive integer")
+        need(
+            self.max_num_seqs is None or _positive_int(self.max_num_seqs),
+            "max_num_seqs",
+            "a positive integer (or None: from the KV pool's size)",
+        )
+        need(_positive_int(self.max_num_batched_tokens), "max_num_batched_tokens", "a positive integer")
         need(
             self.max_model_len is None or (_positive_int(self.max_model_len) and self.max_model_len >= 2),
             "max_model_len",
@@ -659,9 +669,14 @@ class EngineConfig:
         )
         need(self.quantization in ("auto", "fp8", "none"), "quantization", "'auto', 'fp8' or 'none'")
         need(
-            isinstance(self.cuda_graph_max_bs, int) and self.cuda_graph_max_bs >= 0,
+            self.cuda_graph_max_bs is None
+            or (
+                isinstance(self.cuda_graph_max_bs, int)
+                and not isinstance(self.cuda_graph_max_bs, bool)
+                and self.cuda_graph_max_bs >= 0
+            ),
             "cuda_graph_max_bs",
-            "an integer >= 0 (0 = no graphs)",
+            "an integer >= 0 (0 = no graphs; None = the batch limit)",
         )
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
         need(_positive_int(self.data_parallel_size), "data_parallel_size", "a positive integer")

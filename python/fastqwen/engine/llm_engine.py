@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
-from .. import env, model_source
+from .. import env, model_source, ops
 from ..config import (
     ConfigError,
     EngineConfig,
@@ -39,6 +39,12 @@ from ..sharding import Shard
 from ..speculative import SpeculativeConfig, SpeculativeConfigError, Speculator
 from ..speculative.config import MAX_SPECULATIVE_TOKENS
 from ..weights import dummy_weights, fold_norms, load_kv_scales, load_weights
+from .batch_limit import (
+    TYPICAL_SEQUENCE_TOKENS,
+    default_max_num_seqs,
+    estimated_pool_pages,
+    step_activation_bytes,
+)
 from .cuda_graph import DecodeGraphs, unsupported_reason
 from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput
 from .model_runner import ModelRunner
@@ -106,6 +112,10 @@ def _unrecoverable(error: BaseException) -> bool:
 
 # KV pool size on the CPU reference path when num_pages is not given.
 _CPU_KV_BYTES = 1 << 30
+
+
+def _cpu_default_pages(page_bytes: int) -> int:
+    return max(1, _CPU_KV_BYTES // page_bytes)
 
 
 def check_kernels_for(device: torch.device, allow_reference: bool) -> None:
@@ -177,7 +187,7 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig, parallel: ParallelGroup) -> None:
         """The rest of __init__: the weights, the KV pool, the cache, the scheduler, the runner."""
-        model, page_size, max_num_seqs = config.model, config.page_size, config.max_num_seqs
+        model, page_size = config.model, config.page_size
         max_num_batched_tokens, seed = config.max_num_batched_tokens, config.seed
         check_kernels_for(self.device, config.allow_reference_on_gpu)
         self.config, self.generation_defaults = load_model_config(model, config.rope_scaling)
@@ -206,19 +216,22 @@ class LLMEngine:
         if config.norms_in_gemv and not pools and not eagle3 and Qwen3WithBatch1Decode.applies(weights, parallel):
             fold_norms(weights)
             model_class = Qwen3WithBatch1Decode
+        cfg = self.rank_config
+        page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        # The batch limit sizes the model's decode scratch, the staging buffer, the sampler's rows and the graphs: it
+        # is chosen now, before any of them (engine/batch_limit.py).
+        self.max_num_seqs = max_num_seqs = self._batch_limit(config, page_bytes, parallel)
         self.model = model_class(
             self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel
         )
 
         drafter = self._eagle3_drafter(spec_config, weights) if eagle3 else None
-        cfg = self.rank_config
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
         # An embedding model never decodes (and may have no LM head to capture): no decode graphs. The EAGLE-3 drafter
         # reads the target's aux hidden states of every step, which only eager steps capture: no CUDA graphs (so no
         # verify graphs and no step launched ahead) while it is on.
         no_graphs = config.disable_cuda_graph or self.task == "embed" or eagle3
         graph_bs = self._graph_max_bs(no_graphs, config.cuda_graph_max_bs, max_num_seqs)
-        page_bytes = KVPool.bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         k_scales = v_scales = None
         if self.kv_dtype != self.dtype and config.load_format != "dummy":
             k_scales, v_scales = load_kv_scales(folder, cfg.num_layers)
@@ -394,8 +407,45 @@ class LLMEngine:
         head = Eagle3Head(head_config, head_weights, self.max_model_len + MAX_SPECULATIVE_TOKENS + 1)
         return Eagle3Drafter(head, spec_config.num_speculative_tokens)
 
-    def _graph_max_bs(self, disable: bool, max_bs: int, max_num_seqs: int) -> int:
-        """The largest decode batch to capture; 0 = no CUDA graphs."""
+    def _batch_limit(self, config: EngineConfig, page_bytes: int, parallel: ParallelGroup) -> int:
+        """--max-num-seqs, or by default as many sequences as the KV pool holds at a typical length, 256 to 512
+        (batch_limit.default_max_num_seqs). The pool is --num-pages when given, the CPU's default pool, or on the GPU
+        the pool estimated from the memory free now (the weights loaded, nothing sized by the limit allocated yet;
+        an EAGLE-3 head, loaded next, is not counted)."""
+        if config.max_num_seqs is not None:
+            return config.max_num_seqs
+        if config.num_pages is not None:
+            pages = config.num_pages
+        elif self.device.type != "cuda":
+            pages = _cpu_default_pages(page_bytes)
+        else:
+            torch.cuda.synchronize(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cfg = self.rank_config
+            pages = estimated_pool_pages(
+                free,
+                config.gpu_memory_utilization,
+                cfg,
+                config.max_num_batched_tokens,
+                page_bytes,
+                ops.decode_workspace_bytes(1, cfg.num_heads),
+            )
+        # Every rank must schedule the same batches: the smallest pool decides.
+        limit = parallel.min_int(default_max_num_seqs(pages * config.page_size, self.max_model_len))
+        log.info(
+            "batch limit %d sequences: the KV pool holds about %d tokens, %d sequences of %d (--max-num-seqs sets it)",
+            limit,
+            pages * config.page_size,
+            pages * config.page_size // min(TYPICAL_SEQUENCE_TOKENS, self.max_model_len),
+            min(TYPICAL_SEQUENCE_TOKENS, self.max_model_len),
+        )
+        return limit
+
+    def _graph_max_bs(self, disable: bool, max_bs: int | None, max_num_seqs: int) -> int:
+        """The largest decode batch to capture (--cuda-graph-max-bs, by default the batch limit); 0 = no CUDA
+        graphs."""
+        if max_bs is None:
+            max_bs = max_num_seqs
         if disable or max_bs <= 0:
             return 0
         reason = unsupported_reason(self.model)
@@ -429,14 +479,12 @@ class LLMEngine:
     def _default_num_pages(
         self, page_bytes: int, max_tokens: int, max_seqs: int, utilization: float, graph_bytes: int = 0
     ) -> int:
-        cfg = self.rank_config
         if self.device.type != "cuda":
-            return max(1, _CPU_KV_BYTES // page_bytes)
+            return _cpu_default_pages(page_bytes)
         torch.cuda.synchronize(self.device)
         free, _ = torch.cuda.mem_get_info(self.device)
         # Activations of the largest step: hidden states, qkv, gate/up, and float32 logits of every sequence.
-        width = 4 * cfg.hidden_size + 2 * (cfg.q_size + 2 * cfg.kv_size) + 3 * cfg.intermediate_size
-        activations = max_tokens * width * 2 + max_seqs * cfg.vocab_size * 4 * 3
+        activations = step_activation_bytes(self.rank_config, max_tokens, max_seqs)
         budget = int(free * utilization) - activations - graph_bytes
         if budget < page_bytes:
             raise RuntimeError(

@@ -84,7 +84,9 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         max_model_len = model.cos_sin_cache.shape[0]
-        self.staging = staging or staging_for(8192, 256, max_model_len, kv.page_size, self.device)
+        self.staging = staging or staging_for(
+            8192, max(256, cuda_graph_max_bs), max_model_len, kv.page_size, self.device
+        )
         self._arange = np.arange(self.staging.max_seqs + 1, dtype=np.int64)  # logits_indices / query_start of a graph
         # The engine's sampler (engine/sampler.py): the CUDA one on GPU, else the references.
         self.sampler = sampler or ReferenceSampler(model.cfg.vocab_size, self.device, eos_token_ids, seed)

@@ -56,6 +56,14 @@ def decode_workspace(max_batch: int, num_heads: int, device: torch.device) -> De
     )
 
 
+def decode_workspace_bytes(max_batch: int, num_heads: int) -> int:
+    """Device bytes decode_workspace(max_batch, num_heads) allocates (the split plan and the partial outputs and
+    log-sum-exps), for budgeting memory before it exists."""
+    m = native()
+    rows = max_batch * num_heads * m.DECODE_MAX_SPLITS
+    return 4 * ((max_batch + 1) + rows * m.ATTENTION_HEAD_DIM + rows)
+
+
 def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace, kv_dtype: torch.dtype) -> None:
     """Once per step, before the layers: how each sequence is cut into chunks, from kv_lens on the device (no host
     sync, so it can be captured in a CUDA graph). The cut depends only on each sequence's own length (and on the
