@@ -574,13 +574,14 @@ MUTATIONS += [
         ],
         [
             "tests/test_fp8_kv_gpu.py::test_decode_fp8[16-4-dtype0]",
-            "tests/test_fp8_kv_gpu.py::test_prefill_fp8[64-4-dtype0]",
+            "tests/test_fp8_kv_gpu.py::test_prefill_fp8[hopper-64-4-dtype0]",
+            "tests/test_fp8_kv_gpu.py::test_prefill_fp8[tensor_cores-64-4-dtype0]",
             "tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]",
             "tests/test_fp8_kv_gpu.py::test_engine_fp8_weights_and_fp8_kv_match_the_reference_ops",
         ],
         "fp8x2_to_half2 decodes the bytes as e5m2 (5 exponent bits, bias 15) instead of e4m3 (4, bias 7): the FP8 KV "
-        "cache's reads in decode and prefill attention, and the one-token FP8 GEMV's weights",
-        rebuild=("attention_decode.cu", "attention_prefill.cu", "gemv.cu"),
+        "cache's reads in decode and prefill attention (both prefill kernels), and the one-token FP8 GEMV's weights",
+        rebuild=("attention_decode.cu", "attention_prefill.cu", "attention_prefill_hopper.cu", "gemv.cu"),
     ),
     Mutation(
         "e4m3_high_pair_from_the_low_bytes",
