@@ -2,10 +2,11 @@
 decoding without speculation (wrong drafts included), the target's distribution kept under sampling (chi-square
 against Hugging Face's probabilities), no rejected token's KV in the prefix cache (against Hugging Face's keys),
 stops, preemption and aborts in the middle of an accepted run, penalties counting the draft tokens before each
-verified position (on the reference sampler and on the CUDA sampler's engine side, cpu_graphs)."""
+verified position (on the reference sampler and on the CUDA sampler's engine side, cpu_graphs), logprobs the target's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -251,6 +252,44 @@ def test_greedy_output_with_penalties_is_unchanged(checkpoint, penalized, monkey
     if sampler == "gpu-graphs":  # verify steps replayed their graphs (forward, then the sampler over every position)
         assert llm.engine.runner.verify_graphs.sampler_replays
     llm.engine.check_invariants()
+
+
+# A verify step computes its 1 + k positions in one prefill-shaped forward, a decode step one position: float32
+# rounding differs between the two (measured on the CPU: at most 3.3e-6 here, 4.5e-6 elsewhere). A logprob read from
+# another verified position is off by far more (3.1 measured, every emitted token given its run's first position's).
+LOGPROB_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("sampler", ["reference", "gpu-graphs"])
+def test_logprobs_are_the_targets_under_speculation(checkpoint, penalized, monkeypatch, sampler):
+    """Greedy requests with penalties asking for logprobs and top_logprobs: with speculation (half-wrong oracle, then
+    always-wrong drafter) every token's logprob and its top 3 are those of decoding without it, within the rounding of
+    a verify step's forward (each emitted token takes the logprobs of the verified position that drew it)."""
+    path, _ = checkpoint
+    batch, params, reference = penalized
+    params = dataclasses.replace(params, logprobs=3)
+    expected = make_llm(path).generate(batch, params, use_tqdm=False)
+    assert [o.token_ids for o in expected] == reference
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, sampler, monkeypatch, spec)
+    worst = 0.0
+    for drafter in (OracleDrafter(references), WrongDrafter(references)):
+        llm.engine.speculator.drafter = drafter
+        before = llm.engine.stats().spec_num_accepted_tokens
+        got = llm.generate(batch, params, use_tqdm=False)
+        assert (llm.engine.stats().spec_num_accepted_tokens > before) == isinstance(drafter, OracleDrafter)
+        for mine, theirs in zip(got, expected):
+            assert mine.token_ids == theirs.token_ids
+            assert len(mine.logprobs) == len(theirs.logprobs)
+            for a, b in zip(mine.logprobs, theirs.logprobs):
+                assert a.token == b.token and len(a.top) == 3
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+                diffs = [abs(a.logprob - b.logprob)] + [abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)]
+                worst = max(worst, *diffs)
+    assert worst < LOGPROB_TOLERANCE, worst
+    if sampler == "gpu-graphs":  # (the verify graphs' sampler wrote the logprobs)
+        assert llm.engine.runner.verify_graphs.sampler_replays
 
 
 @pytest.mark.parametrize("sampler", ["reference", "gpu", "gpu-graphs"])
