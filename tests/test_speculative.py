@@ -657,6 +657,143 @@ def test_overlap_schedule_runs_ahead_only_when_no_request_may_draft():
     assert scheduler.schedule_ahead(decode) is None
 
 
+def test_verify_steps_are_launched_before_the_step_returns(checkpoint, penalized, monkeypatch):
+    """A verify step's drafts follow the tokens of the step before it, so the overlap schedule cannot launch it ahead
+    of them; it is launched as soon as they are recorded, before step() returns them (LLMEngine._launch_next): every
+    verify graph replay (stand-ins) happens in the call that recorded the step before it, its chunks start at each
+    request's last recorded token, and greedy outputs with penalties equal decoding without speculation. With the
+    overlap schedule off, nothing is launched early."""
+    path, _ = checkpoint
+    batch, params, reference = penalized
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
+    engine, replays = llm.engine, llm.engine.runner.verify_graphs.forwards
+    engine.speculator.drafter = OracleDrafter(references)
+    step, early = engine.step, []
+
+    def checked_step():
+        before = len(replays)
+        output = step()
+        ahead = engine._ahead
+        if ahead is not None and ahead[1] is not None and ahead[0].has_drafts:
+            early.append(len(replays) - before)  # this call replayed it
+            for chunk in ahead[0].chunks:  # drafted after this step's tokens were committed
+                assert chunk.start == len(chunk.request.token_ids) - 1 and not chunk.request.finished
+        return output
+
+    engine.step = checked_step
+    assert outputs(llm, batch, params) == reference
+    assert early == [1] * len(replays) and len(replays) > 4, (early, len(replays))
+    assert engine.num_early_launches >= len(replays)
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec, disable_overlap_schedule=True)
+    llm.engine.speculator.drafter = OracleDrafter(references)
+    assert outputs(llm, batch, params) == reference
+    assert llm.engine.num_early_launches == 0 and llm.engine.runner.verify_graphs.forwards
+
+
+def test_stop_strings_while_the_next_verify_step_is_launched(checkpoint, monkeypatch):
+    """Stop strings end requests (the LLM aborts them) while their next verify step is launched already, or chosen and
+    left for the next call to run eagerly (every other early-chosen step is made to, as drafts of several lengths
+    would): texts and finish reasons equal decoding without speculation, the aborted requests' verify results are
+    dropped and their drafts not counted, and every page comes back."""
+    path, _ = checkpoint
+    batch = prompts(6, seed=15)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = make_llm(path)
+    reference = base.generate(batch, long, use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[r.text[k : k + 3]])
+        for k, r in zip((8, 12, 16, 20, 24, 28), reference)
+    ]
+    expected = base.generate(batch, params, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
+    engine = llm.engine
+    with_oracle(llm, batch, [r.token_ids for r in reference])
+    launch_replay, launch_next, calls = engine.runner.launch_replay, engine._launch_next, [0, False]
+
+    def launch_replay_unless_deferred(scheduled):
+        return None if calls[1] else launch_replay(scheduled)
+
+    def every_other_deferred(output):
+        calls[0] += 1
+        calls[1] = calls[0] % 2 == 0
+        try:
+            return launch_next(output)
+        finally:
+            calls[1] = False
+
+    engine.runner.launch_replay, engine._launch_next = launch_replay_unless_deferred, every_other_deferred
+    abort, in_flight = engine.abort, []
+
+    def recording_abort(rid):
+        if engine._ahead is not None and any(c.request.rid == rid for c in engine._ahead[0].chunks):
+            in_flight.append("launched" if engine._ahead[1] is not None else "chosen")
+        return abort(rid)
+
+    update, live_drafts = engine.scheduler.update, [0]
+
+    def counting_update(scheduled, sampled):  # drafted chunks whose request is still running when recorded
+        live_drafts[0] += sum(1 for c in scheduled.chunks if c.draft and not c.request.finished)
+        return update(scheduled, sampled)
+
+    engine.abort, engine.scheduler.update = recording_abort, counting_update
+    got = llm.generate(batch, params, use_tqdm=False)
+    for mine, theirs in zip(got, expected):
+        assert mine.text == theirs.text and mine.finish_reason == theirs.finish_reason == "stop"
+    assert {"launched", "chosen"} <= set(in_flight), in_flight
+    assert engine.stats().spec_num_drafts == live_drafts[0]
+    engine.check_invariants()
+    allocator = engine.kv.allocator
+    assert allocator.num_free() + engine.cache.evictable_pages() == allocator.num_total()
+
+
+def test_a_failed_early_launch_fails_only_the_next_steps_requests(checkpoint, monkeypatch):
+    """The next step is launched inside the call that reports this one: when that launch fails, the requests of the
+    next step end with an error, and this step's deltas still go out with theirs (a request that finished in it gets
+    its last tokens and finish reason); the engine goes on."""
+    path, _ = checkpoint
+    batch = prompts(2, seed=17)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = with_oracle(sampler_llm(path, "gpu-graphs", monkeypatch, spec), batch, reference)
+    engine = llm.engine
+    resolved = [params.with_defaults(engine.generation_defaults)] * 2
+    resolved[0] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True).with_defaults(
+        engine.generation_defaults
+    )
+    for rid, (prompt, p) in enumerate(zip(batch, resolved)):
+        engine.add(EngineRequest(rid=rid, prompt_ids=prompt, params=p, arrival_time=time.monotonic()))
+    launch_replay, armed = engine.runner.launch_replay, [False]
+
+    def failing_once(scheduled):
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("a launch that fails")
+        return launch_replay(scheduled)
+
+    update = engine.scheduler.update
+
+    def arming_update(scheduled, sampled):  # the step that finishes request 0 is followed by a failing launch
+        advanced = update(scheduled, sampled)
+        armed[0] = armed[0] or any(r.rid == 0 and r.finished for r, _, _ in advanced)
+        return advanced
+
+    engine.runner.launch_replay, engine.scheduler.update = failing_once, arming_update
+    tokens, finish = {0: [], 1: []}, {}
+    while engine.has_unfinished():
+        for delta in engine.step().deltas:
+            tokens[delta.rid] += delta.new_token_ids
+            if delta.finish_reason is not None:
+                finish[delta.rid] = delta.finish_reason
+    assert tokens[0] == reference[0][:12] and finish[0] == "length"
+    assert finish[1] == "error" and 12 <= len(tokens[1]) < 30 and tokens[1] == reference[1][: len(tokens[1])]
+    engine.check_invariants()
+    assert engine.speculator.stats.num_accepted_tokens > 0
+
+
 def test_stop_string_inside_an_accepted_run(checkpoint):
     """A stop string that ends inside a run of accepted tokens: the text ends where it would without speculation."""
     path, _ = checkpoint
