@@ -354,6 +354,44 @@ MUTATIONS = [
         "the default batch limit is chosen from a pool of all the free memory, not its --kv-cache-memory-fraction",
         gpus=1,
     ),
+    Mutation(
+        "spec_logprobs_of_the_runs_first_position",
+        "python/fastqwen/engine/llm_engine.py",
+        [("new_logprobs = logprobs[row : row + kept]", "new_logprobs = [logprobs[row]] * kept")],
+        [
+            "tests/test_speculative.py::test_logprobs_are_the_targets_under_speculation[reference]",
+            "tests/test_speculative.py::test_logprobs_are_the_targets_under_speculation[gpu-graphs]",
+        ],
+        "every token of an accepted run gets the logprobs of the run's first verified position",
+    ),
+    Mutation(
+        "spec_verify_steps_never_launched_early",
+        "python/fastqwen/engine/llm_engine.py",
+        [("            if self._chooses_next_now():\n", "            if False:\n")],
+        ["tests/test_speculative.py::test_verify_steps_are_launched_before_the_step_returns"],
+        "the next verify step is chosen and launched only at the next call (the GPU idles while the caller works)",
+    ),
+    Mutation(
+        "spec_chosen_step_keeps_aborted_requests",
+        "python/fastqwen/engine/llm_engine.py",
+        [("[c for c in scheduled.chunks if not c.request.finished]", "list(scheduled.chunks)")],
+        ["tests/test_speculative.py::test_stop_strings_while_the_next_verify_step_is_launched"],
+        "a step chosen by the last call runs the chunks of requests aborted since (their pages are released)",
+    ),
+    Mutation(
+        "spec_aborted_drafts_counted",
+        "python/fastqwen/engine/verify.py",
+        [("n = 0 if chunk.request.finished else speculator.accepted(", "n = speculator.accepted(")],
+        ["tests/test_speculative.py::test_stop_strings_while_the_next_verify_step_is_launched"],
+        "the draft of a request aborted while its verify step ran is counted in the spec_decode metrics",
+    ),
+    Mutation(
+        "spec_failed_early_launch_drops_the_step",
+        "python/fastqwen/engine/llm_engine.py",
+        [("return StepOutput(output.deltas + failed.deltas, failed.time, output.num_tokens)", "return failed")],
+        ["tests/test_speculative.py::test_a_failed_early_launch_fails_only_the_next_steps_requests"],
+        "when launching the next step fails, the deltas of the step just recorded are lost (a finished request hangs)",
+    ),
 ]
 
 

@@ -2,10 +2,11 @@
 decoding without speculation (wrong drafts included), the target's distribution kept under sampling (chi-square
 against Hugging Face's probabilities), no rejected token's KV in the prefix cache (against Hugging Face's keys),
 stops, preemption and aborts in the middle of an accepted run, penalties counting the draft tokens before each
-verified position (on the reference sampler and on the CUDA sampler's engine side, cpu_graphs)."""
+verified position (on the reference sampler and on the CUDA sampler's engine side, cpu_graphs), logprobs the target's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -251,6 +252,44 @@ def test_greedy_output_with_penalties_is_unchanged(checkpoint, penalized, monkey
     if sampler == "gpu-graphs":  # verify steps replayed their graphs (forward, then the sampler over every position)
         assert llm.engine.runner.verify_graphs.sampler_replays
     llm.engine.check_invariants()
+
+
+# A verify step computes its 1 + k positions in one prefill-shaped forward, a decode step one position: float32
+# rounding differs between the two (measured on the CPU: at most 3.3e-6 here, 4.5e-6 elsewhere). A logprob read from
+# another verified position is off by far more (3.1 measured, every emitted token given its run's first position's).
+LOGPROB_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("sampler", ["reference", "gpu-graphs"])
+def test_logprobs_are_the_targets_under_speculation(checkpoint, penalized, monkeypatch, sampler):
+    """Greedy requests with penalties asking for logprobs and top_logprobs: with speculation (half-wrong oracle, then
+    always-wrong drafter) every token's logprob and its top 3 are those of decoding without it, within the rounding of
+    a verify step's forward (each emitted token takes the logprobs of the verified position that drew it)."""
+    path, _ = checkpoint
+    batch, params, reference = penalized
+    params = dataclasses.replace(params, logprobs=3)
+    expected = make_llm(path).generate(batch, params, use_tqdm=False)
+    assert [o.token_ids for o in expected] == reference
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, sampler, monkeypatch, spec)
+    worst = 0.0
+    for drafter in (OracleDrafter(references), WrongDrafter(references)):
+        llm.engine.speculator.drafter = drafter
+        before = llm.engine.stats().spec_num_accepted_tokens
+        got = llm.generate(batch, params, use_tqdm=False)
+        assert (llm.engine.stats().spec_num_accepted_tokens > before) == isinstance(drafter, OracleDrafter)
+        for mine, theirs in zip(got, expected):
+            assert mine.token_ids == theirs.token_ids
+            assert len(mine.logprobs) == len(theirs.logprobs)
+            for a, b in zip(mine.logprobs, theirs.logprobs):
+                assert a.token == b.token and len(a.top) == 3
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+                diffs = [abs(a.logprob - b.logprob)] + [abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)]
+                worst = max(worst, *diffs)
+    assert worst < LOGPROB_TOLERANCE, worst
+    if sampler == "gpu-graphs":  # (the verify graphs' sampler wrote the logprobs)
+        assert llm.engine.runner.verify_graphs.sampler_replays
 
 
 @pytest.mark.parametrize("sampler", ["reference", "gpu", "gpu-graphs"])
@@ -616,6 +655,143 @@ def test_overlap_schedule_runs_ahead_only_when_no_request_may_draft():
     scheduler.update(scheduler.schedule(), [9, 9, 9])
     decode = scheduler.schedule()
     assert scheduler.schedule_ahead(decode) is None
+
+
+def test_verify_steps_are_launched_before_the_step_returns(checkpoint, penalized, monkeypatch):
+    """A verify step's drafts follow the tokens of the step before it, so the overlap schedule cannot launch it ahead
+    of them; it is launched as soon as they are recorded, before step() returns them (LLMEngine._launch_next): every
+    verify graph replay (stand-ins) happens in the call that recorded the step before it, its chunks start at each
+    request's last recorded token, and greedy outputs with penalties equal decoding without speculation. With the
+    overlap schedule off, nothing is launched early."""
+    path, _ = checkpoint
+    batch, params, reference = penalized
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
+    engine, replays = llm.engine, llm.engine.runner.verify_graphs.forwards
+    engine.speculator.drafter = OracleDrafter(references)
+    step, early = engine.step, []
+
+    def checked_step():
+        before = len(replays)
+        output = step()
+        ahead = engine._ahead
+        if ahead is not None and ahead[1] is not None and ahead[0].has_drafts:
+            early.append(len(replays) - before)  # this call replayed it
+            for chunk in ahead[0].chunks:  # drafted after this step's tokens were committed
+                assert chunk.start == len(chunk.request.token_ids) - 1 and not chunk.request.finished
+        return output
+
+    engine.step = checked_step
+    assert outputs(llm, batch, params) == reference
+    assert early == [1] * len(replays) and len(replays) > 4, (early, len(replays))
+    assert engine.num_early_launches >= len(replays)
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec, disable_overlap_schedule=True)
+    llm.engine.speculator.drafter = OracleDrafter(references)
+    assert outputs(llm, batch, params) == reference
+    assert llm.engine.num_early_launches == 0 and llm.engine.runner.verify_graphs.forwards
+
+
+def test_stop_strings_while_the_next_verify_step_is_launched(checkpoint, monkeypatch):
+    """Stop strings end requests (the LLM aborts them) while their next verify step is launched already, or chosen and
+    left for the next call to run eagerly (every other early-chosen step is made to, as drafts of several lengths
+    would): texts and finish reasons equal decoding without speculation, the aborted requests' verify results are
+    dropped and their drafts not counted, and every page comes back."""
+    path, _ = checkpoint
+    batch = prompts(6, seed=15)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = make_llm(path)
+    reference = base.generate(batch, long, use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[r.text[k : k + 3]])
+        for k, r in zip((8, 12, 16, 20, 24, 28), reference)
+    ]
+    expected = base.generate(batch, params, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
+    engine = llm.engine
+    with_oracle(llm, batch, [r.token_ids for r in reference])
+    launch_replay, launch_next, calls = engine.runner.launch_replay, engine._launch_next, [0, False]
+
+    def launch_replay_unless_deferred(scheduled):
+        return None if calls[1] else launch_replay(scheduled)
+
+    def every_other_deferred(output):
+        calls[0] += 1
+        calls[1] = calls[0] % 2 == 0
+        try:
+            return launch_next(output)
+        finally:
+            calls[1] = False
+
+    engine.runner.launch_replay, engine._launch_next = launch_replay_unless_deferred, every_other_deferred
+    abort, in_flight = engine.abort, []
+
+    def recording_abort(rid):
+        if engine._ahead is not None and any(c.request.rid == rid for c in engine._ahead[0].chunks):
+            in_flight.append("launched" if engine._ahead[1] is not None else "chosen")
+        return abort(rid)
+
+    update, live_drafts = engine.scheduler.update, [0]
+
+    def counting_update(scheduled, sampled):  # drafted chunks whose request is still running when recorded
+        live_drafts[0] += sum(1 for c in scheduled.chunks if c.draft and not c.request.finished)
+        return update(scheduled, sampled)
+
+    engine.abort, engine.scheduler.update = recording_abort, counting_update
+    got = llm.generate(batch, params, use_tqdm=False)
+    for mine, theirs in zip(got, expected):
+        assert mine.text == theirs.text and mine.finish_reason == theirs.finish_reason == "stop"
+    assert {"launched", "chosen"} <= set(in_flight), in_flight
+    assert engine.stats().spec_num_drafts == live_drafts[0]
+    engine.check_invariants()
+    allocator = engine.kv.allocator
+    assert allocator.num_free() + engine.cache.evictable_pages() == allocator.num_total()
+
+
+def test_a_failed_early_launch_fails_only_the_next_steps_requests(checkpoint, monkeypatch):
+    """The next step is launched inside the call that reports this one: when that launch fails, the requests of the
+    next step end with an error, and this step's deltas still go out with theirs (a request that finished in it gets
+    its last tokens and finish reason); the engine goes on."""
+    path, _ = checkpoint
+    batch = prompts(2, seed=17)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = with_oracle(sampler_llm(path, "gpu-graphs", monkeypatch, spec), batch, reference)
+    engine = llm.engine
+    resolved = [params.with_defaults(engine.generation_defaults)] * 2
+    resolved[0] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True).with_defaults(
+        engine.generation_defaults
+    )
+    for rid, (prompt, p) in enumerate(zip(batch, resolved)):
+        engine.add(EngineRequest(rid=rid, prompt_ids=prompt, params=p, arrival_time=time.monotonic()))
+    launch_replay, armed = engine.runner.launch_replay, [False]
+
+    def failing_once(scheduled):
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("a launch that fails")
+        return launch_replay(scheduled)
+
+    update = engine.scheduler.update
+
+    def arming_update(scheduled, sampled):  # the step that finishes request 0 is followed by a failing launch
+        advanced = update(scheduled, sampled)
+        armed[0] = armed[0] or any(r.rid == 0 and r.finished for r, _, _ in advanced)
+        return advanced
+
+    engine.runner.launch_replay, engine.scheduler.update = failing_once, arming_update
+    tokens, finish = {0: [], 1: []}, {}
+    while engine.has_unfinished():
+        for delta in engine.step().deltas:
+            tokens[delta.rid] += delta.new_token_ids
+            if delta.finish_reason is not None:
+                finish[delta.rid] = delta.finish_reason
+    assert tokens[0] == reference[0][:12] and finish[0] == "length"
+    assert finish[1] == "error" and 12 <= len(tokens[1]) < 30 and tokens[1] == reference[1][: len(tokens[1])]
+    engine.check_invariants()
+    assert engine.speculator.stats.num_accepted_tokens > 0
 
 
 def test_stop_string_inside_an_accepted_run(checkpoint):

@@ -320,8 +320,11 @@ class LLMEngine:
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
         # is launched first, and the host records the previous step while the GPU runs it.
         self.overlap = not config.disable_overlap_schedule
-        self._ahead = None  # (ScheduledBatch, PendingStep) launched and not recorded yet
+        # (ScheduledBatch, PendingStep) launched and not recorded yet; (ScheduledBatch, None): chosen by the last
+        # call, to be launched by the next (_launch_next).
+        self._ahead = None
         self.num_ahead_steps = 0
+        self.num_early_launches = 0  # steps launched before step() returned the one before them (_launch_next)
         self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
         self._failed_steps = 0  # in a row
         self._log_summary()
@@ -643,7 +646,8 @@ class LLMEngine:
 
         With overlap on, the step recorded here may have been launched by the previous call, and the next decode
         step is launched (when it can be chosen already) before this one's tokens are read back: the GPU runs it
-        while the host records this one and returns.
+        while the host records this one and returns. A verify step's drafts need this step's tokens: it is launched
+        once they are recorded, before this call returns (_launch_next; docs/architecture.md says why no earlier).
 
         An error inside the step fails the step's requests, not the engine: each gets a delta with finish_reason
         "error", and its pages are released. A fault the engine cannot recover from (a CUDA error, a broken KV
@@ -657,7 +661,46 @@ class LLMEngine:
             output = self._fail_step(error)
         else:
             self._failed_steps = 0
+            if self._chooses_next_now():
+                output = self._launch_next(output)
         self._publish_cache_events()
+        return output
+
+    def _chooses_next_now(self) -> bool:
+        """Whether the step just recorded is followed at once, before step() returns, by the next one (the host's
+        drafts for a verify step need this step's tokens, so the overlap schedule cannot launch it ahead): with the
+        overlap schedule, verify graphs and speculation on, when nothing in flight already, nothing waiting could be
+        admitted and every running request decodes. Its GPU work then overlaps what the caller does with this step's
+        output and the start of the next call. (Under tensor parallelism every rank decides alike: none of this
+        depends on timing; a mask still computed is waited for by _schedule.)"""
+        scheduler, speculator = self.scheduler, self.speculator
+        if not (self.overlap and self._ahead is None and self.runner.verify_graphs is not None and scheduler.running):
+            return False
+        if not speculator.active(len(scheduler.running)) or scheduler.admission.might_admit():
+            return False
+        if any(r.uncomputed != 1 for r in scheduler.running):
+            return False
+        # One rank: a mask still computed would make the launch wait for it (or run the step eagerly) before this
+        # step's output goes out; the next call chooses that step as before.
+        return not (self.parallel.single and mask_computations(scheduler.running))
+
+    def _launch_next(self, output: StepOutput) -> StepOutput:
+        """Choose the next step now and launch it when it replays graphs; one that would run eagerly (drafts of
+        several lengths, a sampler that does not fit the graphs) is launched by the next call instead, without the
+        requests finished meanwhile. A failure fails the next step's requests, and their error deltas go out with
+        this step's."""
+        self._step_requests = list(self.scheduler.running)  # (those a failure of the scheduler's would fail)
+        try:
+            scheduled = self._schedule()
+            if not scheduled.chunks:
+                return output
+            self._step_requests = [c.request for c in scheduled.chunks]
+            launched = self.runner.launch_replay(scheduled)
+            self._ahead = (scheduled, launched)
+            self.num_early_launches += launched is not None
+        except Exception as error:
+            failed = self._fail_step(error)
+            return StepOutput(output.deltas + failed.deltas, failed.time, output.num_tokens)
         return output
 
     def _publish_cache_events(self) -> None:
@@ -705,7 +748,11 @@ class LLMEngine:
         failures, self._compile_failures = self._compile_failures, []
         if self._ahead is not None:
             (scheduled, pending), self._ahead = self._ahead, None
+            if pending is None:  # chosen by the last call (_launch_next), to run eagerly: without aborted requests
+                scheduled = ScheduledBatch([c for c in scheduled.chunks if not c.request.finished])
             self._step_requests = [c.request for c in scheduled.chunks]
+            if pending is None:
+                pending = self.runner.launch(scheduled)
             if pending.deferred:  # its forward runs; its sampler needed the step just recorded (grammar masks)
                 forward_done = pending.forward_done
                 skipped = self.runner.mask_gate(pending.requests, lambda: not forward_done.query())

@@ -350,24 +350,32 @@ class ModelRunner:
             return self._launch_ahead(chunks, after)
         if not chunks:
             return PendingStep([], tokens=[])
-        rows = None  # the sampling rows, made once (a drafted chunk has one per verified position)
-        if scheduled.has_drafts:
-            rows = sampling_rows(scheduled)
-            size = self._verify_graph_size(scheduled, rows)
-            if size:
-                return self._launch_verify_graph(scheduled, size, rows)
-        graph_size = self._graph_size(scheduled)
-        if graph_size and self.sampler.graph_hook is not None and all(c.request.mask_ready for c in chunks):
-            return self._launch_graph(chunks, graph_size)  # the graph samples too: its rows are filled first
+        launched = self.launch_replay(scheduled)
+        if launched is not None:
+            return launched
         # (A row whose grammar mask is still computed: the sampler runs after the forward, which the mask has until.)
-        batch, graph_size = self._build(scheduled, graph_size)
+        batch, graph_size = self._build(scheduled)
         aux = None
         if self.capture_aux and not graph_size:
             width = len(self.model.aux_layers) * self.model.cfg.hidden_size
             aux = torch.empty(batch.num_tokens, width, dtype=self.model.dtype, device=self.device)
-        rows = rows if rows is not None else sampling_rows(scheduled)
+        rows = sampling_rows(scheduled)
         tokens, logprobs, skipped = self._run_eager(scheduled, rows, batch, graph_size, aux)
         return PendingStep(rows, tokens=tokens, logprobs=logprobs, skipped=skipped, aux_hidden=aux)
+
+    def launch_replay(self, scheduled: ScheduledBatch) -> PendingStep | None:
+        """Launch the step when it replays CUDA graphs with their sampler (a verify step, or a decode step whose
+        grammar masks are ready): it returns at once and collect waits for its tokens. None, with nothing done, when
+        the step would run eagerly (launch then runs it, and returns only once its tokens are on the host)."""
+        if scheduled.has_drafts:
+            rows = sampling_rows(scheduled)
+            size = self._verify_graph_size(scheduled, rows)
+            return self._launch_verify_graph(scheduled, size, rows) if size else None
+        chunks = scheduled.chunks
+        size = self._graph_size(scheduled)
+        if size and self.sampler.graph_hook is not None and all(c.request.mask_ready for c in chunks):
+            return self._launch_graph(chunks, size)  # the graph samples too: its rows are filled first
+        return None
 
     # ---- speculative decoding's verify steps ----------------------------------------------------------------------
 
