@@ -668,8 +668,8 @@ bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (
 // set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic. The default:
 // ping-pong with the dynamic schedule (two stages, no overlap), the best mean over bench/kernels.py's prefill cases
 // on an H100 (2026-11-27, all 16 variants in one run: 502 TFLOP/s over the seven 16-bit cases against 492 for
-// overlap + ping-pong + three stages and 481 for ping-pong alone; the best of the four FP8 pipelines in 6 of 7
-// cases, +4 to +9%). With two stages the overlap starves (335-445).
+// overlap + ping-pong + three stages and 481 for ping-pong alone; the best of the four FP8 pipelines in 7 of 8
+// cases, +1 to +11% over static ping-pong). With two stages the overlap starves (335-445).
 int kernel_variant = 10;
 
 template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic>
