@@ -15,6 +15,8 @@
 #   batch1   random Qwen3-8B, bf16 and FP8 weights: batch-1 latency through HTTP and offline (a server and an
 #            engine side by side, small KV pools), then bench/leave_out.py   (README: batch1-latency.md,
 #            batch1-step-breakdown.md in bench/results/current/)
+#   longcontext  TTFT of 4k and 32k prompts through HTTP and offline (with the prefill's FLOP limit), and of a
+#            131,071-token prompt with YaRN offline, random Qwen3-8B          (README: long-context.md)
 #   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
 #            bench_serving (SGL_TOOLS)                                      (README: serving-256.md)
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
@@ -235,6 +237,21 @@ stage_batch1() {  # the README's batch-1 figures: bench/results/current/batch1-l
   done
 }
 
+stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT at 4k and 32k through HTTP, then offline
+  # with the FLOP limit, then 131,071 tokens with YaRN (factor 4) offline
+  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  start_server "server_longcontext.log" /tmp/qwen3-8b-dummy --max-model-len 33000 &&
+    run "ttft_http_8b" 200 python3 bench/latency.py --model Qwen3-8B --http-only --url http://127.0.0.1:8000 \
+    --prompt-lens 128 --new-tokens 4 --ttft-lens 4096 32768 --json "$OUT/ttft_http_8b.json"
+  stop_server
+  run "ttft_offline_8b" 200 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
+    --new-tokens 4 --ttft-lens 4096 32768 --max-model-len 33000 --json "$OUT/ttft_offline_8b.json"
+  run "ttft_offline_8b_128k" 240 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
+    --new-tokens 4 --ttft-lens 131071 --max-model-len 131072 \
+    --rope-scaling '{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}' \
+    --json "$OUT/ttft_offline_8b_128k.json"
+}
+
 stage_fp8serving() {  # bench/results/current/serving-256.md: bf16 and FP8 weights at 256 in flight
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   for q in none fp8; do
@@ -294,7 +311,7 @@ stage_stepaccount() {  # issue 47: the saturated step accounted for, bf16 and FP
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|fp8serving|speculative|specthroughput|stepaccount)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|longcontext|fp8serving|speculative|specthroughput|stepaccount)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -156,6 +156,11 @@ def http_only(args, rng: random.Random) -> int:
     result["ttft_256_http_ms"] = statistics.median(ttft)
     result["ttft_256_http_runs_ms"] = ttft
     result["rows"] = rows
+    result["ttft_rows_http"] = []
+    for n in args.ttft_lens:  # a fresh prompt each run: a repeated one would come from the prefix cache
+        runs = [http_latency(args.url, [rng.randrange(vocab) for _ in range(n)], 1)["ttft_ms"] for _ in range(3)]
+        result["ttft_rows_http"].append({"prompt_tokens": n, "ttft_ms": statistics.median(runs), "runs_ms": runs})
+        print(f"TTFT {n:>6} tokens through HTTP: {statistics.median(runs):8.1f} ms (runs {runs})", flush=True)
     report(result, args.json)
     return 0
 
@@ -218,7 +223,8 @@ def main() -> int:
         type=int,
         nargs="*",
         default=[],
-        help="also the TTFT of one prompt of each length (median of 3, offline), beside the FLOP limit of its prefill",
+        help="also the TTFT of one prompt of each length (median of 3 fresh prompts): offline beside the FLOP limit of "
+        "its prefill, or through --url with --http-only",
     )
     p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
     p.add_argument("--json", default=None)
