@@ -9,8 +9,13 @@
 // Keys past the sequence, or on a page id outside the pool, read as zeros (a box at an out-of-range slot), so a
 // masked key never brings NaN in. The causal mask is aligned to the end of each sequence (the extend case: query i
 // of n new tokens sits at kv_len - n + i); a block stops at the last tile its last row sees, and the tiles every
-// row sees in full skip the mask. Blocks are numbered longest work first (the query tiles nearest each sequence's
-// end, which see the most keys), so the hardware's in-order block dispatch balances the causal triangle.
+// row sees in full skip the mask. Work items are numbered longest work first (the query tiles nearest each
+// sequence's end, which see the most keys); one block per SM takes them in turn, by default from a device counter
+// (the dynamic schedule: a block that drew short items takes more), so the causal triangle balances.
+//
+// Pipelines (template switches, chosen at run time by set_paged_attention_prefill_hopper_variant): the softmax of a
+// tile overlapped with the previous tile's P V, the two warpgroups taking turns at the tensor cores (ping-pong), two
+// or three K/V stages, a static or dynamic schedule. The default (ping-pong + dynamic) is the best measured mean.
 //
 // An FP8 (e4m3) cache: the copies bring the e4m3 tiles into a second ring, and the producer warpgroup's other three
 // warps convert them to fp16 (exact: every e4m3 value is an fp16 value) in the layout the 16-bit copies write; the
