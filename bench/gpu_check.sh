@@ -15,6 +15,8 @@
 #   batch1   random Qwen3-8B, bf16 and FP8 weights: batch-1 latency through HTTP and offline (a server and an
 #            engine side by side, small KV pools), then bench/leave_out.py   (README: batch1-latency.md,
 #            batch1-step-breakdown.md in bench/results/current/)
+#   copyref  the one-token GEMVs and decode attention (64 x 4,096, one sequence of 16k to 128k) against the same copy
+#            reference                                     (README: gemv-one-token.md, decode-attention.md)
 #   longcontext  TTFT of 4k and 32k prompts through HTTP and offline (with the prefill's FLOP limit), and of a
 #            131,071-token prompt with YaRN offline, random Qwen3-8B          (README: long-context.md)
 #   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
@@ -87,6 +89,13 @@ stage_kernels() {
     run "$name" 120 python3 "$b" --json "$OUT/$name.json"
   done
   run kernels 420 python3 bench/kernels.py --ops norms qk decode prefill sample --json "$OUT/kernels.json"
+}
+
+stage_copyref() {  # issue 43: README's GEMV and decode-attention fractions against one copy reference (the 1 GiB
+  # device-to-device copy queued ahead of the GPU, bench/common.py copy_bandwidth), in one call
+  run gemv_one_token 150 python3 bench/bench_gemv.py --batches 1 --json "$OUT/gemv_one_token.json"
+  run decode_attention 150 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 \
+    --decode-cases 64:4096 1:16384 1:32768 1:131072 --json "$OUT/decode_attention.json"
 }
 
 stage_offline() {
@@ -311,7 +320,7 @@ stage_stepaccount() {  # issue 47: the saturated step accounted for, bf16 and FP
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|longcontext|fp8serving|speculative|specthroughput|stepaccount)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|longcontext|fp8serving|speculative|specthroughput|stepaccount)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
