@@ -3,7 +3,8 @@
 #   bash bench/gpu_check.sh OUTDIR [STAGE ...]
 # Stages (default: all, in this order; each fits in one 10-minute device call):
 #   tests    build, pytest tests (GPU tests included)                       -> build.log, tests.log
-#   kernels  bench/bench_*.py, bench/kernels.py (norms, RoPE/KV, decode and prefill attention, sampling)
+#   kernels  bench/bench_*.py (but bench_gemm_fp8.py, which saturated runs), bench/kernels.py (norms, RoPE/KV,
+#            decode and prefill attention, sampling)
 #   offline  bench/latency.py and bench/throughput.py, random Qwen3-8B and Qwen3-0.6B, with the HF baseline
 #            (= the stages latency, then throughput)
 #   serving  the HTTP server: batch-1 latency through HTTP, bench/serving.py at concurrency 1/8/64/256
@@ -26,6 +27,10 @@
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
 #   stepaccount  bench/step_account.py: the decode step of random Qwen3-8B at batch 64, 256 and 512 per kernel family
 #            against each family's bound; bf16, then FP8 weights + FP8 KV (issue 47)
+#   saturated  issue 47's parts at decode batch sizes, in one call: decode attention at 256 and 512 sequences of
+#            100, 640, 1,200 and 100..1,200 tokens, bf16 and FP8 pools (bench/kernels.py --ops decode); the FP8
+#            projections at M = 16..512 against cuBLAS's FP8 and bf16 GEMMs (bench/bench_gemm_fp8.py); then the
+#            stepaccount stage, its two runs' limits cut so that they end 570 s after this script began
 # Every stage after `tests` builds first if the package is not installed yet.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
@@ -86,6 +91,7 @@ stage_kernels() {
   for b in bench/bench_*.py; do
     [ -e "$b" ] || continue
     name="$(basename "$b" .py)"
+    [ "$name" = bench_gemm_fp8 ] && continue  # the saturated stage runs it (this stage stays within its 10 minutes)
     run "$name" 120 python3 "$b" --json "$OUT/$name.json"
   done
   run kernels 420 python3 bench/kernels.py --ops norms qk decode prefill sample --json "$OUT/kernels.json"
@@ -310,17 +316,33 @@ stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in fli
       --json "$OUT/throughput_spec_${mode}_c256.json"
   done
 }
+STEP_ACCOUNT_DEADLINE=""  # when set (seconds since this script began): both step_account.py runs end by then
+step_account_limit() {  # step_account_limit RUNS_LEFT: this run's limit, 280 s or its share of the time left
+  [ -n "$STEP_ACCOUNT_DEADLINE" ] || { echo 280; return; }
+  local share=$(( (STEP_ACCOUNT_DEADLINE - SECONDS) / $1 ))
+  [ "$share" -gt 1 ] || share=1  # (timeout 0 would mean no limit)
+  echo $(( share < 280 ? share : 280 ))
+}
 stage_stepaccount() {  # issue 47: the saturated step accounted for, bf16 and FP8 weights + FP8 KV
-  run step_account_bf16 280 python3 bench/step_account.py --model Qwen3-8B --load-format dummy \
+  run step_account_bf16 "$(step_account_limit 2)" python3 bench/step_account.py --model Qwen3-8B --load-format dummy \
     --json "$OUT/step_account_bf16.json"
-  run step_account_fp8 280 python3 bench/step_account.py --model Qwen3-8B --load-format dummy --quantization fp8 \
-    --kv-cache-dtype fp8_e4m3 --json "$OUT/step_account_fp8.json"
+  run step_account_fp8 "$(step_account_limit 1)" python3 bench/step_account.py --model Qwen3-8B --load-format dummy \
+    --quantization fp8 --kv-cache-dtype fp8_e4m3 --json "$OUT/step_account_fp8.json"
+}
+
+stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated batch sizes, then the step account
+  run decode_saturated 150 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 --decode-cases \
+    256:100 256:640 256:1200 256:100-1200 512:100 512:640 512:1200 512:100-1200 --json "$OUT/decode_saturated.json"
+  run gemm_fp8 150 python3 bench/bench_gemm_fp8.py --presets Qwen3-8B --batches 16 32 64 128 256 512 \
+    --json "$OUT/gemm_fp8.json"
+  # The step accounts share what is left of 570 s from the script's start: one device call holds 600.
+  STEP_ACCOUNT_DEADLINE=570 stage_stepaccount
 }
 
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|longcontext|fp8serving|speculative|specthroughput|stepaccount)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|longcontext|fp8serving|speculative|specthroughput|stepaccount|saturated)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -5,9 +5,12 @@ reference under torch.compile, each captured in a CUDA graph over enough rotatin
 twice the L2 (so the figure is HBM traffic, not cache hits, and launch gaps are out), plus our kernel launched from
 Python one call at a time. Bandwidth counts each compulsory byte once (inputs read, outputs written) and is
 compared with a device-to-device copy measured in the same run. The attention rows run on a bf16 and on an FP8 (e4m3)
-KV pool (--kv-dtypes); an FP8 row counts the bytes it actually reads, one per cached entry.
+KV pool (--kv-dtypes); an FP8 row counts the bytes it actually reads, one per cached entry. A decode case is
+BATCH:TOKENS, or BATCH:LO-HI for sequences of lengths spread evenly over LO..HI (parse_decode_case), the shape of a
+saturated server's batch (issue 47: 256 to 512 sequences of 100 to 1,200 tokens).
 
     python bench/kernels.py [--tokens 1 16 256 4096 16384] [--json out.json]
+    python bench/kernels.py --ops decode --decode-cases 256:640 512:100-1200 [--kv-dtypes bf16 fp8]
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
+from dataclasses import dataclass
 
 import torch
 from common import copy_bandwidth, graph_of, time_fn
@@ -154,8 +159,68 @@ def bench_qk(tokens: int, copy_gbs: float, iters: int) -> dict:
     return row
 
 
-DECODE_CASES = [(64, 4096), (1, 16384), (256, 512), (1, 128), (16, 4096)]  # (batch, cached tokens)
+# A decode case: "BATCH:TOKENS" (every sequence TOKENS long) or "BATCH:LO-HI" (lengths spread evenly over LO..HI,
+# mean (LO + HI) / 2, in a shuffled order fixed by DECODE_LENGTH_SEED): what a saturated server holds once requests
+# of one prompt and output length arrive continuously, each at its own point of generation.
+DECODE_CASES = ["64:4096", "1:16384", "256:512", "1:128", "16:4096"]
+DECODE_LENGTH_SEED = 0
 KV_DTYPES = ("bf16", "fp8")  # the KV pool: the model's bf16, or e4m3 (one byte an entry)
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    label: str  # as written on the command line
+    lengths: tuple[int, ...]  # cached tokens of each sequence, in batch order
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def uniform(self) -> bool:
+        return min(self.lengths) == max(self.lengths)
+
+
+def parse_decode_case(spec: str) -> DecodeCase:
+    """A case from BATCH:TOKENS or BATCH:LO-HI (see DECODE_CASES); argparse.ArgumentTypeError says what is wrong."""
+    batch_text, sep, tokens_text = spec.partition(":")
+    lo_text, dash, hi_text = tokens_text.partition("-")
+    try:
+        batch, lo = int(batch_text), int(lo_text)
+        hi = int(hi_text) if dash else lo
+    except ValueError:
+        batch = lo = hi = None
+    if not sep or batch is None:
+        raise argparse.ArgumentTypeError(f"decode case {spec!r}: expected BATCH:TOKENS or BATCH:LO-HI (integers)")
+    if batch < 1 or lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"decode case {spec!r}: needs BATCH >= 1 and 1 <= LO <= HI")
+    if lo == hi:
+        return DecodeCase(spec, (lo,) * batch)
+    if batch < 2:
+        raise argparse.ArgumentTypeError(f"decode case {spec!r}: lengths spread over LO-HI need BATCH >= 2")
+    # Evenly spread: sequence i of the sorted batch holds lo + round((hi - lo) * i / (batch - 1)) tokens.
+    lengths = [lo + round((hi - lo) * i / (batch - 1)) for i in range(batch)]
+    random.Random(DECODE_LENGTH_SEED).shuffle(lengths)
+    return DecodeCase(spec, tuple(lengths))
+
+
+def decode_bytes(lengths, kv: str) -> int:
+    """Bytes one decode-attention call must move: K and V of every cached token at the pool's width (2 bytes an
+    entry, 1 for FP8), q read and the output written in bf16."""
+    kv_bytes = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * (1 if kv == "fp8" else 2)
+    return kv_bytes + 2 * len(lengths) * HEADS * HEAD_DIM * 2
+
+
+def scattered_page_tables(lengths, copies: int) -> tuple[torch.Tensor, int]:
+    """Page tables of `copies` batches of sequences of these lengths over one pool that holds exactly their pages, in
+    a random order: int32 [copies, batch, most pages of a sequence] (entries past a sequence's pages stay 0, never
+    read), and the pool's page count."""
+    pages_of = torch.tensor([-(-n // PAGE) for n in lengths])
+    pool_pages = copies * int(pages_of.sum())
+    order = torch.randperm(pool_pages).to(torch.int32)
+    tables = torch.zeros(copies, len(lengths), int(pages_of.max()), dtype=torch.int32)
+    tables[:, torch.arange(tables.shape[2])[None, :] < pages_of[:, None]] = order.view(copies, -1)
+    return tables, pool_pages
 
 
 def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,28 +231,27 @@ def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
     return k_cache, v_cache
 
 
-def bench_decode(batch: int, length: int, copy_gbs: float, iters: int, kv: str = "bf16") -> dict:
-    """Paged decode attention, Qwen3-8B heads, page 16, pages scattered over the pool. Bandwidth counts the bytes
-    actually read and written: K and V at the pool's width (2 bytes an entry, 1 for FP8), q and out in bf16."""
-    kv_bytes = batch * length * KV_HEADS * HEAD_DIM * 2 * (1 if kv == "fp8" else 2)
-    per = kv_bytes + 2 * batch * HEADS * HEAD_DIM * 2
+def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16") -> dict:
+    """Paged decode attention, Qwen3-8B heads, page 16, each sequence's pages scattered over the pool (which holds
+    just the pages the sequences use). Bandwidth counts the bytes actually read and written (decode_bytes)."""
+    batch = case.batch
+    per = decode_bytes(case.lengths, kv)
     nbuf = buffers_needed(per)
-    pages_each = -(-length // PAGE)
-    pool_pages = nbuf * batch * pages_each
+    tables, pool_pages = scattered_page_tables(case.lengths, nbuf)
     k_cache, v_cache = kv_pool(pool_pages, kv)
-    order = torch.randperm(pool_pages, device="cuda", dtype=torch.int64).to(torch.int32)
-    tables = order.view(nbuf, batch, pages_each)
-    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    tables = tables.cuda()
+    lens = torch.tensor(case.lengths, dtype=torch.int32, device="cuda")
     qs = torch.randn(nbuf, batch, HEADS, HEAD_DIM, device="cuda", dtype=DT)
     outs = torch.empty_like(qs)
     # The engine plans the split once per step for all layers: planned outside the timed calls.
     workspace = decode_workspace(batch, HEADS, torch.device("cuda"))
     plan_decode(lens, workspace, k_cache.dtype)
-    splits = int(workspace.split_offsets[1] - workspace.split_offsets[0])
+    chunks = workspace.split_offsets[: batch + 1].tolist()
     scale = HEAD_DIM**-0.5
     paged_attention_decode(qs[0], k_cache, v_cache, tables[0], lens, scale, outs[0], workspace, planned=True)
     want = paged_attention_decode_reference(qs[0], k_cache, v_cache, tables[0], lens, scale)
     torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
+    del want
     ref_buffers = min(nbuf, 4)  # the reference gathers every page into fresh tensors: far slower, fewer calls
     variants = {
         "ours": lambda: [
@@ -195,12 +259,18 @@ def bench_decode(batch: int, length: int, copy_gbs: float, iters: int, kv: str =
             for i in range(nbuf)
         ],
     }
+    total = sum(case.lengths)
     row = {
         "op": "paged_attention_decode",
         "kv_dtype": kv,
+        "case": case.label,
         "batch": batch,
-        "tokens": length,
-        "splits": splits,
+        "tokens": case.lengths[0] if case.uniform else None,  # every sequence's length; None where they differ
+        "min_tokens": min(case.lengths),
+        "max_tokens": max(case.lengths),
+        "mean_tokens": total / batch,
+        "splits": max(b - a for a, b in zip(chunks, chunks[1:])),  # the most chunks of one sequence
+        "chunks": chunks[-1] - chunks[0],  # of all sequences
         "buffers": nbuf,
         "bytes_per_call": per,
     }
@@ -390,9 +460,11 @@ def main() -> int:
     ap.add_argument(
         "--decode-cases",
         nargs="+",
+        type=parse_decode_case,
         default=None,
-        metavar="BATCH:TOKENS",
-        help=f"the decode rows' shapes (default {' '.join(f'{b}:{n}' for b, n in DECODE_CASES)})",
+        metavar="BATCH:TOKENS|BATCH:LO-HI",
+        help="the decode rows' shapes: BATCH sequences of TOKENS cached tokens, or of lengths spread evenly over "
+        f"LO..HI in a fixed shuffled order (default {' '.join(DECODE_CASES)})",
     )
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -407,9 +479,9 @@ def main() -> int:
             rows += bench_norms(tokens, copy_gbs, args.iters)
         if "qk" in args.ops:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
-    cases = [tuple(int(x) for x in c.split(":")) for c in args.decode_cases] if args.decode_cases else DECODE_CASES
+    cases = args.decode_cases or [parse_decode_case(c) for c in DECODE_CASES]
     decode_rows = (
-        [bench_decode(b, n, copy_gbs, args.iters, kv) for b, n in cases for kv in args.kv_dtypes]
+        [bench_decode(case, copy_gbs, args.iters, kv) for case in cases for kv in args.kv_dtypes]
         if "decode" in args.ops
         else []
     )
@@ -419,8 +491,8 @@ def main() -> int:
         for kv in args.kv_dtypes:
             for chunk in args.min_chunks:
                 native().set_paged_attention_decode_min_chunk(kv == "fp8", chunk)
-                for b, n in cases:
-                    decode_rows.append({**bench_decode(b, n, copy_gbs, args.iters, kv), "min_chunk": chunk})
+                for case in cases:
+                    decode_rows.append({**bench_decode(case, copy_gbs, args.iters, kv), "min_chunk": chunk})
             native().set_paged_attention_decode_min_chunk(kv == "fp8", 0)  # the default
     prefill_rows = (
         [bench_prefill(b, n, p, args.iters, kv) for b, n, p in PREFILL_CASES for kv in args.kv_dtypes]
@@ -443,7 +515,8 @@ def main() -> int:
         )
     for r in decode_rows:
         print(
-            f"paged_attention_decode {r['kv_dtype']:<4}{r.get('min_chunk', ''):>5} B={r['batch']:<4} L={r['tokens']:<6} splits {r['splits']:<3} | {r['ours_us']:>8.2f} us "
+            f"paged_attention_decode {r['kv_dtype']:<4}{r.get('min_chunk', ''):>5} {r['case']:<13} splits {r['splits']:<3} "
+            f"chunks {r['chunks']:<5} | {r['ours_us']:>8.2f} us "
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
         )
     for r in prefill_rows:
