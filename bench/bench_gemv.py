@@ -13,7 +13,7 @@ a fraction of a device-to-device copy of 1 GiB measured in the same run (read + 
 times, the same way, a copy that moves as many bytes as the FP8 GEMV (copy_fp8_bytes): what a copy of that size reaches.
 
     python bench/bench_gemv.py [--presets Qwen3-8B] [--batches 1 2 4 8 16] [--shapes qkv o_proj] [--json out.json]
-                               [--iters 30]
+                               [--iters 30] [--tp 2]   (--tp: one rank's shard of each projection)
 """
 
 from __future__ import annotations
@@ -27,20 +27,30 @@ from common import copy_bandwidth, graph_of, report, time_fn
 from fastqwen.config import ModelConfig
 from fastqwen.ops._native import has_cuda_kernels, native
 from fastqwen.ops.linear import LinearWeight, _fp8_gemm, fp8_gemm_supported, gemv, linear_silu_and_mul, quantize_fp8
+from fastqwen.sharding import Shard
 
 L2_BYTES = 50 * 1024 * 1024
 MIN_CALLS = 24  # calls per timed graph: its start on the GPU (a few us) is shared among them as in the decode graph
 
 
-def shapes(preset: str) -> dict[str, tuple[int, int]]:
+def shapes(preset: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """[rows, cols] of each projection on one rank of `tp` (sharding.py's split: its heads, its KV heads or the one
+    replicated KV head, its part of the intermediate features, its padded slice of the vocabulary)."""
     cfg = ModelConfig.from_preset(preset)
-    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shard = Shard(0, tp)
+    shard.check(cfg)
+    first, end = shard.heads(cfg)
+    kv_first, kv_end = shard.kv_heads(cfg)
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = (end - first) * d, (kv_end - kv_first) * d
+    i_first, i_end = shard.intermediate(cfg)
+    i = i_end - i_first
     return {
         "qkv": (q + 2 * kv, h),
         "o_proj": (h, q),
         "gate_up": (2 * i, h),
         "down": (h, i),
-        "lm_head": (cfg.vocab_size, h),
+        "lm_head": (shard.vocab_rows(cfg.vocab_size), h),
     }
 
 
@@ -135,9 +145,15 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--shapes", nargs="+", default=None, help="only these projections (qkv o_proj gate_up down lm_head)")
+    p.add_argument("--tp", type=int, default=1, help="one rank's shard of each projection at this tensor-parallel size")
+    p.add_argument("--shapes-only", action="store_true", help="print the shapes and exit (no GPU needed)")
     p.add_argument("--json", default=None)
     p.add_argument("--host-timing", action="store_true", help="time as before 2026-11-24 (see above)")
     args = p.parse_args()
+    if args.shapes_only:
+        for preset in args.presets:
+            print(preset, f"tp={args.tp}", shapes(preset, args.tp))
+        return 0
     if not torch.cuda.is_available() or not has_cuda_kernels():
         print("needs a GPU and the CUDA kernels", file=sys.stderr)
         return 1
@@ -146,14 +162,16 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "copy_gbs": round(copy_gbs, 1),
         "timing": "host" if args.host_timing else "queued ahead",
+        "tp": args.tp,
         "shapes": {},
     }
     for preset in args.presets:
-        for name, (rows, cols) in shapes(preset).items():
+        for name, (rows, cols) in shapes(preset, args.tp).items():
             if args.shapes and name not in args.shapes:
                 continue
-            print(f"-- {preset} {name} [{rows}, {cols}]", flush=True)
-            result["shapes"][f"{preset}/{name}"] = bench_shape(
+            key = f"{preset}/{name}" if args.tp == 1 else f"{preset}/tp{args.tp}/{name}"
+            print(f"-- {key} [{rows}, {cols}]", flush=True)
+            result["shapes"][key] = bench_shape(
                 rows, cols, args.batches, args.iters, copy_gbs, gate_up=name == "gate_up", host_timing=args.host_timing
             )
             torch.cuda.empty_cache()
