@@ -3,8 +3,9 @@
 #   bash bench/gpu_check_tp.sh OUTDIR [STAGE ...]
 # Stages (default: tests allreduce latency fp8 throughput; each fits in one 10-minute device call):
 #   tests       build, pytest the tensor-parallel tests (GPU and CPU)                  -> build.log, tests.log
-#   allreduce   bench/tp_bench.py: custom all-reduce vs NCCL at decode sizes, hidden 5120 and 4096; then one rank's
-#               GEMVs at the TP=2 shard shapes of Qwen3-8B and Qwen3-32B (bench/bench_gemv.py --tp 2)
+#   allreduce   bench/tp_bench.py: custom all-reduce vs NCCL at decode sizes, and the all-reduce + fused_add_rms_norm
+#               against the all-reduce fused with the norm, hidden 4096 and 5120 in one run; then one rank's GEMVs at
+#               the TP=2 shard shapes of Qwen3-8B and Qwen3-32B (bench/bench_gemv.py --tp 2)
 #   latency     batch-1 TPOT with its limit (rank 0's weight bytes over the copy bandwidth of the same run), random
 #               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
@@ -48,12 +49,12 @@ for stage in $STAGES; do
     tests)
       FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
         tests/test_tensor_parallel_gpu.py tests/test_tensor_parallel.py tests/test_tensor_parallel_fp8.py \
+        tests/test_all_reduce_add_rms_norm.py \
         tests/test_cuda_graph_gpu.py \
         > "$OUT/tests.log" 2>&1 || rc=1
       pytest_report "$OUT/tests.log" 40 ;;
     allreduce)
-      run allreduce_h5120 150 python3 bench/tp_bench.py --hidden 5120 --json "$OUT/allreduce_h5120.json"
-      run allreduce_h4096 150 python3 bench/tp_bench.py --hidden 4096 --port 29512 --json "$OUT/allreduce_h4096.json"
+      run allreduce 300 python3 bench/tp_bench.py --hidden 4096 5120 --json "$OUT/allreduce.json"
       # One rank's GEMVs at the TP=2 shard shapes against the copy rate (one GPU is enough; issue 46)
       run gemv_tp2 200 python3 bench/bench_gemv.py --presets Qwen3-8B Qwen3-32B --tp 2 --batches 1 2 4 8 \
         --json "$OUT/gemv_tp2.json" ;;

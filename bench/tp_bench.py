@@ -1,13 +1,18 @@
 """The custom all-reduce against NCCL's at decode message sizes, on 2 GPUs (or --world N): microseconds per call,
 each timed as 100 calls replayed from one CUDA graph (as decode runs them), the median of rank 0's replays.
 
+In the same run, what a decoder layer does after o_proj and down: the custom all-reduce followed by the separate
+fused_add_rms_norm kernel (today's default on GPUs) against the all-reduce fused with the residual add and RMSNorm
+(custom_all_reduce_add_rms_norm, which FASTQWEN_FUSED_ALLREDUCE_NORM=1 turns on in the engine; timed here whatever
+it says), and the norm kernel alone for reference. Rows: batch 1..256, hidden 4096 (Qwen3-8B) and 5120 (Qwen3-32B).
+
 The engine-level figures of the tensor-parallel bars come from the existing benchmarks, which take --tp:
     python bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 --prompt-lens 128   # TPOT and its limit
     python bench/throughput.py --model Qwen3-32B --load-format dummy --tp 2 --workload fixed \\
         --num-prompts 256 --input-len 128 --output-len 1024
 (latency.py's limit is rank 0's weight bytes, half the model's at TP=2, over the copy bandwidth measured in the run.)
 
-    python bench/tp_bench.py [--world 2] [--hidden 5120] [--json out.json]
+    python bench/tp_bench.py [--world 2] [--hidden 4096 5120] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,10 +29,40 @@ import torch
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CALLS_PER_GRAPH = 100
+EPS = 1e-6
 
 
-def _rank(rank: int, world: int, port: int, hidden: int, results) -> None:
+def _time_in_graph(group, call) -> float:
+    """Microseconds per call: CALLS_PER_GRAPH calls captured in one CUDA graph, the median of 20 replays, the ranks
+    starting each replay together."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            call()
+    group.barrier()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        group.barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+    del graph
+    return round(statistics.median(times), 2)
+
+
+def _rank(rank: int, world: int, port: int, hiddens: list[int], results) -> None:
     import torch.distributed as dist
+    from fastqwen import ops
     from fastqwen.ops.collectives import ParallelGroup
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -35,50 +70,52 @@ def _rank(rank: int, world: int, port: int, hidden: int, results) -> None:
     torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
     group = ParallelGroup.connect(rank, world, store, device)
+    custom = group.custom
     rows = []
-    for batch in BATCHES:
-        x = torch.randn(batch, hidden, device=device).to(torch.bfloat16)
-        row = {"batch": batch, "bytes": x.numel() * x.element_size()}
-        paths = {"nccl": lambda: group.device_group.allreduce([x]).wait()}
-        if group.custom is not None and group.custom.applies(x):
-            paths["custom"] = lambda: group.custom(x)
-        for name, call in paths.items():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    call()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(CALLS_PER_GRAPH):
-                    call()
-            group.barrier()
-            times = []
-            for _ in range(20):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                group.barrier()  # the ranks start each replay together
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-            row[f"{name}_us"] = round(statistics.median(times), 2)
-            del graph
-        if "custom_us" in row:
-            row["nccl_over_custom"] = round(row["nccl_us"] / row["custom_us"], 2)
-        rows.append(row)
+    for hidden in hiddens:
+        weight = (torch.rand(hidden, device=device) + 0.5).to(torch.bfloat16)
+        for batch in BATCHES:
+            # The values drift as the calls repeat in place (the residual grows); the time does not depend on them.
+            x = torch.randn(batch, hidden, device=device).to(torch.bfloat16)
+            residual = torch.randn(batch, hidden, device=device).to(torch.bfloat16)
+            row = {"hidden": hidden, "batch": batch, "bytes": x.numel() * x.element_size()}
+            paths = {
+                "nccl": lambda: group.device_group.allreduce([x]).wait(),
+                "norm": lambda: ops.fused_add_rms_norm(x, residual, weight, EPS),  # the kernel alone, no exchange
+            }
+            if custom is not None and custom.applies(x):
+                paths["custom"] = lambda: custom(x)
+                paths["custom_then_norm"] = lambda: ops.fused_add_rms_norm(custom(x), residual, weight, EPS)
+            if custom is not None and custom.applies_with_norm(x, residual, weight):
+                paths["fused_norm"] = lambda: custom.all_reduce_add_rms_norm(x, residual, weight, EPS)
+            for name, call in paths.items():
+                row[f"{name}_us"] = _time_in_graph(group, call)
+            if "custom_us" in row:
+                row["nccl_over_custom"] = round(row["nccl_us"] / row["custom_us"], 2)
+            if "fused_norm_us" in row:
+                row["separate_over_fused"] = round(row["custom_then_norm_us"] / row["fused_norm_us"], 2)
+            rows.append(row)
     group.barrier()
     if rank == 0:
         results.put(rows)
     group.close()
 
 
+def _table(rows: list[dict]) -> str:
+    columns = ["hidden", "batch", "nccl_us", "custom_us", "norm_us", "custom_then_norm_us", "fused_norm_us"]
+    columns.append("separate_over_fused")
+    lines = ["  ".join(f"{c:>19}" for c in columns)]
+    for row in rows:
+        lines.append("  ".join(f"{row.get(c, '-')!s:>19}" for c in columns))
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=5120, help="hidden size (Qwen3-32B: 5120, Qwen3-8B: 4096)")
+    p.add_argument(
+        "--hidden", type=int, nargs="+", default=[4096, 5120], help="hidden sizes (Qwen3-8B: 4096, Qwen3-32B: 5120)"
+    )
     p.add_argument("--port", type=int, default=29511)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -103,6 +140,7 @@ def main() -> int:
         "calls_per_graph": CALLS_PER_GRAPH,
         "rows": rows,
     }
+    print(_table(rows))
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

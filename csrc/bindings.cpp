@@ -89,6 +89,7 @@ void export_contracts(py::module_& m) {
   kernel_dtypes["sample"] = codes(fq::kSamplerLogitTypes);
   kernel_dtypes["gemv"] = codes(fq::kHalfTypes);
   kernel_dtypes["quantize_fp8_tokens"] = codes(fq::kHalfTypes);
+  kernel_dtypes["all_reduce_add_rms_norm"] = codes(fq::kHalfTypes);
   m.attr("KERNEL_DTYPES") = kernel_dtypes;
   m.attr("ATTENTION_HEAD_DIM") = fq::kAttentionHeadDim;
   py::list rope_dims;
@@ -106,6 +107,7 @@ void export_contracts(py::module_& m) {
   m.attr("ALL_REDUCE_MAX_RANKS") = fq::kAllReduceMaxRanks;
   m.attr("ALL_REDUCE_MAX_BLOCKS") = fq::kAllReduceMaxBlocks;
   m.attr("ALL_REDUCE_ALIGN") = fq::kAllReduceAlign;
+  m.attr("ALL_REDUCE_NORM_MAX_HIDDEN") = fq::kAllReduceNormMaxHidden;
 
   py::class_<fq::RopeKVArgs>(m, "RopeKVArgs", "Arguments of qk_norm_rope_store_kv (csrc/rope_kv.h).")
       .def(py::init<>())
@@ -205,7 +207,11 @@ void export_contracts(py::module_& m) {
       .def_readwrite("capacity_bytes", &fq::AllReduceArgs::capacity_bytes)
       .def_readwrite("dtype", &fq::AllReduceArgs::dtype)
       .def_readwrite("max_blocks", &fq::AllReduceArgs::max_blocks)
-      .def_readwrite("stream", &fq::AllReduceArgs::stream);
+      .def_readwrite("stream", &fq::AllReduceArgs::stream)
+      .def_readwrite("residual", &fq::AllReduceArgs::residual)
+      .def_readwrite("weight", &fq::AllReduceArgs::weight)
+      .def_readwrite("hidden", &fq::AllReduceArgs::hidden)
+      .def_readwrite("eps", &fq::AllReduceArgs::eps);
   py::class_<fq::SampleArgs>(m, "SampleArgs", "Arguments of sample (csrc/sampling.h).")
       .def(py::init<>())
       .def_readwrite("logits", &fq::SampleArgs::logits)
@@ -372,5 +378,10 @@ PYBIND11_MODULE(_C, m) {
       "custom_all_reduce",
       [](const fastqwen::AllReduceArgs& args) { fastqwen::custom_all_reduce(args); },
       py::arg("args"), "In-place one-shot sum of `data` across the ranks' shared buffers (csrc/custom_all_reduce.h).");
+  m.def(
+      "custom_all_reduce_add_rms_norm",
+      [](const fastqwen::AllReduceArgs& args) { fastqwen::custom_all_reduce_add_rms_norm(args); }, py::arg("args"),
+      "custom_all_reduce, then the residual add and RMSNorm of fused_add_rms_norm, in one kernel, in place "
+      "(csrc/custom_all_reduce.h).");
 #endif
 }

@@ -8,6 +8,10 @@
 // captured in a CUDA graph and replayed. A second barrier ("end") keeps a rank from overwriting its buffer in the
 // next round while a peer may still read it. The flags of round k are only compared for equality: no peer can be a
 // whole round ahead, because each round ends with that barrier.
+//
+// The fused variant (one_shot_add_rms_norm_kernel) keeps the same two barriers and round counters; it gives each
+// block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
+// The two kernels share the counters: block b's counter counts every launch that had a block b, on every rank alike.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -92,6 +96,89 @@ __global__ void __launch_bounds__(512) one_shot_kernel(Peers peers, int rank, ui
   if (threadIdx.x == 0) self->round[blockIdx.x] = round;
 }
 
+// One block per row at a time (rows b, b + grid, ...), the row's 16-byte packs spread over the threads, VPT packs a
+// thread held in registers between the sum and the normalization. The arithmetic is one_shot_kernel's followed by
+// norm.cu's rms_norm_kernel<FUSED>, rounding where they round (and with their thread layout, so the sum of squares
+// is reduced in the same order).
+template <typename T, int WORLD, int VPT>
+__global__ void __launch_bounds__(512)
+    one_shot_add_rms_norm_kernel(Peers peers, int rank, uint4* data, uint4* residual, const uint4* __restrict__ weight,
+                                 int64_t rows, int row_vecs, float eps) {
+  using P = Pack<T, 16 / sizeof(T)>;
+  constexpr int kPer = 16 / sizeof(T);
+  Signal* self = peers.signal[rank];
+  const uint32_t round = self->round[blockIdx.x] + 1;
+  uint4* mine = const_cast<uint4*>(peers.data[rank]);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) mine[row * row_vecs + v] = data[row * row_vecs + v];
+  }
+  P w[VPT];  // the weight's loads wait under the barrier
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < row_vecs) w[i] = reinterpret_cast<const P*>(weight)[v];
+  }
+  barrier<WORLD>(peers, rank, false, round);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * row_vecs;
+    // Every load of the row before any store (a store to the residual could alias a later load for the compiler).
+    P sum[VPT];
+    P res[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v < row_vecs) {
+        res[i] = reinterpret_cast<const P*>(residual)[base + v];
+        float acc[kPer];
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) acc[k] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < WORLD; ++p) {  // rank order, as one_shot_kernel: every rank gets the same bits
+          const P x = reinterpret_cast<const P*>(peers.data[p])[base + v];
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) acc[k] += Cvt<T>::to_f(x.v[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) sum[i].v[k] = Cvt<T>::from_f(acc[k]);  // the all-reduce's output
+      }
+    }
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v < row_vecs) {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          sum[i].v[k] = Cvt<T>::from_f(Cvt<T>::to_f(sum[i].v[k]) + Cvt<T>::to_f(res[i].v[k]));  // the new residual
+        }
+        reinterpret_cast<P*>(residual)[base + v] = sum[i];
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          const float f = Cvt<T>::to_f(sum[i].v[k]);
+          sum_sq += f * f;
+        }
+      }
+    }
+    __syncthreads();  // block_sum's scratch still holds the previous row's partial sums until every warp has read them
+    const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(row_vecs * kPer) + eps);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v < row_vecs) {
+        P o;
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          const float normed = round_to<T>(Cvt<T>::to_f(sum[i].v[k]) * inv_rms);
+          o.v[k] = Cvt<T>::from_f(Cvt<T>::to_f(w[i].v[k]) * normed);
+        }
+        reinterpret_cast<P*>(data)[base + v] = o;
+      }
+    }
+  }
+  barrier<WORLD>(peers, rank, true, round);
+  if (threadIdx.x == 0) self->round[blockIdx.x] = round;
+}
+
 template <typename T, int WORLD>
 void launch(const Peers& peers, const AllReduceArgs& a, int64_t nvec) {
   constexpr int kThreads = 512;
@@ -111,6 +198,72 @@ void dispatch_world(const Peers& peers, const AllReduceArgs& a, int64_t nvec) {
     case 8: return launch<T, 8>(peers, a, nvec);
     default: throw std::invalid_argument("custom_all_reduce: world must be 2, 4 or 8");
   }
+}
+
+// The thread layout of norm.cu's launch_packed: one pack a thread up to 512 threads, then 2 or 4 packs a thread.
+template <typename T, int WORLD>
+void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
+  constexpr int kPer = 16 / sizeof(T);
+  const int row_vecs = static_cast<int>(a.hidden / kPer);
+  const int64_t rows = a.numel / a.hidden;
+  int threads = (row_vecs + 31) / 32 * 32;
+  threads = threads > 512 ? 512 : threads;
+  const int per_thread = (row_vecs + threads - 1) / threads;
+  const int blocks = static_cast<int>(rows < a.max_blocks ? rows : a.max_blocks);
+  auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  auto* data = reinterpret_cast<uint4*>(a.data);
+  auto* residual = reinterpret_cast<uint4*>(a.residual);
+  const auto* weight = reinterpret_cast<const uint4*>(a.weight);
+  const float eps = static_cast<float>(a.eps);
+  if (per_thread <= 1) {
+    one_shot_add_rms_norm_kernel<T, WORLD, 1>
+        <<<blocks, threads, 0, stream>>>(peers, a.rank, data, residual, weight, rows, row_vecs, eps);
+  } else if (per_thread <= 2) {
+    one_shot_add_rms_norm_kernel<T, WORLD, 2>
+        <<<blocks, threads, 0, stream>>>(peers, a.rank, data, residual, weight, rows, row_vecs, eps);
+  } else {
+    one_shot_add_rms_norm_kernel<T, WORLD, 4>
+        <<<blocks, threads, 0, stream>>>(peers, a.rank, data, residual, weight, rows, row_vecs, eps);
+  }
+  cuda_check_launch("custom_all_reduce_add_rms_norm");
+}
+
+template <typename T>
+void dispatch_world_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
+  switch (a.world) {
+    case 2: return launch_add_rms_norm<T, 2>(peers, a);
+    case 4: return launch_add_rms_norm<T, 4>(peers, a);
+    case 8: return launch_add_rms_norm<T, 8>(peers, a);
+    default: throw std::invalid_argument("custom_all_reduce_add_rms_norm: world must be 2, 4 or 8");
+  }
+}
+
+// What both entry points check first: ranks and blocks.
+void check_ranks(const AllReduceArgs& a, const std::string& op) {
+  if (a.world < 2 || a.world > kAllReduceMaxRanks || a.rank < 0 || a.rank >= a.world) {
+    throw std::invalid_argument(op + ": rank must be in [0, world) with world in [2, 8]");
+  }
+  if (a.max_blocks < 1 || a.max_blocks > kAllReduceMaxBlocks) {
+    throw std::invalid_argument(op + ": max_blocks must be in [1, 64]");
+  }
+}
+
+// Then, for a message of at least one element: its size and alignment; the peers' buffers as mapped here.
+Peers checked_peers(const AllReduceArgs& a, const std::string& op) {
+  const int64_t element = a.dtype == kF32 ? 4 : 2;
+  const int64_t bytes = a.numel * element;
+  if (bytes % kAllReduceAlign || a.data % kAllReduceAlign) {
+    throw std::invalid_argument(op + ": the message must be 16-byte aligned and a multiple of 16 bytes");
+  }
+  if (bytes > a.capacity_bytes) throw std::invalid_argument(op + ": the message exceeds the buffers");
+  Peers peers;
+  for (int p = 0; p < kAllReduceMaxRanks; ++p) {
+    const uintptr_t base = p < a.world ? a.buffers[p] : 0;
+    if (p < a.world && base == 0) throw std::invalid_argument(op + ": a peer buffer is missing");
+    peers.signal[p] = reinterpret_cast<Signal*>(base);
+    peers.data[p] = base ? reinterpret_cast<const uint4*>(base + kAllReduceSignalBytes) : nullptr;
+  }
+  return peers;
 }
 
 }  // namespace
@@ -146,28 +299,31 @@ uintptr_t all_reduce_ipc_open(const std::string& bytes) {
 void all_reduce_ipc_close(uintptr_t ptr) { FASTQWEN_CUDA_CHECK(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr))); }
 
 void custom_all_reduce(const AllReduceArgs& a) {
-  if (a.world < 2 || a.world > kAllReduceMaxRanks || a.rank < 0 || a.rank >= a.world) {
-    throw std::invalid_argument("custom_all_reduce: rank must be in [0, world) with world in [2, 8]");
-  }
-  if (a.max_blocks < 1 || a.max_blocks > kAllReduceMaxBlocks) {
-    throw std::invalid_argument("custom_all_reduce: max_blocks must be in [1, 64]");
-  }
+  check_ranks(a, "custom_all_reduce");
   if (a.numel <= 0) return;
-  const int64_t element = a.dtype == kF32 ? 4 : 2;
-  const int64_t bytes = a.numel * element;
-  if (bytes % kAllReduceAlign || a.data % kAllReduceAlign) {
-    throw std::invalid_argument("custom_all_reduce: the message must be 16-byte aligned and a multiple of 16 bytes");
-  }
-  if (bytes > a.capacity_bytes) throw std::invalid_argument("custom_all_reduce: the message exceeds the buffers");
-  Peers peers;
-  for (int p = 0; p < kAllReduceMaxRanks; ++p) {
-    const uintptr_t base = p < a.world ? a.buffers[p] : 0;
-    if (p < a.world && base == 0) throw std::invalid_argument("custom_all_reduce: a peer buffer is missing");
-    peers.signal[p] = reinterpret_cast<Signal*>(base);
-    peers.data[p] = base ? reinterpret_cast<const uint4*>(base + kAllReduceSignalBytes) : nullptr;
-  }
-  const int64_t nvec = bytes / 16;
+  const Peers peers = checked_peers(a, "custom_all_reduce");
+  const int64_t nvec = a.numel * (a.dtype == kF32 ? 4 : 2) / 16;
   FASTQWEN_DISPATCH_DTYPE("custom_all_reduce: ", a.dtype, kFloatTypes, T, dispatch_world<T>(peers, a, nvec));
+}
+
+void custom_all_reduce_add_rms_norm(const AllReduceArgs& a) {
+  const std::string op = "custom_all_reduce_add_rms_norm";
+  check_ranks(a, op);
+  check_dtype(op + ": ", a.dtype, kHalfTypes);
+  if (a.numel <= 0) return;
+  const Peers peers = checked_peers(a, op);
+  const int64_t per_pack = kAllReduceAlign / 2;
+  if (a.hidden < per_pack || a.hidden % per_pack || a.hidden > kAllReduceNormMaxHidden) {
+    throw std::invalid_argument(op + ": hidden must be a multiple of " + std::to_string(per_pack) + " up to " +
+                                std::to_string(kAllReduceNormMaxHidden) + ", got " + std::to_string(a.hidden));
+  }
+  if (a.numel % a.hidden) throw std::invalid_argument(op + ": numel must be a whole number of rows of hidden");
+  if (!a.residual || !a.weight || a.residual % kAllReduceAlign || a.weight % kAllReduceAlign) {
+    throw std::invalid_argument(op + ": residual and weight must be non-null and 16-byte aligned");
+  }
+  if (a.residual == a.data) throw std::invalid_argument(op + ": residual and data must be different buffers");
+  FASTQWEN_DISPATCH_DTYPE("custom_all_reduce_add_rms_norm: ", a.dtype, kHalfTypes, T,
+                          dispatch_world_add_rms_norm<T>(peers, a));
 }
 
 }  // namespace fastqwen

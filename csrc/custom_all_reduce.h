@@ -15,6 +15,8 @@ constexpr int kAllReduceMaxBlocks = 64;  // all blocks must be resident at once:
 // own round counter), then the data area the rank's input is copied into.
 constexpr int64_t kAllReduceSignalBytes = 64 * 1024;
 constexpr int64_t kAllReduceAlign = 16;  // messages must be a whole number of 16-byte vectors
+// custom_all_reduce_add_rms_norm holds a row in registers: at most 4 16-byte packs for each of 512 threads.
+constexpr int kAllReduceNormMaxHidden = 16384;
 
 // Device memory for one rank's shared buffer (signal area zeroed), data_bytes of data after the signal area.
 uintptr_t all_reduce_buffer_alloc(int64_t data_bytes);
@@ -34,11 +36,25 @@ struct AllReduceArgs {
   int dtype = kBF16;
   int max_blocks = 36;
   uintptr_t stream = 0;
+  // custom_all_reduce_add_rms_norm only: data is [numel / hidden, hidden] rows.
+  uintptr_t residual = 0;  // in and out, the same shape and dtype as data
+  uintptr_t weight = 0;    // [hidden], the same dtype
+  int64_t hidden = 0;
+  double eps = 0.0;
 };
 
 // One-shot all-reduce: each rank copies its input into its buffer, a barrier across ranks, then each rank sums every
 // rank's buffer in rank order (so every rank gets bitwise the same result), a second barrier before the buffers may
 // be reused. Every rank must call it with the same numel, dtype and max_blocks, in the same order.
 void custom_all_reduce(const AllReduceArgs& args);
+
+// The all-reduce fused with the residual add and RMSNorm that follow it in a decoder layer: the same numbers as
+// custom_all_reduce followed by norm.h's fused_add_rms_norm, in one kernel. In place, per row r of data:
+//   residual[r] = round(residual[r] + round(sum over ranks of data[r]))   (the sum in rank order, in fp32)
+//   data[r]     = weight * round(residual[r] * rsqrt(mean(residual[r]^2) + eps))
+// float16 or bfloat16; hidden a whole number of 16-byte packs, at most kAllReduceNormMaxHidden; residual and weight
+// 16-byte aligned. Every rank must call it with the same shapes, in the same order as its other all-reduces (they
+// share the round counters), and the same residual (replicated across ranks in tensor parallelism).
+void custom_all_reduce_add_rms_norm(const AllReduceArgs& args);
 
 }  // namespace fastqwen

@@ -656,6 +656,61 @@ MUTATIONS += [
         gpus=2,
     ),
     Mutation(
+        "all_reduce_norm_adds_the_residual_twice",
+        "csrc/custom_all_reduce.cu",
+        [
+            (
+                "sum[i].v[k] = Cvt<T>::from_f(Cvt<T>::to_f(sum[i].v[k]) + Cvt<T>::to_f(res[i].v[k]));",
+                "sum[i].v[k] = Cvt<T>::from_f(Cvt<T>::to_f(sum[i].v[k]) + 2.0f * Cvt<T>::to_f(res[i].v[k]));",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[2-bfloat16]"],
+        "the all-reduce fused with the norm adds the residual to the ranks' sum twice",
+        gpus=2,
+    ),
+    Mutation(
+        "all_reduce_norm_drops_the_last_rank",
+        "csrc/custom_all_reduce.cu",
+        [
+            (
+                "        for (int p = 0; p < WORLD; ++p) {  // rank order, as one_shot_kernel",
+                "        for (int p = 0; p < WORLD - 1; ++p) {  // rank order, as one_shot_kernel",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[2-bfloat16]"],
+        "the all-reduce fused with the norm sums every rank's partial rows but the last rank's",
+        gpus=2,
+    ),
+    Mutation(
+        "tp_last_layer_down_not_all_reduced",
+        "python/fastqwen/model/qwen3.py",
+        [
+            (
+                "        hidden = self.parallel.all_reduce(hidden)  # the last layer's down",
+                "        pass  # the last layer's down",
+            )
+        ],
+        ["tests/test_tensor_parallel.py::test_tp2_matches_hf_and_one_rank"],
+        "under tensor parallelism the last layer's down projection reaches the final norm as this rank's partial sum "
+        "(the other ranks' shards left out)",
+    ),
+    Mutation(
+        "all_reduce_norm_composition_adds_the_residual_twice",
+        "python/fastqwen/ops/collectives.py",
+        [
+            (
+                "        return fused_add_rms_norm(self.all_reduce(partial), residual, weight, eps)",
+                "        return fused_add_rms_norm(self.all_reduce(partial).add_(residual), residual, weight, eps)",
+            )
+        ],
+        [
+            "tests/test_all_reduce_add_rms_norm.py::test_the_op_is_the_ranks_sum_added_to_the_residual_then_normalized",
+            "tests/test_tensor_parallel.py::test_tp2_matches_hf_and_one_rank",
+        ],
+        "the all-reduce followed by the residual add and norm (the composition, on every path but the fused kernel's) "
+        "adds the residual to the ranks' sum twice",
+    ),
+    Mutation(
         "decref_keeps_freed_pages_off_the_free_list",
         ALLOCATOR,
         [

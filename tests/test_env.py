@@ -61,6 +61,7 @@ def test_every_switch_has_one_rule(monkeypatch, value, expected):
         ("FASTQWEN_ALLOW_REFERENCE_ON_GPU", env.allow_reference_on_gpu),
         ("FASTQWEN_DISABLE_CUDA_KERNELS", env.disable_cuda_kernels),
         ("FASTQWEN_CHECK_INVARIANTS", env.check_invariants_every_step),
+        ("FASTQWEN_FUSED_ALLREDUCE_NORM", env.fused_all_reduce_norm),
     ]:
         if value is None:
             monkeypatch.delenv(name, raising=False)

@@ -1,7 +1,10 @@
 """Tensor parallelism on GPUs (skipped without 2): the custom all-reduce against a float64 sum and against NCCL at
-every size up to its threshold (eager and replayed from a CUDA graph, 2 and 4 ranks where there are GPUs for them),
-and a TP=2 engine against TP=1 on the same machine, teacher-forced (tokens equal except where the top-2 margin is
-within the observed logit difference, the rule of the CUDA graph tests)."""
+every size up to its threshold (eager and replayed from a CUDA graph, 2 and 4 ranks where there are GPUs for them);
+the all-reduce fused with the residual add and RMSNorm (called directly, whatever FASTQWEN_FUSED_ALLREDUCE_NORM says)
+against the float64 sum and norm and against the composition it replaces, at row counts up to the threshold, eager
+and in a graph; and a TP=2 engine against TP=1 on the same machine, teacher-forced (tokens equal except where the
+top-2 margin is within the observed logit difference, the rule of the CUDA graph tests), also with the fused kernel
+switched on."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import traceback
 
 import pytest
 import torch
+from all_reduce_norm_reference import assert_close_to_reference
 from checkpoints import make_checkpoint, record_result
 from fastqwen import LLM
 from server_process import free_port
@@ -88,14 +92,124 @@ def _worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None
         raise
 
 
-def _run_ranks(world: int, dtype_name: str) -> None:
+# The fused kernel's cases: (hidden, rows). Hidden sizes of one 16-byte pack, of one, two and four packs a thread
+# (4096, 5120, 16384: its largest), of Qwen3-8B and -32B; row counts below, at and past the 36 blocks (rows a block),
+# up to 256 sequences and to the threshold (added per hidden in the worker).
+FUSED_HIDDEN = [8, 128, 4096, 5120, 16384]
+FUSED_ROWS = [1, 2, 3, 5, 8, 16, 35, 36, 37, 64, 128, 256]
+EPS = 1e-6
+
+
+def _norm_inputs(world: int, rows: int, hidden: int, dtype, seed: int):
+    """Every rank's partial rows, the residual (the same on every rank, as in the model) and the norm weight."""
+    g = torch.Generator().manual_seed(seed)
+    partials = [(torch.randn(rows, hidden, generator=g) * (r + 1)).to(dtype) for r in range(world)]
+    residual = (torch.randn(rows, hidden, generator=g) * 4).to(dtype)
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    return partials, residual, weight
+
+
+def _fused_worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None:
+    try:
+        import torch.distributed as dist
+        from fastqwen import ops
+        from fastqwen.ops.collectives import ParallelGroup
+
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
+        group = ParallelGroup.connect(rank, world, store, device)
+        custom = group.custom
+        assert custom is not None, "the custom all-reduce did not start"
+        dtype = getattr(torch, dtype_name)
+        size = torch.empty((), dtype=dtype).element_size()
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:
+            everyone = torch.empty(world * t.numel(), dtype=t.dtype, device=device)
+            group.device_group._allgather_base(everyone, t.reshape(-1)).wait()
+            return everyone.view(world, *t.shape)
+
+        for hidden in FUSED_HIDDEN:
+            limit = custom.max_bytes // (hidden * size)
+            for rows in sorted({r for r in FUSED_ROWS if r <= limit} | {limit}):
+                what = f"{dtype_name} {rows}x{hidden}"
+                partials, residual, weight = _norm_inputs(world, rows, hidden, dtype, seed=rows * 100003 + hidden)
+                x, res, w = partials[rank].to(device), residual.to(device), weight.to(device)
+                assert custom.applies_with_norm(x, res, w), what
+                normed, new_residual = custom.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS)
+                assert_close_to_reference(normed, new_residual, partials, residual, weight, EPS, 1, what)
+                # The composition it replaces: the same new residual bit for bit; normed rows within one unit in
+                # the last place (the same arithmetic and layout; only the compiler's choices may differ).
+                composed, composed_residual = ops.fused_add_rms_norm(custom(x.clone()), res.clone(), w, EPS)
+                assert torch.equal(new_residual, composed_residual), (
+                    f"{what}: the new residual is not the composition's"
+                )
+                ulp = torch.finfo(dtype).eps * composed.float().abs()
+                assert ((normed.float() - composed.float()).abs() <= ulp).all(), f"{what}: normed off the composition"
+                for t in (normed, new_residual):
+                    assert all(torch.equal(mine, t) for mine in gathered(t)), f"{what}: ranks disagree"
+        # Past the threshold (and in float32) ParallelGroup composes NCCL's all-reduce with fused_add_rms_norm.
+        group.fused_norm = True
+        hidden = 5120
+        rows = custom.max_bytes // (hidden * size) + 1
+        partials, residual, weight = _norm_inputs(world, rows, hidden, dtype, seed=7)
+        x, res, w = partials[rank].to(device), residual.to(device), weight.to(device)
+        assert not custom.applies_with_norm(x, res, w)
+        normed, new_residual = group.all_reduce_add_rms_norm(x, res, w, EPS)
+        assert_close_to_reference(
+            normed, new_residual, partials, residual, weight, EPS, world - 1, "past the threshold"
+        )
+        assert not custom.applies_with_norm(x.float(), res.float(), w.float())
+        # Captured in a CUDA graph with a plain all-reduce between two fused ones (they share the round counters),
+        # and replayed with new inputs each time.
+        shapes = [(4, 5120), (40, 4096)]  # 4 rows: one a block; 40: past the 36 blocks
+        xs = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        residuals = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        ws = [torch.ones(shape[1], dtype=dtype, device=device) for shape in shapes]
+        plain = torch.zeros(5120 * 4, dtype=dtype, device=device)
+
+        def step():
+            custom.all_reduce_add_rms_norm(xs[0], residuals[0], ws[0], EPS)
+            group.all_reduce(plain)
+            custom.all_reduce_add_rms_norm(xs[1], residuals[1], ws[1], EPS)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for replay in range(5):
+            cases = [_norm_inputs(world, *shape, dtype, seed=1000 + 10 * replay + n) for n, shape in enumerate(shapes)]
+            for n, (partials, residual, weight) in enumerate(cases):
+                xs[n].copy_(partials[rank].to(device))
+                residuals[n].copy_(residual.to(device))
+                ws[n].copy_(weight.to(device))
+            plain.copy_(torch.full_like(plain, float(rank + replay)))
+            graph.replay()
+            torch.cuda.synchronize()
+            for n, (partials, residual, weight) in enumerate(cases):
+                what = f"replay {replay} {shapes[n]}"
+                assert_close_to_reference(xs[n], residuals[n], partials, residual, weight, EPS, 1, what)
+            expected = sum(float(r + replay) for r in range(world))
+            assert torch.all(plain.float().cpu() == expected), f"replay {replay}: the plain all-reduce between"
+        group.barrier()
+    except BaseException:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def _run_ranks(world: int, dtype_name: str, target=_worker) -> None:
     """The ranks in processes of their own, on a port nobody holds (a fixed one could meet the store of an earlier
     test's rank still shutting down, and wait). One deadline for all; once a rank has failed, the others get a few
     seconds (they may be waiting in a collective for it) and are killed, so a failure is reported, not a hang."""
     ctx = multiprocessing.get_context("spawn")
     failures = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, dtype_name, failures)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, dtype_name, failures)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 240
@@ -125,6 +239,14 @@ def test_custom_all_reduce_matches_the_sum_and_nccl(world, dtype_name):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     _run_ranks(world, dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_all_reduce_norm_matches_float64(world, dtype_name):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _run_ranks(world, dtype_name, _fused_worker)
 
 
 # TP rounds each rank's partial o_proj / down sums to bf16 before adding them: a few bf16 steps per layer. Stated
@@ -171,10 +293,15 @@ def folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("quantization", ["auto", "fp8"])
-def test_tp2_matches_tp1_teacher_forced(folder, quantization):
+@pytest.mark.parametrize(
+    "quantization, fused_norm", [("auto", False), ("fp8", False), ("auto", True)], ids=["auto", "fp8", "fused_norm"]
+)
+def test_tp2_matches_tp1_teacher_forced(folder, quantization, fused_norm, monkeypatch):
     """quantization "fp8": each rank quantizes its shard on load and runs the FP8 GEMV and GEMM on it (every split of
-    this shape falls on whole 128 blocks, so both runs hold the same FP8 values)."""
+    this shape falls on whole 128 blocks, so both runs hold the same FP8 values). fused_norm: with
+    FASTQWEN_FUSED_ALLREDUCE_NORM=1 (read by every rank: rank 1 inherits the environment), so the decode steps run the
+    all-reduce fused with the residual add and norm."""
+    monkeypatch.setenv("FASTQWEN_FUSED_ALLREDUCE_NORM", "1" if fused_norm else "0")
     prompts, max_tokens = workload(24, seed=3)
     knobs = dict(
         dtype="bfloat16",
@@ -191,7 +318,8 @@ def test_tp2_matches_tp1_teacher_forced(folder, quantization):
     torch.cuda.empty_cache()
     llm = LLM(folder, tensor_parallel_size=2, **knobs)
     try:
-        assert llm.engine.parallel.custom is not None
+        parallel = llm.engine.parallel
+        assert parallel.custom is not None and parallel.fused_norm == fused_norm
         two = generate_recording(llm, prompts, max_tokens)
         assert any(size for _, size, _ in two[2]), "no decode step replayed a CUDA graph"
     finally:
@@ -199,4 +327,5 @@ def test_tp2_matches_tp1_teacher_forced(folder, quantization):
     compared, worst = compare(two, one)
     assert compared >= len(prompts)
     key = "tp2_vs_tp1" if quantization == "auto" else f"tp2_vs_tp1_{quantization}"
+    key += "_fused_norm" if fused_norm else ""
     record_result("tensor_parallel.json", key, {"steps_compared": compared, "worst_logit_diff_rel": worst})

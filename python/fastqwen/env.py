@@ -52,6 +52,14 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
+def fused_all_reduce_norm() -> bool:
+    """FASTQWEN_FUSED_ALLREDUCE_NORM=1: under tensor parallelism on GPUs, the custom all-reduce after o_proj and down
+    also adds the residual and applies the RMSNorm that follows, in one kernel (ops/custom_all_reduce.py). Off by
+    default until a run on two GPUs has validated the kernel (tests/test_tensor_parallel_gpu.py); off, the all-reduce
+    and fused_add_rms_norm run one after the other (the same numbers)."""
+    return _flag("FASTQWEN_FUSED_ALLREDUCE_NORM", False)
+
+
 def api_key() -> str | None:
     """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("FASTQWEN_API_KEY") or None

@@ -24,8 +24,10 @@ class Qwen3Model:
         parallel: ParallelGroup = SINGLE,
     ):
         """cfg: the model as this rank sees it (sharding.Shard.rank_config: its own head counts); weights: its shard.
-        Under tensor parallelism the row-parallel o_proj and down are followed by an all-reduce, the embedding and
-        the LM head are vocabulary-parallel (parallel.embed, parallel.gather_vocab)."""
+        Under tensor parallelism the row-parallel o_proj and down give partial sums, summed by the all-reduce that
+        also adds them into the residual and applies the next norm (parallel.all_reduce_add_rms_norm; on one rank,
+        fused_add_rms_norm); the embedding and the LM head are vocabulary-parallel (parallel.embed,
+        parallel.gather_vocab)."""
         self.cfg = cfg
         self.weights = weights
         self.parallel = parallel
@@ -74,16 +76,17 @@ class Qwen3Model:
         for index, layer in enumerate(w.layers):
             if index == 0:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
-            else:
-                ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
+            else:  # hidden: the layer before's down, this rank's partial sums
+                hidden, residual = self.parallel.all_reduce_add_rms_norm(hidden, residual, layer.input_norm, eps)
             if aux_out is not None:
                 self._capture(aux_out, index, residual)
             qkv = ops.linear(hidden, layer.qkv)
             self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
-            hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, -1), layer.o_proj))
-            ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
+            o = ops.linear(attn.view(num_tokens, -1), layer.o_proj)
+            hidden, residual = self.parallel.all_reduce_add_rms_norm(o, residual, layer.post_norm, eps)
             act = ops.linear_silu_and_mul(hidden, layer.gate_up)
-            hidden = self.parallel.all_reduce(ops.linear(act, layer.down))
+            hidden = ops.linear(act, layer.down)
+        hidden = self.parallel.all_reduce(hidden)  # the last layer's down (the final norm takes only some rows)
         if aux_out is not None and len(w.layers) in self.aux_layers:
             self._capture(aux_out, len(w.layers), hidden + residual)
         # Only the rows that sample reach the final norm and the LM head.

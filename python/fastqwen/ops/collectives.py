@@ -5,6 +5,11 @@ forward, `cpu` (gloo) for small host-side agreements (the KV pool size, the cust
 all-reduce takes the custom kernel (ops/custom_all_reduce.py) for messages it accepts and the device group otherwise.
 `SINGLE` is the one-rank group: every collective is the identity, so the model reads the same at any TP size.
 
+`all_reduce_add_rms_norm` is what a decoder layer does after its row-parallel o_proj and down: the all-reduce, then
+ops.fused_add_rms_norm. Its meaning is that composition, on every path; where the custom kernel takes the tensors and
+FASTQWEN_FUSED_ALLREDUCE_NORM is on (env.py; off until a run on two GPUs has validated the kernel), one kernel does
+both.
+
 The process groups are made directly from a store (not torch.distributed's global default group), so one process
 can run several engines one after the other (tests do) and an engine's groups die with it.
 """
@@ -16,18 +21,28 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from .. import env
 from .custom_all_reduce import CustomAllReduce, custom_all_reduce_supported
+from .norm import fused_add_rms_norm
 
 _TIMEOUT = datetime.timedelta(minutes=30)  # loading a large checkpoint on one rank may keep the others waiting
 
 
 class ParallelGroup:
     def __init__(
-        self, rank: int = 0, size: int = 1, device_group=None, cpu_group=None, custom: CustomAllReduce | None = None
+        self,
+        rank: int = 0,
+        size: int = 1,
+        device_group=None,
+        cpu_group=None,
+        custom: CustomAllReduce | None = None,
+        fused_norm: bool = False,
     ):
+        """fused_norm: all_reduce_add_rms_norm may take the custom kernel's fused form (where it applies)."""
         self.rank, self.size = rank, size
         self.device_group, self.cpu_group = device_group, cpu_group
         self.custom = custom
+        self.fused_norm = fused_norm
 
     @classmethod
     def connect(
@@ -44,6 +59,7 @@ class ParallelGroup:
             torch.cuda.synchronize(device)
             if custom_all_reduce and custom_all_reduce_supported(size):
                 group.custom = CustomAllReduce(rank, size, device, group.all_gather_bytes)
+                group.fused_norm = env.fused_all_reduce_norm()
             return group
         return cls(rank, size, cpu, cpu)
 
@@ -61,6 +77,17 @@ class ParallelGroup:
             return self.custom(x)
         self.device_group.allreduce([x]).wait()
         return x
+
+    def all_reduce_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place: residual <- residual + (partial summed over the ranks); partial <- RMSNorm(residual) * weight.
+        Returns (partial, residual): the normalized rows and the new residual stream. The same numbers as
+        fused_add_rms_norm(all_reduce(partial), residual, weight, eps), which it is wherever the fused kernel does
+        not run (one rank, the CPU, NCCL's sizes, float32, or FASTQWEN_FUSED_ALLREDUCE_NORM off)."""
+        if self.fused_norm and self.custom is not None and self.custom.applies_with_norm(partial, residual, weight):
+            return self.custom.all_reduce_add_rms_norm(partial, residual, weight, eps)
+        return fused_add_rms_norm(self.all_reduce(partial), residual, weight, eps)
 
     def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows of a vocabulary-parallel embedding: this rank's slice [rank * rows, (rank + 1) * rows) of the table

@@ -6,13 +6,17 @@ the CPU process group, and opens theirs. A call copies the input into the rank's
 a barrier, sums every rank's buffer in rank order (so every rank gets bitwise the same result) back into the input,
 and waits at a second barrier. It never allocates and keeps its round counters on the device, so decode CUDA graphs
 capture it. Every rank must make the same calls in the same order (the engine's ranks run the same steps).
+
+`all_reduce_add_rms_norm` is the same sum fused with what follows it in a decoder layer: the residual add and the
+RMSNorm of ops.fused_add_rms_norm, per row, in the same kernel (the rows' sums never leave it). Its numbers are those
+of `__call__` followed by fused_add_rms_norm; ParallelGroup.all_reduce_add_rms_norm decides when it runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._native import check_tensors, dtype_code, has_cuda_kernels, native, stream_of
+from ._native import check_tensors, dtype_code, has_cuda_kernels, kernel_applies, native, stream_of
 
 # Above this many bytes NCCL is used. One-shot reads world x the message on every rank; past a few MB the ring's
 # bandwidth wins. Decode of 256 sequences of Qwen3-32B is 2.5 MiB of bf16.
@@ -70,6 +74,42 @@ class CustomAllReduce:
         args.data, args.numel, args.dtype, args.stream = x.data_ptr(), x.numel(), dtype_code(x.dtype), stream_of(x)
         native().custom_all_reduce(args)
         return x
+
+    def applies_with_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether all_reduce_add_rms_norm takes these tensors: what the all-reduce takes, float16 or bfloat16 rows
+        [..., hidden] of at most ALL_REDUCE_NORM_MAX_HIDDEN, a residual of x's shape and a weight [hidden], all of
+        x's dtype on x's device, contiguous and 16-byte aligned (else the caller composes the two ops)."""
+        if not (self.applies(x) and kernel_applies("all_reduce_add_rms_norm", x.is_cuda, x.dtype)):
+            return False
+        hidden, align = x.shape[-1], native().ALL_REDUCE_ALIGN
+        return (
+            x.dim() >= 1
+            and hidden <= native().ALL_REDUCE_NORM_MAX_HIDDEN
+            and (hidden * x.element_size()) % align == 0
+            and residual.shape == x.shape
+            and weight.shape == (hidden,)
+            and all(
+                t.dtype == x.dtype and t.device == x.device and t.is_contiguous() and t.data_ptr() % align == 0
+                for t in (residual, weight)
+            )
+            and residual.data_ptr() != x.data_ptr()
+        )
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place, in one kernel: residual <- residual + (x summed across the ranks), x <- RMSNorm(residual) *
+        weight (ops.fused_add_rms_norm's roundings). Returns (x, residual)."""
+        if not self.applies_with_norm(x, residual, weight):
+            raise ValueError(
+                f"custom_all_reduce_add_rms_norm: does not take a {tuple(x.shape)} {x.dtype} tensor on {x.device} "
+                f"with a {tuple(residual.shape)} {residual.dtype} residual and a {tuple(weight.shape)} weight"
+            )
+        args = self._args
+        args.data, args.numel, args.dtype, args.stream = x.data_ptr(), x.numel(), dtype_code(x.dtype), stream_of(x)
+        args.residual, args.weight, args.hidden, args.eps = residual.data_ptr(), weight.data_ptr(), x.shape[-1], eps
+        native().custom_all_reduce_add_rms_norm(args)
+        return x, residual
 
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (after the device is done with them)."""
