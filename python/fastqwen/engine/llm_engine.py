@@ -225,7 +225,10 @@ class LLMEngine:
             self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel
         )
 
-        drafter = self._eagle3_drafter(spec_config, weights) if eagle3 else None
+        head = self._eagle3_head(spec_config, weights, max_num_seqs) if eagle3 else None
+        if head is not None:  # its KV pool gets as many pages as the target's (its own page bytes budgeted with them)
+            c = head.config
+            page_bytes += KVPool.bytes_per_page(1, page_size, c.num_kv_heads, c.head_dim, head.dtype)
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
         # An embedding model never decodes (and may have no LM head to capture): no decode graphs. The EAGLE-3 drafter
         # reads the target's aux hidden states of every step, which only eager steps capture: no CUDA graphs (so no
@@ -241,7 +244,6 @@ class LLMEngine:
                 "from the checkpoint" if v_scales else "1.0",
             )
         # A verify step samples 1 + k rows per sequence, for batches up to the speculator's max_batch_size.
-        self.speculator = Speculator(spec_config, drafter) if spec_config is not None else None
         verify_graph = None
         sampler_rows = self.staging.max_seqs
         if spec_config is not None:
@@ -276,6 +278,18 @@ class LLMEngine:
             k_scales,
             v_scales,
         )
+        drafter = None
+        if head is not None:
+            from .eagle3_drafter import Eagle3Drafter
+
+            # The head keeps K and V of the positions each running request computed itself (a prefix-cache hit is not
+            # recomputed), packed into its own pages: no more pages than the target's, plus room for the drafts of
+            # every request that drafts at once. So no request ever finds the head's pool full.
+            c, k = head.config, spec_config.num_speculative_tokens
+            head_pages = num_pages + head.max_batch * -(-(k - 1) // page_size)
+            head_pool = KVPool(1, head_pages, page_size, c.num_kv_heads, c.head_dim, head.dtype, self.device)
+            drafter = Eagle3Drafter(head, spec_config.num_speculative_tokens, head_pool)
+        self.speculator = Speculator(spec_config, drafter) if spec_config is not None else None
         recording = self.kv_events is not None
         self.cache = RadixCache(self.kv.allocator, page_size, recording) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
@@ -388,10 +402,9 @@ class LLMEngine:
                 self.max_model_len,
             )
 
-    def _eagle3_drafter(self, spec_config: SpeculativeConfig, weights):
+    def _eagle3_head(self, spec_config: SpeculativeConfig, weights, max_num_seqs: int):
         """The EAGLE-3 head from its folder, checked against the target; the target captures its aux layers."""
         from ..model.eagle3 import Eagle3Head, load_eagle3
-        from .eagle3_drafter import Eagle3Drafter
 
         try:
             head_config, head_weights = load_eagle3(
@@ -407,8 +420,9 @@ class LLMEngine:
             head_config.draft_vocab_size,
             head_config.capture_layers,
         )
-        head = Eagle3Head(head_config, head_weights, self.max_model_len + MAX_SPECULATIVE_TOKENS + 1)
-        return Eagle3Drafter(head, spec_config.num_speculative_tokens)
+        # Its draft steps batch the requests that speculate (at most max_batch_size of them run at once).
+        max_batch = max(1, min(spec_config.max_batch_size, max_num_seqs))
+        return Eagle3Head(head_config, head_weights, self.max_model_len + MAX_SPECULATIVE_TOKENS + 1, max_batch)
 
     def _batch_limit(self, config: EngineConfig, page_bytes: int, parallel: ParallelGroup) -> int:
         """--max-num-seqs, or by default as many sequences as the KV pool holds at a typical length, 256 to 512
@@ -873,3 +887,6 @@ class LLMEngine:
         """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises
         kvcache.InvariantError otherwise. FASTQWEN_CHECK_INVARIANTS=1 runs it after every step."""
         check_kv_invariants(self.kv.allocator, self.cache, self.scheduler.running, self.scheduler.waiting)
+        check_drafter = getattr(self.speculator.drafter if self.speculator else None, "check_invariants", None)
+        if check_drafter is not None:  # the EAGLE-3 head's own pool
+            check_drafter(self.scheduler.running)
