@@ -68,6 +68,9 @@ PREFILL_HOPPER_TESTS = [  # both run each prefill case on both kernels (the fixt
     "tests/test_engine_gpu.py::test_hopper_prefill_engine_matches_the_tensor_core_prefill_engine",
 ]
 
+EAGLE3_DRAFTER = "python/fastqwen/engine/eagle3_drafter.py"
+EAGLE3_DRAFTS = "tests/test_eagle3_batched.py::test_batched_drafts_equal_the_per_request_float64_reference[0]"
+
 MUTATIONS = [
     Mutation(
         "decode_skips_first_chunk",
@@ -391,6 +394,27 @@ MUTATIONS = [
         [("return StepOutput(output.deltas + failed.deltas, failed.time, output.num_tokens)", "return failed")],
         ["tests/test_speculative.py::test_a_failed_early_launch_fails_only_the_next_steps_requests"],
         "when launching the next step fails, the deltas of the step just recorded are lost (a finished request hangs)",
+    ),
+    Mutation(
+        "eagle3_draft_kv_not_rolled_back",
+        EAGLE3_DRAFTER,
+        [("            state.num_entries = kept[id(state)]\n", "")],
+        [EAGLE3_DRAFTS],
+        "the head's KV of its draft positions stays after drafting (the next positions attend to unverified drafts)",
+    ),
+    Mutation(
+        "eagle3_rows_read_another_requests_pages",
+        EAGLE3_DRAFTER,
+        [("            tables.append(state.pages)", "            tables.append(rows[0][0].pages)")],
+        [EAGLE3_DRAFTS],
+        "every request of the head's batch attends through the first request's page table",
+    ),
+    Mutation(
+        "eagle3_preempted_request_keeps_head_pages",
+        "python/fastqwen/scheduler/scheduler.py",
+        [("            self.speculator.preempt(request)", "            pass")],
+        ["tests/test_eagle3_batched.py::test_greedy_output_with_batched_drafts_equals_speculation_off"],
+        "a preempted request's pages in the EAGLE-3 head's pool are not given back while it waits",
     ),
 ]
 

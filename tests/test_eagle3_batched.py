@@ -166,6 +166,14 @@ class FakeRequest:
         self.rid, self.token_ids, self.cached_len = rid, list(prompt), 0
 
 
+def as_of(requests: list[FakeRequest], computed: dict[int, int]) -> list[FakeRequest]:
+    """The requests as they were computed before this step (what the head has seen when it drafts)."""
+    copies = [FakeRequest(r.rid, r.token_ids) for r in requests]
+    for copy in copies:
+        copy.cached_len = computed[copy.rid]
+    return copies
+
+
 def run_workload(drafter, reference, seed: int, steps: int = 40, check=None, mismatches: list | None = None) -> int:
     """Random ragged steps; every draft compared with the reference's (equal, or where mismatches is given, the
     unequal ones listed there); returns how many drafts were compared."""
@@ -181,6 +189,7 @@ def run_workload(drafter, reference, seed: int, steps: int = 40, check=None, mis
                 request.cached_len = rng.choice([0, (request.cached_len // PAGE) * PAGE])
             running.append(request)
         items = []
+        computed = {r.rid: r.cached_len for r in running}
         for request in list(running):
             tokens = request.token_ids
             uncomputed = len(tokens) - request.cached_len
@@ -205,6 +214,8 @@ def run_workload(drafter, reference, seed: int, steps: int = 40, check=None, mis
                 kept += request.cached_len - start
             request.cached_len = start + kept
             items.append((request, start, torch.randn(kept, 3 * TARGET_HIDDEN, generator=gen)))
+        if check is not None:  # drafted, not advanced yet: the drafts' entries and pages are gone already
+            check(as_of(running, computed))
         drafter.advance_batch(items)
         for request, start, aux in items:
             reference.advance(request.rid, request.token_ids, start, aux)
