@@ -416,6 +416,21 @@ MUTATIONS = [
         ["tests/test_eagle3_batched.py::test_greedy_output_with_batched_drafts_equals_speculation_off"],
         "a preempted request's pages in the EAGLE-3 head's pool are not given back while it waits",
     ),
+    Mutation(
+        "eagle3_graph_steps_give_no_hidden_states",
+        "python/fastqwen/engine/model_runner.py",
+        [("return graphs.aux[:num_rows].clone() if self.capture_aux else None", "return None")],
+        ["tests/test_speculative_eagle3.py::test_verify_graphs_stay_on_with_eagle3"],
+        "steps that replay CUDA graphs hand the EAGLE-3 drafter no hidden states (it drafts from stale ones, or not)",
+    ),
+    Mutation(
+        "eagle3_captured_forward_writes_no_hidden_states",
+        "python/fastqwen/engine/cuda_graph.py",
+        [("aux = self.aux[:rows] if self.aux is not None else None", "aux = None")],
+        ["tests/test_speculative_gpu.py::test_eagle3_drafts_from_the_verify_graphs_hidden_states"],
+        "the captured graphs do not write the target's hidden states at the head's layers (the buffer stays unset)",
+        gpus=1,
+    ),
 ]
 
 

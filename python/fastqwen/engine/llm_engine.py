@@ -230,10 +230,9 @@ class LLMEngine:
             c = head.config
             page_bytes += KVPool.bytes_per_page(1, page_size, c.num_kv_heads, c.head_dim, head.dtype)
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
-        # An embedding model never decodes (and may have no LM head to capture): no decode graphs. The EAGLE-3 drafter
-        # reads the target's aux hidden states of every step, which only eager steps capture: no CUDA graphs (so no
-        # verify graphs and no step launched ahead) while it is on.
-        no_graphs = config.disable_cuda_graph or self.task == "embed" or eagle3
+        # An embedding model never decodes (and may have no LM head to capture): no decode graphs. (With an EAGLE-3
+        # head every graph also writes the target's hidden states at the head's layers: ModelRunner's capture_aux.)
+        no_graphs = config.disable_cuda_graph or self.task == "embed"
         graph_bs = self._graph_max_bs(no_graphs, config.cuda_graph_max_bs, max_num_seqs)
         k_scales = v_scales = None
         if self.kv_dtype != self.dtype and config.load_format != "dummy":
@@ -324,11 +323,11 @@ class LLMEngine:
             cuda_graph_max_bs=graph_bs,
             sampler=self.sampler,
             verify_graph=verify_graph,
+            capture_aux=eagle3,
         )
         if self.speculator is not None:
             # Verify graphs take drafts of one length: a short draft is filled up (any token is a valid guess).
             self.speculator.pad_drafts = self.runner.verify_graphs is not None
-        self.runner.capture_aux = eagle3
         self.runner.mask_gate = functools.partial(rows_without_masks, wait_for_all=not parallel.single)
         self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
@@ -414,7 +413,7 @@ class LLMEngine:
             raise ConfigError(str(error), "speculative_config") from None
         self.model.aux_layers = head_config.capture_layers
         log.info(
-            "EAGLE-3 head %s: hidden %d, draft vocabulary %d, reading the target's layers %s; steps run eager",
+            "EAGLE-3 head %s: hidden %d, draft vocabulary %d, reading the target's layers %s",
             spec_config.model,
             head_config.hidden_size,
             head_config.draft_vocab_size,
@@ -480,7 +479,10 @@ class LLMEngine:
         """
         cfg = self.rank_config
         scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
-        graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs, self.sampler.graph_hook).capture()
+        aux_width = len(self.model.aux_layers) * self.model.cfg.hidden_size  # (0 without an EAGLE-3 head)
+        graphs = DecodeGraphs(
+            self.model, scratch, self.staging, max_bs, self.sampler.graph_hook, aux_width=aux_width
+        ).capture()
         used, seconds = graphs.memory_bytes, graphs.capture_seconds
         graphs.close()
         del graphs, scratch
