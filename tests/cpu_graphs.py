@@ -41,6 +41,7 @@ class StandInGraphs(DecodeGraphs):
 
     def capture(self) -> StandInGraphs:
         self.logits = torch.zeros(self.max_bs * self.query_len, self.model.cfg.vocab_size)
+        self.aux = torch.zeros(self.max_bs * self.query_len, self.aux_width) if self.aux_width else None
         self.forwards: list[int] = []
         self.sampler_replays: list[int] = []
         return self
@@ -61,7 +62,11 @@ class StandInGraphs(DecodeGraphs):
             max_query_len=q,
         )
         self.logits[: size * q] = 0.0
-        self.logits[: n * q] = self.model.forward(rows, self.kv)
+        aux = None
+        if self.aux is not None:  # (an EAGLE-3 drafter's hidden states: padding rows left zero)
+            self.aux[: size * q] = 0.0
+            aux = self.aux[: n * q]
+        self.logits[: n * q] = self.model.forward(rows, self.kv, aux_out=aux)
         return self.logits[: size * q]
 
     def replay_sampler(self, size: int) -> None:

@@ -68,6 +68,9 @@ PREFILL_HOPPER_TESTS = [  # both run each prefill case on both kernels (the fixt
     "tests/test_engine_gpu.py::test_hopper_prefill_engine_matches_the_tensor_core_prefill_engine",
 ]
 
+EAGLE3_DRAFTER = "python/fastqwen/engine/eagle3_drafter.py"
+EAGLE3_DRAFTS = "tests/test_eagle3_batched.py::test_batched_drafts_equal_the_per_request_float64_reference[0]"
+
 MUTATIONS = [
     Mutation(
         "decode_skips_first_chunk",
@@ -391,6 +394,42 @@ MUTATIONS = [
         [("return StepOutput(output.deltas + failed.deltas, failed.time, output.num_tokens)", "return failed")],
         ["tests/test_speculative.py::test_a_failed_early_launch_fails_only_the_next_steps_requests"],
         "when launching the next step fails, the deltas of the step just recorded are lost (a finished request hangs)",
+    ),
+    Mutation(
+        "eagle3_draft_kv_not_rolled_back",
+        EAGLE3_DRAFTER,
+        [("            state.num_entries = kept[id(state)]\n", "")],
+        [EAGLE3_DRAFTS],
+        "the head's KV of its draft positions stays after drafting (the next positions attend to unverified drafts)",
+    ),
+    Mutation(
+        "eagle3_rows_read_another_requests_pages",
+        EAGLE3_DRAFTER,
+        [("            tables.append(state.pages)", "            tables.append(rows[0][0].pages)")],
+        [EAGLE3_DRAFTS],
+        "every request of the head's batch attends through the first request's page table",
+    ),
+    Mutation(
+        "eagle3_preempted_request_keeps_head_pages",
+        "python/fastqwen/scheduler/scheduler.py",
+        [("            self.speculator.preempt(request)", "            pass")],
+        ["tests/test_eagle3_batched.py::test_greedy_output_with_batched_drafts_equals_speculation_off"],
+        "a preempted request's pages in the EAGLE-3 head's pool are not given back while it waits",
+    ),
+    Mutation(
+        "eagle3_graph_steps_give_no_hidden_states",
+        "python/fastqwen/engine/model_runner.py",
+        [("return graphs.aux[:num_rows].clone() if self.capture_aux else None", "return None")],
+        ["tests/test_speculative_eagle3.py::test_verify_graphs_stay_on_with_eagle3"],
+        "steps that replay CUDA graphs hand the EAGLE-3 drafter no hidden states (it drafts from stale ones, or not)",
+    ),
+    Mutation(
+        "eagle3_captured_forward_writes_no_hidden_states",
+        "python/fastqwen/engine/cuda_graph.py",
+        [("aux = self.aux[:rows] if self.aux is not None else None", "aux = None")],
+        ["tests/test_speculative_gpu.py::test_eagle3_drafts_from_the_verify_graphs_hidden_states"],
+        "the captured graphs do not write the target's hidden states at the head's layers (the buffer stays unset)",
+        gpus=1,
     ),
 ]
 

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from checkpoints import VOCAB, make_checkpoint
+from cpu_graphs import graph_llm
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
 
@@ -177,13 +178,26 @@ def test_greedy_output_is_unchanged_and_the_kv_invariant_holds(setup):
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
     # 6 requests of 44 tokens in 4-token pages need 66 pages: 40 force preemptions (the head's KV is recomputed).
     llm = make_llm(target, spec, num_pages=40)
-    assert llm.engine.runner.graphs is None  # eagle3 runs eager
     assert outputs(llm, batch, params) == reference
     stats = llm.engine.stats()
     assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens >= stats.spec_num_drafts
     assert stats.num_preemptions > 0
     llm.engine.check_invariants()
     assert not llm.engine.speculator.drafter._states  # finished requests leave nothing behind
+
+
+def recorded_proposals(drafter) -> list:
+    """(tokens, draft, limit) of every proposal the drafter makes from now on."""
+    proposals = []
+    propose = drafter.propose
+
+    def recording(rid, tokens, num_prompt_tokens, limit):
+        draft, score = propose(rid, tokens, num_prompt_tokens, limit)
+        proposals.append((list(tokens), draft, limit))
+        return draft, score
+
+    drafter.propose = recording
+    return proposals
 
 
 @pytest.mark.parametrize("synthetic", [None, 2.5])
@@ -196,16 +210,7 @@ def test_every_draft_equals_the_float64_reference(setup, synthetic):
     # 2 requests of 36 tokens in 4-token pages need 18 pages and more for drafts: 14 force preemptions, after which
     # the head's KV is recomputed from position 0.
     llm = make_llm(target, spec, enable_prefix_caching=False, num_pages=14)
-    drafter = llm.engine.speculator.drafter
-    proposals = []
-    propose = drafter.propose
-
-    def recording(rid, tokens, num_prompt_tokens, limit):
-        draft, score = propose(rid, tokens, num_prompt_tokens, limit)
-        proposals.append((list(tokens), draft, limit))
-        return draft, score
-
-    drafter.propose = recording
+    proposals = recorded_proposals(llm.engine.speculator.drafter)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs(llm, prompts(2, seed=8), params)
     stats = llm.engine.stats()
@@ -215,6 +220,28 @@ def test_every_draft_equals_the_float64_reference(setup, synthetic):
         assert draft == reference_drafts(model, w, tokens, min(K, limit)), len(tokens)
         checked += 1
     assert checked >= 6
+    llm.engine.check_invariants()
+
+
+def test_verify_graphs_stay_on_with_eagle3(setup, monkeypatch):
+    """The decode and verify steps replay graphs (tests/cpu_graphs.py's stand-ins), which write the target's hidden
+    states at the head's layers into their buffer: greedy output equals speculation off, and the drafts made from
+    the replayed steps' hidden states equal the float64 reference (so the rows the runner copies out are the real
+    sequences', not padding)."""
+    target, model, head, w = setup
+    batch = prompts(5, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    reference = outputs(make_llm(target), batch, params)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
+    llm = graph_llm(monkeypatch, target, speculative_config=spec, page_size=4, num_pages=256)
+    verify_graphs = llm.engine.runner.verify_graphs
+    assert verify_graphs is not None and verify_graphs.aux is not None
+    proposals = recorded_proposals(llm.engine.speculator.drafter)
+    assert outputs(llm, batch, params) == reference
+    assert len(verify_graphs.forwards) >= 5 and llm.engine.stats().spec_num_drafts > 0
+    later = proposals[len(proposals) // 2 :]  # made after verify steps that replayed graphs
+    for tokens, draft, limit in later[:: max(1, len(later) // 6)]:
+        assert draft == reference_drafts(model, w, tokens, min(K, limit)), len(tokens)
     llm.engine.check_invariants()
 
 

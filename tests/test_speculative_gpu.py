@@ -195,3 +195,40 @@ def test_greedy_tokens_with_penalties_unchanged_with_verify_graphs(folder, metho
     # check is the test; one exact output is the floor measured.
     assert exact >= 1
     llm.engine.check_invariants()
+
+
+def test_eagle3_drafts_from_the_verify_graphs_hidden_states(folder, tmp_path):
+    """eagle3 (a random head) with the decode and verify graphs on: greedy tokens equal decoding without speculation
+    up to a near-tie, and the drafts made from the replayed steps' hidden states (the graphs' aux buffer) equal, for
+    the same tokens, those of the same engine run eagerly, up to bf16 rounding (at least 80% of them: a buffer never
+    written, or rows of the wrong sequences, would make nearly every one differ)."""
+    from test_speculative_eagle3 import recorded_proposals, write_head
+
+    head = str(tmp_path / "head")
+    write_head(head, seed=1, target_hidden=256)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
+    batch = prompts(8, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+    reference = make_llm(folder).generate(batch, params, use_tqdm=False)
+    eager = LLM(folder, dtype="bfloat16", device="cuda", page_size=16, num_pages=1024, max_num_seqs=32,
+                disable_cuda_graph=True, speculative_config=spec)  # fmt: skip
+    eager_drafts = recorded_proposals(eager.engine.speculator.drafter)
+    eager.generate(batch, params, use_tqdm=False)
+    del eager
+    llm = make_llm(folder, spec)
+    assert llm.engine.runner.verify_graphs is not None
+    replays = count_verify_replays(llm)
+    graph_drafts = recorded_proposals(llm.engine.speculator.drafter)
+    out = llm.generate(batch, params, use_tqdm=False)
+    assert replays[0] > 0
+    for mine, theirs in zip(out, reference):
+        diverged = next((j for j, (a, b) in enumerate(zip(mine.token_ids, theirs.token_ids)) if a != b), None)
+        if diverged is not None:
+            top = dict(theirs.logprobs[diverged].top)
+            chosen = mine.token_ids[diverged]
+            assert chosen in top and top[theirs.token_ids[diverged]] - top[chosen] <= NEAR_TIE, (diverged, top)
+    by_tokens = {tuple(tokens): draft for tokens, draft, _ in eager_drafts if draft}
+    common = [(draft, by_tokens[tuple(tokens)]) for tokens, draft, _ in graph_drafts if tuple(tokens) in by_tokens]
+    assert len(common) >= 40
+    assert sum(a == b for a, b in common) >= 0.8 * len(common), common[:8]
+    llm.engine.check_invariants()

@@ -15,6 +15,9 @@ graph alone, on the logits the forward left.
 All graphs share one memory pool and are captured largest first, so the smaller ones reuse the largest one's
 activation memory.
 
+With an EAGLE-3 drafter (aux_width), the forward also copies the target's hidden states at the head's layers into a
+persistent buffer; the runner copies a replay's rows out right after it, on the same stream.
+
 Speculative decoding's verify steps have graphs of their own (`query_len` = 1 + the draft length): each sequence
 computes query_len tokens through the prefill attention kernel and every token gets a logits row. Their padding
 sequences read the query_len first slots of page 0 (kv_lens = query_len: the causal mask of a sequence shorter than
@@ -86,8 +89,13 @@ class DecodeGraphs:
         max_bs: int,
         post_logits: PostLogits | None = None,
         query_len: int = 1,
+        aux_width: int = 0,
     ):
+        """aux_width: when non-zero, the forward also writes the hidden states at model.aux_layers of every token row
+        (an EAGLE-3 drafter's input) into the persistent `aux` [max_bs x query_len, aux_width]."""
         self.query_len = query_len
+        self.aux_width = aux_width
+        self.aux: torch.Tensor | None = None
         self.model = model
         self.kv = kv
         self.staging = staging
@@ -139,7 +147,9 @@ class DecodeGraphs:
         )
 
     def _run(self, batch: ForwardBatch, size: int) -> None:
-        self.model.forward(batch, self.kv, logits_out=self.logits[: size * self.query_len])
+        rows = size * self.query_len
+        aux = self.aux[:rows] if self.aux is not None else None
+        self.model.forward(batch, self.kv, logits_out=self.logits[:rows], aux_out=aux)
 
     @torch.inference_mode()
     def capture(self) -> DecodeGraphs:
@@ -163,6 +173,8 @@ class DecodeGraphs:
         start = time.perf_counter()
         q = self.query_len
         self.logits = torch.empty(self.max_bs * q, self.model.cfg.vocab_size, dtype=torch.float32, device=device)
+        if self.aux_width:
+            self.aux = torch.empty(self.max_bs * q, self.aux_width, dtype=self.model.dtype, device=device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):
@@ -217,4 +229,4 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.sample_graphs.clear()
-        self.logits = None
+        self.logits = self.aux = None

@@ -225,12 +225,14 @@ class LLMEngine:
             self.rank_config, weights, self.max_model_len, max_batch=max_num_seqs, parallel=parallel
         )
 
-        drafter = self._eagle3_drafter(spec_config, weights) if eagle3 else None
+        head = self._eagle3_head(spec_config, weights, max_num_seqs) if eagle3 else None
+        if head is not None:  # its KV pool gets as many pages as the target's (its own page bytes budgeted with them)
+            c = head.config
+            page_bytes += KVPool.bytes_per_page(1, page_size, c.num_kv_heads, c.head_dim, head.dtype)
         self.staging = staging_for(max_num_batched_tokens, max_num_seqs, self.max_model_len, page_size, self.device)
-        # An embedding model never decodes (and may have no LM head to capture): no decode graphs. The EAGLE-3 drafter
-        # reads the target's aux hidden states of every step, which only eager steps capture: no CUDA graphs (so no
-        # verify graphs and no step launched ahead) while it is on.
-        no_graphs = config.disable_cuda_graph or self.task == "embed" or eagle3
+        # An embedding model never decodes (and may have no LM head to capture): no decode graphs. (With an EAGLE-3
+        # head every graph also writes the target's hidden states at the head's layers: ModelRunner's capture_aux.)
+        no_graphs = config.disable_cuda_graph or self.task == "embed"
         graph_bs = self._graph_max_bs(no_graphs, config.cuda_graph_max_bs, max_num_seqs)
         k_scales = v_scales = None
         if self.kv_dtype != self.dtype and config.load_format != "dummy":
@@ -241,7 +243,6 @@ class LLMEngine:
                 "from the checkpoint" if v_scales else "1.0",
             )
         # A verify step samples 1 + k rows per sequence, for batches up to the speculator's max_batch_size.
-        self.speculator = Speculator(spec_config, drafter) if spec_config is not None else None
         verify_graph = None
         sampler_rows = self.staging.max_seqs
         if spec_config is not None:
@@ -276,6 +277,18 @@ class LLMEngine:
             k_scales,
             v_scales,
         )
+        drafter = None
+        if head is not None:
+            from .eagle3_drafter import Eagle3Drafter
+
+            # The head keeps K and V of the positions each running request computed itself (a prefix-cache hit is not
+            # recomputed), packed into its own pages: no more pages than the target's, plus room for the drafts of
+            # every request that drafts at once. So no request ever finds the head's pool full.
+            c, k = head.config, spec_config.num_speculative_tokens
+            head_pages = num_pages + head.max_batch * -(-(k - 1) // page_size)
+            head_pool = KVPool(1, head_pages, page_size, c.num_kv_heads, c.head_dim, head.dtype, self.device)
+            drafter = Eagle3Drafter(head, spec_config.num_speculative_tokens, head_pool)
+        self.speculator = Speculator(spec_config, drafter) if spec_config is not None else None
         recording = self.kv_events is not None
         self.cache = RadixCache(self.kv.allocator, page_size, recording) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
@@ -310,11 +323,11 @@ class LLMEngine:
             cuda_graph_max_bs=graph_bs,
             sampler=self.sampler,
             verify_graph=verify_graph,
+            capture_aux=eagle3,
         )
         if self.speculator is not None:
             # Verify graphs take drafts of one length: a short draft is filled up (any token is a valid guess).
             self.speculator.pad_drafts = self.runner.verify_graphs is not None
-        self.runner.capture_aux = eagle3
         self.runner.mask_gate = functools.partial(rows_without_masks, wait_for_all=not parallel.single)
         self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
@@ -388,10 +401,9 @@ class LLMEngine:
                 self.max_model_len,
             )
 
-    def _eagle3_drafter(self, spec_config: SpeculativeConfig, weights):
+    def _eagle3_head(self, spec_config: SpeculativeConfig, weights, max_num_seqs: int):
         """The EAGLE-3 head from its folder, checked against the target; the target captures its aux layers."""
         from ..model.eagle3 import Eagle3Head, load_eagle3
-        from .eagle3_drafter import Eagle3Drafter
 
         try:
             head_config, head_weights = load_eagle3(
@@ -401,14 +413,15 @@ class LLMEngine:
             raise ConfigError(str(error), "speculative_config") from None
         self.model.aux_layers = head_config.capture_layers
         log.info(
-            "EAGLE-3 head %s: hidden %d, draft vocabulary %d, reading the target's layers %s; steps run eager",
+            "EAGLE-3 head %s: hidden %d, draft vocabulary %d, reading the target's layers %s",
             spec_config.model,
             head_config.hidden_size,
             head_config.draft_vocab_size,
             head_config.capture_layers,
         )
-        head = Eagle3Head(head_config, head_weights, self.max_model_len + MAX_SPECULATIVE_TOKENS + 1)
-        return Eagle3Drafter(head, spec_config.num_speculative_tokens)
+        # Its draft steps batch the requests that speculate (at most max_batch_size of them run at once).
+        max_batch = max(1, min(spec_config.max_batch_size, max_num_seqs))
+        return Eagle3Head(head_config, head_weights, self.max_model_len + MAX_SPECULATIVE_TOKENS + 1, max_batch)
 
     def _batch_limit(self, config: EngineConfig, page_bytes: int, parallel: ParallelGroup) -> int:
         """--max-num-seqs, or by default as many sequences as the KV pool holds at a typical length, 256 to 512
@@ -466,7 +479,10 @@ class LLMEngine:
         """
         cfg = self.rank_config
         scratch = KVPool(cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
-        graphs = DecodeGraphs(self.model, scratch, self.staging, max_bs, self.sampler.graph_hook).capture()
+        aux_width = len(self.model.aux_layers) * self.model.cfg.hidden_size  # (0 without an EAGLE-3 head)
+        graphs = DecodeGraphs(
+            self.model, scratch, self.staging, max_bs, self.sampler.graph_hook, aux_width=aux_width
+        ).capture()
         used, seconds = graphs.memory_bytes, graphs.capture_seconds
         graphs.close()
         del graphs, scratch
@@ -873,3 +889,6 @@ class LLMEngine:
         """Every KV page free or owned exactly by the requests that map it and the prefix cache; raises
         kvcache.InvariantError otherwise. FASTQWEN_CHECK_INVARIANTS=1 runs it after every step."""
         check_kv_invariants(self.kv.allocator, self.cache, self.scheduler.running, self.scheduler.waiting)
+        check_drafter = getattr(self.speculator.drafter if self.speculator else None, "check_invariants", None)
+        if check_drafter is not None:  # the EAGLE-3 head's own pool
+            check_drafter(self.scheduler.running)

@@ -58,7 +58,7 @@ class PendingStep:
     deferred: bool = False
     forward_done: torch.cuda.Event | None = None  # a deferred step's: fires when its forward has run
     skipped: frozenset[int] = frozenset()  # sampling rows drawn without their grammar's mask: the engine drops them
-    aux_hidden: torch.Tensor | None = None  # an eager step's hidden states at the aux layers, per token row (eagle3)
+    aux_hidden: torch.Tensor | None = None  # the step's hidden states at the aux layers, per token row (eagle3)
 
 
 # The engine's choice of the sampling rows whose grammar mask is not ready (ModelRunner.mask_gate): given the rows'
@@ -77,9 +77,12 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         sampler: Sampler | None = None,
         verify_graph: tuple[int, int] | None = None,
+        capture_aux: bool = False,
     ):
         """verify_graph: (largest batch, tokens per sequence) of speculative decoding's verify steps to capture in
-        CUDA graphs (drafts of one length for the whole batch), or None."""
+        CUDA graphs (drafts of one length for the whole batch), or None. capture_aux: every step, eager or replayed,
+        gives the target's hidden states at model.aux_layers of its token rows (PendingStep.aux_hidden), for an
+        EAGLE-3 drafter."""
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -94,6 +97,8 @@ class ModelRunner:
             frozenset()
         )  # the engine's (LLMEngine); none: every mask is waited for
         self.graphs: DecodeGraphs | None = None
+        self.capture_aux = capture_aux
+        aux_width = len(model.aux_layers) * model.cfg.hidden_size if capture_aux else 0
         self._graph_batches: dict[int, ForwardBatch] = {}
         # Page-table rows already in the staging buffer at the last graph size: (request, pages written) per row.
         # Decode batches keep their order from step to step, so a step usually writes only the new pages.
@@ -102,7 +107,9 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             # The sampler (frozen by the engine) is captured after the LM head: a decode step is one replay and one
             # read-back.
-            self.graphs = DecodeGraphs(model, kv, self.staging, cuda_graph_max_bs, self.sampler.graph_hook).capture()
+            self.graphs = DecodeGraphs(
+                model, kv, self.staging, cuda_graph_max_bs, self.sampler.graph_hook, aux_width=aux_width
+            ).capture()
             self._graph_batches = {size: self.graphs.batch(size) for size in self.graphs.sizes}
             log.info(
                 "captured %d CUDA graphs for decode batches up to %d in %.2f s, using %.0f MiB",
@@ -111,14 +118,11 @@ class ModelRunner:
                 self.graphs.capture_seconds,
                 self.graphs.memory_bytes / 2**20,
             )
-        # An EAGLE-3 drafter reads the target's hidden states at model.aux_layers for every token row: eager steps
-        # then capture them (the engine runs no CUDA graph while it does).
-        self.capture_aux = False
         self.verify_graphs: DecodeGraphs | None = None
         if self.graphs is not None and verify_graph is not None:
             max_bs, query_len = verify_graph
             self.verify_graphs = DecodeGraphs(
-                model, kv, self.staging, max_bs, self.sampler.graph_hook, query_len=query_len
+                model, kv, self.staging, max_bs, self.sampler.graph_hook, query_len=query_len, aux_width=aux_width
             ).capture()
             log.info(
                 "captured %d CUDA graphs for verify steps of %d tokens per sequence, batches up to %d, in %.2f s",
@@ -361,6 +365,8 @@ class ModelRunner:
             aux = torch.empty(batch.num_tokens, width, dtype=self.model.dtype, device=self.device)
         rows = sampling_rows(scheduled)
         tokens, logprobs, skipped = self._run_eager(scheduled, rows, batch, graph_size, aux)
+        if graph_size:  # the decode graph's forward ran (its sampler did not): its aux rows, if it wrote them
+            aux = self._replayed_aux(self.graphs, len(scheduled.chunks))
         return PendingStep(rows, tokens=tokens, logprobs=logprobs, skipped=skipped, aux_hidden=aux)
 
     def launch_replay(self, scheduled: ScheduledBatch) -> PendingStep | None:
@@ -426,7 +432,14 @@ class ModelRunner:
         self.staging.upload(layout)
         graphs.replay(size)
         host, ready = self._start_read_back(self.sampler.tokens[: len(rows)])
-        return PendingStep(rows, host=host, ready=ready, num_top=self.sampler.num_top)
+        aux = self._replayed_aux(graphs, n * q)
+        return PendingStep(rows, host=host, ready=ready, num_top=self.sampler.num_top, aux_hidden=aux)
+
+    def _replayed_aux(self, graphs: DecodeGraphs, num_rows: int) -> torch.Tensor | None:
+        """A copy of the aux hidden states a replay left for its first num_rows token rows (the sequences that are
+        not padding), queued after it on the stream: the next replay may overwrite the graphs' buffer before the
+        drafter reads them."""
+        return graphs.aux[:num_rows].clone() if self.capture_aux else None
 
     def _launch_ahead(self, chunks, after: PendingStep) -> PendingStep | None:
         graphs, sampler = self.graphs, self.sampler
@@ -450,9 +463,10 @@ class ModelRunner:
         batch = self._build_graph_decode(chunks, size, ahead=True)
         self._copy_input_tokens(batch, source_rows, self._flip)
         self.graphs.replay_forward(size)
+        aux = self._replayed_aux(self.graphs, len(chunks))
         forward_done = torch.cuda.Event()
         forward_done.record()
-        return PendingStep([c.request for c in chunks], deferred=True, forward_done=forward_done)
+        return PendingStep([c.request for c in chunks], deferred=True, forward_done=forward_done, aux_hidden=aux)
 
     def sample_deferred(self, pending: PendingStep, skip: frozenset[int] = frozenset()) -> None:
         """Sample a deferred step on its forward's logits (still in the graphs' buffer: the next forward is launched
@@ -495,7 +509,8 @@ class ModelRunner:
         self.run_model(batch, size)  # the forward's graph (tests wrap run_model to read a step's logits)
         self.graphs.replay_sampler(size)  # then the sampler's, whose tokens the read-back takes
         host, ready = self._start_read_back(self.sampler.tokens[:n])
-        return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top)
+        aux = self._replayed_aux(self.graphs, n)
+        return PendingStep(requests, host=host, ready=ready, num_top=self.sampler.num_top, aux_hidden=aux)
 
     def _run_eager(self, scheduled: ScheduledBatch, requests: list, batch: ForwardBatch, graph_size: int, aux=None):
         """The forward and the sampler of an eager step; `requests`: its sampling rows (verify.sampling_rows)."""

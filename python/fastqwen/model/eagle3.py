@@ -7,8 +7,10 @@ The head at position p reads the token at p + 1 and a feature of position p, and
 - for a drafted position, it is the head's own output at p - 1 before its final norm (already `hidden` wide, so
   `fc` is skipped): the residual stream after the layer's MLP, as SGLang and vLLM feed it back.
 
-Positions are the sequence's own (RoPE at p, the head's rope_theta). The head's KV is its own, one layer: the
-drafter (engine/eagle3_drafter.py) keeps it per request and hands it in; attention is a plain causal softmax over it.
+Positions are the sequence's own (RoPE at p, the head's rope_theta). The head's KV is its own: a one-layer paged
+pool whose pages the drafter (engine/eagle3_drafter.py) hands out per request. The forward runs a batch of requests
+through the ops the target's layers use (ops.linear, qk_norm_rope_store_kv without the q/k norms, paged attention for
+prefill and decode), so the same code runs on the CPU references and the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
-from ..ops.rope_kv import apply_rope_reference
+from ..kvcache import KVPool
 from ..speculative.config import SpeculativeConfigError
+from .forward_batch import ForwardBatch
 
 HEAD_PREFIX = "midlayer."
 
@@ -98,9 +101,7 @@ class Eagle3Weights:
     fc: ops.LinearWeight  # [hidden, n_aux * target_hidden]
     input_norm: torch.Tensor  # the token embedding's norm
     hidden_norm: torch.Tensor  # the feature's norm
-    q_proj: ops.LinearWeight  # [heads * D, 2 * hidden]
-    k_proj: ops.LinearWeight
-    v_proj: ops.LinearWeight
+    qkv: ops.LinearWeight  # q, k and v stacked: [(heads + 2 * kv_heads) * D, 2 * hidden]
     o_proj: ops.LinearWeight
     post_norm: torch.Tensor
     gate_up: ops.LinearWeight  # gate and up stacked, for linear_silu_and_mul
@@ -172,9 +173,14 @@ def load_eagle3(
         fc=proj("fc.weight", h, len(config.capture_layers) * t),
         input_norm=get(layer + "input_layernorm.weight", (h,)),
         hidden_norm=get(layer + "hidden_norm.weight", (h,)),
-        q_proj=proj(layer + "self_attn.q_proj.weight", q_size, 2 * h),
-        k_proj=proj(layer + "self_attn.k_proj.weight", kv_size, 2 * h),
-        v_proj=proj(layer + "self_attn.v_proj.weight", kv_size, 2 * h),
+        qkv=ops.LinearWeight(
+            torch.cat(
+                [
+                    get(layer + f"self_attn.{n}_proj.weight", (rows, 2 * h))
+                    for n, rows in (("q", q_size), ("k", kv_size), ("v", kv_size))
+                ]
+            ).contiguous()
+        ),
         o_proj=proj(layer + "self_attn.o_proj.weight", h, q_size),
         post_norm=get(layer + "post_attention_layernorm.weight", (h,)),
         gate_up=ops.LinearWeight(torch.cat([gate, up]).contiguous()),
@@ -187,68 +193,73 @@ def load_eagle3(
     return config, weights
 
 
-@dataclass
-class HeadKV:
-    """One request's KV of the head's layer: RoPE'd keys and values of the positions it has seen, in order."""
-
-    k: torch.Tensor  # [N, kv_heads, D]
-    v: torch.Tensor
-    positions: torch.Tensor  # [N] int64, increasing
-
-    def truncate(self, end: int) -> None:
-        """Forget every position >= end (rejected drafts, or a recomputation from `end`)."""
-        n = int(torch.searchsorted(self.positions, end))
-        self.k, self.v, self.positions = self.k[:n], self.v[:n], self.positions[:n]
-
-
 class Eagle3Head:
-    def __init__(self, config: Eagle3Config, weights: Eagle3Weights, max_positions: int):
+    """The head's forward over a batch of requests: rows packed by request as the target's (ForwardBatch), its KV in a
+    one-layer paged pool of its own (the drafter, engine/eagle3_drafter.py, owns the pages and says where each row's
+    K and V go: out_slots, page_table, kv_lens)."""
+
+    def __init__(self, config: Eagle3Config, weights: Eagle3Weights, max_positions: int, max_batch: int):
         self.config, self.weights = config, weights
         self.device, self.dtype = weights.lm_head.weight.device, weights.lm_head.weight.dtype
         self.cos_sin_cache = ops.rope_cos_sin_cache(config.head_dim, max_positions, config.rope_theta, self.device)
         self.scale = config.head_dim**-0.5
-
-    def empty_kv(self) -> HeadKV:
-        c = self.config
-        empty = torch.empty(0, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
-        return HeadKV(empty, empty.clone(), torch.empty(0, dtype=torch.int64, device=self.device))
+        # Decode steps of up to max_batch requests (the drafts' steps) take the split-KV kernel where it runs.
+        self.max_batch = max_batch
+        self.decode_workspace = None
+        if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, config.head_dim):
+            self.decode_workspace = ops.decode_workspace(max_batch, config.num_heads, self.device)
 
     @torch.inference_mode()
-    def forward(
-        self, next_tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, kv: HeadKV
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of one request at increasing positions (after kv's): next_tokens [R] (the token at p + 1), features
-        [R, n_aux * target_hidden] (the target's) or [R, hidden] (the head's own output at p - 1). Appends their KV
-        to kv; returns (the draft's target-vocabulary ids [R] predicting p + 2, the outputs before the final norm
-        [R, hidden] that feed the next position)."""
+    def forward(self, batch: ForwardBatch, kv: KVPool, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch.input_ids [T]: the token at p + 1 of each row at position p (batch.positions); features
+        [T, n_aux * target_hidden] (the target's) or [T, hidden] (the head's own outputs at p - 1). Writes the rows' K
+        and V at batch.out_slots; each request attends to its kv_lens entries, the rows being its last ones. Returns,
+        for the rows batch.logits_indices, (the draft's target-vocabulary ids predicting p + 2, the outputs before the
+        final norm [S, hidden] that feed the next position)."""
         c, w = self.config, self.weights
-        eps, rows = c.rms_norm_eps, next_tokens.shape[0]
+        eps, rows = c.rms_norm_eps, batch.num_tokens
         features = features.to(self.dtype)
         if features.shape[1] != c.hidden_size:
             features = ops.linear(features, w.fc)
-        embeds = w.embed[next_tokens]
+        embeds = w.embed[batch.input_ids]
         x = torch.cat([ops.rms_norm(embeds, w.input_norm, eps), ops.rms_norm(features, w.hidden_norm, eps)], dim=-1)
-        cos_sin = self.cos_sin_cache[positions]
-        q = apply_rope_reference(ops.linear(x, w.q_proj).view(rows, c.num_heads, c.head_dim), cos_sin)
-        k = apply_rope_reference(ops.linear(x, w.k_proj).view(rows, c.num_kv_heads, c.head_dim), cos_sin)
-        v = ops.linear(x, w.v_proj).view(rows, c.num_kv_heads, c.head_dim)
-        kv.k, kv.v = torch.cat([kv.k, k]), torch.cat([kv.v, v])
-        kv.positions = torch.cat([kv.positions, positions])
-        attn = self._attention(q, kv, positions)
-        residual = features + ops.linear(attn.reshape(rows, -1), w.o_proj)  # the feature is the layer's residual
+        q = torch.empty(rows, c.num_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        k_cache, v_cache = kv.k(0), kv.v(0)
+        # A Llama layer: RoPE without the per-head norms of Qwen3's (q_weight = k_weight = None).
+        ops.qk_norm_rope_store_kv(
+            ops.linear(x, w.qkv),
+            None,
+            None,
+            self.cos_sin_cache,
+            batch.positions,
+            k_cache,
+            v_cache,
+            batch.out_slots,
+            eps,
+            q_out=q,
+        )
+        attn = torch.empty_like(q)
+        if batch.is_decode:
+            ops.paged_attention_decode(
+                q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn, self.decode_workspace
+            )
+        else:
+            ops.paged_attention_prefill(
+                q,
+                k_cache,
+                v_cache,
+                batch.query_start,
+                batch.page_table,
+                batch.kv_lens,
+                self.scale,
+                attn,
+                batch.max_query_len or None,
+            )
+        residual = features + ops.linear(attn.view(rows, -1), w.o_proj)  # the feature is the layer's residual
         out = residual + ops.linear(
             ops.linear_silu_and_mul(ops.rms_norm(residual, w.post_norm, eps), w.gate_up), w.down
         )
+        out = out[batch.logits_indices]
         logits = ops.linear(ops.rms_norm(out, w.final_norm, eps), w.lm_head)
         draft_ids = logits.float().argmax(dim=-1)
         return draft_ids + w.d2t[draft_ids], out
-
-    def _attention(self, q: torch.Tensor, kv: HeadKV, positions: torch.Tensor) -> torch.Tensor:
-        """Causal softmax attention of q [R, heads, D] over every cached position <= its own (float32)."""
-        group = self.config.num_heads // self.config.num_kv_heads
-        k = kv.k.float().repeat_interleave(group, dim=1)  # [N, heads, D]
-        v = kv.v.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("rhd,nhd->hrn", q.float(), k) * self.scale
-        visible = kv.positions[None, :] <= positions[:, None]  # [R, N]
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        return torch.einsum("hrn,nhd->rhd", scores.softmax(dim=-1), v).to(self.dtype)

@@ -92,8 +92,8 @@ def apply_rope_reference(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor
 
 def qk_norm_rope_store_kv(
     qkv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
     k_cache: torch.Tensor,
@@ -112,6 +112,9 @@ def qk_norm_rope_store_kv(
     K / k_scale and V / v_scale (ops/kv_fp8.py: K rounded to qkv's dtype first, as it is for a 16-bit cache). Where
     rope_kv_kernel_applies (bf16 / fp16 CUDA tensors, head_dim 64, 128 or 256) this is one kernel launch
     (csrc/rope_kv.cu); otherwise the reference.
+
+    q_weight = k_weight = None: no per-head norm (a Llama layer's attention, as the EAGLE-3 head's). The kernel has no
+    such variant yet: that case runs the reference on every device.
     """
     num_tokens = qkv.shape[0]
     if q_out.dim() != 3 or q_out.shape[0] != num_tokens:
@@ -128,9 +131,12 @@ def qk_norm_rope_store_kv(
         raise ValueError(
             f"qk_norm_rope_store_kv: qkv must be [{num_tokens}, {q_size + 2 * kv_size}], got {tuple(qkv.shape)}"
         )
+    normed = q_weight is not None
+    if (k_weight is not None) != normed:
+        raise ValueError("qk_norm_rope_store_kv: q_weight and k_weight are both given or both None")
+    weights = (("q_weight", q_weight, (head_dim,)), ("k_weight", k_weight, (head_dim,))) if normed else ()
     for name, t, shape in (
-        ("q_weight", q_weight, (head_dim,)),
-        ("k_weight", k_weight, (head_dim,)),
+        *weights,
         ("positions", positions, (num_tokens,)),
         ("out_slots", out_slots, (num_tokens,)),
     ):
@@ -147,7 +153,7 @@ def qk_norm_rope_store_kv(
         raise ValueError(
             f"qk_norm_rope_store_kv: k_scale and v_scale must be positive and finite, not {k_scale}, {v_scale}"
         )
-    if rope_kv_kernel_applies(qkv.is_cuda, qkv.dtype, head_dim):
+    if normed and rope_kv_kernel_applies(qkv.is_cuda, qkv.dtype, head_dim):
         check_tensors(
             "qk_norm_rope_store_kv",
             qkv.device,
@@ -186,8 +192,10 @@ def qk_norm_rope_store_kv(
     k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size :].reshape(num_tokens, num_kv_heads, head_dim)
     cos_sin = cos_sin_cache[positions]
-    q_out.copy_(apply_rope_reference(rms_norm_reference(q, q_weight, eps), cos_sin))
-    k = apply_rope_reference(rms_norm_reference(k, k_weight, eps), cos_sin)
+    if normed:
+        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+    q_out.copy_(apply_rope_reference(q, cos_sin))
+    k = apply_rope_reference(k, cos_sin)
     valid = out_slots >= 0
     slots = out_slots[valid].long()
     store_rows(k_cache.view(-1, num_kv_heads, head_dim), slots, k[valid], k_scale)

@@ -391,6 +391,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        if self.speculator is not None:
+            self.speculator.preempt(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._cache_computed_prefix(request)

@@ -145,16 +145,25 @@ class Speculator:
     def observe(self, chunks_and_rows, aux_hidden) -> None:
         """A drafter that reads the target's hidden states (eagle3) advances over what a step computed and kept:
         chunks_and_rows gives each chunk of the step with its first token row in aux_hidden [T, ...]. Each request's
-        kept positions run from its chunk's start to its cached_len (Scheduler.update has recorded the step)."""
-        advance = getattr(self.drafter, "advance", None)
+        kept positions run from its chunk's start to its cached_len (Scheduler.update has recorded the step); the
+        drafter takes them all at once."""
+        advance = getattr(self.drafter, "advance_batch", None)
         if advance is None or aux_hidden is None:
             return
+        items = []
         for chunk, row in chunks_and_rows:
             request = chunk.request
             kept = request.cached_len - chunk.start
             if request.finished or kept <= 0:
                 continue
-            advance(request, chunk.start, aux_hidden[row : row + kept])
+            items.append((request, chunk.start, aux_hidden[row : row + kept]))
+        advance(items)
+
+    def preempt(self, request) -> None:
+        """A request was preempted: a drafter that keeps KV of it (eagle3) gives it back, as the target does."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(request.rid)
 
     def finish(self, request) -> None:
         """A request is done (finished, aborted or failed): drop its state; the drafter may learn from its tokens."""
