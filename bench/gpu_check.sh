@@ -18,6 +18,7 @@
 #            batch1-step-breakdown.md in bench/results/current/)
 #   copyref  the one-token GEMVs and decode attention (64 x 4,096, one sequence of 16k to 128k) against the same copy
 #            reference                                     (README: gemv-one-token.md, decode-attention.md)
+#   prefillprofile  Nsight Compute on one Hopper prefill launch (4k, bf16): speed of light, warp stalls (if ncu exists)
 #   longcontext  TTFT of 4k and 32k prompts through HTTP and offline (with the prefill's FLOP limit), and of a
 #            131,071-token prompt with YaRN offline, random Qwen3-8B          (README: long-context.md)
 #   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
@@ -252,6 +253,14 @@ stage_batch1() {  # the README's batch-1 figures: bench/results/current/batch1-l
   done
 }
 
+stage_prefillprofile() {  # issue 48: where the Hopper prefill kernel's time goes (Nsight Compute, if the machine has it):
+  # the first timed launch of bench/kernels.py's first prefill case (4k, bf16), speed of light and warp stalls
+  if ! command -v ncu > /dev/null; then echo "prefillprofile: no ncu on this machine"; return; fi
+  run prefill_ncu 300 ncu --kernel-name regex:prefill_hopper --launch-skip 20 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis python3 bench/kernels.py --ops prefill --kv-dtypes bf16 --iters 3
+}
+
 stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT at 4k and 32k through HTTP, then offline
   # with the FLOP limit, then 131,071 tokens with YaRN (factor 4) offline
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
@@ -342,7 +351,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|longcontext|fp8serving|speculative|specthroughput|stepaccount|saturated)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefillprofile|longcontext|fp8serving|speculative|specthroughput|stepaccount|saturated)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
