@@ -501,6 +501,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           softmax_tile<false>(sc, m_run, l_run, alpha, row_pos, j * kBN, lane, p.scale_log2);
         }
       };
+      auto rescale_o = [&](const float (&alpha)[2]) {  // O's rows to the new running max
+#pragma unroll
+        for (int nb = 0; nb < 16; ++nb) {
+          o[nb * 4 + 0] *= alpha[0];
+          o[nb * 4 + 1] *= alpha[0];
+          o[nb * 4 + 2] *= alpha[1];
+          o[nb * 4 + 3] *= alpha[1];
+        }
+      };
       auto pack_p = [&] {
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {
@@ -526,13 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_wait<0>();
           float alpha[2];
           softmax(j, alpha);
-#pragma unroll
-          for (int nb = 0; nb < 16; ++nb) {
-            o[nb * 4 + 0] *= alpha[0];
-            o[nb * 4 + 1] *= alpha[0];
-            o[nb * 4 + 2] *= alpha[1];
-            o[nb * 4 + 3] *= alpha[1];
-          }
+          rescale_o(alpha);
           pack_p();
           mbar_wait(sm.full_v(stage(j)), parity(j));
           issue_turn_begin<kPingpong>(c);
@@ -576,13 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             wgmma_wait<0>();
             fence_regs(o);
             release(j - 1);
-  #pragma unroll
-            for (int nb = 0; nb < 16; ++nb) {
-              o[nb * 4 + 0] *= alpha[0];
-              o[nb * 4 + 1] *= alpha[0];
-              o[nb * 4 + 2] *= alpha[1];
-              o[nb * 4 + 3] *= alpha[1];
-            }
+            rescale_o(alpha);
             pack_p();
           }
           mbar_wait(sm.full_v(stage(n_wg - 1)), parity(n_wg - 1));

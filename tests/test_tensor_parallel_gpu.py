@@ -31,17 +31,23 @@ pytestmark = [
 SIZES = [8, 64, 1000 * 8, 4096, 5120, 4096 * 8, 5120 * 32, 4096 * 256, 5120 * 256]
 
 
+def _connect(rank: int, world: int, port: int):
+    """This rank's ParallelGroup on GPU `rank` (NVLink multicast off), with the custom all-reduce started."""
+    import torch.distributed as dist
+    from fastqwen.ops.collectives import ParallelGroup
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
+    group = ParallelGroup.connect(rank, world, store, device)
+    assert group.custom is not None, "the custom all-reduce did not start"
+    return group, device
+
+
 def _worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None:
     try:
-        import torch.distributed as dist
-        from fastqwen.ops.collectives import ParallelGroup
-
-        os.environ["NCCL_NVLS_ENABLE"] = "0"
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
-        group = ParallelGroup.connect(rank, world, store, device)
-        assert group.custom is not None, "the custom all-reduce did not start"
+        group, device = _connect(rank, world, port)
         dtype = getattr(torch, dtype_name)
         limit = group.custom.max_bytes // torch.empty((), dtype=dtype).element_size()
         for numel in [n for n in SIZES if n <= limit] + [limit]:
@@ -111,17 +117,10 @@ def _norm_inputs(world: int, rows: int, hidden: int, dtype, seed: int):
 
 def _fused_worker(rank: int, world: int, port: int, dtype_name: str, failures) -> None:
     try:
-        import torch.distributed as dist
         from fastqwen import ops
-        from fastqwen.ops.collectives import ParallelGroup
 
-        os.environ["NCCL_NVLS_ENABLE"] = "0"
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
-        group = ParallelGroup.connect(rank, world, store, device)
+        group, device = _connect(rank, world, port)
         custom = group.custom
-        assert custom is not None, "the custom all-reduce did not start"
         dtype = getattr(torch, dtype_name)
         size = torch.empty((), dtype=dtype).element_size()
 
