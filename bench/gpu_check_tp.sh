@@ -10,6 +10,11 @@
 #               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
+#   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
+#               norm), and any named in MUTANTS=a,b        -> mutations.log, mutations_run.log
+#   dp          issue 45: random Qwen3-8B through HTTP at 128 in / 1024 out, 1024 requests, 512 in flight: one server
+#               on one GPU, one server with --dp 2, then SMG (cache_aware) before two single-GPU servers; SGLang's
+#               bench_serving as the client when .sgl/ holds it (its sglang.benchmark package), else bench/serving.py
 # NCCL_NVLS_ENABLE=0 throughout (no NVLink multicast objects: they can take the host's GPUs out of service).
 set -u -o pipefail
 
@@ -30,7 +35,11 @@ rc=0
 build() {
   (cd /tmp && python3 -c "import fastqwen._C as c; assert c.built_with_cuda and hasattr(c, 'custom_all_reduce')") 2>/dev/null && return
   echo "== build"
-  python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1 || { tail -n 40 "$OUT/build.log"; exit 1; }
+  local start=$(date +%s)
+  # the build folder is kept: the mutants stage recompiles only their mutated sources in it
+  python3 -m pip install --no-build-isolation --no-deps -Cbuild-dir=/tmp/fastqwen-build . > "$OUT/build.log" 2>&1 ||
+    { tail -n 40 "$OUT/build.log"; exit 1; }
+  echo "build in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log"
 }
 
 run() {  # run NAME TIMEOUT CMD...
@@ -41,6 +50,54 @@ run() {  # run NAME TIMEOUT CMD...
   echo "$name rc=$r" | tee -a "$OUT/$name.log"
   tail -n 5 "$OUT/$name.log"
   [ "$r" -eq 0 ] || rc=$r
+}
+
+SERVE=(python3 -m fastqwen.serve --model /tmp/qwen3-8b-dummy --load-format dummy --max-model-len 8192
+       --max-queued-requests 4096 --log-level warning)
+wait_ready() {  # wait_ready URL SECONDS: until URL answers 200
+  for _ in $(seq "$2"); do
+    python3 -c "import httpx,sys; sys.exit(httpx.get('$1', timeout=2).status_code != 200)" 2>/dev/null && return 0
+    sleep 1
+  done
+  echo "not ready: $1"; return 1
+}
+load_8b() {  # load_8b NAME: 1024 requests of 128 in / 1024 out, 512 in flight, against 127.0.0.1:8000
+  if [ -d .sgl/sglang ]; then
+    (cd .sgl && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" run "$1" 400 python3 -m sglang.benchmark.serving \
+      --backend vllm --host 127.0.0.1 --port 8000 --dataset-name random-ids --random-range-ratio 1 \
+      --random-input-len 128 --random-output-len 1024 --num-prompts 1024 --max-concurrency 512 \
+      --tokenizer /tmp/qwen3-8b-dummy --model /tmp/qwen3-8b-dummy --output-file "$OUT/$1.jsonl")
+  else
+    run "$1" 400 python3 bench/serving.py --url http://127.0.0.1:8000 --num-prompts 1024 --concurrency 512 \
+      --input-len 128 --output-len 1024 --json "$OUT/$1.json"
+  fi
+}
+stage_dp() {
+  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  local pids=()
+  for dp in 1 2; do
+    echo "== --dp $dp"
+    "${SERVE[@]}" --port 8000 --dp "$dp" > "$OUT/server_dp$dp.log" 2>&1 &
+    pids=($!)
+    wait_ready http://127.0.0.1:8000/health 300 && load_8b "dp${dp}_128x1024_c512"
+    python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8000/metrics').text)" | grep -E "^vllm:num_requests|^fastqwen:.*(preempt|kv_cache_usage)" \
+      > "$OUT/metrics_dp$dp.txt"
+    kill -TERM "${pids[@]}"; wait "${pids[@]}"
+  done
+  echo "== SMG (cache_aware) before two single-GPU servers"
+  pids=()
+  for gpu in 0 1; do
+    CUDA_VISIBLE_DEVICES=$gpu "${SERVE[@]}" --port "800$((gpu + 1))" > "$OUT/server_gpu$gpu.log" 2>&1 &
+    pids+=($!)
+  done
+  wait_ready http://127.0.0.1:8001/health 300 && wait_ready http://127.0.0.1:8002/health 300 &&
+    python3 -m smg launch --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002 --policy cache_aware \
+      --host 127.0.0.1 --port 8000 --log-level warn --prometheus-host 127.0.0.1 --prometheus-port 29100 \
+      > "$OUT/smg.log" 2>&1 &
+  local smg=$!
+  wait_ready http://127.0.0.1:8000/v1/models 120 && sleep 12 && load_8b "smg_128x1024_c512"  # 12 s: a load report
+  kill -TERM "$smg"; wait "$smg"
+  kill -TERM "${pids[@]}"; wait "${pids[@]}"
 }
 
 for stage in $STAGES; do
@@ -59,13 +116,16 @@ for stage in $STAGES; do
       run gemv_tp2 200 python3 bench/bench_gemv.py --presets Qwen3-8B Qwen3-32B --tp 2 --batches 1 2 4 8 \
         --json "$OUT/gemv_tp2.json" ;;
     latency)
-      for spec in "32B 2" "32B 1" "8B 2" "8B 1"; do
+      # 32B at TP=2 twice: the all-reduce fused with the residual add and norm (FASTQWEN_FUSED_ALLREDUCE_NORM=1),
+      # then the all-reduce followed by fused_add_rms_norm
+      for spec in "32B 2 1" "32B 2 0" "32B 1 0" "8B 2 1" "8B 2 0" "8B 1 0"; do
         set -- $spec
-        run "latency_$1_tp$2" 240 python3 bench/latency.py --model "Qwen3-$1" --load-format dummy --tp "$2" \
-          --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_$1_tp$2.json"
+        FASTQWEN_FUSED_ALLREDUCE_NORM=$3 run "latency_$1_tp$2_fused$3" 240 python3 bench/latency.py \
+          --model "Qwen3-$1" --load-format dummy --tp "$2" --prompt-lens 128 --new-tokens 64 \
+          --json "$OUT/latency_$1_tp$2_fused$3.json"
       done ;;
     fp8)
-      run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
+      FASTQWEN_FUSED_ALLREDUCE_NORM=${FUSED:-0} run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
         --quantization fp8 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fp8.json" ;;
     throughput)
       for spec in "32B 1" "32B 2" "8B 2"; do
@@ -74,6 +134,13 @@ for stage in $STAGES; do
           --tp "$2" --workload fixed --num-prompts 256 --input-len 128 --output-len 1024 \
           --json "$OUT/throughput_$1_tp$2_128x1024.json"
       done ;;
+    dp) stage_dp ;;
+    mutants)
+      names=all_reduce_drops_the_last_rank,all_reduce_norm_adds_the_residual_twice,all_reduce_norm_drops_the_last_rank
+      names+=,all_reduce_norm_composition_adds_the_residual_twice${MUTANTS:+,$MUTANTS}
+      timeout "${MUTANTS_TIMEOUT:-300}" python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
+        --names "$names" --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || rc=1
+      grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 20 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
