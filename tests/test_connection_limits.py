@@ -309,3 +309,24 @@ def test_slot_accounting_matches_a_recount_over_random_opens_and_closes():
     for connection in open_:
         slots.release(*connection)
     assert slots.open == 0 and slots.held == {} and slots.health_only == set()
+
+
+def test_by_default_one_address_may_use_every_general_slot():
+    """A gateway or a load generator sends every request from one address: by default it may hold all the general
+    slots (the 1/16 reserved still admit newcomers), so 512 streams from loopback are not refused past 256."""
+    from fastqwen.serve import parse_args
+    from fastqwen.server.connections import GENERAL, RESERVED, ConnectionLimits, ConnectionSlots
+
+    args = parse_args(["--model", "m"])
+    assert (args.max_connections, args.reserved_connections, args.max_connections_per_peer) == (2048, 128, 1920)
+    assert parse_args(["--model", "m", "--max-connections", "160"]).max_connections_per_peer == 150
+    assert parse_args(["--model", "m", "--max-connections-per-peer", "7"]).max_connections_per_peer == 7
+    limits = ConnectionLimits(
+        max_connections=args.max_connections,
+        reserved_connections=args.reserved_connections,
+        max_connections_per_peer=args.max_connections_per_peer,
+    )
+    slots = ConnectionSlots(limits)
+    assert {slots.admit("127.0.0.1") for _ in range(1920)} == {GENERAL}
+    assert slots.admit("127.0.0.1") not in (GENERAL, RESERVED)  # the reserve stays for others (and /health)
+    assert slots.admit("10.0.0.9") == RESERVED

@@ -159,8 +159,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
     limits.add_argument(
         "--max-connections-per-peer",
         type=int,
-        default=256,
-        help="open HTTP connections from one client IP address at most (loopback included); one more is answered 429 and closed, except one that asks for /health. Behind a reverse proxy every client has the proxy's address: raise it to --max-connections there",
+        default=None,
+        help="open HTTP connections from one client IP address at most (loopback included); one more is answered 429 and closed, except one that asks for /health (default: --max-connections minus --reserved-connections, so that a gateway or a load generator, which send everything from one address, can use every general slot; the reserved ones still admit newcomers)",
     )
     limits.add_argument(
         "--reserved-connections",
@@ -211,12 +211,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
         "min_body_rate",
         "max_header_bytes",
     ):
-        if getattr(args, flag) <= 0:
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:  # None: the default, resolved below
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.reserved_connections is None:
         args.reserved_connections = args.max_connections // 16
     if not 0 <= args.reserved_connections < args.max_connections:
         p.error("--reserved-connections must be at least 0 and below --max-connections")
+    if args.max_connections_per_peer is None:
+        args.max_connections_per_peer = args.max_connections - args.reserved_connections
     if args.stats_interval < 0:
         p.error("--stats-interval must be >= 0")
     if args.engine_core == "thread" and args.data_parallel_size > 1:

@@ -40,7 +40,7 @@ class ConnectionLimits:
     body_timeout: float = 60.0
     min_body_rate: float = 1024.0  # bytes/s a body must average once its first header_timeout seconds are spent
     max_connections: int = 2048
-    max_connections_per_peer: int = 256
+    max_connections_per_peer: int = 1920  # max_connections - reserved_connections: a gateway may use every general slot
     reserved_connections: int = 128  # of max_connections: only fresh peers and /health may take these
     fresh_peer_connections: int = 2  # a peer holding fewer connections than this is fresh
     max_header_bytes: int = 16 * 1024  # request line and header lines together
