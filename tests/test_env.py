@@ -61,7 +61,6 @@ def test_every_switch_has_one_rule(monkeypatch, value, expected):
         ("FASTQWEN_ALLOW_REFERENCE_ON_GPU", env.allow_reference_on_gpu),
         ("FASTQWEN_DISABLE_CUDA_KERNELS", env.disable_cuda_kernels),
         ("FASTQWEN_CHECK_INVARIANTS", env.check_invariants_every_step),
-        ("FASTQWEN_FUSED_ALLREDUCE_NORM", env.fused_all_reduce_norm),
     ]:
         if value is None:
             monkeypatch.delenv(name, raising=False)
@@ -80,3 +79,16 @@ def test_the_chat_client_key_and_no_color(monkeypatch):
     assert env.no_color()  # no-color.org: any non-empty value
     monkeypatch.setenv("NO_COLOR", "")
     assert not env.no_color()
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("1", True), ("0", False), ("off", False)])
+def test_switches_on_by_default_turn_off_by_the_same_rule(monkeypatch, value, expected):
+    for name, read in [
+        ("FASTQWEN_FUSED_ALLREDUCE_NORM", env.fused_all_reduce_norm),
+        ("FASTQWEN_GEMV_TENSOR_CORES", env.gemv_tensor_cores),
+    ]:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        assert read() is expected, (name, value)

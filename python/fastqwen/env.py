@@ -53,11 +53,11 @@ def gemv_tensor_cores() -> bool:
 
 
 def fused_all_reduce_norm() -> bool:
-    """FASTQWEN_FUSED_ALLREDUCE_NORM=1: under tensor parallelism on GPUs, the custom all-reduce after o_proj and down
-    also adds the residual and applies the RMSNorm that follows, in one kernel (ops/custom_all_reduce.py). Off by
-    default until a run on two GPUs has validated the kernel (tests/test_tensor_parallel_gpu.py); off, the all-reduce
-    and fused_add_rms_norm run one after the other (the same numbers)."""
-    return _flag("FASTQWEN_FUSED_ALLREDUCE_NORM", False)
+    """FASTQWEN_FUSED_ALLREDUCE_NORM (on by default): under tensor parallelism on GPUs, the custom all-reduce after
+    o_proj and down also adds the residual and applies the RMSNorm that follows, in one kernel
+    (ops/custom_all_reduce.py), for steps of up to FUSED_NORM_MAX_ROWS tokens (ops/collectives.py). =0: the all-reduce
+    and fused_add_rms_norm run one after the other (the same numbers), for comparison."""
+    return _flag("FASTQWEN_FUSED_ALLREDUCE_NORM", True)
 
 
 def api_key() -> str | None:

@@ -6,8 +6,8 @@ all-reduce takes the custom kernel (ops/custom_all_reduce.py) for messages it ac
 `SINGLE` is the one-rank group: every collective is the identity, so the model reads the same at any TP size.
 
 `all_reduce_add_rms_norm` is what a decoder layer does after its row-parallel o_proj and down: the all-reduce, then
-ops.fused_add_rms_norm. Its meaning is that composition, on every path; where the custom kernel takes the tensors and
-FASTQWEN_FUSED_ALLREDUCE_NORM is on (env.py; off until a run on two GPUs has validated the kernel), one kernel does
+ops.fused_add_rms_norm. Its meaning is that composition, on every path; where the custom kernel takes the tensors,
+the step has at most FUSED_NORM_MAX_ROWS tokens and FASTQWEN_FUSED_ALLREDUCE_NORM is not 0 (env.py), one kernel does
 both.
 
 The process groups are made directly from a store (not torch.distributed's global default group), so one process
@@ -24,6 +24,11 @@ import torch.distributed as dist
 from .. import env
 from .custom_all_reduce import CustomAllReduce, custom_all_reduce_supported
 from .norm import fused_add_rms_norm
+
+# The fused kernel up to this many rows (tokens of a step), the all-reduce then fused_add_rms_norm above: on two H200s
+# (bench/tp_bench.py, hidden 4096 / 5120) fused is 1.03-1.32x faster up to 32 rows, even at 64, 0.66-0.92x from 128.
+FUSED_NORM_MAX_ROWS = 32
+
 
 _TIMEOUT = datetime.timedelta(minutes=30)  # loading a large checkpoint on one rank may keep the others waiting
 
@@ -85,7 +90,12 @@ class ParallelGroup:
         Returns (partial, residual): the normalized rows and the new residual stream. The same numbers as
         fused_add_rms_norm(all_reduce(partial), residual, weight, eps), which it is wherever the fused kernel does
         not run (one rank, the CPU, NCCL's sizes, float32, or FASTQWEN_FUSED_ALLREDUCE_NORM off)."""
-        if self.fused_norm and self.custom is not None and self.custom.applies_with_norm(partial, residual, weight):
+        if (
+            self.fused_norm
+            and self.custom is not None
+            and partial.numel() <= FUSED_NORM_MAX_ROWS * partial.shape[-1]
+            and self.custom.applies_with_norm(partial, residual, weight)
+        ):
             return self.custom.all_reduce_add_rms_norm(partial, residual, weight, eps)
         return fused_add_rms_norm(self.all_reduce(partial), residual, weight, eps)
 
