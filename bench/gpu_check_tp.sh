@@ -8,6 +8,7 @@
 #               the TP=2 shard shapes of Qwen3-8B and Qwen3-32B (bench/bench_gemv.py --tp 2)
 #   latency     batch-1 TPOT with its limit (rank 0's weight bytes over the copy bandwidth of the same run), random
 #               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1
+#   httplatency batch-1 TPOT and TTFT of random Qwen3-32B at TP=2 through HTTP (bench/latency.py --http-only)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
@@ -124,6 +125,15 @@ for stage in $STAGES; do
           --model "Qwen3-$1" --load-format dummy --tp "$2" --prompt-lens 128 --new-tokens 64 \
           --json "$OUT/latency_$1_tp$2_fused$3.json"
       done ;;
+    httplatency)  # issue 46's bar is offline AND through HTTP: the TP=2 server, then the client alone
+      [ -d /tmp/qwen3-32b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-32B --out /tmp/qwen3-32b-dummy
+      python3 -m fastqwen.serve --model /tmp/qwen3-32b-dummy --load-format dummy --tp 2 --max-model-len 8192 \
+        --port 8000 --log-level warning > "$OUT/server_32B_tp2.log" 2>&1 &
+      server=$!
+      wait_ready http://127.0.0.1:8000/health 400 &&
+        run http_latency_32B_tp2 200 python3 bench/latency.py --model Qwen3-32B --http-only --url http://127.0.0.1:8000 \
+          --prompt-lens 128 --new-tokens 64 --json "$OUT/http_latency_32B_tp2.json"
+      kill -TERM "$server"; wait "$server" ;;
     fp8)
       FASTQWEN_FUSED_ALLREDUCE_NORM=${FUSED:-0} run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
         --quantization fp8 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fp8.json" ;;
