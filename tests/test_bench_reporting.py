@@ -100,3 +100,27 @@ def test_latency_http_mode_reports_the_same_figures(server):
     assert 0 < r["ttft_ms"] < r["e2e_ms"]
     assert r["tpot_ms"] * 4 + r["ttft_ms"] == pytest.approx(r["e2e_ms"], rel=1e-9)
     assert r["chunk_gap_ms"] > 0 and r["chunk_gap_mean_ms"] * 4 <= r["e2e_ms"] - r["ttft_ms"]
+
+
+def test_latency_side_by_side_warms_the_server_before_the_first_row(tmp_path, monkeypatch):
+    # On an H100 (2264acf) the first row through HTTP was the client's first stream: 66 ms TTFT against 31 ms warm,
+    # and a TPOT under the weight-read limit. The HTTP warm-up must come before any measured row.
+    import latency
+
+    folder = str(tmp_path / "ckpt")
+    make_checkpoint(folder, tied=True, seed=3)
+    sent = []
+
+    def record(url, prompt, new_tokens):
+        sent.append((list(prompt), new_tokens))
+        return {"ttft_ms": 1.0, "tpot_ms": 1.0, "chunk_gap_ms": 1.0, "chunk_gap_mean_ms": 1.0, "e2e_ms": 2.0}
+
+    monkeypatch.setattr(latency, "http_latency", record)
+    out = tmp_path / "o.json"
+    args = f"--model {folder} --load-format auto --device cpu --dtype float32 --max-model-len 512 --prompt-lens 8 12"
+    args += f" --new-tokens 3 --url http://unused --json {out}"
+    monkeypatch.setattr(sys, "argv", ["latency.py", *args.split()])
+    assert latency.main() == 0
+    assert [r["prompt_tokens"] for r in json.loads(out.read_text())["rows"]] == [8, 12]
+    lengths = [len(prompt) for prompt, _ in sent]
+    assert len(lengths) == 4 and lengths[1:] == [8, 12, 256]  # a warm-up first, then the rows and the TTFT request
