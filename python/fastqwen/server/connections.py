@@ -121,7 +121,8 @@ class ConnectionSlots:
     def refusal(self, peer: str) -> Refusal:
         """Why `peer` gets nothing more than /health now."""
         held, limit = self.held.get(peer, 0), self.limits.max_connections_per_peer
-        if held >= limit:
+        general = self.limits.max_connections - self.limits.reserved_connections
+        if held >= limit and limit < general:  # (a share as large as every general slot: the server is full, 503)
             return Refusal(
                 429,
                 f"too many connections from {peer or 'this client'} (at most {limit} at once); "
