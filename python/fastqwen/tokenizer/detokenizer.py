@@ -43,9 +43,11 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             raise RuntimeError("append after the text was finished")
-        self._ids.append(token)
-        window_text = self._decode(self._ids[self._prefix :])
-        done = len(self._decode(self._ids[self._prefix : self._read])) + self._partial
+        ids, prefix, read = self._ids, self._prefix, self._read
+        ids.append(token)
+        decode, skip = self._tokenizer.decode, self._skip_special  # (for every token streamed: no _decode hop)
+        window_text = decode(ids[prefix:], skip)
+        done = (len(decode(ids[prefix:read], skip)) if read > prefix else 0) + self._partial
         pending = window_text.endswith("\ufffd")
         clean_end = len(window_text.rstrip("\ufffd")) if pending else len(window_text)
         delta = window_text[done:clean_end]
