@@ -285,3 +285,20 @@ def test_access_log_skips_probe_polls():
     keep = _SkipProbes()
     assert not keep.filter(line("/health")) and not keep.filter(line("/metrics?x=1"))
     assert keep.filter(line("/v1/completions")) and keep.filter(line("/healthz"))
+
+
+def test_token_gaps_handed_over_in_bulk_fill_the_buckets_observe_would():
+    """Metrics.on_tokens keeps gaps and hands them to the histograms in bulk (observe_all): the exposition equals
+    one where every gap was observed as it came, boundaries included (a value equal to a bound is in that bucket)."""
+    from fastqwen.server.metrics import Metrics
+
+    gaps = [0.0, 0.001, 0.0010001, 0.02, 0.5, 7.0, 1e9, 0.003] * 3
+    bulk, each = Metrics("m"), Metrics("m")
+    for gap in gaps:
+        bulk.on_tokens(2, gap)
+        each.itl.observe(gap)
+        each.tpot.observe(gap)
+        each.generation_tokens.inc(2)
+    bulk.on_tokens(1, None)
+    each.generation_tokens.inc(1)
+    assert bulk.render() == each.render()

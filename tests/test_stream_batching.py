@@ -11,7 +11,7 @@ from fastqwen import SamplingParams
 from fastqwen.engine.client import InProcessEngineClient
 from fastqwen.engine.llm_engine import LLMEngine
 from fastqwen.frontend import Frontend
-from fastqwen.server.async_engine import AsyncEngine
+from fastqwen.server.async_engine import AsyncEngine, Mailbox
 from fastqwen.server.serving import stream_requests
 
 
@@ -31,7 +31,7 @@ def test_piled_up_updates_come_as_one_batch(engine, num_requests):
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         requests = [front.new_request([3 + i, 4, 5, 6], params) for i in range(num_requests)]
         for request in requests:  # what enqueue does, without the engine thread it checks for
-            front._queues[request.rid] = asyncio.Queue()
+            front._queues[request.rid] = Mailbox()
             front._trackers[request.rid] = request
             engine.add(request.request)
         stream = stream_requests(front, requests, None)
@@ -70,3 +70,23 @@ def test_sse_events_stay_one_line_for_clients_that_split_on_unicode_line_breaks(
         assert len(lines) == 1 and lines[0].startswith("data: ")
         decoded = json.loads(lines[0][6:])
         assert (decoded["choices"][0]["text"] if "choices" in decoded else decoded["text"]) == text
+
+
+def test_templated_token_events_are_the_bytes_sse_writes():
+    """TextEvents fills a chunk encoded once with placeholders: for any index and text (quotes, backslashes, control
+    characters, the line breaks escaped above, non-ASCII) the event must equal sse() of the whole chunk."""
+    from fastqwen.server.serving import TextEvents, sse
+
+    header = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": 'm"\u2028é'}
+
+    def chunk(i, text):
+        return {
+            **header,
+            "choices": [{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
+        }
+
+    events = TextEvents(chunk)
+    for index, text in enumerate(
+        ["", " abcd", 'q"\\', "\x00\x1f\t\n", "a\u2028b\x85c\u2029", "日本\ufffd", "\U0001f600"]
+    ):
+        assert events(index * 11, text) == sse(chunk(index * 11, text))

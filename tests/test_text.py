@@ -214,3 +214,38 @@ def test_llm_chat_uses_the_template(tmp_path):
     via_text = llm.generate(prompt, params, use_tqdm=False)[0]
     assert via_chat.prompt_token_ids == via_text.prompt_token_ids == llm.tokenizer.encode(prompt)
     assert via_chat.token_ids == via_text.token_ids
+
+
+def test_byte_level_fast_path_streams_what_window_decoding_streams(tmp_path):
+    """With Qwen3's byte-level tokenizer, a token after whole characters adds its own text (the fast path): the
+    deltas, the stop matches and the final text must equal the window decoding's (the path every other tokenizer
+    takes), on token streams that split characters across tokens, hold special tokens, and end mid-character."""
+    import random
+
+    from checkpoints import make_qwen3_vocab_checkpoint
+
+    make_qwen3_vocab_checkpoint(str(tmp_path))
+    tok = Tokenizer.from_folder(str(tmp_path))
+    assert tok.decodes_by_concatenation
+    text = "Grüße, 日本語 😀 naïve — ok\n\t<think>x</think> end"
+    pieces = tok.encode(text)
+    bytes_split = [t for t in range(256, 2000) if "\ufffd" in tok.piece(t, False)][:40]  # parts of characters
+    special = [151643, 151644, 151645]
+    rng = random.Random(3)
+    for trial in range(60):
+        ids = [rng.choice(pieces + bytes_split + special) for _ in range(rng.randint(1, 40))]
+        skip, stop = trial % 2 == 0, (["ok", "日本"] if trial % 3 == 0 else None)
+        streams = []
+        for by_pieces in (True, False):
+            d = tok.detokenizer(skip, stop)
+            d._by_pieces = by_pieces
+            out = []
+            for t in ids:
+                out.append((d.append(t), d.take_delta()))
+                if d.finished:
+                    break
+            d.finish()
+            streams.append((out, d.take_delta(), d.text))
+        assert streams[0] == streams[1], ids
+        if not stop:
+            assert streams[0][2] == tok.decode(ids, skip)

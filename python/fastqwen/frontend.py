@@ -105,7 +105,7 @@ class RequestTracker:
         """Take one engine delta. None if the request had already finished here (a stop string matched, or it was
         aborted, while the engine was still computing it). After a stop string matched, `finished` is True and the
         engine still runs it: the caller aborts it there."""
-        if self.finished:
+        if self.finish_reason is not None:  # (finished)
             return None
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.pooled is not None:
@@ -118,17 +118,20 @@ class RequestTracker:
             # Position 0 has no logprob (nothing precedes it), as in vLLM's prompt_logprobs.
             new_prompt_logprobs = [None] * (params.prompt_logprobs_start == 0) + list(delta.prompt_logprobs)
             self.prompt_logprobs = new_prompt_logprobs
+        # (Locals: this loop runs for every token the server streams.)
+        output_ids, detokenizer, min_tokens = self.output_ids, self.detokenizer, params.min_tokens
+        logprobs = self.logprobs if delta.new_logprobs is not None else None
         for i, token in enumerate(delta.new_token_ids):
-            self.output_ids.append(token)
-            if self.logprobs is not None and delta.new_logprobs is not None:
-                self.logprobs.append(delta.new_logprobs[i])
-            if self.detokenizer is not None:
+            output_ids.append(token)
+            if logprobs is not None:
+                logprobs.append(delta.new_logprobs[i])
+            if detokenizer is not None:
                 # Stop strings only count once min_tokens tokens are out, as stop tokens do in the engine.
-                matched = self.detokenizer.append(token, check_stop=len(self.output_ids) > params.min_tokens)
+                matched = detokenizer.append(token, check_stop=len(output_ids) > min_tokens)
                 if matched is not None and delta.finish_reason != "stop":
                     self.finish_reason, self.stop_reason = "stop", matched
                     break
-        if not self.finished and delta.finish_reason is not None:
+        if self.finish_reason is None and delta.finish_reason is not None:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
         update = self._update(delta.new_token_ids[: len(self.output_ids)], delta.new_logprobs)
         update.prompt_logprobs = new_prompt_logprobs
@@ -142,16 +145,16 @@ class RequestTracker:
         return self._update([], None)
 
     def _update(self, new_ids: list[int], new_logprobs: list[TokenLogprobs] | None) -> RequestUpdate:
-        if self.finished and self.detokenizer is not None:
-            self.detokenizer.finish()
-        count = len(new_ids)
+        finished, detokenizer = self.finish_reason is not None, self.detokenizer
+        if finished and detokenizer is not None:
+            detokenizer.finish()
         return RequestUpdate(
-            request_id=self.rid,
-            new_token_ids=list(new_ids),
-            new_text=self.detokenizer.take_delta() if self.detokenizer is not None else None,
-            new_logprobs=new_logprobs[:count] if new_logprobs is not None and self.logprobs is not None else None,
-            finished=self.finished,
-            output=self.output() if self.finished else None,
+            self.request.rid,
+            list(new_ids),
+            detokenizer.take_delta() if detokenizer is not None else None,
+            new_logprobs[: len(new_ids)] if new_logprobs is not None and self.logprobs is not None else None,
+            finished,
+            self.output() if finished else None,
         )
 
     def output(self) -> RequestOutput:

@@ -58,12 +58,33 @@ class TimedUpdate:
     time: float  # time.monotonic() when the step that produced it ended
 
 
-async def take_waiting(queue: asyncio.Queue) -> list:
-    """The next item of the queue and every item already waiting behind it."""
-    items = [await queue.get()]
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
+class Mailbox:
+    """A queue for one consumer on the event loop that takes everything waiting at once: what asyncio.Queue would do
+    with a get() and get_nowait() per item, for a list swap. An update of every stream passes through one at every
+    step, so its cost per item counts (bench/frontend_rate.py)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take_all(self) -> list:
+        """The next item and every item already waiting behind it, in order."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
 
 
 class AsyncEngine:
@@ -81,7 +102,7 @@ class AsyncEngine:
         self.frontend = frontend
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
-        self._queues: dict[int, asyncio.Queue] = {}
+        self._queues: dict[int, Mailbox] = {}
         self._trackers: dict[
             int, RequestTracker
         ] = {}  # requests not finished yet; trackers are applied on the client's thread
@@ -129,7 +150,7 @@ class AsyncEngine:
             if self.client.stats().num_waiting + len(requests) > self.max_queued_requests:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
         for tracker in requests:
-            self._queues[tracker.rid] = asyncio.Queue()
+            self._queues[tracker.rid] = Mailbox()
             self._trackers[tracker.rid] = tracker
         self.client.add([t.request for t in requests])
 
@@ -140,7 +161,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                batch = await take_waiting(out)
+                batch = await out.take_all()
                 for item in batch:
                     if isinstance(item, BaseException):
                         raise item

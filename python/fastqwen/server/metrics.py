@@ -12,8 +12,10 @@ are kept next to the Prometheus objects for the periodic stats line (stats_log.p
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
+from collections import Counter as Tally
 from dataclasses import dataclass
 
 import prometheus_client
@@ -96,6 +98,27 @@ class RequestTimes:
     finished: float
 
 
+_TOKEN_OBSERVATIONS_HELD = 4096
+
+
+def observe_all(histogram, values: list[float]) -> None:
+    """histogram.observe(v) for every v, in bulk: one bisect per value, then one addition per bucket and one to the
+    sum (prometheus_client's observe walks the buckets in Python and takes a lock per value). Through the
+    histogram's own observe if this prometheus_client keeps its buckets differently."""
+    if not values:
+        return
+    try:
+        bounds, buckets, total = histogram._upper_bounds, histogram._buckets, histogram._sum
+    except AttributeError:
+        for value in values:
+            histogram.observe(value)
+        return
+    histogram._raise_if_not_observable()
+    for index, count in Tally(bisect.bisect_left(bounds, value) for value in values).items():
+        buckets[index].inc(count)  # (the first bucket whose bound the value does not exceed, as observe finds it)
+    total.inc(sum(values))
+
+
 @dataclass
 class Totals:
     """Running totals, for the stats line (Prometheus counters are not meant to be read back)."""
@@ -117,6 +140,8 @@ class Metrics:
         self.request_log_on = request_log_on
         self.totals = Totals()
         self._lock = threading.Lock()  # totals are added to on the event loop and read by the stats line
+        self._gaps: list[float] = []  # token gaps and tokens not yet handed to Prometheus (on_tokens)
+        self._tokens_held = 0
         labels = ["model_name"]
 
         def counter(name, doc):
@@ -207,13 +232,26 @@ class Metrics:
             self.totals.prefix_hits += hit
 
     def on_tokens(self, count: int, gap: float | None) -> None:
-        """count new tokens of a request, `gap` seconds after its previous ones (None for its first)."""
+        """count new tokens of a request, `gap` seconds after its previous ones (None for its first).
+
+        Called on the event loop for every update of every stream: the gaps and the count are kept here and handed
+        to Prometheus in bulk (at each scrape, and every _TOKEN_OBSERVATIONS_HELD gaps), which costs a tenth of
+        observing each gap in two histograms as it comes."""
         if gap is not None:
-            self.itl.observe(gap)
-            self.tpot.observe(gap)
-        self.generation_tokens.inc(count)
+            self._gaps.append(gap)
+            if len(self._gaps) >= _TOKEN_OBSERVATIONS_HELD:
+                self._hand_over_tokens()
+        self._tokens_held += count
         with self._lock:
             self.totals.generation_tokens += count
+
+    def _hand_over_tokens(self) -> None:
+        gaps, self._gaps = self._gaps, []
+        count, self._tokens_held = self._tokens_held, 0
+        if count:
+            self.generation_tokens.inc(count)
+        observe_all(self.itl, gaps)
+        observe_all(self.tpot, gaps)
 
     def on_step(self, num_tokens: int) -> None:
         if self.iteration_tokens is not None and num_tokens:
@@ -256,6 +294,7 @@ class Metrics:
         self.aborted.inc()
 
     def render(self) -> bytes:
+        self._hand_over_tokens()
         return generate_latest(self.registry)
 
 

@@ -23,7 +23,15 @@ from .prep_pool import SMALL_REQUEST_BYTES
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import CLOSE as THINK_CLOSE
 from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
-from .serving import SSE_DONE, StreamingUpdatesResponse, collect_requests, json_response_in_pieces, sse, stream_requests
+from .serving import (
+    SSE_DONE,
+    StreamingUpdatesResponse,
+    TextEvents,
+    collect_requests,
+    json_response_in_pieces,
+    sse,
+    stream_requests,
+)
 from .state import ServerState
 from .tools import ToolCallParser, check_tools, messages_for_template, parse_tool_calls
 
@@ -325,6 +333,11 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
     def event(i: int, choice: dict[str, Any]) -> str:
         return sse({**header, "choices": [choice], **({"usage": running.of(i)} if running else {})})
 
+    # A token's event in the common case (no logprobs, no running usage), from a template: the same bytes as event().
+    text_event = TextEvents(
+        lambda i, text: {**header, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]}
+    )
+
     if body.echo:  # the prompt goes first, one event per choice
         events = []
         for i in range(len(requests)):
@@ -351,7 +364,10 @@ async def _stream_completion(state, body, requests, texts, prompt_of, header, in
                     logprobs = _join_logprobs(echo_part, logprobs)
             offsets[i] += len(text)
             # One event per token, even when its text is still held back: clients time tokens by events.
-            events.append(event(i, {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}))
+            if logprobs is None and running is None:
+                events.append(text_event(i, text))
+            else:
+                events.append(event(i, {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}))
         elif echo_part is not None:
             events.append(event(i, {"index": i, "text": "", "logprobs": echo_part, "finish_reason": None}))
         if o is not None:
@@ -532,6 +548,14 @@ async def _stream_chat(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
         return sse({**header, "choices": [choice], **({"usage": running.of(index)} if running else {})})
 
+    # A token's event in the common case (only content, no logprobs, no running usage): the same bytes as chunk().
+    content_chunk = TextEvents(
+        lambda i, text: {
+            **header,
+            "choices": [{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
+        }
+    )
+
     async for batch in stream_requests(state.engine, requests, state.metrics):
         events = []  # the batch's events go out in one write
         for item in batch:
@@ -559,7 +583,11 @@ async def _stream_chat(
                 delta["content"] = content
             if calls:
                 delta["tool_calls"] = [c.to_openai() for c in calls]
-            events.append(chunk(i, delta, logprobs))  # one event per token, even when its text is still held back
+            # One event per token, even when its text is still held back.
+            if logprobs is None and running is None and len(delta) == 1 and "content" in delta:
+                events.append(content_chunk(i, delta["content"]))
+            else:
+                events.append(chunk(i, delta, logprobs))
             if update.finished:
                 outputs[i] = o = update.output
                 called = parsers[i] is not None and bool(parsers[i].calls)

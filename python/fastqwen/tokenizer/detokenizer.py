@@ -32,6 +32,8 @@ class IncrementalDetokenizer:
         self.text = ""  # all text so far (cut at a matched stop string)
         self._streamed = 0  # characters of self.text already handed out by take_delta
         self.finished = False
+        # Fast path (a byte-level tokenizer): a token after whole characters whose own text is whole adds its text.
+        self._by_pieces = getattr(tokenizer, "decodes_by_concatenation", False)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
@@ -43,9 +45,21 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             raise RuntimeError("append after the text was finished")
-        self._ids.append(token)
-        window_text = self._decode(self._ids[self._prefix :])
-        done = len(self._decode(self._ids[self._prefix : self._read])) + self._partial
+        ids, prefix, read = self._ids, self._prefix, self._read
+        if self._by_pieces and read == len(ids):  # the text so far ends on a whole character
+            piece = self._tokenizer.piece(token, self._skip_special)
+            if "\ufffd" not in piece:  # and so does this token's: what the window's decode below would find
+                ids.append(token)
+                self._prefix, self._read = read, len(ids)
+                if not piece:
+                    return None
+                start = len(self.text)
+                self.text += piece
+                return self._match_stop(start) if check_stop else None
+        ids.append(token)
+        decode, skip = self._tokenizer.decode, self._skip_special  # (for every token streamed: no _decode hop)
+        window_text = decode(ids[prefix:], skip)
+        done = (len(decode(ids[prefix:read], skip)) if read > prefix else 0) + self._partial
         pending = window_text.endswith("\ufffd")
         clean_end = len(window_text.rstrip("\ufffd")) if pending else len(window_text)
         delta = window_text[done:clean_end]

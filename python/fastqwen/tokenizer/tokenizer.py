@@ -47,6 +47,10 @@ class Tokenizer:
         self.max_token_bytes = _max_token_bytes(spec)
         self._nfc = spec.get("normalizer") is not None
         self._token_texts: dict[int, str] = {}  # token_text's cache: at most one entry per vocabulary entry
+        # A byte-level decoder maps each token to its bytes and decodes their concatenation: the text of tokens that
+        # follow whole characters is then the texts of the tokens, one by one (IncrementalDetokenizer's fast path).
+        self.decodes_by_concatenation = type(self._tok.decoder).__name__ == "ByteLevel"
+        self._pieces: dict[tuple[int, bool], str] = {}  # piece's cache: at most two entries per vocabulary entry
         template, special = load_chat_template(folder)
         template = chat_template or template
         self.chat_template = ChatTemplate(template, special) if template else None
@@ -93,6 +97,13 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         """The id of a token of the vocabulary (added tokens included), None if it has none."""
         return self._tok.token_to_id(token)
+
+    def piece(self, token: int, skip_special_tokens: bool) -> str:
+        """decode([token]), decoded once per token and kept."""
+        text = self._pieces.get((token, skip_special_tokens))
+        if text is None:
+            text = self._pieces[token, skip_special_tokens] = self._tok.decode([token], skip_special_tokens)
+        return text
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
