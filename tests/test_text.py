@@ -249,3 +249,24 @@ def test_byte_level_fast_path_streams_what_window_decoding_streams(tmp_path):
         assert streams[0] == streams[1], ids
         if not stop:
             assert streams[0][2] == tok.decode(ids, skip)
+
+
+def test_a_stop_string_inside_a_multi_token_delta_ends_the_streamed_tokens_there(byte_tokenizer):
+    """Speculative decoding hands the frontend several tokens in one delta; when a stop string completes at one of
+    them, the update streams the tokens up to it (and their logprobs), exactly those the final output keeps."""
+    from fastqwen.engine.messages import EngineRequest, RequestDelta, TokenLogprobs
+    from fastqwen.frontend import RequestTracker
+
+    ids = byte_tokenizer.encode("ab stop cd ef")
+    first = byte_tokenizer.encode("ab st")
+    assert ids[: len(first)] == first
+    params = SamplingParams(max_tokens=64, stop=["stop"], logprobs=0)
+    tracker = RequestTracker(EngineRequest(7, [1, 2], params, 0.0), byte_tokenizer)
+    logprobs = [TokenLogprobs(t, -0.5, []) for t in ids]
+    streamed = tracker.apply(RequestDelta(7, first, logprobs[: len(first)])).new_token_ids
+    update = tracker.apply(RequestDelta(7, ids[len(first) :], logprobs[len(first) :]))
+    streamed += update.new_token_ids
+    assert update.finished and update.output.finish_reason == "stop"
+    assert streamed == update.output.token_ids
+    assert len(update.new_logprobs) == len(update.new_token_ids)
+    assert len(streamed) < len(ids), "the stop string did not end the output early: the test is weak"

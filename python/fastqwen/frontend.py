@@ -120,6 +120,7 @@ class RequestTracker:
             self.prompt_logprobs = new_prompt_logprobs
         # (Locals: this loop runs for every token the server streams.)
         output_ids, detokenizer, min_tokens = self.output_ids, self.detokenizer, params.min_tokens
+        before = len(output_ids)
         logprobs = self.logprobs if delta.new_logprobs is not None else None
         for i, token in enumerate(delta.new_token_ids):
             output_ids.append(token)
@@ -133,7 +134,8 @@ class RequestTracker:
                     break
         if self.finish_reason is None and delta.finish_reason is not None:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
-        update = self._update(delta.new_token_ids[: len(self.output_ids)], delta.new_logprobs)
+        taken = len(output_ids) - before  # a stop string may end the output inside a multi-token (speculative) delta
+        update = self._update(delta.new_token_ids[:taken], delta.new_logprobs)
         update.prompt_logprobs = new_prompt_logprobs
         return update
 
@@ -149,12 +151,14 @@ class RequestTracker:
         if finished and detokenizer is not None:
             detokenizer.finish()
         return RequestUpdate(
-            self.request.rid,
-            list(new_ids),
-            detokenizer.take_delta() if detokenizer is not None else None,
-            new_logprobs[: len(new_ids)] if new_logprobs is not None and self.logprobs is not None else None,
-            finished,
-            self.output() if finished else None,
+            request_id=self.request.rid,
+            new_token_ids=list(new_ids),
+            new_text=detokenizer.take_delta() if detokenizer is not None else None,
+            new_logprobs=new_logprobs[: len(new_ids)]
+            if new_logprobs is not None and self.logprobs is not None
+            else None,
+            finished=finished,
+            output=self.output() if finished else None,
         )
 
     def output(self) -> RequestOutput:
