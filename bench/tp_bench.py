@@ -2,9 +2,9 @@
 each timed as 100 calls replayed from one CUDA graph (as decode runs them), the median of rank 0's replays.
 
 In the same run, what a decoder layer does after o_proj and down: the custom all-reduce followed by the separate
-fused_add_rms_norm kernel (today's default on GPUs) against the all-reduce fused with the residual add and RMSNorm
-(custom_all_reduce_add_rms_norm, which FASTQWEN_FUSED_ALLREDUCE_NORM=1 turns on in the engine; timed here whatever
-it says), and the norm kernel alone for reference. Rows: batch 1..256, hidden 4096 (Qwen3-8B) and 5120 (Qwen3-32B).
+fused_add_rms_norm kernel (what the engine runs for steps of more than 32 tokens) against the all-reduce fused with
+the residual add and RMSNorm (custom_all_reduce_add_rms_norm, the engine's choice up to 32 tokens unless
+FASTQWEN_FUSED_ALLREDUCE_NORM=0; timed here whatever it says), and the norm kernel alone for reference. Rows: batch 1..256, hidden 4096 (Qwen3-8B) and 5120 (Qwen3-32B).
 
 The engine-level figures of the tensor-parallel bars come from the existing benchmarks, which take --tp:
     python bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 --prompt-lens 128   # TPOT and its limit
