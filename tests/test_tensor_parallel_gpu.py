@@ -365,3 +365,47 @@ def test_tp2_matches_tp1_teacher_forced(folder, quantization, fused_norm, monkey
     key += "_fused_norm" if fused_norm else ""
     figures.update(steps_compared=compared, worst_logit_diff_rel=worst, tolerance=tolerance)
     record_result("tensor_parallel.json", key, figures)
+
+
+def test_tp2_grammars_in_graphs_overlap_like_the_serial_schedule(tmp_path):
+    """TP=2 with CUDA graphs and structured output: each rank compiles the grammars and applies the masks at the
+    same step. With the overlap schedule on (a constrained step's forward runs ahead, its sampler once the step
+    before is recorded) the tokens (seeded sampling) equal TP=2's serial schedule, but for the rows a step launched ahead may move to
+    another captured batch size (test_structured_gpu's rule: at least 20 of 24 equal), and every constrained output
+    is its schema's JSON."""
+    import json
+
+    from fastqwen.sampling_params import StructuredOutput
+    from test_structured_gpu import _check
+    from test_structured_output import SCHEMAS, _write_checkpoint
+
+    folder = str(tmp_path)
+    _write_checkpoint(folder, num_heads=8, num_kv_heads=2, head_dim=128, hidden=256, intermediate=512)
+    from fastqwen import SamplingParams
+
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=300 + i,
+            max_tokens=160,
+            **({"structured": StructuredOutput("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)]))} if i % 2 else {}),
+        )
+        for i in range(24)
+    ]
+    prompts = [f"request {i}" for i in range(24)]
+    knobs = dict(dtype="bfloat16", device="cuda", num_pages=1024, page_size=16, max_num_seqs=32, cuda_graph_max_bs=32)
+    runs = {}
+    for overlap in (True, False):
+        llm = LLM(folder, tensor_parallel_size=2, disable_overlap_schedule=not overlap, **knobs)
+        try:
+            ahead = llm.engine.num_ahead_steps
+            runs[overlap] = llm.generate(prompts, params, use_tqdm=False)
+            assert (llm.engine.num_ahead_steps > ahead) == overlap
+        finally:
+            llm.close()
+    same = sum(a.token_ids == b.token_ids for a, b in zip(runs[True], runs[False]))
+    assert same >= 20, same
+    for i, out in enumerate(runs[True]):
+        if params[i].structured is not None:
+            assert out.finish_reason == "stop", out.text
+            _check(out.text, SCHEMAS[i % len(SCHEMAS)])
