@@ -135,7 +135,7 @@ for stage in $STAGES; do
           --prompt-lens 128 --new-tokens 64 --json "$OUT/http_latency_32B_tp2.json"
       kill -TERM "$server"; wait "$server" ;;
     fp8)
-      FASTQWEN_FUSED_ALLREDUCE_NORM=${FUSED:-0} run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
+      FASTQWEN_FUSED_ALLREDUCE_NORM=${FUSED:-1} run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
         --quantization fp8 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fp8.json" ;;
     throughput)
       for spec in "32B 1" "32B 2" "8B 2"; do
