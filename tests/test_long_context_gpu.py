@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 from checkpoints import engine_logits, make_checkpoint, record_result
-from fastqwen import LLM, ops
+from fastqwen import LLM
 from fastqwen.ops import _native
 from fastqwen.ops import attention as attention_ops
 
@@ -96,7 +96,9 @@ def setup(tmp_path_factory):
         llm = LLM(folder, **kwargs)
         for name, prompt in prompts.items():
             reference[name] = engine_logits(llm, prompt, NEW_TOKENS)
-        patch.setattr(ops, "paged_attention_decode", decode_skipping_first_chunk)  # what the model calls
+        patch.setattr(
+            attention_ops, "paged_attention_decode", decode_skipping_first_chunk
+        )  # ops.paged_attention calls it
         for name in PROMPT_LENS:
             skipped[name] = engine_logits(llm, prompts[name], 2)[1][1]
         del llm

@@ -239,22 +239,7 @@ class Eagle3Head:
             q_out=q,
         )
         attn = torch.empty_like(q)
-        if batch.is_decode:
-            ops.paged_attention_decode(
-                q, k_cache, v_cache, batch.page_table, batch.kv_lens, self.scale, attn, self.decode_workspace
-            )
-        else:
-            ops.paged_attention_prefill(
-                q,
-                k_cache,
-                v_cache,
-                batch.query_start,
-                batch.page_table,
-                batch.kv_lens,
-                self.scale,
-                attn,
-                batch.max_query_len or None,
-            )
+        ops.paged_attention(q, k_cache, v_cache, batch, self.scale, attn, self.decode_workspace)
         residual = features + ops.linear(attn.view(rows, -1), w.o_proj)  # the feature is the layer's residual
         out = residual + ops.linear(
             ops.linear_silu_and_mul(ops.rms_norm(residual, w.post_norm, eps), w.gate_up), w.down

@@ -126,34 +126,18 @@ class Qwen3Model:
             k_scale=k_scale,
             v_scale=v_scale,
         )
-        if batch.is_decode:
-            ops.paged_attention_decode(
-                q,
-                k_cache,
-                v_cache,
-                batch.page_table,
-                batch.kv_lens,
-                self.scale,
-                attn,
-                self.decode_workspace,
-                planned=decode_kernel,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
-        else:
-            ops.paged_attention_prefill(
-                q,
-                k_cache,
-                v_cache,
-                batch.query_start,
-                batch.page_table,
-                batch.kv_lens,
-                self.scale,
-                attn,
-                batch.max_query_len or None,  # the batch builder knows it: no read-back
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
+        ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch,
+            self.scale,
+            attn,
+            self.decode_workspace,
+            planned=decode_kernel,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states [N, hidden]."""

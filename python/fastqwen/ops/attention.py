@@ -117,6 +117,50 @@ def paged_attention_decode(
     return out
 
 
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch,
+    scale: float,
+    out: torch.Tensor,
+    decode_workspace: DecodeWorkspace | None = None,
+    planned: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """A model step's attention (batch: a ForwardBatch, model/forward_batch.py): paged_attention_decode when every
+    sequence computes one token, else paged_attention_prefill with the batch's longest query run (the batch builder
+    knows it: no read-back)."""
+    if batch.is_decode:
+        return paged_attention_decode(
+            q,
+            k_cache,
+            v_cache,
+            batch.page_table,
+            batch.kv_lens,
+            scale,
+            out,
+            decode_workspace,
+            planned,
+            k_scale,
+            v_scale,
+        )
+    return paged_attention_prefill(
+        q,
+        k_cache,
+        v_cache,
+        batch.query_start,
+        batch.page_table,
+        batch.kv_lens,
+        scale,
+        out,
+        batch.max_query_len or None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
 def paged_attention_decode_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
