@@ -42,11 +42,20 @@ def test_the_checker_sees_a_read():
     assert not READS_THE_ENVIRONMENT.search("a sandboxed environment with trim_blocks")
 
 
+SWITCHES = [  # (variable, its reader, its default)
+    ("FASTQWEN_ALLOW_REFERENCE_ON_GPU", env.allow_reference_on_gpu, False),
+    ("FASTQWEN_DISABLE_CUDA_KERNELS", env.disable_cuda_kernels, False),
+    ("FASTQWEN_CHECK_INVARIANTS", env.check_invariants_every_step, False),
+    ("FASTQWEN_FUSED_ALLREDUCE_NORM", env.fused_all_reduce_norm, True),
+    ("FASTQWEN_GEMV_TENSOR_CORES", env.gemv_tensor_cores, True),
+]
+
+
 @pytest.mark.parametrize(
-    "value, expected",
+    "value, expected",  # expected None: the switch's default
     [
-        (None, False),
-        ("", False),
+        (None, None),
+        ("", None),
         ("1", True),
         ("yes", True),
         ("0", False),
@@ -57,16 +66,12 @@ def test_the_checker_sees_a_read():
     ],
 )
 def test_every_switch_has_one_rule(monkeypatch, value, expected):
-    for name, read in [
-        ("FASTQWEN_ALLOW_REFERENCE_ON_GPU", env.allow_reference_on_gpu),
-        ("FASTQWEN_DISABLE_CUDA_KERNELS", env.disable_cuda_kernels),
-        ("FASTQWEN_CHECK_INVARIANTS", env.check_invariants_every_step),
-    ]:
+    for name, read, default in SWITCHES:
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-        assert read() is expected, (name, value)
+        assert read() is (default if expected is None else expected), (name, value)
 
 
 def test_the_chat_client_key_and_no_color(monkeypatch):
@@ -79,16 +84,3 @@ def test_the_chat_client_key_and_no_color(monkeypatch):
     assert env.no_color()  # no-color.org: any non-empty value
     monkeypatch.setenv("NO_COLOR", "")
     assert not env.no_color()
-
-
-@pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("1", True), ("0", False), ("off", False)])
-def test_switches_on_by_default_turn_off_by_the_same_rule(monkeypatch, value, expected):
-    for name, read in [
-        ("FASTQWEN_FUSED_ALLREDUCE_NORM", env.fused_all_reduce_norm),
-        ("FASTQWEN_GEMV_TENSOR_CORES", env.gemv_tensor_cores),
-    ]:
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-        assert read() is expected, (name, value)
