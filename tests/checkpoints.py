@@ -279,6 +279,20 @@ def teacher_forced_match(
     return decisive, worst
 
 
+def load_projections_into_hf(hf, layers, cfg) -> None:
+    """Copy an engine's projection weights (model/qwen3.py's fused qkv and gate_up, o_proj, down), dequantized where
+    FP8, into the Hugging Face model's separate projections, in place: HF then runs the weights the engine holds."""
+    with torch.no_grad():
+        for n, layer in enumerate(layers):
+            mlp, attn = hf.model.layers[n].mlp, hf.model.layers[n].self_attn
+            gate, up = layer.gate_up.dequantize().chunk(2)
+            mlp.gate_proj.weight.copy_(gate), mlp.up_proj.weight.copy_(up)
+            mlp.down_proj.weight.copy_(layer.down.dequantize())
+            q, k, v = layer.qkv.dequantize().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+            attn.q_proj.weight.copy_(q), attn.k_proj.weight.copy_(k), attn.v_proj.weight.copy_(v)
+            attn.o_proj.weight.copy_(layer.o_proj.dequantize())
+
+
 def hf_logits(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
     """HF logits at the positions where the engine sampled new_ids (teacher forcing), float32 on the CPU."""
     device = next(model.parameters()).device

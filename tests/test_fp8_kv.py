@@ -15,7 +15,14 @@ import random
 
 import pytest
 import torch
-from checkpoints import engine_logits, hf_greedy, hf_logits, make_checkpoint, teacher_forced_match
+from checkpoints import (
+    engine_logits,
+    hf_greedy,
+    hf_logits,
+    load_projections_into_hf,
+    make_checkpoint,
+    teacher_forced_match,
+)
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
 from fastqwen.kvcache import KVPool
@@ -299,17 +306,8 @@ def hf_with_engine_weights(hf, llm):
     """A copy of the Hugging Face model holding the engine's projection weights as it runs them (dequantized FP8)."""
     import copy
 
-    cfg = llm.engine.config
     truth = copy.deepcopy(hf)
-    with torch.no_grad():
-        for n, layer in enumerate(llm.engine.model.weights.layers):
-            mlp, attn = truth.model.layers[n].mlp, truth.model.layers[n].self_attn
-            gate, up = layer.gate_up.dequantize().chunk(2)
-            mlp.gate_proj.weight.copy_(gate), mlp.up_proj.weight.copy_(up)
-            mlp.down_proj.weight.copy_(layer.down.dequantize())
-            q, k, v = layer.qkv.dequantize().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-            attn.q_proj.weight.copy_(q), attn.k_proj.weight.copy_(k), attn.v_proj.weight.copy_(v)
-            attn.o_proj.weight.copy_(layer.o_proj.dequantize())
+    load_projections_into_hf(truth, llm.engine.model.weights.layers, llm.engine.config)
     return truth
 
 

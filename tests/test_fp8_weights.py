@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from checkpoints import FP8_PROJECTIONS, hf_greedy, make_checkpoint, make_fp8_checkpoint
+from checkpoints import FP8_PROJECTIONS, hf_greedy, load_projections_into_hf, make_checkpoint, make_fp8_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig, load_model_config
 from fastqwen.ops.linear import LinearWeight, dequantize_fp8, linear, linear_reference, quantize_fp8
@@ -92,15 +92,7 @@ def test_quantize_on_load_round_trip_within_e4m3_error(tmp_path):
     assert not torch.equal(deq, original), "nothing was quantized"
     assert w.lm_head.weight is w.embed and not w.lm_head.is_fp8  # the LM head and embeddings stay dense
     # The engine on quantized-on-load weights generates what HF generates with those dequantized weights.
-    with torch.no_grad():
-        for n, layer in enumerate(w.layers):
-            mlp, attn = hf.model.layers[n].mlp, hf.model.layers[n].self_attn
-            gate, up = layer.gate_up.dequantize().chunk(2)
-            mlp.gate_proj.weight.copy_(gate), mlp.up_proj.weight.copy_(up)
-            mlp.down_proj.weight.copy_(layer.down.dequantize())
-            q, k, v = layer.qkv.dequantize().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-            attn.q_proj.weight.copy_(q), attn.k_proj.weight.copy_(k), attn.v_proj.weight.copy_(v)
-            attn.o_proj.weight.copy_(layer.o_proj.dequantize())
+    load_projections_into_hf(hf, w.layers, cfg)
     prompt = [7, 8, 9, 100, 250]
     llm = LLM(folder, dtype="float32", device="cpu", num_pages=64, quantization="fp8")
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
