@@ -26,6 +26,11 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
+#   specreplay  bench/spec_replay.py: greedy requests twice with suffix decoding, the second drafting from the first
+#   specswitch  offline throughput with speculation forced on (max_batch_size 512) and off at 32, 64 and 128 in
+#            flight: where speculation stops paying, for its default switch-off batch size
+#   fp8kvserving  FP8 weights + FP8 KV, 128/1024 with 512 in flight (1,024 requests): offline, then through the
+#            server with SGLang's bench_serving (SGL_TOOLS) (issue 47)
 #   stepaccount  bench/step_account.py: the decode step of random Qwen3-8B at batch 64, 256 and 512 per kernel family
 #            against each family's bound; bf16, then FP8 weights + FP8 KV (issue 47)
 #   saturated  issue 47's parts at decode batch sizes, in one call: decode attention at 256 and 512 sequences of
@@ -325,6 +330,35 @@ stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in fli
       --json "$OUT/throughput_spec_${mode}_c256.json"
   done
 }
+stage_specreplay() {  # issue 42's replay test: acceptance length >= 3 and TPOT >= 2x better on the second pass
+  run spec_replay 200 python3 bench/spec_replay.py --model Qwen3-8B --load-format dummy --json "$OUT/spec_replay.json"
+}
+
+stage_specswitch() {  # issue 42: speculation at acceptance 2.0 kept on above its default switch-off batch size
+  local forced='{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_length": 2.0, "max_batch_size": 512}'
+  for c in ${SPEC_SWITCH_INFLIGHT:-32 64 128}; do
+    for mode in off on; do
+      local extra=()
+      [ "$mode" = on ] && extra=(--speculative-config "$forced")
+      run "throughput_forced_${mode}_c$c" 120 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
+        --workload fixed --num-prompts $((c * 2)) --input-len 128 --output-len 512 --max-num-seqs "$c" \
+        "${extra[@]}" --json "$OUT/throughput_forced_${mode}_c$c.json"
+    done
+  done
+}
+
+stage_fp8kvserving() {  # issue 47: FP8 weights + FP8 KV at 512 in flight, offline then through HTTP
+  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  local flags=(--quantization fp8 --kv-cache-dtype fp8_e4m3 --max-num-seqs 512)
+  run throughput_8b_fp8kv_c512 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy "${flags[@]}" \
+    --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_fp8kv_c512.json"
+  [ -n "$SGL_TOOLS" ] || { echo "SGL_TOOLS not set: no HTTP run"; return; }
+  start_server server_fp8kv.log /tmp/qwen3-8b-dummy "${flags[@]}" &&
+    bench_serving bench_serving_fp8kv_c512 --backend vllm --num-prompts 1024 --max-concurrency 512 \
+      --random-input-len 128 --random-output-len 1024
+  stop_server
+}
+
 STEP_ACCOUNT_DEADLINE=""  # when set (seconds since this script began): both step_account.py runs end by then
 step_account_limit() {  # step_account_limit RUNS_LEFT: this run's limit, 280 s or its share of the time left
   [ -n "$STEP_ACCOUNT_DEADLINE" ] || { echo 280; return; }
@@ -351,7 +385,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefillprofile|longcontext|fp8serving|speculative|specthroughput|stepaccount|saturated)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefillprofile|longcontext|fp8serving|speculative|specthroughput|specreplay|specswitch|fp8kvserving|stepaccount|saturated)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -109,25 +109,35 @@ def one_size_graphs(runner, size: int):
     return graphs.capture()
 
 
-def decode_step_ms(llm, prompts: list[list[int]], new_tokens: int) -> float:
-    """Generate new_tokens for every prompt at once; the median wall time between the ends of consecutive engine
-    steps once every request decodes. The last step's inputs stay in the staging buffer: it must have run every
-    prompt (RuntimeError otherwise: the pool holds too few sequences of this length)."""
+def decode_step_ms(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, torch.Tensor, float]:
+    """Generate new_tokens for every prompt at once. Returns the median wall time between the ends of consecutive
+    engine steps that both decoded every prompt, the staging buffer's inputs of the last such step (copied once it
+    was launched) and that step's mean KV length. Chunked prefill admits the prompts over several steps, so the first
+    requests finish first: new_tokens must outlast the admission (RuntimeError if no step decoded every prompt, or
+    the pool holds too few sequences of this length)."""
     from fastqwen import SamplingParams
 
     engine, runner = llm.engine, llm.engine.runner
-    ends: list[float] = []
-    decode_batches: list[int] = []
+    steps: list[tuple[float, int]] = []  # (end of the step() call, decode batch it launched; 0: not all decode)
+    launched = [0]
+    full: dict = {}
     step, launch = engine.step, runner.launch
 
     def timed_step():
+        launched[0] = 0
         out = step()
-        ends.append(time.perf_counter())
+        steps.append((time.perf_counter(), launched[0]))
         return out
 
     def recording_launch(scheduled, after=None):
-        decode_batches.append(len(scheduled.chunks) if scheduled.is_decode else 0)
-        return launch(scheduled, after)
+        out = launch(scheduled, after)
+        launched[0] = len(scheduled.chunks) if scheduled.is_decode else 0
+        if launched[0] == len(prompts):
+            if torch.cuda.is_available():  # (the upload into the staging buffer is queued: wait for it)
+                torch.cuda.synchronize()
+            full["inputs"] = runner.staging.dev.clone()
+            full["kv_len"] = statistics.mean(c.end for c in scheduled.chunks)
+        return out
 
     engine.step, runner.launch = timed_step, recording_launch
     try:
@@ -135,13 +145,13 @@ def decode_step_ms(llm, prompts: list[list[int]], new_tokens: int) -> float:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
         del engine.step, runner.launch
-    if not decode_batches or decode_batches[-1] != len(prompts):
+    gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:]) if a[1] == b[1] == len(prompts)]
+    if len(gaps) < 4 or "inputs" not in full:
         raise RuntimeError(
-            f"the last decode step ran {decode_batches[-1:]} sequences, not {len(prompts)}: the KV pool holds too few "
-            "of this length (give it --num-pages or --kv-cache-memory-fraction, or a shorter --context)"
+            f"{len(gaps)} consecutive steps decoded all {len(prompts)} sequences (at least 4 needed): give it more "
+            "--new-tokens, or the KV pool more room (--num-pages, --kv-cache-memory-fraction) or a shorter --context"
         )
-    gaps = [b - a for a, b in zip(ends, ends[1:])][-(new_tokens // 2) :]  # the decode steps, past any prefill
-    return statistics.median(gaps) * 1e3
+    return statistics.median(gaps[len(gaps) // 4 :]) * 1e3, full["inputs"], full["kv_len"]
 
 
 def account(llm, batch: int, args, left_out: set[str], copy_gbps: float, tflops: dict[str, float]) -> dict:
@@ -150,10 +160,8 @@ def account(llm, batch: int, args, left_out: set[str], copy_gbps: float, tflops:
     runner, model = engine.runner, engine.runner.model
     vocab = engine.config.vocab_size
     prompts = [[(7 * i + 13 * b + 1) % vocab for i in range(args.context)] for b in range(batch)]
-    host_step_ms = decode_step_ms(llm, prompts, args.new_tokens)
-    torch.cuda.synchronize()
-    saved = runner.staging.dev.clone()  # the last decode step's inputs (batch B)
-    kv_len = args.context + args.new_tokens - 1
+    host_step_ms, saved, kv_len = decode_step_ms(llm, prompts, args.new_tokens)  # saved: a full step's inputs
+    kv_len = round(kv_len)
     times: dict[str, list[float]] = {}
 
     def replays(name: str, fn, queue_ahead: bool = True) -> None:
@@ -226,7 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=4096)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--context", type=int, default=640, help="prompt tokens of every sequence (issue 47: ~640)")
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated before the step is accounted")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens each sequence generates (the steps that decode all "
+                   "of them are timed; the prompts' admission over several chunked-prefill steps comes first)")
     p.add_argument("--replays", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2, help="the variants are captured and timed this many times")
     p.add_argument("--work-only", action="store_true", help="print each family's bytes and FLOPs, time nothing")

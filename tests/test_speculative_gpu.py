@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import make_checkpoint, record_result
+from checkpoints import VOCAB, make_checkpoint, record_result
 from fastqwen import LLM, SamplingParams
 from test_speculative import PENALTIES, OracleDrafter, WrongDrafter, penalize
 
@@ -205,7 +205,9 @@ def test_eagle3_drafts_from_the_verify_graphs_hidden_states(folder, tmp_path):
     from test_speculative_eagle3 import recorded_proposals, write_head
 
     head = str(tmp_path / "head")
-    write_head(head, seed=1, target_hidden=256)
+    # The head is narrower (64) than this target (256): it brings its own embedding, as heads of another width do.
+    embed = torch.randn(VOCAB, 64, generator=torch.Generator().manual_seed(5)) * 0.15
+    write_head(head, seed=1, target_hidden=256, tensors={"embed_tokens.weight": embed})
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
     batch = prompts(8, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)

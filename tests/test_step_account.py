@@ -54,6 +54,6 @@ def test_work_only_runs_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "work.json"
     assert main(["--work-only", "--batches", "64", "512", "--kv-cache-dtype", "fp8_e4m3", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["kv_len"] == 640 + 16 - 1 and set(result["work"]) == {"64", "512"}
+    assert result["kv_len"] == 640 + 64 - 1 and set(result["work"]) == {"64", "512"}
     cfg = ModelConfig.from_preset("Qwen3-8B")
-    assert result["work"]["512"] == step_work(cfg, 512, 655, weight_bytes=2, kv_bytes=1)
+    assert result["work"]["512"] == step_work(cfg, 512, 703, weight_bytes=2, kv_bytes=1)

@@ -1,0 +1,82 @@
+"""Issue 42's replay test on a GPU: greedy requests run once with suffix decoding, their outputs enter the global suffix
+cache, and the same requests run again. With random weights greedy decoding repeats itself, so the second pass's
+drafts come true: its acceptance length (1 + accepted drafts per verify step) and its time per output token against
+the first pass's, each request alone (batch 1), as vLLM and SGLang report TPOT ((end - first token) / (tokens - 1)).
+
+    python bench/spec_replay.py --model Qwen3-8B --load-format dummy [--requests 4] [--new-tokens 256]
+                                [--speculative-config '{"method": "suffix", "num_speculative_tokens": 5}'] [--json out]
+
+Bar (issue 42): second pass acceptance length >= 3 and time per token at least 2x better than the first pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+
+import torch
+from fastqwen import LLM
+from fastqwen.config import EngineConfig
+from latency import engine_latency
+
+DEFAULT_SPEC = '{"method": "suffix", "num_speculative_tokens": 5}'
+
+
+def one_pass(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Each prompt alone; the pass's median TPOT and its acceptance length from the engine's counters."""
+    before = llm.engine.stats()
+    tpots = [engine_latency(llm, prompt, new_tokens)["tpot_mean_ms"] for prompt in prompts]
+    after = llm.engine.stats()
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    return {
+        "tpot_ms": statistics.median(tpots),
+        "tpot_runs_ms": [round(t, 4) for t in tpots],
+        "verify_steps": drafts,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=4096)
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.speculative_config is None:
+        args.speculative_config = DEFAULT_SPEC
+    args.enable_prefix_caching = False  # (the second pass's prompts would be cached: its TTFT is not what is compared)
+    llm = LLM(EngineConfig.from_cli(args))
+    vocab = llm.engine.config.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    engine_latency(llm, [1] * 16, 4)  # warm-up
+    first = one_pass(llm, prompts, args.new_tokens)
+    second = one_pass(llm, prompts, args.new_tokens)
+    result = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "speculative_config": json.loads(args.speculative_config),
+        "requests": args.requests,
+        "new_tokens": args.new_tokens,
+        "first": first,
+        "second": second,
+        "speedup": first["tpot_ms"] / second["tpot_ms"],
+    }
+    for name in ("first", "second"):
+        r = result[name]
+        print(f"{name:6} pass: TPOT {r['tpot_ms']:.3f} ms, acceptance length {r['acceptance_length']}", flush=True)
+    print(f"second pass {result['speedup']:.2f}x faster per token", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
