@@ -26,6 +26,7 @@ from common import copy_bandwidth, report, time_fn
 from fastqwen import LLM, SamplingParams, ops
 from fastqwen.config import EngineConfig
 from fastqwen.engine.cuda_graph import DecodeGraphs
+from fastqwen.ops import attention as attention_ops
 from fastqwen.ops._native import native as native_module
 
 # Variant: the kinds of kernel it leaves out of the decode step (the final norm and the LM head always stay: they
@@ -61,7 +62,8 @@ def install_switches(model, left_out: set[str]) -> None:
     def half_rows(x, w, gemv_only=False, norm=None):
         return torch.empty(x.shape[0], w.out_features // 2, dtype=x.dtype, device=x.device)
 
-    ops.paged_attention_decode = skip_unless("attention", ops.paged_attention_decode)
+    # ops.paged_attention (the model's call) looks paged_attention_decode up in its own module: switch it there.
+    attention_ops.paged_attention_decode = skip_unless("attention", attention_ops.paged_attention_decode)
     ops.qk_norm_rope_store_kv = skip_unless("qk_norm_rope", ops.qk_norm_rope_store_kv)
     ops.rms_norm = skip_unless("norms", ops.rms_norm)
     ops.fused_add_rms_norm = skip_unless("norms", ops.fused_add_rms_norm, keep=lambda h, r, w, eps: w is final_norm)
