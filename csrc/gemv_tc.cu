@@ -74,77 +74,43 @@ __device__ __forceinline__ void load_step(Step& st, const uint8_t* row_lo, const
   }
 }
 
-// FP8: this warp's share (its units) of every token of x as f16 in shared memory, each token times the power of two
-// that puts its share's largest magnitude in [2^15, 2^16); inv_up[t] = 1 / that power. xs: [token][per_warp units]
-// [128] halves. The pieces (16 bytes, 8 values) of all m tokens are one index space read kBatch per lane at a time,
-// so their loads are in flight together: one token after the other cost a round trip to memory per token and pass,
-// the most of a 4-token call's excess over reading its weights (an H100's FP8 o_proj: 13.9 us at 4 tokens, 6.1 at 1).
-// Every token's largest magnitude gathers in shared memory (atomicMax on the bits of non-negative floats orders them
-// as the floats; NaNs are dropped as fmaxf drops them); the second pass reads x again from L1.
+// FP8: this warp's share of token t (its units) as f16 in shared memory, times the power of two that puts the share's
+// largest magnitude in [2^15, 2^16); returns 1 / that power. xs: [units][128] halves for the token.
 template <typename T>
-__device__ __forceinline__ void stage_x(const T* __restrict__ x, int m, int k, __half* xs, int per_warp, int warp,
-                                        int units, int lane, unsigned* big_bits, float* inv_up) {
-  constexpr int kBatch = 4;
-  const int num = units * (kStepBytes / 8), total = m * num;  // pieces per token, and of all tokens
-  auto piece = [&](int i) {  // piece p of token t: unit warp + (p / 16) * kWarps, values (p % 16) * 8 ..
-    const int t = i / num, p = i - t * num;
-    return reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * k + (warp + (p >> 4) * kWarps) * kStepBytes) +
-           (p & 15);
+__device__ __forceinline__ float stage_x(const T* __restrict__ xt, __half* xs, int warp, int units, int lane) {
+  const int num = units * (kStepBytes / 8);  // 16-byte pieces (8 values) of the share
+  auto piece = [&](int p) {  // piece p: unit warp + (p / 16) * kWarps, values (p % 16) * 8 ..
+    return reinterpret_cast<const uint4*>(xt + (warp + (p >> 4) * kWarps) * kStepBytes) + (p & 15);
   };
-  for (int t = lane; t < m; t += 32) big_bits[t] = 0u;
-  __syncwarp();
-  for (int i0 = lane; i0 < total; i0 += 32 * kBatch) {
-    uint4 v[kBatch];
+  float big = 0.0f;
+  for (int p = lane; p < num; p += 32) {
+    const uint4 v = __ldg(piece(p));
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (i0 + 32 * b < total) v[b] = __ldg(piece(i0 + 32 * b));
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int i = i0 + 32 * b;
-      if (i >= total) break;
-      const unsigned words[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-      float big = 0.0f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 f = to_float2(words[w], T{});
-        big = fmaxf(big, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
-      atomicMax(big_bits + i / num, __float_as_uint(big));
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = to_float2(words[i], T{});
+      big = fmaxf(big, fmaxf(fabsf(f.x), fabsf(f.y)));
     }
   }
-  __syncwarp();
-  for (int t = lane; t < m; t += 32) {
-    const float big = __uint_as_float(big_bits[t]);
-    int e = 16;  // zero, inf: no scaling
-    if (big > 0.0f && big <= 3.0e38f) frexpf(big, &e);  // big in [2^(e-1), 2^e)
-    big_bits[t] = static_cast<unsigned>(min(16 - e, 126));  // the shift ((2^126 and its inverse are normal floats)
-    inv_up[t] = ldexpf(1.0f, -min(16 - e, 126));
-  }
-  __syncwarp();
-  for (int i0 = lane; i0 < total; i0 += 32 * kBatch) {
-    uint4 v[kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (i0 + 32 * b < total) v[b] = __ldg(piece(i0 + 32 * b));
+  for (int offset = 16; offset > 0; offset >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, offset));
+  int e = 16;  // zero, inf: no scaling
+  if (big > 0.0f && big <= 3.0e38f) frexpf(big, &e);  // big in [2^(e-1), 2^e)
+  const int shift = min(16 - e, 126);  // (2^126 and its inverse are normal floats)
+  const float up = ldexpf(1.0f, shift);
+  for (int p = lane; p < num; p += 32) {
+    const uint4 v = __ldg(piece(p));
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    unsigned h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = to_float2(words[i], T{});
+      const __half2 c = __floats2half2_rn(f.x * up, f.y * up);
+      h[i] = *reinterpret_cast<const unsigned*>(&c);
     }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int i = i0 + 32 * b;
-      if (i >= total) break;
-      const int t = i / num;
-      const float up = ldexpf(1.0f, static_cast<int>(big_bits[t]));
-      const unsigned words[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-      unsigned h[4];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 f = to_float2(words[w], T{});
-        const __half2 c = __floats2half2_rn(f.x * up, f.y * up);
-        h[w] = *reinterpret_cast<const unsigned*>(&c);
-      }
-      reinterpret_cast<uint4*>(xs)[t * per_warp * (kStepBytes / 8) + (i - t * num)] = make_uint4(h[0], h[1], h[2], h[3]);
-    }
+    reinterpret_cast<uint4*>(xs)[p] = make_uint4(h[0], h[1], h[2], h[3]);
   }
+  return ldexpf(1.0f, -shift);
 }
 
 // Grid: one block per tile (16 rows, or 8 gate + 8 up rows). m: 1 to 8 tokens. Dynamic shared memory (FP8 only):
@@ -158,7 +124,6 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float partial[kWarps][kGemvTcMaxTokens][16];
   __shared__ float inv_up[kWarps][kGemvTcMaxTokens];  // FP8: 1 / each token's power of two (this warp's share)
-  __shared__ unsigned big_bits[kWarps][kGemvTcMaxTokens];  // FP8: stage_x's per-token scratch
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int row_bytes = FP8 ? k : k * static_cast<int>(sizeof(T));
   const int units = row_bytes / kStepBytes;
@@ -192,8 +157,12 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
 
   __half* xs = reinterpret_cast<__half*>(smem) + static_cast<int64_t>(warp) * m * per_warp * kStepBytes;
   for (int t = lane; t < kGemvTcMaxTokens; t += 32) inv_up[warp][t] = 1.0f;
-  __syncwarp();
-  if constexpr (FP8) stage_x<T>(x, m, k, xs, per_warp, warp, my_units, lane, big_bits[warp], inv_up[warp]);
+  if constexpr (FP8) {
+    for (int t = 0; t < m; ++t) {
+      const float inv = stage_x<T>(x + static_cast<int64_t>(t) * k, xs + t * per_warp * kStepBytes, warp, my_units, lane);
+      if (lane == 0) inv_up[warp][t] = inv;
+    }
+  }
   __syncwarp();
 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows g, g + 8 x tokens 2q, 2q + 1
