@@ -14,6 +14,7 @@ times, the same way, a copy that moves as many bytes as the FP8 GEMV (copy_fp8_b
 
     python bench/bench_gemv.py [--presets Qwen3-8B] [--batches 1 2 4 8 16] [--shapes qkv o_proj] [--json out.json]
                                [--iters 30] [--tp 2]   (--tp: one rank's shard of each projection)
+                               [--tc-fp8-variants 0 1 2]   (each pipeline of the tensor-core FP8 kernel)
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def bench_shape(
     copy_gbs: float,
     gate_up: bool = False,
     host_timing: bool = False,
+    tc_fp8_variants: tuple[int, ...] = (),
 ) -> list[dict]:
     """gate_up: also the GEMV with the SiLU-and-mul epilogue (out half as wide), as the MLP runs it. host_timing: one
-    pass a graph, the host's submission timed (see the module's doc)."""
+    pass a graph, the host's submission timed (see the module's doc). tc_fp8_variants: where the FP8 GEMV runs on the
+    tensor cores, also each of these pipelines of its kernel (set_gemv_tc_fp8_variant), as gemv_fp8_v{N}."""
     dense = torch.randn(rows, cols, device="cuda") * 0.02
     nbuf = max(2, math.ceil(2 * L2_BYTES / (rows * cols)))  # the FP8 copies alone exceed twice the L2
     passes = 1 if host_timing else math.ceil(MIN_CALLS / nbuf)
@@ -103,6 +106,11 @@ def bench_shape(
         if native().gemv_uses_tensor_cores(m, cols, False):  # the GEMV's FMA kernel where the tensor-core one runs
             for name in [v for v in variants if v.startswith("gemv_")]:
                 variants[name.replace("gemv_", "gemv_simt_")] = variants[name]
+        if native().gemv_uses_tensor_cores(m, cols, True):
+            for v in tc_fp8_variants:
+                variants[f"gemv_fp8_v{v}"] = variants["gemv_fp8"]
+                if gate_up:
+                    variants[f"gemv_silu_fp8_v{v}"] = variants["gemv_silu_fp8"]
         row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
         for name, (weights, call) in variants.items():
 
@@ -111,11 +119,15 @@ def bench_shape(
                     for w, o in zip(weights, outs):
                         call(w, o)
 
+            variant = int(name.rsplit("_v", 1)[1]) if "_fp8_v" in name else None
             before = native().set_gemv_tensor_cores("_simt_" not in name)  # read when the graph is captured
+            before_variant = native().set_gemv_tc_fp8_variant(variant) if variant is not None else None
             try:
                 graph = graph_of(all_passes)
             finally:
                 native().set_gemv_tensor_cores(before)
+                if before_variant is not None:
+                    native().set_gemv_tc_fp8_variant(before_variant)
             ms = time_fn(graph.replay, iters, queue_ahead=not host_timing) / calls
             moved = weight_bytes(weights[0]) + 2 * m * ((rows // 2 if "silu" in name else rows) + cols)
             row[f"{name}_us"] = round(ms * 1e3, 2)
@@ -149,6 +161,13 @@ def main() -> int:
     p.add_argument("--shapes-only", action="store_true", help="print the shapes and exit (no GPU needed)")
     p.add_argument("--json", default=None)
     p.add_argument("--host-timing", action="store_true", help="time as before 2026-11-24 (see above)")
+    p.add_argument(
+        "--tc-fp8-variants",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also these pipelines of the tensor-core FP8 kernel (0..2, csrc/gemv.h), as gemv_fp8_v{N}",
+    )
     args = p.parse_args()
     if args.shapes_only:
         for preset in args.presets:
@@ -172,7 +191,14 @@ def main() -> int:
             key = f"{preset}/{name}" if args.tp == 1 else f"{preset}/tp{args.tp}/{name}"
             print(f"-- {key} [{rows}, {cols}]", flush=True)
             result["shapes"][key] = bench_shape(
-                rows, cols, args.batches, args.iters, copy_gbs, gate_up=name == "gate_up", host_timing=args.host_timing
+                rows,
+                cols,
+                args.batches,
+                args.iters,
+                copy_gbs,
+                gate_up=name == "gate_up",
+                host_timing=args.host_timing,
+                tc_fp8_variants=tuple(args.tc_fp8_variants),
             )
             torch.cuda.empty_cache()
     report(result, args.json)

@@ -26,6 +26,8 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
+#   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..2) at 1 to 4 tokens, their GPU
+#            test, then FP8 speculation at acceptance 2.0 with each (GEMV_TC_VARIANTS, default 0 1 2)
 #   specreplay  bench/spec_replay.py: greedy requests twice with suffix decoding, the second drafting from the first
 #   specswitch  offline throughput with speculation forced on (max_batch_size 512) and off at 32, 64 and 128 in
 #            flight: where speculation stops paying, for its default switch-off batch size
@@ -300,13 +302,14 @@ SPEC_SYNTHETIC='{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acce
 stage_speculative() {  # issue 42: a server and an engine side by side (small pools), speculation off then on
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   for q in ${SPEC_QUANT:-none fp8}; do
-    for mode in off on; do
+    for mode in ${SPEC_MODES:-off on}; do
       local extra=()
       [ "$mode" = on ] && extra=(--speculative-config "$SPEC_SYNTHETIC")
-      start_server "server_spec_${mode}_$q.log" /tmp/qwen3-8b-dummy --quantization "$q" --num-pages 2048 "${extra[@]}" &&
-        run "latency_spec_${mode}_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy \
+      local tag="${mode}_$q${SPEC_TAG:-}"
+      start_server "server_spec_$tag.log" /tmp/qwen3-8b-dummy --quantization "$q" --num-pages 2048 "${extra[@]}" &&
+        run "latency_spec_$tag" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy \
         --quantization "$q" --num-pages 2048 --prompt-lens 128 --new-tokens 128 --url http://127.0.0.1:8000 \
-        "${extra[@]}" --json "$OUT/latency_spec_${mode}_$q.json"
+        "${extra[@]}" --json "$OUT/latency_spec_$tag.json"
       stop_server
     done
   done
@@ -330,6 +333,17 @@ stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in fli
       --json "$OUT/throughput_spec_${mode}_c256.json"
   done
 }
+stage_gemvtc() {  # issue 42: the tensor-core GEMV's FP8 pipelines at 2 to 4 tokens, their test, then FP8 speculation
+  # (acceptance 2.0, batch 1, offline and through HTTP) with each pipeline in the whole engine
+  run gemv_tc_variants 120 python3 bench/bench_gemv.py --batches 1 2 3 4 --shapes qkv o_proj gate_up down \
+    --tc-fp8-variants 0 1 2 --json "$OUT/gemv_tc_variants.json"
+  FASTQWEN_RESULTS_DIR="$OUT" run gemv_tc_variants_test 120 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gemv_gpu.py -k "pipelines or tensor_core or matches_reference"
+  for v in ${GEMV_TC_VARIANTS:-0 1 2}; do
+    FASTQWEN_GEMV_TC_FP8_VARIANT=$v SPEC_QUANT=fp8 SPEC_MODES=on SPEC_TAG="_v$v" stage_speculative
+  done
+}
+
 stage_specreplay() {  # issue 42's replay test: acceptance length >= 3 and TPOT >= 2x better on the second pass
   run spec_replay 200 python3 bench/spec_replay.py --model Qwen3-8B --load-format dummy --json "$OUT/spec_replay.json"
 }
@@ -385,7 +399,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefillprofile|longcontext|fp8serving|speculative|specthroughput|specreplay|specswitch|fp8kvserving|stepaccount|saturated)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|specreplay|specswitch|fp8kvserving|stepaccount|saturated)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -75,6 +75,11 @@ void set_programmatic_launch(bool enabled);
 // benchmarks that compare the two; a process-wide switch, FASTQWEN_GEMV_TENSOR_CORES=0 turns it off at import.
 bool set_gemv_tensor_cores(bool enabled);
 
+// The tensor-core kernel's FP8 pipeline (gemv_tc.cu; 0: two steps of weights in flight per warp at 3 blocks per SM,
+// the default; 1: four at 2; 2: three at 2), for benchmarks and tests; returns the previous one.
+// std::invalid_argument outside 0..2.
+int set_gemv_tc_fp8_variant(int variant);
+
 // Whether gemv() runs a call of m tokens and row length k (dense or fp8 weights) on the tensor-core kernel now.
 bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8);
 

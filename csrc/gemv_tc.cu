@@ -28,6 +28,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "common.cuh"
@@ -41,7 +43,6 @@ namespace fastqwen {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kDepth = 2;          // steps of weights in flight per warp
 constexpr int kStepBytes = 128;    // bytes of each row per step (FP8: one 128-wide scale block)
 constexpr int kMaxSmem = 100 * 1024;  // FP8: x as f16, tokens x row length x 2 bytes
 
@@ -115,8 +116,19 @@ __device__ __forceinline__ float stage_x(const T* __restrict__ xt, __half* xs, i
 
 // Grid: one block per tile (16 rows, or 8 gate + 8 up rows). m: 1 to 8 tokens. Dynamic shared memory (FP8 only):
 // kWarps x m x units-per-warp x 128 halves.
-template <typename T, bool FP8, bool SILU_GATE_UP>
-__global__ void __launch_bounds__(kWarps * 32, 3)
+// kDepth: steps of weights in flight per warp; kMinBlocks: blocks per SM the registers must allow (3: 80 registers a
+// thread, 2: 128). FP8 pipelines (set_gemv_tc_fp8_variant): at k = 4,096 a warp has 4 steps in all, so the default
+// two-deep ring holds half of them while x is staged (an H100's FP8 o_proj: 13.9 us at 4 tokens, 6.1 at 1); the
+// deeper ones keep more in flight at fewer blocks per SM.
+struct Fp8Pipeline {
+  int depth, min_blocks;
+};
+constexpr Fp8Pipeline kFp8Pipelines[] = {{2, 3}, {4, 2}, {3, 2}};
+constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]);
+int g_fp8_pipeline = 0;
+
+template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     gemv_tc_kernel(T* __restrict__ out, const T* __restrict__ x, const uint8_t* __restrict__ w,
                    const float* __restrict__ scale, const T* __restrict__ bias, int m, int n, int k) {
   // f16 operands for FP8 weights (the hardware conversion's output) and for fp16 models; bf16 for bf16 weights.
@@ -259,10 +271,10 @@ int smem_bytes(bool fp8, int m, int k) {
   return kWarps * m * per_warp * kStepBytes * static_cast<int>(sizeof(__half));
 }
 
-template <typename T, bool FP8, bool SILU>
+template <typename T, bool FP8, bool SILU, int kDepth = 2, int kMinBlocks = 3>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
             cudaStream_t stream) {
-  auto kernel = gemv_tc_kernel<T, FP8, SILU>;
+  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks>;
   if constexpr (FP8) {
     static PerDevice<int> opted_in;  // shared memory above 48 KB, once per device
     opted_in.get([&](int) {
@@ -286,13 +298,32 @@ bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
          smem_bytes(fp8, static_cast<int>(m), static_cast<int>(k)) <= kMaxSmem;
 }
 
+int set_gemv_tc_fp8_variant(int variant) {
+  if (variant < 0 || variant >= kNumFp8Pipelines) {
+    throw std::invalid_argument("set_gemv_tc_fp8_variant: variant " + std::to_string(variant) + " is not in 0.." +
+                                std::to_string(kNumFp8Pipelines - 1));
+  }
+  const int before = g_fp8_pipeline;
+  g_fp8_pipeline = variant;
+  return before;
+}
+
 void gemv_tc(const GemvArgs& a) {
   const int m = static_cast<int>(a.m), n = static_cast<int>(a.n), k = static_cast<int>(a.k);
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("gemv: ", a.dtype, kHalfTypes, T, {
     if (a.fp8) {
-      if (a.silu_gate_up) return launch<T, true, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
-      return launch<T, true, false>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+      auto fp8 = [&](auto pipeline) {
+        constexpr Fp8Pipeline p = kFp8Pipelines[decltype(pipeline)::value];
+        if (a.silu_gate_up) return launch<T, true, true, p.depth, p.min_blocks>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+        launch<T, true, false, p.depth, p.min_blocks>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+      };
+      static_assert(kNumFp8Pipelines == 3, "one case per pipeline");
+      switch (g_fp8_pipeline) {
+        case 1: return fp8(std::integral_constant<int, 1>{});
+        case 2: return fp8(std::integral_constant<int, 2>{});
+        default: return fp8(std::integral_constant<int, 0>{});
+      }
     }
     if (a.silu_gate_up) return launch<T, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
     launch<T, false, false>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);

@@ -74,6 +74,18 @@ def test_every_switch_has_one_rule(monkeypatch, value, expected):
         assert read() is (default if expected is None else expected), (name, value)
 
 
+def test_gemv_tc_fp8_variant_takes_0_1_2_and_names_itself_otherwise(monkeypatch):
+    monkeypatch.delenv("FASTQWEN_GEMV_TC_FP8_VARIANT", raising=False)
+    assert env.gemv_tc_fp8_variant() == 0
+    for value in ("0", "1", "2"):
+        monkeypatch.setenv("FASTQWEN_GEMV_TC_FP8_VARIANT", value)
+        assert env.gemv_tc_fp8_variant() == int(value)
+    for value in ("3", "-1", "one", "1.0"):
+        monkeypatch.setenv("FASTQWEN_GEMV_TC_FP8_VARIANT", value)
+        with pytest.raises(ValueError, match="FASTQWEN_GEMV_TC_FP8_VARIANT"):
+            env.gemv_tc_fp8_variant()
+
+
 def test_the_chat_client_key_and_no_color(monkeypatch):
     monkeypatch.delenv("FASTQWEN_API_KEY", raising=False)
     monkeypatch.setenv("OPENAI_API_KEY", "sk-openai")

@@ -110,6 +110,42 @@ def test_gemv_matches_reference_on_qwen3_shapes(preset, fp8):
         del dense, w
 
 
+@contextlib.contextmanager
+def tc_fp8_variant(variant: int):
+    before = _native.native().set_gemv_tc_fp8_variant(variant)
+    try:
+        yield
+    finally:
+        _native.native().set_gemv_tc_fp8_variant(before)
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_tensor_core_fp8_pipelines_equal_the_default_bit_for_bit(variant):
+    """The FP8 kernel's other pipelines (more weight steps in flight, fewer blocks per SM) do the same arithmetic in
+    the same order as the default: bitwise its output, on Qwen3-8B's and Qwen3-32B's shapes at every token count the
+    tensor cores take, plain and with the SiLU epilogue; and the float32 reference's tolerance."""
+    gen = torch.Generator(device="cuda").manual_seed(50 + variant)
+    for preset in ("Qwen3-8B", "Qwen3-32B"):
+        for name, (rows, cols) in projection_shapes(preset).items():
+            w = LinearWeight(*quantize_fp8(torch.randn(rows, cols, device="cuda", generator=gen) * 0.02))
+            deq = w.dequantize(torch.float32)
+            for m in [m for m in range(2, FP8_GEMV_MAX_TOKENS + 1) if tensor_core_applies(m, w)]:
+                x = (torch.randn(m, cols, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+                calls = [lambda: gemv(x, w)]
+                if name == "gate_up":
+                    calls.append(lambda: linear_silu_and_mul(x, w, gemv_only=True))
+                for call in calls:
+                    default = call()
+                    with tc_fp8_variant(variant):
+                        got = call()
+                    assert torch.equal(got, default), (preset, name, m)
+                want = x.float() @ deq.t()
+                torch.testing.assert_close(gemv(x, w).float(), want, rtol=RTOL, atol=1e-4 * want.abs().max().item())
+            del w, deq
+    with pytest.raises(ValueError, match="variant 3"):
+        _native.native().set_gemv_tc_fp8_variant(3)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gemv_lm_head_odd_rows_bias_and_fp16(fp8):
     gen = torch.Generator(device="cuda").manual_seed(1)

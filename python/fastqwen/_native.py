@@ -25,6 +25,7 @@ def native() -> ModuleType | None:
     if not _tried:
         with _lock:
             if not _tried:
+                fp8_variant = env.gemv_tc_fp8_variant()  # (a bad value is the caller's error, not a missing build)
                 try:
                     from fastqwen import _C  # type: ignore[attr-defined]
 
@@ -32,6 +33,8 @@ def native() -> ModuleType | None:
                     if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
                         _C.set_programmatic_launch(env.programmatic_launch())
                         _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
+                        if hasattr(_C, "set_gemv_tc_fp8_variant"):
+                            _C.set_gemv_tc_fp8_variant(fp8_variant)
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
                     _module = None
                     _import_error = e

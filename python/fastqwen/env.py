@@ -52,6 +52,18 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
+def gemv_tc_fp8_variant() -> int:
+    """FASTQWEN_GEMV_TC_FP8_VARIANT=N (0, the default; 1 or 2): the pipeline of the tensor-core GEMV's FP8 kernel
+    (csrc/gemv.h: set_gemv_tc_fp8_variant), for benchmarks that compare them in a whole engine. ValueError naming the
+    variable for anything but 0, 1 or 2."""
+    value = os.environ.get("FASTQWEN_GEMV_TC_FP8_VARIANT", "")
+    if value == "":
+        return 0
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"FASTQWEN_GEMV_TC_FP8_VARIANT={value!r}: expected 0, 1 or 2")
+    return int(value)
+
+
 def fused_all_reduce_norm() -> bool:
     """FASTQWEN_FUSED_ALLREDUCE_NORM (on by default): under tensor parallelism on GPUs, the custom all-reduce after
     o_proj and down also adds the residual and applies the RMSNorm that follows, in one kernel
