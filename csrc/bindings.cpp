@@ -279,7 +279,8 @@ PYBIND11_MODULE(_C, m) {
         "previous setting. For tests and benchmarks.");
   m.def("set_gemv_tc_fp8_variant", &fastqwen::set_gemv_tc_fp8_variant, py::arg("variant"),
         "Pipeline of the tensor-core GEMV's FP8 kernel (0: two steps in flight per warp, 3 blocks per SM, the default; "
-        "1: four, 2 blocks; 2: three, 2 blocks), for benchmarks and tests; returns the previous one.");
+        "1: four, 2 blocks; 2: three, 2 blocks; 3, 4: two and three at 2 blocks with x staged four tokens at a time), "
+        "for benchmarks and tests; returns the previous one.");
   m.def("gemv_uses_tensor_cores", &fastqwen::gemv_uses_tensor_cores, py::arg("m"), py::arg("k"), py::arg("fp8"),
         "Whether gemv runs m tokens of row length k on its tensor-core kernel (2 to 8 tokens, rows a multiple of 128 "
         "bytes, FP8 x within its shared memory; and the kernel switched on).");

@@ -76,8 +76,8 @@ void set_programmatic_launch(bool enabled);
 bool set_gemv_tensor_cores(bool enabled);
 
 // The tensor-core kernel's FP8 pipeline (gemv_tc.cu; 0: two steps of weights in flight per warp at 3 blocks per SM,
-// the default; 1: four at 2; 2: three at 2), for benchmarks and tests; returns the previous one.
-// std::invalid_argument outside 0..2.
+// the default; 1: four at 2; 2: three at 2; 3 and 4: two and three at 2 with up to four tokens of x loaded at once),
+// for benchmarks and tests; returns the previous one. std::invalid_argument outside 0..4.
 int set_gemv_tc_fp8_variant(int variant);
 
 // Whether gemv() runs a call of m tokens and row length k (dense or fp8 weights) on the tensor-core kernel now.

@@ -114,20 +114,108 @@ __device__ __forceinline__ float stage_x(const T* __restrict__ xt, __half* xs, i
   return ldexpf(1.0f, -shift);
 }
 
+// The largest magnitude of a 16-byte piece's 8 values.
+template <typename T>
+__device__ __forceinline__ float max_abs8(uint4 v) {
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+  float big = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = to_float2(words[i], T{});
+    big = fmaxf(big, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+  return big;
+}
+
+// FP8: stage_x for every token (the same halves and powers of two, bit for bit: fmaxf's maximum does not depend on the
+// order), with the loads of up to kGroup tokens in flight together, kPer pieces a lane and token at a time; stage_x
+// waits for one token's loads before the next token's start. inv_up[t]: 1 / token t's power of two.
+template <typename T>
+__device__ __forceinline__ void stage_x_grouped(const T* __restrict__ x, int m, int k, __half* xs, int per_warp,
+                                                int warp, int units, int lane, float* inv_up) {
+  constexpr int kGroup = 4, kPer = 1;
+  const int num = units * (kStepBytes / 8);  // 16-byte pieces (8 values) of a token's share
+  auto piece = [&](int t, int p) {  // piece p of token t: unit warp + (p / 16) * kWarps, values (p % 16) * 8 ..
+    return reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * k + (warp + (p >> 4) * kWarps) * kStepBytes) +
+           (p & 15);
+  };
+  for (int t0 = 0; t0 < m; t0 += kGroup) {
+    float big[kGroup], up[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) big[j] = 0.0f;
+    for (int p0 = lane; p0 < num; p0 += 32 * kPer) {
+      uint4 v[kGroup][kPer];
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) {
+          if (t0 + j < m && p0 + 32 * c < num) v[j][c] = __ldg(piece(t0 + j, p0 + 32 * c));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) {
+          if (t0 + j < m && p0 + 32 * c < num) big[j] = fmaxf(big[j], max_abs8<T>(v[j][c]));
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) big[j] = fmaxf(big[j], __shfl_xor_sync(0xffffffffu, big[j], offset));
+      int e = 16;  // zero, inf: no scaling
+      if (big[j] > 0.0f && big[j] <= 3.0e38f) frexpf(big[j], &e);
+      const int shift = min(16 - e, 126);
+      up[j] = ldexpf(1.0f, shift);
+      if (lane == 0 && t0 + j < m) inv_up[t0 + j] = ldexpf(1.0f, -shift);
+    }
+    for (int p0 = lane; p0 < num; p0 += 32 * kPer) {  // (these loads hit L1)
+      uint4 v[kGroup][kPer];
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) {
+          if (t0 + j < m && p0 + 32 * c < num) v[j][c] = __ldg(piece(t0 + j, p0 + 32 * c));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) {
+          if (!(t0 + j < m && p0 + 32 * c < num)) continue;
+          const unsigned words[4] = {v[j][c].x, v[j][c].y, v[j][c].z, v[j][c].w};
+          unsigned h[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = to_float2(words[i], T{});
+            const __half2 hc = __floats2half2_rn(f.x * up[j], f.y * up[j]);
+            h[i] = *reinterpret_cast<const unsigned*>(&hc);
+          }
+          reinterpret_cast<uint4*>(xs)[(t0 + j) * per_warp * (kStepBytes / 8) + p0 + 32 * c] =
+              make_uint4(h[0], h[1], h[2], h[3]);
+        }
+      }
+    }
+  }
+}
+
 // Grid: one block per tile (16 rows, or 8 gate + 8 up rows). m: 1 to 8 tokens. Dynamic shared memory (FP8 only):
 // kWarps x m x units-per-warp x 128 halves.
 // kDepth: steps of weights in flight per warp; kMinBlocks: blocks per SM the registers must allow (3: 80 registers a
-// thread, 2: 128). FP8 pipelines (set_gemv_tc_fp8_variant): at k = 4,096 a warp has 4 steps in all, so the default
-// two-deep ring holds half of them while x is staged (an H100's FP8 o_proj: 13.9 us at 4 tokens, 6.1 at 1); the
-// deeper ones keep more in flight at fewer blocks per SM.
+// thread, 2: 128); kGroupedX: x staged by stage_x_grouped. FP8 pipelines (set_gemv_tc_fp8_variant): at k = 4,096 a
+// warp has 4 steps in all, so the default two-deep ring holds half of them while x is staged one token after the
+// other (an H100's FP8 o_proj: 13.9 us at 4 tokens, 6.1 at 1); the others keep more weights or more of x in flight
+// at fewer blocks per SM (each compiles without spills).
 struct Fp8Pipeline {
   int depth, min_blocks;
+  bool grouped_x;  // x staged by stage_x_grouped (up to four tokens' loads in flight together) instead of stage_x
 };
-constexpr Fp8Pipeline kFp8Pipelines[] = {{2, 3}, {4, 2}, {3, 2}};
+constexpr Fp8Pipeline kFp8Pipelines[] = {{2, 3, false}, {4, 2, false}, {3, 2, false}, {2, 2, true}, {3, 2, true}};
 constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]);
 int g_fp8_pipeline = 0;
 
-template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3>
+template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     gemv_tc_kernel(T* __restrict__ out, const T* __restrict__ x, const uint8_t* __restrict__ w,
                    const float* __restrict__ scale, const T* __restrict__ bias, int m, int n, int k) {
@@ -169,7 +257,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 
   __half* xs = reinterpret_cast<__half*>(smem) + static_cast<int64_t>(warp) * m * per_warp * kStepBytes;
   for (int t = lane; t < kGemvTcMaxTokens; t += 32) inv_up[warp][t] = 1.0f;
-  if constexpr (FP8) {
+  if constexpr (FP8 && kGroupedX) {
+    stage_x_grouped<T>(x, m, k, xs, per_warp, warp, my_units, lane, inv_up[warp]);
+  } else if constexpr (FP8) {
     for (int t = 0; t < m; ++t) {
       const float inv = stage_x<T>(x + static_cast<int64_t>(t) * k, xs + t * per_warp * kStepBytes, warp, my_units, lane);
       if (lane == 0) inv_up[warp][t] = inv;
@@ -271,10 +361,10 @@ int smem_bytes(bool fp8, int m, int k) {
   return kWarps * m * per_warp * kStepBytes * static_cast<int>(sizeof(__half));
 }
 
-template <typename T, bool FP8, bool SILU, int kDepth = 2, int kMinBlocks = 3>
+template <typename T, bool FP8, bool SILU, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
             cudaStream_t stream) {
-  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks>;
+  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX>;
   if constexpr (FP8) {
     static PerDevice<int> opted_in;  // shared memory above 48 KB, once per device
     opted_in.get([&](int) {
@@ -315,13 +405,18 @@ void gemv_tc(const GemvArgs& a) {
     if (a.fp8) {
       auto fp8 = [&](auto pipeline) {
         constexpr Fp8Pipeline p = kFp8Pipelines[decltype(pipeline)::value];
-        if (a.silu_gate_up) return launch<T, true, true, p.depth, p.min_blocks>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
-        launch<T, true, false, p.depth, p.min_blocks>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+        if (a.silu_gate_up) {
+          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x>(a.out, a.x, a.w, a.scale, a.bias, m, n, k,
+                                                                           stream);
+        }
+        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
       };
-      static_assert(kNumFp8Pipelines == 3, "one case per pipeline");
+      static_assert(kNumFp8Pipelines == 5, "one case per pipeline");
       switch (g_fp8_pipeline) {
         case 1: return fp8(std::integral_constant<int, 1>{});
         case 2: return fp8(std::integral_constant<int, 2>{});
+        case 3: return fp8(std::integral_constant<int, 3>{});
+        case 4: return fp8(std::integral_constant<int, 4>{});
         default: return fp8(std::integral_constant<int, 0>{});
       }
     }

@@ -119,10 +119,10 @@ def tc_fp8_variant(variant: int):
         _native.native().set_gemv_tc_fp8_variant(before)
 
 
-@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_tensor_core_fp8_pipelines_equal_the_default_bit_for_bit(variant):
-    """The FP8 kernel's other pipelines (more weight steps in flight, fewer blocks per SM) do the same arithmetic in
-    the same order as the default: bitwise its output, on Qwen3-8B's and Qwen3-32B's shapes at every token count the
+    """The FP8 kernel's other pipelines (more weight steps in flight, fewer blocks per SM, x staged four tokens at a
+    time) do the same arithmetic in the same order as the default: bitwise its output, on Qwen3-8B's and Qwen3-32B's shapes at every token count the
     tensor cores take, plain and with the SiLU epilogue; and the float32 reference's tolerance."""
     gen = torch.Generator(device="cuda").manual_seed(50 + variant)
     for preset in ("Qwen3-8B", "Qwen3-32B"):
@@ -142,8 +142,8 @@ def test_tensor_core_fp8_pipelines_equal_the_default_bit_for_bit(variant):
                 want = x.float() @ deq.t()
                 torch.testing.assert_close(gemv(x, w).float(), want, rtol=RTOL, atol=1e-4 * want.abs().max().item())
             del w, deq
-    with pytest.raises(ValueError, match="variant 3"):
-        _native.native().set_gemv_tc_fp8_variant(3)
+    with pytest.raises(ValueError, match="variant 5"):
+        _native.native().set_gemv_tc_fp8_variant(5)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
