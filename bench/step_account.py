@@ -234,8 +234,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=4096)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--context", type=int, default=640, help="prompt tokens of every sequence (issue 47: ~640)")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens each sequence generates (the steps that decode all "
-                   "of them are timed; the prompts' admission over several chunked-prefill steps comes first)")
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=64,
+        help="tokens each sequence generates (the steps that decode all "
+        "of them are timed; the prompts' admission over several chunked-prefill steps comes first)",
+    )
     p.add_argument("--replays", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2, help="the variants are captured and timed this many times")
     p.add_argument("--work-only", action="store_true", help="print each family's bytes and FLOPs, time nothing")

@@ -131,9 +131,9 @@ def test_tensor_core_fp8_pipelines_equal_the_default_bit_for_bit(variant):
             deq = w.dequantize(torch.float32)
             for m in [m for m in range(2, FP8_GEMV_MAX_TOKENS + 1) if tensor_core_applies(m, w)]:
                 x = (torch.randn(m, cols, device="cuda", generator=gen) * 3).to(torch.bfloat16)
-                calls = [lambda: gemv(x, w)]
+                calls = [lambda x=x, w=w: gemv(x, w)]
                 if name == "gate_up":
-                    calls.append(lambda: linear_silu_and_mul(x, w, gemv_only=True))
+                    calls.append(lambda x=x, w=w: linear_silu_and_mul(x, w, gemv_only=True))
                 for call in calls:
                     default = call()
                     with tc_fp8_variant(variant):
