@@ -216,7 +216,9 @@ def test_metrics_add_up_over_the_front_ends_whichever_answers(api2, prompts):
 
 
 def test_a_client_that_goes_away_frees_its_request(api2):
-    aborted_before = summed(scrape(api2.url)[1], "fastqwen:num_aborted_requests_total")
+    text = scrape(api2.url)[1]
+    aborted_before = summed(text, "fastqwen:num_aborted_requests_total")
+    computed_before = summed(text, "fastqwen:iteration_tokens_total_sum")
     served = set()
     for i in range(6):
         body = {"prompt": [9, 8, 7 + i], "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -229,6 +231,8 @@ def test_a_client_that_goes_away_frees_its_request(api2):
     text = metrics_when_idle(api2.url, timeout=10)
     assert metric(text, "fastqwen:num_requests_running") == 0 and metric(text, "fastqwen:kv_cache_usage_perc") == 0
     assert summed(text, "fastqwen:num_aborted_requests_total") == aborted_before + 6
+    # Each was aborted in the core after a few tokens: not run to its 900 (which the tiny model would soon do).
+    assert summed(text, "fastqwen:iteration_tokens_total_sum") - computed_before < 6 * 900 / 4
     assert served == {"0", "1"}
 
 
