@@ -39,6 +39,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 
 from .config import EngineConfig
 from .engine import lifeline
@@ -46,6 +47,9 @@ from .engine import lifeline
 logger = logging.getLogger("fastqwen.api_servers")
 CORE_STOP_S = 10.0  # how long the cores get to stop once every front end has asked them to
 FRONT_ENDS_AFTER_CORE_DEATH_S = 10.0  # how long the front ends get to fail their requests after a core died
+# Past --shutdown-timeout, how long front ends get to end before they are killed (a front end still loading, say,
+# waits for its core, which a signal does not stop).
+STOP_GRACE_S = 15.0
 
 
 def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
@@ -105,7 +109,7 @@ def run_api_servers(args: argparse.Namespace, engine_config: EngineConfig, prog:
             logger.info("api server %d started (pid %d)", index, frontend.pid)
         for sock in sockets:
             sock.close()  # (each front end has its own copy)
-        return _supervise(frontends, cores)
+        return _supervise(frontends, cores, args.shutdown_timeout + STOP_GRACE_S)
     finally:
         for frontend in frontends:  # (only after an error here: _supervise returns once they have all ended)
             if frontend.is_alive():
@@ -116,16 +120,17 @@ def run_api_servers(args: argparse.Namespace, engine_config: EngineConfig, prog:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _supervise(frontends: list[multiprocessing.Process], cores: list[multiprocessing.Process]) -> int:
-    """Wait until every front end has ended; pass signals on; stop everything when a front end or a core dies."""
-    import time
-
+def _supervise(frontends: list[multiprocessing.Process], cores: list[multiprocessing.Process], stop_s: float) -> int:
+    """Wait until every front end has ended; pass signals on; stop everything when a front end or a core dies.
+    stop_s: how long front ends may take to end once told to."""
     stopping = False  # a signal came: the front ends drain, their exits are expected
     failed: int | None = None  # the exit status, once a child died
     deadline: float | None = None  # when to stop waiting for front ends to end on their own
 
     def pass_on(sig, frame) -> None:
-        nonlocal stopping
+        nonlocal stopping, deadline
+        if not stopping:
+            deadline = time.monotonic() + stop_s
         stopping = True
         for frontend in frontends:
             if frontend.exitcode is None:
@@ -149,6 +154,7 @@ def _supervise(frontends: list[multiprocessing.Process], cores: list[multiproces
                         frontend.exitcode,
                     )
                     failed = frontend.exitcode or 1
+                    deadline = time.monotonic() + stop_s
                     for other in frontends:
                         if other.exitcode is None:
                             os.kill(other.pid, signal.SIGTERM)
@@ -159,8 +165,9 @@ def _supervise(frontends: list[multiprocessing.Process], cores: list[multiproces
                     failed = 1
                     deadline = time.monotonic() + FRONT_ENDS_AFTER_CORE_DEATH_S
             if deadline is not None and time.monotonic() > deadline:
-                for frontend in frontends:
+                for index, frontend in enumerate(frontends):
                     if frontend.exitcode is None:
+                        logger.error("api server %d (pid %d) did not end in time: killed", index, frontend.pid)
                         frontend.kill()
                 deadline = None
         codes = [f.exitcode for f in frontends]
