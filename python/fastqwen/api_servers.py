@@ -41,6 +41,7 @@ import socket
 import sys
 import time
 
+from . import env
 from .config import EngineConfig
 from .engine import lifeline
 
@@ -80,7 +81,7 @@ def run_api_servers(args: argparse.Namespace, engine_config: EngineConfig, prog:
     spawn = multiprocessing.get_context("spawn")
     # The metrics folder, before any front end imports prometheus_client (which reads the variable then).
     metrics_dir = lifeline.ipc_folder("fastqwen-metrics")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    env.share_metrics_through(metrics_dir)
     log_level = logging.getLogger().level
     folders: list[str] = []
     cores: list[multiprocessing.Process] = []

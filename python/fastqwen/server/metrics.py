@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-import os
 import threading
 from collections import Counter as Tally
 from dataclasses import dataclass, replace
@@ -31,6 +30,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from .. import env
 
 # One series per metric, not two: Prometheus computes rates from the counter itself.
 prometheus_client.disable_created_metrics()
@@ -151,7 +152,7 @@ class Metrics:
         self._scraped = None  # what a scrape reads with several front ends: every process's files
         self._hand_over_task: asyncio.Task | None = None
         if multiprocess:
-            if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            if env.metrics_folder() is None:
                 raise RuntimeError("several front ends share their metrics through PROMETHEUS_MULTIPROC_DIR: not set")
             self._scraped = CollectorRegistry()
             self._files = MultiProcessCollector(self._scraped)
