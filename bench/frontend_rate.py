@@ -10,8 +10,9 @@ A load client in a process of its own keeps --concurrency streams of /v1/complet
 the shared cores more than the server's work), and reports over a --duration window after --warmup seconds:
 
 - delivered tok/s against the offered rate (replicas x min(batch, concurrency / replicas) / step);
-- the server process's CPU seconds per 1,000 delivered tokens (utime + stime from /proc; the synthetic cores are
-  other processes): the primary figure, robust to the client sharing the cores;
+- the server's CPU seconds per 1,000 delivered tokens (utime + stime from /proc of the server process and, with
+  --api-servers N, its N front-end processes; not the synthetic cores'): the primary figure, robust to the client
+  sharing the cores;
 - TTFT median and p99 of the requests that started in the window.
 
 Every generated token is a 5-character word (" abcd": one token of Qwen3's vocabulary), so delivered tokens are the
@@ -21,7 +22,10 @@ streamed text's length / 5, however the server groups tokens into events.
     python bench/frontend_rate.py --model /tmp/qwen3-8b-dummy --replicas 2 --concurrency 512 --duration 20 \
         [--profile /tmp/server.prof]
 
---profile writes a cProfile of the server process (event loop and core reader threads merged) for pstats.
+--profile writes a cProfile of the server process (event loop and core reader threads merged) for pstats (one front
+end only). --api-servers N runs the server with --api-server-count N: N front-end processes, each a client of every
+synthetic core; on a machine with fewer free cores than front ends plus the client, the delivered rate says little
+and the CPU per token says what a front end costs.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 WORD = re.compile(r"^\u0120[a-z]{4}$")  # byte-level BPE's space marker, then four letters: " abcd"
@@ -64,15 +70,12 @@ def synthetic_core_main(config, folder: str, server_pid: int, log_level: int, re
 
     lifeline.end_with_parent(server_pid, f"synthetic core {replica}")
     lifeline.remove_when_orphaned(folder)
+    with open(os.path.join(os.environ["FRONTEND_RATE_CORES"], str(os.getpid())), "w"):
+        pass  # (its CPU is not the front end's: the load client leaves it out)
     step_s = float(os.environ["FRONTEND_RATE_STEP_MS"]) / 1000
     max_batch = int(os.environ["FRONTEND_RATE_MAX_BATCH"])
     words = [i for i, _ in word_tokens(config.model)]
-    to_core, to_frontend = core_process._addresses(folder)
-    context = zmq.Context()
-    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    inbox.connect(to_core)
-    outbox.connect(to_frontend)
-    codec = core_process._Codec()
+    links = core_process.FrontendLinks(zmq.Context(), folder, config.api_server_count)
     info = EngineInfo(
         config.model,
         151936,
@@ -82,25 +85,22 @@ def synthetic_core_main(config, folder: str, server_pid: int, log_level: int, re
         GenerationDefaults(),
         device=f"synthetic{replica}",
     )
-    outbox.send_multipart([b"info", codec.encode(info)])
+    links.broadcast(b"info", info)
     waiting: deque = deque()
     running: dict[int, list[int]] = {}  # rid -> [tokens so far, max_tokens]
-    num_received = 0
 
-    def stats() -> core_process.CoreStats:
-        return core_process.CoreStats(EngineStats(num_running=len(running), num_waiting=len(waiting)), num_received)
+    def stats() -> EngineStats:
+        return EngineStats(num_running=len(running), num_waiting=len(waiting))
 
     next_step = time.monotonic()
     while True:
         timeout_ms = max(0.0, (next_step - time.monotonic()) * 1000) if running or waiting else 50
-        while inbox.poll(timeout_ms):
+        while (command := links.receive(timeout_ms)) is not None:
             timeout_ms = 0
-            kind, body = inbox.recv_multipart()
-            value = codec.decode(kind, body, core_process._TO_CORE)
+            kind, value = command
             if kind == b"stop":
                 return
             if kind == b"add":
-                num_received += len(value)
                 waiting.extend(value)
             elif kind == b"abort":
                 for rid in value:
@@ -108,7 +108,7 @@ def synthetic_core_main(config, folder: str, server_pid: int, log_level: int, re
                 waiting = deque(r for r in waiting if r.rid not in value)
         now = time.monotonic()
         if not (running or waiting):
-            outbox.send_multipart([b"stats", codec.encode(stats())])
+            links.send_stats(stats())
             next_step = now
             continue
         if now < next_step:
@@ -133,8 +133,7 @@ def synthetic_core_main(config, folder: str, server_pid: int, log_level: int, re
             )
             if done:
                 del running[rid]
-        step = core_process.CoreStep(StepOutput(deltas, time.monotonic(), len(deltas)), stats())
-        outbox.send_multipart([b"step", codec.encode(step)])
+        links.send_step(StepOutput(deltas, time.monotonic(), len(deltas)), stats())
         next_step = max(next_step + step_s, now)  # a late step is not made up for with a burst
 
 
@@ -183,6 +182,19 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def server_processes(pid: int, cores: str) -> list[int]:
+    """The server process and its descendants (front ends, with --api-servers), less the synthetic cores (each left
+    its pid in the folder `cores`)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        found.append(parent)
+        for task in os.listdir(f"/proc/{parent}/task"):
+            with open(f"/proc/{parent}/task/{task}/children") as f:
+                queue += [int(c) for c in f.read().split()]
+    return [p for p in found if str(p) not in os.listdir(cores)]
 
 
 async def load(args, words: list[str]) -> dict:
@@ -242,9 +254,10 @@ async def load(args, words: list[str]) -> dict:
 
     async def measure() -> dict:
         await asyncio.sleep(args.warmup)
-        t0, n0, c0 = time.monotonic(), delivered, cpu_seconds(args.server_pid)
+        pids = server_processes(args.server_pid, args.cores)
+        t0, n0, c0 = time.monotonic(), delivered, sum(map(cpu_seconds, pids))
         await asyncio.sleep(args.duration)
-        t1, n1, c1 = time.monotonic(), delivered, cpu_seconds(args.server_pid)
+        t1, n1, c1 = time.monotonic(), delivered, sum(map(cpu_seconds, pids))
         return {"seconds": t1 - t0, "tokens": n1 - n0, "server_cpu_s": c1 - c0, "window": (t0, t1)}
 
     workers = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
@@ -272,6 +285,7 @@ def client(argv: list[str]) -> int:
     p.add_argument("--duration", type=float, required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--folder", required=True)
+    p.add_argument("--cores", required=True)
     args = p.parse_args(argv)
     words = [w for _, w in word_tokens(args.folder)]
     print(json.dumps(asyncio.run(load(args, words))))
@@ -291,6 +305,9 @@ def main() -> int:
         "--model", required=True, help="a checkpoint folder with Qwen3's tokenizer (make_dummy_checkpoint.py)"
     )
     p.add_argument("--replicas", type=int, default=2, help="synthetic engine cores (--dp); 1: one core, no --dp")
+    p.add_argument(
+        "--api-servers", type=int, default=1, help="front-end processes (--api-server-count); the CPU is theirs all"
+    )
     p.add_argument("--concurrency", type=int, default=512, help="streams in flight")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
@@ -307,8 +324,10 @@ def main() -> int:
     from server_process import free_port
 
     port = free_port()
+    cores = tempfile.mkdtemp(prefix="frontend-rate-cores-")
     env = dict(
         os.environ,
+        FRONTEND_RATE_CORES=cores,
         FRONTEND_RATE_STEP_MS=str(args.step_ms),
         FRONTEND_RATE_MAX_BATCH=str(args.max_batch),
         FRONTEND_RATE_PROFILE=args.profile or "",
@@ -316,6 +335,10 @@ def main() -> int:
     serve_args = ["--model", args.model, "--load-format", "dummy", "--port", str(port), "--max-model-len", "4096"]
     if args.replicas > 1:
         serve_args += ["--dp", str(args.replicas)]
+    if args.api_servers > 1:
+        if args.profile:
+            raise SystemExit("--profile profiles one front end's process: use it without --api-servers")
+        serve_args += ["--api-server-count", str(args.api_servers)]
     server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *serve_args], env=env)
     try:
         deadline = time.monotonic() + 120
@@ -332,13 +355,14 @@ def main() -> int:
             [sys.executable, os.path.abspath(__file__), "--client", "--port", str(port), "--server-pid",
              str(server.pid), "--concurrency", str(args.concurrency), "--input-len", str(args.input_len),
              "--output-len", str(args.output_len), "--warmup", str(args.warmup), "--duration", str(args.duration),
-             "--model", args.model, "--folder", args.model],
+             "--model", args.model, "--folder", args.model, "--cores", cores],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         figures = json.loads(result.stdout)
     finally:
         server.terminate()
         server.wait(60)
+        shutil.rmtree(cores, ignore_errors=True)
     per_replica = min(args.max_batch, -(-args.concurrency // args.replicas))
     offered = args.replicas * per_replica / (args.step_ms / 1000)
     rate = figures["tokens"] / figures["seconds"]
@@ -353,6 +377,7 @@ def main() -> int:
     ttft = figures["ttft_s"] or {}
     print(
         f"delivered {rate:,.0f} tok/s of {offered:,.0f} offered ({args.replicas} synthetic cores, "
+        f"{args.api_servers} front-end processes, "
         f"{args.concurrency} in flight, {args.input_len} in / {args.output_len} out)\n"
         f"server CPU: {1000 * cpu_per_1k:.1f} ms per 1k tokens ({figures['server_cpu_cores']:.2f} cores busy)\n"
         f"TTFT median {ttft.get('median', float('nan')):.3f} s, p99 {ttft.get('p99', float('nan')):.3f} s; "

@@ -593,6 +593,10 @@ class EngineConfig:
         "the server only: this many engine replicas behind the one HTTP front end, each an engine-core process on GPUs of its own (replica r on the tensor-parallel group r*TP..r*TP+TP-1; on the CPU, processes sharing the cores); a request goes to the least busy replica unless one holding its prefix in cache is not much busier (engine/replica_router.py)",
         aliases=("--dp", "-dp"),
     )
+    api_server_count: int = _knob(
+        1,
+        "the server only: this many HTTP front-end processes on the one --host:--port (each its own socket on the port, SO_REUSEPORT, the kernel spreading connections over them), every one a client of every engine core; for when one process's HTTP, detokenizing and SSE cannot keep up with the engine (docs/architecture.md: Several front ends)",
+    )
     disable_custom_all_reduce: bool = _knob(
         False,
         "tensor parallelism: every all-reduce through NCCL (by default messages up to 4 MiB take the custom one-shot kernel over CUDA IPC buffers)",
@@ -680,6 +684,7 @@ class EngineConfig:
         )
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
         need(_positive_int(self.data_parallel_size), "data_parallel_size", "a positive integer")
+        need(_positive_int(self.api_server_count), "api_server_count", "a positive integer")
         need(_positive_int(self.grammar_cache_mib), "grammar_cache_mib", "a positive integer (MiB)")
         if self.speculative_config is not None:
             from .speculative.config import SpeculativeConfig, SpeculativeConfigError

@@ -72,6 +72,17 @@ def fused_all_reduce_norm() -> bool:
     return _flag("FASTQWEN_FUSED_ALLREDUCE_NORM", True)
 
 
+def metrics_folder() -> str | None:
+    """PROMETHEUS_MULTIPROC_DIR: prometheus_client's multiprocess mode, where each process writes its counters. Set
+    by the parent of several front ends (api_servers.py, through share_metrics_through) before it starts them."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def share_metrics_through(folder: str) -> None:
+    """Set PROMETHEUS_MULTIPROC_DIR for the processes started from now on (and any prometheus_client imported)."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+
+
 def api_key() -> str | None:
     """FASTQWEN_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("FASTQWEN_API_KEY") or None

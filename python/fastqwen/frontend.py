@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogprobs
@@ -182,16 +183,18 @@ class RequestTracker:
 class Frontend:
     """Prompts to validated EngineRequests, for one engine (described by its EngineInfo)."""
 
-    def __init__(self, info: EngineInfo, tokenizer: Tokenizer | None = None):
+    def __init__(self, info: EngineInfo, tokenizer: Tokenizer | None = None, ids: Iterator[int] | None = None):
+        """ids: the request ids to give out, in arrival order (default 0, 1, 2, ...; one of several front ends of
+        one engine gets its share: engine/messages.py's request_ids)."""
         self.info = info
         self.tokenizer = tokenizer
-        self._ids = itertools.count()  # request ids, in arrival order
+        self._ids = ids if ids is not None else itertools.count()
 
     @classmethod
-    def for_engine(cls, info: EngineInfo) -> Frontend:
+    def for_engine(cls, info: EngineInfo, ids: Iterator[int] | None = None) -> Frontend:
         """With the tokenizer the engine was configured with (by default the checkpoint folder's, if it has one)."""
         folder = info.tokenizer or (info.model if os.path.isdir(info.model) else os.path.dirname(info.model))
-        return cls(info, Tokenizer.from_folder(folder, info.chat_template) if folder else None)
+        return cls(info, Tokenizer.from_folder(folder, info.chat_template) if folder else None, ids)
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         if isinstance(prompt, str):

@@ -223,6 +223,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
         p.error("--stats-interval must be >= 0")
     if args.engine_core == "thread" and args.data_parallel_size > 1:
         p.error("--data-parallel-size above 1 runs one engine-core process per replica: use --engine-core process")
+    if args.engine_core == "thread" and args.api_server_count > 1:
+        p.error("--api-server-count above 1 runs the engine core in a process of its own: use --engine-core process")
     return args
 
 
@@ -245,11 +247,14 @@ def _raise_fd_limit(needed: int) -> None:
         pass
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound as uvicorn would bind it (handed to uvicorn, which listens on it)."""
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The listening socket, bound as uvicorn would bind it (handed to uvicorn, which listens on it); with
+    reuse_port, one of several sockets on the same port (api_servers.py)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()
@@ -297,24 +302,41 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
         listener = _bind(args.host, args.port)
     except OSError as e:
         return fail(1, f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (--host, --port)")
+    if engine_config.api_server_count > 1:
+        from .api_servers import run_api_servers
 
-    import uvicorn
+        listener.close()  # (it proved the port free; the front ends' sockets take it now)
+        return run_api_servers(args, engine_config, prog)
 
-    from .engine.client import InProcessEngineClient
-    from .engine.core_process import ProcessEngineClient
-    from .engine.data_parallel import DataParallelEngineClient
-    from .engine.factory import make_engine
-    from .server.app import ServerConfig, begin_shutdown, create_app, requests_in_flight, stop_now
-    from .server.connections import ConnectionLimits, protocol_with
-    from .server.http_conventions import configure_access_log
-    from .server.log_limit import limit_log_rate
+    def load_engine():
+        from .engine.client import InProcessEngineClient
+        from .engine.core_process import ProcessEngineClient
+        from .engine.data_parallel import DataParallelEngineClient
+        from .engine.factory import make_engine
 
-    def load_engine() -> InProcessEngineClient | ProcessEngineClient | DataParallelEngineClient:
         if args.engine_core == "thread":
             return InProcessEngineClient(make_engine(engine_config))
         if engine_config.data_parallel_size > 1:
             return DataParallelEngineClient.launch(engine_config, logging.getLogger().level)
         return ProcessEngineClient(engine_config, logging.getLogger().level)
+
+    return serve_http(args, listener, load_engine, prog)
+
+
+def serve_http(args: argparse.Namespace, listener: socket.socket, load_engine, prog: str, api_server=None) -> int:
+    """Serve HTTP on `listener` until stopped; load_engine() (in a worker thread) gives the EngineClient. api_server:
+    with several front ends, this process's api_servers.FrontEndRole (index, count, readiness gate)."""
+
+    def fail(status: int, message: str) -> int:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)  # the last line: what to fix
+        return status
+
+    import uvicorn
+
+    from .server.app import ServerConfig, begin_shutdown, create_app, requests_in_flight, stop_now
+    from .server.connections import ConnectionLimits, protocol_with
+    from .server.http_conventions import configure_access_log
+    from .server.log_limit import limit_log_rate
 
     exit_code = 0
     failure: BaseException | None = None
@@ -346,6 +368,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastqwen.serve") 
         allowed_origins=tuple(args.allowed_origins or ()),
         url=f"http://{host}:{args.port}",
         warmup=not args.skip_warmup,
+        api_server=api_server,
     )
     app = create_app(config, load_engine)
 

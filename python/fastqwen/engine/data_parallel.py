@@ -27,7 +27,7 @@ from dataclasses import fields, replace
 
 from ..config import EngineConfig
 from .client import DeathCallback, EngineClient, OutputCallback
-from .core_process import CoreStartError, ProcessEngineClient
+from .core_process import CoreHandle, CoreStartError, ProcessEngineClient
 from .messages import EngineInfo, EngineRequest, EngineStats, StepOutput
 from .replica_router import ReplicaRouter
 
@@ -69,6 +69,23 @@ class DataParallelEngineClient:
             ", ".join(r.info.device for r in replicas),
         )
         return client
+
+    @classmethod
+    def attach(cls, config: EngineConfig, cores: list[CoreHandle], frontend: int) -> DataParallelEngineClient:
+        """Front end `frontend`'s client of replicas another process started (api_servers.py): each front end routes
+        on its own, by the replicas' counts that every step's message brings it and by its own prefix estimate."""
+        replicas = [ProcessEngineClient(config, attach=core, frontend=frontend, wait=False) for core in cores]
+        try:
+            for index, replica in enumerate(replicas):
+                try:
+                    replica.wait_until_loaded()
+                except CoreStartError as e:
+                    raise CoreStartError(f"data-parallel replica {index}: {e}") from e
+            return cls(replicas)
+        except BaseException:
+            for replica in replicas:
+                replica.stop(timeout=0)
+            raise
 
     # ---- EngineClient ---------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ parent. It notices its parent's death in two ways, which end in the same exit (r
   ran (the check right after it catches that).
 The exit removes first and writes its line after, under an alarm: a full stderr pipe can delay it, never stop it.
 
-Folders are named `fastqwen-[tp-]<owner pid>-XXXXXXXX`: whoever survives removes them (the owner on a normal stop, a
+Folders are named `fastqwen-[tp-|metrics-]<owner pid>-XXXXXXXX`: whoever survives removes them (the owner on a normal stop, a
 child whose parent died, see above), and `ipc_folder` first sweeps those whose owner pid is gone, for the case where
 no process of the tree survived to do it (the whole tree killed at once).
 """
@@ -37,7 +37,7 @@ _POLL_S = 0.5  # how often the watcher checks its parent without a signal
 _EXIT_ALARM_S = 2  # the exit's own bound: whatever blocks, the kernel ends the process after this
 _PR_SET_PDEATHSIG = 1
 _DEATH_SIGNAL = signal.SIGUSR2  # dedicated: the watcher decides, a stray one changes nothing
-_FOLDER_NAME = re.compile(r"fastqwen-(?:tp-)?(\d+)-[A-Za-z0-9_]+")
+_FOLDER_NAME = re.compile(r"fastqwen-(?:tp-|metrics-)?(\d+)-[A-Za-z0-9_]+")
 
 _folders: set[str] = set()  # removed when the parent dies
 
@@ -69,7 +69,7 @@ def end_with_parent(parent_pid: int, name: str) -> None:
 
 
 def ipc_folder(kind: str) -> str:
-    """A new folder for this process's IPC sockets (`kind`: "fastqwen" or "fastqwen-tp"), named after its pid, once
+    """A new folder for this process's IPC sockets (`kind`: "fastqwen", "fastqwen-tp" or "fastqwen-metrics"), named after its pid, once
     the folders of owners that are gone are removed."""
     sweep_orphaned_folders()
     return tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}-")

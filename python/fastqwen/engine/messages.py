@@ -8,6 +8,8 @@ they are (encoded, never pickled).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..config import GenerationDefaults
@@ -111,3 +113,18 @@ class EngineInfo:
     chat_template: str | None = None
     task: str = "generate"  # what the engine serves: generate, embed or score (pooling.py)
     hidden_size: int = 0  # the length of an embedding
+
+
+# ---- several front ends (--api-server-count N) ------------------------------------------------------------------
+# Request ids are partitioned among the front ends, so that an engine core knows from an id alone whose request it is
+# (its deltas go to that front end only) and two front ends never use the same id.
+
+
+def request_ids(frontend: int, num_frontends: int) -> Iterator[int]:
+    """The ids front end `frontend` of `num_frontends` gives its requests: frontend, frontend + N, ..."""
+    return itertools.count(frontend, num_frontends)
+
+
+def frontend_of(rid: int, num_frontends: int) -> int:
+    """The front end that owns request `rid`."""
+    return rid % num_frontends

@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.client import EngineClient
+from ..engine.messages import request_ids
 from ..frontend import Frontend
 from ..sampling_params import SamplingParams
 from . import http_conventions
@@ -42,6 +43,24 @@ ready_logger.setLevel(logging.INFO)
 
 
 @dataclass
+class FrontEndRole:
+    """This process's place among the several front ends of one engine (--api-server-count N, api_servers.py): its
+    index, their count, and the readiness they share: no front end reports ready (/health, the API) until every one
+    has loaded, so that a client that saw one ready is served by whichever its next connection reaches."""
+
+    index: int
+    count: int
+    num_loaded: Any  # a multiprocessing.Value("i"): front ends loaded so far
+    all_loaded: Any  # a multiprocessing.Event, set by the last front end to load
+
+    def arrive(self) -> None:
+        with self.num_loaded.get_lock():
+            self.num_loaded.value += 1
+            if self.num_loaded.value == self.count:
+                self.all_loaded.set()
+
+
+@dataclass
 class ServerConfig:
     """The HTTP server's own settings (the engine's are EngineConfig)."""
 
@@ -62,12 +81,15 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS; empty = no CORS headers, preflights refused
     url: str | None = None  # where the server listens, for the ready line
     warmup: bool = True  # one short request through the engine before the server reports ready
+    api_server: FrontEndRole | None = None  # one of several front ends (None: the only one)
 
 
 def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) -> FastAPI:
     """load_engine runs in a worker thread at startup; until it returns, /health and every API answer 503."""
-    metrics = Metrics(config.model_name, config.metrics_compat, config.request_log)
+    role = config.api_server
+    metrics = Metrics(config.model_name, config.metrics_compat, config.request_log, multiprocess=role is not None)
     state = ServerState(config.model_name, metrics, config.max_sequences_per_request)
+    state.all_loaded = role is None
     state.model_names = (config.model_name, *[a for a in config.model_aliases if a != config.model_name])
     state.incremental_streaming_output = config.incremental_streaming_output
 
@@ -88,10 +110,12 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
     app = FastAPI(title="fastqwen", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
-    http_conventions.install(app, list(config.allowed_origins))  # outside the guard
+    # (outside the guard) With several front ends each response says which one served it.
+    served_by = None if role is None else str(role.index)
+    http_conventions.install(app, list(config.allowed_origins), served_by)
 
     async def require_ready(request: HTTPRequest) -> None:
-        if state.engine is None:
+        if not state.ready:
             raise APIError(503, "the model is still loading", None, {"Retry-After": "5"})
         if not state.engine.alive:
             raise APIError(503, "the engine loop is not running", None)
@@ -109,7 +133,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], EngineClient]) ->
     async def health() -> Response:
         if state.load_error is not None:
             return JSONResponse({"status": "failed", "error": str(state.load_error)}, status_code=503)
-        if state.engine is None:
+        if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         if not state.engine.alive:
             return JSONResponse({"status": "engine dead"}, status_code=503)
@@ -216,8 +240,10 @@ async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: 
         if config.on_engine_death is not None:  # exit non-zero rather than answer 503 forever
             config.on_engine_death(e)
         raise
+    role = config.api_server
+    ids = None if role is None else request_ids(role.index, role.count)  # (the core tells front ends apart by id)
     async_engine = AsyncEngine(
-        client, Frontend.for_engine(client.info), config.max_queued_requests, metrics, config.on_engine_death
+        client, Frontend.for_engine(client.info, ids), config.max_queued_requests, metrics, config.on_engine_death
     )
     async_engine.start()
     if config.warmup:
@@ -226,15 +252,24 @@ async def _load(state: ServerState, load_engine, config: ServerConfig, metrics: 
     metrics.bind(async_engine)
     state.created = int(time.time())
     state.engine = async_engine
-    if config.stats_interval > 0:
+    if role is not None:  # ready once every front end is (the parent ends them all should one never get there)
+        role.arrive()
+        while not await asyncio.to_thread(role.all_loaded.wait, 0.5):
+            pass
+        state.all_loaded = True
+        metrics.start_hand_over()  # (the others' scrapes read this process's counts from its files)
+    if config.stats_interval > 0 and (role is None or role.index == 0):  # one line for the whole server
         state.stats_task = asyncio.create_task(log_stats(metrics, client.stats, config.stats_interval))
     if not async_engine.alive:  # the warm-up met a fault: no ready line (the engine's death is reported already)
         return
+    if role is not None and role.index != 0:  # the ready line once, from front end 0
+        return
     info = client.info
     ready_logger.info(
-        "ready: serving %s%s, loaded in %.1f s (%s on %s, KV cache %d tokens, %.2f GiB)",
+        "ready: serving %s%s%s, loaded in %.1f s (%s on %s, KV cache %d tokens, %.2f GiB)",
         " and ".join(repr(n) for n in state.model_names),
         f" at {config.url}" if config.url else "",
+        "" if role is None else f" from {role.count} front-end processes",
         time.monotonic() - started,
         info.dtype,
         info.device,

@@ -27,8 +27,10 @@ class RequestIdMiddleware:
     """A plain ASGI middleware (no per-request task): takes the client's x-request-id when it is a sane token,
     otherwise makes one, and adds it to the response's headers."""
 
-    def __init__(self, app):
+    def __init__(self, app, served_by: str | None = None):
+        """served_by: with several front-end processes, this one's index, sent as x-fastqwen-api-server."""
         self.app = app
+        self.served_by = None if served_by is None else (b"x-fastqwen-api-server", served_by.encode("latin-1"))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -37,11 +39,13 @@ class RequestIdMiddleware:
         text = given.decode("latin-1") if given is not None else ""
         request_id = text if _VALID_ID.match(text) else uuid.uuid4().hex
         token = _request_id.set(request_id)
-        header = (b"x-request-id", request_id.encode("latin-1"))
+        headers = [(b"x-request-id", request_id.encode("latin-1"))]
+        if self.served_by is not None:
+            headers.append(self.served_by)
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), header]}
+                message = {**message, "headers": [*message.get("headers", []), *headers]}
             await send(message)
 
         try:
@@ -50,19 +54,19 @@ class RequestIdMiddleware:
             _request_id.reset(token)
 
 
-def install(app: FastAPI, allowed_origins: list[str] | None) -> None:
+def install(app: FastAPI, allowed_origins: list[str] | None, served_by: str | None = None) -> None:
     """Call after every other middleware is added: these wrap them (CORS preflights are answered before the API key
-    is checked, as browsers send them without credentials)."""
+    is checked, as browsers send them without credentials). served_by: RequestIdMiddleware's."""
     if allowed_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=allowed_origins,
             allow_methods=["*"],
             allow_headers=["*"],
-            expose_headers=["x-request-id"],
+            expose_headers=["x-request-id", "x-fastqwen-api-server"],
             allow_credentials="*" not in allowed_origins,
         )
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, served_by=served_by)
 
 
 class _SkipProbes(logging.Filter):

@@ -8,19 +8,30 @@ endpoint picker and llm-d read those names and no others, and a replica behind t
 Per-request figures are observed by the server as each request's updates arrive (serving.py); engine state
 (running, waiting, KV use, preemptions) is read from the engine's latest stats at scrape time. Plain running totals
 are kept next to the Prometheus objects for the periodic stats line (stats_log.py). No `_created` series.
+
+With several front-end processes (--api-server-count N) each observes its own requests, and a scrape must give the
+same answer whichever process it reaches: prometheus_client's multiprocess mode, each process writing its counters
+and histograms to files in the folder PROMETHEUS_MULTIPROC_DIR names (the parent makes a fresh one and removes it:
+api_servers.py), and each scrape adding every process's files up; the engine gauges are read from the engine's
+stats as with one process (every front end gets them with every step). Tokens held back for bulk observation
+(on_tokens) are handed over every HAND_OVER_S seconds, as another process's scrape cannot ask for them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 import threading
 from collections import Counter as Tally
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from .. import env
 
 # One series per metric, not two: Prometheus computes rates from the counter itself.
 prometheus_client.disable_created_metrics()
@@ -99,6 +110,7 @@ class RequestTimes:
 
 
 _TOKEN_OBSERVATIONS_HELD = 4096
+HAND_OVER_S = 1.0  # with several front ends: how stale another process's token counts may be in a scrape
 
 
 def observe_all(histogram, values: list[float]) -> None:
@@ -131,9 +143,19 @@ class Totals:
 
 
 class Metrics:
-    def __init__(self, model_name: str, compat: str = "fastqwen", request_log_on: bool = False):
+    def __init__(
+        self, model_name: str, compat: str = "fastqwen", request_log_on: bool = False, multiprocess: bool = False
+    ):
+        """multiprocess: one of several front-end processes (see the module's docstring)."""
         if compat not in PREFIXES:
             raise ValueError(f"metrics naming must be one of {', '.join(PREFIXES)}, not {compat!r}")
+        self._scraped = None  # what a scrape reads with several front ends: every process's files
+        self._hand_over_task: asyncio.Task | None = None
+        if multiprocess:
+            if env.metrics_folder() is None:
+                raise RuntimeError("several front ends share their metrics through PROMETHEUS_MULTIPROC_DIR: not set")
+            self._scraped = CollectorRegistry()
+            self._files = MultiProcessCollector(self._scraped)
         self.prefix = prefix = PREFIXES[compat]
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
@@ -212,6 +234,18 @@ class Metrics:
         )
         self._engine_state = _EngineState(self.prefix, self.model_name, async_engine.client)
         self.registry.register(self._engine_state)
+        if self._scraped is not None:
+            self._scraped.register(self._engine_state)
+
+    def start_hand_over(self) -> None:
+        """With several front ends, on the event loop: hand held tokens over every HAND_OVER_S seconds."""
+
+        async def every_interval() -> None:
+            while True:
+                await asyncio.sleep(HAND_OVER_S)
+                self._hand_over_tokens()
+
+        self._hand_over_task = asyncio.get_running_loop().create_task(every_interval())
 
     # ---- observations -----------------------------------------------------------------------------------------
 
@@ -295,7 +329,25 @@ class Metrics:
 
     def render(self) -> bytes:
         self._hand_over_tokens()
-        return generate_latest(self.registry)
+        return generate_latest(self.registry if self._scraped is None else self._scraped)
+
+    def totals_now(self) -> Totals:
+        """The running totals (of every front end's requests, with several)."""
+        if self._scraped is None:
+            with self._lock:
+                return replace(self.totals)
+        sums: Tally = Tally()
+        for family in self._files.collect():
+            for sample in family.samples:
+                sums[sample.name] += sample.value
+        p = self.prefix
+        return Totals(
+            prompt_tokens=int(sums[p + "prompt_tokens_total"]),
+            generation_tokens=int(sums[p + "generation_tokens_total"]),
+            prefix_queries=int(sums[p + "prefix_cache_queries_total"]),
+            prefix_hits=int(sums[p + "prefix_cache_hits_total"]),
+            finished=int(sums[p + "request_success_total"]),
+        )
 
 
 class _EngineState:

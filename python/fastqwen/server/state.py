@@ -25,6 +25,7 @@ class ServerState:
         self.max_sequences_per_request = max_sequences_per_request
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
         self.engine: AsyncEngine | None = None  # None while the model loads
+        self.all_loaded = True  # False until every front end has loaded, with several (app.FrontEndRole)
         self.load_error: BaseException | None = None
         self.created = 0  # unix time the model finished loading
         self.draining = False
@@ -40,6 +41,11 @@ class ServerState:
         if always_pooled:
             size = max(size, SMALL_REQUEST_BYTES)
         return await self.prep.run(fn, size, SMALL_REQUEST_BYTES)
+
+    @property
+    def ready(self) -> bool:
+        """Loaded, here and in every other front end: requests may be served."""
+        return self.engine is not None and self.all_loaded
 
     @property
     def has_tokenizer(self) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
 from .metrics import Metrics, Totals
 
@@ -33,11 +32,11 @@ def stats_line(before: Totals, after: Totals, seconds: float, stats, preemptions
 async def log_stats(metrics: Metrics, stats_of, interval: float) -> None:
     """Runs until cancelled. stats_of(): the engine's current EngineStats. Silent while idle: an interval is logged
     when requests are running or waiting at its end, or when some finished or made progress during it."""
-    before, preemptions, last = replace(metrics.totals), stats_of().num_preemptions, time.monotonic()
+    before, preemptions, last = metrics.totals_now(), stats_of().num_preemptions, time.monotonic()
     while True:
         await asyncio.sleep(interval)
         now, stats = time.monotonic(), stats_of()
-        after = replace(metrics.totals)
+        after = metrics.totals_now()
         if stats.num_running > 0 or stats.num_waiting > 0 or after != before:
             logger.info("%s", stats_line(before, after, now - last, stats, preemptions))
         before, preemptions, last = after, stats.num_preemptions, now
