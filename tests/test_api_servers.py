@@ -140,6 +140,12 @@ def test_bad_api_server_counts_are_refused_naming_the_flag(folder, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model", folder, "--api-server-count", "2", "--engine-core", "thread"])
     assert "--api-server-count above 1 runs the engine core in a process of its own" in capsys.readouterr().err
+    from fastqwen import LLM
+    from fastqwen.config import ConfigError
+
+    with pytest.raises(ConfigError, match="front-end processes are the server's") as refused:
+        LLM(folder, api_server_count=2, device="cpu")
+    assert refused.value.field == "api_server_count"
 
 
 # ---- a real server with two front ends --------------------------------------------------------------------------

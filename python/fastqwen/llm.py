@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .errors import InvalidRequestError
 from .frontend import Frontend, RequestOutput, RequestTracker, RequestUpdate
 from .sampling_params import SamplingParams
@@ -31,13 +31,21 @@ class LLM:
 
         tensor_parallel_size=N: the model split across N GPUs (or N CPU processes), this process being rank 0;
         close() stops the other ranks (they also end with this process). data_parallel_size above 1 is refused
-        (ConfigError): data parallelism is the server's (`fastqwen serve --dp N`); here one engine runs.
+        (ConfigError): data parallelism is the server's (`fastqwen serve --dp N`); here one engine runs. So is
+        api_server_count above 1 (the server's HTTP front-end processes).
 
         Knobs:
         """
         from .engine.factory import make_engine  # here: `import fastqwen` must not load the engine and torch
 
-        self.engine = make_engine(EngineConfig.build(model, **knobs))
+        config = EngineConfig.build(model, **knobs)
+        if config.api_server_count > 1:
+            raise ConfigError(
+                f"api_server_count={config.api_server_count}: HTTP front-end processes are the server's "
+                "(python -m fastqwen.serve --api-server-count N); LLM has none",
+                "api_server_count",
+            )
+        self.engine = make_engine(config)
         self.frontend = Frontend.for_engine(self.engine.info)
         self._trackers: dict[int, RequestTracker] = {}  # requests queued and not finished
 
