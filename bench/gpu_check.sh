@@ -32,7 +32,7 @@
 #   specswitch  offline throughput with speculation forced on (max_batch_size 512) and off at 32, 64 and 128 in
 #            flight: where speculation stops paying, for its default switch-off batch size
 #   fp8kvserving  FP8 weights + FP8 KV, 128/1024 with 512 in flight (1,024 requests): offline, then through the
-#            server with SGLang's bench_serving (SGL_TOOLS) (issue 47)
+#            server (API_SERVERS front-end processes, default 1) with SGLang's bench_serving (SGL_TOOLS) (issue 47)
 #   stepaccount  bench/step_account.py: the decode step of random Qwen3-8B at batch 64, 256 and 512 per kernel family
 #            against each family's bound; bf16, then FP8 weights + FP8 KV (issue 47)
 #   saturated  issue 47's parts at decode batch sizes, in one call: decode attention at 256 and 512 sequences of
@@ -364,11 +364,12 @@ stage_specswitch() {  # issue 42: speculation at acceptance 2.0 kept on above it
 stage_fp8kvserving() {  # issue 47: FP8 weights + FP8 KV at 512 in flight, offline then through HTTP
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   local flags=(--quantization fp8 --kv-cache-dtype fp8_e4m3 --max-num-seqs 512)
+  local api=${API_SERVERS:-1}  # front-end processes of the HTTP run (--api-server-count)
   run throughput_8b_fp8kv_c512 240 python3 bench/throughput.py --model Qwen3-8B --load-format dummy "${flags[@]}" \
     --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_8b_fp8kv_c512.json"
   [ -n "$SGL_TOOLS" ] || { echo "SGL_TOOLS not set: no HTTP run"; return; }
-  start_server server_fp8kv.log /tmp/qwen3-8b-dummy "${flags[@]}" &&
-    bench_serving bench_serving_fp8kv_c512 --backend vllm --num-prompts 1024 --max-concurrency 512 \
+  start_server "server_fp8kv_api$api.log" /tmp/qwen3-8b-dummy "${flags[@]}" --api-server-count "$api" &&
+    bench_serving "bench_serving_fp8kv_c512_api$api" --backend vllm --num-prompts 1024 --max-concurrency 512 \
       --random-input-len 128 --random-output-len 1024
   stop_server
 }

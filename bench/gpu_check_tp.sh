@@ -14,7 +14,8 @@
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
 #               norm), and any named in MUTANTS=a,b        -> mutations.log, mutations_run.log
 #   dp          issue 45: random Qwen3-8B through HTTP at 128 in / 1024 out, 1024 requests, 512 in flight: one server
-#               on one GPU, one server with --dp 2, then SMG (cache_aware) before two single-GPU servers; SGLang's
+#               on one GPU, one server with --dp 2, the same with --api-server-count 2 (DP_CONFIGS: replicas:front
+#               ends, default "1:1 2:1 2:2"), then SMG (cache_aware) before two single-GPU servers; SGLang's
 #               bench_serving as the client when .sgl/ holds it (its sglang.benchmark package), else bench/serving.py
 # NCCL_NVLS_ENABLE=0 throughout (no NVLink multicast objects: they can take the host's GPUs out of service).
 set -u -o pipefail
@@ -76,13 +77,16 @@ load_8b() {  # load_8b NAME: 1024 requests of 128 in / 1024 out, 512 in flight, 
 stage_dp() {
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   local pids=()
-  for dp in 1 2; do
-    echo "== --dp $dp"
-    "${SERVE[@]}" --port 8000 --dp "$dp" > "$OUT/server_dp$dp.log" 2>&1 &
+  # DP_CONFIGS: replicas:front-end processes (--api-server-count) of each one-server run
+  for config in ${DP_CONFIGS:-1:1 2:1 2:2}; do
+    local dp=${config%:*} api=${config#*:} name
+    name="dp$dp$([ "$api" = 1 ] || echo "_api$api")"
+    echo "== --dp $dp --api-server-count $api"
+    "${SERVE[@]}" --port 8000 --dp "$dp" --api-server-count "$api" > "$OUT/server_$name.log" 2>&1 &
     pids=($!)
-    wait_ready http://127.0.0.1:8000/health 300 && load_8b "dp${dp}_128x1024_c512"
+    wait_ready http://127.0.0.1:8000/health 300 && load_8b "${name}_128x1024_c512"
     python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8000/metrics').text)" | grep -E "^vllm:num_requests|^fastqwen:.*(preempt|kv_cache_usage)" \
-      > "$OUT/metrics_dp$dp.txt"
+      > "$OUT/metrics_$name.txt"
     kill -TERM "${pids[@]}"; wait "${pids[@]}"
   done
   echo "== SMG (cache_aware) before two single-GPU servers"
