@@ -335,10 +335,9 @@ def main() -> int:
     serve_args = ["--model", args.model, "--load-format", "dummy", "--port", str(port), "--max-model-len", "4096"]
     if args.replicas > 1:
         serve_args += ["--dp", str(args.replicas)]
-    if args.api_servers > 1:
-        if args.profile:
-            raise SystemExit("--profile profiles one front end's process: use it without --api-servers")
-        serve_args += ["--api-server-count", str(args.api_servers)]
+    if args.api_servers > 1 and args.profile:
+        raise SystemExit("--profile profiles one front end's process: use it without --api-servers")
+    serve_args += ["--api-server-count", str(args.api_servers)]  # (always: its default follows --dp)
     server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *serve_args], env=env)
     try:
         deadline = time.monotonic() + 120

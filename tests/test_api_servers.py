@@ -17,17 +17,19 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import time
 
 import httpx
 import pytest
+import zmq
 from checkpoints import make_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
 from fastqwen.engine import lifeline
-from fastqwen.engine.core_process import CoreHandle, ProcessEngineClient, start_core
-from fastqwen.engine.messages import request_ids
+from fastqwen.engine.core_process import CoreHandle, FrontendLinks, ProcessEngineClient, start_core
+from fastqwen.engine.messages import EngineInfo, EngineStats, StepOutput, request_ids
 from fastqwen.frontend import Frontend
 from server_process import ServerProcess, metric, metrics_when_idle
 from test_orphans import descendants, ipc_folders, wait_until_gone
@@ -123,6 +125,41 @@ def test_a_core_sends_each_front_end_its_own_requests_and_both_its_counts(folder
             client.stop(timeout=0)
         if core.is_alive():
             core.kill()
+        lifeline.forget(core_folder)
+
+
+def test_a_core_relays_the_prompts_one_front_end_routed_to_the_other_front_ends_once(folder):
+    """Data parallelism with two front ends: what front end 0 routed to a core reaches front end 1, once, and not
+    front end 0 (the core's side, FrontendLinks, in this process; the front ends' clients attached to it)."""
+    config = EngineConfig(model=folder, api_server_count=2, **ENGINE)
+    core_folder = lifeline.ipc_folder("fastqwen")
+    core = CoreHandle(core_folder, os.getpid())  # (the "core" is this process: it never ends under the clients)
+    clients = [ProcessEngineClient(config, attach=core, frontend=i, wait=False) for i in range(2)]
+    context = zmq.Context()
+    links = FrontendLinks(context, core_folder, 2)
+    try:
+        links.broadcast(b"info", EngineInfo("m", 384, 1024, 64, 4))
+        relayed = []
+        for client in clients:
+            client.wait_until_loaded()
+            relayed.append(client.receive_routes(64))
+            client.start(lambda output: None, lambda error: None)
+        clients[0].share_routes([[11, -22, 2**63 - 1], [44]])
+        assert links.inbox.poll(5000)
+        assert links.receive(0) is None, "a relay is not a command for the engine"
+        links.send_stats(EngineStats(num_running=1))
+        until(lambda: all(c.stats().num_running == 1 for c in clients), "both front ends got the stats")
+        assert list(relayed[1]) == [[11, -22, 2**63 - 1], [44]] and not relayed[0]
+        links.send_stats(EngineStats(num_running=2))  # nothing new routed: nothing relayed again
+        links.send_step(StepOutput([], 0.0), EngineStats(num_running=3))
+        until(lambda: all(c.stats().num_running == 3 for c in clients), "both front ends got the step")
+        assert len(relayed[1]) == 2 and not relayed[0]
+    finally:
+        for client in clients:
+            client.stop(timeout=0)
+        links.close()
+        context.term()
+        shutil.rmtree(core_folder, ignore_errors=True)
         lifeline.forget(core_folder)
 
 

@@ -13,6 +13,7 @@ import re
 import signal
 import threading
 import time
+from collections import deque
 
 import httpx
 import pytest
@@ -39,7 +40,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp2(folder):
-    """The module's --dp 2 server (the last test kills it)."""
+    """The module's --dp 2 server, with two front ends by default (the last test kills it)."""
     srv = ServerProcess(folder, *COMMON, "--dp", "2")
     yield srv
     srv.stop()
@@ -135,6 +136,37 @@ def test_the_client_routes_aborts_to_the_requests_replica_and_forgets_what_ended
     assert [str(e) for e in deaths] == ["data-parallel replica 1: gone"] and not client.alive
 
 
+class SharingReplica(FakeReplica):
+    """A replica of one of several front ends: what its core relays, and what this front end shares with it."""
+
+    def __init__(self, num_pages: int = 64):
+        super().__init__(num_pages)
+        self.shared = []
+
+    def receive_routes(self, capacity):
+        self.relayed = deque(maxlen=capacity)
+        return self.relayed
+
+    def share_routes(self, page_hashes):
+        self.shared += page_hashes
+
+
+def test_a_front_end_routes_by_what_the_other_front_ends_routed_and_shares_what_it_routes():
+    replicas = [SharingReplica(), SharingReplica()]
+    client = DataParallelEngineClient(replicas, share_routes=True)
+    client.start(lambda output: None, lambda error: None)
+    prefix = list(range(100, 124))  # 6 pages
+    # Another front end routed a prompt with this prefix to replica 1 (its core relayed the hashes here): with both
+    # replicas idle, a prompt sharing the prefix goes there, not to replica 0 where the round robin would send it.
+    replicas[1].relayed.append(page_hashes(prefix + [1, 2], PAGE))
+    client.add([request(0, prefix + [3])])
+    assert (replicas[0].added, replicas[1].added) == ([], [0]) and not replicas[1].relayed
+    assert replicas[1].shared == [page_hashes(prefix + [3], PAGE)] and replicas[0].shared == []
+    client.add([request(2, [7, 7, 7, 7, 7]), request(4, [1, 2])])  # (a prompt under a page has nothing to share)
+    assert replicas[0].added == [2] and replicas[0].shared == [page_hashes([7] * 5, PAGE)]
+    assert replicas[1].shared == [page_hashes(prefix + [3], PAGE)]
+
+
 # ---- refusals -----------------------------------------------------------------------------------------------
 
 
@@ -183,12 +215,26 @@ def test_two_replicas_give_the_tokens_of_one(folder, dp2):
     one = ServerProcess(folder, *COMMON, "--dp", "1", "--skip-warmup")
     try:
         expected = [r["choices"][0]["token_ids"] for r in completions(one.url, prompts, **params)]
-        text = httpx.get(one.url + "/metrics").text
+        response = httpx.get(one.url + "/metrics")
+        text = response.text
         assert per_engine(text, "fastqwen:num_requests_running") == {"0": 0}, "one engine, labelled as vLLM does"
+        assert "x-fastqwen-api-server" not in response.headers, "--dp 1: one front end by default"
     finally:
         one.stop()
     got = [r["choices"][0]["token_ids"] for r in completions(dp2.url, prompts, **params)]
     assert got == expected
+
+
+def test_two_replicas_have_two_front_ends_by_default(dp2):
+    """--dp 2 without --api-server-count: a front end per replica, as vLLM's serve (each names itself in a header;
+    the kernel spreads new connections over them, so a few connections reach both)."""
+    served = set()
+    for _ in range(40):
+        with httpx.Client(base_url=dp2.url, timeout=30) as http:  # (a new connection each)
+            served.add(http.get("/v1/models").headers.get("x-fastqwen-api-server"))
+        if served == {"0", "1"}:
+            break
+    assert served == {"0", "1"}
 
 
 def test_concurrent_requests_spread_over_both_replicas(dp2):

@@ -590,12 +590,12 @@ class EngineConfig:
     )
     data_parallel_size: int = _knob(
         1,
-        "the server only: this many engine replicas behind the one HTTP front end, each an engine-core process on GPUs of its own (replica r on the tensor-parallel group r*TP..r*TP+TP-1; on the CPU, processes sharing the cores); a request goes to the least busy replica unless one holding its prefix in cache is not much busier (engine/replica_router.py)",
+        "the server only: this many engine replicas behind the HTTP front end(s) (--api-server-count), each an engine-core process on GPUs of its own (replica r on the tensor-parallel group r*TP..r*TP+TP-1; on the CPU, processes sharing the cores); a request goes to the least busy replica unless one holding its prefix in cache is not much busier (engine/replica_router.py)",
         aliases=("--dp", "-dp"),
     )
-    api_server_count: int = _knob(
-        1,
-        "the server only: this many HTTP front-end processes on the one --host:--port (each its own socket on the port, SO_REUSEPORT, the kernel spreading connections over them), every one a client of every engine core; for when one process's HTTP, detokenizing and SSE cannot keep up with the engine (docs/architecture.md: Several front ends)",
+    api_server_count: int | None = _knob(
+        None,
+        "the server only: this many HTTP front-end processes on the one --host:--port (each its own socket on the port, SO_REUSEPORT, the kernel spreading connections over them), every one a client of every engine core; for when one process's HTTP, detokenizing and SSE cannot keep up with the engine (docs/architecture.md: Several front ends); default: --data-parallel-size, as vLLM's (1 without data parallelism)",
     )
     disable_custom_all_reduce: bool = _knob(
         False,
@@ -684,6 +684,8 @@ class EngineConfig:
         )
         need(_positive_int(self.tensor_parallel_size), "tensor_parallel_size", "a positive integer")
         need(_positive_int(self.data_parallel_size), "data_parallel_size", "a positive integer")
+        if self.api_server_count is None:  # one front end per replica by default, as vLLM's serve does
+            self.api_server_count = self.data_parallel_size  # (checked above)
         need(_positive_int(self.api_server_count), "api_server_count", "a positive integer")
         need(_positive_int(self.grammar_cache_mib), "grammar_cache_mib", "a positive integer (MiB)")
         if self.speculative_config is not None:

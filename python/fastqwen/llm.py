@@ -39,7 +39,8 @@ class LLM:
         from .engine.factory import make_engine  # here: `import fastqwen` must not load the engine and torch
 
         config = EngineConfig.build(model, **knobs)
-        if config.api_server_count > 1:
+        # (api_server_count defaults to data_parallel_size: a data_parallel_size above 1 is refused as such, below)
+        if config.api_server_count > 1 and config.data_parallel_size == 1:
             raise ConfigError(
                 f"api_server_count={config.api_server_count}: HTTP front-end processes are the server's "
                 "(python -m fastqwen.serve --api-server-count N); LLM has none",

@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastqwen.se
         p.error("--stats-interval must be >= 0")
     if args.engine_core == "thread" and args.data_parallel_size > 1:
         p.error("--data-parallel-size above 1 runs one engine-core process per replica: use --engine-core process")
-    if args.engine_core == "thread" and args.api_server_count > 1:
+    if args.engine_core == "thread" and (args.api_server_count or 1) > 1:  # (None: --data-parallel-size, 1 here)
         p.error("--api-server-count above 1 runs the engine core in a process of its own: use --engine-core process")
     return args
 

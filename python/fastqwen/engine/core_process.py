@@ -21,7 +21,11 @@ pulls from every front end's, and the core has one outbox per front end. Request
 ends (messages.request_ids), so each step's deltas are split by id and each front end gets only its own; every front
 end gets every step's message (its deltas, possibly none, and the core's stats: what its load routing and /metrics
 read), the step's token count only front end 0 (so the summed histogram counts each step once). The core ends once
-every front end has said "stop"; a front end that died cannot, and the parent ends the core then.
+every front end has said "stop"; a front end that died cannot, and the parent ends the core then. With data
+parallelism too, a front end sends its replica's core the page hashes of the prompts it routed there ("routed", a
+RoutedPrompts), and the core relays them to every other front end in a "routed" message (the hash lists) before its
+next message to that front end, once: each front end's router then estimates the replica's cache from every front
+end's prompts (engine/data_parallel.py).
 
 With tensor parallelism this process is rank 0 (engine/tensor_parallel.py): it starts the other ranks as its own
 children and sends them each step's commands; the frontend still talks to rank 0 alone. If a rank dies, this process
@@ -39,6 +43,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import msgspec
@@ -46,7 +51,7 @@ import zmq
 
 from ..config import EngineConfig
 from . import lifeline
-from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, StepOutput, frontend_of
+from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, RoutedPrompts, StepOutput, frontend_of
 
 logger = logging.getLogger("fastqwen.engine")
 
@@ -81,8 +86,9 @@ class _Codec:
         return self.decoders[kind].decode(body)
 
 
-_TO_CORE = {b"add": list[EngineRequest], b"abort": list[int], b"stop": int}  # stop: which front end says it
-_TO_FRONTEND = {b"info": EngineInfo, b"step": CoreStep, b"stats": CoreStats, b"failed": str}
+# stop: which front end says it. routed: the page hashes of prompts a front end routed here, for the other front ends.
+_TO_CORE = {b"add": list[EngineRequest], b"abort": list[int], b"stop": int, b"routed": RoutedPrompts}
+_TO_FRONTEND = {b"info": EngineInfo, b"step": CoreStep, b"stats": CoreStats, b"failed": str, b"routed": list[list[int]]}
 
 
 # ---- the core process ----------------------------------------------------------------------------------------
@@ -111,6 +117,8 @@ class FrontendLinks:
             self.outboxes.append(outbox)
         self.num_received = [0] * num_frontends
         self._stopped: set[int] = set()  # front ends that said stop: they read nothing more
+        # Per front end: the page hashes other front ends routed here since the last message to it ("routed").
+        self._relay: list[list[list[int]]] = [[] for _ in range(num_frontends)]
 
     def receive(self, timeout_ms: float):
         """The next command as (kind, value), or None when none came within the timeout. "stop" is returned once
@@ -122,6 +130,11 @@ class FrontendLinks:
                 self._stopped.add(value)
                 if len(self._stopped) < self.num_frontends:
                     continue
+            elif kind == b"routed":  # for the front ends, not the engine: kept until the next message to each
+                for index, pending in enumerate(self._relay):
+                    if index != value.frontend and index not in self._stopped:
+                        pending.extend(value.page_hashes)
+                continue
             elif kind == b"add":
                 for request in value:
                     self.num_received[frontend_of(request.rid, self.num_frontends)] += 1
@@ -136,6 +149,7 @@ class FrontendLinks:
     def send_stats(self, stats: EngineStats) -> None:
         for index, outbox in enumerate(self.outboxes):
             if index not in self._stopped:
+                self._send_relayed(index)
                 outbox.send_multipart([b"stats", self.codec.encode(CoreStats(stats, self.num_received[index]))])
 
     def send_step(self, output: StepOutput, stats: EngineStats) -> None:
@@ -151,9 +165,16 @@ class FrontendLinks:
         for index, outbox in enumerate(self.outboxes):
             if index in self._stopped:
                 continue
+            self._send_relayed(index)
             part = StepOutput(parts[index], output.time, output.num_tokens if index == 0 else 0)
             step = CoreStep(part, CoreStats(stats, self.num_received[index]))
             outbox.send_multipart([b"step", self.codec.encode(step)])
+
+    def _send_relayed(self, index: int) -> None:
+        """Front end `index`'s pending "routed" hashes, if any, ahead of the message about to go to it."""
+        if self._relay[index]:
+            self.outboxes[index].send_multipart([b"routed", self.codec.encode(self._relay[index])])
+            self._relay[index] = []
 
     def close(self) -> None:
         self.inbox.close(linger=0)
@@ -333,6 +354,7 @@ class ProcessEngineClient:
         else:
             self.process = _ForeignProcess(attach.pid)
         self._stats = CoreStats(EngineStats(), 0)
+        self._relayed: deque[list[int]] | None = None  # see receive_routes
         self._num_added = 0  # requests sent to the core (written by the event loop only)
         self._reader: threading.Thread | None = None
         self._stopping = False
@@ -378,6 +400,17 @@ class ProcessEngineClient:
 
     def abort(self, rid: int) -> None:
         self._send(b"abort", [rid])
+
+    def share_routes(self, page_hashes: list[list[int]]) -> None:
+        """Tell the core the page hashes of prompts this front end routed to it, for it to relay to the others."""
+        self._send(b"routed", RoutedPrompts(self._frontend, page_hashes))
+
+    def receive_routes(self, capacity: int) -> deque[list[int]]:
+        """From now on, the page hashes the core relays (prompts other front ends routed to it) are appended to the
+        deque returned, by the reader thread; the oldest are dropped past `capacity` lists (each holds a page at
+        least: an estimate bounded by `capacity` pages forgets them anyway)."""
+        self._relayed = deque(maxlen=capacity)
+        return self._relayed
 
     def stats(self) -> EngineStats:
         latest = self._stats  # one reference, swapped whole by the reader
@@ -432,6 +465,8 @@ class ProcessEngineClient:
                     on_output(value.output)
                 elif kind == b"stats":
                     self._stats = value
+                elif kind == b"routed" and self._relayed is not None:
+                    self._relayed.extend(value)
         except BaseException as e:
             if self._stopping:
                 return

@@ -10,6 +10,11 @@ replica's step at a time; `stats` adds the replicas' up, and `per_engine` gives 
 engine label. The replicas must serve the same model (their EngineInfo is compared at startup); a request is checked
 against the smallest KV pool among them, since it may be routed to any.
 
+With several front ends (api_servers.py, `attach`) each front end's router also learns the prompts the others routed:
+each front end sends a replica's core the page hashes of the prompts it routed there, the core relays them to the
+other front ends (engine/core_process.py), and each records them in its estimate of that replica before it next
+routes. (With one front end none of this runs.)
+
 Failure, as with one core: when a replica dies, `on_death` is called once, every request in flight fails and the
 server exits non-zero (a supervisor restarts it); stopping the server stops the other replicas, and each replica
 ends with the server however the server ends (engine/lifeline.py).
@@ -35,10 +40,16 @@ logger = logging.getLogger("fastqwen.engine")
 
 
 class DataParallelEngineClient:
-    def __init__(self, replicas: list[EngineClient]):
+    def __init__(self, replicas: list[EngineClient], share_routes: bool = False):
+        """share_routes: one of several front ends (ProcessEngineClients attached to the cores): tell each core the
+        prompts routed to it, and learn those the other front ends routed (see the module's docstring)."""
         self.replicas = replicas
         self.info = common_info([r.info for r in replicas])
         self.router = ReplicaRouter([r.info.num_pages for r in replicas], self.info.page_size, self.info.prefix_caching)
+        self._share_routes = share_routes and self.info.prefix_caching
+        # Per replica: what the other front ends routed there, as its core relays it (appended by its reader thread,
+        # taken into the router by `add` on the event loop, so that the router stays on one thread).
+        self._relayed = [r.receive_routes(r.info.num_pages) for r in replicas] if self._share_routes else []
         self._home: dict[int, int] = {}  # request id -> its replica, until the request finishes
         self._output_lock = threading.Lock()  # the frontend's on_output is written for one caller at a time
         self._death_lock = threading.Lock()
@@ -81,7 +92,7 @@ class DataParallelEngineClient:
                     replica.wait_until_loaded()
                 except CoreStartError as e:
                     raise CoreStartError(f"data-parallel replica {index}: {e}") from e
-            return cls(replicas)
+            return cls(replicas, share_routes=config.api_server_count > 1)
         except BaseException:
             for replica in replicas:
                 replica.stop(timeout=0)
@@ -96,12 +107,21 @@ class DataParallelEngineClient:
     def add(self, requests: list[EngineRequest]) -> None:
         loads = [s.num_running + s.num_waiting for s in (r.stats() for r in self.replicas)]
         batches: list[list[EngineRequest]] = [[] for _ in self.replicas]
+        routed: list[list[list[int]]] | None = None  # per replica, the page hashes routed there, to be shared
+        if self._share_routes:
+            self._take_relayed()
+            routed = [[] for _ in self.replicas]
         for request in requests:
-            index = self.router.route(request.prompt_ids, loads)
+            hashes = self.router.hashes(request.prompt_ids)
+            index = self.router.route_pages(hashes, loads)
             loads[index] += 1  # (the next request of this call sees it)
             self._home[request.rid] = index
             batches[index].append(request)
-        for replica, batch in zip(self.replicas, batches):
+            if routed is not None and hashes:
+                routed[index].append(hashes)
+        for index, (replica, batch) in enumerate(zip(self.replicas, batches)):
+            if routed is not None and routed[index]:
+                replica.share_routes(routed[index])
             if batch:
                 replica.add(batch)
 
@@ -129,6 +149,12 @@ class DataParallelEngineClient:
             stopper.join(timeout + 10)
 
     # ---- internals ------------------------------------------------------------------------------------------
+
+    def _take_relayed(self) -> None:
+        """Record in the router what the other front ends routed to each replica, as if this one had."""
+        for index, relayed in enumerate(self._relayed):
+            while relayed:
+                self.router.remember(index, relayed.popleft())
 
     def _forward_to(self, on_output: OutputCallback) -> OutputCallback:
         def forward(output: StepOutput) -> None:

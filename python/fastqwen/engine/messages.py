@@ -120,6 +120,17 @@ class EngineInfo:
 # (its deltas go to that front end only) and two front ends never use the same id.
 
 
+@dataclass
+class RoutedPrompts:
+    """Data parallelism with several front ends: the page hashes (engine/replica_router.py's page_hashes, one list per
+    prompt) of the prompts that front end `frontend` routed to one replica. That replica's core passes them on to the
+    other front ends, so that every front end's estimate of the replica's cache covers every front end's prompts, not
+    only its own share of them (prefix affinity would weaken with each front end added otherwise)."""
+
+    frontend: int
+    page_hashes: list[list[int]]
+
+
 def request_ids(frontend: int, num_frontends: int) -> Iterator[int]:
     """The ids front end `frontend` of `num_frontends` gives its requests: frontend, frontend + N, ..."""
     return itertools.count(frontend, num_frontends)

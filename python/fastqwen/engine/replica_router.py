@@ -10,7 +10,9 @@ used set of the page-aligned prefixes of the prompts it sent there, each kept as
 whole pages (page k's hash covers every token up to the end of page k, so equal hashes mean equal prefixes, and only
 whole pages are shared in the radix tree too). A replica's set holds at most as many pages as its KV pool, the most
 its cache can hold. The estimate can be wrong either way: the engine may have evicted a prefix sooner, and it caches
-generated tokens that the front end does not record; a wrong guess costs a prefill, never a wrong answer.
+generated tokens that the front end does not record; a wrong guess costs a prefill, never a wrong answer. With
+several front ends each has a router, and each also records the prompts the others routed, as the cores relay them
+(`remember`; engine/data_parallel.py).
 
 The rule, `route`: the candidates are the replicas whose set holds the longest prefix of the request (at least one
 page); the least busy candidate takes the request unless it is *much busier* than the least busy replica, that is
@@ -60,7 +62,14 @@ class ReplicaRouter:
 
     def route(self, prompt_ids: Sequence[int], loads: Sequence[int]) -> int:
         """The replica for a request with this prompt, given each replica's load; recorded as caching its prefix."""
-        hashes = page_hashes(prompt_ids, self.page_size) if self.prefix_caching else []
+        return self.route_pages(self.hashes(prompt_ids), loads)
+
+    def hashes(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt's page hashes, as the estimate keeps them (none when no replica caches prefixes)."""
+        return page_hashes(prompt_ids, self.page_size) if self.prefix_caching else []
+
+    def route_pages(self, hashes: list[int], loads: Sequence[int]) -> int:
+        """`route`, for a prompt given as its page hashes."""
         held = [self.cached_pages(r, hashes) for r in range(self.num_replicas)]
         longest, least = max(held), min(loads)
         choice = None
@@ -71,7 +80,7 @@ class ReplicaRouter:
         if choice is None:
             choice = self._least_busy(range(self.num_replicas), loads)
         self._next = (choice + 1) % self.num_replicas
-        self._remember(choice, hashes)
+        self.remember(choice, hashes)
         return choice
 
     def cached_pages(self, replica: int, hashes: list[int]) -> int:
@@ -88,7 +97,8 @@ class ReplicaRouter:
         n = self.num_replicas
         return min(candidates, key=lambda r: (loads[r], (r - self._next) % n))
 
-    def _remember(self, replica: int, hashes: list[int]) -> None:
+    def remember(self, replica: int, hashes: list[int]) -> None:
+        """Record a prompt's page hashes as cached by the replica, the most recently used (and keep the bound)."""
         cached = self._cached[replica]
         for h in reversed(hashes):  # deepest first, so that it is evicted first: a leaf, as in the radix tree
             cached[h] = None
