@@ -238,17 +238,23 @@ def test_two_replicas_have_two_front_ends_by_default(dp2):
 
 
 def test_concurrent_requests_spread_over_both_replicas(dp2):
-    """Four streams at once, held open: the per-engine gauges show two on each replica."""
+    """Four streams, held open: the per-engine gauges show two on each replica. (Each starts once the one before it
+    streams: two front ends route on their own, each knowing the other's requests only from the cores' counts, so
+    requests arriving at the same instant could put three on one replica.)"""
     streaming = threading.Barrier(5)
     release = threading.Event()
+    started = [threading.Event() for _ in range(4)]
 
     def stream(i: int) -> None:
         body = {"prompt": [30 + i, 5, 6], "max_tokens": 900, "ignore_eos": True, "stream": True}
+        if i > 0:
+            started[i - 1].wait(30)
         with httpx.stream("POST", dp2.url + "/v1/completions", json=body, timeout=30) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             while not next(lines).startswith("data: "):
                 pass
+            started[i].set()
             streaming.wait(30)
             release.wait(30)  # leaving closes the connection: the request is aborted
 
