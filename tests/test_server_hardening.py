@@ -543,6 +543,35 @@ def test_an_unrecoverable_engine_fault_exits_nonzero(folder, tmp_path, warmup):
     assert ("ready: serving" in text) != warmup  # no ready line once the engine is dead
 
 
+def test_a_signal_handler_may_log_while_the_rate_limit_is_counting(monkeypatch):
+    """The server's SIGINT/SIGTERM handler logs, and Python runs it in the main thread between any two bytecodes: also
+    while that thread is inside the rate limit's count for another line. A plain lock there deadlocked the thread with
+    itself (a front end of `--dp 2` hung on SIGTERM, signals ignored, until the parent killed it). Simulated here: the
+    count's clock reads log a line of their own once, as the handler would."""
+    import logging
+    import threading
+
+    from fastqwen.server import log_limit
+
+    limit = log_limit.RateLimitFilter(50.0)
+    record = logging.LogRecord("test", logging.WARNING, __file__, 1, "line", None, None)
+    real_clock, nested, signalled = time.monotonic, [], []
+
+    def clock_with_a_signal():
+        if not signalled:  # (once: the nested count reads the clock too)
+            signalled.append(1)
+            nested.append(limit.filter(logging.LogRecord("test", logging.WARNING, __file__, 1, "SIGTERM", None, None)))
+        return real_clock()
+
+    monkeypatch.setattr(log_limit.time, "monotonic", clock_with_a_signal)
+    outer = []
+    thread = threading.Thread(target=lambda: outer.append(limit.filter(record)), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "the nested log line deadlocked the thread"
+    assert nested == [True] and outer == [True]
+
+
 def test_log_rate_is_bounded():
     """A flood of log lines (bad connections, access log) passes at the configured rate, the rest is counted."""
     import logging

@@ -18,7 +18,9 @@ class RateLimitFilter(logging.Filter):
         self._tokens = self.burst
         self._last = time.monotonic()
         self._dropped = 0
-        self._lock = threading.Lock()  # the engine thread logs too
+        # The engine thread logs too. Reentrant: the server's signal handler logs, and Python runs it in the main
+        # thread between any two bytecodes, also inside this count (a plain lock deadlocked the thread with itself).
+        self._lock = threading.RLock()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.CRITICAL:
