@@ -75,50 +75,17 @@ __device__ __forceinline__ void load_step(Step& st, const uint8_t* row_lo, const
   }
 }
 
-// FP8: this warp's share of token t (its units) as f16 in shared memory, times the power of two that puts the share's
-// largest magnitude in [2^15, 2^16); returns 1 / that power. xs: [units][128] halves for the token.
+// FP8 staging of x (stage_x, stage_x_grouped): piece p (16 bytes, 8 values) of a token's share for this warp is unit
+// warp + (p / 16) * kWarps, values (p % 16) * 8 ..
 template <typename T>
-__device__ __forceinline__ float stage_x(const T* __restrict__ xt, __half* xs, int warp, int units, int lane) {
-  const int num = units * (kStepBytes / 8);  // 16-byte pieces (8 values) of the share
-  auto piece = [&](int p) {  // piece p: unit warp + (p / 16) * kWarps, values (p % 16) * 8 ..
-    return reinterpret_cast<const uint4*>(xt + (warp + (p >> 4) * kWarps) * kStepBytes) + (p & 15);
-  };
-  float big = 0.0f;
-  for (int p = lane; p < num; p += 32) {
-    const uint4 v = __ldg(piece(p));
-    const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = to_float2(words[i], T{});
-      big = fmaxf(big, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, offset));
-  int e = 16;  // zero, inf: no scaling
-  if (big > 0.0f && big <= 3.0e38f) frexpf(big, &e);  // big in [2^(e-1), 2^e)
-  const int shift = min(16 - e, 126);  // (2^126 and its inverse are normal floats)
-  const float up = ldexpf(1.0f, shift);
-  for (int p = lane; p < num; p += 32) {
-    const uint4 v = __ldg(piece(p));
-    const unsigned words[4] = {v.x, v.y, v.z, v.w};
-    unsigned h[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = to_float2(words[i], T{});
-      const __half2 c = __floats2half2_rn(f.x * up, f.y * up);
-      h[i] = *reinterpret_cast<const unsigned*>(&c);
-    }
-    reinterpret_cast<uint4*>(xs)[p] = make_uint4(h[0], h[1], h[2], h[3]);
-  }
-  return ldexpf(1.0f, -shift);
+__device__ __forceinline__ const uint4* x_piece(const T* xt, int warp, int p) {
+  return reinterpret_cast<const uint4*>(xt + (warp + (p >> 4) * kWarps) * kStepBytes) + (p & 15);
 }
 
-// The largest magnitude of a 16-byte piece's 8 values.
+// The largest of `big` and the magnitudes of a piece's 8 values.
 template <typename T>
-__device__ __forceinline__ float max_abs8(uint4 v) {
+__device__ __forceinline__ float max_abs8(uint4 v, float big) {
   const unsigned words[4] = {v.x, v.y, v.z, v.w};
-  float big = 0.0f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 f = to_float2(words[i], T{});
@@ -127,74 +94,82 @@ __device__ __forceinline__ float max_abs8(uint4 v) {
   return big;
 }
 
+// The power of two (its exponent) that puts a share's largest magnitude `big` in [2^15, 2^16).
+__device__ __forceinline__ int x_shift(float big) {
+  int e = 16;  // zero, inf: no scaling
+  if (big > 0.0f && big <= 3.0e38f) frexpf(big, &e);  // big in [2^(e-1), 2^e)
+  return min(16 - e, 126);  // (2^126 and its inverse are normal floats)
+}
+
+// A piece's 8 values times `up`, as f16.
+template <typename T>
+__device__ __forceinline__ uint4 to_half8(uint4 v, float up) {
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+  unsigned h[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = to_float2(words[i], T{});
+    const __half2 c = __floats2half2_rn(f.x * up, f.y * up);
+    h[i] = *reinterpret_cast<const unsigned*>(&c);
+  }
+  return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
+// FP8: this warp's share of token t (its units) as f16 in shared memory, times the power of two that puts the share's
+// largest magnitude in [2^15, 2^16); returns 1 / that power. xs: [units][128] halves for the token.
+template <typename T>
+__device__ __forceinline__ float stage_x(const T* __restrict__ xt, __half* xs, int warp, int units, int lane) {
+  const int num = units * (kStepBytes / 8);  // pieces of the share
+  float big = 0.0f;
+  for (int p = lane; p < num; p += 32) big = max_abs8<T>(__ldg(x_piece(xt, warp, p)), big);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, offset));
+  const int shift = x_shift(big);
+  const float up = ldexpf(1.0f, shift);
+  for (int p = lane; p < num; p += 32) reinterpret_cast<uint4*>(xs)[p] = to_half8<T>(__ldg(x_piece(xt, warp, p)), up);
+  return ldexpf(1.0f, -shift);
+}
+
 // FP8: stage_x for every token (the same halves and powers of two, bit for bit: fmaxf's maximum does not depend on the
-// order), with the loads of up to kGroup tokens in flight together, kPer pieces a lane and token at a time; stage_x
-// waits for one token's loads before the next token's start. inv_up[t]: 1 / token t's power of two.
+// order), with the loads of up to kGroup tokens in flight together; stage_x waits for one token's loads before the
+// next token's start. inv_up[t]: 1 / token t's power of two.
 template <typename T>
 __device__ __forceinline__ void stage_x_grouped(const T* __restrict__ x, int m, int k, __half* xs, int per_warp,
                                                 int warp, int units, int lane, float* inv_up) {
-  constexpr int kGroup = 4, kPer = 1;
-  const int num = units * (kStepBytes / 8);  // 16-byte pieces (8 values) of a token's share
-  auto piece = [&](int t, int p) {  // piece p of token t: unit warp + (p / 16) * kWarps, values (p % 16) * 8 ..
-    return reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) * k + (warp + (p >> 4) * kWarps) * kStepBytes) +
-           (p & 15);
-  };
+  constexpr int kGroup = 4;
+  const int num = units * (kStepBytes / 8);  // pieces of a token's share
   for (int t0 = 0; t0 < m; t0 += kGroup) {
+    auto load = [&](uint4 (&v)[kGroup], int p) {  // piece p of every token of the group, all in flight at once
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        if (t0 + j < m) v[j] = __ldg(x_piece(x + static_cast<int64_t>(t0 + j) * k, warp, p));
+      }
+    };
     float big[kGroup], up[kGroup];
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) big[j] = 0.0f;
-    for (int p0 = lane; p0 < num; p0 += 32 * kPer) {
-      uint4 v[kGroup][kPer];
+    for (int p = lane; p < num; p += 32) {
+      uint4 v[kGroup];
+      load(v, p);
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-          if (t0 + j < m && p0 + 32 * c < num) v[j][c] = __ldg(piece(t0 + j, p0 + 32 * c));
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-          if (t0 + j < m && p0 + 32 * c < num) big[j] = fmaxf(big[j], max_abs8<T>(v[j][c]));
-        }
+        if (t0 + j < m) big[j] = max_abs8<T>(v[j], big[j]);
       }
     }
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) {
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) big[j] = fmaxf(big[j], __shfl_xor_sync(0xffffffffu, big[j], offset));
-      int e = 16;  // zero, inf: no scaling
-      if (big[j] > 0.0f && big[j] <= 3.0e38f) frexpf(big[j], &e);
-      const int shift = min(16 - e, 126);
+      const int shift = x_shift(big[j]);
       up[j] = ldexpf(1.0f, shift);
       if (lane == 0 && t0 + j < m) inv_up[t0 + j] = ldexpf(1.0f, -shift);
     }
-    for (int p0 = lane; p0 < num; p0 += 32 * kPer) {  // (these loads hit L1)
-      uint4 v[kGroup][kPer];
+    for (int p = lane; p < num; p += 32) {  // (these loads hit L1)
+      uint4 v[kGroup];
+      load(v, p);
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-          if (t0 + j < m && p0 + 32 * c < num) v[j][c] = __ldg(piece(t0 + j, p0 + 32 * c));
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-          if (!(t0 + j < m && p0 + 32 * c < num)) continue;
-          const unsigned words[4] = {v[j][c].x, v[j][c].y, v[j][c].z, v[j][c].w};
-          unsigned h[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = to_float2(words[i], T{});
-            const __half2 hc = __floats2half2_rn(f.x * up[j], f.y * up[j]);
-            h[i] = *reinterpret_cast<const unsigned*>(&hc);
-          }
-          reinterpret_cast<uint4*>(xs)[(t0 + j) * per_warp * (kStepBytes / 8) + p0 + 32 * c] =
-              make_uint4(h[0], h[1], h[2], h[3]);
-        }
+        if (t0 + j < m) reinterpret_cast<uint4*>(xs)[(t0 + j) * per_warp * (kStepBytes / 8) + p] = to_half8<T>(v[j], up[j]);
       }
     }
   }
