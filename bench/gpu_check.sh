@@ -315,23 +315,24 @@ stage_speculative() {  # issue 42: a server and an engine side by side (small po
   done
 }
 
+# spec_throughput_pair NAME SPEC IN_FLIGHT PROMPTS OUTPUT_LEN LIMIT [MODES]: bench/throughput.py (random Qwen3-8B,
+# 128 in) with speculation off, then on (the speculative config SPEC) -> OUT/NAME_{off,on}_cIN_FLIGHT.json
+spec_throughput_pair() {
+  local name="$1" spec="$2" c="$3" prompts="$4" output_len="$5" limit="$6"
+  for mode in ${7:-off on}; do
+    local extra=()
+    [ "$mode" = on ] && extra=(--speculative-config "$spec")
+    run "${name}_${mode}_c$c" "$limit" python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
+      --workload fixed --num-prompts "$prompts" --input-len 128 --output-len "$output_len" --max-num-seqs "$c" \
+      "${extra[@]}" --json "$OUT/${name}_${mode}_c$c.json"
+  done
+}
+
 stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in flight and cost nothing at 256
   for c in ${SPEC_INFLIGHT:-1 4 16}; do
-    for mode in off on; do
-      local extra=()
-      [ "$mode" = on ] && extra=(--speculative-config "$SPEC_SYNTHETIC")
-      run "throughput_spec_${mode}_c$c" 120 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
-        --workload fixed --num-prompts $((c * 4)) --input-len 128 --output-len 256 --max-num-seqs "$c" \
-        "${extra[@]}" --json "$OUT/throughput_spec_${mode}_c$c.json"
-    done
+    spec_throughput_pair throughput_spec "$SPEC_SYNTHETIC" "$c" $((c * 4)) 256 120
   done
-  for mode in ${SPEC_SATURATED:-off on}; do
-    local extra=()
-    [ "$mode" = on ] && extra=(--speculative-config "$SPEC_SYNTHETIC")
-    run "throughput_spec_${mode}_c256" 200 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
-      --workload fixed --num-prompts 512 --input-len 128 --output-len 1024 --max-num-seqs 256 "${extra[@]}" \
-      --json "$OUT/throughput_spec_${mode}_c256.json"
-  done
+  spec_throughput_pair throughput_spec "$SPEC_SYNTHETIC" 256 512 1024 200 "${SPEC_SATURATED:-off on}"
 }
 stage_gemvtc() {  # issue 42: the tensor-core GEMV's FP8 pipelines at 2 to 4 tokens, their test, then FP8 speculation
   # (acceptance 2.0, batch 1, offline and through HTTP) with each pipeline in the whole engine
@@ -351,13 +352,7 @@ stage_specreplay() {  # issue 42's replay test: acceptance length >= 3 and TPOT 
 stage_specswitch() {  # issue 42: speculation at acceptance 2.0 kept on above its default switch-off batch size
   local forced='{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_length": 2.0, "max_batch_size": 512}'
   for c in ${SPEC_SWITCH_INFLIGHT:-32 64 128}; do
-    for mode in off on; do
-      local extra=()
-      [ "$mode" = on ] && extra=(--speculative-config "$forced")
-      run "throughput_forced_${mode}_c$c" 120 python3 bench/throughput.py --model Qwen3-8B --load-format dummy \
-        --workload fixed --num-prompts $((c * 2)) --input-len 128 --output-len 512 --max-num-seqs "$c" \
-        "${extra[@]}" --json "$OUT/throughput_forced_${mode}_c$c.json"
-    done
+    spec_throughput_pair throughput_forced "$forced" "$c" $((c * 2)) 512 120
   done
 }
 
