@@ -18,6 +18,7 @@ import statistics
 import sys
 
 import torch
+from common import report
 from fastqwen import LLM
 from fastqwen.config import EngineConfig
 from latency import engine_latency
@@ -72,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         r = result[name]
         print(f"{name:6} pass: TPOT {r['tpot_ms']:.3f} ms, acceptance length {r['acceptance_length']}", flush=True)
     print(f"second pass {result['speedup']:.2f}x faster per token", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.json)
     return 0
 
 
