@@ -71,12 +71,17 @@ def tensor_core_applies(m: int, w: LinearWeight) -> bool:
 
 
 @contextlib.contextmanager
-def tensor_cores(enabled: bool):
-    before = _native.native().set_gemv_tensor_cores(enabled)
+def native_setting(setter: str, value):
+    """A process-wide switch of the native module (set_*, which returns the previous value) for the block."""
+    before = getattr(_native.native(), setter)(value)
     try:
         yield
     finally:
-        _native.native().set_gemv_tensor_cores(before)
+        getattr(_native.native(), setter)(before)
+
+
+def tensor_cores(enabled: bool):
+    return native_setting("set_gemv_tensor_cores", enabled)
 
 
 def check_all_batches(w: LinearWeight, dtype: torch.dtype, gen: torch.Generator, max_batch: int = GEMV_MAX_TOKENS):
@@ -110,15 +115,6 @@ def test_gemv_matches_reference_on_qwen3_shapes(preset, fp8):
         del dense, w
 
 
-@contextlib.contextmanager
-def tc_fp8_variant(variant: int):
-    before = _native.native().set_gemv_tc_fp8_variant(variant)
-    try:
-        yield
-    finally:
-        _native.native().set_gemv_tc_fp8_variant(before)
-
-
 @pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_tensor_core_fp8_pipelines_equal_the_default_bit_for_bit(variant):
     """The FP8 kernel's other pipelines (more weight steps in flight, fewer blocks per SM, x staged four tokens at a
@@ -136,7 +132,7 @@ def test_tensor_core_fp8_pipelines_equal_the_default_bit_for_bit(variant):
                     calls.append(lambda x=x, w=w: linear_silu_and_mul(x, w, gemv_only=True))
                 for call in calls:
                     default = call()
-                    with tc_fp8_variant(variant):
+                    with native_setting("set_gemv_tc_fp8_variant", variant):
                         got = call()
                     assert torch.equal(got, default), (preset, name, m)
                 want = x.float() @ deq.t()
