@@ -5,7 +5,10 @@
 # put on PYTHONPATH. Nothing when none were carried.
 use_carried_wheels() {
   if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    # once per machine: scripts run side by side on one host (one per GPU) must not reinstall over each other
+    [ -e /tmp/site/.carried ] ||
+      { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          .whl/*.whl && touch /tmp/site/.carried; }
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
 }

@@ -51,6 +51,8 @@ OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
 . bench/device_out.sh
 export PYTHONUNBUFFERED=1
+# PORT: the servers' port (another GPU of the same host may run a second copy of this script on another port)
+PORT=${PORT:-8000}
 
 echo "== repo: $(pwd)   python: $(python3 --version 2>&1)   stages: $STAGES"
 
@@ -145,12 +147,12 @@ server_pid=""
 start_server() {  # start_server LOGNAME CHECKPOINT [extra serve flags]: starts it and waits until /health says 200
   local log="$1" model="$2"; shift 2
   # 8192: the 4096-token latency prompt plus its output fits; a deep queue: the c=256 runs must not see 503s.
-  python3 -m fastqwen.serve --model "$model" --load-format dummy --port 8000 --max-model-len 8192 \
+  python3 -m fastqwen.serve --model "$model" --load-format dummy --port "$PORT" --max-model-len 8192 \
     --max-queued-requests 4096 "$@" \
     > "$OUT/$log" 2>&1 &
   server_pid=$!
   for _ in $(seq 300); do
-    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code != 200)" 2>/dev/null && return 0
+    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" 2>/dev/null && return 0
     sleep 1
   done
   serve_rc=1
@@ -167,7 +169,7 @@ stage_serving() {
     --json "$OUT/profile_8b_b256_ctx640.json"
   start_server server_8b.log /tmp/qwen3-8b-dummy
   run http_latency_8b 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 1024 4096 \
-    --new-tokens 64 --url http://127.0.0.1:8000 --http-only --json "$OUT/http_latency_8b.json"
+    --new-tokens 64 --url http://127.0.0.1:$PORT --http-only --json "$OUT/http_latency_8b.json"
   for io in "128 1024" "1024 1024"; do
     set -- $io
     for c in 1 8 64 256; do
@@ -180,7 +182,7 @@ stage_serving() {
   grep -E "CUDA graph|KV cache|capture" "$OUT/server_8b.log" | head -n 5
   start_server server_0.6b.log /tmp/qwen3-0.6b-dummy
   run http_latency_0.6b 90 python3 bench/latency.py --model Qwen3-0.6B --load-format dummy --prompt-lens 128 1024 \
-    --new-tokens 64 --url http://127.0.0.1:8000 --http-only --json "$OUT/http_latency_0.6b.json"
+    --new-tokens 64 --url http://127.0.0.1:$PORT --http-only --json "$OUT/http_latency_0.6b.json"
   run serving_0.6b_in128_c256 120 python3 bench/serving.py --num-prompts 512 --concurrency 256 --input-len 128 \
     --output-len 1024 --json "$OUT/serving_0.6b_in128_c256.json"
   stop_server
@@ -203,7 +205,7 @@ SGL_TOOLS="${SGL_TOOLS:-}"  # a folder holding SGLang's bench_serving package (p
 bench_serving() {  # bench_serving NAME BACKEND... : SGLang's client against the running server, random-ids 128/1024
   local name="$1"; shift
   [ -n "$SGL_TOOLS" ] || { echo "SGL_TOOLS not set: skipping $name"; return; }
-  (cd "$SGL_TOOLS" && run "$name" 240 python3 -m sglang.benchmark.serving --host 127.0.0.1 --port 8000 "$@" \
+  (cd "$SGL_TOOLS" && run "$name" 240 python3 -m sglang.benchmark.serving --host 127.0.0.1 --port "$PORT" "$@" \
     --dataset-name random-ids --random-range-ratio 1 --tokenizer /tmp/qwen3-8b-dummy --model /tmp/qwen3-8b-dummy \
     --output-file "$OUT/$name.jsonl")
 }
@@ -219,7 +221,7 @@ stage_serving15() {  # the engine-core process bars: HTTP against offline, same 
     --json "$OUT/profile_8b_b256_ctx640.json"
   start_server server_8b.log /tmp/qwen3-8b-dummy
   run http_latency_8b 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 256 \
-    --new-tokens 64 --url http://127.0.0.1:8000 --http-only --json "$OUT/http_latency_8b.json"
+    --new-tokens 64 --url http://127.0.0.1:$PORT --http-only --json "$OUT/http_latency_8b.json"
   run serving_8b_in128_c256 200 python3 bench/serving.py --num-prompts 512 --concurrency 256 --input-len 128 \
     --output-len 1024 --json "$OUT/serving_8b_in128_c256.json"
   bench_serving bench_serving_completions_c256 --backend vllm --num-prompts 512 --max-concurrency 256 \
@@ -250,7 +252,7 @@ stage_batch1() {  # the README's batch-1 figures: bench/results/current/batch1-l
     # --num-pages 2048: the server and latency.py's offline engine share the GPU
     start_server "server_batch1_$q.log" /tmp/qwen3-8b-dummy --quantization "$q" --num-pages 2048 &&
       run "http_latency_8b_$q" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy \
-      --quantization "$q" --num-pages 2048 --prompt-lens 128 1024 --new-tokens 64 --url http://127.0.0.1:8000 \
+      --quantization "$q" --num-pages 2048 --prompt-lens 128 1024 --new-tokens 64 --url http://127.0.0.1:$PORT \
       --json "$OUT/http_latency_8b_$q.json"
     stop_server
   done
@@ -272,7 +274,7 @@ stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT a
   # with the FLOP limit, then 131,071 tokens with YaRN (factor 4) offline
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   start_server "server_longcontext.log" /tmp/qwen3-8b-dummy --max-model-len 33000 &&
-    run "ttft_http_8b" 200 python3 bench/latency.py --model Qwen3-8B --http-only --url http://127.0.0.1:8000 \
+    run "ttft_http_8b" 200 python3 bench/latency.py --model Qwen3-8B --http-only --url http://127.0.0.1:$PORT \
     --prompt-lens 128 --new-tokens 4 --ttft-lens 4096 32768 --json "$OUT/ttft_http_8b.json"
   stop_server
   run "ttft_offline_8b" 200 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
@@ -308,7 +310,7 @@ stage_speculative() {  # issue 42: a server and an engine side by side (small po
       local tag="${mode}_$q${SPEC_TAG:-}"
       start_server "server_spec_$tag.log" /tmp/qwen3-8b-dummy --quantization "$q" --num-pages 2048 "${extra[@]}" &&
         run "latency_spec_$tag" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy \
-        --quantization "$q" --num-pages 2048 --prompt-lens 128 --new-tokens 128 --url http://127.0.0.1:8000 \
+        --quantization "$q" --num-pages 2048 --prompt-lens 128 --new-tokens 128 --url http://127.0.0.1:$PORT \
         "${extra[@]}" --json "$OUT/latency_spec_$tag.json"
       stop_server
     done
@@ -369,7 +371,7 @@ stage_fp8kvserving() {  # issue 47: FP8 weights + FP8 KV at 512 in flight, offli
   stop_server
 }
 
-STEP_ACCOUNT_DEADLINE=""  # when set (seconds since this script began): both step_account.py runs end by then
+STEP_ACCOUNT_DEADLINE="${STEP_ACCOUNT_DEADLINE:-}"  # when set (seconds since this script began): both step_account.py runs end by then
 step_account_limit() {  # step_account_limit RUNS_LEFT: this run's limit, 280 s or its share of the time left
   [ -n "$STEP_ACCOUNT_DEADLINE" ] || { echo 280; return; }
   local share=$(( (STEP_ACCOUNT_DEADLINE - SECONDS) / $1 ))
