@@ -179,16 +179,19 @@ __device__ __forceinline__ void stage_x_grouped(const T* __restrict__ x, int m, 
 // kWarps x m x units-per-warp x 128 halves.
 // kDepth: steps of weights in flight per warp; kMinBlocks: blocks per SM the registers must allow (3: 80 registers a
 // thread, 2: 128); kGroupedX: x staged by stage_x_grouped. FP8 pipelines (set_gemv_tc_fp8_variant): at k = 4,096 a
-// warp has 4 steps in all, so the default two-deep ring holds half of them while x is staged one token after the
+// warp has 4 steps in all, so pipeline 0's two-deep ring holds half of them while x is staged one token after the
 // other (an H100's FP8 o_proj: 13.9 us at 4 tokens, 6.1 at 1); the others keep more weights or more of x in flight
-// at fewer blocks per SM (each compiles without spills).
+// at fewer blocks per SM (each compiles without spills). The default, 3 (x staged four tokens at a time, 2 blocks per
+// SM), was the fastest in the whole engine: FP8 speculation at k = 3 on an H200, 2.38 ms a token through HTTP against
+// 2.53 with pipeline 0 (bench/results/current/speculative.md).
 struct Fp8Pipeline {
   int depth, min_blocks;
   bool grouped_x;  // x staged by stage_x_grouped (up to four tokens' loads in flight together) instead of stage_x
 };
 constexpr Fp8Pipeline kFp8Pipelines[] = {{2, 3, false}, {4, 2, false}, {3, 2, false}, {2, 2, true}, {3, 2, true}};
 constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]);
-int g_fp8_pipeline = 0;
+constexpr int kDefaultFp8Pipeline = 3;
+int g_fp8_pipeline = kDefaultFp8Pipeline;
 
 template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
@@ -392,7 +395,7 @@ void gemv_tc(const GemvArgs& a) {
         case 2: return fp8(std::integral_constant<int, 2>{});
         case 3: return fp8(std::integral_constant<int, 3>{});
         case 4: return fp8(std::integral_constant<int, 4>{});
-        default: return fp8(std::integral_constant<int, 0>{});
+        default: return fp8(std::integral_constant<int, 0>{});  // (case 0)
       }
     }
     if (a.silu_gate_up) return launch<T, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);

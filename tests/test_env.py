@@ -76,7 +76,7 @@ def test_every_switch_has_one_rule(monkeypatch, value, expected):
 
 def test_gemv_tc_fp8_variant_takes_0_1_2_and_names_itself_otherwise(monkeypatch):
     monkeypatch.delenv("FASTQWEN_GEMV_TC_FP8_VARIANT", raising=False)
-    assert env.gemv_tc_fp8_variant() == 0
+    assert env.gemv_tc_fp8_variant() is None  # unset: the kernel's own default
     for value in ("0", "1", "2", "3", "4"):
         monkeypatch.setenv("FASTQWEN_GEMV_TC_FP8_VARIANT", value)
         assert env.gemv_tc_fp8_variant() == int(value)

@@ -33,7 +33,7 @@ def native() -> ModuleType | None:
                     if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
                         _C.set_programmatic_launch(env.programmatic_launch())
                         _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
-                        if hasattr(_C, "set_gemv_tc_fp8_variant"):
+                        if fp8_variant is not None and hasattr(_C, "set_gemv_tc_fp8_variant"):
                             _C.set_gemv_tc_fp8_variant(fp8_variant)
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
                     _module = None

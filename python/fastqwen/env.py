@@ -52,13 +52,13 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
-def gemv_tc_fp8_variant() -> int:
-    """FASTQWEN_GEMV_TC_FP8_VARIANT=N (0, the default; 1 to 4): the pipeline of the tensor-core GEMV's FP8 kernel
-    (csrc/gemv.h: set_gemv_tc_fp8_variant), for benchmarks that compare them in a whole engine. ValueError naming the
-    variable for anything but 0 to 4."""
+def gemv_tc_fp8_variant() -> int | None:
+    """FASTQWEN_GEMV_TC_FP8_VARIANT=N (0 to 4): the pipeline of the tensor-core GEMV's FP8 kernel (csrc/gemv_tc.cu:
+    kFp8Pipelines, set_gemv_tc_fp8_variant), for benchmarks that compare them in a whole engine; None when unset (the
+    kernel's measured default stays). ValueError naming the variable for anything but 0 to 4."""
     value = os.environ.get("FASTQWEN_GEMV_TC_FP8_VARIANT", "")
     if value == "":
-        return 0
+        return None
     if value not in ("0", "1", "2", "3", "4"):
         raise ValueError(f"FASTQWEN_GEMV_TC_FP8_VARIANT={value!r}: expected 0 to 4")
     return int(value)
