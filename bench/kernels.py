@@ -310,10 +310,13 @@ SDPA_BACKENDS = ("flash", "cudnn")
 HOPPER_VARIANTS = 16  # csrc/attention_prefill_hopper.cu: set_paged_attention_prefill_hopper_variant 0..15
 
 
-def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16") -> dict:
+def bench_prefill(
+    batch: int, new: int, prefix: int, iters: int, kv: str = "bf16", variants: list[int] | None = None
+) -> dict:
     """Causal prefill / extend attention, Qwen3-8B heads, page 16, pages scattered; against PyTorch's
     scaled_dot_product_attention (flash and cuDNN backends, SDPA_BACKENDS) on the same shapes in contiguous layout, K/V
-    expanded to all heads. Compute-bound: FLOPs = 4 * H * D * (keys each query sees, summed)."""
+    expanded to all heads. Compute-bound: FLOPs = 4 * H * D * (keys each query sees, summed). variants: the Hopper
+    kernel's pipelines to time (default: all; an FP8 cache times those of 0, 2, 8, 10 it runs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     total = prefix + new
@@ -377,7 +380,8 @@ def bench_prefill(batch: int, new: int, prefix: int, iters: int, kv: str = "bf16
         default_variant = native().set_paged_attention_prefill_hopper_variant(0)
         try:
             # An FP8 cache runs the 2-stage pipelines without overlap whatever the variant (bits 1 and 3 only).
-            for variant in range(HOPPER_VARIANTS) if kv == "bf16" else (0, 2, 8, 10):
+            runs = range(HOPPER_VARIANTS) if kv == "bf16" else (0, 2, 8, 10)
+            for variant in [v for v in runs if variants is None or v in variants]:
                 native().set_paged_attention_prefill_hopper_variant(variant)
                 if checked:
                     outs[0].fill_(float("nan"))
@@ -466,6 +470,15 @@ def main() -> int:
         help="the decode rows' shapes: BATCH sequences of TOKENS cached tokens, or of lengths spread evenly over "
         f"LO..HI in a fixed shuffled order (default {' '.join(DECODE_CASES)})",
     )
+    ap.add_argument(
+        "--prefill-variants",
+        type=int,
+        nargs="+",
+        choices=range(HOPPER_VARIANTS),
+        default=None,
+        metavar="N",
+        help="time only these pipelines of the Hopper prefill kernel (default: all 16)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not has_cuda_kernels():
@@ -495,7 +508,11 @@ def main() -> int:
                     decode_rows.append({**bench_decode(case, copy_gbs, args.iters, kv), "min_chunk": chunk})
             native().set_paged_attention_decode_min_chunk(kv == "fp8", 0)  # the default
     prefill_rows = (
-        [bench_prefill(b, n, p, args.iters, kv) for b, n, p in PREFILL_CASES for kv in args.kv_dtypes]
+        [
+            bench_prefill(b, n, p, args.iters, kv, args.prefill_variants)
+            for b, n, p in PREFILL_CASES
+            for kv in args.kv_dtypes
+        ]
         if "prefill" in args.ops
         else []
     )

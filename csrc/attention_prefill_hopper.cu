@@ -92,7 +92,9 @@ struct Params {
 // of 128 keys each), then (FP8) per stage the e4m3 K and V tiles as copied, then the barriers. Addresses are computed
 // from the stage, not held in arrays: a stage chosen at run time would index such an array in local memory.
 // full_k/full_v: a stage's 16-bit K/V tiles are ready (the copies' bytes; FP8: the three converter warps' arrivals);
-// empty: the 8 consumer warps are done with them; raw_full_k/raw_full_v, raw_empty: the same for the e4m3 ring.
+// empty_k/empty_v: the 8 consumer warps are done with its K tile (once S = Q K^T has completed) or its V tile (once
+// P V has): K is released a P V earlier than V, so the next K tile streams in while this tile's softmax and P V
+// run, as FlashAttention-3 releases its K and V pipelines apart; raw_full_k/raw_full_v, raw_empty: the e4m3 ring.
 template <int kStages, bool kFp8>
 struct Smem {
   uint32_t q;
@@ -104,17 +106,18 @@ struct Smem {
   __device__ uint32_t bars() const { return q + kQBytes + kStages * (2 * kTileBytes + (kFp8 ? 2 * kRawTileBytes : 0)); }
   __device__ uint32_t full_k(int s) const { return bars() + 8 * s; }
   __device__ uint32_t full_v(int s) const { return bars() + 8 * (kStages + s); }
-  __device__ uint32_t empty(int s) const { return bars() + 8 * (2 * kStages + s); }
+  __device__ uint32_t empty_k(int s) const { return bars() + 8 * (2 * kStages + s); }
   __device__ uint32_t raw_full_k(int s) const { return bars() + 8 * (3 * kStages + s); }
   __device__ uint32_t raw_full_v(int s) const { return bars() + 8 * (4 * kStages + s); }
   __device__ uint32_t raw_empty(int s) const { return bars() + 8 * (5 * kStages + s); }
+  __device__ uint32_t empty_v(int s) const { return bars() + 8 * (6 * kStages + s); }
   // Dynamic schedule: slot i (of 2) holds a work item id, item_full(i) says it is written, item_empty(i) that every
   // warp that reads it (8 consumer warps, FP8's 3 converter warps) has.
-  __device__ uint32_t item_full(int i) const { return bars() + 8 * (6 * kStages + i); }
-  __device__ uint32_t item_empty(int i) const { return bars() + 8 * (6 * kStages + 2 + i); }
-  __device__ uint32_t item_slot(int i) const { return bars() + 8 * (6 * kStages + 4) + 4 * i; }
+  __device__ uint32_t item_full(int i) const { return bars() + 8 * (7 * kStages + i); }
+  __device__ uint32_t item_empty(int i) const { return bars() + 8 * (7 * kStages + 2 + i); }
+  __device__ uint32_t item_slot(int i) const { return bars() + 8 * (7 * kStages + 4) + 4 * i; }
 };
-static_assert(8 * (6 * kMaxStages + 4) + 8 <= 1024, "the barriers' space");
+static_assert(8 * (7 * kMaxStages + 4) + 8 <= 1024, "the barriers' space");
 
 // The dynamic schedule's counter of fetched work items on this device (zero between launches: the block that fetches
 // last, grid + items - 1, puts it back). So launches of this kernel on one device must not overlap in time (one
@@ -293,7 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.full_k(s), kFp8 ? kConverterThreads / 32 : 1);
       mbar_init(sm.full_v(s), kFp8 ? kConverterThreads / 32 : 1);
-      mbar_init(sm.empty(s), 8);  // one arrival per consumer warp
+      mbar_init(sm.empty_k(s), 8);  // one arrival per consumer warp
+      mbar_init(sm.empty_v(s), 8);
       if constexpr (kFp8) {
         mbar_init(sm.raw_full_k(s), 1);
         mbar_init(sm.raw_full_v(s), 1);
@@ -327,12 +331,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int j = 0; j < w.n_tiles; ++j, ++it) {
               const int s = it % kStages;
               const uint32_t phase = (it / kStages) & 1;
-              mbar_wait(sm.empty(s), phase ^ 1);  // the consumers are done with this stage's fp16 tiles
+              mbar_wait(sm.empty_k(s), phase ^ 1);  // the consumers are done with this stage's fp16 K tile
               mbar_wait(sm.raw_full_k(s), phase);
               convert_fp8_tile(sm.raw_k(s), sm.k(s), t);
               fence_async_shared();  // the fp16 tiles are read by wgmma (the async proxy)
               __syncwarp();
               if (t % 32 == 0) mbar_arrive(sm.full_k(s));
+              mbar_wait(sm.empty_v(s), phase ^ 1);
               mbar_wait(sm.raw_full_v(s), phase);
               convert_fp8_tile(sm.raw_v(s), sm.v(s), t);
               fence_async_shared();
@@ -383,17 +388,19 @@ __global__ void __launch_bounds__(kThreads, 1)
               tma_load_3d(sm.raw_k(s) + offset, &k_map, sm.raw_full_k(s), 0, w.kvh, slot);
               tma_load_3d(sm.raw_v(s) + offset, &v_map, sm.raw_full_v(s), 0, w.kvh, slot);
             }
-          } else {
-            mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
-            if (lane == 0) {  // both barriers expect their whole tile
-              mbar_arrive_expect_tx(sm.full_k(s), kTileBytes);
-              mbar_arrive_expect_tx(sm.full_v(s), kTileBytes);
-            }
+          } else {  // K as soon as its stage's K is released, then V as soon as its V is
+            const uint32_t offset = lane * kBoxKeys * 128;
+            mbar_wait(sm.empty_k(s), ((it / kStages) & 1) ^ 1);
+            if (lane == 0) mbar_arrive_expect_tx(sm.full_k(s), kTileBytes);  // the whole tile
             __syncwarp();
             if (lane < kBN / kBoxKeys) {
-              const uint32_t offset = lane * kBoxKeys * 128;
               tma_load_3d(sm.k(s) + offset, &k_map, sm.full_k(s), 0, w.kvh, slot);
               tma_load_3d(sm.k(s) + kHalfBytes + offset, &k_map, sm.full_k(s), 64, w.kvh, slot);
+            }
+            mbar_wait(sm.empty_v(s), ((it / kStages) & 1) ^ 1);
+            if (lane == 0) mbar_arrive_expect_tx(sm.full_v(s), kTileBytes);
+            __syncwarp();
+            if (lane < kBN / kBoxKeys) {
               tma_load_3d(sm.v(s) + offset, &v_map, sm.full_v(s), 0, w.kvh, slot);
               tma_load_3d(sm.v(s) + kHalfBytes + offset, &v_map, sm.full_v(s), 64, w.kvh, slot);
             }
@@ -519,8 +526,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           a[kk][3] = mma::Mma<C>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
       };
-      auto release = [&](int j) {
-        if (lane == 0) mbar_arrive(sm.empty(stage(j)));  // this warp is done with tile j
+      auto release_k = [&](int j) {
+        if (lane == 0) mbar_arrive(sm.empty_k(stage(j)));  // this warp is done with K tile j
+      };
+      auto release_v = [&](int j) {
+        if (lane == 0) mbar_arrive(sm.empty_v(stage(j)));  // and with V tile j
       };
 
       // n + 1 turns per tile for both warpgroups: S_0; then S_j with P_{j-1} V_{j-1} (the softmax of S_j runs while
@@ -533,6 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           issue_s(j);
           issue_turn_end<kPingpong>(c);
           wgmma_wait<0>();
+          release_k(j);
           float alpha[2];
           softmax(j, alpha);
           rescale_o(alpha);
@@ -544,16 +555,17 @@ __global__ void __launch_bounds__(kThreads, 1)
           issue_turn_end<kPingpong>(c);
           wgmma_wait<0>();
           fence_regs(o);
-          release(j);
+          release_v(j);
         }
         for (int j = n_wg; j < n; ++j) {  // two turns per tile, as above
           mbar_wait(sm.full_k(stage(j)), parity(j));
+          release_k(j);
           mbar_wait(sm.full_v(stage(j)), parity(j));
           issue_turn_begin<kPingpong>(c);
           issue_turn_end<kPingpong>(c);
           issue_turn_begin<kPingpong>(c);
           issue_turn_end<kPingpong>(c);
-          release(j);
+          release_v(j);
         }
       } else {
         if (n_wg > 0) {
@@ -563,6 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           issue_s(0);
           issue_turn_end<kPingpong>(c);
           wgmma_wait<0>();
+          release_k(0);
           float alpha[2];
           softmax(0, alpha);
           pack_p();
@@ -574,11 +587,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             issue_s(j);
             issue_pv(j - 1);
             issue_turn_end<kPingpong>(c);
-            wgmma_wait<1>();
+            wgmma_wait<1>();  // S_j (committed first) has completed
+            release_k(j);
             softmax(j, alpha);
             wgmma_wait<0>();
             fence_regs(o);
-            release(j - 1);
+            release_v(j - 1);
             rescale_o(alpha);
             pack_p();
           }
@@ -589,17 +603,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           issue_turn_end<kPingpong>(c);
           wgmma_wait<0>();
           fence_regs(o);
-          release(n_wg - 1);
+          release_v(n_wg - 1);
         } else {
           issue_turn_begin<kPingpong>(c);
           issue_turn_end<kPingpong>(c);
         }
         for (int j = n_wg; j < n; ++j) {  // every warp waits for every tile, in order, and releases it
           mbar_wait(sm.full_k(stage(j)), parity(j));
+          release_k(j);
           mbar_wait(sm.full_v(stage(j)), parity(j));
           issue_turn_begin<kPingpong>(c);
           issue_turn_end<kPingpong>(c);
-          release(j);
+          release_v(j);
         }
       }
       it += n;
@@ -671,7 +686,8 @@ bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (
 // ping-pong with the dynamic schedule (two stages, no overlap), the best mean over bench/kernels.py's prefill cases
 // on an H100 (2026-11-27, all 16 variants in one run: 502 TFLOP/s over the seven 16-bit cases against 492 for
 // overlap + ping-pong + three stages and 481 for ping-pong alone; the best of the four FP8 pipelines in 7 of 8
-// cases, +1 to +11% over static ping-pong). With two stages the overlap starves (335-445).
+// cases, +1 to +11% over static ping-pong). With two stages the overlap starved (335-445) while a stage's K and V
+// were released together, after the P V that overlaps the next tile's softmax; they are now released apart.
 int kernel_variant = 10;
 
 template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic>
