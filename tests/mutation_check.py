@@ -690,7 +690,7 @@ MUTATIONS += [
                 "    for (int p = 0; p < WORLD - 1; ++p) {  // rank order on every rank",
             )
         ],
-        ["tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[2-bfloat16]"],
+        ["tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[2]"],
         "the one-shot all-reduce sums every rank's buffer but the last one's",
         gpus=2,
     ),
@@ -703,7 +703,7 @@ MUTATIONS += [
                 "sum[i].v[k] = Cvt<T>::from_f(Cvt<T>::to_f(sum[i].v[k]) + 2.0f * Cvt<T>::to_f(res[i].v[k]));",
             )
         ],
-        ["tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[2-bfloat16]"],
+        ["tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[2]"],
         "the all-reduce fused with the norm adds the residual to the ranks' sum twice",
         gpus=2,
     ),
@@ -716,7 +716,7 @@ MUTATIONS += [
                 "        for (int p = 0; p < WORLD - 1; ++p) {  // rank order, as one_shot_kernel",
             )
         ],
-        ["tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[2-bfloat16]"],
+        ["tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[2]"],
         "the all-reduce fused with the norm sums every rank's partial rows but the last rank's",
         gpus=2,
     ),
