@@ -18,7 +18,8 @@
 #            batch1-step-breakdown.md in bench/results/current/)
 #   copyref  the one-token GEMVs and decode attention (64 x 4,096, one sequence of 16k to 128k) against the same copy
 #            reference                                     (README: gemv-one-token.md, decode-attention.md)
-#   prefillprofile  Nsight Compute on one Hopper prefill launch (4k, bf16): speed of light, warp stalls (if ncu exists)
+#   prefillprofile  Nsight Compute on one Hopper prefill launch and one of cuDNN's SDPA kernel, the same 16k causal
+#            prefill (bf16): speed of light, pipes, instructions, warp stalls (if ncu exists)
 #   longcontext  TTFT of 4k and 32k prompts through HTTP and offline (with the prefill's FLOP limit), and of a
 #            131,071-token prompt with YaRN offline, random Qwen3-8B          (README: long-context.md)
 #   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
@@ -262,12 +263,19 @@ stage_batch1() {  # the README's batch-1 figures: bench/results/current/batch1-l
   done
 }
 
-stage_prefillprofile() {  # issue 48: where the Hopper prefill kernel's time goes (Nsight Compute, if the machine has it):
-  # the first timed launch of bench/kernels.py's first prefill case (4k, bf16), speed of light and warp stalls
+stage_prefillprofile() {  # issue 48: where the Hopper prefill kernel's time goes, beside cuDNN's on the same shape
+  # (Nsight Compute, if the machine has it): one 16k causal prefill (bf16), speed of light, pipes, instructions, warp
+  # stalls, for our kernel (its default pipeline) and for the cuDNN SDPA kernel that bench/kernels.py times next to it
   if ! command -v ncu > /dev/null; then echo "prefillprofile: no ncu on this machine"; return; fi
-  run prefill_ncu 300 ncu --kernel-name regex:prefill_hopper --launch-skip 20 --launch-count 1 \
-    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis python3 bench/kernels.py --ops prefill --kv-dtypes bf16 --iters 3
+  local sections=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats
+                  --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis)
+  local case=(python3 bench/kernels.py --ops prefill --kv-dtypes bf16 --iters 3 --prefill-cases 1:16384
+              --prefill-variants 10)
+  run prefill_ncu_ours 200 ncu --kernel-name regex:prefill_hopper --launch-skip 5 --launch-count 1 "${sections[@]}" \
+    "${case[@]}"
+  # cuDNN's SDPA kernels are named cudnn_generated_fort_native_sdpa_* (FlashAttention-2's flash_fwd_*: not matched)
+  run prefill_ncu_cudnn 200 ncu --kernel-name regex:'cudnn|sdpa' --launch-skip 3 --launch-count 1 "${sections[@]}" \
+    "${case[@]}"
 }
 
 stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT at 4k and 32k through HTTP, then offline

@@ -305,6 +305,20 @@ PREFILL_CASES = [
     (1, 2048, 30720),
     (8, 512, 0),
 ]
+
+
+def parse_prefill_case(spec: str) -> tuple[int, int, int]:
+    """SEQUENCES:NEW[:PREFIX], e.g. 1:16384 or 1:2048:30720."""
+    parts = spec.split(":")
+    try:
+        numbers = [int(x) for x in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (2, 3) or min(numbers) < 0 or numbers[0] < 1 or numbers[1] < 1:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected SEQUENCES:NEW[:PREFIX], e.g. 1:16384 or 1:2048:30720")
+    return numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else 0
+
+
 # The best kernels on the same GPU, through PyTorch's scaled_dot_product_attention: FlashAttention-2 and cuDNN's.
 SDPA_BACKENDS = ("flash", "cudnn")
 HOPPER_VARIANTS = 16  # csrc/attention_prefill_hopper.cu: set_paged_attention_prefill_hopper_variant 0..15
@@ -471,6 +485,14 @@ def main() -> int:
         f"LO..HI in a fixed shuffled order (default {' '.join(DECODE_CASES)})",
     )
     ap.add_argument(
+        "--prefill-cases",
+        nargs="+",
+        type=parse_prefill_case,
+        default=None,
+        metavar="SEQUENCES:NEW[:PREFIX]",
+        help="the prefill rows' shapes (default: " + " ".join(f"{b}:{n}:{p}" for b, n, p in PREFILL_CASES) + ")",
+    )
+    ap.add_argument(
         "--prefill-variants",
         type=int,
         nargs="+",
@@ -510,7 +532,7 @@ def main() -> int:
     prefill_rows = (
         [
             bench_prefill(b, n, p, args.iters, kv, args.prefill_variants)
-            for b, n, p in PREFILL_CASES
+            for b, n, p in args.prefill_cases or PREFILL_CASES
             for kv in args.kv_dtypes
         ]
         if "prefill" in args.ops
