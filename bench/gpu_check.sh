@@ -27,8 +27,8 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
-#   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..4) at 1 to 4 tokens, their GPU
-#            test, then FP8 speculation at acceptance 2.0 with each (GEMV_TC_VARIANTS, default 0 1 2 3 4)
+#   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..6) at 1 to 4 tokens, their GPU
+#            test, then FP8 speculation at acceptance 2.0 with each (GEMV_TC_VARIANTS, default 0 3 5 6)
 #   specreplay  bench/spec_replay.py: greedy requests twice with suffix decoding, the second drafting from the first
 #   specswitch  offline throughput with speculation forced on (max_batch_size 512) and off at 32, 64 and 128 in
 #            flight: where speculation stops paying, for its default switch-off batch size
@@ -347,10 +347,10 @@ stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in fli
 stage_gemvtc() {  # issue 42: the tensor-core GEMV's FP8 pipelines at 2 to 4 tokens, their test, then FP8 speculation
   # (acceptance 2.0, batch 1, offline and through HTTP) with each pipeline in the whole engine
   run gemv_tc_variants 120 python3 bench/bench_gemv.py --batches 1 2 3 4 --shapes qkv o_proj gate_up down \
-    --tc-fp8-variants 0 1 2 3 4 --json "$OUT/gemv_tc_variants.json"
+    --tc-fp8-variants 0 1 2 3 4 5 6 --json "$OUT/gemv_tc_variants.json"
   FASTQWEN_RESULTS_DIR="$OUT" run gemv_tc_variants_test 120 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gemv_gpu.py -k "pipelines or tensor_core or matches_reference"
-  for v in ${GEMV_TC_VARIANTS:-0 1 2 3 4}; do
+  for v in ${GEMV_TC_VARIANTS:-0 3 5 6}; do
     FASTQWEN_GEMV_TC_FP8_VARIANT=$v SPEC_QUANT=fp8 SPEC_MODES=on SPEC_TAG="_v$v" stage_speculative
   done
 }

@@ -75,10 +75,12 @@ void set_programmatic_launch(bool enabled);
 // benchmarks that compare the two; a process-wide switch, FASTQWEN_GEMV_TENSOR_CORES=0 turns it off at import.
 bool set_gemv_tensor_cores(bool enabled);
 
-// The tensor-core kernel's FP8 pipeline (gemv_tc.cu; 0: two steps of weights in flight per warp at 3 blocks per SM,
-// the default; 1: four at 2; 2: three at 2; 3 and 4: two and three at 2 with up to four tokens of x loaded at once),
-// for benchmarks and tests; returns the previous one. std::invalid_argument outside 0..4.
+// The tensor-core kernel's FP8 pipeline (gemv_tc.cu: kFp8Pipelines; 0: two steps of weights in flight per warp at 3
+// blocks per SM; 1: four at 2; 2: three at 2; 3 (the default) and 4: two and three at 2 with up to four tokens of x
+// loaded at once; 5 and 6: 3 and 0 with persistent blocks, x staged once per block), for benchmarks and tests;
+// returns the previous one. std::invalid_argument outside 0 .. gemv_tc_fp8_pipelines() - 1.
 int set_gemv_tc_fp8_variant(int variant);
+int gemv_tc_fp8_pipelines();
 
 // Whether gemv() runs a call of m tokens and row length k (dense or fp8 weights) on the tensor-core kernel now.
 bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8);

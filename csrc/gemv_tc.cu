@@ -45,6 +45,8 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kStepBytes = 128;    // bytes of each row per step (FP8: one 128-wide scale block)
 constexpr int kMaxSmem = 100 * 1024;  // FP8: x as f16, tokens x row length x 2 bytes
+constexpr int kSmemPerSm = 228 * 1024;  // Hopper's shared memory per SM (what persistent grids are sized by)
+constexpr int kStaticSmem = (kWarps * kGemvTcMaxTokens * 16 + kWarps * kGemvTcMaxTokens) * 4;  // partial, inv_up
 
 // d += a (16 x 16, row) * b (16 x 8, col), fp32 accumulation (mma.cuh); f16 or bf16 operands.
 template <typename In>
@@ -184,16 +186,24 @@ __device__ __forceinline__ void stage_x_grouped(const T* __restrict__ x, int m, 
 // at fewer blocks per SM (each compiles without spills). The default, 3 (x staged four tokens at a time, 2 blocks per
 // SM), was the fastest in the whole engine: FP8 speculation at k = 3 on an H200, 2.38 ms a token through HTTP against
 // 2.53 with pipeline 0 (bench/results/current/speculative.md).
+// kPersistent (pipelines 5, 6): a grid of as many blocks as the SMs hold at once, each staging x once and then taking
+// tiles blockIdx.x, + gridDim.x, ... (the next tile's first weight steps load while this tile's sums are reduced):
+// every block of the others stages all of x again (two passes over m x k values, two round trips to memory before its
+// first mma), and gate_up's 1,536 tiles are several waves of blocks. The same arithmetic, bit for bit.
 struct Fp8Pipeline {
   int depth, min_blocks;
-  bool grouped_x;  // x staged by stage_x_grouped (up to four tokens' loads in flight together) instead of stage_x
+  bool grouped_x;   // x staged by stage_x_grouped (up to four tokens' loads in flight together) instead of stage_x
+  bool persistent;  // blocks take tiles in turn, x staged once per block
 };
-constexpr Fp8Pipeline kFp8Pipelines[] = {{2, 3, false}, {4, 2, false}, {3, 2, false}, {2, 2, true}, {3, 2, true}};
+constexpr Fp8Pipeline kFp8Pipelines[] = {{2, 3, false, false}, {4, 2, false, false}, {3, 2, false, false},
+                                         {2, 2, true, false},  {3, 2, true, false},  {2, 2, true, true},
+                                         {2, 3, false, true}};
 constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]);
 constexpr int kDefaultFp8Pipeline = 3;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
 
-template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false>
+template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
+          bool kPersistent = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     gemv_tc_kernel(T* __restrict__ out, const T* __restrict__ x, const uint8_t* __restrict__ w,
                    const float* __restrict__ scale, const T* __restrict__ bias, int m, int n, int k) {
@@ -208,28 +218,40 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   const int my_units = (units - warp + kWarps - 1) / kWarps;  // units warp, warp + kWarps, ...
   const int per_warp = (units + kWarps - 1) / kWarps;
 
-  // Rows g and g + 8 of the tile; rows past the end re-read the last one (their sums are dropped).
-  int row_lo, row_hi;
-  if constexpr (SILU_GATE_UP) {
-    const int n_out = n / 2, j = min(blockIdx.x * 8 + g, n_out - 1);
-    row_lo = j;
-    row_hi = n_out + j;
-  } else {
-    row_lo = min(blockIdx.x * 16 + g, n - 1);
-    row_hi = min(blockIdx.x * 16 + 8 + g, n - 1);
-  }
-  const uint8_t* w_lo = w + static_cast<int64_t>(row_lo) * row_bytes + 32 * q + warp * kStepBytes;
-  const uint8_t* w_hi = w + static_cast<int64_t>(row_hi) * row_bytes + 32 * q + warp * kStepBytes;
+  // Rows g and g + 8 of a tile; rows past the end re-read the last one (their sums are dropped).
+  const int tiles = SILU_GATE_UP ? (n / 2 + 7) / 8 : (n + 15) / 16;
   const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
-  const float* s_lo = FP8 ? scale + (row_lo / kGemvFp8Block) * scale_cols + warp : nullptr;
-  const float* s_hi = FP8 ? scale + (row_hi / kGemvFp8Block) * scale_cols + warp : nullptr;
+  const uint8_t *w_lo, *w_hi;
+  const float *s_lo = nullptr, *s_hi = nullptr;
+  auto point_at = [&](int tile) {
+    int row_lo, row_hi;
+    if constexpr (SILU_GATE_UP) {
+      const int n_out = n / 2, j = min(tile * 8 + g, n_out - 1);
+      row_lo = j;
+      row_hi = n_out + j;
+    } else {
+      row_lo = min(tile * 16 + g, n - 1);
+      row_hi = min(tile * 16 + 8 + g, n - 1);
+    }
+    w_lo = w + static_cast<int64_t>(row_lo) * row_bytes + 32 * q + warp * kStepBytes;
+    w_hi = w + static_cast<int64_t>(row_hi) * row_bytes + 32 * q + warp * kStepBytes;
+    if constexpr (FP8) {
+      s_lo = scale + (row_lo / kGemvFp8Block) * scale_cols + warp;
+      s_hi = scale + (row_hi / kGemvFp8Block) * scale_cols + warp;
+    }
+  };
 
   // Step s of this warp is unit warp + s * kWarps: offsets below are relative to the warp's first unit.
   Step ring[kDepth];
+  auto prefetch = [&] {  // a tile's first kDepth steps
 #pragma unroll
-  for (int d = 0; d < kDepth; ++d) {
-    if (d < my_units) load_step<FP8>(ring[d], w_lo, w_hi, d * kWarps, s_lo, s_hi);
-  }
+    for (int d = 0; d < kDepth; ++d) {
+      if (d < my_units) load_step<FP8>(ring[d], w_lo, w_hi, d * kWarps, s_lo, s_hi);
+    }
+  };
+  int tile = blockIdx.x;
+  point_at(tile);
+  prefetch();
   griddep_wait();
   griddep_launch_dependents();  // (after the wait: see common.cuh)
 
@@ -245,91 +267,102 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
   __syncwarp();
 
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows g, g + 8 x tokens 2q, 2q + 1
-  const bool has_token = g < m;
-  for (int s0 = 0; s0 < my_units; s0 += kDepth) {
+  for (;;) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows g, g + 8 x tokens 2q, 2q + 1
+    const bool has_token = g < m;
+    for (int s0 = 0; s0 < my_units; s0 += kDepth) {
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      const int s = s0 + d;
-      if (s >= my_units) break;
-      const Step& st = ring[d];
-      const unsigned lo[8] = {st.lo0.x, st.lo0.y, st.lo0.z, st.lo0.w, st.lo1.x, st.lo1.y, st.lo1.z, st.lo1.w};
-      const unsigned hi[8] = {st.hi0.x, st.hi0.y, st.hi0.z, st.hi0.w, st.hi1.x, st.hi1.y, st.hi1.z, st.hi1.w};
-      if constexpr (FP8) {
-        // x of token g at this step's k (32q .. 32q + 32): 16 f16 pairs from shared memory.
-        uint4 xv[4] = {};
-        if (has_token) {
-          const uint4* p = reinterpret_cast<const uint4*>(xs + (g * per_warp + s) * kStepBytes + 32 * q);
+      for (int d = 0; d < kDepth; ++d) {
+        const int s = s0 + d;
+        if (s >= my_units) break;
+        const Step& st = ring[d];
+        const unsigned lo[8] = {st.lo0.x, st.lo0.y, st.lo0.z, st.lo0.w, st.lo1.x, st.lo1.y, st.lo1.z, st.lo1.w};
+        const unsigned hi[8] = {st.hi0.x, st.hi0.y, st.hi0.z, st.hi0.w, st.hi1.x, st.hi1.y, st.hi1.z, st.hi1.w};
+        if constexpr (FP8) {
+          // x of token g at this step's k (32q .. 32q + 32): 16 f16 pairs from shared memory.
+          uint4 xv[4] = {};
+          if (has_token) {
+            const uint4* p = reinterpret_cast<const uint4*>(xs + (g * per_warp + s) * kStepBytes + 32 * q);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) xv[i] = p[i];
+            for (int i = 0; i < 4; ++i) xv[i] = p[i];
+          }
+          const unsigned xw[16] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w,
+                                   xv[2].x, xv[2].y, xv[2].z, xv[2].w, xv[3].x, xv[3].y, xv[3].z, xv[3].w};
+          float part[2][4] = {};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {  // word i: k = 32q + 4i .. + 4 of rows g, g + 8
+            mma16816<In>(part[i & 1], e4m3x2_lo(lo[i]), e4m3x2_lo(hi[i]), e4m3x2_hi(lo[i]), e4m3x2_hi(hi[i]), xw[2 * i],
+                         xw[2 * i + 1]);
+          }
+          acc[0] = fmaf(st.scale_lo, part[0][0] + part[1][0], acc[0]);
+          acc[1] = fmaf(st.scale_lo, part[0][1] + part[1][1], acc[1]);
+          acc[2] = fmaf(st.scale_hi, part[0][2] + part[1][2], acc[2]);
+          acc[3] = fmaf(st.scale_hi, part[0][3] + part[1][3], acc[3]);
+        } else {
+          // x of token g at this step's k (16q .. 16q + 16 elements): 8 pairs straight from global memory (L1).
+          uint4 xv[2] = {};
+          if (has_token) {
+            const uint4* p = reinterpret_cast<const uint4*>(
+                x + static_cast<int64_t>(g) * k + (warp + s * kWarps) * (kStepBytes / 2) + 16 * q);
+            xv[0] = __ldg(p);
+            xv[1] = __ldg(p + 1);
+          }
+          const unsigned xw[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
+          float part[2][4] = {};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // words 2j, 2j + 1: k = 16q + 4j .. + 4 of rows g, g + 8
+            mma16816<In>(part[j & 1], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1], xw[2 * j], xw[2 * j + 1]);
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[i] += part[0][i] + part[1][i];
         }
-        const unsigned xw[16] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w,
-                                 xv[2].x, xv[2].y, xv[2].z, xv[2].w, xv[3].x, xv[3].y, xv[3].z, xv[3].w};
-        float part[2][4] = {};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {  // word i: k = 32q + 4i .. + 4 of rows g, g + 8
-          mma16816<In>(part[i & 1], e4m3x2_lo(lo[i]), e4m3x2_lo(hi[i]), e4m3x2_hi(lo[i]), e4m3x2_hi(hi[i]), xw[2 * i],
-                       xw[2 * i + 1]);
-        }
-        acc[0] = fmaf(st.scale_lo, part[0][0] + part[1][0], acc[0]);
-        acc[1] = fmaf(st.scale_lo, part[0][1] + part[1][1], acc[1]);
-        acc[2] = fmaf(st.scale_hi, part[0][2] + part[1][2], acc[2]);
-        acc[3] = fmaf(st.scale_hi, part[0][3] + part[1][3], acc[3]);
-      } else {
-        // x of token g at this step's k (16q .. 16q + 16 elements): 8 pairs straight from global memory (L1).
-        uint4 xv[2] = {};
-        if (has_token) {
-          const uint4* p = reinterpret_cast<const uint4*>(
-              x + static_cast<int64_t>(g) * k + (warp + s * kWarps) * (kStepBytes / 2) + 16 * q);
-          xv[0] = __ldg(p);
-          xv[1] = __ldg(p + 1);
-        }
-        const unsigned xw[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
-        float part[2][4] = {};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {  // words 2j, 2j + 1: k = 16q + 4j .. + 4 of rows g, g + 8
-          mma16816<In>(part[j & 1], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1], xw[2 * j], xw[2 * j + 1]);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] += part[0][i] + part[1][i];
+        if (s + kDepth < my_units) load_step<FP8>(ring[d], w_lo, w_hi, (s + kDepth) * kWarps, s_lo, s_hi);
       }
-      if (s + kDepth < my_units) load_step<FP8>(ring[d], w_lo, w_hi, (s + kDepth) * kWarps, s_lo, s_hi);
     }
-  }
+    // The next tile's first steps load while this tile's sums are reduced and written.
+    const int next = kPersistent ? tile + static_cast<int>(gridDim.x) : tiles;
+    if (next < tiles) {
+      point_at(next);
+      prefetch();
+    }
 
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int t = 2 * q + c;
-    if (t < m) {
-      partial[warp][t][g] = acc[c] * inv_up[warp][t];
-      partial[warp][t][g + 8] = acc[2 + c] * inv_up[warp][t];
-    }
-  }
-  __syncthreads();
-  constexpr int kOut = SILU_GATE_UP ? 8 : 16;
-  const int n_out = SILU_GATE_UP ? n / 2 : n;
-  if (threadIdx.x < m * kOut) {
-    const int t = threadIdx.x / kOut, o = threadIdx.x % kOut, j = blockIdx.x * kOut + o;
-    if (j < n_out) {
-      auto total = [&](int r) {  // the warps' sums in a fixed order
-        float v = 0.0f;
-#pragma unroll
-        for (int wi = 0; wi < kWarps; ++wi) v += partial[wi][t][r];
-        return v;
-      };
-      if constexpr (SILU_GATE_UP) {
-        float gate = total(o), up = total(o + 8);
-        if (bias != nullptr) {
-          gate += Cvt<T>::to_f(bias[j]);
-          up += Cvt<T>::to_f(bias[n_out + j]);
-        }
-        out[static_cast<int64_t>(t) * n_out + j] = silu_mul(Cvt<T>::from_f(gate), Cvt<T>::from_f(up));
-      } else {
-        float v = total(o);
-        if (bias != nullptr) v += Cvt<T>::to_f(bias[j]);
-        out[static_cast<int64_t>(t) * n_out + j] = Cvt<T>::from_f(v);
+    for (int c = 0; c < 2; ++c) {
+      const int t = 2 * q + c;
+      if (t < m) {
+        partial[warp][t][g] = acc[c] * inv_up[warp][t];
+        partial[warp][t][g + 8] = acc[2 + c] * inv_up[warp][t];
       }
     }
+    __syncthreads();
+    constexpr int kOut = SILU_GATE_UP ? 8 : 16;
+    const int n_out = SILU_GATE_UP ? n / 2 : n;
+    if (threadIdx.x < m * kOut) {
+      const int t = threadIdx.x / kOut, o = threadIdx.x % kOut, j = tile * kOut + o;
+      if (j < n_out) {
+        auto total = [&](int r) {  // the warps' sums in a fixed order
+          float v = 0.0f;
+#pragma unroll
+          for (int wi = 0; wi < kWarps; ++wi) v += partial[wi][t][r];
+          return v;
+        };
+        if constexpr (SILU_GATE_UP) {
+          float gate = total(o), up = total(o + 8);
+          if (bias != nullptr) {
+            gate += Cvt<T>::to_f(bias[j]);
+            up += Cvt<T>::to_f(bias[n_out + j]);
+          }
+          out[static_cast<int64_t>(t) * n_out + j] = silu_mul(Cvt<T>::from_f(gate), Cvt<T>::from_f(up));
+        } else {
+          float v = total(o);
+          if (bias != nullptr) v += Cvt<T>::to_f(bias[j]);
+          out[static_cast<int64_t>(t) * n_out + j] = Cvt<T>::from_f(v);
+        }
+      }
+    }
+    if (next >= tiles) break;
+    __syncthreads();  // partial[] is read by the reduction above before the next tile writes it
+    tile = next;
   }
 }
 
@@ -339,10 +372,11 @@ int smem_bytes(bool fp8, int m, int k) {
   return kWarps * m * per_warp * kStepBytes * static_cast<int>(sizeof(__half));
 }
 
-template <typename T, bool FP8, bool SILU, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false>
+template <typename T, bool FP8, bool SILU, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
+          bool kPersistent = false>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
             cudaStream_t stream) {
-  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX>;
+  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX, kPersistent>;
   if constexpr (FP8) {
     static PerDevice<int> opted_in;  // shared memory above 48 KB, once per device
     opted_in.get([&](int) {
@@ -352,7 +386,19 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
     });
   }
   const int tiles = SILU ? (n / 2 + 7) / 8 : (n + 15) / 16;
-  launch_programmatic(kernel, dim3(static_cast<unsigned>(tiles)), dim3(kWarps * 32), smem_bytes(FP8, m, k), stream,
+  int grid = tiles;
+  if constexpr (kPersistent) {  // the blocks the SMs hold at once: kMinBlocks, fewer where x's shared memory is large
+    static PerDevice<int> sms;
+    const int num_sms = sms.get([](int device) {
+      int count = 0;
+      cuda_check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "gemv_tc: SM count");
+      return count;
+    });
+    const int per_block = smem_bytes(FP8, m, k) + kStaticSmem + 1024;  // (1 KB: the system's share per block)
+    const int per_sm = std::max(1, std::min(kMinBlocks, kSmemPerSm / per_block));
+    grid = std::min(tiles, num_sms * per_sm);
+  }
+  launch_programmatic(kernel, dim3(static_cast<unsigned>(grid)), dim3(kWarps * 32), smem_bytes(FP8, m, k), stream,
                       "gemv_tc kernel launch", reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
                       reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scale),
                       reinterpret_cast<const T*>(bias), m, n, k);
@@ -365,6 +411,8 @@ bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
   return m >= 1 && m <= kGemvTcMaxTokens && row_bytes % kStepBytes == 0 &&
          smem_bytes(fp8, static_cast<int>(m), static_cast<int>(k)) <= kMaxSmem;
 }
+
+int gemv_tc_fp8_pipelines() { return kNumFp8Pipelines; }
 
 int set_gemv_tc_fp8_variant(int variant) {
   if (variant < 0 || variant >= kNumFp8Pipelines) {
@@ -384,17 +432,20 @@ void gemv_tc(const GemvArgs& a) {
       auto fp8 = [&](auto pipeline) {
         constexpr Fp8Pipeline p = kFp8Pipelines[decltype(pipeline)::value];
         if (a.silu_gate_up) {
-          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x>(a.out, a.x, a.w, a.scale, a.bias, m, n, k,
-                                                                           stream);
+          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x, p.persistent>(a.out, a.x, a.w, a.scale,
+                                                                                         a.bias, m, n, k, stream);
         }
-        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x, p.persistent>(a.out, a.x, a.w, a.scale, a.bias, m,
+                                                                                 n, k, stream);
       };
-      static_assert(kNumFp8Pipelines == 5, "one case per pipeline");
+      static_assert(kNumFp8Pipelines == 7, "one case per pipeline");
       switch (g_fp8_pipeline) {
         case 1: return fp8(std::integral_constant<int, 1>{});
         case 2: return fp8(std::integral_constant<int, 2>{});
         case 3: return fp8(std::integral_constant<int, 3>{});
         case 4: return fp8(std::integral_constant<int, 4>{});
+        case 5: return fp8(std::integral_constant<int, 5>{});
+        case 6: return fp8(std::integral_constant<int, 6>{});
         default: return fp8(std::integral_constant<int, 0>{});  // (case 0)
       }
     }
