@@ -74,7 +74,7 @@ def test_every_switch_has_one_rule(monkeypatch, value, expected):
         assert read() is (default if expected is None else expected), (name, value)
 
 
-def test_gemv_tc_fp8_variant_takes_0_1_2_and_names_itself_otherwise(monkeypatch):
+def test_gemv_tc_fp8_variant_takes_a_pipeline_and_names_itself_otherwise(monkeypatch):
     monkeypatch.delenv("FASTQWEN_GEMV_TC_FP8_VARIANT", raising=False)
     assert env.gemv_tc_fp8_variant() is None  # unset: the kernel's own default
     for value in ("0", "3", "6"):
