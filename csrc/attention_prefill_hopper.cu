@@ -508,7 +508,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           softmax_tile<false>(sc, m_run, l_run, alpha, row_pos, j * kBN, lane, p.scale_log2);
         }
       };
-      auto rescale_o = [&](const float (&alpha)[2]) {  // O's rows to the new running max
+      // O's rows to the new running max. The fence keeps the 64 multiplies here: the compiler otherwise sinks them
+      // to just before the P V they feed, past the ping-pong barrier, where they delay the issue that the other
+      // warpgroup's turn waits on (seen in the SASS: 64 FMULs after BAR.SYNC).
+      auto rescale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
         for (int nb = 0; nb < 16; ++nb) {
           o[nb * 4 + 0] *= alpha[0];
@@ -516,6 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           o[nb * 4 + 2] *= alpha[1];
           o[nb * 4 + 3] *= alpha[1];
         }
+        fence_regs(o);
       };
       auto pack_p = [&] {
 #pragma unroll
