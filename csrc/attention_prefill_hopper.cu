@@ -235,43 +235,72 @@ __device__ __forceinline__ void issue_turn_end(int c) {
 
 // Online softmax of one S tile (raw scores) for this thread's two rows, in place: the probabilities relative to the
 // new running max (log2 units, one FFMA and one exp2 per score). Returns each row's rescale factor of O and l.
+// The maxima and sums run in kChains independent chains per row (both rows interleaved): written as one running
+// value, each was a chain of 32 dependent FMNMX or FADD (seen in the SASS), about 130 cycles of latency apiece per
+// row, which the warpgroup's two warps per scheduler cannot hide. The maxima are the same whatever the order; the
+// sums' order changes their last bits.
+constexpr int kChains = 4;
 template <bool kMasked>
 __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
                                              const int (&row_pos)[2], int key0, int lane, float scale_log2) {
+  float mx[2][kChains];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float mx = -INFINITY;
-    // Column nb * 8 + e of this thread is key key0 + 2 (lane % 4) + nb * 8 + e: compared with a constant (a per-key
-    // bound would be hoisted out of the loop into 64 registers).
-    const int limit = row_pos[h] - key0 - (lane % 4) * 2;
 #pragma unroll
-    for (int nb = 0; nb < 16; ++nb) {
+    for (int c = 0; c < kChains; ++c) mx[h][c] = -INFINITY;
+  }
+  // Column nb * 8 + e of this thread is key key0 + 2 (lane % 4) + nb * 8 + e: compared with a constant (a per-key
+  // bound would be hoisted out of the loop into 64 registers).
+  int limit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) limit[h] = row_pos[h] - key0 - (lane % 4) * 2;
+#pragma unroll
+  for (int nb = 0; nb < 16; ++nb) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = sc[nb * 4 + h * 2 + e];
-        if (kMasked && nb * 8 + e > limit) x = -INFINITY;
-        mx = fmaxf(mx, x);
+        if (kMasked && nb * 8 + e > limit[h]) x = -INFINITY;
+        mx[h][nb % kChains] = fmaxf(mx[h][nb % kChains], x);
       }
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run[h], mx);
-    const float m_scaled = m_new == -INFINITY ? 0.0f : m_new * scale_log2;  // a row with no key yet stays at zero
-    alpha[h] = mma::fast_exp2(m_run[h] * scale_log2 - m_scaled);
+  }
+  float m_scaled[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float m = fmaxf(fmaxf(mx[h][0], mx[h][1]), fmaxf(mx[h][2], mx[h][3]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float m_new = fmaxf(m_run[h], m);
+    m_scaled[h] = m_new == -INFINITY ? 0.0f : m_new * scale_log2;  // a row with no key yet stays at zero
+    alpha[h] = mma::fast_exp2(m_run[h] * scale_log2 - m_scaled[h]);
     m_run[h] = m_new;
-    float sum = 0.0f;
+  }
+  float sum[2][kChains];
 #pragma unroll
-    for (int nb = 0; nb < 16; ++nb) {
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int c = 0; c < kChains; ++c) sum[h][c] = 0.0f;
+  }
+#pragma unroll
+  for (int nb = 0; nb < 16; ++nb) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = sc[nb * 4 + h * 2 + e];
-        x = mma::fast_exp2(fmaf(x, scale_log2, -m_scaled));
-        sum += x;
+        x = mma::fast_exp2(fmaf(x, scale_log2, -m_scaled[h]));
+        sum[h][nb % kChains] += x;
       }
     }
-    l_run[h] = l_run[h] * alpha[h] + sum;  // this thread's share; the quad is summed at the end
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // this thread's share; the quad is summed at the end
+    l_run[h] = l_run[h] * alpha[h] + ((sum[h][0] + sum[h][1]) + (sum[h][2] + sum[h][3]));
   }
 }
+static_assert(kChains == 4, "softmax_tile combines four chains");
 
 // kOverlap: the softmax of tile j runs while P_{j-1} V_{j-1} does (else S, softmax, P V in turn). kPingpong: the
 // warpgroups take turns issuing. kStages: K/V tiles in flight. kDynamic: the schedule of work items.
