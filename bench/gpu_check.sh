@@ -18,6 +18,7 @@
 #            batch1-step-breakdown.md in bench/results/current/)
 #   copyref  the one-token GEMVs and decode attention (64 x 4,096, one sequence of 16k to 128k) against the same copy
 #            reference                                     (README: gemv-one-token.md, decode-attention.md)
+#   prefill  bench/kernels.py's prefill cases only: every Hopper pipeline, bf16 and FP8 pools, against cuDNN and FA2
 #   prefillprofile  Nsight Compute on one Hopper prefill launch and one of cuDNN's SDPA kernel, the same 16k causal
 #            prefill (bf16): speed of light, pipes, instructions, warp stalls (if ncu exists)
 #   longcontext  TTFT of 4k and 32k prompts through HTTP and offline (with the prefill's FLOP limit), and of a
@@ -263,6 +264,11 @@ stage_batch1() {  # the README's batch-1 figures: bench/results/current/batch1-l
   done
 }
 
+stage_prefill() {  # issue 48: the prefill cases of bench/kernels.py, every Hopper pipeline, bf16 and FP8 pools, with
+  # cuDNN's and FlashAttention-2's SDPA on the same shapes in the same run (README: long-context.md)
+  run prefill 300 python3 bench/kernels.py --ops prefill --kv-dtypes bf16 fp8 --iters 10 --json "$OUT/prefill.json"
+}
+
 stage_prefillprofile() {  # issue 48: where the Hopper prefill kernel's time goes, beside cuDNN's on the same shape
   # (Nsight Compute, if the machine has it): one 16k causal prefill (bf16), speed of light, pipes, instructions, warp
   # stalls, for our kernel (its default pipeline) and for the cuDNN SDPA kernel that bench/kernels.py times next to it
@@ -405,7 +411,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|specreplay|specswitch|fp8kvserving|stepaccount|saturated)
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|specreplay|specswitch|fp8kvserving|stepaccount|saturated)
       (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
