@@ -386,6 +386,7 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
     });
   }
   const int tiles = SILU ? (n / 2 + 7) / 8 : (n + 15) / 16;
+  const int smem = smem_bytes(FP8, m, k);
   int grid = tiles;
   if constexpr (kPersistent) {  // the blocks the SMs hold at once: kMinBlocks, fewer where x's shared memory is large
     static PerDevice<int> sms;
@@ -394,11 +395,11 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
       cuda_check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "gemv_tc: SM count");
       return count;
     });
-    const int per_block = smem_bytes(FP8, m, k) + kStaticSmem + 1024;  // (1 KB: the system's share per block)
+    const int per_block = smem + kStaticSmem + 1024;  // (1 KB: the system's share per block)
     const int per_sm = std::max(1, std::min(kMinBlocks, kSmemPerSm / per_block));
     grid = std::min(tiles, num_sms * per_sm);
   }
-  launch_programmatic(kernel, dim3(static_cast<unsigned>(grid)), dim3(kWarps * 32), smem_bytes(FP8, m, k), stream,
+  launch_programmatic(kernel, dim3(static_cast<unsigned>(grid)), dim3(kWarps * 32), smem, stream,
                       "gemv_tc kernel launch", reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x),
                       reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scale),
                       reinterpret_cast<const T*>(bias), m, n, k);

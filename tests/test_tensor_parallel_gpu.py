@@ -45,6 +45,19 @@ def _connect(rank: int, world: int, port: int):
     return group, device
 
 
+def _captured(fn) -> torch.cuda.CUDAGraph:
+    """fn run once on a side stream (as PyTorch asks before a capture), then captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def _worker(rank: int, world: int, port: int, dtype_names: tuple[str, ...], failures) -> None:
     """Every dtype in one set of rank processes (starting the ranks and their groups costs more than the checks)."""
     try:
@@ -91,14 +104,7 @@ def _check_all_reduce(group, device, rank: int, world: int, dtype_name: str) -> 
     # Captured in a CUDA graph and replayed with new inputs each time (the round counters live on the device).
     numel = 5120 * 4
     static = torch.zeros(numel, dtype=dtype, device=device)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        group.all_reduce(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        group.all_reduce(static)
+    graph = _captured(lambda: group.all_reduce(static))
     for replay in range(5):
         values = [torch.full((numel,), float(r + replay), dtype=dtype) for r in range(world)]
         static.copy_(values[rank].to(device))
@@ -188,14 +194,7 @@ def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
         group.all_reduce(plain)
         custom.all_reduce_add_rms_norm(xs[1], residuals[1], ws[1], EPS)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
     for replay in range(5):
         cases = [_norm_inputs(world, *shape, dtype, seed=1000 + 10 * replay + n) for n, shape in enumerate(shapes)]
         for n, (partials, residual, weight) in enumerate(cases):
