@@ -112,3 +112,24 @@ def test_python_names_every_gemv_epilogue_it_uses():
         assert not numbered, f"{path}: a GEMV epilogue given as a number: {numbered}"
     assert used, "ops.linear names the epilogues it runs"
     assert used <= set(C.GemvEpilogue.__members__), used - set(C.GemvEpilogue.__members__)
+
+
+@pytest.mark.skipif(not hasattr(C, "set_gemv_tc_fp8_variant"), reason="a build without the CUDA kernels")
+def test_the_fp8_pipeline_variable_is_checked_against_the_extensions_count(monkeypatch):
+    """FASTQWEN_GEMV_TC_FP8_VARIANT past the extension's GEMV_TC_FP8_PIPELINES is a ValueError naming the variable
+    (not a missing build); the last pipeline is taken."""
+    import fastqwen._native as loader
+
+    before = C.set_gemv_tc_fp8_variant(0)  # (returns the pipeline it replaces)
+    try:
+        for value, error in ((C.GEMV_TC_FP8_PIPELINES, True), (C.GEMV_TC_FP8_PIPELINES - 1, False)):
+            monkeypatch.setenv("FASTQWEN_GEMV_TC_FP8_VARIANT", str(value))
+            monkeypatch.setattr(loader, "_tried", False)
+            if error:
+                with pytest.raises(ValueError, match="FASTQWEN_GEMV_TC_FP8_VARIANT"):
+                    loader.native()
+            else:
+                assert loader.native() is C and C.set_gemv_tc_fp8_variant(before) == value
+    finally:
+        C.set_gemv_tc_fp8_variant(before)
+        monkeypatch.setattr(loader, "_tried", True)

@@ -33,11 +33,16 @@ def native() -> ModuleType | None:
                     if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
                         _C.set_programmatic_launch(env.programmatic_launch())
                         _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
-                        if fp8_variant is not None and hasattr(_C, "set_gemv_tc_fp8_variant"):
-                            _C.set_gemv_tc_fp8_variant(fp8_variant)
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
                     _module = None
                     _import_error = e
+                if fp8_variant is not None and hasattr(_module, "set_gemv_tc_fp8_variant"):
+                    pipelines = _module.GEMV_TC_FP8_PIPELINES
+                    if fp8_variant >= pipelines:  # (outside the try: a bad value is not a missing build)
+                        raise ValueError(
+                            f"FASTQWEN_GEMV_TC_FP8_VARIANT={fp8_variant}: expected a pipeline 0 to {pipelines - 1}"
+                        )
+                    _module.set_gemv_tc_fp8_variant(fp8_variant)
                 _tried = True
     return _module
 
