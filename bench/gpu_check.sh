@@ -31,6 +31,7 @@
 #   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..6) at 1 to 4 tokens, their GPU
 #            test, then FP8 speculation at acceptance 2.0 with each (GEMV_TC_VARIANTS, default 0 3 5 6)
 #   specreplay  bench/spec_replay.py: greedy requests twice with suffix decoding, the second drafting from the first
+#            (bench/latency.py's speculation-off TPOT for the same lengths beside it)
 #   specswitch  offline throughput with speculation forced on (max_batch_size 512) and off at 32, 64 and 128 in
 #            flight: where speculation stops paying, for its default switch-off batch size
 #   fp8kvserving  FP8 weights + FP8 KV, 128/1024 with 512 in flight (1,024 requests): offline, then through the
@@ -362,6 +363,9 @@ stage_gemvtc() {  # issue 42: the tensor-core GEMV's FP8 pipelines at 2 to 4 tok
 }
 
 stage_specreplay() {  # issue 42's replay test: acceptance length >= 3 and TPOT >= 2x better on the second pass
+  # (and speculation off in the same call: the same prompt length and output length, one request at a time)
+  run spec_replay_off 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
+    --new-tokens 256 --json "$OUT/spec_replay_off.json"
   run spec_replay 200 python3 bench/spec_replay.py --model Qwen3-8B --load-format dummy --json "$OUT/spec_replay.json"
 }
 

@@ -7,6 +7,14 @@ the first pass's, each request alone (batch 1), as vLLM and SGLang report TPOT (
                                 [--speculative-config '{"method": "suffix", "num_speculative_tokens": 5}'] [--json out]
 
 Bar (issue 42): second pass acceptance length >= 3 and time per token at least 2x better than the first pass.
+
+The default config never pauses drafting (min_acceptance_rate 0): with random weights the first pass's drafts all
+fail, and a paused request decodes with the one-token kernels (the FMA GEMV, decode attention) while the second pass
+verifies with the verify step's (the tensor-core GEMV, prefill attention). The two round differently, and random
+weights' flat logits turn that into a different greedy token within a few steps, after which the cache stops
+matching. Never paused, every decoded position of both passes is a row of a verify step (a short draft is filled up
+with the last token when verify steps replay CUDA graphs), so the second pass can repeat the first. Compare the
+first pass with speculation off too (gpu_check.sh's specreplay stage runs bench/latency.py beside it).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from fastqwen import LLM
 from fastqwen.config import EngineConfig
 from latency import engine_latency
 
-DEFAULT_SPEC = '{"method": "suffix", "num_speculative_tokens": 5}'
+DEFAULT_SPEC = '{"method": "suffix", "num_speculative_tokens": 5, "min_acceptance_rate": 0}'
 
 
 def one_pass(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
