@@ -7,7 +7,7 @@
 #               against the all-reduce fused with the norm, hidden 4096 and 5120 in one run; then one rank's GEMVs at
 #               the TP=2 shard shapes of Qwen3-8B and Qwen3-32B (bench/bench_gemv.py --tp 2)
 #   latency     batch-1 TPOT with its limit (rank 0's weight bytes over the copy bandwidth of the same run), random
-#               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1
+#               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1; 32B TP=2 again with FASTQWEN_PDL=0
 #   httplatency batch-1 TPOT and TTFT of random Qwen3-32B at TP=2 through HTTP (bench/latency.py --http-only)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
@@ -130,7 +130,11 @@ for stage in $STAGES; do
         FASTQWEN_FUSED_ALLREDUCE_NORM=$3 run "latency_$1_tp$2_fused$3" 240 python3 bench/latency.py \
           --model "Qwen3-$1" --load-format dummy --tp "$2" --prompt-lens 128 --new-tokens 64 \
           --json "$OUT/latency_$1_tp$2_fused$3.json"
-      done ;;
+      done
+      # and without programmatic dependent launch (every kernel of the step, the all-reduces included, waits for
+      # the one before to end and then launches)
+      FASTQWEN_PDL=0 run latency_32B_tp2_fused1_pdl0 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy \
+        --tp 2 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fused1_pdl0.json" ;;
     httplatency)  # issue 46's bar is offline AND through HTTP: the TP=2 server, then the client alone
       [ -d /tmp/qwen3-32b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-32B --out /tmp/qwen3-32b-dummy
       python3 -m fastqwen.serve --model /tmp/qwen3-32b-dummy --load-format dummy --tp 2 --max-model-len 8192 \

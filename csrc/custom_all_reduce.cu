@@ -12,6 +12,12 @@
 // The fused variant (one_shot_add_rms_norm_kernel) keeps the same two barriers and round counters; it gives each
 // block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
 // The two kernels share the counters: block b's counter counts every launch that had a block b, on every rank alike.
+//
+// Both are launched with programmatic dependent launch (launch.cuh) and keep common.cuh's rule: they wait for the
+// kernel before (the projection's GEMV that wrote the message) before touching anything, then let the next kernel
+// start, so that the all-reduce's launch hides under the GEMV's end and the next projection's GEMV streams its
+// first weights while the ranks exchange the message (under tensor parallelism a decode step at batch 1 is a chain
+// of GEMV, all-reduce, GEMV: twice per layer).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -23,6 +29,7 @@
 #include "common.cuh"
 #include "cuda_check.h"
 #include "custom_all_reduce.h"
+#include "launch.cuh"
 
 namespace fastqwen {
 namespace {
@@ -68,6 +75,8 @@ __device__ __forceinline__ void barrier(const Peers& peers, int rank, bool at_en
 template <typename T, int WORLD>
 __global__ void __launch_bounds__(512) one_shot_kernel(Peers peers, int rank, uint4* data, int64_t nvec) {
   constexpr int kPer = 16 / sizeof(T);
+  griddep_wait();               // data comes from the kernel before (see common.cuh)
+  griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   Signal* self = peers.signal[rank];
   const uint32_t round = self->round[blockIdx.x] + 1;
   uint4* mine = const_cast<uint4*>(peers.data[rank]);
@@ -106,17 +115,19 @@ __global__ void __launch_bounds__(512)
                                  int64_t rows, int row_vecs, float eps) {
   using P = Pack<T, 16 / sizeof(T)>;
   constexpr int kPer = 16 / sizeof(T);
+  P w[VPT];  // the norm's weight (the weights may be read before the wait); its loads complete under the barrier
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < row_vecs) w[i] = reinterpret_cast<const P*>(weight)[v];
+  }
+  griddep_wait();               // data (and the residual) come from the kernels before (see common.cuh)
+  griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   Signal* self = peers.signal[rank];
   const uint32_t round = self->round[blockIdx.x] + 1;
   uint4* mine = const_cast<uint4*>(peers.data[rank]);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) mine[row * row_vecs + v] = data[row * row_vecs + v];
-  }
-  P w[VPT];  // the weight's loads wait under the barrier
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int v = threadIdx.x + i * blockDim.x;
-    if (v < row_vecs) w[i] = reinterpret_cast<const P*>(weight)[v];
   }
   barrier<WORLD>(peers, rank, false, round);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -185,9 +196,9 @@ void launch(const Peers& peers, const AllReduceArgs& a, int64_t nvec) {
   int64_t blocks = (nvec + kThreads - 1) / kThreads;
   if (blocks > a.max_blocks) blocks = a.max_blocks;
   if (blocks < 1) blocks = 1;
-  one_shot_kernel<T, WORLD><<<static_cast<int>(blocks), kThreads, 0, reinterpret_cast<cudaStream_t>(a.stream)>>>(
-      peers, a.rank, reinterpret_cast<uint4*>(a.data), nvec);
-  cuda_check_launch("custom_all_reduce");
+  launch_programmatic(one_shot_kernel<T, WORLD>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+                      reinterpret_cast<cudaStream_t>(a.stream), "custom_all_reduce", peers, a.rank,
+                      reinterpret_cast<uint4*>(a.data), nvec);
 }
 
 template <typename T>
@@ -215,17 +226,11 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
   auto* residual = reinterpret_cast<uint4*>(a.residual);
   const auto* weight = reinterpret_cast<const uint4*>(a.weight);
   const float eps = static_cast<float>(a.eps);
-  if (per_thread <= 1) {
-    one_shot_add_rms_norm_kernel<T, WORLD, 1>
-        <<<blocks, threads, 0, stream>>>(peers, a.rank, data, residual, weight, rows, row_vecs, eps);
-  } else if (per_thread <= 2) {
-    one_shot_add_rms_norm_kernel<T, WORLD, 2>
-        <<<blocks, threads, 0, stream>>>(peers, a.rank, data, residual, weight, rows, row_vecs, eps);
-  } else {
-    one_shot_add_rms_norm_kernel<T, WORLD, 4>
-        <<<blocks, threads, 0, stream>>>(peers, a.rank, data, residual, weight, rows, row_vecs, eps);
-  }
-  cuda_check_launch("custom_all_reduce_add_rms_norm");
+  auto kernel = per_thread <= 1   ? one_shot_add_rms_norm_kernel<T, WORLD, 1>
+                : per_thread <= 2 ? one_shot_add_rms_norm_kernel<T, WORLD, 2>
+                                  : one_shot_add_rms_norm_kernel<T, WORLD, 4>;
+  launch_programmatic(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
+                      "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps);
 }
 
 template <typename T>
