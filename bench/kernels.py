@@ -34,7 +34,7 @@ from fastqwen.ops import (
     rms_norm,
     rope_cos_sin_cache,
 )
-from fastqwen.ops._native import has_cuda_kernels
+from fastqwen.ops._native import has_cuda_kernels, native
 from fastqwen.ops.attention import (
     paged_attention_decode_reference,
     paged_attention_prefill_reference,
@@ -321,7 +321,8 @@ def parse_prefill_case(spec: str) -> tuple[int, int, int]:
 
 # The best kernels on the same GPU, through PyTorch's scaled_dot_product_attention: FlashAttention-2 and cuDNN's.
 SDPA_BACKENDS = ("flash", "cudnn")
-HOPPER_VARIANTS = 16  # csrc/attention_prefill_hopper.cu: set_paged_attention_prefill_hopper_variant 0..15
+# csrc/attention_prefill_hopper.cu: set_paged_attention_prefill_hopper_variant 0..HOPPER_VARIANTS - 1 (none without it)
+HOPPER_VARIANTS = getattr(native(), "PREFILL_HOPPER_VARIANTS", 0)
 
 
 def bench_prefill(
@@ -379,8 +380,6 @@ def bench_prefill(
             set_hopper_prefill(previous)
         row["tensor_cores_us"] = tc_us
         row["tensor_cores_tflops"] = flops / (tc_us * 1e-6) / 1e12
-        from fastqwen.ops._native import native
-
         native().set_paged_attention_prefill_hopper_persistent(False)  # one block per work item instead
         try:
             graph = graph_of(ours)
@@ -390,7 +389,8 @@ def bench_prefill(
             native().set_paged_attention_prefill_hopper_persistent(True)
         row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
         # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
-        # K/V stages, bit 3 a dynamic schedule. Each one's output is checked against the reference before it is timed.
+        # K/V stages, bit 3 a dynamic schedule, bit 4 Q copied by the producer. Each one's output is checked against
+        # the reference before it is timed.
         default_variant = native().set_paged_attention_prefill_hopper_variant(0)
         try:
             # An FP8 cache runs the 2-stage pipelines without overlap whatever the variant (bits 1 and 3 only).

@@ -60,6 +60,9 @@ void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens);
 struct PrefillArgs : PagedAttentionArgs {
   uintptr_t query_start = 0;
   int64_t max_query_len = 0;
+  // Rows of q (the total of the query lengths): the Hopper kernel copies Q tiles by TMA only when it is given, since
+  // a tile's box may reach past the last sequence. 0: not given.
+  int64_t num_tokens = 0;
 };
 
 void paged_attention_prefill(const PrefillArgs& args);
@@ -71,9 +74,11 @@ void paged_attention_prefill_hopper(const PrefillArgs& args);
 // Whether its grid is persistent (one block per SM looping over the work, the default) or one block per work item.
 // For benchmarks that compare the two.
 void set_paged_attention_prefill_hopper_persistent(bool persistent);
-// Which pipeline, 0..15 (bit 0: softmax overlapped with the previous tile's P V; bit 1: warpgroups take turns
-// issuing; bit 2: three K/V stages instead of two; bit 3: work items fetched from a device counter instead of taken
-// in a fixed stride). Returns the one it replaces.
+// Which pipeline, 0..kPrefillHopperVariants - 1 (bit 0: softmax overlapped with the previous tile's P V; bit 1:
+// warpgroups take turns issuing; bit 2: three K/V stages instead of two; bit 3: work items fetched from a device
+// counter instead of taken in a fixed stride; bit 4: Q tiles copied by the producer warp, for 16-bit caches, G
+// dividing 128 and num_tokens given). Returns the one it replaces.
+constexpr int kPrefillHopperVariants = 32;
 int set_paged_attention_prefill_hopper_variant(int variant);
 
 }  // namespace fastqwen

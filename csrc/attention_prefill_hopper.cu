@@ -15,7 +15,15 @@
 //
 // Pipelines (template switches, chosen at run time by set_paged_attention_prefill_hopper_variant): the softmax of a
 // tile overlapped with the previous tile's P V, the two warpgroups taking turns at the tensor cores (ping-pong), two
-// or three K/V stages, a static or dynamic schedule. The default (ping-pong + dynamic) is the best measured mean.
+// or three K/V stages, a static or dynamic schedule, Q loaded by the consumers or by the producer. The default
+// (ping-pong + dynamic, consumers' Q) is the best measured mean.
+//
+// Q by the producer (16-bit caches, G dividing 128): the producer warp copies a work item's 128 packed query rows with
+// two bulk tensor copies (q viewed as [tokens, H, 128]; packed row r of a tile is token r / G of head kvh * G + r % G,
+// so the tile is one box of 128 / G tokens x G heads) as soon as both consumer warpgroups have completed their last
+// S = Q K^T of the item before, so the next item's Q arrives while this item's last softmax, P V and stores run
+// (FlashAttention-3 loads Q by TMA as well). Otherwise each warpgroup loads its 64 rows itself at the start of an
+// item, a global-load latency per item that short items (chunked prefill of many short prompts) feel most.
 //
 // An FP8 (e4m3) cache: the copies bring the e4m3 tiles into a second ring, and the producer warpgroup's other three
 // warps convert them to fp16 (exact: every e4m3 value is an fp16 value) in the layout the 16-bit copies write; the
@@ -54,6 +62,8 @@ constexpr int kTileBytes = 2 * kHalfBytes;         // a K or V tile: 32 KB
 constexpr int kQBytes = 2 * kBM * 128;             // the Q tile: 32 KB
 constexpr int kRawTileBytes = kBN * kD;            // an e4m3 K or V tile as copied (16 KB, rows of 128 bytes)
 constexpr int kConverterThreads = 96;              // FP8: warps 1..3 of the producer warpgroup
+constexpr int kVariantTmaQ = 16;                   // set_paged_attention_prefill_hopper_variant's bit for Q by the producer
+static_assert(kPrefillHopperVariants == 2 * kVariantTmaQ, "attention.h's variant count: bits 0..4");
 template <int kStages, bool kFp8>
 constexpr int kSmemBytes = kQBytes + kStages * (2 * kTileBytes + (kFp8 ? 2 * kRawTileBytes : 0)) + 1024 /* barriers */ +
                            1024 /* alignment */;
@@ -116,8 +126,12 @@ struct Smem {
   __device__ uint32_t item_full(int i) const { return bars() + 8 * (7 * kStages + i); }
   __device__ uint32_t item_empty(int i) const { return bars() + 8 * (7 * kStages + 2 + i); }
   __device__ uint32_t item_slot(int i) const { return bars() + 8 * (7 * kStages + 4) + 4 * i; }
+  // Q by the producer: q_full, the Q tile of the current work item has arrived; q_empty, the 8 consumer warps have
+  // completed their last S of the work item before (the tile may be overwritten).
+  __device__ uint32_t q_full() const { return bars() + 8 * (7 * kStages + 5); }
+  __device__ uint32_t q_empty() const { return bars() + 8 * (7 * kStages + 6); }
 };
-static_assert(8 * (7 * kMaxStages + 4) + 8 <= 1024, "the barriers' space");
+static_assert(8 * (7 * kMaxStages + 7) <= 1024, "the barriers' space");
 
 // The dynamic schedule's counter of fetched work items on this device (zero between launches: the block that fetches
 // last, grid + items - 1, puts it back). So launches of this kernel on one device must not overlap in time (one
@@ -303,17 +317,19 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2],
 static_assert(kChains == 4, "softmax_tile combines four chains");
 
 // kOverlap: the softmax of tile j runs while P_{j-1} V_{j-1} does (else S, softmax, P V in turn). kPingpong: the
-// warpgroups take turns issuing. kStages: K/V tiles in flight. kDynamic: the schedule of work items.
-// set_paged_attention_prefill_hopper_variant picks them (kernel_variant below holds the default, the best measured).
-template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic>
+// warpgroups take turns issuing. kStages: K/V tiles in flight. kDynamic: the schedule of work items. kTmaQ: the
+// producer copies each work item's Q tile (q_map; unused otherwise). set_paged_attention_prefill_hopper_variant picks
+// them (kernel_variant below holds the default, the best measured).
+template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic, bool kTmaQ>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_hopper_kernel(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                          const Params p) {
+                          const __grid_constant__ CUtensorMap q_map, const Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace hopper;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   constexpr bool kFp8 = kIsFp8<Kv>;
+  static_assert(!(kFp8 && kTmaQ), "an FP8 cache's Q is converted to fp16 on its way into shared memory");
   using C = std::conditional_t<kFp8, __half, T>;  // the matrix multiplies' type
   const Smem<kStages, kFp8> sm(base);
   const int tid = threadIdx.x;
@@ -338,6 +354,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_init(sm.item_full(i), 1);
         mbar_init(sm.item_empty(i), 8 + (kFp8 ? kConverterThreads / 32 : 0));
       }
+    }
+    if constexpr (kTmaQ) {
+      mbar_init(sm.q_full(), 1);
+      mbar_init(sm.q_empty(), 8);  // one arrival per consumer warp
     }
     mbar_fence_init();
   }
@@ -385,15 +405,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) {
       prefetch_tensor_map(&k_map);
       prefetch_tensor_map(&v_map);
+      if constexpr (kTmaQ) prefetch_tensor_map(&q_map);
     }
     const int page_mask = (1 << p.page_shift) - 1;
     int it = 0;  // K/V tiles loaded so far: stage it % kStages, its use (it / kStages)
+    int qi = 0;  // work items (item, round) whose Q tile was copied
     for (int k = 0;; ++k) {
       const int item = producer_next_item<kDynamic>(sm, k, items, lane);
       if (item >= items) break;
       for (int round = 0;; ++round) {
         const Work w = work_of(p, item, round);
         if (w.row0 < 0) break;
+        // Q by the producer: after the work's first K tile (which may stream in while the work before still runs),
+        // once the consumers have completed the last S that reads the work before's Q.
+        auto load_q = [&] {
+          if constexpr (kTmaQ) {
+            mbar_wait(sm.q_empty(), (qi & 1) ^ 1);
+            if (lane == 0) {
+              const int token = w.q0 + w.row0 / p.group;  // (G divides the tile's 128 rows)
+              mbar_arrive_expect_tx(sm.q_full(), kQBytes);
+              tma_load_3d(sm.q, &q_map, sm.q_full(), 0, w.kvh * p.group, token);
+              tma_load_3d(sm.q + kBM * 128, &q_map, sm.q_full(), 64, w.kvh * p.group, token);
+            }
+            __syncwarp();
+            ++qi;
+          }
+        };
+        if (w.n_tiles == 0) load_q();
         const int* pages = p.page_table + static_cast<int64_t>(w.b) * p.max_pages;
         for (int j = 0; j < w.n_tiles; ++j, ++it) {
           const int s = it % kStages;
@@ -426,6 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               tma_load_3d(sm.k(s) + offset, &k_map, sm.full_k(s), 0, w.kvh, slot);
               tma_load_3d(sm.k(s) + kHalfBytes + offset, &k_map, sm.full_k(s), 64, w.kvh, slot);
             }
+            if (j == 0) load_q();
             mbar_wait(sm.empty_v(s), ((it / kStages) & 1) ^ 1);
             if (lane == 0) mbar_arrive_expect_tx(sm.full_v(s), kTileBytes);
             __syncwarp();
@@ -451,6 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (c == 1) issue_turn_end<kPingpong>(c);  // warpgroup 0 issues first
 
   int it = 0;  // as the producer's
+  int qi = 0;  // as the producer's
   for (int k = 0;; ++k) {
     const int item = follower_next_item<kDynamic>(sm, k, lane);
     if (item >= items) break;
@@ -458,9 +498,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Work w = work_of(p, item, round);
       if (w.row0 < 0) break;
 
-      // Q: this warpgroup's 64 rows into the swizzled halves (rows past the sequence are zero). Its previous tile's
-      // matrix multiplies have all completed, so the rows are free.
-      {
+      if constexpr (kTmaQ) {  // the producer's copy (rows past the sequence: the next sequence's, or zeros)
+        mbar_wait(sm.q_full(), qi & 1);
+        ++qi;
+      } else {
+        // Q: this warpgroup's 64 rows into the swizzled halves (rows past the sequence are zero). Its previous tile's
+        // matrix multiplies have all completed, so the rows are free.
         const T* q = static_cast<const T*>(p.q);
 #pragma unroll
         for (int i = 0; i < 64 * 16 / 128; ++i) {
@@ -565,6 +608,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto release_v = [&](int j) {
         if (lane == 0) mbar_arrive(sm.empty_v(stage(j)));  // and with V tile j
       };
+      // Q by the producer: this warp's last S of the work item has completed (or it has none), so the next item's Q
+      // may overwrite the tile.
+      auto release_q = [&] {
+        if constexpr (kTmaQ) {
+          if (lane == 0) mbar_arrive(sm.q_empty());
+        }
+      };
+      auto s_done = [&](int j) {  // S_j has completed: its K tile is free, and after the last S the Q tile too
+        release_k(j);
+        if (j == n_wg - 1) release_q();
+      };
+      if (n_wg == 0) release_q();
 
       // n + 1 turns per tile for both warpgroups: S_0; then S_j with P_{j-1} V_{j-1} (the softmax of S_j runs while
       // P V does; O is rescaled after it); then the last P V; then the tiles this warpgroup's rows do not see.
@@ -576,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           issue_s(j);
           issue_turn_end<kPingpong>(c);
           wgmma_wait<0>();
-          release_k(j);
+          s_done(j);
           float alpha[2];
           softmax(j, alpha);
           rescale_o(alpha);
@@ -608,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           issue_s(0);
           issue_turn_end<kPingpong>(c);
           wgmma_wait<0>();
-          release_k(0);
+          s_done(0);
           float alpha[2];
           softmax(0, alpha);
           pack_p();
@@ -621,7 +676,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             issue_pv(j - 1);
             issue_turn_end<kPingpong>(c);
             wgmma_wait<1>();  // S_j (committed first) has completed
-            release_k(j);
+            s_done(j);
             softmax(j, alpha);
             wgmma_wait<0>();
             fence_regs(o);
@@ -714,8 +769,29 @@ CUtensorMap pool_map(const void* pool, int kv_dtype, int64_t slots, int64_t num_
   return map;
 }
 
+// q [tokens, H, 128] as a tensor map whose box is one work item's Q tile half: 64 columns (swizzled as the K tiles) x
+// G heads x 128 / G tokens, i.e. packed rows 0..127 of the tile in order.
+CUtensorMap q_tile_map(const void* q, int dtype, int64_t tokens, int64_t num_heads, int64_t group) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(num_heads),
+                              static_cast<cuuint64_t>(tokens)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD * 2), static_cast<cuuint64_t>(num_heads * kD * 2)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(group), static_cast<cuuint32_t>(kBM / group)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r = encode_tiled()(
+      &map, dtype == kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      const_cast<void*>(q), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    throw std::runtime_error("paged_attention_prefill_hopper: cuTensorMapEncodeTiled (q) failed (" + std::to_string(r) +
+                             ")");
+  }
+  return map;
+}
+
 bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
-// set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic. The default:
+// set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic, 4 Q by the
+// producer (16-bit caches with G dividing 128; else the consumers load it). The default:
 // ping-pong with the dynamic schedule (two stages, no overlap), the best mean over bench/kernels.py's prefill cases
 // on an H100 (2026-11-27, all 16 variants in one run: 502 TFLOP/s over the seven 16-bit cases against 492 for
 // overlap + ping-pong + three stages and 481 for ping-pong alone; the best of the four FP8 pipelines in 7 of 8
@@ -723,10 +799,14 @@ bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (
 // were released together, after the P V that overlaps the next tile's softmax; they are now released apart.
 int kernel_variant = 10;
 
-template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic>
-void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items,
-                    cudaStream_t stream) {
-  auto kernel = prefill_hopper_kernel<T, Kv, kOverlap, kPingpong, kStages, kDynamic>;
+// The maps of one launch: the pool's K and V, and q's (Q by the producer; else k's, unused).
+struct Maps {
+  CUtensorMap k, v, q;
+};
+
+template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic, bool kTmaQ>
+void launch_variant(const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
+  auto kernel = prefill_hopper_kernel<T, Kv, kOverlap, kPingpong, kStages, kDynamic, kTmaQ>;
   constexpr int smem_bytes = kSmemBytes<kStages, kIsFp8<Kv>>;
   static PerDevice<bool> configured;
   configured.get([&](int) {
@@ -742,44 +822,55 @@ void launch_variant(const CUtensorMap& k_map, const CUtensorMap& v_map, const Pa
   });
   // Persistent: one block per SM (its shared memory allows no second), each taking work items in turn.
   const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem_bytes, stream>>>(k_map, v_map, p);
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem_bytes, stream>>>(maps.k, maps.v, maps.q, p);
   cuda_check_launch("paged_attention_prefill_hopper kernel launch");
 }
 
-// The pipeline of variant bits 0..2 with a static or dynamic schedule.
-template <typename T, typename Kv, bool kDynamic>
-void launch_pipeline(int variant, const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items,
-                     cudaStream_t stream) {
+// The pipeline of variant bits 0..2 with a static or dynamic schedule, Q loaded by the consumers or the producer.
+template <typename T, typename Kv, bool kDynamic, bool kTmaQ>
+void launch_pipeline(int variant, const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
   if constexpr (!kIsFp8<Kv>) {
     switch (variant) {
-      case 1: return launch_variant<T, Kv, true, false, 2, kDynamic>(k_map, v_map, p, items, stream);
-      case 3: return launch_variant<T, Kv, true, true, 2, kDynamic>(k_map, v_map, p, items, stream);
-      case 4: return launch_variant<T, Kv, false, false, 3, kDynamic>(k_map, v_map, p, items, stream);
-      case 5: return launch_variant<T, Kv, true, false, 3, kDynamic>(k_map, v_map, p, items, stream);
-      case 6: return launch_variant<T, Kv, false, true, 3, kDynamic>(k_map, v_map, p, items, stream);
-      case 7: return launch_variant<T, Kv, true, true, 3, kDynamic>(k_map, v_map, p, items, stream);
+      case 1: return launch_variant<T, Kv, true, false, 2, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 3: return launch_variant<T, Kv, true, true, 2, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 4: return launch_variant<T, Kv, false, false, 3, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 5: return launch_variant<T, Kv, true, false, 3, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 6: return launch_variant<T, Kv, false, true, 3, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 7: return launch_variant<T, Kv, true, true, 3, kDynamic, kTmaQ>(maps, p, items, stream);
       default: break;
     }
   }
-  if (variant == 2) return launch_variant<T, Kv, false, true, 2, kDynamic>(k_map, v_map, p, items, stream);
-  return launch_variant<T, Kv, false, false, 2, kDynamic>(k_map, v_map, p, items, stream);
+  if (variant == 2) return launch_variant<T, Kv, false, true, 2, kDynamic, kTmaQ>(maps, p, items, stream);
+  return launch_variant<T, Kv, false, false, 2, kDynamic, kTmaQ>(maps, p, items, stream);
+}
+
+template <typename T, typename Kv, bool kTmaQ>
+void launch_schedule(int variant, const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
+  if (variant & 8) return launch_pipeline<T, Kv, true, kTmaQ>(variant & 7, maps, p, items, stream);
+  return launch_pipeline<T, Kv, false, kTmaQ>(variant & 7, maps, p, items, stream);
 }
 
 // FP8 caches take two stages and no overlap whatever the variant says: a third stage does not fit beside the e4m3
-// ring, and the overlap's registers (240) do not fit beside the converters' (40; the overlap spills at 232).
+// ring, and the overlap's registers (240) do not fit beside the converters' (40; the overlap spills at 232); and
+// their Q is converted on its way into shared memory, so the consumers load it. tma_q: bit 4 set and q's tile is
+// one box (G divides the 128 rows).
 template <typename T, typename Kv>
-void launch(const CUtensorMap& k_map, const CUtensorMap& v_map, const Params& p, int64_t items, cudaStream_t stream) {
-  const int variant = kIsFp8<Kv> ? kernel_variant & (2 | 8) : kernel_variant;
-  if (variant & 8) return launch_pipeline<T, Kv, true>(variant & 7, k_map, v_map, p, items, stream);
-  return launch_pipeline<T, Kv, false>(variant & 7, k_map, v_map, p, items, stream);
+void launch(const Maps& maps, bool tma_q, const Params& p, int64_t items, cudaStream_t stream) {
+  if constexpr (kIsFp8<Kv>) {
+    return launch_schedule<T, Kv, false>(kernel_variant & (2 | 8), maps, p, items, stream);
+  } else {
+    if (tma_q) return launch_schedule<T, Kv, true>(kernel_variant & 15, maps, p, items, stream);
+    return launch_schedule<T, Kv, false>(kernel_variant & 15, maps, p, items, stream);
+  }
 }
 
 }  // namespace
 
 void set_paged_attention_prefill_hopper_persistent(bool persistent) { persistent_grid = persistent; }
 int set_paged_attention_prefill_hopper_variant(int variant) {
-  if (variant < 0 || variant > 15) {
-    throw std::invalid_argument("set_paged_attention_prefill_hopper_variant: variant must be 0..15");
+  if (variant < 0 || variant >= kPrefillHopperVariants) {
+    throw std::invalid_argument("set_paged_attention_prefill_hopper_variant: variant must be 0.." +
+                                std::to_string(kPrefillHopperVariants - 1));
   }
   return std::exchange(kernel_variant, variant);
 }
@@ -795,7 +886,8 @@ bool paged_attention_prefill_hopper_available(int device) {
     if (prop.major != 9 || prop.minor != 0) return false;
     // Built for sm_90a: the kernel's binary is Hopper's own (else this file compiled to an empty body).
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, __nv_bfloat16, false, false, 2, false>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, prefill_hopper_kernel<__nv_bfloat16, __nv_bfloat16, false, false, 2, false, false>) !=
+        cudaSuccess) {
       cudaGetLastError();
       return false;
     }
@@ -812,6 +904,7 @@ void paged_attention_prefill_hopper(const PrefillArgs& a) {
   if (a.batch < 0 || a.num_kv_heads > 65535) throw std::invalid_argument(op + "batch or heads out of range");
   if (a.max_query_len < 0 || a.max_query_len > (int64_t{1} << 24)) throw std::invalid_argument(op + "max_query_len out of range");
   if (a.num_pages * a.page_size >= (int64_t{1} << 31) - 1) throw std::invalid_argument(op + "the pool has too many slots");
+  if (a.num_tokens < 0 || a.num_tokens >= (int64_t{1} << 31)) throw std::invalid_argument(op + "num_tokens out of range");
   if (a.batch == 0 || a.max_query_len == 0) return;
   for (uintptr_t ptr : {a.q, a.k_cache, a.v_cache, a.out}) {
     if (ptr == 0 || !aligned16(ptr)) throw std::invalid_argument(op + "q, caches and out must be 16-byte aligned");
@@ -831,11 +924,15 @@ void paged_attention_prefill_hopper(const PrefillArgs& a) {
            static_cast<int>(a.num_kv_heads), static_cast<int>(group), shift, static_cast<int>(a.max_pages),
            static_cast<int>(slots), static_cast<int>(a.num_pages), static_cast<int>(m_tiles),
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0)};
-  const CUtensorMap k_map = pool_map(reinterpret_cast<const void*>(a.k_cache), a.kv_dtype, slots, a.num_kv_heads);
-  const CUtensorMap v_map = pool_map(reinterpret_cast<const void*>(a.v_cache), a.kv_dtype, slots, a.num_kv_heads);
+  Maps maps;
+  maps.k = pool_map(reinterpret_cast<const void*>(a.k_cache), a.kv_dtype, slots, a.num_kv_heads);
+  maps.v = pool_map(reinterpret_cast<const void*>(a.v_cache), a.kv_dtype, slots, a.num_kv_heads);
+  // Q by the producer needs q's row count (0: not given): its map's bounds, past which a box reads zeros.
+  const bool tma_q = (kernel_variant & kVariantTmaQ) && !fp8 && kBM % group == 0 && a.num_tokens > 0;
+  maps.q = tma_q ? q_tile_map(reinterpret_cast<const void*>(a.q), a.dtype, a.num_tokens, a.num_heads, group) : maps.k;
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill_hopper: ", a.dtype, kHalfTypes, T,
-                          fp8 ? launch<T, Fp8E4M3>(k_map, v_map, p, blocks, s) : launch<T, T>(k_map, v_map, p, blocks, s));
+                          fp8 ? launch<T, Fp8E4M3>(maps, false, p, blocks, s) : launch<T, T>(maps, tma_q, p, blocks, s));
 }
 
 }  // namespace fastqwen

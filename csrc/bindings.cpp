@@ -96,6 +96,7 @@ void export_contracts(py::module_& m) {
   for (int d : fq::kRopeKVHeadDims) rope_dims.append(d);
   m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
+  m.attr("PREFILL_HOPPER_VARIANTS") = fq::kPrefillHopperVariants;
   m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
   m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;
   m.attr("GEMV_TENSOR_CORE_TOKENS") = py::make_tuple(fq::kGemvTcMinTokens, fq::kGemvTcMaxTokens);
@@ -162,7 +163,8 @@ void export_contracts(py::module_& m) {
   py::class_<fq::PrefillArgs, fq::PagedAttentionArgs>(m, "PrefillArgs", "Arguments of paged_attention_prefill.")
       .def(py::init<>())
       .def_readwrite("query_start", &fq::PrefillArgs::query_start)
-      .def_readwrite("max_query_len", &fq::PrefillArgs::max_query_len);
+      .def_readwrite("max_query_len", &fq::PrefillArgs::max_query_len)
+      .def_readwrite("num_tokens", &fq::PrefillArgs::num_tokens);
   py::enum_<fq::GemvEpilogue>(m, "GemvEpilogue", "What a GEMV does besides x @ W^T (csrc/gemv.h).")
       .value("PLAIN", fq::kGemvPlain)
       .value("ADD_RESIDUAL", fq::kGemvAddResidual)
@@ -358,9 +360,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_paged_attention_prefill_hopper_persistent", &fastqwen::set_paged_attention_prefill_hopper_persistent,
         py::arg("persistent"), "Persistent grid (default) or one block per work item, for benchmarks.");
   m.def("set_paged_attention_prefill_hopper_variant", &fastqwen::set_paged_attention_prefill_hopper_variant,
-        py::arg("variant"), "Pipeline of the Hopper prefill kernel (0..15: bit 0 overlap, bit 1 ping-pong, bit 2 three stages, bit 3 dynamic\n"
-        "schedule), for benchmarks"
-        "and tests; returns the previous one.");
+        py::arg("variant"),
+        "Pipeline of the Hopper prefill kernel (0..PREFILL_HOPPER_VARIANTS - 1: bit 0 overlap, bit 1 ping-pong, bit 2 "
+        "three stages, bit 3 dynamic schedule, bit 4 Q copied by the producer), for benchmarks and tests; returns the "
+        "previous one.");
   m.def(
       "sampler_workspace_bytes", &fastqwen::sampler_workspace_bytes, py::arg("max_rows"), py::arg("vocab"),
       "Bytes of scratch memory sample() needs for up to max_rows rows.");

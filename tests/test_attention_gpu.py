@@ -230,19 +230,23 @@ def test_prefill_long_and_wide(q_lens, prefixes, prefill_kernel):
     check_prefill(*make_prefill_case(8, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=len(q_lens)))
 
 
-@pytest.mark.parametrize("variant", range(16))
+@pytest.mark.parametrize("variant", range(getattr(native(), "PREFILL_HOPPER_VARIANTS", 0)))
 def test_hopper_prefill_every_pipeline_matches_reference(variant):
     """Each pipeline of the Hopper kernel (set_paged_attention_prefill_hopper_variant: overlap, ping-pong, two or three
-    stages, static or dynamic schedule; the default is one of them, the others are benchmarked) on ragged prompts and extends, both dtypes."""
+    stages, static or dynamic schedule, Q loaded by the consumers or copied by the producer; the default is one of
+    them, the others are benchmarked) on ragged prompts and extends (the last sequence's Q tile reaching past q's last
+    row), both dtypes, groups of 4 and 8 (a Q tile is one box) and 5 (it is not: the consumers load it), and work
+    items that loop over several query tiles (max_query_len understated)."""
     previous_kernel = set_hopper_prefill(True)
     previous_variant = native().set_paged_attention_prefill_hopper_variant(variant)
     try:
         probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
         if not prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda")):
             pytest.skip("no Hopper prefill kernel on this device")
-        for dtype, group, seed in ((torch.bfloat16, 4, 1), (torch.float16, 8, 2)):
+        for dtype, group, seed in ((torch.bfloat16, 4, 1), (torch.float16, 8, 2), (torch.bfloat16, 5, 4)):
             q_lens, kv_lens = prefill_lengths(random.Random(seed), 16)
             check_prefill(*make_prefill_case(2, group, 16, q_lens, kv_lens, dtype, seed=seed))
+        check_prefill(*make_prefill_case(2, 4, 16, [700, 20], [900, 20], torch.bfloat16, seed=5), max_query_len=1)
         q_lens, prefixes = [512, 1, 300], [32768 - 512, 9000, 4000]  # extends past the 2- and 3-stage rings' wrap
         kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
         check_prefill(*make_prefill_case(8, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=3))

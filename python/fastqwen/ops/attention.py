@@ -315,6 +315,7 @@ def _prefill_kernel(
     _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale, k_scale, v_scale)
     args.query_start = query_start.data_ptr()
     args.max_query_len = max_query_len
+    args.num_tokens = q.shape[0]
     if prefill_uses_hopper_kernel(q, k_cache):
         m.paged_attention_prefill_hopper(args)
     else:
