@@ -68,6 +68,13 @@ PREFILL_HOPPER_TESTS = [  # both run each prefill case on both kernels (the fixt
     "tests/test_engine_gpu.py::test_hopper_prefill_engine_matches_the_tensor_core_prefill_engine",
 ]
 
+# The every-pipeline test at the default pipeline with Q copied by the producer (bit 4: 10 + 16) and at the overlap
+# with ping-pong and the dynamic schedule (11 + 16).
+PREFILL_HOPPER_TMA_Q_TESTS = [
+    "tests/test_attention_gpu.py::test_hopper_prefill_every_pipeline_matches_reference[26]",
+    "tests/test_attention_gpu.py::test_hopper_prefill_every_pipeline_matches_reference[27]",
+]
+
 EAGLE3_DRAFTER = "python/fastqwen/engine/eagle3_drafter.py"
 EAGLE3_DRAFTS = "tests/test_eagle3_batched.py::test_batched_drafts_equal_the_per_request_float64_reference[0]"
 
@@ -160,6 +167,25 @@ MUTATIONS = [
         ],
         PREFILL_HOPPER_TESTS,
         "the Hopper kernel's causal mask puts query i at position i, not after the cached prefix (extend)",
+    ),
+    Mutation(
+        "prefill_hopper_tma_q_one_token_late",
+        PREFILL_HOPPER,
+        [
+            (
+                "const int token = w.q0 + w.row0 / p.group;  // (G divides the tile's 128 rows)",
+                "const int token = w.q0 + w.row0 / p.group + 1;  // (G divides the tile's 128 rows)",
+            )
+        ],
+        PREFILL_HOPPER_TMA_Q_TESTS,
+        "the producer's copy of a work item's Q tile (variant bit 4) starts one token late",
+    ),
+    Mutation(
+        "prefill_hopper_tma_q_released_after_the_first_s",
+        PREFILL_HOPPER,
+        [("        if (j == n_wg - 1) release_q();", "        if (j == 0) release_q();")],
+        PREFILL_HOPPER_TMA_Q_TESTS,
+        "the consumers let the producer overwrite Q after a work item's first S instead of its last (variant bit 4)",
     ),
     Mutation(
         "prefill_hopper_fp8_ignores_v_scale",
