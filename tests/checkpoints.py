@@ -137,6 +137,20 @@ def record_result(filename: str, key: str, value) -> None:
         json.dump(data, f, indent=1)
 
 
+def captured_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn run once on a side stream (as PyTorch asks before a capture: lazy initialization stays out of the graph),
+    then captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from checkpoints import (
     TWO_BF16_ENGINES,
+    captured_graph,
     engine_logits,
     float32_spread,
     logit_spread,
@@ -470,14 +471,7 @@ def test_programmatic_launch_waits_for_the_kernel_before(fp8, tokens):
         g = None
         if graph:
             x_in.copy_(inputs[0])
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                chain()
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                chain()
+            g = captured_graph(chain)
         for i in range(inputs.shape[0]):
             x_in.copy_(inputs[i])
             g.replay() if graph else chain()

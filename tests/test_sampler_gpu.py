@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
+from checkpoints import captured_graph, make_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import GenerationDefaults
 from fastqwen.engine.sampler import GpuSampler, ReferenceSampler, effective_top_k
@@ -437,14 +437,7 @@ def test_capture_in_a_cuda_graph():
     tokens = torch.empty(s, dtype=torch.int64, device="cuda")
     ws = sampler_workspace(s, vocab, torch.device("cuda"))
     rows.copy_(pack_sampler_rows([1.0] * s, 20, 0.9, seed=1, step=0))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sample(logits, rows, tokens, ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sample(logits, rows, tokens, ws)
+    graph = captured_graph(lambda: sample(logits, rows, tokens, ws))
     for step in range(3):
         packed = pack_sampler_rows([0.7] * s, [0, 20, 300, 5] * 4, 0.9, seed=2, step=step)
         rows.copy_(packed)
@@ -615,14 +608,8 @@ def test_engine_sampler_at_512_rows_matches_the_reference_sampler():
     sampler = GpuSampler(QWEN_VOCAB, ENGINE_ROWS, device, EOS, seed=5)
     sampler.freeze()
     logits = torch.empty(ENGINE_ROWS, QWEN_VOCAB, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # the warm-up draws neutral rows: nothing is counted
-        sampler.graph_hook(logits, ENGINE_ROWS)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sampler.graph_hook(logits, ENGINE_ROWS)
+    # (captured_graph's warm-up run draws neutral rows: nothing is counted)
+    graph = captured_graph(lambda: sampler.graph_hook(logits, ENGINE_ROWS))
 
     def step(requests: list) -> list[int]:
         sampler.prepare(requests, pad_to=ENGINE_ROWS)

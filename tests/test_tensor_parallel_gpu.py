@@ -17,7 +17,7 @@ import traceback
 import pytest
 import torch
 from all_reduce_norm_reference import assert_close_to_reference
-from checkpoints import make_checkpoint, record_result
+from checkpoints import captured_graph, make_checkpoint, record_result
 from fastqwen import LLM
 from server_process import free_port
 from test_cuda_graph_gpu import generate_recording, workload
@@ -43,19 +43,6 @@ def _connect(rank: int, world: int, port: int):
     group = ParallelGroup.connect(rank, world, store, device)
     assert group.custom is not None, "the custom all-reduce did not start"
     return group, device
-
-
-def _captured(fn) -> torch.cuda.CUDAGraph:
-    """fn run once on a side stream (as PyTorch asks before a capture), then captured in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def _worker(rank: int, world: int, port: int, dtype_names: tuple[str, ...], failures) -> None:
@@ -104,7 +91,7 @@ def _check_all_reduce(group, device, rank: int, world: int, dtype_name: str) -> 
     # Captured in a CUDA graph and replayed with new inputs each time (the round counters live on the device).
     numel = 5120 * 4
     static = torch.zeros(numel, dtype=dtype, device=device)
-    graph = _captured(lambda: group.all_reduce(static))
+    graph = captured_graph(lambda: group.all_reduce(static))
     for replay in range(5):
         values = [torch.full((numel,), float(r + replay), dtype=dtype) for r in range(world)]
         static.copy_(values[rank].to(device))
@@ -194,7 +181,7 @@ def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
         group.all_reduce(plain)
         custom.all_reduce_add_rms_norm(xs[1], residuals[1], ws[1], EPS)
 
-    graph = _captured(step)
+    graph = captured_graph(step)
     for replay in range(5):
         cases = [_norm_inputs(world, *shape, dtype, seed=1000 + 10 * replay + n) for n, shape in enumerate(shapes)]
         for n, (partials, residual, weight) in enumerate(cases):
