@@ -37,12 +37,10 @@ def native() -> ModuleType | None:
                     _module = None
                     _import_error = e
                 if fp8_variant is not None and hasattr(_module, "set_gemv_tc_fp8_variant"):
-                    pipelines = _module.GEMV_TC_FP8_PIPELINES
-                    if fp8_variant >= pipelines:  # (outside the try: a bad value is not a missing build)
-                        raise ValueError(
-                            f"FASTQWEN_GEMV_TC_FP8_VARIANT={fp8_variant}: expected a pipeline 0 to {pipelines - 1}"
-                        )
-                    _module.set_gemv_tc_fp8_variant(fp8_variant)
+                    try:  # (outside the import's try: a bad value is not a missing build; the kernel checks the range)
+                        _module.set_gemv_tc_fp8_variant(fp8_variant)
+                    except ValueError as e:
+                        raise ValueError(f"FASTQWEN_GEMV_TC_FP8_VARIANT={fp8_variant}: {e}") from None
                 _tried = True
     return _module
 
