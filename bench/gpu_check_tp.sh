@@ -123,18 +123,16 @@ for stage in $STAGES; do
       run gemv_tp2 200 python3 bench/bench_gemv.py --presets Qwen3-8B Qwen3-32B --tp 2 --batches 1 2 4 8 \
         --json "$OUT/gemv_tp2.json" ;;
     latency)
-      # 32B at TP=2 twice: the all-reduce fused with the residual add and norm (FASTQWEN_FUSED_ALLREDUCE_NORM=1),
-      # then the all-reduce followed by fused_add_rms_norm
-      for spec in "32B 2 1" "32B 2 0" "32B 1 0" "8B 2 1" "8B 2 0" "8B 1 0"; do
+      # spec: model, TP, fused, PDL. 32B at TP=2 with the all-reduce fused with the residual add and norm
+      # (FASTQWEN_FUSED_ALLREDUCE_NORM=1), then followed by fused_add_rms_norm, then fused without programmatic
+      # dependent launch (FASTQWEN_PDL=0: every kernel of the step, the all-reduces included, waits for the one before
+      # to end and then launches)
+      for spec in "32B 2 1 1" "32B 2 0 1" "32B 2 1 0" "32B 1 0 1" "8B 2 1 1" "8B 2 0 1" "8B 1 0 1"; do
         set -- $spec
-        FASTQWEN_FUSED_ALLREDUCE_NORM=$3 run "latency_$1_tp$2_fused$3" 240 python3 bench/latency.py \
-          --model "Qwen3-$1" --load-format dummy --tp "$2" --prompt-lens 128 --new-tokens 64 \
-          --json "$OUT/latency_$1_tp$2_fused$3.json"
-      done
-      # and without programmatic dependent launch (every kernel of the step, the all-reduces included, waits for
-      # the one before to end and then launches)
-      FASTQWEN_PDL=0 run latency_32B_tp2_fused1_pdl0 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy \
-        --tp 2 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fused1_pdl0.json" ;;
+        name="latency_$1_tp$2_fused$3$([ "$4" = 1 ] || echo _pdl0)"
+        FASTQWEN_FUSED_ALLREDUCE_NORM=$3 FASTQWEN_PDL=$4 run "$name" 240 python3 bench/latency.py \
+          --model "Qwen3-$1" --load-format dummy --tp "$2" --prompt-lens 128 --new-tokens 64 --json "$OUT/$name.json"
+      done ;;
     httplatency)  # issue 46's bar is offline AND through HTTP: the TP=2 server, then the client alone
       [ -d /tmp/qwen3-32b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-32B --out /tmp/qwen3-32b-dummy
       python3 -m fastqwen.serve --model /tmp/qwen3-32b-dummy --load-format dummy --tp 2 --max-model-len 8192 \
