@@ -18,7 +18,8 @@
 #   dp          issue 45: random Qwen3-8B through HTTP at 128 in / 1024 out, 1024 requests, 512 in flight: one server
 #               on one GPU, one server with --dp 2, the same with --api-server-count 2 (DP_CONFIGS: replicas:front
 #               ends, default "1:1 2:1 2:2"), then SMG (cache_aware) before two single-GPU servers; SGLang's
-#               bench_serving as the client when .sgl/ holds it (its sglang.benchmark package), else bench/serving.py
+#               bench_serving as the client when .sgl/ holds it (its sglang.benchmark package), else bench/serving.py;
+#               DP_SMG=0 leaves the SMG run out
 # NCCL_NVLS_ENABLE=0 throughout (no NVLink multicast objects: they can take the host's GPUs out of service).
 set -u -o pipefail
 
@@ -91,6 +92,7 @@ stage_dp() {
       > "$OUT/metrics_$name.txt"
     kill -TERM "${pids[@]}"; wait "${pids[@]}"
   done
+  [ "${DP_SMG:-1}" = 1 ] || return 0
   echo "== SMG (cache_aware) before two single-GPU servers"
   pids=()
   for gpu in 0 1; do
@@ -123,12 +125,13 @@ for stage in $STAGES; do
       run gemv_tp2 200 python3 bench/bench_gemv.py --presets Qwen3-8B Qwen3-32B --tp 2 --batches 1 2 4 8 \
         --json "$OUT/gemv_tp2.json" ;;
     latency)
-      # spec: model, TP, fused, PDL. 32B at TP=2 with the all-reduce fused with the residual add and norm
+      # spec: model:TP:fused:PDL. 32B at TP=2 with the all-reduce fused with the residual add and norm
       # (FASTQWEN_FUSED_ALLREDUCE_NORM=1), then followed by fused_add_rms_norm, then fused without programmatic
       # dependent launch (FASTQWEN_PDL=0: every kernel of the step, the all-reduces included, waits for the one before
       # to end and then launches)
-      for spec in "32B 2 1 1" "32B 2 0 1" "32B 2 1 0" "32B 1 0 1" "8B 2 1 1" "8B 2 0 1" "8B 1 0 1"; do
-        set -- $spec
+      # LATENCY_SPECS: a subset (the 32B runs load 65 GB each; all seven may not fit one 10-minute call)
+      for spec in ${LATENCY_SPECS:-32B:2:1:1 32B:2:0:1 32B:2:1:0 32B:1:0:1 8B:2:1:1 8B:2:0:1 8B:1:0:1}; do
+        set -- ${spec//:/ }
         name="latency_$1_tp$2_fused$3$([ "$4" = 1 ] || echo _pdl0)"
         FASTQWEN_FUSED_ALLREDUCE_NORM=$3 FASTQWEN_PDL=$4 run "$name" 240 python3 bench/latency.py \
           --model "Qwen3-$1" --load-format dummy --tp "$2" --prompt-lens 128 --new-tokens 64 --json "$OUT/$name.json"

@@ -31,10 +31,11 @@ def now() -> float:
     return time.perf_counter()
 
 
-def engine_latency(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
+def engine_latency(llm: LLM, prompt: list[int], new_tokens: int, output: list[int] | None = None) -> dict:
     """Time to first token (from adding the request to the step that returns it), and time per output token: the
     median gap between the returns of the steps that follow. A step returns once its token is on the host, so no
-    device sync is added between steps (one would stall the decode step the engine launched ahead)."""
+    device sync is added between steps (one would stall the decode step the engine launched ahead). output, when
+    given, receives the generated token ids."""
     start = now()
     llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     stamps, counts = [], []
@@ -43,6 +44,8 @@ def engine_latency(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
         if updates:
             stamps.append(time.perf_counter())
             counts.append(sum(len(u.new_token_ids) for u in updates))
+            if output is not None:
+                output.extend(t for u in updates for t in u.new_token_ids)
     return stream_times(start, stamps, counts)
 
 

@@ -35,9 +35,10 @@ DEFAULT_SPEC = '{"method": "suffix", "num_speculative_tokens": 5, "min_acceptanc
 
 
 def one_pass(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Each prompt alone; the pass's median TPOT and its acceptance length from the engine's counters."""
+    """Each prompt alone; the pass's median TPOT, its acceptance length from the engine's counters, and the outputs."""
     before = llm.engine.stats()
-    tpots = [engine_latency(llm, prompt, new_tokens)["tpot_mean_ms"] for prompt in prompts]
+    outputs = [[] for _ in prompts]
+    tpots = [engine_latency(llm, prompt, new_tokens, out)["tpot_mean_ms"] for prompt, out in zip(prompts, outputs)]
     after = llm.engine.stats()
     drafts = after.spec_num_drafts - before.spec_num_drafts
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
@@ -46,7 +47,17 @@ def one_pass(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
         "tpot_runs_ms": [round(t, 4) for t in tpots],
         "verify_steps": drafts,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "outputs": outputs,
     }
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two outputs differ (None when equal): a second pass that leaves the first one's path
+    cannot be drafted from the cache after that point."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         "first": first,
         "second": second,
         "speedup": first["tpot_ms"] / second["tpot_ms"],
+        "first_difference": [first_difference(a, b) for a, b in zip(first["outputs"], second["outputs"])],
     }
     for name in ("first", "second"):
         r = result[name]
         print(f"{name:6} pass: TPOT {r['tpot_ms']:.3f} ms, acceptance length {r['acceptance_length']}", flush=True)
     print(f"second pass {result['speedup']:.2f}x faster per token", flush=True)
+    print(f"first difference between the passes' outputs, per request: {result['first_difference']}", flush=True)
     report(result, args.json)
     return 0
 
