@@ -288,7 +288,11 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2],
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
     const float m_new = fmaxf(m_run[h], m);
     m_scaled[h] = m_new == -INFINITY ? 0.0f : m_new * scale_log2;  // a row with no key yet stays at zero
-    alpha[h] = mma::fast_exp2(m_run[h] * scale_log2 - m_scaled[h]);
+    // A tile that raises no maximum leaves O and l exactly as they were: m_run * scale - m_scaled contracts into an
+    // FMA whose result is the product's rounding error, not 0, so alpha would miss 1 by an ulp, and a query's output
+    // would depend on how many tiles wholly masked for it its step reads (a verify step's row 0 against the same
+    // position as row 3 of a later step: greedy replays under speculative decoding drifted apart).
+    alpha[h] = m_new == m_run[h] ? 1.0f : mma::fast_exp2(m_run[h] * scale_log2 - m_scaled[h]);
     m_run[h] = m_new;
   }
   float sum[2][kChains];

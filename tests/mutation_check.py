@@ -188,6 +188,18 @@ MUTATIONS = [
         "the consumers let the producer overwrite Q after a work item's first S instead of its last (variant bit 4)",
     ),
     Mutation(
+        "prefill_hopper_rescales_by_an_fma_residue",
+        PREFILL_HOPPER,
+        [
+            (
+                "    alpha[h] = m_new == m_run[h] ? 1.0f : mma::fast_exp2(m_run[h] * scale_log2 - m_scaled[h]);",
+                "    alpha[h] = mma::fast_exp2(m_run[h] * scale_log2 - m_scaled[h]);",
+            )
+        ],
+        ["tests/test_attention_gpu.py::test_prefill_query_rows_do_not_depend_on_the_rows_after_them[hopper-386]"],
+        "a tile that raises no maximum rescales O and l by exp2 of an FMA's rounding residue instead of exactly 1",
+    ),
+    Mutation(
         "prefill_hopper_fp8_ignores_v_scale",
         PREFILL_HOPPER,
         [

@@ -260,6 +260,28 @@ def test_hopper_prefill_every_pipeline_matches_reference(variant):
         set_hopper_prefill(previous_kernel)
 
 
+@pytest.mark.parametrize("kv_len", [130, 386, 4098, 5000])
+def test_prefill_query_rows_do_not_depend_on_the_rows_after_them(kv_len, prefill_kernel):
+    """Speculative decoding verifies a position as row 0 of one step and, when a replay's draft comes true, as row 3
+    of a step whose keys end 3 tokens earlier: its attention output must be the same bits, or greedy replays drift
+    apart (issue 42's replay test). Two 6-row steps over one sequence: A's queries at kv_len - 6 .. kv_len - 1, B's at
+    kv_len - 9 .. kv_len - 4, sharing 3 positions. At 130, 386 and 4098 A's last key starts a 128-key tile, which is
+    wholly masked for the shared rows; at 5000 both steps read the same tiles."""
+    q_all, k_cache, v_cache, _, table, _ = make_prefill_case(8, 4, 16, [9], [kv_len], torch.bfloat16, seed=kv_len)
+
+    def step(rows: slice, length: int) -> torch.Tensor:  # q_all[i] is position kv_len - 9 + i
+        q = q_all[rows].contiguous()
+        out = torch.full_like(q, float("nan"))
+        starts = torch.tensor([0, q.shape[0]], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+        paged_attention_prefill(q, k_cache, v_cache, starts, table, lens, 128**-0.5, out, q.shape[0])
+        return out
+
+    a, b = step(slice(3, 9), kv_len), step(slice(0, 6), kv_len - 3)
+    assert not torch.isnan(a).any() and not torch.isnan(b).any()
+    assert torch.equal(a[:3], b[3:]), (a[:3] - b[3:]).abs().max().item()
+
+
 def test_prefill_small_max_query_len_still_complete(prefill_kernel):
     """max_query_len only sizes the grid: a smaller one makes blocks loop over more tiles, never skip them."""
     case = make_prefill_case(2, 4, 16, [700, 20], [900, 20], torch.bfloat16, seed=5)
