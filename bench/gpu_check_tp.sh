@@ -113,12 +113,19 @@ for stage in $STAGES; do
   build
   case "$stage" in
     tests)
+      # The grammar test builds two TP=2 engines in one process; the first one's NCCL group, dropped after its
+      # ranks exited, hangs in its destructor (issue 46's note): it runs last and alone, under its own limit, so the
+      # others report whatever it does.
+      grammar_test=tests/test_tensor_parallel_gpu.py::test_tp2_grammars_in_graphs_overlap_like_the_serial_schedule
       FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
         tests/test_tensor_parallel_gpu.py tests/test_tensor_parallel.py tests/test_tensor_parallel_fp8.py \
         tests/test_all_reduce_add_rms_norm.py \
-        tests/test_cuda_graph_gpu.py \
+        tests/test_cuda_graph_gpu.py --deselect "$grammar_test" \
         > "$OUT/tests.log" 2>&1 || rc=1
-      pytest_report "$OUT/tests.log" 40 ;;
+      pytest_report "$OUT/tests.log" 40
+      timeout 150 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider -o faulthandler_timeout=120 \
+        "$grammar_test" > "$OUT/tests_grammar.log" 2>&1 || rc=1
+      pytest_report "$OUT/tests_grammar.log" 10 ;;
     allreduce)
       run allreduce 300 python3 bench/tp_bench.py --hidden 4096 5120 --json "$OUT/allreduce.json"
       # One rank's GEMVs at the TP=2 shard shapes against the copy rate (one GPU is enough; issue 46)
