@@ -1,6 +1,7 @@
 """Issue 42's replay test on a GPU: greedy requests run once with suffix decoding, their outputs enter the global suffix
-cache, and the same requests run again. With random weights greedy decoding repeats itself, so the second pass's
-drafts come true: its acceptance length (1 + accepted drafts per verify step) and its time per output token against
+cache, and the same requests run again. A greedy second pass computes what the first did, so its drafts (the first
+pass's outputs) come true as long as each position's logits are the same bits whichever row of a verify step
+computes it: its acceptance length (1 + accepted drafts per verify step) and its time per output token against
 the first pass's, each request alone (batch 1), as vLLM and SGLang report TPOT ((end - first token) / (tokens - 1)).
 
     python bench/spec_replay.py --model Qwen3-8B --load-format dummy [--requests 4] [--new-tokens 256]
