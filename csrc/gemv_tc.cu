@@ -183,9 +183,11 @@ __device__ __forceinline__ void stage_x_grouped(const T* __restrict__ x, int m, 
 // thread, 2: 128); kGroupedX: x staged by stage_x_grouped. FP8 pipelines (set_gemv_tc_fp8_variant): at k = 4,096 a
 // warp has 4 steps in all, so pipeline 0's two-deep ring holds half of them while x is staged one token after the
 // other (an H100's FP8 o_proj: 13.9 us at 4 tokens, 6.1 at 1); the others keep more weights or more of x in flight
-// at fewer blocks per SM (each compiles without spills). The default, 3 (x staged four tokens at a time, 2 blocks per
-// SM), was the fastest in the whole engine: FP8 speculation at k = 3 on an H200, 2.38 ms a token through HTTP against
-// 2.53 with pipeline 0 (bench/results/current/speculative.md).
+// at fewer blocks per SM (each compiles without spills). Pipeline 3 (x staged four tokens at a time, 2 blocks per SM)
+// was the fastest in the whole engine: FP8 speculation at k = 3 on an H200, 2.38 ms a token through HTTP against 2.53
+// with pipeline 0. The default, 5, is 3 with persistent blocks: a layer's four FP8 projections on an H100 in 83.8 /
+// 88.3 / 92.9 us at 2 / 3 / 4 tokens against 3's 89.8 / 98.3 / 106.8, the fastest of the seven at each (gate_up at 4
+// tokens: 38.0 against 50.2; bench/results/current/speculative.md).
 // kPersistent (pipelines 5, 6): a grid of as many blocks as the SMs hold at once, each staging x once and then taking
 // tiles blockIdx.x, + gridDim.x, ... (the next tile's first weight steps load while this tile's sums are reduced):
 // every block of the others stages all of x again (two passes over m x k values, two round trips to memory before its
@@ -199,7 +201,7 @@ constexpr Fp8Pipeline kFp8Pipelines[] = {{2, 3, false, false}, {4, 2, false, fal
                                          {2, 2, true, false},  {3, 2, true, false},  {2, 2, true, true},
                                          {2, 3, false, true}};
 constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]);
-constexpr int kDefaultFp8Pipeline = 3;
+constexpr int kDefaultFp8Pipeline = 5;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
 
 template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
