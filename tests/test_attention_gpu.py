@@ -282,6 +282,35 @@ def test_prefill_query_rows_do_not_depend_on_the_rows_after_them(kv_len, prefill
     assert torch.equal(a[:3], b[3:]), (a[:3] - b[3:]).abs().max().item()
 
 
+def test_hopper_prefill_lazy_rescale_gives_the_same_bits():
+    """set_paged_attention_prefill_hopper_lazy_rescale(True): a warp whose rows all kept their maxima over a tile skips
+    O's rescale, which multiplies by exactly 1 there: the output must be the same bits as without it, on ragged
+    prompts and a long extend (most tiles leave every maximum unchanged), and match the reference."""
+    previous_kernel = set_hopper_prefill(True)
+    try:
+        probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
+        if not prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda")):
+            pytest.skip("no Hopper prefill kernel on this device")
+        q_lens, kv_lens = prefill_lengths(random.Random(6), 16)
+        q_lens, kv_lens = q_lens + [512], kv_lens + [9000]
+        q, k_cache, v_cache, starts, table, lens = make_prefill_case(8, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=6)
+        outs = []
+        for lazy in (False, True):
+            previous = native().set_paged_attention_prefill_hopper_lazy_rescale(lazy)
+            try:
+                out = torch.full_like(q, float("nan"))
+                paged_attention_prefill(q, k_cache, v_cache, starts, table, lens, 128**-0.5, out)
+                outs.append(out)
+            finally:
+                native().set_paged_attention_prefill_hopper_lazy_rescale(previous)
+        assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max().item()
+        want = torch.empty_like(q)
+        paged_attention_prefill_reference(q, k_cache, v_cache, starts, table, lens, 128**-0.5, want)
+        assert_within_scale(outs[1], want, 8 * unit_roundoff(q.dtype), "prefill, lazy rescale")
+    finally:
+        set_hopper_prefill(previous_kernel)
+
+
 def test_prefill_small_max_query_len_still_complete(prefill_kernel):
     """max_query_len only sizes the grid: a smaller one makes blocks loop over more tiles, never skip them."""
     case = make_prefill_case(2, 4, 16, [700, 20], [900, 20], torch.bfloat16, seed=5)
