@@ -211,24 +211,20 @@ class TensorParallelEngine:
         if self._closing:
             return
         self._closing = True
-        parallel = self.__dict__.get("parallel")
         if not kill:
             stop = self._encoder.encode(Order(self._commands, self._checksum, stop=True))
             for socket in self._orders:
                 socket.send(stop)
-            if parallel is not None:
-                parallel.release_device_group(peers_alive=True)
             for process in self.processes:
                 process.join(30)
         for process in self.processes:
             if process.is_alive():
                 process.kill()
                 process.join(5)
-        if parallel is not None:
-            parallel.release_device_group(peers_alive=False)
         engine = self.__dict__.get("engine")
         if engine is not None:
             engine.close()  # rank 0's own: its KV-event publisher
+        parallel = self.__dict__.get("parallel")
         if parallel is not None and parallel.custom is not None and not kill:
             parallel.custom.close()  # the other ranks have exited: nobody reads this rank's buffer any more
         torch.set_num_threads(self._num_threads)
@@ -323,7 +319,6 @@ def rank_main(config: EngineConfig, rank: int, port: int, folder: str, leader_pi
         shutil.rmtree(folder, ignore_errors=True)
         logging.shutdown()
         os._exit(1)
-    parallel.release_device_group(peers_alive=True)
     # Exiting frees this rank's buffers: rank 0 closes its mappings only after every other rank has exited.
     orders.close(linger=0)
     reports.close(linger=0)

@@ -144,17 +144,6 @@ class ParallelGroup:
         if self.size > 1:
             self.cpu_group.allreduce([torch.zeros(1)]).wait()
 
-    def release_device_group(self, peers_alive: bool) -> None:
-        """Release the NCCL communicator now, on every rank at the same point (shutdown when the peers do the same,
-        else abort)."""
-        group = self.device_group
-        if group is None or group is self.cpu_group:
-            return
-        self.device_group = None
-        release = getattr(group, "shutdown" if peers_alive else "abort", None)
-        if release is not None:
-            release()
-
     def close(self) -> None:
         if self.custom is not None:
             self.barrier()  # no peer still reads this rank's buffer
