@@ -221,12 +221,10 @@ class TensorParallelEngine:
             if process.is_alive():
                 process.kill()
                 process.join(5)
-        parallel = self.__dict__.get("parallel")
-        if parallel is not None:
-            parallel.abort_device_group()  # the other ranks are gone: nobody to shut the communicator down with
         engine = self.__dict__.get("engine")
         if engine is not None:
             engine.close()  # rank 0's own: its KV-event publisher
+        parallel = self.__dict__.get("parallel")
         if parallel is not None and parallel.custom is not None and not kill:
             parallel.custom.close()  # the other ranks have exited: nobody reads this rank's buffer any more
         torch.set_num_threads(self._num_threads)

@@ -144,20 +144,6 @@ class ParallelGroup:
         if self.size > 1:
             self.cpu_group.allreduce([torch.zeros(1)]).wait()
 
-    def abort_device_group(self) -> None:
-        """Abort this rank's NCCL communicator now (ncclCommAbort: local, waits for no peer), once the other ranks
-        have exited. Left alone, the group's destructor runs whenever the garbage collector drops the engine and
-        shuts the communicator down in order (flush, then destroy), which needs every rank and so waits forever
-        for ranks that are gone (seen on two H200s: a second LLM(tensor_parallel_size=2) in one process hung as the
-        first was dropped; an orderly shutdown on every rank at close hung in rank 0's shutdown as well)."""
-        group = self.device_group
-        if group is None or group is self.cpu_group:  # (gloo on the CPU: nothing outlives its peers)
-            return
-        self.device_group = None
-        abort = getattr(group, "abort", None)  # (ProcessGroupNCCL.abort: PyTorch >= 2.4)
-        if abort is not None:
-            abort()
-
     def close(self) -> None:
         if self.custom is not None:
             self.barrier()  # no peer still reads this rank's buffer
