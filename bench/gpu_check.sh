@@ -36,6 +36,7 @@
 #            flight: where speculation stops paying, for its default switch-off batch size
 #   fp8kvserving  FP8 weights + FP8 KV, 128/1024 with 512 in flight (1,024 requests): offline, then through the
 #            server (API_SERVERS front-end processes, default 1) with SGLang's bench_serving (SGL_TOOLS) (issue 47)
+#   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   stepaccount  bench/step_account.py: the decode step of random Qwen3-8B at batch 64, 256 and 512 per kernel family
 #            against each family's bound; bf16, then FP8 weights + FP8 KV (issue 47)
 #   saturated  issue 47's parts at decode batch sizes, in one call: decode attention at 256 and 512 sequences of
@@ -73,7 +74,8 @@ build() {
   echo "== build"
   local start
   start=$(date +%s)
-  python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1
+  # (the build folder is kept: the mutants stage recompiles only its mutated sources in it)
+  python3 -m pip install --no-build-isolation --no-deps -v -Cbuild-dir=/tmp/fastqwen-build . > "$OUT/build.log" 2>&1
   build_rc=$?
   echo "build rc=$build_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log"
   [ "$build_rc" -eq 0 ] || tail -n 40 "$OUT/build.log"
@@ -380,6 +382,14 @@ stage_specswitch() {  # issue 42: speculation at acceptance 2.0 kept on above it
   done
 }
 
+stage_mutants() {  # tests/mutation_check.py's mutants named in MUTANTS (a,b,...): each built into its own copy of
+  # the module from the kept build folder; its named tests must fail against it
+  [ -n "${MUTANTS:-}" ] || { echo "mutants: name them in MUTANTS=a,b"; return; }
+  timeout "${MUTANTS_TIMEOUT:-400}" python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
+    --names "$MUTANTS" --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
+  grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 20
+}
+
 stage_fp8kvserving() {  # issue 47: FP8 weights + FP8 KV at 512 in flight, offline then through HTTP
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   local flags=(--quantization fp8 --kv-cache-dtype fp8_e4m3 --max-num-seqs 512)
@@ -419,8 +429,12 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|specreplay|specswitch|fp8kvserving|stepaccount|saturated)
-      (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null || build
+    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+      # (mutants also need the kept build folder)
+      if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
+        { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then
+        build
+      fi
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
