@@ -356,9 +356,23 @@ def bench_prefill(
         paged_attention_prefill(qs[i], k_cache, v_cache, starts, tables[i], lens, scale, outs[i], new)
         for i in range(nbuf)
     ]
-    graph = graph_of(ours)
-    us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-    del graph
+
+    def replay_us() -> float:  # a call of `ours` from its CUDA graph, per buffer
+        graph = graph_of(ours)
+        try:
+            return time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
+        finally:
+            del graph
+
+    def replay_us_with(switch, value, restore=None) -> float:
+        """replay_us with a process-wide kernel switch set to value, then back (to restore, or to what it returned)."""
+        previous = switch(value)
+        try:
+            return replay_us()
+        finally:
+            switch(previous if restore is None else restore)
+
+    us = replay_us()
     row = {
         "op": "paged_attention_prefill",
         "kv_dtype": kv,
@@ -371,33 +385,16 @@ def bench_prefill(
         "ours_tflops": flops / (us * 1e-6) / 1e12,
     }
     if row["kernel"] == "hopper":  # the tensor-core kernel (csrc/attention_prefill.cu) on the same inputs
-        previous = set_hopper_prefill(False)
-        try:
-            graph = graph_of(ours)
-            tc_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-            del graph
-        finally:
-            set_hopper_prefill(previous)
+        tc_us = replay_us_with(set_hopper_prefill, False)
         row["tensor_cores_us"] = tc_us
         row["tensor_cores_tflops"] = flops / (tc_us * 1e-6) / 1e12
-        native().set_paged_attention_prefill_hopper_persistent(False)  # one block per work item instead
-        try:
-            graph = graph_of(ours)
-            np_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-            del graph
-        finally:
-            native().set_paged_attention_prefill_hopper_persistent(True)
+        # one block per work item instead of the persistent grid (its setter returns nothing: back to persistent)
+        np_us = replay_us_with(native().set_paged_attention_prefill_hopper_persistent, False, restore=True)
         row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
         # Lazy rescale: warps whose rows all kept their maxima over a tile skip O's rescale (the same bits)
         lazy_switch = getattr(native(), "set_paged_attention_prefill_hopper_lazy_rescale", None)
         if lazy_switch is not None:
-            previous_lazy = lazy_switch(True)
-            try:
-                graph = graph_of(ours)
-                lazy_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-                del graph
-            finally:
-                lazy_switch(previous_lazy)
+            lazy_us = replay_us_with(lazy_switch, True)
             row["hopper_lazy_rescale_tflops"] = flops / (lazy_us * 1e-6) / 1e12
         # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
         # K/V stages, bit 3 a dynamic schedule, bit 4 Q copied by the producer. Each one's output is checked against
@@ -412,9 +409,7 @@ def bench_prefill(
                     outs[0].fill_(float("nan"))
                     paged_attention_prefill(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, outs[0], new)
                     torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
-                graph = graph_of(ours)
-                v_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-                del graph
+                v_us = replay_us()
                 row[f"hopper_variant{variant}_tflops"] = flops / (v_us * 1e-6) / 1e12
         finally:
             native().set_paged_attention_prefill_hopper_variant(default_variant)
