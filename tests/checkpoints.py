@@ -6,6 +6,7 @@ shows up as a mismatch against Hugging Face.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -149,6 +150,18 @@ def captured_graph(fn) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+@contextlib.contextmanager
+def native_setting(setter: str, value):
+    """A process-wide switch of the native module (set_*, which returns the previous value) for the block."""
+    from fastqwen.ops._native import native
+
+    before = getattr(native(), setter)(value)
+    try:
+        yield
+    finally:
+        getattr(native(), setter)(before)
 
 
 def read_json(path: str) -> dict:

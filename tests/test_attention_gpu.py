@@ -29,7 +29,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import record_result
+from checkpoints import native_setting, record_result
 from fastqwen.ops import decode_workspace, paged_attention_decode, paged_attention_prefill, plan_decode
 from fastqwen.ops._native import has_cuda_kernels, native
 from fastqwen.ops.attention import (
@@ -159,14 +159,20 @@ def test_decode_bad_arguments():
 # Prefill / extend: q_lens new tokens at the end of kv_lens cached tokens per sequence.
 
 
+def hopper_prefill_runs_here() -> bool:
+    """Whether the one rule in ops/ picks the Hopper kernel for a 16-bit cache of 16-token pages on this device (with
+    the kernel switched on)."""
+    probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
+    return prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda"))
+
+
 @pytest.fixture(params=["hopper", "tensor_cores"])
 def prefill_kernel(request):
     """Runs a prefill test on each kernel: csrc/attention_prefill_hopper.cu (where the device has it: 16-bit caches,
     pages of 16 or more) and csrc/attention_prefill.cu."""
     previous = set_hopper_prefill(request.param == "hopper")
     if request.param == "hopper":
-        probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
-        if not prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda")):
+        if not hopper_prefill_runs_here():
             set_hopper_prefill(previous)
             pytest.skip("no Hopper prefill kernel on this device")
     yield request.param
@@ -245,8 +251,7 @@ def test_hopper_prefill_every_pipeline_matches_reference(variant):
     previous_kernel = set_hopper_prefill(True)
     previous_variant = native().set_paged_attention_prefill_hopper_variant(variant)
     try:
-        probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
-        if not prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda")):
+        if not hopper_prefill_runs_here():
             pytest.skip("no Hopper prefill kernel on this device")
         for dtype, group, seed in ((torch.bfloat16, 4, 1), (torch.float16, 8, 2), (torch.bfloat16, 5, 4)):
             q_lens, kv_lens = prefill_lengths(random.Random(seed), 16)
@@ -288,21 +293,17 @@ def test_hopper_prefill_lazy_rescale_gives_the_same_bits():
     prompts and a long extend (most tiles leave every maximum unchanged), and match the reference."""
     previous_kernel = set_hopper_prefill(True)
     try:
-        probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device="cuda")
-        if not prefill_uses_hopper_kernel(probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda")):
+        if not hopper_prefill_runs_here():
             pytest.skip("no Hopper prefill kernel on this device")
         q_lens, kv_lens = prefill_lengths(random.Random(6), 16)
         q_lens, kv_lens = q_lens + [512], kv_lens + [9000]
         q, k_cache, v_cache, starts, table, lens = make_prefill_case(8, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=6)
         outs = []
         for lazy in (False, True):
-            previous = native().set_paged_attention_prefill_hopper_lazy_rescale(lazy)
-            try:
+            with native_setting("set_paged_attention_prefill_hopper_lazy_rescale", lazy):
                 out = torch.full_like(q, float("nan"))
                 paged_attention_prefill(q, k_cache, v_cache, starts, table, lens, 128**-0.5, out)
                 outs.append(out)
-            finally:
-                native().set_paged_attention_prefill_hopper_lazy_rescale(previous)
         assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max().item()
         want = torch.empty_like(q)
         paged_attention_prefill_reference(q, k_cache, v_cache, starts, table, lens, 128**-0.5, want)

@@ -4,7 +4,6 @@ the same weights dequantized to bf16, teacher-forced, under the margin rule of t
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import random
 
@@ -19,6 +18,7 @@ from checkpoints import (
     logit_spread,
     make_checkpoint,
     make_fp8_checkpoint,
+    native_setting,
     record_result,
     teacher_forced_match,
 )
@@ -69,16 +69,6 @@ def tensor_core_applies(m: int, w: LinearWeight) -> bool:
     k = w.in_features
     staged = 8 * m * -(-k // 1024) * 128 * 2 if w.is_fp8 else 0
     return m in TENSOR_CORE_TOKENS and (k % 128 == 0 if w.is_fp8 else k % 64 == 0) and staged <= 100 * 1024
-
-
-@contextlib.contextmanager
-def native_setting(setter: str, value):
-    """A process-wide switch of the native module (set_*, which returns the previous value) for the block."""
-    before = getattr(_native.native(), setter)(value)
-    try:
-        yield
-    finally:
-        getattr(_native.native(), setter)(before)
 
 
 def tensor_cores(enabled: bool):
