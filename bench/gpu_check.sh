@@ -3,6 +3,7 @@
 #   bash bench/gpu_check.sh OUTDIR [STAGE ...]
 # Stages (default: all, in this order; each fits in one 10-minute device call):
 #   tests    build, pytest tests (GPU tests included)                       -> build.log, tests.log
+#   testsubset  pytest on TEST_FILES (default: tests) with -k TESTS_K, limit TESTS_TIMEOUT (default 200 s)
 #   kernels  bench/bench_*.py (but bench_gemm_fp8.py, which saturated runs), bench/kernels.py (norms, RoPE/KV,
 #            decode and prefill attention, sampling)
 #   offline  bench/latency.py and bench/throughput.py, random Qwen3-8B and Qwen3-0.6B, with the HF baseline
@@ -267,6 +268,17 @@ stage_batch1() {  # the README's batch-1 figures: bench/results/current/batch1-l
   done
 }
 
+stage_testsubset() {  # the GPU tests a change touched, without the whole suite's 8 minutes
+  echo "== tests: ${TEST_FILES:-tests} -k '${TESTS_K:-}'"
+  # shellcheck disable=SC2086  # (the files are words)
+  FASTQWEN_RESULTS_DIR="$OUT" timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
+    ${TEST_FILES:-tests} -k "${TESTS_K:-}" > "$OUT/tests_subset.log" 2>&1
+  local rc=$?
+  echo "tests_subset rc=$rc" | tee -a "$OUT/tests_subset.log"
+  [ "$rc" -eq 0 ] || tests_rc=$rc
+  pytest_report "$OUT/tests_subset.log"
+}
+
 stage_prefill() {  # issue 48: the prefill cases of bench/kernels.py, the Hopper pipelines PREFILL_VARIANTS (default:
   # static and dynamic ping-pong, the overlap with ping-pong, three stages; each with and without Q by the producer,
   # bit 4) and the default with the lazy rescale, bf16 and FP8 pools, with cuDNN's and FlashAttention-2's SDPA on the
@@ -429,7 +441,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then
