@@ -14,7 +14,7 @@ times, the same way, a copy that moves as many bytes as the FP8 GEMV (copy_fp8_b
 
     python bench/bench_gemv.py [--presets Qwen3-8B] [--batches 1 2 4 8 16] [--shapes qkv o_proj] [--json out.json]
                                [--iters 30] [--tp 2]   (--tp: one rank's shard of each projection)
-                               [--tc-fp8-variants 0 1 2 3 4 5 6]   (each pipeline of the tensor-core FP8 kernel)
+                               [--tc-fp8-variants 0 5 7 ...]   (each pipeline of the tensor-core FP8 kernel)
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def main() -> int:
         type=int,
         nargs="*",
         default=[],
-        help="also these pipelines of the tensor-core FP8 kernel (0..6, csrc/gemv.h), as gemv_fp8_v{N}",
+        help="also these pipelines of the tensor-core FP8 kernel (0 .. GEMV_TC_FP8_PIPELINES - 1, csrc/gemv_tc.cu), as gemv_fp8_v{N}",
     )
     args = p.parse_args()
     if args.shapes_only:

@@ -29,8 +29,11 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
-#   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..6) at 1 to 4 tokens, their GPU
-#            test, then FP8 speculation at acceptance 2.0 with each (GEMV_TC_VARIANTS, default 0 3 5 6)
+#   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..10) at 1 to 4 tokens, their GPU
+#            test, then FP8 speculation off, and at acceptance 2.0 with each of GEMV_TC_VARIANTS (default: the
+#            default pipeline and the fastest of GEMV_TC_BENCH_VARIANTS over a layer at 2 to 4 tokens)
+#   verifyprofile  bench/profile_step.py --verify: the FP8 verify step's kernels (FASTQWEN_PDL=0, durations that add
+#            up) and its graph's time with and without PDL
 #   specreplay  bench/spec_replay.py: greedy requests twice with suffix decoding, the second drafting from the first
 #            (bench/latency.py's speculation-off TPOT for the same lengths beside it)
 #   specswitch  offline throughput with speculation forced on (max_batch_size 512) and off at 32, 64 and 128 in
@@ -371,12 +374,35 @@ stage_specthroughput() {  # issue 42: speculation must pay at 1, 4 and 16 in fli
 }
 stage_gemvtc() {  # issue 42: the tensor-core GEMV's FP8 pipelines at 2 to 4 tokens, their test, then FP8 speculation
   # (acceptance 2.0, batch 1, offline and through HTTP) with each pipeline in the whole engine
+  # shellcheck disable=SC2086  # (the variants are words)
   run gemv_tc_variants 120 python3 bench/bench_gemv.py --batches 1 2 3 4 --shapes qkv o_proj gate_up down \
-    --tc-fp8-variants 0 1 2 3 4 5 6 --json "$OUT/gemv_tc_variants.json"
+    --tc-fp8-variants ${GEMV_TC_BENCH_VARIANTS:-0 3 5 7 8 9 10} --json "$OUT/gemv_tc_variants.json"
   FASTQWEN_RESULTS_DIR="$OUT" run gemv_tc_variants_test 120 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gemv_gpu.py -k "pipelines or tensor_core or matches_reference"
-  for v in ${GEMV_TC_VARIANTS:-0 3 5 6}; do
+  local variants="${GEMV_TC_VARIANTS:-fastest}"
+  if [ "$variants" = fastest ]; then  # the default pipeline and the one fastest over a layer's four at 2 to 4 tokens
+    variants="$(python3 -c '
+import json, sys
+shapes = json.load(open(sys.argv[1]))["shapes"].values()
+rows = [r for rows in shapes for r in rows if 2 <= r["batch"] <= 4]
+names = {k for r in rows for k in r if k.startswith("gemv_fp8_v") and k.endswith("_us")}
+best = min(names, key=lambda k: sum(r[k] for r in rows))
+print(sys.argv[2], best[len("gemv_fp8_v"):-len("_us")])' "$OUT/gemv_tc_variants.json" "$(python3 -c \
+      'from fastqwen import _C; print(_C.set_gemv_tc_fp8_variant(0))')" | tr ' ' '\n' | sort -un | tr '\n' ' ')"
+    echo "gemvtc: FP8 speculation with pipelines $variants"
+  fi
+  SPEC_QUANT=fp8 SPEC_MODES=off stage_speculative  # (the no-speculation figure of the same run)
+  for v in $variants; do
     FASTQWEN_GEMV_TC_FP8_VARIANT=$v SPEC_QUANT=fp8 SPEC_MODES=on SPEC_TAG="_v$v" stage_speculative
+  done
+}
+
+stage_verifyprofile() {  # issue 42: the FP8 verify step (k = 3, acceptance 2.0, batch 1) kernel by kernel, without
+  # programmatic dependent launch so that the kernels' durations add up, then its graph timed with it
+  for pdl in 0 1; do
+    FASTQWEN_PDL=$pdl run "verify_profile_fp8_pdl$pdl" 150 python3 bench/profile_step.py --model Qwen3-8B \
+      --load-format dummy --quantization fp8 --num-pages 2048 --speculative-config "$SPEC_SYNTHETIC" --verify \
+      $([ "$pdl" = 0 ] && echo --kernels) --json "$OUT/verify_profile_fp8_pdl$pdl.json"
   done
 }
 
@@ -441,7 +467,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then

@@ -1,7 +1,7 @@
 """Where the time of a decode step goes: the host time of each part of LLMEngine.step, next to the GPU time of the
 step's work (a CUDA-event timed replay of the same decode graph, sampler included).
 
-    python bench/profile_step.py --model Qwen3-8B --load-format dummy [--batch N] [--disable-overlap-schedule]
+    python bench/profile_step.py --model Qwen3-8B --load-format dummy [--batch N] [--disable-overlap-schedule] [--verify]
                                  [--disable-cuda-graph] [--json out]
 
 Parts (milliseconds of host time per engine.step call, means over the decode steps, so that they add up to the
@@ -46,6 +46,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--batch", type=int, default=1, help="decode batch size (that many requests at once)")
     p.add_argument("--kernels", action="store_true", help="also list the decode graph's kernels (torch.profiler)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="with --speculative-config: time and list the verify step's graph (k + 1 tokens a sequence) instead",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(
@@ -104,6 +109,9 @@ def main() -> int:
     }
     parts["update"] = per_step_ms("engine_step") - sum(parts.values())
     gaps = [b - a for a, b in zip(ends, ends[1:])]
+    graphs = runner.verify_graphs if args.verify else runner.graphs
+    if args.verify and graphs is None:
+        raise SystemExit("--verify: no verify graphs (it needs --speculative-config and CUDA graphs)")
     result = {
         "model": args.model,
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else str(engine.device),
@@ -116,20 +124,21 @@ def main() -> int:
         "step_ms": statistics.median(gaps) * 1e3,  # median time between the ends of consecutive steps
         "engine_step_call_ms": median_ms("engine_step"),  # median duration of one engine.step call
         "engine_step_call_mean_ms": per_step_ms("engine_step"),
-        "gpu_ms": graph_replay_ms(runner, args.batch),
+        "graph": "verify" if args.verify else "decode",
+        "gpu_ms": graph_replay_ms(graphs, args.batch),
         "host_ms": {k: round(v, 4) for k, v in parts.items()},  # means per engine.step call; they sum to the mean
     }
     # Host work besides the wait: with overlap it hides behind the GPU as long as it is below gpu_ms.
     result["host_ms_excluding_wait"] = round(sum(v for k, v in parts.items() if k != "collect"), 4)
-    if args.kernels and runner.graphs is not None:
-        result["kernels"] = graph_kernels(runner, args.batch)
+    if args.kernels and graphs is not None:
+        result["kernels"] = graph_kernels(graphs, args.batch)
     report(result, args.json)
     return 0
 
 
-def graph_replay_ms(runner, batch: int) -> float | None:
-    """Median GPU time of one replay of the decode graph that runs `batch` rows (model, LM head and sampler)."""
-    graphs = runner.graphs
+def graph_replay_ms(graphs, batch: int) -> float | None:
+    """Median GPU time of one replay of the graph (decode or verify) that runs `batch` sequences (model, LM head and
+    sampler)."""
     if graphs is None or batch > graphs.max_bs:
         return None
     size = graphs.padded_size(batch)
@@ -144,12 +153,13 @@ def graph_replay_ms(runner, batch: int) -> float | None:
     return statistics.median(samples[5:])
 
 
-def graph_kernels(runner, batch: int, replays: int = 10) -> dict:
-    """The kernels of the decode graph's replays as the profiler saw them: per kernel name, calls and GPU time per
-    replay; and the replay's span against the sum of its kernels (the rest is the gaps between kernels)."""
+def graph_kernels(graphs, batch: int, replays: int = 10) -> dict:
+    """The kernels of the graph's replays as the profiler saw them: per kernel name, calls and GPU time per replay;
+    and the replay's span against the sum of its kernels (the rest is the gaps between kernels). With programmatic
+    dependent launch (FASTQWEN_PDL, on by default) a kernel starts before the one it waits for ends, so the times
+    overlap: FASTQWEN_PDL=0 gives durations that add up."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = runner.graphs
     size = graphs.padded_size(batch)
     for _ in range(3):
         graphs.replay(size)

@@ -114,6 +114,21 @@ __device__ __forceinline__ uint32_t e4m3x2_hi(uint32_t bits) {
   return out;
 }
 
+// The same two e4m3 values as bf16x2, without a conversion instruction (sm_90 converts e4m3 to f16 only): each byte's
+// sign goes to bit 15 and its exponent and mantissa to bits 4..10, which a bf16 reads as the value times 2^-120 (an
+// e4m3 subnormal as a bf16 subnormal), and one exact multiply by 2^120 restores it. Every finite e4m3 comes out
+// exact; the NaN bytes (0x7f, 0xff) come out as +-480, which quantize_fp8 never writes.
+__device__ __forceinline__ uint32_t e4m3x2_bf16(uint32_t bits, uint32_t selector) {
+  const uint32_t t = __byte_perm(bits, 0u, selector);  // the two bytes in bits 8..15 and 24..31
+  const uint32_t placed = ((t >> 4) & 0x07f007f0u) | (t & 0x80008000u);
+  uint32_t out;
+  // (fma with -0 rather than mul: the form every bf16-capable arch has; the product is exact, so is the sum)
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(placed), "r"(0x7b807b80u), "r"(0x80008000u));
+  return out;
+}
+__device__ __forceinline__ uint32_t e4m3x2_lo_bf16(uint32_t bits) { return e4m3x2_bf16(bits, 0x1404u); }
+__device__ __forceinline__ uint32_t e4m3x2_hi_bf16(uint32_t bits) { return e4m3x2_bf16(bits, 0x3424u); }
+
 // 16 bytes of a weight, not kept in L1 (streamed once; the activations are what L1 should hold).
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;

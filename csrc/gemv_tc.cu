@@ -31,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "common.cuh"
 #include "cuda_check.h"
@@ -192,25 +193,34 @@ __device__ __forceinline__ void stage_x_grouped(const T* __restrict__ x, int m, 
 // tiles blockIdx.x, + gridDim.x, ... (the next tile's first weight steps load while this tile's sums are reduced):
 // every block of the others stages all of x again (two passes over m x k values, two round trips to memory before its
 // first mma), and gate_up's 1,536 tiles are several waves of blocks. The same arithmetic, bit for bit.
+// kDirectX (pipelines 7..): no staging. x is read from memory as it is, like the dense kernel's, and the weights are
+// brought to x's type: f16 by the hardware conversion for fp16 models, bf16 by placing the bits (common.cuh's
+// e4m3x2_lo_bf16) for bf16 ones, so products stay exact and the only cost that grows with the tokens is x's loads
+// (L1 hits). No shared memory: more blocks per SM and no round trips before the first mma. The sums are the staged
+// pipelines' scaled by powers of two that cancel, the same bits wherever the staging's f16 did not round (values
+// 2^29 times smaller than their share's largest).
 struct Fp8Pipeline {
   int depth, min_blocks;
   bool grouped_x;   // x staged by stage_x_grouped (up to four tokens' loads in flight together) instead of stage_x
   bool persistent;  // blocks take tiles in turn, x staged once per block
+  bool direct_x = false;  // x read as it is, the weights converted to its type (no staging)
 };
-constexpr Fp8Pipeline kFp8Pipelines[] = {{2, 3, false, false}, {4, 2, false, false}, {3, 2, false, false},
-                                         {2, 2, true, false},  {3, 2, true, false},  {2, 2, true, true},
-                                         {2, 3, false, true}};
+constexpr Fp8Pipeline kFp8Pipelines[] = {
+    {2, 3, false, false},       {4, 2, false, false},       {3, 2, false, false},       {2, 2, true, false},
+    {3, 2, true, false},        {2, 2, true, true},         {2, 3, false, true},        {2, 3, false, false, true},
+    {3, 2, false, false, true}, {4, 2, false, false, true}, {2, 3, false, true, true}};
 constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]);
 constexpr int kDefaultFp8Pipeline = 5;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
 
 template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
-          bool kPersistent = false>
+          bool kPersistent = false, bool kDirectX = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     gemv_tc_kernel(T* __restrict__ out, const T* __restrict__ x, const uint8_t* __restrict__ w,
                    const float* __restrict__ scale, const T* __restrict__ bias, int m, int n, int k) {
-  // f16 operands for FP8 weights (the hardware conversion's output) and for fp16 models; bf16 for bf16 weights.
-  using In = std::conditional_t<FP8, __half, T>;
+  // f16 operands for staged FP8 (the hardware conversion's output) and for fp16 models; otherwise x's type.
+  constexpr bool kStaged = FP8 && !kDirectX;
+  using In = std::conditional_t<kStaged, __half, T>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float partial[kWarps][kGemvTcMaxTokens][16];
   __shared__ float inv_up[kWarps][kGemvTcMaxTokens];  // FP8: 1 / each token's power of two (this warp's share)
@@ -259,9 +269,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 
   __half* xs = reinterpret_cast<__half*>(smem) + static_cast<int64_t>(warp) * m * per_warp * kStepBytes;
   for (int t = lane; t < kGemvTcMaxTokens; t += 32) inv_up[warp][t] = 1.0f;
-  if constexpr (FP8 && kGroupedX) {
+  if constexpr (kStaged && kGroupedX) {
     stage_x_grouped<T>(x, m, k, xs, per_warp, warp, my_units, lane, inv_up[warp]);
-  } else if constexpr (FP8) {
+  } else if constexpr (kStaged) {
     for (int t = 0; t < m; ++t) {
       const float inv = stage_x<T>(x + static_cast<int64_t>(t) * k, xs + t * per_warp * kStepBytes, warp, my_units, lane);
       if (lane == 0) inv_up[warp][t] = inv;
@@ -281,20 +291,32 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         const unsigned lo[8] = {st.lo0.x, st.lo0.y, st.lo0.z, st.lo0.w, st.lo1.x, st.lo1.y, st.lo1.z, st.lo1.w};
         const unsigned hi[8] = {st.hi0.x, st.hi0.y, st.hi0.z, st.hi0.w, st.hi1.x, st.hi1.y, st.hi1.z, st.hi1.w};
         if constexpr (FP8) {
-          // x of token g at this step's k (32q .. 32q + 32): 16 f16 pairs from shared memory.
+          // x of token g at this step's k (32q .. 32q + 32): 16 pairs, staged f16 from shared memory or x itself.
           uint4 xv[4] = {};
           if (has_token) {
-            const uint4* p = reinterpret_cast<const uint4*>(xs + (g * per_warp + s) * kStepBytes + 32 * q);
+            if constexpr (kStaged) {
+              const uint4* p = reinterpret_cast<const uint4*>(xs + (g * per_warp + s) * kStepBytes + 32 * q);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) xv[i] = p[i];
+              for (int i = 0; i < 4; ++i) xv[i] = p[i];
+            } else {
+              const uint4* p = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(g) * k +
+                                                              (warp + s * kWarps) * kStepBytes + 32 * q);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) xv[i] = __ldg(p + i);
+            }
           }
           const unsigned xw[16] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w,
                                    xv[2].x, xv[2].y, xv[2].z, xv[2].w, xv[3].x, xv[3].y, xv[3].z, xv[3].w};
           float part[2][4] = {};
 #pragma unroll
           for (int i = 0; i < 8; ++i) {  // word i: k = 32q + 4i .. + 4 of rows g, g + 8
-            mma16816<In>(part[i & 1], e4m3x2_lo(lo[i]), e4m3x2_lo(hi[i]), e4m3x2_hi(lo[i]), e4m3x2_hi(hi[i]), xw[2 * i],
-                         xw[2 * i + 1]);
+            if constexpr (std::is_same_v<In, __nv_bfloat16>) {
+              mma16816<In>(part[i & 1], e4m3x2_lo_bf16(lo[i]), e4m3x2_lo_bf16(hi[i]), e4m3x2_hi_bf16(lo[i]),
+                           e4m3x2_hi_bf16(hi[i]), xw[2 * i], xw[2 * i + 1]);
+            } else {
+              mma16816<In>(part[i & 1], e4m3x2_lo(lo[i]), e4m3x2_lo(hi[i]), e4m3x2_hi(lo[i]), e4m3x2_hi(hi[i]),
+                           xw[2 * i], xw[2 * i + 1]);
+            }
           }
           acc[0] = fmaf(st.scale_lo, part[0][0] + part[1][0], acc[0]);
           acc[1] = fmaf(st.scale_lo, part[0][1] + part[1][1], acc[1]);
@@ -368,18 +390,19 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
-int smem_bytes(bool fp8, int m, int k) {
-  if (!fp8) return 0;
+int smem_bytes(bool staged, int m, int k) {  // staged: FP8 with x staged (not kDirectX)
+  if (!staged) return 0;
   const int units = k / kStepBytes, per_warp = (units + kWarps - 1) / kWarps;
   return kWarps * m * per_warp * kStepBytes * static_cast<int>(sizeof(__half));
 }
 
 template <typename T, bool FP8, bool SILU, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
-          bool kPersistent = false>
+          bool kPersistent = false, bool kDirectX = false>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
             cudaStream_t stream) {
-  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX, kPersistent>;
-  if constexpr (FP8) {
+  constexpr bool kStaged = FP8 && !kDirectX;
+  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX, kPersistent, kDirectX>;
+  if constexpr (kStaged) {
     static PerDevice<int> opted_in;  // shared memory above 48 KB, once per device
     opted_in.get([&](int) {
       cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem),
@@ -388,7 +411,7 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
     });
   }
   const int tiles = SILU ? (n / 2 + 7) / 8 : (n + 15) / 16;
-  const int smem = smem_bytes(FP8, m, k);
+  const int smem = smem_bytes(kStaged, m, k);
   int grid = tiles;
   if constexpr (kPersistent) {  // the blocks the SMs hold at once: kMinBlocks, fewer where x's shared memory is large
     static PerDevice<int> sms;
@@ -407,12 +430,18 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
                       reinterpret_cast<const T*>(bias), m, n, k);
 }
 
+// f(std::integral_constant<int, variant>): the pipeline chosen at run time as a compile-time constant.
+template <typename F, int... I>
+void for_pipeline(int variant, F&& f, std::integer_sequence<int, I...>) {
+  ((variant == I ? (f(std::integral_constant<int, I>{}), true) : false) || ...);
+}
+
 }  // namespace
 
 bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
   const int64_t row_bytes = fp8 ? k : k * 2;
   return m >= 1 && m <= kGemvTcMaxTokens && row_bytes % kStepBytes == 0 &&
-         smem_bytes(fp8, static_cast<int>(m), static_cast<int>(k)) <= kMaxSmem;
+         smem_bytes(fp8, static_cast<int>(m), static_cast<int>(k)) <= kMaxSmem;  // (one rule for every pipeline)
 }
 
 int gemv_tc_fp8_pipelines() { return kNumFp8Pipelines; }
@@ -435,22 +464,13 @@ void gemv_tc(const GemvArgs& a) {
       auto fp8 = [&](auto pipeline) {
         constexpr Fp8Pipeline p = kFp8Pipelines[decltype(pipeline)::value];
         if (a.silu_gate_up) {
-          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x, p.persistent>(a.out, a.x, a.w, a.scale,
-                                                                                         a.bias, m, n, k, stream);
+          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x>(
+              a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
         }
-        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x, p.persistent>(a.out, a.x, a.w, a.scale, a.bias, m,
-                                                                                 n, k, stream);
+        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x>(a.out, a.x, a.w, a.scale,
+                                                                                             a.bias, m, n, k, stream);
       };
-      static_assert(kNumFp8Pipelines == 7, "one case per pipeline");
-      switch (g_fp8_pipeline) {
-        case 1: return fp8(std::integral_constant<int, 1>{});
-        case 2: return fp8(std::integral_constant<int, 2>{});
-        case 3: return fp8(std::integral_constant<int, 3>{});
-        case 4: return fp8(std::integral_constant<int, 4>{});
-        case 5: return fp8(std::integral_constant<int, 5>{});
-        case 6: return fp8(std::integral_constant<int, 6>{});
-        default: return fp8(std::integral_constant<int, 0>{});  // (case 0)
-      }
+      return for_pipeline(g_fp8_pipeline, fp8, std::make_integer_sequence<int, kNumFp8Pipelines>{});
     }
     if (a.silu_gate_up) return launch<T, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
     launch<T, false, false>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);

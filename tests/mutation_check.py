@@ -724,6 +724,31 @@ MUTATIONS += [
         rebuild=("gemv_tc.cu",),
     ),
     Mutation(
+        "e4m3_bf16_high_pair_swapped",
+        "csrc/common.cuh",
+        [("return e4m3x2_bf16(bits, 0x3424u);", "return e4m3x2_bf16(bits, 0x2434u);")],
+        [
+            "tests/test_gemv_gpu.py::test_tensor_core_fp8_pipelines_read_every_e4m3_value_exactly[bf16-7]",
+            "tests/test_gemv_gpu.py::test_tensor_core_fp8_pipelines_equal_the_first_bit_for_bit[7]",
+        ],
+        "e4m3x2_hi_bf16 swaps the word's two high bytes: the bf16 FP8 GEMV pipelines pair weights with the wrong x",
+        rebuild=("gemv_tc.cu",),
+    ),
+    Mutation(
+        "e4m3_bf16_subnormals_as_normals",
+        "csrc/common.cuh",
+        [
+            (
+                '  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(placed), "r"(0x7b807b80u), "r"(0x80008000u));',
+                "  out = placed + 0x3c003c00u;",
+            )
+        ],
+        ["tests/test_gemv_gpu.py::test_tensor_core_fp8_pipelines_read_every_e4m3_value_exactly[bf16-7]"],
+        "e4m3x2_bf16 adds the exponent bias as an integer instead of multiplying: right for normal values, wrong for "
+        "e4m3 subnormals (read as 2^-7 (1 + m/8) instead of 2^-6 m/8)",
+        rebuild=("gemv_tc.cu",),
+    ),
+    Mutation(
         "e4m3_write_without_saturation",
         "csrc/kv_fp8.cuh",
         [("__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)", "__nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E4M3)")],

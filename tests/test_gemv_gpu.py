@@ -28,6 +28,7 @@ from fastqwen.model import Qwen3Model, Qwen3WithBatch1Decode
 from fastqwen.ops import _native
 from fastqwen.ops.linear import (
     DENSE_GEMV_MAX_TOKENS,
+    FP8_DTYPE,
     FP8_GEMV_MAX_TOKENS,
     GEMV_MAX_TOKENS,
     LinearWeight,
@@ -134,6 +135,29 @@ def test_tensor_core_fp8_pipelines_equal_the_first_bit_for_bit(variant):
     pipelines = _native.native().GEMV_TC_FP8_PIPELINES
     with pytest.raises(ValueError, match=f"variant {pipelines}"):
         _native.native().set_gemv_tc_fp8_variant(pipelines)
+
+
+@pytest.mark.parametrize("variant", range(getattr(_native.native(), "GEMV_TC_FP8_PIPELINES", 1)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tensor_core_fp8_pipelines_read_every_e4m3_value_exactly(variant, dtype):
+    """Every finite e4m3 byte (subnormals, both zeros, +-448) in a [256, 256] weight with unit scales; each token's x
+    is one-hot at another column, so each output is a single weight, exact in bf16 and fp16: the kernel must return the
+    float64 dequantization bit for bit. The pipelines that convert the weights to bf16 by placing bits (7..) get every
+    byte through that conversion; the random weights of the other tests rarely hold subnormals whose error would
+    survive the output's rounding."""
+    rows = cols = 256
+    codes = (torch.arange(rows)[:, None] + 7 * torch.arange(cols)[None, :]) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0  # (the two NaN bytes)
+    weight = codes.to(torch.uint8).view(FP8_DTYPE).cuda()
+    w = LinearWeight(weight, torch.ones(2, 2, device="cuda"))
+    want = weight.double()  # [rows, cols]: the values, exactly
+    for m in TENSOR_CORE_TOKENS:
+        hot = [(5 + 37 * t) % cols for t in range(m)]  # columns in both 128-wide blocks
+        x = torch.zeros(m, cols, device="cuda", dtype=dtype)
+        x[torch.arange(m), hot] = 1
+        with native_setting("set_gemv_tc_fp8_variant", variant):
+            got = gemv(x, w)
+        assert torch.equal(got.double(), want[:, hot].t()), (variant, m)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
