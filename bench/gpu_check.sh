@@ -390,6 +390,7 @@ best = min(names, key=lambda k: sum(r[k] for r in rows))
 print(sys.argv[2], best[len("gemv_fp8_v"):-len("_us")])' "$OUT/gemv_tc_variants.json" "$(python3 -c \
       'from fastqwen import _C; print(_C.set_gemv_tc_fp8_variant(0))')" | tr ' ' '\n' | sort -un | tr '\n' ' ')"
     echo "gemvtc: FP8 speculation with pipelines $variants"
+    echo "$variants" | awk '{print $NF}' > /tmp/fastest_fp8_pipeline  # (a later call on the same machine reads it)
   fi
   SPEC_QUANT=fp8 SPEC_MODES=off stage_speculative  # (the no-speculation figure of the same run)
   for v in $variants; do
