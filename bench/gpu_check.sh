@@ -381,16 +381,16 @@ stage_gemvtc() {  # issue 42: the tensor-core GEMV's FP8 pipelines at 2 to 4 tok
     tests/test_gemv_gpu.py -k "pipelines or tensor_core or matches_reference"
   local variants="${GEMV_TC_VARIANTS:-fastest}"
   if [ "$variants" = fastest ]; then  # the default pipeline and the one fastest over a layer's four at 2 to 4 tokens
-    variants="$(python3 -c '
+    python3 -c '
 import json, sys
 shapes = json.load(open(sys.argv[1]))["shapes"].values()
 rows = [r for rows in shapes for r in rows if 2 <= r["batch"] <= 4]
 names = {k for r in rows for k in r if k.startswith("gemv_fp8_v") and k.endswith("_us")}
-best = min(names, key=lambda k: sum(r[k] for r in rows))
-print(sys.argv[2], best[len("gemv_fp8_v"):-len("_us")])' "$OUT/gemv_tc_variants.json" "$(python3 -c \
-      'from fastqwen import _C; print(_C.set_gemv_tc_fp8_variant(0))')" | tr ' ' '\n' | sort -un | tr '\n' ' ')"
-    echo "gemvtc: FP8 speculation with pipelines $variants"
-    echo "$variants" | awk '{print $NF}' > /tmp/fastest_fp8_pipeline  # (a later call on the same machine reads it)
+print(min(names, key=lambda k: sum(r[k] for r in rows))[len("gemv_fp8_v"):-len("_us")])' \
+      "$OUT/gemv_tc_variants.json" > /tmp/fastest_fp8_pipeline  # (a later call on the same machine reads it)
+    variants="$( (cd /tmp && python3 -c 'from fastqwen import _C; print(_C.set_gemv_tc_fp8_variant(0))') |
+      cat - /tmp/fastest_fp8_pipeline | sort -un | tr '\n' ' ')"
+    echo "gemvtc: FP8 speculation with pipelines $variants (the fastest: $(cat /tmp/fastest_fp8_pipeline))"
   fi
   SPEC_QUANT=fp8 SPEC_MODES=off stage_speculative  # (the no-speculation figure of the same run)
   for v in $variants; do
