@@ -29,7 +29,7 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
-#   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..10) at 1 to 4 tokens, their GPU
+#   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..12) at 1 to 4 tokens, their GPU
 #            test, then FP8 speculation off, and at acceptance 2.0 with each of GEMV_TC_VARIANTS (default: the
 #            default pipeline and the fastest of GEMV_TC_BENCH_VARIANTS over a layer at 2 to 4 tokens)
 #   verifyprofile  bench/profile_step.py --verify: the FP8 verify step's kernels (FASTQWEN_PDL=0, durations that add
@@ -376,7 +376,7 @@ stage_gemvtc() {  # issue 42: the tensor-core GEMV's FP8 pipelines at 2 to 4 tok
   # (acceptance 2.0, batch 1, offline and through HTTP) with each pipeline in the whole engine
   # shellcheck disable=SC2086  # (the variants are words)
   run gemv_tc_variants 120 python3 bench/bench_gemv.py --batches 1 2 3 4 --shapes qkv o_proj gate_up down \
-    --tc-fp8-variants ${GEMV_TC_BENCH_VARIANTS:-0 3 5 7 8 9 10} --json "$OUT/gemv_tc_variants.json"
+    --tc-fp8-variants ${GEMV_TC_BENCH_VARIANTS:-5 7 8 11 12} --json "$OUT/gemv_tc_variants.json"
   FASTQWEN_RESULTS_DIR="$OUT" run gemv_tc_variants_test 120 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gemv_gpu.py -k "pipelines or tensor_core or matches_reference"
   local variants="${GEMV_TC_VARIANTS:-fastest}"

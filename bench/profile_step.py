@@ -75,6 +75,15 @@ def main() -> int:
         return launch(scheduled, after)
 
     runner.launch = launch_recording
+    launch_replay = runner.launch_replay
+
+    def launch_replay_recording(scheduled):  # (steps launched ahead: the decode and verify steps under overlap)
+        launched = launch_replay(scheduled)
+        if launched is not None:
+            batch_sizes.append(len(scheduled.chunks))
+        return launched
+
+    runner.launch_replay = launch_replay_recording
 
     prompts = [[(7 * i + 13 * b) % engine.config.vocab_size for i in range(args.prompt_len)] for b in range(args.batch)]
     for _ in range(2):  # the first run warms up

@@ -208,10 +208,22 @@ struct Fp8Pipeline {
 constexpr Fp8Pipeline kFp8Pipelines[] = {
     {2, 3, false, false},       {4, 2, false, false},       {3, 2, false, false},       {2, 2, true, false},
     {3, 2, true, false},        {2, 2, true, true},         {2, 3, false, true},        {2, 3, false, false, true},
-    {3, 2, false, false, true}, {4, 2, false, false, true}, {2, 3, false, true, true}};
+    {3, 2, false, false, true}, {4, 2, false, false, true}, {2, 3, false, true, true},  {3, 2, false, true, true}};
 constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]);
+// One more variant number, kByGrid, picks a pipeline per call from the grid: a grid that one wave of blocks holds
+// at 2 blocks per SM takes the deepest ring (8: 3 steps), one that 3 per SM hold takes 7 (2 steps, 3 blocks per SM),
+// a larger one the persistent blocks of 11. On an H100 at 4 tokens (bench_gemv): o_proj and down (256 tiles) 8.88 and
+// 20.99 us with 8 against 11.15 and 26.68 with 7; qkv (384 tiles) 11.93 with 7 against 13.31 with 8, whose 264 blocks
+// leave a second, partial wave.
+constexpr int kByGrid = kNumFp8Pipelines;
 constexpr int kDefaultFp8Pipeline = 5;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
+
+int fp8_pipeline_for(int tiles, int num_sms) {
+  if (tiles <= 2 * num_sms) return 8;
+  if (tiles <= 3 * num_sms) return 7;
+  return 11;
+}
 
 template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
           bool kPersistent = false, bool kDirectX = false>
@@ -390,6 +402,15 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
+int sm_count() {  // the current device's
+  static PerDevice<int> sms;
+  return sms.get([](int device) {
+    int count = 0;
+    cuda_check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "gemv_tc: SM count");
+    return count;
+  });
+}
+
 int smem_bytes(bool staged, int m, int k) {  // staged: FP8 with x staged (not kDirectX)
   if (!staged) return 0;
   const int units = k / kStepBytes, per_warp = (units + kWarps - 1) / kWarps;
@@ -414,12 +435,7 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
   const int smem = smem_bytes(kStaged, m, k);
   int grid = tiles;
   if constexpr (kPersistent) {  // the blocks the SMs hold at once: kMinBlocks, fewer where x's shared memory is large
-    static PerDevice<int> sms;
-    const int num_sms = sms.get([](int device) {
-      int count = 0;
-      cuda_check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "gemv_tc: SM count");
-      return count;
-    });
+    const int num_sms = sm_count();
     const int per_block = smem + kStaticSmem + 1024;  // (1 KB: the system's share per block)
     const int per_sm = std::max(1, std::min(kMinBlocks, kSmemPerSm / per_block));
     grid = std::min(tiles, num_sms * per_sm);
@@ -444,12 +460,12 @@ bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
          smem_bytes(fp8, static_cast<int>(m), static_cast<int>(k)) <= kMaxSmem;  // (one rule for every pipeline)
 }
 
-int gemv_tc_fp8_pipelines() { return kNumFp8Pipelines; }
+int gemv_tc_fp8_pipelines() { return kNumFp8Pipelines + 1; }  // (and kByGrid)
 
 int set_gemv_tc_fp8_variant(int variant) {
-  if (variant < 0 || variant >= kNumFp8Pipelines) {
+  if (variant < 0 || variant > kByGrid) {
     throw std::invalid_argument("set_gemv_tc_fp8_variant: variant " + std::to_string(variant) + " is not in 0.." +
-                                std::to_string(kNumFp8Pipelines - 1));
+                                std::to_string(kByGrid));
   }
   const int before = g_fp8_pipeline;
   g_fp8_pipeline = variant;
@@ -470,7 +486,12 @@ void gemv_tc(const GemvArgs& a) {
         launch<T, true, false, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x>(a.out, a.x, a.w, a.scale,
                                                                                              a.bias, m, n, k, stream);
       };
-      return for_pipeline(g_fp8_pipeline, fp8, std::make_integer_sequence<int, kNumFp8Pipelines>{});
+      int pipeline = g_fp8_pipeline;
+      if (pipeline == kByGrid) {
+        const int tiles = a.silu_gate_up ? (n / 2 + 7) / 8 : (n + 15) / 16;
+        pipeline = fp8_pipeline_for(tiles, sm_count());
+      }
+      return for_pipeline(pipeline, fp8, std::make_integer_sequence<int, kNumFp8Pipelines>{});
     }
     if (a.silu_gate_up) return launch<T, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
     launch<T, false, false>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
