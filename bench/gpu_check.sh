@@ -284,8 +284,8 @@ stage_testsubset() {  # the GPU tests a change touched, without the whole suite'
 
 stage_prefill() {  # issue 48: the prefill cases of bench/kernels.py, the Hopper pipelines PREFILL_VARIANTS (default:
   # static and dynamic ping-pong, the overlap with ping-pong, three stages; each with and without Q by the producer,
-  # bit 4) and the default with the lazy rescale, bf16 and FP8 pools, with cuDNN's and FlashAttention-2's SDPA on the
-  # same shapes in the same run (README: long-context.md)
+  # bit 4), bf16 and FP8 pools, with cuDNN's and FlashAttention-2's SDPA on the same shapes in the same run
+  # (README: long-context.md)
   # shellcheck disable=SC2086  # (the variants are words)
   run prefill 300 python3 bench/kernels.py --ops prefill --kv-dtypes bf16 fp8 --iters 10 \
     --prefill-variants ${PREFILL_VARIANTS:-2 10 11 14 18 26 27 30} --json "$OUT/prefill.json"

@@ -391,11 +391,6 @@ def bench_prefill(
         # one block per work item instead of the persistent grid (its setter returns nothing: back to persistent)
         np_us = replay_us_with(native().set_paged_attention_prefill_hopper_persistent, False, restore=True)
         row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
-        # Lazy rescale: warps whose rows all kept their maxima over a tile skip O's rescale (the same bits)
-        lazy_switch = getattr(native(), "set_paged_attention_prefill_hopper_lazy_rescale", None)
-        if lazy_switch is not None:
-            lazy_us = replay_us_with(lazy_switch, True)
-            row["hopper_lazy_rescale_tflops"] = flops / (lazy_us * 1e-6) / 1e12
         # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
         # K/V stages, bit 3 a dynamic schedule, bit 4 Q copied by the producer. Each one's output is checked against
         # the reference before it is timed.
@@ -576,7 +571,7 @@ def main() -> int:
         previous_kernel = (
             f" (variants {variants}, "
             f"not persistent {r['hopper_one_block_per_tile_tflops']:>4.0f}, "
-            f"lazy rescale {r.get('hopper_lazy_rescale_tflops', 0):>4.0f}, tensor-core kernel "
+            f"tensor-core kernel "
             f"{r['tensor_cores_tflops']:>4.0f})"
             if "tensor_cores_tflops" in r
             else ""

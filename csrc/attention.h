@@ -74,9 +74,6 @@ void paged_attention_prefill_hopper(const PrefillArgs& args);
 // Whether its grid is persistent (one block per SM looping over the work, the default) or one block per work item.
 // For benchmarks that compare the two.
 void set_paged_attention_prefill_hopper_persistent(bool persistent);
-// Whether a warp whose rows all kept their softmax maxima over a K/V tile skips rescaling its output rows (the same
-// bits; off by default until measured). Returns the previous setting.
-bool set_paged_attention_prefill_hopper_lazy_rescale(bool lazy);
 // Which pipeline, 0..kPrefillHopperVariants - 1 (bit 0: softmax overlapped with the previous tile's P V; bit 1:
 // warpgroups take turns issuing; bit 2: three K/V stages instead of two; bit 3: work items fetched from a device
 // counter instead of taken in a fixed stride; bit 4: Q tiles copied by the producer warp, for 16-bit caches, G

@@ -96,7 +96,6 @@ struct Params {
   int m_tiles;      // query tiles of the longest sequence
   float scale_log2;  // softmax scale * k_scale * log2(e)
   float v_scale;     // 1 for 16-bit caches
-  int lazy_rescale;  // a warp whose rows all kept their maxima skips O's rescale (set_..._lazy_rescale)
 };
 
 // Shared memory, from a 1,024-aligned base: Q (two 64-column halves of 128 rows), then per stage K and V (two halves
@@ -588,11 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // O's rows to the new running max. The fence keeps the 64 multiplies here: the compiler otherwise sinks them
       // to just before the P V they feed, past the ping-pong barrier, where they delay the issue that the other
       // warpgroup's turn waits on (seen in the SASS: 64 FMULs after BAR.SYNC).
-      // Lazy (p.lazy_rescale): a warp whose 16 rows all kept their maxima (alpha exactly 1: softmax_tile) skips the
-      // 64 multiplies, the same bits. Nsight Compute counts about 67 more instructions per warp and tile in this
-      // kernel than in cuDNN's on a 16k prefill; once the maxima settle, most tiles leave every row's unchanged.
       auto rescale_o = [&](const float (&alpha)[2]) {
-        if (p.lazy_rescale && !__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;
 #pragma unroll
         for (int nb = 0; nb < 16; ++nb) {
           o[nb * 4 + 0] *= alpha[0];
@@ -799,7 +794,6 @@ CUtensorMap q_tile_map(const void* q, int dtype, int64_t tokens, int64_t num_hea
 }
 
 bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
-bool lazy_rescale = false;    // set_paged_attention_prefill_hopper_lazy_rescale (benchmarks, until measured)
 // set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic, 4 Q by the
 // producer (16-bit caches with G dividing 128; else the consumers load it). The default:
 // ping-pong with the dynamic schedule (two stages, no overlap), the best mean over bench/kernels.py's prefill cases
@@ -877,7 +871,6 @@ void launch(const Maps& maps, bool tma_q, const Params& p, int64_t items, cudaSt
 }  // namespace
 
 void set_paged_attention_prefill_hopper_persistent(bool persistent) { persistent_grid = persistent; }
-bool set_paged_attention_prefill_hopper_lazy_rescale(bool lazy) { return std::exchange(lazy_rescale, lazy); }
 int set_paged_attention_prefill_hopper_variant(int variant) {
   if (variant < 0 || variant >= kPrefillHopperVariants) {
     throw std::invalid_argument("set_paged_attention_prefill_hopper_variant: variant must be 0.." +
@@ -934,8 +927,7 @@ void paged_attention_prefill_hopper(const PrefillArgs& a) {
            reinterpret_cast<void*>(a.out), static_cast<int>(a.batch), static_cast<int>(a.num_heads),
            static_cast<int>(a.num_kv_heads), static_cast<int>(group), shift, static_cast<int>(a.max_pages),
            static_cast<int>(slots), static_cast<int>(a.num_pages), static_cast<int>(m_tiles),
-           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           lazy_rescale ? 1 : 0};
+           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0)};
   Maps maps;
   maps.k = pool_map(reinterpret_cast<const void*>(a.k_cache), a.kv_dtype, slots, a.num_kv_heads);
   maps.v = pool_map(reinterpret_cast<const void*>(a.v_cache), a.kv_dtype, slots, a.num_kv_heads);

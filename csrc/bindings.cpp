@@ -359,10 +359,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("device"), "Whether paged_attention_prefill_hopper runs on this CUDA device (sm_90a build, CC 9.0).");
   m.def("set_paged_attention_prefill_hopper_persistent", &fastqwen::set_paged_attention_prefill_hopper_persistent,
         py::arg("persistent"), "Persistent grid (default) or one block per work item, for benchmarks.");
-  m.def("set_paged_attention_prefill_hopper_lazy_rescale",
-        &fastqwen::set_paged_attention_prefill_hopper_lazy_rescale, py::arg("lazy"),
-        "Skip the output's rescale in warps whose rows all kept their maxima (the same bits), for benchmarks and "
-        "tests; returns the previous setting.");
   m.def("set_paged_attention_prefill_hopper_variant", &fastqwen::set_paged_attention_prefill_hopper_variant,
         py::arg("variant"),
         "Pipeline of the Hopper prefill kernel (0..PREFILL_HOPPER_VARIANTS - 1: bit 0 overlap, bit 1 ping-pong, bit 2 "

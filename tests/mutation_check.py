@@ -200,18 +200,6 @@ MUTATIONS = [
         "a tile that raises no maximum rescales O and l by exp2 of an FMA's rounding residue instead of exactly 1",
     ),
     Mutation(
-        "prefill_hopper_lazy_rescale_skips_changed_maxima",
-        PREFILL_HOPPER,
-        [
-            (
-                "        if (p.lazy_rescale && !__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;",
-                "        if (p.lazy_rescale) return;",
-            )
-        ],
-        ["tests/test_attention_gpu.py::test_hopper_prefill_lazy_rescale_gives_the_same_bits"],
-        "the lazy rescale skips O's rescale even in warps where a row's maximum changed",
-    ),
-    Mutation(
         "prefill_hopper_fp8_ignores_v_scale",
         PREFILL_HOPPER,
         [

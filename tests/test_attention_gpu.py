@@ -29,7 +29,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import native_setting, record_result
+from checkpoints import record_result
 from fastqwen.ops import decode_workspace, paged_attention_decode, paged_attention_prefill, plan_decode
 from fastqwen.ops._native import has_cuda_kernels, native
 from fastqwen.ops.attention import (
@@ -296,31 +296,6 @@ def test_prefill_query_rows_do_not_depend_on_the_rows_after_them(kv_len, prefill
     assert not torch.isnan(a).any() and not torch.isnan(b).any()
     differ = (a[: rows - 3] != b[3:]).sum().item()
     assert differ == 0, f"{differ} of {a[: rows - 3].numel()} elements differ"
-
-
-def test_hopper_prefill_lazy_rescale_gives_the_same_bits():
-    """set_paged_attention_prefill_hopper_lazy_rescale(True): a warp whose rows all kept their maxima over a tile skips
-    O's rescale, which multiplies by exactly 1 there: the output must be the same bits as without it, on ragged
-    prompts and a long extend (most tiles leave every maximum unchanged), and match the reference."""
-    previous_kernel = set_hopper_prefill(True)
-    try:
-        if not hopper_prefill_runs_here():
-            pytest.skip("no Hopper prefill kernel on this device")
-        q_lens, kv_lens = prefill_lengths(random.Random(6), 16)
-        q_lens, kv_lens = q_lens + [512], kv_lens + [9000]
-        q, k_cache, v_cache, starts, table, lens = make_prefill_case(8, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=6)
-        outs = []
-        for lazy in (False, True):
-            with native_setting("set_paged_attention_prefill_hopper_lazy_rescale", lazy):
-                out = torch.full_like(q, float("nan"))
-                paged_attention_prefill(q, k_cache, v_cache, starts, table, lens, 128**-0.5, out)
-                outs.append(out)
-        assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max().item()
-        want = torch.empty_like(q)
-        paged_attention_prefill_reference(q, k_cache, v_cache, starts, table, lens, 128**-0.5, want)
-        assert_within_scale(outs[1], want, 8 * unit_roundoff(q.dtype), "prefill, lazy rescale")
-    finally:
-        set_hopper_prefill(previous_kernel)
 
 
 def test_prefill_small_max_query_len_still_complete(prefill_kernel):
