@@ -49,7 +49,9 @@ def main() -> int:
     p.add_argument(
         "--verify",
         action="store_true",
-        help="with --speculative-config: time and list the verify step's graph (k + 1 tokens a sequence) instead",
+        help="with --speculative-config: with --kernels, the kernels of the timed run's steps (verify steps) as the "
+        "profiler saw them, per step, instead of a replay of the decode graph (a verify graph replayed after the run "
+        "reads inputs its last step no longer left)",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -86,7 +88,8 @@ def main() -> int:
     runner.launch_replay = launch_replay_recording
 
     prompts = [[(7 * i + 13 * b) % engine.config.vocab_size for i in range(args.prompt_len)] for b in range(args.batch)]
-    for _ in range(2):  # the first run warms up
+    step_profile = None
+    for run in range(2):  # the first run warms up
         batch_sizes.clear()
         for prompt in prompts:
             llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True))
@@ -95,6 +98,8 @@ def main() -> int:
         for values in times.values():  # profile the decode steps only
             values.clear()
         ends.clear()
+        if run == 1 and args.verify and args.kernels:
+            step_profile = profiled_steps(engine, ends)
         while engine.has_unfinished():
             engine.step()
             ends.append(time.perf_counter())
@@ -118,9 +123,7 @@ def main() -> int:
     }
     parts["update"] = per_step_ms("engine_step") - sum(parts.values())
     gaps = [b - a for a, b in zip(ends, ends[1:])]
-    graphs = runner.verify_graphs if args.verify else runner.graphs
-    if args.verify and graphs is None:
-        raise SystemExit("--verify: no verify graphs (it needs --speculative-config and CUDA graphs)")
+    graphs = None if args.verify else runner.graphs
     result = {
         "model": args.model,
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else str(engine.device),
@@ -133,7 +136,6 @@ def main() -> int:
         "step_ms": statistics.median(gaps) * 1e3,  # median time between the ends of consecutive steps
         "engine_step_call_ms": median_ms("engine_step"),  # median duration of one engine.step call
         "engine_step_call_mean_ms": per_step_ms("engine_step"),
-        "graph": "verify" if args.verify else "decode",
         "gpu_ms": graph_replay_ms(graphs, args.batch),
         "host_ms": {k: round(v, 4) for k, v in parts.items()},  # means per engine.step call; they sum to the mean
     }
@@ -141,8 +143,40 @@ def main() -> int:
     result["host_ms_excluding_wait"] = round(sum(v for k, v in parts.items() if k != "collect"), 4)
     if args.kernels and graphs is not None:
         result["kernels"] = graph_kernels(graphs, args.batch)
+    if step_profile is not None:
+        result["step_kernels"] = step_profile
     report(result, args.json)
     return 0
+
+
+def profiled_steps(engine, ends: list[float]) -> dict:
+    """Run the engine's remaining steps under torch.profiler: per kernel name, calls and GPU time per step, and the
+    kernels' busy time per step against the step's wall time (FASTQWEN_PDL=0 for durations that add up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_unfinished():
+            engine.step()
+            ends.append(time.perf_counter())
+        torch.cuda.synchronize()
+    steps = max(len(ends), 1)
+    events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.device_time)  # us
+    rows = sorted(((name, len(t) / steps, sum(t) / steps) for name, t in by_name.items()), key=lambda r: -r[2])
+    for name, calls, us in rows[:30]:
+        print(f"{us:9.1f} us  {calls:6.1f} calls  {us / calls:7.2f} us each  {name[:110]}", file=sys.stderr)
+    busy = sum(e.device_time for e in events) / steps
+    wall = (ends[-1] - ends[0]) / (steps - 1) * 1e6 if steps > 1 else 0.0
+    print(f"kernels {len(events) / steps:.0f} per step, busy {busy:.1f} us of a {wall:.1f} us step", file=sys.stderr)
+    return {
+        "steps": steps,
+        "per_step_kernels": len(events) / steps,
+        "busy_us_per_step": busy,
+        "step_wall_us": wall,
+        "by_name": [{"name": n, "calls_per_step": c, "us_per_step": round(u, 2)} for n, c, u in rows],
+    }
 
 
 def graph_replay_ms(graphs, batch: int) -> float | None:

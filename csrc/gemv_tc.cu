@@ -186,9 +186,10 @@ __device__ __forceinline__ void stage_x_grouped(const T* __restrict__ x, int m, 
 // other (an H100's FP8 o_proj: 13.9 us at 4 tokens, 6.1 at 1); the others keep more weights or more of x in flight
 // at fewer blocks per SM (each compiles without spills). Pipeline 3 (x staged four tokens at a time, 2 blocks per SM)
 // was the fastest in the whole engine: FP8 speculation at k = 3 on an H200, 2.38 ms a token through HTTP against 2.53
-// with pipeline 0. The default, 5, is 3 with persistent blocks: a layer's four FP8 projections on an H100 in 83.8 /
-// 88.3 / 92.9 us at 2 / 3 / 4 tokens against 3's 89.8 / 98.3 / 106.8, the fastest of the seven at each (gate_up at 4
-// tokens: 38.0 against 50.2; bench/results/current/speculative.md).
+// with pipeline 0. Pipeline 5 is 3 with persistent blocks: a layer's four FP8 projections on an H100 in 83.8 /
+// 88.3 / 92.9 us at 2 / 3 / 4 tokens against 3's 89.8 / 98.3 / 106.8 (gate_up at 4 tokens: 38.0 against 50.2). The
+// default is kByGrid (below): 79.6 / 79.9 / 80.9 us on the same H100 against 5's 83.8 / 85.8 / 92.9
+// (bench/results/current/speculative.md).
 // kPersistent (pipelines 5, 6): a grid of as many blocks as the SMs hold at once, each staging x once and then taking
 // tiles blockIdx.x, + gridDim.x, ... (the next tile's first weight steps load while this tile's sums are reduced):
 // every block of the others stages all of x again (two passes over m x k values, two round trips to memory before its
@@ -216,7 +217,7 @@ constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]
 // 20.99 us with 8 against 11.15 and 26.68 with 7; qkv (384 tiles) 11.93 with 7 against 13.31 with 8, whose 264 blocks
 // leave a second, partial wave.
 constexpr int kByGrid = kNumFp8Pipelines;
-constexpr int kDefaultFp8Pipeline = 5;
+constexpr int kDefaultFp8Pipeline = kByGrid;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
 
 int fp8_pipeline_for(int tiles, int num_sms) {

@@ -196,7 +196,11 @@ MUTATIONS = [
                 "    alpha[h] = mma::fast_exp2(m_run[h] * scale_log2 - m_scaled[h]);",
             )
         ],
-        ["tests/test_attention_gpu.py::test_prefill_query_rows_do_not_depend_on_the_rows_after_them[hopper-386]"],
+        [  # (caught on an H100 by [hopper-386] alone, with 1 of its 512,000 elements: each length is another chance)
+            "tests/test_attention_gpu.py::test_prefill_query_rows_do_not_depend_on_the_rows_after_them[hopper-257]",
+            "tests/test_attention_gpu.py::test_prefill_query_rows_do_not_depend_on_the_rows_after_them[hopper-386]",
+            "tests/test_attention_gpu.py::test_prefill_query_rows_do_not_depend_on_the_rows_after_them[hopper-4098]",
+        ],
         "a tile that raises no maximum rescales O and l by exp2 of an FMA's rounding residue instead of exactly 1",
     ),
     Mutation(
