@@ -26,7 +26,8 @@
 #            131,071-token prompt with YaRN offline, random Qwen3-8B          (README: long-context.md)
 #   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
 #            bench_serving (SGL_TOOLS)                                      (README: serving-256.md)
-#   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3)
+#   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3;
+#            SPEC_REPEATS requests of 128 tokens, default 5, medians)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
 #   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..12) at 1 to 4 tokens, their GPU
@@ -346,7 +347,8 @@ stage_speculative() {  # issue 42: a server and an engine side by side (small po
       local tag="${mode}_$q${SPEC_TAG:-}"
       start_server "server_spec_$tag.log" /tmp/qwen3-8b-dummy --quantization "$q" --num-pages 2048 "${extra[@]}" &&
         run "latency_spec_$tag" 150 python3 bench/latency.py --model Qwen3-8B --load-format dummy \
-        --quantization "$q" --num-pages 2048 --prompt-lens 128 --new-tokens 128 --url http://127.0.0.1:$PORT \
+        --quantization "$q" --num-pages 2048 --prompt-lens 128 --new-tokens 128 --repeats "${SPEC_REPEATS:-5}" \
+        --url http://127.0.0.1:$PORT \
         "${extra[@]}" --json "$OUT/latency_spec_$tag.json"
       stop_server
     done

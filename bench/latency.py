@@ -125,6 +125,12 @@ def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
     }
 
 
+def medians(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (one run: itself; None where a run has none)."""
+    values = {key: [run[key] for run in runs] for key in runs[0]}
+    return {key: None if None in v else statistics.median(v) for key, v in values.items()}
+
+
 def hf_tpot(model_name: str, prompt: list[int], new_tokens: int, device: str) -> float:
     """Median ms per output token of transformers' greedy generate (difference of two generation lengths)."""
     model = hf_model_like(model_name, device)
@@ -215,6 +221,13 @@ def main() -> int:
     EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=8192)
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 4096])
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="requests per prompt length (a fresh prompt each): the row holds each figure's median and the runs. One "
+        "128-token request with speculation moved by 0.2 ms a token between calls of the same code",
+    )
     p.add_argument("--url", default=None, help="also measure through this running server")
     p.add_argument(
         "--http-only",
@@ -263,10 +276,17 @@ def main() -> int:
         http_latency(args.url, [1] * 16, 4)
     rows = []
     for n in args.prompt_lens:
-        prompt = [rng.randrange(vocab) for _ in range(n)]
-        row = {"prompt_tokens": n, "offline": engine_latency(llm, prompt, args.new_tokens)}
+        offline, http = [], []
+        for _ in range(max(args.repeats, 1)):
+            prompt = [rng.randrange(vocab) for _ in range(n)]
+            offline.append(engine_latency(llm, prompt, args.new_tokens))
+            if args.url:
+                http.append(http_latency(args.url, prompt, args.new_tokens))
+        row = {"prompt_tokens": n, "offline": medians(offline)}
         if args.url:
-            row["http"] = http_latency(args.url, prompt, args.new_tokens)
+            row["http"] = medians(http)
+        if args.repeats > 1:
+            row["offline_runs"], row["http_runs"] = offline, http
         rows.append(row)
     ttft_prompt = [rng.randrange(vocab) for _ in range(256)]
     result["ttft_256_offline_ms"] = engine_latency(llm, ttft_prompt, 1)["ttft_ms"]
