@@ -102,26 +102,32 @@ def test_latency_http_mode_reports_the_same_figures(server):
     assert r["chunk_gap_ms"] > 0 and r["chunk_gap_mean_ms"] * 4 <= r["e2e_ms"] - r["ttft_ms"]
 
 
-def test_latency_side_by_side_warms_the_server_before_the_first_row(tmp_path, monkeypatch):
-    # On an H100 (2264acf) the first row through HTTP was the client's first stream: 66 ms TTFT against 31 ms warm,
-    # and a TPOT under the weight-read limit. The HTTP warm-up must come before any measured row.
+def run_latency_main(tmp_path, monkeypatch, http_latency, args: str) -> dict:
+    """bench/latency.py's main on the CPU with a tiny checkpoint and a stand-in for its HTTP measurement: its JSON."""
     import latency
 
     folder = str(tmp_path / "ckpt")
     make_checkpoint(folder, tied=True, seed=3)
+    monkeypatch.setattr(latency, "http_latency", http_latency)
+    out = tmp_path / "o.json"
+    argv = f"--model {folder} --load-format auto --device cpu --dtype float32 --max-model-len 512 --new-tokens 3"
+    argv += f" --url http://unused --json {out} {args}"
+    monkeypatch.setattr(sys, "argv", ["latency.py", *argv.split()])
+    assert latency.main() == 0
+    return json.loads(out.read_text())
+
+
+def test_latency_side_by_side_warms_the_server_before_the_first_row(tmp_path, monkeypatch):
+    # On an H100 (2264acf) the first row through HTTP was the client's first stream: 66 ms TTFT against 31 ms warm,
+    # and a TPOT under the weight-read limit. The HTTP warm-up must come before any measured row.
     sent = []
 
     def record(url, prompt, new_tokens):
         sent.append((list(prompt), new_tokens))
         return {"ttft_ms": 1.0, "tpot_ms": 1.0, "chunk_gap_ms": 1.0, "chunk_gap_mean_ms": 1.0, "e2e_ms": 2.0}
 
-    monkeypatch.setattr(latency, "http_latency", record)
-    out = tmp_path / "o.json"
-    args = f"--model {folder} --load-format auto --device cpu --dtype float32 --max-model-len 512 --prompt-lens 8 12"
-    args += f" --new-tokens 3 --url http://unused --json {out}"
-    monkeypatch.setattr(sys, "argv", ["latency.py", *args.split()])
-    assert latency.main() == 0
-    assert [r["prompt_tokens"] for r in json.loads(out.read_text())["rows"]] == [8, 12]
+    result = run_latency_main(tmp_path, monkeypatch, record, "--prompt-lens 8 12")
+    assert [r["prompt_tokens"] for r in result["rows"]] == [8, 12]
     lengths = [len(prompt) for prompt, _ in sent]
     assert len(lengths) == 4 and lengths[1:] == [8, 12, 256]  # a warm-up first, then the rows and the TTFT request
 
@@ -129,23 +135,13 @@ def test_latency_side_by_side_warms_the_server_before_the_first_row(tmp_path, mo
 def test_latency_repeats_report_each_figures_median_over_fresh_prompts(tmp_path, monkeypatch):
     # One 128-token request with speculation moved by 0.2 ms a token between calls on an H100: --repeats N sends N
     # fresh prompts per length and reports each figure's median, with the runs beside it.
-    import latency
-
-    folder = str(tmp_path / "ckpt")
-    make_checkpoint(folder, tied=True, seed=3)
     sent, tpots = [], iter([9.0, 1.0, 8.0, 3.0, 7.0])  # (the first is the warm-up's)
 
     def record(url, prompt, new_tokens):
         sent.append(list(prompt))
         return {"ttft_ms": 1.0, "tpot_ms": next(tpots, 1.0), "e2e_ms": 2.0}
 
-    monkeypatch.setattr(latency, "http_latency", record)
-    out = tmp_path / "o.json"
-    args = f"--model {folder} --load-format auto --device cpu --dtype float32 --max-model-len 512 --prompt-lens 8"
-    args += f" --new-tokens 3 --repeats 3 --url http://unused --json {out}"
-    monkeypatch.setattr(sys, "argv", ["latency.py", *args.split()])
-    assert latency.main() == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    (row,) = run_latency_main(tmp_path, monkeypatch, record, "--prompt-lens 8 --repeats 3")["rows"]
     assert [r["tpot_ms"] for r in row["http_runs"]] == [1.0, 8.0, 3.0]
     assert row["http"]["tpot_ms"] == 3.0  # the median, not the mean (4.0)
     assert (
