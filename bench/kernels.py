@@ -571,8 +571,7 @@ def main() -> int:
         previous_kernel = (
             f" (variants {variants}, "
             f"not persistent {r['hopper_one_block_per_tile_tflops']:>4.0f}, "
-            f"tensor-core kernel "
-            f"{r['tensor_cores_tflops']:>4.0f})"
+            f"tensor-core kernel {r['tensor_cores_tflops']:>4.0f})"
             if "tensor_cores_tflops" in r
             else ""
         )

@@ -19,7 +19,8 @@
 // are exact in f16, and so is x after each warp multiplies its share of a token by the power of two that puts the
 // share's largest magnitude in [2^15, 2^16) (bf16 has 8 significant bits, f16 11): only values more than 2^29 times
 // smaller than that largest one round (to f16 subnormals), by at most 2^-40 of it; the warp's sums are divided by
-// the same power of two. One rounding to the output type, as in gemv.cu.
+// the same power of two. The pipelines that read x as it is (7..) leave it as it is and bring the weights to its
+// type instead (e4m3 is exact in bf16 and in f16): the same products. One rounding to the output type, as in gemv.cu.
 //
 // Programmatic dependent launch as in gemv.cu: the first kDepth steps of weights and scales load before
 // griddep_wait(); x is read and out written after it.
