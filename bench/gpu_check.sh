@@ -20,6 +20,8 @@
 #   copyref  the one-token GEMVs and decode attention (64 x 4,096, one sequence of 16k to 128k) against the same copy
 #            reference                                     (README: gemv-one-token.md, decode-attention.md)
 #   prefill  bench/kernels.py's prefill cases only: every Hopper pipeline, bf16 and FP8 pools, against cuDNN and FA2
+#   verifyattention  bench/kernels.py's prefill rows at verify steps' shapes (4 or 6 new tokens on 128 to 8,192 cached):
+#            the Hopper kernel (what they run) against the tensor-core one and SDPA
 #   prefillprofile  Nsight Compute on one Hopper prefill launch and one of cuDNN's SDPA kernel, the same 16k causal
 #            prefill (bf16): speed of light, pipes, instructions, warp stalls (if ncu exists)
 #   longcontext  TTFT of 4k and 32k prompts through HTTP and offline (with the prefill's FLOP limit), and of a
@@ -292,6 +294,12 @@ stage_prefill() {  # issue 48: the prefill cases of bench/kernels.py, the Hopper
     --prefill-variants ${PREFILL_VARIANTS:-2 10 11 14 18 26 27 30} --json "$OUT/prefill.json"
 }
 
+stage_verifyattention() {  # issue 42: the attention of verify steps (k + 1 = 4 or 6 query rows on a short or long
+  # context) on both prefill kernels (the Hopper one, which verify steps take, and the tensor-core one), beside SDPA
+  run verify_attention 150 python3 bench/kernels.py --ops prefill --kv-dtypes bf16 fp8 --iters 20 \
+    --prefill-cases 1:4:128 1:4:1024 1:4:8192 1:6:128 4:4:512 --json "$OUT/verify_attention.json"
+}
+
 stage_prefillprofile() {  # issue 48: where the Hopper prefill kernel's time goes, beside cuDNN's on the same shape
   # (Nsight Compute, if the machine has it): one 16k causal prefill (bf16), speed of light, pipes, instructions, warp
   # stalls, for our kernel (its default pipeline) and for the cuDNN SDPA kernel that bench/kernels.py times next to it
@@ -470,7 +478,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then
