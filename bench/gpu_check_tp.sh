@@ -109,6 +109,28 @@ stage_dp() {
   kill -TERM "${pids[@]}"; wait "${pids[@]}"
 }
 
+# native_stacks_if_running PID SECONDS LOG: if PID still runs after SECONDS, every thread's native and Python stack of
+# it and its child processes (py-spy, carried as a wheel: a hang in a C++ destructor shows no Python frame below the
+# line that dropped the object) into LOG.
+native_stacks_if_running() {
+  local pid="$1" waited=0
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$2" ]; do sleep 5; waited=$((waited + 5)); done
+  kill -0 "$pid" 2>/dev/null || return 0
+  local spy=/tmp/site/bin/py-spy
+  [ -x "$spy" ] || { echo "no py-spy carried: no native stacks" > "$3"; return 0; }
+  local family="$pid" next="$pid" children
+  while [ -n "$next" ]; do  # the process and every descendant (pytest under timeout, the TP ranks under pytest)
+    children=""
+    for p in $next; do children="$children $(pgrep -P "$p" | tr '\n' ' ')"; done
+    next="$(echo $children)"  # shellcheck disable=SC2086  # (squeezes the spaces)
+    family="$family $next"
+  done
+  for p in $family; do
+    echo "== pid $p: $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-200)"
+    timeout 30 "$spy" dump --native --pid "$p" 2>&1
+  done > "$3"
+}
+
 for stage in $STAGES; do
   build
   case "$stage" in
@@ -124,7 +146,10 @@ for stage in $STAGES; do
         > "$OUT/tests.log" 2>&1 || rc=1
       pytest_report "$OUT/tests.log" 40
       timeout 150 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider -o faulthandler_timeout=120 \
-        "$grammar_test" > "$OUT/tests_grammar.log" 2>&1 || rc=1
+        "$grammar_test" > "$OUT/tests_grammar.log" 2>&1 &
+      grammar=$!
+      native_stacks_if_running "$grammar" 110 "$OUT/tests_grammar_stacks.log"
+      wait "$grammar" || rc=1
       pytest_report "$OUT/tests_grammar.log" 10 ;;
     allreduce)
       run allreduce 300 python3 bench/tp_bench.py --hidden 4096 5120 --json "$OUT/allreduce.json"
