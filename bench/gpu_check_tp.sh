@@ -122,7 +122,8 @@ native_stacks_if_running() {
   while [ -n "$next" ]; do  # the process and every descendant (pytest under timeout, the TP ranks under pytest)
     children=""
     for p in $next; do children="$children $(pgrep -P "$p" | tr '\n' ' ')"; done
-    next="$(echo $children)"  # shellcheck disable=SC2086  # (squeezes the spaces)
+    # shellcheck disable=SC2086  # (echo squeezes the spaces)
+    next="$(echo $children)"
     family="$family $next"
   done
   for p in $family; do
