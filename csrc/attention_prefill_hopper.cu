@@ -818,12 +818,7 @@ void launch_variant(const Maps& maps, const Params& p, int64_t items, cudaStream
                "paged_attention_prefill_hopper: cudaFuncSetAttribute");
     return true;
   });
-  static PerDevice<int> sms;
-  const int num_sms = sms.get([](int device) {
-    int n = 0;
-    cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-    return n;
-  });
+  const int num_sms = sm_count();
   // Persistent: one block per SM (its shared memory allows no second), each taking work items in turn.
   const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
   kernel<<<static_cast<unsigned>(grid), kThreads, smem_bytes, stream>>>(maps.k, maps.v, maps.q, p);

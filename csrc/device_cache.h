@@ -35,4 +35,14 @@ class PerDevice {
   T values_[kMaxDevices] = {};
 };
 
+// The current device's SM count (what persistent grids are sized by), looked up once per device.
+inline int sm_count() {
+  static PerDevice<int> sms;
+  return sms.get([](int device) {
+    int count = 0;
+    cuda_check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "SM count");
+    return count;
+  });
+}
+
 }  // namespace fastqwen

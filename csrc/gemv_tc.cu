@@ -404,15 +404,6 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
-int sm_count() {  // the current device's
-  static PerDevice<int> sms;
-  return sms.get([](int device) {
-    int count = 0;
-    cuda_check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "gemv_tc: SM count");
-    return count;
-  });
-}
-
 int smem_bytes(bool staged, int m, int k) {  // staged: FP8 with x staged (not kDirectX)
   if (!staged) return 0;
   const int units = k / kStepBytes, per_warp = (units + kWarps - 1) / kWarps;
