@@ -79,6 +79,9 @@ __device__ __forceinline__ void load_step(Step& st, const uint8_t* row_lo, const
   }
 }
 
+// Tiles of a call: 16 weight rows each, or 8 gate + 8 up rows with SILU (the grid, the persistent loop, kByGrid).
+__host__ __device__ __forceinline__ int tile_count(int n, bool silu) { return silu ? (n / 2 + 7) / 8 : (n + 15) / 16; }
+
 // FP8 staging of x (stage_x, stage_x_grouped): piece p (16 bytes, 8 values) of a token's share for this warp is unit
 // warp + (p / 16) * kWarps, values (p % 16) * 8 ..
 template <typename T>
@@ -221,6 +224,9 @@ constexpr int kByGrid = kNumFp8Pipelines;
 constexpr int kDefaultFp8Pipeline = kByGrid;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
 
+static_assert(kFp8Pipelines[7].direct_x && kFp8Pipelines[8].direct_x && kFp8Pipelines[11].direct_x &&
+                  kFp8Pipelines[8].depth == 3 && kFp8Pipelines[11].persistent,
+              "fp8_pipeline_for names pipelines by number");
 int fp8_pipeline_for(int tiles, int num_sms) {
   if (tiles <= 2 * num_sms) return 8;
   if (tiles <= 3 * num_sms) return 7;
@@ -245,7 +251,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   const int per_warp = (units + kWarps - 1) / kWarps;
 
   // Rows g and g + 8 of a tile; rows past the end re-read the last one (their sums are dropped).
-  const int tiles = SILU_GATE_UP ? (n / 2 + 7) / 8 : (n + 15) / 16;
+  const int tiles = tile_count(n, SILU_GATE_UP);
   const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
   const uint8_t *w_lo, *w_hi;
   const float *s_lo = nullptr, *s_hi = nullptr;
@@ -424,7 +430,7 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
       return 1;
     });
   }
-  const int tiles = SILU ? (n / 2 + 7) / 8 : (n + 15) / 16;
+  const int tiles = tile_count(n, SILU);
   const int smem = smem_bytes(kStaged, m, k);
   int grid = tiles;
   if constexpr (kPersistent) {  // the blocks the SMs hold at once: kMinBlocks, fewer where x's shared memory is large
@@ -481,8 +487,7 @@ void gemv_tc(const GemvArgs& a) {
       };
       int pipeline = g_fp8_pipeline;
       if (pipeline == kByGrid) {
-        const int tiles = a.silu_gate_up ? (n / 2 + 7) / 8 : (n + 15) / 16;
-        pipeline = fp8_pipeline_for(tiles, sm_count());
+        pipeline = fp8_pipeline_for(tile_count(n, a.silu_gate_up), sm_count());
       }
       return for_pipeline(pipeline, fp8, std::make_integer_sequence<int, kNumFp8Pipelines>{});
     }

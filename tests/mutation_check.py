@@ -656,8 +656,8 @@ MUTATIONS += [
         GEMV_TC,
         [
             (
-                "  const int tiles = SILU ? (n / 2 + 7) / 8 : (n + 15) / 16;",
-                "  const int tiles = SILU ? (n / 2 + 7) / 8 : n / 16;",
+                "return silu ? (n / 2 + 7) / 8 : (n + 15) / 16; }",
+                "return silu ? (n / 2 + 7) / 8 : n / 16; }",
             )
         ],
         ["tests/test_gemv_gpu.py::test_gemv_lm_head_odd_rows_bias_and_fp16[bf16]"],
