@@ -65,6 +65,11 @@ def projection_shapes(preset: str) -> dict[str, tuple[int, int]]:
 TENSOR_CORE_TOKENS = range(2, 9)
 
 
+# The tensor-core GEMV's FP8 pipelines (csrc/gemv_tc.cu, the last one kByGrid); 13 in a build without CUDA kernels,
+# so that the test ids tests/mutation_check.py names exist wherever the tests are collected.
+FP8_PIPELINES = getattr(_native.native(), "GEMV_TC_FP8_PIPELINES", 13)
+
+
 def tensor_core_applies(m: int, w: LinearWeight) -> bool:
     """FP8 stages x as f16 in shared memory (at most 100 KB): 8 warps, each its ceil(k / 1024) blocks of 128 columns."""
     k = w.in_features
@@ -107,7 +112,7 @@ def test_gemv_matches_reference_on_qwen3_shapes(preset, fp8):
         del dense, w
 
 
-@pytest.mark.parametrize("variant", range(1, getattr(_native.native(), "GEMV_TC_FP8_PIPELINES", 1)))
+@pytest.mark.parametrize("variant", range(1, FP8_PIPELINES))
 def test_tensor_core_fp8_pipelines_equal_the_first_bit_for_bit(variant):
     """The FP8 kernel's pipelines (more weight steps in flight, fewer blocks per SM, x staged four tokens at a time)
     do the same arithmetic in the same order as pipeline 0: bitwise its output, on Qwen3-8B's and Qwen3-32B's shapes
@@ -137,7 +142,7 @@ def test_tensor_core_fp8_pipelines_equal_the_first_bit_for_bit(variant):
         _native.native().set_gemv_tc_fp8_variant(pipelines)
 
 
-@pytest.mark.parametrize("variant", range(getattr(_native.native(), "GEMV_TC_FP8_PIPELINES", 1)))
+@pytest.mark.parametrize("variant", range(FP8_PIPELINES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_tensor_core_fp8_pipelines_read_every_e4m3_value_exactly(variant, dtype):
     """Every finite e4m3 byte (subnormals, both zeros, +-448) in a [256, 256] weight with unit scales; each token's x
