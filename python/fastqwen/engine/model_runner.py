@@ -385,6 +385,16 @@ class ModelRunner:
 
     # ---- speculative decoding's verify steps ----------------------------------------------------------------------
 
+    def release_graphs(self) -> None:
+        """Destroy the decode and verify CUDA graphs now (the runner steps eagerly, if at all, afterwards). A
+        tensor-parallel rank must do this before its NCCL communicator goes: NCCL (2.26 on) holds a communicator's
+        teardown, abort included, until every CUDA graph that captured one of its collectives is destroyed."""
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.graphs = self.verify_graphs = None
+        self._graph_batches = {}
+
     def _verify_graph_size(self, scheduled: ScheduledBatch, rows: list) -> int:
         """The captured verify size that replays this step, or 0 (eager): every chunk decodes with a draft of the
         captured length, and the sampler's bans fit."""

@@ -222,9 +222,15 @@ class TensorParallelEngine:
                 process.kill()
                 process.join(5)
         engine = self.__dict__.get("engine")
+        parallel = self.__dict__.get("parallel")
         if engine is not None:
             engine.close()  # rank 0's own: its KV-event publisher
-        parallel = self.__dict__.get("parallel")
+            # The graphs go before the communicator: NCCL's teardown waits for every graph that captured one of its
+            # collectives to be destroyed, and the group's destructor (whenever the garbage collector runs it) would
+            # otherwise wait forever (a second TP LLM in one process hung there on two H200s).
+            engine.runner.release_graphs()
+        if parallel is not None:
+            parallel.abort_device_group()  # the other ranks are gone: nobody to shut the communicator down with
         if parallel is not None and parallel.custom is not None and not kill:
             parallel.custom.close()  # the other ranks have exited: nobody reads this rank's buffer any more
         torch.set_num_threads(self._num_threads)

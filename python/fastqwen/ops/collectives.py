@@ -144,6 +144,19 @@ class ParallelGroup:
         if self.size > 1:
             self.cpu_group.allreduce([torch.zeros(1)]).wait()
 
+    def abort_device_group(self) -> None:
+        """Abort this rank's NCCL communicator now (local: waits for no peer), once the other ranks have exited and
+        the CUDA graphs that captured its collectives are destroyed (ModelRunner.release_graphs: NCCL's teardown
+        waits for them). Left to the group's destructor, the teardown would be an orderly one, which needs every
+        rank."""
+        group = self.device_group
+        if group is None or group is self.cpu_group:  # (gloo on the CPU: nothing outlives its peers)
+            return
+        self.device_group = None
+        abort = getattr(group, "abort", None)  # (ProcessGroupNCCL.abort: PyTorch >= 2.4)
+        if abort is not None:
+            abort()
+
     def close(self) -> None:
         if self.custom is not None:
             self.barrier()  # no peer still reads this rank's buffer
