@@ -136,9 +136,9 @@ for stage in $STAGES; do
   build
   case "$stage" in
     tests)
-      # The grammar test builds two TP=2 engines in one process; the first one's NCCL group, dropped after its
-      # ranks exited, hangs in its destructor (issue 46's note): it runs last and alone, under its own limit, so the
-      # others report whatever it does.
+      # The grammar test builds two TP=2 engines in one process, which hung in the first one's NCCL teardown until
+      # rank 0 destroyed its CUDA graphs first (bc4ec72): it still runs last and alone, under its own limit and with
+      # py-spy stacks if it runs long, so that a teardown hang cannot take the others' report with it.
       grammar_test=tests/test_tensor_parallel_gpu.py::test_tp2_grammars_in_graphs_overlap_like_the_serial_schedule
       FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
         tests/test_tensor_parallel_gpu.py tests/test_tensor_parallel.py tests/test_tensor_parallel_fp8.py \
