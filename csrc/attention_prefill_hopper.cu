@@ -46,6 +46,7 @@
 #include "dtype.h"
 #include "hopper.cuh"
 #include "kv_fp8.cuh"
+#include "launch.cuh"
 #include "paged_kv.cuh"
 
 namespace fastqwen {
@@ -366,6 +367,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_fence_init();
   }
   __syncthreads();
+  // Programmatic dependent launch (launch.cuh): the set-up above may overlap the kernel before, which writes q and
+  // the new keys and values (the page table, lengths and tensor maps were written before it); the kernel after may
+  // start once every block is past this point (a verify step's o_proj streams its weights on the SMs the few items
+  // of a short attention leave free).
+  griddep_wait();
+  griddep_launch_dependents();
 
   if (warpgroup == 0) {
     // Producer: warp 0 issues every copy, lane i the 16-key boxes i of K and V (their page ids load in parallel);
@@ -821,8 +828,8 @@ void launch_variant(const Maps& maps, const Params& p, int64_t items, cudaStream
   const int num_sms = sm_count();
   // Persistent: one block per SM (its shared memory allows no second), each taking work items in turn.
   const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem_bytes, stream>>>(maps.k, maps.v, maps.q, p);
-  cuda_check_launch("paged_attention_prefill_hopper kernel launch");
+  launch_programmatic(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem_bytes, stream,
+                      "paged_attention_prefill_hopper kernel launch", maps.k, maps.v, maps.q, p);
 }
 
 // The pipeline of variant bits 0..2 with a static or dynamic schedule, Q loaded by the consumers or the producer.
