@@ -9,7 +9,12 @@ mean step call; step_ms and engine_step_call_ms are medians):
   schedule     Scheduler.schedule (a step that was not launched ahead) and Scheduler.schedule_ahead
   launch       ModelRunner.launch: fill the pinned buffers, enqueue the upload, the replay and the token copy
   collect      ModelRunner.collect: wait for the tokens; this is where the host waits for the GPU
-  update       Scheduler.update, stop checks, detokenization, building the step's updates
+  replay       ModelRunner.launch_replay called by the engine itself (a verify step launched before step() returns:
+               fill the pinned buffers, the upload, the replay, the token copy)
+  record       Scheduler.update: the step's tokens, accepted drafts, stop checks, detokenization
+  update       the rest: building the step's updates and what the engine does between the parts above
+A verify step's drafts follow the step before it: the GPU waits while the host runs record, schedule (the drafts)
+and replay, so their sum is the idle time a speculative step adds to the GPU's.
 With overlap the GPU runs step N+1 while the host records step N: the step time approaches gpu_ms when the host
 parts other than collect add up to less than gpu_ms. Without it, step time = host parts + gpu_ms.
 """
@@ -64,28 +69,39 @@ def main() -> int:
     times: dict[str, list[float]] = {}
     scheduler.schedule = timed(times, "schedule", scheduler.schedule)
     scheduler.schedule_ahead = timed(times, "schedule_ahead", scheduler.schedule_ahead)
-    runner.launch = timed(times, "launch", runner.launch)
     runner.collect = timed(times, "collect", runner.collect)
+    scheduler.update = timed(times, "record", scheduler.update)
     engine.step = timed(times, "engine_step", engine.step)
     batch_sizes: list[int] = []
     ends: list[float] = []
     launch = runner.launch
 
-    def launch_recording(scheduled, after=None):
-        if after is None:
-            batch_sizes.append(len(scheduled.chunks) if scheduled.is_decode else -1)
-        return launch(scheduled, after)
+    in_launch = [False]  # runner.launch calls launch_replay: its time is launch's, not replay's
 
-    runner.launch = launch_recording
+    def launch_recording(scheduled, after=None):
+        if after is None:  # (a verify step decodes too: one new token a sequence, and its drafts)
+            decoding = all(c.end - c.start == 1 for c in scheduled.chunks)
+            batch_sizes.append(len(scheduled.chunks) if decoding else -1)
+        in_launch[0] = True
+        try:
+            return launch(scheduled, after)
+        finally:
+            in_launch[0] = False
+
     launch_replay = runner.launch_replay
 
     def launch_replay_recording(scheduled):  # (steps launched ahead: the decode and verify steps under overlap)
+        start = time.perf_counter()
         launched = launch_replay(scheduled)
-        if launched is not None:
-            batch_sizes.append(len(scheduled.chunks))
+        if not in_launch[0]:
+            times.setdefault("replay", []).append(time.perf_counter() - start)
+            if launched is not None:
+                batch_sizes.append(len(scheduled.chunks))
         return launched
 
     runner.launch_replay = launch_replay_recording
+    runner.launch = timed(times, "launch", launch_recording)
+    scheduler.update = timed(times, "record", scheduler.update)
 
     prompts = [[(7 * i + 13 * b) % engine.config.vocab_size for i in range(args.prompt_len)] for b in range(args.batch)]
     step_profile = None
@@ -95,6 +111,7 @@ def main() -> int:
             llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True))
         while not batch_sizes or batch_sizes[-1] != args.batch:  # prefill (eager, chunked) until all decode
             engine.step()
+        engine.step()  # (the first decode step's call may still record the prefill's last chunk)
         for values in times.values():  # profile the decode steps only
             values.clear()
         ends.clear()
@@ -119,7 +136,9 @@ def main() -> int:
     parts = {
         "schedule": per_step_ms("schedule", "schedule_ahead"),
         "launch": per_step_ms("launch"),
+        "replay": per_step_ms("replay"),
         "collect": per_step_ms("collect"),
+        "record": per_step_ms("record"),
     }
     parts["update"] = per_step_ms("engine_step") - sum(parts.values())
     gaps = [b - a for a, b in zip(ends, ends[1:])]
@@ -133,6 +152,7 @@ def main() -> int:
         "batch": args.batch,
         "decode_steps": steps,
         "steps_launched_ahead": engine.num_ahead_steps,
+        "steps_launched_early": engine.num_early_launches,  # verify steps launched before step() returned
         "step_ms": statistics.median(gaps) * 1e3,  # median time between the ends of consecutive steps
         "engine_step_call_ms": median_ms("engine_step"),  # median duration of one engine.step call
         "engine_step_call_mean_ms": per_step_ms("engine_step"),
