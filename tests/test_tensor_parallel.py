@@ -236,9 +236,18 @@ def test_tp2_matches_hf_and_one_rank(model):
         assert outs[2].token_ids == first[0]
         llm.engine.check_invariants()
         assert llm.engine.kv.num_pages == 128
+        # At close rank 0's CUDA graphs go before its NCCL communicator: NCCL's teardown waits until every graph that
+        # captured one of its collectives is destroyed, so the other order hangs on GPUs. (On the CPU both steps do
+        # nothing: their order is what this checks.)
+        order = []
+        runner, parallel = llm.engine.engine.runner, llm.engine.parallel
+        release, abort = runner.release_graphs, parallel.abort_device_group
+        runner.release_graphs = lambda: order.append("graphs") or release()
+        parallel.abort_device_group = lambda: order.append("communicator") or abort()
     finally:
         llm.close()
     assert not any(p.is_alive() for p in llm.engine.processes)
+    assert order == ["graphs", "communicator"]
 
 
 def test_tp4_replicates_kv_heads_and_matches_hf(model):
