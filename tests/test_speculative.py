@@ -657,6 +657,54 @@ def test_overlap_schedule_runs_ahead_only_when_no_request_may_draft():
     assert scheduler.schedule_ahead(decode) is None
 
 
+def test_requests_near_max_tokens_keep_the_verify_graphs(checkpoint, monkeypatch):
+    """Verify graphs take drafts of one length. Near its max_tokens a request's draft is filled up past it (the
+    tokens there are computed and dropped, and neither drafted nor accepted in the counters) instead of cut short,
+    which ran the whole batch's step eagerly: requests ending at different steps never leave a verify step eager,
+    and their greedy outputs are those of decoding without speculation, max_tokens each."""
+    path, _ = checkpoint
+    batch = prompts(4, seed=21)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (9, 14, 20, 27)]
+    reference = outputs(make_llm(path), batch, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
+    engine, runner = llm.engine, llm.engine.runner
+    engine.speculator.drafter = OracleDrafter({tuple(p): o for p, o in zip(batch, reference)})
+    eager_verify_steps = []
+
+    def watch(runner) -> None:  # record the verify steps that run eagerly
+        run_eager = runner._run_eager
+
+        def recording(scheduled, *args, **kwargs):
+            if scheduled.has_drafts:
+                eager_verify_steps.append(len(scheduled.chunks))
+            return run_eager(scheduled, *args, **kwargs)
+
+        monkeypatch.setattr(runner, "_run_eager", recording)
+
+    watch(runner)
+    assert outputs(llm, batch, params) == reference
+    assert [len(o) for o in reference] == [9, 14, 20, 27]
+    assert runner.verify_graphs.forwards and eager_verify_steps == []
+    # Every step after a prefill verified a draft (the last token's too), each emitted its accepted tokens and one
+    # more, and nothing past max_tokens counted as accepted: the outputs' tokens are the first tokens, plus one a
+    # verify step, plus the accepted ones.
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens > 0
+    assert sum(map(len, reference)) == len(batch) + stats.spec_num_drafts + stats.spec_num_accepted_tokens
+    engine.check_invariants()
+    # The same with a benchmark's synthetic acceptance, which accepts whatever is drafted up to its rate: the tokens
+    # past max_tokens are still not counted.
+    spec = {"method": "ngram", "num_speculative_tokens": K, "synthetic_acceptance_length": 3.0}
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
+    engine = llm.engine
+    watch(engine.runner)
+    lengths = [len(o) for o in outputs(llm, batch, params)]
+    stats = engine.stats()
+    assert lengths == [9, 14, 20, 27] and eager_verify_steps == []
+    assert sum(lengths) == len(batch) + stats.spec_num_drafts + stats.spec_num_accepted_tokens
+
+
 def test_verify_steps_are_launched_before_the_step_returns(checkpoint, penalized, monkeypatch):
     """A verify step's drafts follow the tokens of the step before it, so the overlap schedule cannot launch it ahead
     of them; it is launched as soon as they are recorded, before step() returns them (LLMEngine._launch_next): every

@@ -304,14 +304,12 @@ class Scheduler:
         return n
 
     def _draft(self, request: Request, budget: int) -> tuple[int, ...]:
-        """The speculator's draft for a decoding request: no longer than the budget, and leaving room in max_tokens
-        and the context for the token the step samples anyway."""
-        limit = min(
-            budget,
-            request.params.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - len(request.token_ids) - 1,
-        )
-        return self.speculator.propose(request, limit) if limit > 0 else ()
+        """The speculator's draft for a decoding request: no longer than the budget, and leaving room in the context
+        for the token the step samples anyway; drafted tokens stop where max_tokens does, and a draft filled up to
+        one length (Speculator.pad_drafts) is filled past it (update stops the request at max_tokens)."""
+        room = min(budget, self.max_model_len - len(request.token_ids) - 1)
+        limit = min(room, request.params.max_tokens - request.num_output_tokens - 1)
+        return self.speculator.propose(request, limit, room) if room > 0 else ()
 
     def _trim_pages(self, request: Request) -> None:
         """Give back the pages a verify step grew for draft tokens that were rejected (past the request's tokens)."""
