@@ -705,6 +705,51 @@ def test_requests_near_max_tokens_keep_the_verify_graphs(checkpoint, monkeypatch
     assert sum(lengths) == len(batch) + stats.spec_num_drafts + stats.spec_num_accepted_tokens
 
 
+def test_requests_paused_for_low_acceptance_keep_the_verify_graphs(checkpoint, monkeypatch):
+    """A request paused for low acceptance decodes without a draft; in a step where others draft, it gets a filler
+    draft of the graphs' length (never accepted, not counted) so that the step still replays the verify graphs
+    instead of running eagerly. Two requests whose drafts are always wrong (paused) beside two whose drafts are right:
+    no verify step runs eagerly, fillers were used, greedy outputs equal decoding without speculation, and the
+    counters count the real drafts only."""
+    path, _ = checkpoint
+    batch = prompts(4, seed=22)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    references = {tuple(p): o for p, o in zip(batch, reference)}
+    right, wrong = OracleDrafter(references), WrongDrafter(references)
+
+    class Mixed:  # wrong for the first two prompts, right (in part: the oracle's) for the others
+        def propose(self, rid, tokens, num_prompt_tokens, limit):
+            drafter = wrong if list(tokens[:num_prompt_tokens]) in batch[:2] else right
+            return drafter.propose(rid, tokens, num_prompt_tokens, limit)
+
+        def finish(self, rid, tokens, num_prompt_tokens):
+            pass
+
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, {"method": "ngram", "num_speculative_tokens": K})
+    engine, runner = llm.engine, llm.engine.runner
+    engine.speculator.drafter = Mixed()
+    eager_verify_steps, fillers, drafted = [], [0], [0]
+    run_eager, launch_replay = runner._run_eager, runner.launch_replay
+
+    def eager(scheduled, *args, **kwargs):
+        if scheduled.has_drafts:
+            eager_verify_steps.append(len(scheduled.chunks))
+        return run_eager(scheduled, *args, **kwargs)
+
+    def replay(scheduled):
+        fillers[0] += sum(c.filler for c in scheduled.chunks)
+        drafted[0] += sum(bool(c.draft) and not c.filler for c in scheduled.chunks)
+        return launch_replay(scheduled)
+
+    monkeypatch.setattr(runner, "_run_eager", eager)
+    monkeypatch.setattr(runner, "launch_replay", replay)
+    assert outputs(llm, batch, params) == reference
+    assert eager_verify_steps == [] and fillers[0] > 0
+    assert engine.stats().spec_num_drafts == drafted[0]
+    engine.check_invariants()
+
+
 def test_verify_steps_are_launched_before_the_step_returns(checkpoint, penalized, monkeypatch):
     """A verify step's drafts follow the tokens of the step before it, so the overlap schedule cannot launch it ahead
     of them; it is launched as soon as they are recorded, before step() returns them (LLMEngine._launch_next): every

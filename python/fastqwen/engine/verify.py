@@ -92,8 +92,9 @@ def emitted_tokens(scheduled: ScheduledBatch, tokens: list[int], speculator) -> 
             row += 1
             continue
         targets = tokens[row : row + chunk.num_rows]
-        # A request aborted while its step ran (a stop string) gets nothing (Scheduler.update) and counts nothing.
-        n = 0 if chunk.request.finished else speculator.accepted(chunk.request, chunk.draft, targets)
+        # A request aborted while its step ran (a stop string) gets nothing (Scheduler.update) and counts nothing; a
+        # filler draft (ScheduledChunk.filler) is never accepted nor counted.
+        n = 0 if chunk.request.finished or chunk.filler else speculator.accepted(chunk.request, chunk.draft, targets)
         out.append([*chunk.draft[:n], targets[n]])
         row += chunk.num_rows
     return out

@@ -44,6 +44,9 @@ class ScheduledChunk:
     # Speculative decoding: tokens proposed to follow the request's last one, computed after it in the same step
     # (their KV written at end, end + 1, ...), each position sampled: the engine keeps the run the target agrees with.
     draft: tuple[int, ...] = ()
+    # A draft that only fills the chunk up to the verify graphs' length (a request paused for low acceptance, in a
+    # step where others draft): none of its tokens is accepted or counted, so the step decodes it as a plain one.
+    filler: bool = False
 
     @property
     def samples(self) -> bool:
@@ -189,7 +192,26 @@ class Scheduler:
             self.running.append(request)
             chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n))
             budget -= n
+        if speculating and self.speculator.pad_drafts:
+            self._fill_drafts(chunks, budget)
         return ScheduledBatch(chunks)
+
+    def _fill_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Verify graphs replay a step only when every chunk decodes with a draft of their one length: in a step of
+        decodes where some draft, a chunk without a draft (its request paused for low acceptance) gets a filler
+        draft instead of running the whole step eagerly. Not for a request with a grammar (its masks follow its
+        draft tokens) or without the room in the context, pages or budget."""
+        k = self.speculator.num_tokens
+        if not any(c.draft for c in chunks) or not all(c.end - c.start == 1 and c.samples for c in chunks):
+            return
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            if chunk.draft or request.grammar is not None or budget < k:
+                continue
+            if self.max_model_len - len(request.token_ids) - 1 < k or not self._grow(request, chunk.end + k):
+                continue
+            chunks[i] = ScheduledChunk(request, chunk.start, chunk.end, (request.token_ids[-1],) * k, filler=True)
+            budget -= k
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step that follows `batch`, chosen before `batch`'s tokens are known, so the engine can launch it
