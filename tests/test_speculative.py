@@ -666,43 +666,47 @@ def test_requests_near_max_tokens_keep_the_verify_graphs(checkpoint, monkeypatch
     batch = prompts(4, seed=21)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (9, 14, 20, 27)]
     reference = outputs(make_llm(path), batch, params)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
-    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
-    engine, runner = llm.engine, llm.engine.runner
-    engine.speculator.drafter = OracleDrafter({tuple(p): o for p, o in zip(batch, reference)})
+    assert [len(o) for o in reference] == [9, 14, 20, 27]
     eager_verify_steps = []
 
-    def watch(runner) -> None:  # record the verify steps that run eagerly
-        run_eager = runner._run_eager
+    def watch(llm) -> list[int]:
+        """Record the verify steps that run eagerly; returns a counter of decode chunks (one per request a step)."""
+        runner, scheduler, decodes = llm.engine.runner, llm.engine.scheduler, [0]
+        run_eager, update = runner._run_eager, scheduler.update
 
         def recording(scheduled, *args, **kwargs):
             if scheduled.has_drafts:
                 eager_verify_steps.append(len(scheduled.chunks))
             return run_eager(scheduled, *args, **kwargs)
 
-        monkeypatch.setattr(runner, "_run_eager", recording)
+        def counting(scheduled, sampled):
+            decodes[0] += sum(c.samples and c.end - c.start == 1 for c in scheduled.chunks)
+            return update(scheduled, sampled)
 
-    watch(runner)
+        monkeypatch.setattr(runner, "_run_eager", recording)
+        monkeypatch.setattr(scheduler, "update", counting)
+        return decodes
+
+    # The outputs' tokens are the prefills' first tokens, one a decode chunk (a verify step's included), and the
+    # accepted ones: nothing past max_tokens counted as accepted.
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
+    llm.engine.speculator.drafter = OracleDrafter({tuple(p): o for p, o in zip(batch, reference)})
+    decodes = watch(llm)
     assert outputs(llm, batch, params) == reference
-    assert [len(o) for o in reference] == [9, 14, 20, 27]
-    assert runner.verify_graphs.forwards and eager_verify_steps == []
-    # Every step after a prefill verified a draft (the last token's too), each emitted its accepted tokens and one
-    # more, and nothing past max_tokens counted as accepted: the outputs' tokens are the first tokens, plus one a
-    # verify step, plus the accepted ones.
-    stats = engine.stats()
+    stats = llm.engine.stats()
+    assert llm.engine.runner.verify_graphs.forwards and eager_verify_steps == []
     assert stats.spec_num_accepted_tokens > 0
-    assert sum(map(len, reference)) == len(batch) + stats.spec_num_drafts + stats.spec_num_accepted_tokens
-    engine.check_invariants()
-    # The same with a benchmark's synthetic acceptance, which accepts whatever is drafted up to its rate: the tokens
-    # past max_tokens are still not counted.
+    assert sum(map(len, reference)) == len(batch) + decodes[0] + stats.spec_num_accepted_tokens
+    llm.engine.check_invariants()
+    # The same with a benchmark's synthetic acceptance, which accepts whatever is drafted up to its rate.
     spec = {"method": "ngram", "num_speculative_tokens": K, "synthetic_acceptance_length": 3.0}
     llm = sampler_llm(path, "gpu-graphs", monkeypatch, spec)
-    engine = llm.engine
-    watch(engine.runner)
+    decodes = watch(llm)
     lengths = [len(o) for o in outputs(llm, batch, params)]
-    stats = engine.stats()
+    stats = llm.engine.stats()
     assert lengths == [9, 14, 20, 27] and eager_verify_steps == []
-    assert sum(lengths) == len(batch) + stats.spec_num_drafts + stats.spec_num_accepted_tokens
+    assert sum(lengths) == len(batch) + decodes[0] + stats.spec_num_accepted_tokens
 
 
 def test_requests_paused_for_low_acceptance_keep_the_verify_graphs(checkpoint, monkeypatch):

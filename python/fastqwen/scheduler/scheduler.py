@@ -331,7 +331,7 @@ class Scheduler:
         one length (Speculator.pad_drafts) is filled past it (update stops the request at max_tokens)."""
         room = min(budget, self.max_model_len - len(request.token_ids) - 1)
         limit = min(room, request.params.max_tokens - request.num_output_tokens - 1)
-        return self.speculator.propose(request, limit, room) if room > 0 else ()
+        return self.speculator.propose(request, limit, room) if limit > 0 else ()
 
     def _trim_pages(self, request: Request) -> None:
         """Give back the pages a verify step grew for draft tokens that were rejected (past the request's tokens)."""

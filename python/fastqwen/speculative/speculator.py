@@ -101,21 +101,18 @@ class Speculator:
         context leave after the token the step samples anyway). A draft of one length (pad_drafts, or a benchmark's
         synthetic acceptance) is filled up to `room` (default `limit`; what the context leaves): past max_tokens near
         a request's end, so that its last steps still replay the verify graphs (a shorter draft would run its whole
-        batch eagerly); the tokens past max_tokens are computed and dropped."""
-        pad = self.synthetic is not None or self.pad_drafts
+        batch eagerly); the tokens past max_tokens are computed and dropped. No draft when only the sampled token is
+        left (a plain decode step; in a step where others draft, Scheduler._fill_drafts gives it a filler)."""
         room = min(limit if room is None else room, self.num_tokens)
         limit = min(limit, room)
-        if (room if pad else limit) <= 0 or not self.may_draft(request):
+        if limit <= 0 or not self.may_draft(request):
             return ()
         self._states.setdefault(request.rid, _RequestState())
         tokens = request.token_ids
-        draft = []
-        if limit > 0:
-            # (A drafter indexes the tokens it has not seen at its next call: nothing is lost while a request is
-            # paused.)
-            draft, _ = self.drafter.propose(request.rid, tokens, len(request.prompt_ids), limit)
-            draft = draft[:limit]
-        if pad:  # (a benchmark's drafts are always full)
+        # (A drafter indexes the tokens it has not seen at its next call: nothing is lost while a request is paused.)
+        draft, _ = self.drafter.propose(request.rid, tokens, len(request.prompt_ids), limit)
+        draft = draft[:limit]
+        if self.synthetic is not None or self.pad_drafts:  # (a benchmark's drafts are always full)
             draft = draft + [tokens[-1]] * (room - len(draft))
         if request.grammar is not None:  # only tokens the grammar allows, none that completes it
             draft = draft[: request.grammar.draftable(draft)]
