@@ -426,9 +426,64 @@ MUTATIONS = [
     Mutation(
         "spec_aborted_drafts_counted",
         "python/fastqwen/engine/verify.py",
-        [("n = 0 if chunk.request.finished else speculator.accepted(", "n = speculator.accepted(")],
+        [
+            (
+                "n = 0 if chunk.request.finished or chunk.filler else speculator.accepted(",
+                "n = 0 if chunk.filler else speculator.accepted(",
+            )
+        ],
         ["tests/test_speculative.py::test_stop_strings_while_the_next_verify_step_is_launched"],
         "the draft of a request aborted while its verify step ran is counted in the spec_decode metrics",
+    ),
+    Mutation(
+        "spec_fillers_counted",
+        "python/fastqwen/engine/verify.py",
+        [
+            (
+                "n = 0 if chunk.request.finished or chunk.filler else speculator.accepted(",
+                "n = 0 if chunk.request.finished else speculator.accepted(",
+            )
+        ],
+        ["tests/test_speculative.py::test_requests_paused_for_low_acceptance_keep_the_verify_graphs"],
+        "a paused request's filler draft is counted (and may be accepted) like a real one",
+    ),
+    Mutation(
+        "spec_paused_requests_without_fillers",
+        "python/fastqwen/scheduler/scheduler.py",
+        [("            self._fill_drafts(chunks, budget)\n", "            pass\n")],
+        ["tests/test_speculative.py::test_requests_paused_for_low_acceptance_keep_the_verify_graphs"],
+        "a step where a paused request decodes beside drafting ones runs eagerly instead of replaying the verify graphs",
+    ),
+    Mutation(
+        "spec_drafts_cut_at_max_tokens",
+        "python/fastqwen/scheduler/scheduler.py",
+        [
+            (
+                "self.speculator.propose(request, limit, room) if limit > 0",
+                "self.speculator.propose(request, limit) if limit > 0",
+            )
+        ],
+        ["tests/test_speculative.py::test_requests_near_max_tokens_keep_the_verify_graphs"],
+        "near max_tokens a draft is cut short, so the batch's verify step runs eagerly",
+    ),
+    Mutation(
+        "spec_drafts_past_max_tokens_counted",
+        "python/fastqwen/speculative/speculator.py",
+        [("k = min(len(draft), max(0, request.params.max_tokens - request.num_output_tokens - 1))", "k = len(draft)")],
+        ["tests/test_speculative.py::test_requests_near_max_tokens_keep_the_verify_graphs"],
+        "draft positions past max_tokens count as drafted and accepted though their tokens are dropped",
+    ),
+    Mutation(
+        "tp_close_aborts_before_the_graphs_go",
+        "python/fastqwen/engine/tensor_parallel.py",
+        [
+            (
+                "            engine.runner.release_graphs()\n        if parallel is not None:\n            parallel.abort_device_group()",
+                "            pass\n        if parallel is not None:\n            parallel.abort_device_group()\n        if engine is not None:\n            engine.runner.release_graphs()",
+            ),
+        ],
+        ["tests/test_tensor_parallel.py::test_tp2_matches_hf_and_one_rank"],
+        "rank 0 aborts its NCCL communicator while the CUDA graphs that captured its collectives live (hangs on GPUs)",
     ),
     Mutation(
         "spec_failed_early_launch_drops_the_step",
