@@ -428,8 +428,8 @@ MUTATIONS = [
         "python/fastqwen/engine/verify.py",
         [
             (
-                "n = 0 if chunk.request.finished or chunk.filler else speculator.accepted(",
-                "n = 0 if chunk.filler else speculator.accepted(",
+                "n = 0 if chunk.request.finished or not real else speculator.accepted(",
+                "n = 0 if not real else speculator.accepted(",
             )
         ],
         ["tests/test_speculative.py::test_stop_strings_while_the_next_verify_step_is_launched"],
@@ -438,14 +438,21 @@ MUTATIONS = [
     Mutation(
         "spec_fillers_counted",
         "python/fastqwen/engine/verify.py",
+        [("        real = chunk.real_draft\n", "        real = chunk.draft\n")],
+        ["tests/test_speculative.py::test_requests_paused_for_low_acceptance_keep_the_verify_graphs"],
+        "a draft's filler is counted (and may be accepted) like real draft tokens",
+    ),
+    Mutation(
+        "spec_filler_masks_follow_the_filler",
+        "python/fastqwen/engine/verify.py",
         [
             (
-                "n = 0 if chunk.request.finished or chunk.filler else speculator.accepted(",
-                "n = 0 if chunk.request.finished else speculator.accepted(",
+                "DraftRow(chunk.request, chunk.draft[:i], chunk.draft[: min(i, real)])",
+                "DraftRow(chunk.request, chunk.draft[:i])",
             )
         ],
-        ["tests/test_speculative.py::test_requests_paused_for_low_acceptance_keep_the_verify_graphs"],
-        "a paused request's filler draft is counted (and may be accepted) like a real one",
+        ["tests/test_speculative.py::test_grammar_cut_drafts_keep_the_verify_graphs"],
+        "a filler position's grammar mask is asked for the state after the filler tokens the grammar never allowed",
     ),
     Mutation(
         "spec_paused_requests_without_fillers",
@@ -455,23 +462,14 @@ MUTATIONS = [
         "a step where a paused request decodes beside drafting ones runs eagerly instead of replaying the verify graphs",
     ),
     Mutation(
-        "spec_drafts_cut_at_max_tokens",
+        "spec_short_drafts_not_filled",
         "python/fastqwen/scheduler/scheduler.py",
+        [("        if draft and speculator.pad_drafts and len(draft) < full:", "        if False:")],
         [
-            (
-                "self.speculator.propose(request, limit, room) if limit > 0",
-                "self.speculator.propose(request, limit) if limit > 0",
-            )
+            "tests/test_speculative.py::test_requests_near_max_tokens_keep_the_verify_graphs",
+            "tests/test_speculative.py::test_grammar_cut_drafts_keep_the_verify_graphs",
         ],
-        ["tests/test_speculative.py::test_requests_near_max_tokens_keep_the_verify_graphs"],
-        "near max_tokens a draft is cut short, so the batch's verify step runs eagerly",
-    ),
-    Mutation(
-        "spec_drafts_past_max_tokens_counted",
-        "python/fastqwen/speculative/speculator.py",
-        [("k = min(len(draft), max(0, request.params.max_tokens - request.num_output_tokens - 1))", "k = len(draft)")],
-        ["tests/test_speculative.py::test_requests_near_max_tokens_keep_the_verify_graphs"],
-        "draft positions past max_tokens count as drafted and accepted though their tokens are dropped",
+        "a draft cut short near max_tokens or by its grammar is left short, so its batch's verify step runs eagerly",
     ),
     Mutation(
         "tp_close_aborts_before_the_graphs_go",

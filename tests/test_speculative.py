@@ -742,8 +742,8 @@ def test_requests_paused_for_low_acceptance_keep_the_verify_graphs(checkpoint, m
         return run_eager(scheduled, *args, **kwargs)
 
     def replay(scheduled):
-        fillers[0] += sum(c.filler for c in scheduled.chunks)
-        drafted[0] += sum(bool(c.draft) and not c.filler for c in scheduled.chunks)
+        fillers[0] += sum(c.filled_from == 0 for c in scheduled.chunks)
+        drafted[0] += sum(bool(c.real_draft) for c in scheduled.chunks)
         return launch_replay(scheduled)
 
     monkeypatch.setattr(runner, "_run_eager", eager)
@@ -939,5 +939,48 @@ def test_grammar_masks_every_verified_position(tmp_path):
             assert re.fullmatch(REGEX, o.text) if spec.kind == "regex" else json.loads(o.text) is not None
     # (Whether a corrupted draft token is rejected or cut by the grammar first depends on when each mask was ready,
     # so only accepted runs are asserted: the bonus token after one is what a maskless draft row would get wrong.)
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+    llm.engine.check_invariants()
+
+
+def test_grammar_cut_drafts_keep_the_verify_graphs(tmp_path, monkeypatch):
+    """With verify graphs, a draft its grammar cut short is filled up to the graphs' length (the filler never
+    accepted nor counted, its positions drawn under the last real position's mask): the steps replay the graphs,
+    greedy outputs equal decoding without speculation, and each finished output matches its grammar."""
+    from fastqwen.sampling_params import StructuredOutput
+    from test_structured_output import REGEX, SCHEMAS, _write_checkpoint
+
+    folder = str(tmp_path)
+    _write_checkpoint(folder)
+    knobs = dict(num_pages=512, page_size=8)
+    specs = [StructuredOutput("regex", REGEX), StructuredOutput("json_schema", json.dumps(SCHEMAS[0]))]
+    batch = [[(7 * i + j) % 200 + 40 for j in range(12)] for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured=specs[i % 2]) for i in range(4)]
+    reference = LLM(folder, dtype="float32", device="cpu", **knobs).generate(batch, params, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
+    llm = graph_llm(monkeypatch, folder, speculative_config=spec, **knobs)
+    with_oracle(llm, batch, [r.token_ids for r in reference])
+    runner = llm.engine.runner
+    eager_verify_steps, cut = [], [0]
+    run_eager, launch_replay = runner._run_eager, runner.launch_replay
+
+    def eager(scheduled, *args, **kwargs):
+        # (a step that also prefills, a request admitted once its grammar compiled, runs eagerly anyway)
+        if scheduled.has_drafts and all(c.end - c.start == 1 for c in scheduled.chunks):
+            eager_verify_steps.append(len(scheduled.chunks))
+        return run_eager(scheduled, *args, **kwargs)
+
+    def replay(scheduled):
+        cut[0] += sum(c.filled_from not in (None, 0) for c in scheduled.chunks)
+        return launch_replay(scheduled)
+
+    monkeypatch.setattr(runner, "_run_eager", eager)
+    monkeypatch.setattr(runner, "launch_replay", replay)
+    out = llm.generate(batch, params, use_tqdm=False)
+    assert [o.token_ids for o in out] == [r.token_ids for r in reference]
+    for o, spec in zip(out, specs):  # (a JSON answer cut by max_tokens is only a valid prefix)
+        if o.finish_reason == "stop":
+            assert re.fullmatch(REGEX, o.text) if spec.kind == "regex" else json.loads(o.text) is not None
+    assert cut[0] > 0 and eager_verify_steps == [] and runner.verify_graphs.forwards
     assert llm.engine.stats().spec_num_accepted_tokens > 0
     llm.engine.check_invariants()

@@ -34,11 +34,13 @@ class DraftRow:
 
     __slots__ = ("request", "draft", "grammar")
 
-    def __init__(self, request: Request, draft: tuple[int, ...]):
+    def __init__(self, request: Request, draft: tuple[int, ...], mask_draft: tuple[int, ...] | None = None):
+        """mask_draft: the draft tokens its grammar mask follows (all of `draft` unless the rest is filler)."""
         self.request = request
         self.draft = draft
         # The scheduler drafts only tokens the grammar allows (Speculator.propose): this state takes a token.
-        self.grammar = DraftMask(request.grammar, draft) if request.grammar is not None else None
+        mask_draft = draft if mask_draft is None else mask_draft
+        self.grammar = DraftMask(request.grammar, mask_draft) if request.grammar is not None else None
 
     @property
     def params(self):
@@ -75,7 +77,11 @@ def sampling_rows(scheduled: ScheduledBatch) -> list:
     for chunk in scheduled.chunks:
         if chunk.samples:
             rows.append(chunk.request)
-            rows += [DraftRow(chunk.request, chunk.draft[:i]) for i in range(1, len(chunk.draft) + 1)]
+            real = len(chunk.real_draft)  # (a filler position draws under the last real one's mask)
+            rows += [
+                DraftRow(chunk.request, chunk.draft[:i], chunk.draft[: min(i, real)])
+                for i in range(1, len(chunk.draft) + 1)
+            ]
     return rows
 
 
@@ -93,8 +99,9 @@ def emitted_tokens(scheduled: ScheduledBatch, tokens: list[int], speculator) -> 
             continue
         targets = tokens[row : row + chunk.num_rows]
         # A request aborted while its step ran (a stop string) gets nothing (Scheduler.update) and counts nothing; a
-        # filler draft (ScheduledChunk.filler) is never accepted nor counted.
-        n = 0 if chunk.request.finished or chunk.filler else speculator.accepted(chunk.request, chunk.draft, targets)
+        # draft's filler (ScheduledChunk.filled_from) is never accepted nor counted.
+        real = chunk.real_draft
+        n = 0 if chunk.request.finished or not real else speculator.accepted(chunk.request, real, targets)
         out.append([*chunk.draft[:n], targets[n]])
         row += chunk.num_rows
     return out

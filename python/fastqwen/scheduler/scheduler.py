@@ -44,9 +44,15 @@ class ScheduledChunk:
     # Speculative decoding: tokens proposed to follow the request's last one, computed after it in the same step
     # (their KV written at end, end + 1, ...), each position sampled: the engine keeps the run the target agrees with.
     draft: tuple[int, ...] = ()
-    # A draft that only fills the chunk up to the verify graphs' length (a request paused for low acceptance, in a
-    # step where others draft): none of its tokens is accepted or counted, so the step decodes it as a plain one.
-    filler: bool = False
+    # Draft tokens from this index on only fill the chunk up to the verify graphs' length (from 0: a request paused
+    # for low acceptance, in a step where others draft; from the cut: a draft its grammar cut short). They are never
+    # accepted nor counted, and their positions draw under the last real position's grammar mask (their draws are
+    # dropped). None: every draft token is a real guess.
+    filled_from: int | None = None
+
+    @property
+    def real_draft(self) -> tuple[int, ...]:
+        return self.draft if self.filled_from is None else self.draft[: self.filled_from]
 
     @property
     def samples(self) -> bool:
@@ -165,9 +171,11 @@ class Scheduler:
             n = self._chunk_size(request, budget)
             if n == 0:
                 continue  # its grammar's mask is not ready: it decodes in a later step
-            draft = self._draft(request, budget - 1) if speculating and n == request.uncomputed == 1 else ()
+            draft, filled_from = (), None
+            if speculating and n == request.uncomputed == 1:
+                draft, filled_from = self._draft(request, budget - 1)
             if draft and not self._grow(request, request.cached_len + 1 + len(draft)):
-                draft = ()  # no pages for the draft: decode without it before preempting anyone
+                draft, filled_from = (), None  # no pages for the draft: decode without it before preempting anyone
             while not self._grow(request, request.cached_len + n):
                 victim = max(pending, key=lambda r: r.arrival) if pending else request
                 self._preempt(victim)
@@ -176,7 +184,7 @@ class Scheduler:
                     break
                 pending.remove(victim)
             else:
-                chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n, draft))
+                chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n, draft, filled_from))
                 budget -= n + len(draft)
         # Then waiting requests, as the admission policy (admission.py) allows.
         while self.admission.has_room(budget, preempted):
@@ -199,18 +207,18 @@ class Scheduler:
     def _fill_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Verify graphs replay a step only when every chunk decodes with a draft of their one length: in a step of
         decodes where some draft, a chunk without a draft (its request paused for low acceptance) gets a filler
-        draft instead of running the whole step eagerly. Not for a request with a grammar (its masks follow its
-        draft tokens) or without the room in the context, pages or budget."""
+        draft instead of running the whole step eagerly. Not for a request without the room in the context, pages or
+        budget."""
         k = self.speculator.num_tokens
         if not any(c.draft for c in chunks) or not all(c.end - c.start == 1 and c.samples for c in chunks):
             return
         for i, chunk in enumerate(chunks):
             request = chunk.request
-            if chunk.draft or request.grammar is not None or budget < k:
+            if chunk.draft or budget < k:
                 continue
             if self.max_model_len - len(request.token_ids) - 1 < k or not self._grow(request, chunk.end + k):
                 continue
-            chunks[i] = ScheduledChunk(request, chunk.start, chunk.end, (request.token_ids[-1],) * k, filler=True)
+            chunks[i] = ScheduledChunk(request, chunk.start, chunk.end, (request.token_ids[-1],) * k, filled_from=0)
             budget -= k
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
@@ -325,13 +333,20 @@ class Scheduler:
             n -= 1
         return n
 
-    def _draft(self, request: Request, budget: int) -> tuple[int, ...]:
-        """The speculator's draft for a decoding request: no longer than the budget, and leaving room in the context
-        for the token the step samples anyway; drafted tokens stop where max_tokens does, and a draft filled up to
-        one length (Speculator.pad_drafts) is filled past it (update stops the request at max_tokens)."""
+    def _draft(self, request: Request, budget: int) -> tuple[tuple[int, ...], int | None]:
+        """The speculator's draft for a decoding request, and where its filler starts (ScheduledChunk.filled_from):
+        no longer than the budget, and leaving room in max_tokens and the context for the token the step samples
+        anyway. Verify graphs take drafts of one length (Speculator.pad_drafts): a draft cut short, near max_tokens or
+        by its grammar, is filled up with filler as far as the context allows (tokens past max_tokens are computed
+        and dropped: update stops the request there)."""
+        speculator = self.speculator
         room = min(budget, self.max_model_len - len(request.token_ids) - 1)
         limit = min(room, request.params.max_tokens - request.num_output_tokens - 1)
-        return self.speculator.propose(request, limit, room) if limit > 0 else ()
+        draft = speculator.propose(request, limit) if limit > 0 else ()
+        full = min(room, speculator.num_tokens)
+        if draft and speculator.pad_drafts and len(draft) < full:
+            return draft + (request.token_ids[-1],) * (full - len(draft)), len(draft)
+        return draft, None
 
     def _trim_pages(self, request: Request) -> None:
         """Give back the pages a verify step grew for draft tokens that were rejected (past the request's tokens)."""

@@ -96,15 +96,11 @@ class Speculator:
             return False
         return True
 
-    def propose(self, request, limit: int, room: int | None = None) -> tuple[int, ...]:
-        """The draft for a decoding request's next step: at most `limit` drafted tokens (what max_tokens and the
-        context leave after the token the step samples anyway). A draft of one length (pad_drafts, or a benchmark's
-        synthetic acceptance) is filled up to `room` (default `limit`; what the context leaves): past max_tokens near
-        a request's end, so that its last steps still replay the verify graphs (a shorter draft would run its whole
-        batch eagerly); the tokens past max_tokens are computed and dropped. No draft when only the sampled token is
-        left (a plain decode step; in a step where others draft, Scheduler._fill_drafts gives it a filler)."""
-        room = min(limit if room is None else room, self.num_tokens)
-        limit = min(limit, room)
+    def propose(self, request, limit: int) -> tuple[int, ...]:
+        """The draft for a decoding request's next step: at most `limit` tokens (what max_tokens and the context leave
+        after the token the step samples anyway). (The scheduler fills a draft that verify graphs need longer with
+        tokens that are never accepted: ScheduledChunk.filled_from.)"""
+        limit = min(limit, self.num_tokens)
         if limit <= 0 or not self.may_draft(request):
             return ()
         self._states.setdefault(request.rid, _RequestState())
@@ -113,16 +109,15 @@ class Speculator:
         draft, _ = self.drafter.propose(request.rid, tokens, len(request.prompt_ids), limit)
         draft = draft[:limit]
         if self.synthetic is not None or self.pad_drafts:  # (a benchmark's drafts are always full)
-            draft = draft + [tokens[-1]] * (room - len(draft))
+            draft = draft + [tokens[-1]] * (limit - len(draft))
         if request.grammar is not None:  # only tokens the grammar allows, none that completes it
             draft = draft[: request.grammar.draftable(draft)]
         return tuple(draft)
 
     def accepted(self, request, draft: tuple[int, ...], targets: list[int]) -> int:
         """How many leading draft tokens are accepted, given the target's token at each of the 1 + len(draft)
-        verified positions; counts them. Positions past max_tokens (a filled-up draft near a request's end) are
-        neither drafted nor accepted: their tokens would be dropped."""
-        k = min(len(draft), max(0, request.params.max_tokens - request.num_output_tokens - 1))
+        verified positions; counts them."""
+        k = len(draft)
         if self.synthetic is not None:
             state = self._states.setdefault(request.rid, _RequestState())
             state.synthetic_credit += self.synthetic - 1
