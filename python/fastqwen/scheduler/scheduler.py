@@ -44,10 +44,10 @@ class ScheduledChunk:
     # Speculative decoding: tokens proposed to follow the request's last one, computed after it in the same step
     # (their KV written at end, end + 1, ...), each position sampled: the engine keeps the run the target agrees with.
     draft: tuple[int, ...] = ()
-    # Draft tokens from this index on only fill the chunk up to the verify graphs' length (from 0: a request paused
-    # for low acceptance, in a step where others draft; from the cut: a draft its grammar cut short). They are never
-    # accepted nor counted, and their positions draw under the last real position's grammar mask (their draws are
-    # dropped). None: every draft token is a real guess.
+    # Draft tokens from this index on only fill the chunk up to the verify graphs' length (from the cut: a draft cut
+    # short near max_tokens or by its grammar; from 0: a request without a draft in a step where others draft). They
+    # are never accepted nor counted, and their positions draw under the last real position's grammar mask (their
+    # draws are dropped). None: every draft token is a real guess.
     filled_from: int | None = None
 
     @property
@@ -206,9 +206,9 @@ class Scheduler:
 
     def _fill_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Verify graphs replay a step only when every chunk decodes with a draft of their one length: in a step of
-        decodes where some draft, a chunk without a draft (its request paused for low acceptance) gets a filler
-        draft instead of running the whole step eagerly. Not for a request without the room in the context, pages or
-        budget."""
+        decodes where some draft, a chunk without a draft (its request paused for low acceptance, left with only the
+        token the step samples, or cut to nothing by its grammar) gets a filler draft instead of running the whole
+        step eagerly. Not for a request without the room in the context, pages or budget."""
         k = self.speculator.num_tokens
         if not any(c.draft for c in chunks) or not all(c.end - c.start == 1 and c.samples for c in chunks):
             return
