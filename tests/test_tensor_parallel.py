@@ -250,6 +250,35 @@ def test_tp2_matches_hf_and_one_rank(model):
     assert order == ["graphs", "communicator"]
 
 
+def test_tp2_speculation_matches_hf(model):
+    """Speculative decoding under TP=2: every rank drafts from the same tokens and accepts the same run (a rank that
+    drifted fails the step checksum and ends the engine: rank 1 drafting one token fewer did); greedy outputs equal
+    one rank's without speculation, and drafts were accepted."""
+    folder, _, expected = model
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0}
+    llm = LLM(
+        folder,
+        dtype="float32",
+        device="cpu",
+        num_pages=128,
+        page_size=4,
+        tensor_parallel_size=2,
+        speculative_config=spec,
+    )
+    try:
+        prompts = [p * 3 for p in PROMPTS]  # (repeated prompts: the n-gram lookup finds runs to draft)
+        reference = LLM(folder, dtype="float32", device="cpu", num_pages=128, page_size=4).generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False
+        )
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        assert [o.token_ids for o in out] == [r.token_ids for r in reference]
+        stats = llm.engine.stats()
+        assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
+        llm.engine.check_invariants()
+    finally:
+        llm.close()
+
+
 def test_tp4_replicates_kv_heads_and_matches_hf(model):
     folder, _, expected = model
     llm = LLM(folder, dtype="float32", device="cpu", num_pages=128, tensor_parallel_size=4)
