@@ -250,7 +250,7 @@ def test_tp2_matches_hf_and_one_rank(model):
     assert order == ["graphs", "communicator"]
 
 
-def test_tp2_speculation_matches_hf(model):
+def test_tp2_speculation_matches_one_rank(model):
     """Speculative decoding under TP=2: every rank drafts from the same tokens and accepts the same run (a rank that
     drifted fails the step checksum and ends the engine: rank 1 drafting one token fewer did); greedy outputs equal
     one rank's without speculation, and drafts were accepted."""
