@@ -436,6 +436,13 @@ MUTATIONS = [
         "the draft of a request aborted while its verify step ran is counted in the spec_decode metrics",
     ),
     Mutation(
+        "json_response_in_one_dumps",
+        "python/fastqwen/server/serving.py",
+        [("    out: list[str] = []\n    _encode_pieces(payload, out)\n", "    out: list[str] = [_dumps(payload)]\n")],
+        ["tests/test_amplification.py::test_health_answers_while_a_large_echo_response_is_built"],
+        "a large JSON response is encoded by one json.dumps, which holds the GIL and stalls the event loop",
+    ),
+    Mutation(
         "spec_fillers_counted",
         "python/fastqwen/engine/verify.py",
         [("        real = chunk.real_draft\n", "        real = chunk.draft\n")],
