@@ -471,7 +471,7 @@ MUTATIONS = [
     Mutation(
         "spec_short_drafts_not_filled",
         "python/fastqwen/scheduler/scheduler.py",
-        [("        if draft and speculator.pad_drafts and len(draft) < full:", "        if False:")],
+        [("            if short <= 0 or budget < short", "            if chunk.draft or budget < short")],
         [
             "tests/test_speculative.py::test_requests_near_max_tokens_keep_the_verify_graphs",
             "tests/test_speculative.py::test_grammar_cut_drafts_keep_the_verify_graphs",

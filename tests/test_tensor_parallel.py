@@ -254,23 +254,15 @@ def test_tp2_speculation_matches_one_rank(model):
     """Speculative decoding under TP=2: every rank drafts from the same tokens and accepts the same run (a rank that
     drifted fails the step checksum and ends the engine: rank 1 drafting one token fewer did); greedy outputs equal
     one rank's without speculation, and drafts were accepted."""
-    folder, _, expected = model
+    folder = model[0]
+    knobs = dict(dtype="float32", device="cpu", num_pages=128, page_size=4)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0}
-    llm = LLM(
-        folder,
-        dtype="float32",
-        device="cpu",
-        num_pages=128,
-        page_size=4,
-        tensor_parallel_size=2,
-        speculative_config=spec,
-    )
+    prompts = [p * 3 for p in PROMPTS]  # (repeated prompts: the n-gram lookup finds runs to draft)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    reference = LLM(folder, **knobs).generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(folder, **knobs, tensor_parallel_size=2, speculative_config=spec)
     try:
-        prompts = [p * 3 for p in PROMPTS]  # (repeated prompts: the n-gram lookup finds runs to draft)
-        reference = LLM(folder, dtype="float32", device="cpu", num_pages=128, page_size=4).generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False
-        )
-        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        out = llm.generate(prompts, greedy, use_tqdm=False)
         assert [o.token_ids for o in out] == [r.token_ids for r in reference]
         stats = llm.engine.stats()
         assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats

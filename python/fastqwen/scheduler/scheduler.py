@@ -171,11 +171,9 @@ class Scheduler:
             n = self._chunk_size(request, budget)
             if n == 0:
                 continue  # its grammar's mask is not ready: it decodes in a later step
-            draft, filled_from = (), None
-            if speculating and n == request.uncomputed == 1:
-                draft, filled_from = self._draft(request, budget - 1)
+            draft = self._draft(request, budget - 1) if speculating and n == request.uncomputed == 1 else ()
             if draft and not self._grow(request, request.cached_len + 1 + len(draft)):
-                draft, filled_from = (), None  # no pages for the draft: decode without it before preempting anyone
+                draft = ()  # no pages for the draft: decode without it before preempting anyone
             while not self._grow(request, request.cached_len + n):
                 victim = max(pending, key=lambda r: r.arrival) if pending else request
                 self._preempt(victim)
@@ -184,7 +182,7 @@ class Scheduler:
                     break
                 pending.remove(victim)
             else:
-                chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n, draft, filled_from))
+                chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n, draft))
                 budget -= n + len(draft)
         # Then waiting requests, as the admission policy (admission.py) allows.
         while self.admission.has_room(budget, preempted):
@@ -206,20 +204,23 @@ class Scheduler:
 
     def _fill_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Verify graphs replay a step only when every chunk decodes with a draft of their one length: in a step of
-        decodes where some draft, a chunk without a draft (its request paused for low acceptance, left with only the
-        token the step samples, or cut to nothing by its grammar) gets a filler draft instead of running the whole
-        step eagerly. Not for a request without the room in the context, pages or budget."""
+        decodes where some draft, a draft cut short (near max_tokens, or by its grammar) and a chunk without one (its
+        request paused for low acceptance, left with only the token the step samples, or cut to nothing by its
+        grammar) are filled up with filler (ScheduledChunk.filled_from) instead of running the whole step eagerly;
+        tokens past max_tokens are computed and dropped (update stops the request there). Not for a request without
+        the room in the context, pages or budget."""
         k = self.speculator.num_tokens
         if not any(c.draft for c in chunks) or not all(c.end - c.start == 1 and c.samples for c in chunks):
             return
         for i, chunk in enumerate(chunks):
-            request = chunk.request
-            if chunk.draft or budget < k:
+            request, short = chunk.request, k - len(chunk.draft)
+            if short <= 0 or budget < short or self.max_model_len - len(request.token_ids) - 1 < k:
                 continue
-            if self.max_model_len - len(request.token_ids) - 1 < k or not self._grow(request, chunk.end + k):
+            if not self._grow(request, chunk.end + k):
                 continue
-            chunks[i] = ScheduledChunk(request, chunk.start, chunk.end, (request.token_ids[-1],) * k, filled_from=0)
-            budget -= k
+            draft = chunk.draft + (request.token_ids[-1],) * short
+            chunks[i] = ScheduledChunk(request, chunk.start, chunk.end, draft, filled_from=len(chunk.draft))
+            budget -= short
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step that follows `batch`, chosen before `batch`'s tokens are known, so the engine can launch it
@@ -333,20 +334,15 @@ class Scheduler:
             n -= 1
         return n
 
-    def _draft(self, request: Request, budget: int) -> tuple[tuple[int, ...], int | None]:
-        """The speculator's draft for a decoding request, and where its filler starts (ScheduledChunk.filled_from):
-        no longer than the budget, and leaving room in max_tokens and the context for the token the step samples
-        anyway. Verify graphs take drafts of one length (Speculator.pad_drafts): a draft cut short, near max_tokens or
-        by its grammar, is filled up with filler as far as the context allows (tokens past max_tokens are computed
-        and dropped: update stops the request there)."""
-        speculator = self.speculator
-        room = min(budget, self.max_model_len - len(request.token_ids) - 1)
-        limit = min(room, request.params.max_tokens - request.num_output_tokens - 1)
-        draft = speculator.propose(request, limit) if limit > 0 else ()
-        full = min(room, speculator.num_tokens)
-        if draft and speculator.pad_drafts and len(draft) < full:
-            return draft + (request.token_ids[-1],) * (full - len(draft)), len(draft)
-        return draft, None
+    def _draft(self, request: Request, budget: int) -> tuple[int, ...]:
+        """The speculator's draft for a decoding request: no longer than the budget, and leaving room in max_tokens
+        and the context for the token the step samples anyway (_fill_drafts fills it up for the verify graphs)."""
+        limit = min(
+            budget,
+            request.params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - len(request.token_ids) - 1,
+        )
+        return self.speculator.propose(request, limit) if limit > 0 else ()
 
     def _trim_pages(self, request: Request) -> None:
         """Give back the pages a verify step grew for draft tokens that were rejected (past the request's tokens)."""
