@@ -9,8 +9,11 @@ switched on."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 import traceback
 
@@ -27,6 +30,8 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
 
+RANKS_DEADLINE_S = 240  # one test's ranks, all of them
+
 # Message sizes in elements: tiny, decode of 1..256 sequences of hidden 4096 and 5120, and the threshold itself.
 SIZES = [8, 64, 1000 * 8, 4096, 5120, 4096 * 8, 5120 * 32, 4096 * 256, 5120 * 256]
 
@@ -37,12 +42,26 @@ def _connect(rank: int, world: int, port: int):
     from fastqwen.ops.collectives import ParallelGroup
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    # The ranks share the host's cores: with every core as each rank's intra-op threads, four ranks oversubscribe
+    # the host four times over (a suspect, not established, in the fused test at world 4 running past its deadline).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # A rank still running near _run_ranks' deadline prints its Python stack (a GPU hang shows as a wait in a copy to
+    # the host, slow host work as the line doing it).
+    faulthandler.dump_traceback_later(RANKS_DEADLINE_S - 15, exit=False)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
     group = ParallelGroup.connect(rank, world, store, device)
     assert group.custom is not None, "the custom all-reduce did not start"
     return group, device
+
+
+def _progress(rank: int, what: str) -> None:
+    """The case a rank is at, in the file _run_ranks reads back if the ranks run past their deadline."""
+    folder = os.environ.get("FASTQWEN_TP_TEST_PROGRESS")
+    if folder:
+        with open(os.path.join(folder, str(rank)), "w") as f:
+            f.write(what)
 
 
 def _worker(rank: int, world: int, port: int, dtype_names: tuple[str, ...], failures) -> None:
@@ -64,6 +83,7 @@ def _check_all_reduce(group, device, rank: int, world: int, dtype_name: str) -> 
             torch.randn(numel, generator=torch.Generator().manual_seed(1000 * r + numel)).to(dtype)
             for r in range(world)
         ]
+        _progress(rank, f"{dtype_name} {numel}")
         reference = torch.stack([x.double() for x in inputs]).sum(0)
         mine = inputs[rank].to(device)
         custom = mine.clone()
@@ -145,6 +165,7 @@ def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
         limit = custom.max_bytes // (hidden * size)
         for rows in sorted({r for r in FUSED_ROWS if r <= limit} | {limit}):
             what = f"{dtype_name} {rows}x{hidden}"
+            _progress(rank, what)
             partials, residual, weight = _norm_inputs(world, rows, hidden, dtype, seed=rows * 100003 + hidden)
             x, res, w = partials[rank].to(device), residual.to(device), weight.to(device)
             assert custom.applies_with_norm(x, res, w), what
@@ -162,6 +183,7 @@ def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
     group.fused_norm = True
     hidden = 5120
     rows = custom.max_bytes // (hidden * size) + 1
+    _progress(rank, f"{dtype_name} past the threshold")
     partials, residual, weight = _norm_inputs(world, rows, hidden, dtype, seed=7)
     x, res, w = partials[rank].to(device), residual.to(device), weight.to(device)
     assert not custom.applies_with_norm(x, res, w)
@@ -181,8 +203,10 @@ def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
         group.all_reduce(plain)
         custom.all_reduce_add_rms_norm(xs[1], residuals[1], ws[1], EPS)
 
+    _progress(rank, f"{dtype_name} captured")
     graph = captured_graph(step)
     for replay in range(5):
+        _progress(rank, f"{dtype_name} replay {replay}")
         cases = [_norm_inputs(world, *shape, dtype, seed=1000 + 10 * replay + n) for n, shape in enumerate(shapes)]
         for n, (partials, residual, weight) in enumerate(cases):
             xs[n].copy_(partials[rank].to(device))
@@ -206,10 +230,15 @@ def _run_ranks(world: int, dtype_names: tuple[str, ...], target=_worker) -> None
     ctx = multiprocessing.get_context("spawn")
     failures = ctx.Queue()
     port = free_port()
+    progress = tempfile.mkdtemp(prefix="tp-progress-")
     procs = [ctx.Process(target=target, args=(r, world, port, dtype_names, failures)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 240
+    os.environ["FASTQWEN_TP_TEST_PROGRESS"] = progress  # (the spawned ranks inherit it)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        del os.environ["FASTQWEN_TP_TEST_PROGRESS"]
+    deadline = time.monotonic() + RANKS_DEADLINE_S
     failed_at = None
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
@@ -224,10 +253,15 @@ def _run_ranks(world: int, dtype_names: tuple[str, ...], target=_worker) -> None
     errors = []
     while not failures.empty():
         errors.append(failures.get())
+    at = {}  # rank -> the last case it reached
+    for name in os.listdir(progress):
+        with open(os.path.join(progress, name)) as f:
+            at[int(name)] = f.read()
+    shutil.rmtree(progress, ignore_errors=True)
     assert not errors and all(p.exitcode == 0 for p in procs), (
-        "\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}"
+        "\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}, the ranks last at {dict(sorted(at.items()))}"
     )
-    assert not hung, f"{len(hung)} ranks hung"
+    assert not hung, f"{len(hung)} ranks hung, last at {dict(sorted(at.items()))}"
 
 
 @pytest.mark.parametrize("world", [2, 4])
