@@ -100,6 +100,15 @@ def main() -> int:
         return launched
 
     runner.launch_replay = launch_replay_recording
+    # What a verify step's launch spends its host time on (the GPU waits for all of it: the drafts need the tokens)
+    replay_parts: dict[str, list[float]] = {}
+    if args.verify and runner.verify_graphs is not None:
+        runner.sampler.prepare = timed(replay_parts, "sampler_prepare", runner.sampler.prepare)
+        runner.staging.wait_uploaded = timed(replay_parts, "wait_uploaded", runner.staging.wait_uploaded)
+        runner.staging.host_views = timed(replay_parts, "host_views", runner.staging.host_views)
+        runner.staging.upload = timed(replay_parts, "upload", runner.staging.upload)
+        runner.verify_graphs.replay = timed(replay_parts, "graph_replay", runner.verify_graphs.replay)
+        runner._start_read_back = timed(replay_parts, "read_back", runner._start_read_back)
     runner.launch = timed(times, "launch", launch_recording)
     scheduler.update = timed(times, "record", scheduler.update)
 
@@ -112,7 +121,7 @@ def main() -> int:
         while not batch_sizes or batch_sizes[-1] != args.batch:  # prefill (eager, chunked) until all decode
             engine.step()
         engine.step()  # (the first decode step's call may still record the prefill's last chunk)
-        for values in times.values():  # profile the decode steps only
+        for values in [*times.values(), *replay_parts.values()]:  # profile the decode steps only
             values.clear()
         ends.clear()
         if run == 1 and args.verify and args.kernels:
@@ -159,6 +168,8 @@ def main() -> int:
         "gpu_ms": graph_replay_ms(graphs, args.batch),
         "host_ms": {k: round(v, 4) for k, v in parts.items()},  # means per engine.step call; they sum to the mean
     }
+    if replay_parts:  # (means per engine.step call, as the parts above; "replay" holds them)
+        result["replay_ms"] = {k: round(sum(v) / steps * 1e3, 4) for k, v in replay_parts.items()}
     # Host work besides the wait: with overlap it hides behind the GPU as long as it is below gpu_ms.
     result["host_ms_excluding_wait"] = round(sum(v for k, v in parts.items() if k != "collect"), 4)
     if args.kernels and graphs is not None:
