@@ -168,6 +168,12 @@ def main() -> int:
         "gpu_ms": graph_replay_ms(graphs, args.batch),
         "host_ms": {k: round(v, 4) for k, v in parts.items()},  # means per engine.step call; they sum to the mean
     }
+    if runner.verify_graphs is not None:  # verify steps queued behind the host gate (FASTQWEN_VERIFY_GATE)
+        result["verify_gate"] = {
+            "gated": runner.num_gated_launches,
+            "cancelled": runner.num_gate_cancels,
+            "timed_out": runner.num_gate_timeouts,
+        }
     if replay_parts:  # (means per engine.step call, as the parts above; "replay" holds them)
         result["replay_ms"] = {k: round(sum(v) / steps * 1e3, 4) for k, v in replay_parts.items()}
     # Host work besides the wait: with overlap it hides behind the GPU as long as it is below gpu_ms.

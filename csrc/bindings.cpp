@@ -20,6 +20,7 @@
 #include "dtype.h"
 #include "fp8_quant.h"
 #include "gemv.h"
+#include "host_gate.h"
 #include "norm.h"
 #include "page_allocator.h"
 #include "rope_kv.h"
@@ -248,6 +249,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_cuda") = false;
 #endif
   export_contracts(m);
+  m.attr("HOST_GATE_CANCEL") = fastqwen::kHostGateCancel;  // (csrc/host_gate.h)
 
   py::class_<PageAllocator>(m, "PageAllocator",
                             "KV-cache page ids 0..num_pages-1 with a free list and a refcount per page.")
@@ -312,6 +314,27 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x_ptr"), py::arg("out_ptr"), py::arg("num_rows"), py::arg("d"), py::arg("dtype"), py::arg("stream"),
       "out[r, i] = silu(x[r, i]) * x[r, d + i]; x [num_rows, 2d] and out [num_rows, d] contiguous device "
       "buffers of the given dtype code; stream is a cudaStream_t as int.");
+  m.def(
+      "host_gate",
+      [](const py::int_& flag, const py::int_& status, uint32_t expect, const py::tuple& a, const py::tuple& b,
+         uint64_t timeout_ns, const py::int_& stream) {
+        auto copy = [](const py::tuple& t, const char* name) {
+          if (t.size() != 4) throw std::invalid_argument(std::string("host_gate: ") + name + " is (src, dst, fallback, bytes)");
+          fastqwen::HostGateCopy c;
+          c.src = to_uintptr(t[0].cast<py::int_>(), "src");
+          c.dst = to_uintptr(t[1].cast<py::int_>(), "dst");
+          c.fallback = to_uintptr(t[2].cast<py::int_>(), "fallback");
+          c.bytes = t[3].cast<int64_t>();
+          return c;
+        };
+        fastqwen::host_gate(to_uintptr(flag, "flag"), to_uintptr(status, "status"), expect, copy(a, "a"),
+                            copy(b, "b"), timeout_ns, to_uintptr(stream, "stream"));
+      },
+      py::arg("flag"), py::arg("status"), py::arg("expect"), py::arg("a"), py::arg("b"), py::arg("timeout_ns"),
+      py::arg("stream"),
+      "Queue a kernel that waits for the pinned host word flag to hold expect (then copies each (src, dst, fallback, "
+      "bytes) from pinned src) or expect | HOST_GATE_CANCEL or a timeout (then from the device fallback), and writes "
+      "expect (or 0) to the pinned word status (csrc/host_gate.h).");
   m.def(
       "rms_norm",
       [](const py::int_& out, const py::int_& x, const py::int_& weight, int64_t num_rows, int64_t hidden, double eps,

@@ -450,6 +450,33 @@ MUTATIONS = [
         "a draft's filler is counted (and may be accepted) like real draft tokens",
     ),
     Mutation(
+        "host_gate_opened_without_the_inputs",
+        "python/fastqwen/engine/model_runner.py",
+        [
+            (
+                "        self._fill_verify_inputs(self.staging.host_views(graphs.layout(gated.size)), scheduled, gated.size)\n"
+                "        self._gate.open()",
+                "        self._gate.open()",
+            )
+        ],
+        ["tests/test_speculative.py::test_verify_steps_queued_behind_the_host_gate"],
+        "a gated verify step is opened with the step before's inputs still in the pinned buffer",
+    ),
+    Mutation(
+        "host_gate_timeout_not_relaunched",
+        "python/fastqwen/engine/model_runner.py",
+        [("            if pending.gate and not self._gate.opened(pending.gate):", "            if False:")],
+        ["tests/test_speculative.py::test_verify_steps_queued_behind_the_host_gate"],
+        "a gated step that ran on padding (the gate opened past its timeout) is taken for the real one",
+    ),
+    Mutation(
+        "host_gate_ignores_its_flag",
+        "csrc/host_gate.cu",
+        [("      if (v == expect) {", "      if (true) {")],
+        ["tests/test_host_gate_gpu.py"],
+        "the gate copies the host buffers at once, before the host has written them",
+    ),
+    Mutation(
         "spec_filler_masks_follow_the_filler",
         "python/fastqwen/engine/verify.py",
         [

@@ -754,6 +754,41 @@ def test_requests_paused_for_low_acceptance_keep_the_verify_graphs(checkpoint, m
     engine.check_invariants()
 
 
+def test_verify_steps_queued_behind_the_host_gate(checkpoint, monkeypatch):
+    """With the host gate (ModelRunner.arm_verify), the verify step after the one just launched is queued before its
+    drafts exist and opened with its inputs once the host has them; cpu_graphs' StandInHostGate holds what is queued
+    behind it until then, as the GPU's stream would. Two requests, one ending early on a stop id (the gate armed for
+    two sequences is cancelled: its step runs on padding and is dropped), and one gate opened past its timeout (its
+    step ran on padding: collect runs it again): greedy outputs equal decoding without speculation, and the KV
+    invariants hold."""
+    path, _ = checkpoint
+    batch = prompts(2, seed=24)
+    plain_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = outputs(make_llm(path), batch, [plain_params] * 2)[0]
+    stop = next(t for i, t in enumerate(first) if i >= 16 and t not in first[:i])  # ends request 0 at token i
+    params = [dataclasses.replace(plain_params, stop_token_ids=[stop]), plain_params]
+    reference = outputs(make_llm(path), batch, params)
+    assert len(reference[0]) < 40 and len(reference[1]) == 40
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = graph_llm(monkeypatch, path, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    llm.engine.speculator.drafter = OracleDrafter({tuple(p): o for p, o in zip(batch, reference)})
+    runner = llm.engine.runner
+    gate = runner._gate
+    open_gate, calls = gate.open, [0]
+
+    def third_one_late():
+        calls[0] += 1
+        gate.time_out_next = calls[0] == 3
+        return open_gate()
+
+    monkeypatch.setattr(gate, "open", third_one_late)
+    assert outputs(llm, batch, params) == reference
+    assert gate.opens >= 5 and gate.timeouts == 1 and runner.num_gate_timeouts == 1
+    assert gate.cancels >= 1 and runner.num_gate_cancels == gate.cancels
+    assert runner.num_gated_launches == gate.opens + gate.timeouts + gate.cancels
+    llm.engine.check_invariants()
+
+
 def test_verify_steps_are_launched_before_the_step_returns(checkpoint, penalized, monkeypatch):
     """A verify step's drafts follow the tokens of the step before it, so the overlap schedule cannot launch it ahead
     of them; it is launched as soon as they are recorded, before step() returns them (LLMEngine._launch_next): every

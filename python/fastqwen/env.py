@@ -46,6 +46,12 @@ def programmatic_launch() -> bool:
     return _flag("FASTQWEN_PDL", True)
 
 
+def verify_gate() -> bool:
+    """FASTQWEN_VERIFY_GATE=0: a verify step is launched once the host has its drafts, instead of being queued behind
+    the host gate while the step before it runs (ops/host_gate.py); for comparison."""
+    return _flag("FASTQWEN_VERIFY_GATE", True)
+
+
 def gemv_tensor_cores() -> bool:
     """FASTQWEN_GEMV_TENSOR_CORES=0: projections of 2 to 8 tokens skip the GEMV's tensor-core kernel: linear() then
     runs cuBLAS or the FP8 GEMM there, as before that kernel (gemv() itself its FMA kernel); for comparison."""

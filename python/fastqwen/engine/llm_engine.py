@@ -709,15 +709,37 @@ class LLMEngine:
         try:
             scheduled = self._schedule()
             if not scheduled.chunks:
+                self.runner.cancel_gate()
                 return output
             self._step_requests = [c.request for c in scheduled.chunks]
             launched = self.runner.launch_replay(scheduled)
             self._ahead = (scheduled, launched)
             self.num_early_launches += launched is not None
+            if launched is not None and scheduled.has_drafts:
+                self._arm_next_verify(scheduled)
         except Exception as error:
             failed = self._fail_step(error)
             return StepOutput(output.deltas + failed.deltas, failed.time, output.num_tokens)
         return output
+
+    def _arm_next_verify(self, scheduled: ScheduledBatch) -> None:
+        """Queue the verify step after the one just launched behind the host gate (ModelRunner.arm_verify), so that
+        the GPU waits only for the host's drafts, not for its launch calls, when that step is most likely one of the
+        same size: this step holds every running request, each has more than two steps' tokens left before
+        max_tokens and the context end, nothing waits to be admitted, and every row is plain (no penalties, bans,
+        grammar or logprobs). A guess that fails (an EOS, an abort, an arrival) costs one verify step on padding."""
+        runner, scheduler = self.runner, self.scheduler
+        if not runner.can_arm_verify or len(scheduled.chunks) != len(scheduler.running):
+            return
+        if scheduler.admission.might_admit():
+            return
+        q = runner.verify_graphs.query_len
+        for c in scheduled.chunks:
+            r = c.request
+            left = min(r.params.max_tokens - r.num_output_tokens, scheduler.max_model_len - len(r.token_ids))
+            if left <= 2 * q or not runner.sampler.plain(r):
+                return
+        runner.arm_verify(runner.verify_graphs.padded_size(len(scheduled.chunks)))
 
     def _publish_cache_events(self) -> None:
         """Hand what the prefix cache stored and removed since the last call to the KV-event publisher's thread."""

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import env
 from ..kvcache import KVPool
 from ..model import ForwardBatch, Qwen3Model
+from ..ops.host_gate import HostGate, host_gate_applies
 from ..scheduler import Request, ScheduledBatch
 from .cuda_graph import DecodeGraphs, fill_padding
 from .messages import TokenLogprobs
@@ -59,6 +61,21 @@ class PendingStep:
     forward_done: torch.cuda.Event | None = None  # a deferred step's: fires when its forward has run
     skipped: frozenset[int] = frozenset()  # sampling rows drawn without their grammar's mask: the engine drops them
     aux_hidden: torch.Tensor | None = None  # the step's hidden states at the aux layers, per token row (eagle3)
+    # A verify step that ran behind the host gate: the gate's number (0: none), and what relaunches the step should
+    # the gate have run it on padding (the host opened it past its timeout)
+    gate: int = 0
+    scheduled: ScheduledBatch | None = None
+    size: int = 0
+
+
+@dataclass
+class GatedVerify:
+    """A verify step queued behind the host gate (ModelRunner.arm_verify): its padded size and read-back."""
+
+    seq: int
+    size: int
+    host: torch.Tensor
+    ready: torch.cuda.Event
 
 
 # The engine's choice of the sampling rows whose grammar mask is not ready (ModelRunner.mask_gate): given the rows'
@@ -131,6 +148,20 @@ class ModelRunner:
                 self.verify_graphs.max_bs,
                 self.verify_graphs.capture_seconds,
             )
+        # Verify steps queued before their drafts are known (arm_verify), behind the host gate; not with an EAGLE-3
+        # drafter (its drafts need the step's hidden states on the host side first anyway).
+        self._gate: HostGate | None = None
+        self._gated: GatedVerify | None = None
+        self._gate_fallbacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.num_gated_launches = self.num_gate_cancels = self.num_gate_timeouts = 0
+        if (
+            self.verify_graphs is not None
+            and not capture_aux
+            and hasattr(self.sampler, "pack_rows")
+            and env.verify_gate()
+            and host_gate_applies(self.device)
+        ):
+            self._gate = HostGate(self.device)
         # The one read-back of a step: sampled tokens, through pinned memory, then a wait on an event. Two buffers
         # alternate: a step launched ahead must not land on the tokens the host is still reading. The same goes for
         # the rows a step launched ahead takes its input tokens from (indexed like the read-back it goes with).
@@ -333,6 +364,13 @@ class ModelRunner:
         for a graph step's read-back."""
         if pending.tokens is None:
             pending.ready.synchronize()
+            if pending.gate and not self._gate.opened(pending.gate):
+                # The host opened the gate past its timeout: the step ran on padding. Run it the ordinary way.
+                self.num_gate_timeouts += 1
+                self.cancel_gate()
+                again = self._launch_verify_graph(pending.scheduled, pending.size, pending.requests)
+                pending.host, pending.ready, pending.gate = again.host, again.ready, 0
+                pending.ready.synchronize()
             pending.tokens = pending.host.tolist()
             if pending.num_top >= 0:  # no step is launched ahead of one that asked, so the buffers are its own
                 pending.logprobs = self.sampler.results(pending.requests, pending.tokens)
@@ -357,6 +395,7 @@ class ModelRunner:
         launched = self.launch_replay(scheduled)
         if launched is not None:
             return launched
+        self.cancel_gate()
         # (A row whose grammar mask is still computed: the sampler runs after the forward, which the mask has until.)
         batch, graph_size = self._build(scheduled)
         aux = None
@@ -376,7 +415,12 @@ class ModelRunner:
         if scheduled.has_drafts:
             rows = sampling_rows(scheduled)
             size = self._verify_graph_size(scheduled, rows)
+            gated = self._gated
+            if gated is not None and size == gated.size and all(self.sampler.plain(r) for r in rows):
+                return self._open_gate(scheduled, rows)
+            self.cancel_gate()
             return self._launch_verify_graph(scheduled, size, rows) if size else None
+        self.cancel_gate()
         chunks = scheduled.chunks
         size = self._graph_size(scheduled)
         if size and self.sampler.graph_hook is not None and all(c.request.mask_ready for c in chunks):
@@ -385,10 +429,78 @@ class ModelRunner:
 
     # ---- speculative decoding's verify steps ----------------------------------------------------------------------
 
+    @property
+    def can_arm_verify(self) -> bool:
+        """Whether arm_verify may queue a verify step now (the gate exists and none is armed)."""
+        return self._gate is not None and self._gated is None
+
+    def arm_verify(self, size: int) -> bool:
+        """Queue a verify step of padded size `size` (the gate, the verify graphs, the read-back) behind the host gate
+        while the step before it runs. The next launch_replay of a verify step of that size whose rows are all plain
+        opens the gate with that step's inputs; any other launch cancels it first (its step then runs on padding and
+        is dropped). False, with nothing queued, when it cannot."""
+        graphs = self.verify_graphs
+        if not self.can_arm_verify or size not in graphs.sizes:
+            return False
+        q = graphs.query_len
+        fallback_inputs, fallback_rows = self._gate_fallbacks.get(size) or self._make_gate_fallbacks(size)
+        inputs, rows = fallback_inputs.numel(), fallback_rows.numel()
+        seq = self._gate.arm(
+            (self.staging.host[:inputs], self.staging.dev[:inputs], fallback_inputs),
+            (self.sampler.rows_host.view(-1)[:rows], self.sampler.rows.view(-1)[:rows], fallback_rows),
+        )
+        graphs.replay(size)
+        host, ready = self._start_read_back(self.sampler.tokens[: size * q])
+        self._gated = GatedVerify(seq, size, host, ready)
+        self.num_gated_launches += 1
+        return True
+
+    def cancel_gate(self) -> None:
+        """Let an armed verify step run on padding (its tokens are never read); nothing when none is armed."""
+        if self._gated is not None:
+            self._gated = None
+            self._gate.cancel()
+            self.num_gate_cancels += 1
+
+    def _make_gate_fallbacks(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cancelled gate's inputs for a verify step of `size`, on the device: every sequence padding (reads page 0,
+        writes no KV) and every sampler row neutral; each a multiple of 16 bytes."""
+        graphs = self.verify_graphs
+        q = graphs.query_len
+        flat, views = self.staging.scratch_views(graphs.layout(size))
+        graphs.fill_padding(views, 0, size)
+        views["logits_indices"][:] = np.arange(size * q)
+        views["query_start"][:] = np.arange(0, (size + 1) * q, q)
+        words = self.sampler.rows.shape[1]
+        row_words = -(-size * q * words // 4) * 4
+        rows = self.sampler.neutral_rows(-(-row_words // words)).view(-1)[:row_words]
+        fallbacks = (torch.from_numpy(flat).to(self.device), rows.contiguous())
+        if flat.size > self.staging.capacity or row_words > self.sampler.rows.numel():
+            raise RuntimeError("arm_verify: the gate's copies do not fit the staging or sampler buffers")
+        self._gate_fallbacks[size] = fallbacks
+        return fallbacks
+
+    def _open_gate(self, scheduled: ScheduledBatch, rows: list) -> PendingStep:
+        """The armed verify step's inputs into the pinned buffers the gate copies from, then the gate opened."""
+        gated, self._gated = self._gated, None
+        graphs = self.verify_graphs
+        self.sampler.pack_rows(rows, pad_to=gated.size * graphs.query_len)
+        self._fill_verify_inputs(self.staging.host_views(graphs.layout(gated.size)), scheduled, gated.size)
+        self._gate.open()
+        return PendingStep(
+            rows,
+            host=gated.host[: len(rows)],
+            ready=gated.ready,
+            gate=gated.seq,
+            scheduled=scheduled,
+            size=gated.size,
+        )
+
     def release_graphs(self) -> None:
         """Destroy the decode and verify CUDA graphs now (the runner steps eagerly, if at all, afterwards). A
         tensor-parallel rank must do this before its NCCL communicator goes: NCCL (2.26 on) holds a communicator's
         teardown, abort included, until every CUDA graph that captured one of its collectives is destroyed."""
+        self.cancel_gate()
         for graphs in (self.graphs, self.verify_graphs):
             if graphs is not None:
                 graphs.close()
@@ -415,10 +527,21 @@ class ModelRunner:
         q = graphs.query_len
         self.staging.wait_uploaded()
         self.sampler.prepare(rows, pad_to=size * q)
+        layout = graphs.layout(size)
+        self._fill_verify_inputs(self.staging.host_views(layout), scheduled, size)
+        self.staging.upload(layout)
+        graphs.replay(size)
+        host, ready = self._start_read_back(self.sampler.tokens[: len(rows)])
+        aux = self._replayed_aux(graphs, len(scheduled.chunks) * q)
+        return PendingStep(rows, host=host, ready=ready, num_top=self.sampler.num_top, aux_hidden=aux)
+
+    def _fill_verify_inputs(self, views: dict, scheduled: ScheduledBatch, size: int) -> None:
+        """A verify step's inputs in the host views of its layout: each sequence's token and draft, their positions,
+        KV slots and pages; sequences past the batch become padding."""
+        graphs = self.verify_graphs
+        q = graphs.query_len
         self._table_size = 0  # this layout overwrites the decode layouts' page-table rows
         page_size = self.kv.page_size
-        layout = graphs.layout(size)
-        views = self.staging.host_views(layout)
         ids, positions, slots, page_table = (
             views["input_ids"],
             views["positions"],
@@ -435,15 +558,9 @@ class ModelRunner:
             slots[b * q : (b + 1) * q] = pages[span // page_size] * page_size + span % page_size
             views["kv_lens"][b] = start + q
             page_table[b, : len(pages)] = pages
-        n = len(scheduled.chunks)
-        graphs.fill_padding(views, n, size)
+        graphs.fill_padding(views, len(scheduled.chunks), size)
         views["logits_indices"][:] = np.arange(size * q)
         views["query_start"][:] = np.arange(0, (size + 1) * q, q)
-        self.staging.upload(layout)
-        graphs.replay(size)
-        host, ready = self._start_read_back(self.sampler.tokens[: len(rows)])
-        aux = self._replayed_aux(graphs, n * q)
-        return PendingStep(rows, host=host, ready=ready, num_top=self.sampler.num_top, aux_hidden=aux)
 
     def _replayed_aux(self, graphs: DecodeGraphs, num_rows: int) -> torch.Tensor | None:
         """A copy of the aux hidden states a replay left for its first num_rows token rows (the sequences that are
@@ -452,6 +569,9 @@ class ModelRunner:
         return graphs.aux[:num_rows].clone() if self.capture_aux else None
 
     def _launch_ahead(self, chunks, after: PendingStep) -> PendingStep | None:
+        if self._gated is not None:  # its step (on padding, once cancelled) would overwrite the tokens read below
+            self.cancel_gate()
+            return None
         graphs, sampler = self.graphs, self.sampler
         if after.host is None or graphs is None or sampler.graph_hook is None or len(chunks) > graphs.max_bs:
             return None
@@ -484,6 +604,7 @@ class ModelRunner:
         any step's: grammar masks of the tokens committed so far (computed ahead, on the grammars' threads, while the
         GPU runs the step's forward), penalty counts up to date. `skip`: rows drawn as neutral rows, whose tokens the
         caller drops (their grammar's mask was not ready)."""
+        self.cancel_gate()
         requests = pending.requests
         n = len(requests)
         self.sampler.prepare(requests, skip=skip)

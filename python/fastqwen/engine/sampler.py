@@ -408,6 +408,41 @@ class GpuSampler(Sampler):
             ).numpy()[0]
         return state.row
 
+    @staticmethod
+    def plain(r: Request) -> bool:
+        """Whether prepare() would upload this row and nothing else (no penalty counts, bans, bias, grammar mask or
+        logprobs): the rows pack_rows takes."""
+        p = r.params
+        if p.has_penalties or p.logit_bias or p.min_tokens or p.logprobs is not None or r.grammar is not None:
+            return False
+        return r.sampler.verified is None
+
+    def pack_rows(self, requests: list[Request], pad_to: int) -> None:
+        """prepare() of plain rows (see plain) without its upload: the rows land in rows_host only, for a copy that
+        is queued already (the host gate's, csrc/host_gate.cu)."""
+        n = len(requests)
+        if max(n, pad_to) > self.max_rows:
+            raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        host = self.rows_host.numpy()
+        if n:
+            host[:n] = np.stack([self._packed_row(r) for r in requests])
+        steps = np.fromiter((r.num_output_tokens for r in requests), dtype=np.uint64, count=n)
+        words = host.view(np.uint32)
+        step_lo, step_hi = self._step_words
+        words[:n, step_lo] = (steps & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        words[:n, step_hi] = (steps >> np.uint64(32)).astype(np.uint32)
+        if pad_to > n:
+            host[n:pad_to] = self._neutral_row
+        self._launch_blocked, self._launch_bias = self.blocked, self.bias
+        self.num_rows = n
+        self.num_top = -1
+
+    def neutral_rows(self, count: int) -> torch.Tensor:
+        """count neutral rows (greedy, no slot, no logprobs) on the device: a gated step's rows when it is cancelled."""
+        return torch.from_numpy(np.tile(self._neutral_row, (count, 1))).to(self.device)
+
     def prepare(
         self, requests: list[Request], pad_to: int = 0, ahead: int = 0, skip: frozenset[int] = frozenset()
     ) -> None:

@@ -70,12 +70,13 @@ class BatchStaging:
         self.device = device
         self.max_seqs = max_seqs
         self.max_width = max_width
-        capacity = Layout(max_tokens, max_seqs, max_seqs, max_width).size
+        capacity = -(-Layout(max_tokens, max_seqs, max_seqs, max_width).size // 4) * 4  # (16-byte copies: host gate)
         self.on_gpu = device.type == "cuda"
         self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_gpu)
         # On the CPU the model reads the host buffer itself: no copy.
         self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if self.on_gpu else self.host
         self._host_np = self.host.numpy()
+        self._host_view_cache: dict[Layout, dict[str, np.ndarray]] = {}
         self.capacity = capacity
         # The host buffer may be refilled only after the previous upload has read it; a step that samples has
         # already waited for its tokens, so this wait is normally over before it starts.
@@ -85,7 +86,18 @@ class BatchStaging:
         if layout.size > self.capacity:
             raise RuntimeError(f"batch of {layout} does not fit the staging buffer ({self.capacity} int32)")
         self.wait_uploaded()
-        return _views(self._host_np, layout, lambda a, dt: a.view(np.dtype(dt)))
+        views = self._host_view_cache.get(layout)
+        if views is None:  # (views of one buffer at fixed offsets: made once per layout; steps repeat their layouts)
+            if len(self._host_view_cache) >= 256:
+                self._host_view_cache.clear()
+            views = self._host_view_cache[layout] = _views(self._host_np, layout, lambda a, dt: a.view(np.dtype(dt)))
+        return views
+
+    def scratch_views(self, layout: Layout) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A fresh host array of the layout's size (rounded up to 16 bytes) and its views: inputs built apart from
+        the pinned buffer (a gated step's padding, sent to the device once)."""
+        flat = np.zeros(-(-layout.size // 4) * 4, dtype=np.int32)
+        return flat, _views(flat, layout, lambda a, dt: a.view(np.dtype(dt)))
 
     def wait_uploaded(self) -> None:
         """Wait until the last upload (and every copy queued before it) has read the pinned memory."""
