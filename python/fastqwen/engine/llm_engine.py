@@ -729,7 +729,9 @@ class LLMEngine:
         max_tokens and the context end, nothing waits to be admitted, and every row is plain (no penalties, bans,
         grammar or logprobs). A guess that fails (an EOS, an abort, an arrival) costs one verify step on padding."""
         runner, scheduler = self.runner, self.scheduler
-        if not runner.can_arm_verify or len(scheduled.chunks) != len(scheduler.running):
+        # Not under tensor parallelism: a rank whose gate timed out would run its step on padding while the others
+        # run theirs, and their collectives would pair the wrong steps.
+        if not self.parallel.single or not runner.can_arm_verify or len(scheduled.chunks) != len(scheduler.running):
             return
         if scheduler.admission.might_admit():
             return

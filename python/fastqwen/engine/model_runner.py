@@ -365,7 +365,9 @@ class ModelRunner:
         if pending.tokens is None:
             pending.ready.synchronize()
             if pending.gate and not self._gate.opened(pending.gate):
-                # The host opened the gate past its timeout: the step ran on padding. Run it the ordinary way.
+                # The host opened the gate past its timeout: the step ran on padding. Run it the ordinary way. (Also
+                # when the gate armed after it timed out first and overwrote the status word: a host stalled 50 ms;
+                # the step then runs twice on the same inputs, which writes the same KV and draws the same tokens.)
                 self.num_gate_timeouts += 1
                 self.cancel_gate()
                 again = self._launch_verify_graph(pending.scheduled, pending.size, pending.requests)
@@ -473,10 +475,10 @@ class ModelRunner:
         views["query_start"][:] = np.arange(0, (size + 1) * q, q)
         words = self.sampler.rows.shape[1]
         row_words = -(-size * q * words // 4) * 4
-        rows = self.sampler.neutral_rows(-(-row_words // words)).view(-1)[:row_words]
-        fallbacks = (torch.from_numpy(flat).to(self.device), rows.contiguous())
         if flat.size > self.staging.capacity or row_words > self.sampler.rows.numel():
             raise RuntimeError("arm_verify: the gate's copies do not fit the staging or sampler buffers")
+        rows = self.sampler.neutral_rows(-(-row_words // words)).view(-1)[:row_words]
+        fallbacks = (torch.from_numpy(flat).to(self.device), rows.contiguous())
         self._gate_fallbacks[size] = fallbacks
         return fallbacks
 
