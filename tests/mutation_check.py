@@ -470,6 +470,18 @@ MUTATIONS = [
         "a gated step that ran on padding (the gate opened past its timeout) is taken for the real one",
     ),
     Mutation(
+        "host_gate_armed_whatever_it_cost",
+        "python/fastqwen/engine/llm_engine.py",
+        [
+            (
+                "        if not self._gate_credit.allows(runner):\n            return",
+                "        self._gate_credit.allows(runner)",
+            )
+        ],
+        ["tests/test_speculative.py::test_the_host_gate_backs_off_when_its_guesses_fail"],
+        "the gate is armed for every verify step however often its guesses fail (each failure wastes a step)",
+    ),
+    Mutation(
         "host_gate_ignores_its_flag",
         "csrc/host_gate.cu",
         [("      if (v == expect) {", "      if (true) {")],

@@ -18,6 +18,7 @@ from checkpoints import make_checkpoint
 from cpu_graphs import graph_llm, plain_llm
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
+from fastqwen.engine.llm_engine import GateCredit
 from fastqwen.engine.messages import EngineRequest
 from fastqwen.ops import _native
 from fastqwen.speculative.ngram import NgramIndex
@@ -770,6 +771,7 @@ def test_verify_steps_queued_behind_the_host_gate(checkpoint, monkeypatch):
     reference = outputs(make_llm(path), batch, params)
     assert len(reference[0]) < 40 and len(reference[1]) == 40
     spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    monkeypatch.setattr(GateCredit, "COST", 0)  # (the mechanics here; the back-off policy: the test after this one)
     llm = graph_llm(monkeypatch, path, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
     llm.engine.speculator.drafter = OracleDrafter({tuple(p): o for p, o in zip(batch, reference)})
     runner = llm.engine.runner
@@ -787,6 +789,39 @@ def test_verify_steps_queued_behind_the_host_gate(checkpoint, monkeypatch):
     assert gate.cancels >= 1 and runner.num_gate_cancels == gate.cancels
     assert runner.num_gated_launches == gate.opens + gate.timeouts + gate.cancels
     llm.engine.check_invariants()
+
+
+def test_the_host_gate_backs_off_when_its_guesses_fail(checkpoint, monkeypatch):
+    """Requests arriving every sixth step cancel the gate armed for the running batch's next verify step (the
+    arrival's prefill comes first): each such cancel wastes a verify step, so the engine stops arming once the gate
+    has cost more than it saved (GateCredit) and tries again only much later. The same arrivals with and without the
+    gate give the same tokens (synthetic acceptance: the drafts are the outputs); 2 gates are cancelled (6 opened)
+    where arming every time cancels 18 (31 opened)."""
+    path, _ = checkpoint
+    batch = prompts(20, seed=25)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "synthetic_acceptance_length": 2.0}
+
+    def run(gated: bool):
+        monkeypatch.setenv("FASTQWEN_VERIFY_GATE", "1" if gated else "0")
+        llm = graph_llm(monkeypatch, path, host_gate=gated, speculative_config=spec, page_size=4, num_pages=512)
+        tokens: dict[int, list[int]] = {}
+        pending, steps = list(batch), 0
+        while pending or llm.engine.has_unfinished():
+            if pending and steps % 6 == 0:  # an arrival every sixth step
+                tokens[llm.add_request(pending.pop(0), params)] = []
+            for update in llm.step():
+                tokens[update.request_id] += update.new_token_ids
+            steps += 1
+        return llm.engine.runner, [tokens[rid] for rid in sorted(tokens)]
+
+    _, reference = run(False)
+    runner, out = run(True)
+    assert out == reference and all(len(t) == 30 for t in out)
+    assert runner.num_gate_opens > 0 and 1 <= runner.num_gate_cancels <= 3, (
+        runner.num_gate_opens,
+        runner.num_gate_cancels,
+    )
 
 
 def test_verify_steps_are_launched_before_the_step_returns(checkpoint, penalized, monkeypatch):

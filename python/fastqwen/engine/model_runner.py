@@ -153,7 +153,7 @@ class ModelRunner:
         self._gate: HostGate | None = None
         self._gated: GatedVerify | None = None
         self._gate_fallbacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.num_gated_launches = self.num_gate_cancels = self.num_gate_timeouts = 0
+        self.num_gated_launches = self.num_gate_opens = self.num_gate_cancels = self.num_gate_timeouts = 0
         if (
             self.verify_graphs is not None
             and not capture_aux
@@ -489,6 +489,7 @@ class ModelRunner:
         self.sampler.pack_rows(rows, pad_to=gated.size * graphs.query_len)
         self._fill_verify_inputs(self.staging.host_views(graphs.layout(gated.size)), scheduled, gated.size)
         self._gate.open()
+        self.num_gate_opens += 1
         return PendingStep(
             rows,
             host=gated.host[: len(rows)],
