@@ -483,11 +483,14 @@ class ModelRunner:
         return fallbacks
 
     def _open_gate(self, scheduled: ScheduledBatch, rows: list) -> PendingStep:
-        """The armed verify step's inputs into the pinned buffers the gate copies from, then the gate opened."""
+        """The armed verify step's inputs into the pinned buffers the gate copies from, then the gate opened. No wait
+        for the buffers' last ordinary uploads: the engine opens a gate only after collecting every step launched
+        before it (launch_replay follows the collection of the step in flight), and those uploads came before."""
         gated, self._gated = self._gated, None
         graphs = self.verify_graphs
         self.sampler.pack_rows(rows, pad_to=gated.size * graphs.query_len)
-        self._fill_verify_inputs(self.staging.host_views(graphs.layout(gated.size)), scheduled, gated.size)
+        views = self.staging.host_views(graphs.layout(gated.size), wait=False)
+        self._fill_verify_inputs(views, scheduled, gated.size)
         self._gate.open()
         self.num_gate_opens += 1
         return PendingStep(

@@ -419,12 +419,11 @@ class GpuSampler(Sampler):
 
     def pack_rows(self, requests: list[Request], pad_to: int) -> None:
         """prepare() of plain rows (see plain) without its upload: the rows land in rows_host only, for a copy that
-        is queued already (the host gate's, csrc/host_gate.cu)."""
+        is queued already (the host gate's, csrc/host_gate.cu). No wait for prepare's last upload: the gate opens only
+        once every step launched before it has been collected, so that upload has long been read."""
         n = len(requests)
         if max(n, pad_to) > self.max_rows:
             raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
         host = self.rows_host.numpy()
         if n:
             host[:n] = np.stack([self._packed_row(r) for r in requests])

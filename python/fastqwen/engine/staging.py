@@ -82,10 +82,13 @@ class BatchStaging:
         # already waited for its tokens, so this wait is normally over before it starts.
         self._uploaded = torch.cuda.Event() if self.on_gpu else None
 
-    def host_views(self, layout: Layout) -> dict[str, np.ndarray]:
+    def host_views(self, layout: Layout, wait: bool = True) -> dict[str, np.ndarray]:
+        """Views of the pinned buffer at the layout's offsets, once the last upload has read it (`wait`; False only
+        where the caller knows it has: ModelRunner._open_gate)."""
         if layout.size > self.capacity:
             raise RuntimeError(f"batch of {layout} does not fit the staging buffer ({self.capacity} int32)")
-        self.wait_uploaded()
+        if wait:
+            self.wait_uploaded()
         views = self._host_view_cache.get(layout)
         if views is None:  # (views of one buffer at fixed offsets: made once per layout; steps repeat their layouts)
             if len(self._host_view_cache) >= 256:
