@@ -482,6 +482,13 @@ MUTATIONS = [
         "the gate is armed for every verify step however often its guesses fail (each failure wastes a step)",
     ),
     Mutation(
+        "host_gate_armed_under_tensor_parallelism",
+        "python/fastqwen/engine/llm_engine.py",
+        [("        if not self.parallel.single or not runner.can_arm_verify", "        if not runner.can_arm_verify")],
+        ["tests/test_speculative.py::test_the_host_gate_is_not_armed_under_tensor_parallelism"],
+        "ranks arm their gates, and one that times out runs padding while the others' collectives wait for its step",
+    ),
+    Mutation(
         "host_gate_ignores_its_flag",
         "csrc/host_gate.cu",
         [("      if (v == expect) {", "      if (true) {")],

@@ -824,6 +824,22 @@ def test_the_host_gate_backs_off_when_its_guesses_fail(checkpoint, monkeypatch):
     )
 
 
+def test_the_host_gate_is_not_armed_under_tensor_parallelism(checkpoint, monkeypatch):
+    """Under tensor parallelism a rank whose gate timed out would run its step on padding while the others run theirs,
+    and their collectives would pair different steps: the engine never arms the gate there. One rank standing in for
+    several (its ParallelGroup says it is not single; nothing else here depends on it): no gate armed, verify steps
+    launched early as before, the same tokens."""
+    path, _ = checkpoint
+    batch = prompts(2, seed=26)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = graph_llm(monkeypatch, path, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    monkeypatch.setattr(type(llm.engine.parallel), "single", property(lambda group: False))
+    assert outputs(llm, batch, params) == reference
+    assert llm.engine.runner.num_gated_launches == 0 and llm.engine.num_early_launches > 0
+
+
 def test_verify_steps_are_launched_before_the_step_returns(checkpoint, penalized, monkeypatch):
     """A verify step's drafts follow the tokens of the step before it, so the overlap schedule cannot launch it ahead
     of them; it is launched as soon as they are recorded, before step() returns them (LLMEngine._launch_next): every
