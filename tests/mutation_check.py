@@ -489,6 +489,13 @@ MUTATIONS = [
         "ranks arm their gates, and one that times out runs padding while the others' collectives wait for its step",
     ),
     Mutation(
+        "host_gate_rows_a_step_behind",
+        "python/fastqwen/engine/sampler.py",
+        [("            step = r.num_output_tokens\n", "            step = r.num_output_tokens - 1\n")],
+        ["tests/test_speculative.py::test_sampled_tokens_are_the_same_behind_the_host_gate"],
+        "a gated step's sampler rows carry the step before's number: its seeded draws repeat the last step's",
+    ),
+    Mutation(
         "host_gate_ignores_its_flag",
         "csrc/host_gate.cu",
         [("      if (v == expect) {", "      if (true) {")],

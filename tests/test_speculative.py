@@ -791,6 +791,28 @@ def test_verify_steps_queued_behind_the_host_gate(checkpoint, monkeypatch):
     llm.engine.check_invariants()
 
 
+def test_sampled_tokens_are_the_same_behind_the_host_gate(checkpoint, monkeypatch):
+    """Seeded sampling (temperature 0.8) through verify steps opened behind the host gate draws what the same engine
+    draws without it: the gate's sampler rows (GpuSampler.pack_rows) carry each position's seed and step as prepare()
+    does."""
+    path, _ = checkpoint
+    batch = prompts(3, seed=27)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(3)
+    ]
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+
+    def run(gated: bool):
+        monkeypatch.setenv("FASTQWEN_VERIFY_GATE", "1" if gated else "0")
+        llm = graph_llm(monkeypatch, path, host_gate=gated, speculative_config=spec, page_size=4, num_pages=512)
+        return llm.engine.runner, outputs(llm, batch, params)
+
+    _, reference = run(False)
+    runner, out = run(True)
+    assert out == reference
+    assert runner.num_gate_opens >= 10
+
+
 def test_the_host_gate_backs_off_when_its_guesses_fail(checkpoint, monkeypatch):
     """Requests arriving every sixth step cancel the gate armed for the running batch's next verify step (the
     arrival's prefill comes first): each such cancel wastes a verify step, so the engine stops arming once the gate

@@ -153,6 +153,7 @@ class ModelRunner:
         self._gate: HostGate | None = None
         self._gated: GatedVerify | None = None
         self._gate_fallbacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._verify_constants: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # size -> logits_indices, query_start
         self.num_gated_launches = self.num_gate_opens = self.num_gate_cancels = self.num_gate_timeouts = 0
         if (
             self.verify_graphs is not None
@@ -543,30 +544,29 @@ class ModelRunner:
 
     def _fill_verify_inputs(self, views: dict, scheduled: ScheduledBatch, size: int) -> None:
         """A verify step's inputs in the host views of its layout: each sequence's token and draft, their positions,
-        KV slots and pages; sequences past the batch become padding."""
+        KV slots and pages; sequences past the batch become padding. (Python arithmetic on a few values a sequence:
+        this runs between two verify steps while the GPU waits, and numpy's per-call cost dominates at 1 + k.)"""
         graphs = self.verify_graphs
         q = graphs.query_len
         self._table_size = 0  # this layout overwrites the decode layouts' page-table rows
         page_size = self.kv.page_size
-        ids, positions, slots, page_table = (
-            views["input_ids"],
-            views["positions"],
-            views["out_slots"],
-            views["page_table"],
-        )
+        ids, positions, slots = views["input_ids"], views["positions"], views["out_slots"]
+        kv_lens, page_table = views["kv_lens"], views["page_table"]
         for b, chunk in enumerate(scheduled.chunks):
-            request, start = chunk.request, chunk.start
-            pages = np.asarray(request.pages, dtype=np.int64)
-            span = np.arange(start, start + q, dtype=np.int64)
-            ids[b * q] = request.token_ids[start]
-            ids[b * q + 1 : (b + 1) * q] = chunk.draft
-            positions[b * q : (b + 1) * q] = span
-            slots[b * q : (b + 1) * q] = pages[span // page_size] * page_size + span % page_size
-            views["kv_lens"][b] = start + q
+            request, start, lo = chunk.request, chunk.start, b * q
+            pages = request.pages
+            ids[lo] = request.token_ids[start]
+            ids[lo + 1 : lo + q] = chunk.draft
+            positions[lo : lo + q] = range(start, start + q)
+            slots[lo : lo + q] = [pages[p // page_size] * page_size + p % page_size for p in range(start, start + q)]
+            kv_lens[b] = start + q
             page_table[b, : len(pages)] = pages
-        graphs.fill_padding(views, len(scheduled.chunks), size)
-        views["logits_indices"][:] = np.arange(size * q)
-        views["query_start"][:] = np.arange(0, (size + 1) * q, q)
+        if len(scheduled.chunks) < size:
+            graphs.fill_padding(views, len(scheduled.chunks), size)
+        constants = self._verify_constants.get(size)
+        if constants is None:
+            constants = self._verify_constants[size] = (np.arange(size * q), np.arange(0, (size + 1) * q, q))
+        views["logits_indices"][:], views["query_start"][:] = constants
 
     def _replayed_aux(self, graphs: DecodeGraphs, num_rows: int) -> torch.Tensor | None:
         """A copy of the aux hidden states a replay left for its first num_rows token rows (the sequences that are

@@ -231,6 +231,8 @@ class GpuSampler(Sampler):
         self._masked_word = layout.word("masked")
         pin = device.type == "cuda"
         self.rows_host = torch.zeros(max_rows, layout.words, dtype=torch.int32, pin_memory=pin)
+        self._rows_host_np = self.rows_host.numpy()
+        self._rows_host_words = self._rows_host_np.view(np.uint32)
         self.rows = torch.zeros(max_rows, layout.words, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.logprobs = torch.zeros(max_rows, dtype=torch.float32, device=device)
@@ -424,14 +426,13 @@ class GpuSampler(Sampler):
         n = len(requests)
         if max(n, pad_to) > self.max_rows:
             raise ValueError(f"GpuSampler: {max(n, pad_to)} rows, at most {self.max_rows}")
-        host = self.rows_host.numpy()
-        if n:
-            host[:n] = np.stack([self._packed_row(r) for r in requests])
-        steps = np.fromiter((r.num_output_tokens for r in requests), dtype=np.uint64, count=n)
-        words = host.view(np.uint32)
+        host, words = self._rows_host_np, self._rows_host_words
         step_lo, step_hi = self._step_words
-        words[:n, step_lo] = (steps & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        words[:n, step_hi] = (steps >> np.uint64(32)).astype(np.uint32)
+        for i, r in enumerate(requests):  # (row by row: a verify step of one request has only 1 + k)
+            host[i] = self._packed_row(r)
+            step = r.num_output_tokens
+            words[i, step_lo] = step & 0xFFFFFFFF
+            words[i, step_hi] = step >> 32
         if pad_to > n:
             host[n:pad_to] = self._neutral_row
         self._launch_blocked, self._launch_bias = self.blocked, self.bias
