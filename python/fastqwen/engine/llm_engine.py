@@ -161,9 +161,9 @@ class GateCredit:
     """Whether arming the host gate has paid lately. An opened gate saves the launch calls between two verify steps
     (0.1-0.4 ms on H100 hosts); a cancelled or timed-out one costs a whole verify step run on padding (4-6 ms): about
     COST opens' worth. Each open earns 1 (up to CAP), each waste costs COST, and the engine arms only at a credit of 0
-    or more; while it does not, each verify step launched the ordinary way earns RECOVERY, so that after a burst of
+    or more; below it, each verify step it would otherwise have armed for earns RECOVERY, so that after a burst of
     waste (arrivals, EOS ends at a batch of 16) it tries again later instead of never. The loss is bounded: a workload
-    that wastes a gate every few steps is gated for at most a few steps in every COST / RECOVERY."""
+    that wastes a gate every few steps is gated for a few steps in every COST / RECOVERY (80)."""
 
     COST = 20
     CAP = 64
