@@ -31,6 +31,8 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3;
 #            SPEC_REPEATS requests of 128 tokens, default 5, medians)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
+#   specgate  the host gate on and off on one machine: FP8 speculation with it, without it and speculation off;
+#            bf16 with it; profile_step --verify with it and without                      (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
 #   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..12) at 1 to 4 tokens, their GPU
 #            test, then FP8 speculation off, and at acceptance 2.0 with each of GEMV_TC_VARIANTS (default: the
@@ -417,6 +419,19 @@ stage_verifyprofile() {  # issue 42: the FP8 verify step (k = 3, acceptance 2.0,
   done
 }
 
+stage_specgate() {  # issue 42: the host gate (FASTQWEN_VERIFY_GATE) on and off on the same machine: FP8 speculation
+  # through HTTP and offline with it, without it, and without speculation; bf16 with it; then profile_step --verify
+  # with it and without (the host parts between two verify steps)
+  SPEC_QUANT=fp8 stage_speculative
+  FASTQWEN_VERIFY_GATE=0 SPEC_QUANT=fp8 SPEC_MODES=on SPEC_TAG=_nogate stage_speculative
+  SPEC_QUANT=none SPEC_MODES=on stage_speculative
+  for gate in 1 0; do
+    FASTQWEN_VERIFY_GATE=$gate run "verify_profile_fp8_gate$gate" 120 python3 bench/profile_step.py --model Qwen3-8B \
+      --load-format dummy --quantization fp8 --num-pages 2048 --speculative-config "$SPEC_SYNTHETIC" --verify \
+      --json "$OUT/verify_profile_fp8_gate$gate.json"
+  done
+}
+
 stage_specreplay() {  # issue 42's replay test: acceptance length >= 3 and TPOT >= 2x better on the second pass
   # (and speculation off in the same call: the same prompt length and output length, one request at a time)
   run spec_replay_off 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
@@ -478,7 +493,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specthroughput|gemvtc|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then
