@@ -454,8 +454,7 @@ MUTATIONS = [
         "python/fastqwen/engine/model_runner.py",
         [
             (
-                "        self._fill_verify_inputs(self.staging.host_views(graphs.layout(gated.size)), scheduled, gated.size)\n"
-                "        self._gate.open()",
+                "        self._fill_verify_inputs(views, scheduled, gated.size)\n        self._gate.open()",
                 "        self._gate.open()",
             )
         ],
