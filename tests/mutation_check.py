@@ -495,6 +495,18 @@ MUTATIONS = [
         "a gated step's sampler rows carry the step before's number: its seeded draws repeat the last step's",
     ),
     Mutation(
+        "host_gate_cancelled_by_arrivals",
+        "python/fastqwen/engine/llm_engine.py",
+        [
+            (
+                "        if scheduler.admission.might_admit() and not self.runner.gate_armed:",
+                "        if scheduler.admission.might_admit():",
+            )
+        ],
+        ["tests/test_speculative.py::test_an_arrival_waits_one_step_behind_an_armed_gate"],
+        "an arrival cancels the armed gate (a verify step run on padding) instead of joining one step later",
+    ),
+    Mutation(
         "host_gate_ignores_its_flag",
         "csrc/host_gate.cu",
         [("      if (v == expect) {", "      if (true) {")],

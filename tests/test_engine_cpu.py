@@ -87,8 +87,8 @@ def test_batched_equals_one_at_a_time(checkpoints):
     kinds = []
     schedule = batched.engine.scheduler.schedule
 
-    def recording_schedule():
-        batch = schedule()
+    def recording_schedule(*args, **kwargs):
+        batch = schedule(*args, **kwargs)
         kinds.append({c.end - c.start > 1 for c in batch.chunks})
         return batch
 

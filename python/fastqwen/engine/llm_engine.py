@@ -162,7 +162,7 @@ class GateCredit:
     (0.1-0.4 ms on H100 hosts); a cancelled or timed-out one costs a whole verify step run on padding (4-6 ms): about
     COST opens' worth. Each open earns 1 (up to CAP), each waste costs COST, and the engine arms only at a credit of 0
     or more; below it, each verify step it would otherwise have armed for earns RECOVERY, so that after a burst of
-    waste (arrivals, EOS ends at a batch of 16) it tries again later instead of never. The loss is bounded: a workload
+    waste (EOS ends at a batch of 16, aborts) it tries again later instead of never. The loss is bounded: a workload
     that wastes a gate every few steps is gated for a few steps in every COST / RECOVERY (80)."""
 
     COST = 20
@@ -656,20 +656,20 @@ class LLMEngine:
             still.append((request, future))
         self._compiling = still
 
-    def _schedule(self):
-        """The scheduler's next batch. Under tensor parallelism, only once every mask it could need is computed (so
-        every rank makes the same choice); otherwise, when the only requests left wait for their masks, after a
-        brief wait for the first of those."""
+    def _schedule(self, admit: bool = True):
+        """The scheduler's next batch (`admit` False: no waiting request joins it). Under tensor parallelism, only
+        once every mask it could need is computed (so every rank makes the same choice); otherwise, when the only
+        requests left wait for their masks, after a brief wait for the first of those."""
         scheduler = self.scheduler
         if not self.parallel.single:
             wait(mask_computations(itertools.chain(scheduler.running, scheduler.waiting)))
-            return scheduler.schedule()
-        scheduled = scheduler.schedule()
+            return scheduler.schedule(admit)
+        scheduled = scheduler.schedule(admit)
         if not scheduled.chunks:
             waits = mask_computations(itertools.chain(scheduler.running, scheduler.waiting))
             if waits:
                 wait(waits, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
-                scheduled = scheduler.schedule()
+                scheduled = scheduler.schedule(admit)
         return scheduled
 
     def abort(self, rid: int) -> bool:
@@ -721,7 +721,11 @@ class LLMEngine:
         scheduler, speculator = self.scheduler, self.speculator
         if not (self.overlap and self._ahead is None and self.runner.verify_graphs is not None and scheduler.running):
             return False
-        if not speculator.active(len(scheduler.running)) or scheduler.admission.might_admit():
+        if not speculator.active(len(scheduler.running)):
+            return False
+        # A request that could be admitted waits one step when the next verify step is armed behind the host gate:
+        # that step would run anyway (cancelled, on padding, before the admission's step), so it may as well verify.
+        if scheduler.admission.might_admit() and not self.runner.gate_armed:
             return False
         if any(r.uncomputed != 1 for r in scheduler.running):
             return False
@@ -736,7 +740,7 @@ class LLMEngine:
         this step's."""
         self._step_requests = list(self.scheduler.running)  # (those a failure of the scheduler's would fail)
         try:
-            scheduled = self._schedule()
+            scheduled = self._schedule(admit=not self.runner.gate_armed)
             if not scheduled.chunks:
                 self.runner.cancel_gate()
                 return output
@@ -756,8 +760,8 @@ class LLMEngine:
         the GPU waits only for the host's drafts, not for its launch calls, when that step is most likely one of the
         same size: this step holds every running request, each has more than two steps' tokens left before
         max_tokens and the context end, nothing waits to be admitted, and every row is plain (no penalties, bans,
-        grammar or logprobs). A guess that fails (an EOS, an abort, an arrival) costs one verify step on padding, so
-        the engine arms only while its gates have paid lately (GateCredit)."""
+        grammar or logprobs). A guess that fails (an EOS, an abort) costs one verify step on padding, so the engine
+        arms only while its gates have paid lately (GateCredit); an arrival waits one step instead (_chooses_next_now)."""
         runner, scheduler = self.runner, self.scheduler
         # Not under tensor parallelism: a rank whose gate timed out would run its step on padding while the others
         # run theirs, and their collectives would pair the wrong steps.

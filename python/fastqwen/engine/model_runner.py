@@ -433,6 +433,11 @@ class ModelRunner:
     # ---- speculative decoding's verify steps ----------------------------------------------------------------------
 
     @property
+    def gate_armed(self) -> bool:
+        """Whether a verify step waits behind the host gate (arm_verify) for the next launch."""
+        return self._gated is not None
+
+    @property
     def can_arm_verify(self) -> bool:
         """Whether arm_verify may queue a verify step now (the gate exists and none is armed)."""
         return self._gate is not None and self._gated is None

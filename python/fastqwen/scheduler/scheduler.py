@@ -159,7 +159,9 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, admit: bool = True) -> ScheduledBatch:
+        """The next step: running requests first (decodes, then prefill chunks), then waiting ones as admission allows;
+        `admit` False leaves the waiting ones for a later step."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         # Decodes first so a long prefill chunk never starves them; both in admission order.
@@ -185,7 +187,7 @@ class Scheduler:
                 chunks.append(ScheduledChunk(request, request.cached_len, request.cached_len + n, draft))
                 budget -= n + len(draft)
         # Then waiting requests, as the admission policy (admission.py) allows.
-        while self.admission.has_room(budget, preempted):
+        while admit and self.admission.has_room(budget, preempted):
             n = self.admission.try_admit_next(chunks, budget)
             if n is None:
                 break
