@@ -419,7 +419,12 @@ class ModelRunner:
             rows = sampling_rows(scheduled)
             size = self._verify_graph_size(scheduled, rows)
             gated = self._gated
-            if gated is not None and size == gated.size and all(self.sampler.plain(r) for r in rows):
+            # (a draft row is plain when its request is: the same parameters, grammar and counts)
+            if (
+                gated is not None
+                and size == gated.size
+                and all(self.sampler.plain(c.request) for c in scheduled.chunks)
+            ):
                 return self._open_gate(scheduled, rows)
             self.cancel_gate()
             return self._launch_verify_graph(scheduled, size, rows) if size else None
