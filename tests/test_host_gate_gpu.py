@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.ops.host_gate import HostGate
+from test_speculative_gpu import folder  # noqa: F401  (the checkpoint fixture: shapes the CUDA graphs take)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,28 +85,7 @@ def test_bad_arguments_raise():
     assert not gate.armed
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("gate_gpu"))
-    # (shapes the CUDA kernels, and so the graphs, take: test_speculative_gpu's)
-    make_checkpoint(
-        folder,
-        tied=False,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=128,
-        hidden=256,
-        intermediate=512,
-        layers=4,
-        dtype=torch.bfloat16,
-        logit_scale=8.0,
-        seed=13,
-        max_positions=1024,
-    )
-    return folder
-
-
-def test_gated_verify_steps_give_the_ungated_tokens(folder, monkeypatch):
+def test_gated_verify_steps_give_the_ungated_tokens(folder, monkeypatch):  # noqa: F811 (the fixture)
     """Synthetic-acceptance speculation (k = 3, greedy) over three requests ending at different steps, with and
     without the gate (FASTQWEN_VERIFY_GATE=0): the same tokens, bit for bit, and most verify steps gated."""
     prompts = [[(7 * i + 13 * b) % 200 + 3 for i in range(24 + 5 * b)] for b in range(3)]

@@ -395,10 +395,9 @@ class ModelRunner:
             return self._launch_ahead(chunks, after)
         if not chunks:
             return PendingStep([], tokens=[])
-        launched = self.launch_replay(scheduled)
+        launched = self.launch_replay(scheduled)  # (it cancels an armed gate unless it opens it)
         if launched is not None:
             return launched
-        self.cancel_gate()
         # (A row whose grammar mask is still computed: the sampler runs after the forward, which the mask has until.)
         batch, graph_size = self._build(scheduled)
         aux = None
@@ -481,9 +480,7 @@ class ModelRunner:
         graphs = self.verify_graphs
         q = graphs.query_len
         flat, views = self.staging.scratch_views(graphs.layout(size))
-        graphs.fill_padding(views, 0, size)
-        views["logits_indices"][:] = np.arange(size * q)
-        views["query_start"][:] = np.arange(0, (size + 1) * q, q)
+        self._fill_verify_inputs(views, ScheduledBatch([]), size)  # (no sequence: all padding)
         words = self.sampler.rows.shape[1]
         row_words = -(-size * q * words // 4) * 4
         if flat.size > self.staging.capacity or row_words > self.sampler.rows.numel():
