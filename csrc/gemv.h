@@ -82,12 +82,9 @@ bool set_gemv_tensor_cores(bool enabled);
 // outside 0 .. gemv_tc_fp8_pipelines() - 1.
 int set_gemv_tc_fp8_variant(int variant);
 int gemv_tc_fp8_pipelines();
-// Options of the tensor-core kernel, for the benchmarks that compare them with its default (0); bits:
-// kGemvTcHalfSectors, its lanes load half of each 32-byte sector (the layout until 2026-11-27); kGemvTcPrefetchX,
-// the pipelines that read x as it is ask for all of a lane's x in L1 at the start. Returns the previous options;
-// std::invalid_argument outside 0..3.
-constexpr int kGemvTcHalfSectors = 1, kGemvTcPrefetchX = 2;
-int set_gemv_tc_options(int options);
+// The tensor-core kernel's lanes load half sectors as until 2026-11-27 (true) or whole ones (false, the default):
+// for the benchmark that compares them; returns the previous setting.
+bool set_gemv_tc_half_sectors(bool half);
 
 // Whether gemv() runs a call of m tokens and row length k (dense or fp8 weights) on the tensor-core kernel now.
 bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8);

@@ -91,9 +91,6 @@ __device__ __forceinline__ void load_step(Step& st, const uint8_t* row_lo, const
   }
 }
 
-// Asks for the line holding p in L1 (no register, no wait).
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
 // Tiles of a call: 16 weight rows each, or 8 gate + 8 up rows with SILU (the grid, the persistent loop, kByGrid).
 __host__ __device__ __forceinline__ int tile_count(int n, bool silu) { return silu ? (n / 2 + 7) / 8 : (n + 15) / 16; }
 
@@ -238,7 +235,7 @@ constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]
 constexpr int kByGrid = kNumFp8Pipelines;
 constexpr int kDefaultFp8Pipeline = kByGrid;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
-int g_tc_options = 0;  // set_gemv_tc_options: kGemvTcHalfSectors (LaneBytes), kGemvTcPrefetchX
+bool g_half_sectors = false;  // set_gemv_tc_half_sectors: the lanes' bytes as until 2026-11-27 (LaneBytes)
 
 static_assert(kFp8Pipelines[7].direct_x && kFp8Pipelines[8].direct_x && kFp8Pipelines[11].direct_x &&
                   kFp8Pipelines[8].depth == 3 && kFp8Pipelines[11].persistent,
@@ -250,7 +247,7 @@ int fp8_pipeline_for(int tiles, int num_sms) {
 }
 
 template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
-          bool kPersistent = false, bool kDirectX = false, bool kHalfSectors = false, bool kPrefetchX = false>
+          bool kPersistent = false, bool kDirectX = false, bool kHalfSectors = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     gemv_tc_kernel(T* __restrict__ out, const T* __restrict__ x, const uint8_t* __restrict__ w,
                    const float* __restrict__ scale, const T* __restrict__ bias, int m, int n, int k) {
@@ -314,19 +311,6 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     for (int t = 0; t < m; ++t) {
       const float inv = stage_x<T>(x + static_cast<int64_t>(t) * k, xs + t * per_warp * kStepBytes, warp, my_units, lane);
       if (lane == 0) inv_up[warp][t] = inv;
-    }
-  }
-  if constexpr (kPrefetchX && !kStaged) {
-    // x read as it is: every line of x this lane will read (its token, its units; the same for every tile) asked
-    // into L1 now, in one round trip beside the weights in flight, instead of one trip per step at the step.
-    if (g < m) {
-      constexpr int kElemBytes = FP8 ? 1 : 2;  // weight bytes per x value
-      const T* xg = x + static_cast<int64_t>(g) * k + kFirst / kElemBytes;
-      for (int s = 0; s < my_units; ++s) {
-        const T* p = xg + (warp + s * kWarps) * (kStepBytes / kElemBytes);
-        prefetch_l1(p);
-        prefetch_l1(p + kSecond / kElemBytes);
-      }
     }
   }
   __syncwarp();
@@ -455,12 +439,11 @@ int smem_bytes(bool staged, int m, int k) {  // staged: FP8 with x staged (not k
 }
 
 template <typename T, bool FP8, bool SILU, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
-          bool kPersistent = false, bool kDirectX = false, bool kHalfSectors = false, bool kPrefetchX = false>
+          bool kPersistent = false, bool kDirectX = false, bool kHalfSectors = false>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
             cudaStream_t stream) {
   constexpr bool kStaged = FP8 && !kDirectX;
-  auto kernel =
-      gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX, kPersistent, kDirectX, kHalfSectors, kPrefetchX>;
+  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX, kPersistent, kDirectX, kHalfSectors>;
   if constexpr (kStaged) {
     static PerDevice<int> opted_in;  // shared memory above 48 KB, once per device
     opted_in.get([&](int) {
@@ -484,17 +467,6 @@ void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t 
                       reinterpret_cast<const T*>(bias), m, n, k);
 }
 
-// f(std::integral_constant<int, options>): set_gemv_tc_options' bits as a compile-time constant.
-template <typename F>
-void for_options(int options, F&& f) {
-  switch (options) {
-    case 0: return f(std::integral_constant<int, 0>{});
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    default: return f(std::integral_constant<int, 3>{});
-  }
-}
-
 // f(std::integral_constant<int, variant>): the pipeline chosen at run time as a compile-time constant.
 template <typename F, int... I>
 void for_pipeline(int variant, F&& f, std::integer_sequence<int, I...>) {
@@ -511,12 +483,9 @@ bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
 
 int gemv_tc_fp8_pipelines() { return kNumFp8Pipelines + 1; }  // (and kByGrid)
 
-int set_gemv_tc_options(int options) {
-  if (options < 0 || options > (kGemvTcHalfSectors | kGemvTcPrefetchX)) {
-    throw std::invalid_argument("set_gemv_tc_options: options " + std::to_string(options) + " is not in 0..3");
-  }
-  const int before = g_tc_options;
-  g_tc_options = options;
+bool set_gemv_tc_half_sectors(bool half) {
+  const bool before = g_half_sectors;
+  g_half_sectors = half;
   return before;
 }
 
@@ -535,36 +504,33 @@ void gemv_tc(const GemvArgs& a) {
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("gemv: ", a.dtype, kHalfTypes, T, {
     if (a.fp8) {
-      auto fp8 = [&](auto pipeline, auto options) {
+      auto fp8 = [&](auto pipeline, auto half_sectors) {
         constexpr Fp8Pipeline p = kFp8Pipelines[decltype(pipeline)::value];
-        // (the options apply to the pipelines that read x as it is; the staged ones take the default)
-        constexpr int kOpt = p.direct_x ? decltype(options)::value : 0;
-        constexpr bool kHalf = kOpt & kGemvTcHalfSectors, kPrefetch = kOpt & kGemvTcPrefetchX;
+        constexpr bool kHalf = decltype(half_sectors)::value;
         if (a.silu_gate_up) {
-          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x, kHalf, kPrefetch>(
+          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x, kHalf>(
               a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
         }
-        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x, kHalf, kPrefetch>(
+        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x, kHalf>(
             a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
       };
       int pipeline = g_fp8_pipeline;
       if (pipeline == kByGrid) {
         pipeline = fp8_pipeline_for(tile_count(n, a.silu_gate_up), sm_count());
       }
-      return for_options(g_tc_options, [&](auto options) {
-        for_pipeline(pipeline, [&](auto pl) { fp8(pl, options); }, std::make_integer_sequence<int, kNumFp8Pipelines>{});
-      });
-    }
-    return for_options(g_tc_options, [&](auto options) {
-      constexpr int kOpt = decltype(options)::value;
-      constexpr bool kHalf = kOpt & kGemvTcHalfSectors, kPrefetch = kOpt & kGemvTcPrefetchX;
-      if (a.silu_gate_up) {
-        return launch<T, false, true, 2, 3, false, false, false, kHalf, kPrefetch>(a.out, a.x, a.w, a.scale, a.bias, m,
-                                                                                   n, k, stream);
+      if (g_half_sectors) {
+        return for_pipeline(pipeline, [&](auto pl) { fp8(pl, std::true_type{}); },
+                            std::make_integer_sequence<int, kNumFp8Pipelines>{});
       }
-      launch<T, false, false, 2, 3, false, false, false, kHalf, kPrefetch>(a.out, a.x, a.w, a.scale, a.bias, m, n, k,
-                                                                           stream);
-    });
+      return for_pipeline(pipeline, [&](auto pl) { fp8(pl, std::false_type{}); },
+                          std::make_integer_sequence<int, kNumFp8Pipelines>{});
+    }
+    if (g_half_sectors) {
+      if (a.silu_gate_up) return launch<T, false, true, 2, 3, false, false, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+      return launch<T, false, false, 2, 3, false, false, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+    }
+    if (a.silu_gate_up) return launch<T, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+    launch<T, false, false>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
   });
 }
 

@@ -26,7 +26,6 @@ def native() -> ModuleType | None:
         with _lock:
             if not _tried:
                 fp8_variant = env.gemv_tc_fp8_variant()  # (a bad value is the caller's error, not a missing build)
-                tc_options = env.gemv_tc_options()
                 try:
                     from fastqwen import _C  # type: ignore[attr-defined]
 
@@ -34,7 +33,7 @@ def native() -> ModuleType | None:
                     if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
                         _C.set_programmatic_launch(env.programmatic_launch())
                         _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
-                        _C.set_gemv_tc_options(tc_options)
+                        _C.set_gemv_tc_half_sectors(env.gemv_tc_half_sectors())
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
                     _module = None
                     _import_error = e

@@ -58,14 +58,10 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
-def gemv_tc_options() -> int:
-    """FASTQWEN_GEMV_TC_OPTIONS=N: options of the tensor-core GEMV against its default 0 (csrc/gemv.h,
-    set_gemv_tc_options: 1 half-sector loads, the layout until 2026-11-27; 2 x asked into L1 at the start; 3 both),
-    for benchmarks that compare them in a whole engine. ValueError naming the variable for anything but 0..3."""
-    value = os.environ.get("FASTQWEN_GEMV_TC_OPTIONS", "0")
-    if value not in ("0", "1", "2", "3"):
-        raise ValueError(f"FASTQWEN_GEMV_TC_OPTIONS={value!r}: expected 0, 1, 2 or 3")
-    return int(value)
+def gemv_tc_half_sectors() -> bool:
+    """FASTQWEN_GEMV_TC_HALF_SECTORS=1: the tensor-core GEMV's lanes load half of each 32-byte sector, the layout
+    until 2026-11-27 (csrc/gemv_tc.cu, LaneBytes), for benchmarks that compare it with the default in a whole engine."""
+    return _flag("FASTQWEN_GEMV_TC_HALF_SECTORS", False)
 
 
 def gemv_tc_fp8_variant() -> int | None:
