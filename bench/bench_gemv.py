@@ -59,11 +59,6 @@ def weight_bytes(w: LinearWeight) -> int:
     return sum(t.numel() * t.element_size() for t in w.tensors())
 
 
-def _on_tensor_cores(name: str, m: int, cols: int) -> bool:
-    """Whether bench_shape's GEMV variant `name` runs on the tensor-core kernel at m tokens of row length cols."""
-    return "_simt_" not in name and native().gemv_uses_tensor_cores(m, cols, "fp8" in name)
-
-
 def bench_shape(
     rows: int,
     cols: int,
@@ -73,13 +68,10 @@ def bench_shape(
     gate_up: bool = False,
     host_timing: bool = False,
     tc_fp8_variants: tuple[int, ...] = (),
-    tc_half_sectors: bool = False,
 ) -> list[dict]:
     """gate_up: also the GEMV with the SiLU-and-mul epilogue (out half as wide), as the MLP runs it. host_timing: one
     pass a graph, the host's submission timed (see the module's doc). tc_fp8_variants: where the FP8 GEMV runs on the
-    tensor cores, also each of these pipelines of its kernel (set_gemv_tc_fp8_variant), as gemv_fp8_v{N}.
-    tc_half_sectors: each tensor-core variant also with its lanes loading half sectors (set_gemv_tc_half_sectors, the
-    layout until 2026-11-27), as half_{name}."""
+    tensor cores, also each of these pipelines of its kernel (set_gemv_tc_fp8_variant), as gemv_fp8_v{N}."""
     dense = torch.randn(rows, cols, device="cuda") * 0.02
     nbuf = max(2, math.ceil(2 * L2_BYTES / (rows * cols)))  # the FP8 copies alone exceed twice the L2
     passes = 1 if host_timing else math.ceil(MIN_CALLS / nbuf)
@@ -119,9 +111,6 @@ def bench_shape(
                 variants[f"gemv_fp8_v{v}"] = variants["gemv_fp8"]
                 if gate_up:
                     variants[f"gemv_silu_fp8_v{v}"] = variants["gemv_silu_fp8"]
-        if tc_half_sectors:
-            for name in [v for v in variants if v.startswith("gemv_") and _on_tensor_cores(v, m, cols)]:
-                variants[f"half_{name}"] = variants[name]
         row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
         for name, (weights, call) in variants.items():
 
@@ -133,13 +122,10 @@ def bench_shape(
             variant = int(name.rsplit("_v", 1)[1]) if "_fp8_v" in name else None
             before = native().set_gemv_tensor_cores("_simt_" not in name)  # read when the graph is captured
             before_variant = native().set_gemv_tc_fp8_variant(variant) if variant is not None else None
-            before_half = native().set_gemv_tc_half_sectors(name.startswith("half_")) if tc_half_sectors else None
             try:
                 graph = graph_of(all_passes)
             finally:
                 native().set_gemv_tensor_cores(before)
-                if before_half is not None:
-                    native().set_gemv_tc_half_sectors(before_half)
                 if before_variant is not None:
                     native().set_gemv_tc_fp8_variant(before_variant)
             ms = time_fn(graph.replay, iters, queue_ahead=not host_timing) / calls
@@ -182,11 +168,6 @@ def main() -> int:
         default=[],
         help="also these pipelines of the tensor-core FP8 kernel (0 .. GEMV_TC_FP8_PIPELINES - 1, csrc/gemv_tc.cu), as gemv_fp8_v{N}",
     )
-    p.add_argument(
-        "--tc-half-sectors",
-        action="store_true",
-        help="also each tensor-core variant with its lanes loading half sectors (the layout until 2026-11-27), as half_*",
-    )
     args = p.parse_args()
     if args.shapes_only:
         for preset in args.presets:
@@ -218,7 +199,6 @@ def main() -> int:
                 gate_up=name == "gate_up",
                 host_timing=args.host_timing,
                 tc_fp8_variants=tuple(args.tc_fp8_variants),
-                tc_half_sectors=args.tc_half_sectors,
             )
             torch.cuda.empty_cache()
     report(result, args.json)

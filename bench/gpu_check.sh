@@ -37,8 +37,6 @@
 #   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..12) at 1 to 4 tokens, their GPU
 #            test, then FP8 speculation off, and at acceptance 2.0 with each of GEMV_TC_VARIANTS (default: the
 #            default pipeline and the fastest of GEMV_TC_BENCH_VARIANTS over a layer at 2 to 4 tokens)
-#   tclayout the tensor-core GEMV with whole-sector loads (default) against half sectors (FASTQWEN_GEMV_TC_HALF_SECTORS)
-#            at 1 to 4 tokens with lm_head, its GPU tests, then FP8 speculation with each and off, bf16 with the default
 #   verifyprofile  bench/profile_step.py --verify: the FP8 verify step's kernels (FASTQWEN_PDL=0, durations that add
 #            up) and its graph's time with and without PDL
 #   specreplay  bench/spec_replay.py: greedy requests twice with suffix decoding, the second drafting from the first
@@ -412,18 +410,6 @@ print(min(names, key=lambda k: sum(r[k] for r in rows))[len("gemv_fp8_v"):-len("
   done
 }
 
-stage_tclayout() {  # issue 42: the tensor-core GEMV's lanes loading whole 32-byte sectors (default) against half
-  # sectors (the layout until 2026-11-27) at 1 to 4 tokens, the projections and lm_head; its GPU tests; then FP8
-  # speculation (acceptance 2.0, batch 1, offline and through HTTP) with each and without speculation, and bf16 with it
-  run gemv_tc_layout 150 python3 bench/bench_gemv.py --batches 1 2 4 --shapes qkv o_proj gate_up down lm_head \
-    --tc-half-sectors --json "$OUT/gemv_tc_layout.json"
-  FASTQWEN_RESULTS_DIR="$OUT" run gemv_tc_layout_test 120 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gemv_gpu.py -k "pipelines or tensor_core or matches_reference"
-  SPEC_QUANT=fp8 stage_speculative
-  FASTQWEN_GEMV_TC_HALF_SECTORS=1 SPEC_QUANT=fp8 SPEC_MODES=on SPEC_TAG=_halfsectors stage_speculative
-  SPEC_QUANT=none SPEC_MODES=on stage_speculative
-}
-
 stage_verifyprofile() {  # issue 42: the FP8 verify step (k = 3, acceptance 2.0, batch 1) kernel by kernel, without
   # programmatic dependent launch so that the kernels' durations add up, then its graph timed with it
   for pdl in 0 1; do
@@ -507,7 +493,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|tclayout|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then

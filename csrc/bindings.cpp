@@ -287,9 +287,6 @@ PYBIND11_MODULE(_C, m) {
         "5, 6: 3 and 0 with blocks that take tiles in turn, x staged once per block), for benchmarks and tests; returns "
         "the previous one.");
   m.attr("GEMV_TC_FP8_PIPELINES") = fastqwen::gemv_tc_fp8_pipelines();
-  m.def("set_gemv_tc_half_sectors", &fastqwen::set_gemv_tc_half_sectors, py::arg("half"),
-        "Whether the tensor-core GEMV's lanes load half of each 32-byte sector (the layout until 2026-11-27) instead "
-        "of whole sectors (default); for the benchmark that compares them. Returns the previous setting.");
   m.def("gemv_uses_tensor_cores", &fastqwen::gemv_uses_tensor_cores, py::arg("m"), py::arg("k"), py::arg("fp8"),
         "Whether gemv runs m tokens of row length k on its tensor-core kernel (2 to 8 tokens, rows a multiple of 128 "
         "bytes, FP8 x within its shared memory; and the kernel switched on).");

@@ -82,9 +82,6 @@ bool set_gemv_tensor_cores(bool enabled);
 // outside 0 .. gemv_tc_fp8_pipelines() - 1.
 int set_gemv_tc_fp8_variant(int variant);
 int gemv_tc_fp8_pipelines();
-// The tensor-core kernel's lanes load half sectors as until 2026-11-27 (true) or whole ones (false, the default):
-// for the benchmark that compares them; returns the previous setting.
-bool set_gemv_tc_half_sectors(bool half);
 
 // Whether gemv() runs a call of m tokens and row length k (dense or fp8 weights) on the tensor-core kernel now.
 bool gemv_uses_tensor_cores(int64_t m, int64_t k, bool fp8);

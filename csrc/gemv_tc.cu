@@ -65,26 +65,14 @@ struct Step {
   float scale_lo, scale_hi;
 };
 
-// Which 32 of a step's 128 bytes lane q holds: [first, first + 16) and [first + second, first + second + 16).
-// Whole sectors (the default): the lanes' first loads cover bytes 0..63 of a row's step, their second loads
-// 64..127, so every 16-byte load of the warp takes whole 32-byte sectors. Half sectors (kHalfSectors, the layout
-// until 2026-11-27, kept to be measured against): lane q's 32 contiguous bytes, so each load takes half of each of
-// its sectors and, with the weights kept out of L1, every sector crosses from L2 twice.
-template <bool kHalfSectors>
-struct LaneBytes {
-  static constexpr int second = kHalfSectors ? 16 : 64;
-  __device__ __forceinline__ static int first(int q) { return kHalfSectors ? 32 * q : 16 * q; }
-};
-
-template <bool FP8, bool kHalfSectors>
+template <bool FP8>
 __device__ __forceinline__ void load_step(Step& st, const uint8_t* row_lo, const uint8_t* row_hi, int unit,
                                           const float* scale_lo, const float* scale_hi) {
-  constexpr int kSecond = LaneBytes<kHalfSectors>::second;
-  const int off = unit * kStepBytes;  // (row_lo, row_hi already point at the lane's first bytes)
+  const int off = unit * kStepBytes;
   st.lo0 = load_stream(row_lo + off);
-  st.lo1 = load_stream(row_lo + off + kSecond);
+  st.lo1 = load_stream(row_lo + off + 16);
   st.hi0 = load_stream(row_hi + off);
-  st.hi1 = load_stream(row_hi + off + kSecond);
+  st.hi1 = load_stream(row_hi + off + 16);
   if constexpr (FP8) {
     st.scale_lo = __ldg(scale_lo + unit);
     st.scale_hi = __ldg(scale_hi + unit);
@@ -235,7 +223,6 @@ constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]
 constexpr int kByGrid = kNumFp8Pipelines;
 constexpr int kDefaultFp8Pipeline = kByGrid;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
-bool g_half_sectors = false;  // set_gemv_tc_half_sectors: the lanes' bytes as until 2026-11-27 (LaneBytes)
 
 static_assert(kFp8Pipelines[7].direct_x && kFp8Pipelines[8].direct_x && kFp8Pipelines[11].direct_x &&
                   kFp8Pipelines[8].depth == 3 && kFp8Pipelines[11].persistent,
@@ -247,7 +234,7 @@ int fp8_pipeline_for(int tiles, int num_sms) {
 }
 
 template <typename T, bool FP8, bool SILU_GATE_UP, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
-          bool kPersistent = false, bool kDirectX = false, bool kHalfSectors = false>
+          bool kPersistent = false, bool kDirectX = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     gemv_tc_kernel(T* __restrict__ out, const T* __restrict__ x, const uint8_t* __restrict__ w,
                    const float* __restrict__ scale, const T* __restrict__ bias, int m, int n, int k) {
@@ -258,9 +245,6 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   __shared__ float partial[kWarps][kGemvTcMaxTokens][16];
   __shared__ float inv_up[kWarps][kGemvTcMaxTokens];  // FP8: 1 / each token's power of two (this warp's share)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  // The lane's bytes of each step (LaneBytes); with FP8 weights also its x values, one per byte, k = byte.
-  const int kFirst = LaneBytes<kHalfSectors>::first(q);
-  constexpr int kSecond = LaneBytes<kHalfSectors>::second;
   const int row_bytes = FP8 ? k : k * static_cast<int>(sizeof(T));
   const int units = row_bytes / kStepBytes;
   const int my_units = (units - warp + kWarps - 1) / kWarps;  // units warp, warp + kWarps, ...
@@ -281,8 +265,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       row_lo = min(tile * 16 + g, n - 1);
       row_hi = min(tile * 16 + 8 + g, n - 1);
     }
-    w_lo = w + static_cast<int64_t>(row_lo) * row_bytes + kFirst + warp * kStepBytes;
-    w_hi = w + static_cast<int64_t>(row_hi) * row_bytes + kFirst + warp * kStepBytes;
+    w_lo = w + static_cast<int64_t>(row_lo) * row_bytes + 32 * q + warp * kStepBytes;
+    w_hi = w + static_cast<int64_t>(row_hi) * row_bytes + 32 * q + warp * kStepBytes;
     if constexpr (FP8) {
       s_lo = scale + (row_lo / kGemvFp8Block) * scale_cols + warp;
       s_hi = scale + (row_hi / kGemvFp8Block) * scale_cols + warp;
@@ -294,7 +278,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   auto prefetch = [&] {  // a tile's first kDepth steps
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {
-      if (d < my_units) load_step<FP8, kHalfSectors>(ring[d], w_lo, w_hi, d * kWarps, s_lo, s_hi);
+      if (d < my_units) load_step<FP8>(ring[d], w_lo, w_hi, d * kWarps, s_lo, s_hi);
     }
   };
   int tile = blockIdx.x;
@@ -327,24 +311,18 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         const unsigned lo[8] = {st.lo0.x, st.lo0.y, st.lo0.z, st.lo0.w, st.lo1.x, st.lo1.y, st.lo1.z, st.lo1.w};
         const unsigned hi[8] = {st.hi0.x, st.hi0.y, st.hi0.z, st.hi0.w, st.hi1.x, st.hi1.y, st.hi1.z, st.hi1.w};
         if constexpr (FP8) {
-          // x of token g at the lane's k of this step (16 values at kFirst, 16 at kFirst + kSecond), staged f16
-          // from shared memory or x itself.
+          // x of token g at this step's k (32q .. 32q + 32): 16 pairs, staged f16 from shared memory or x itself.
           uint4 xv[4] = {};
           if (has_token) {
             if constexpr (kStaged) {
-              const __half* p = xs + (g * per_warp + s) * kStepBytes + kFirst;
+              const uint4* p = reinterpret_cast<const uint4*>(xs + (g * per_warp + s) * kStepBytes + 32 * q);
 #pragma unroll
-              for (int i = 0; i < 2; ++i) {
-                xv[i] = reinterpret_cast<const uint4*>(p)[i];
-                xv[2 + i] = reinterpret_cast<const uint4*>(p + kSecond)[i];
-              }
+              for (int i = 0; i < 4; ++i) xv[i] = p[i];
             } else {
-              const T* p = x + static_cast<int64_t>(g) * k + (warp + s * kWarps) * kStepBytes + kFirst;
+              const uint4* p = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(g) * k +
+                                                              (warp + s * kWarps) * kStepBytes + 32 * q);
 #pragma unroll
-              for (int i = 0; i < 2; ++i) {
-                xv[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
-                xv[2 + i] = __ldg(reinterpret_cast<const uint4*>(p + kSecond) + i);
-              }
+              for (int i = 0; i < 4; ++i) xv[i] = __ldg(p + i);
             }
           }
           const unsigned xw[16] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w,
@@ -365,13 +343,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           acc[2] = fmaf(st.scale_hi, part[0][2] + part[1][2], acc[2]);
           acc[3] = fmaf(st.scale_hi, part[0][3] + part[1][3], acc[3]);
         } else {
-          // x of token g at the lane's k of this step (8 values at byte kFirst, 8 at kFirst + kSecond: two bytes
-          // a value): straight from global memory (L1).
+          // x of token g at this step's k (16q .. 16q + 16 elements): 8 pairs straight from global memory (L1).
           uint4 xv[2] = {};
           if (has_token) {
-            const T* p = x + static_cast<int64_t>(g) * k + (warp + s * kWarps) * (kStepBytes / 2) + kFirst / 2;
-            xv[0] = __ldg(reinterpret_cast<const uint4*>(p));
-            xv[1] = __ldg(reinterpret_cast<const uint4*>(p + kSecond / 2));
+            const uint4* p = reinterpret_cast<const uint4*>(
+                x + static_cast<int64_t>(g) * k + (warp + s * kWarps) * (kStepBytes / 2) + 16 * q);
+            xv[0] = __ldg(p);
+            xv[1] = __ldg(p + 1);
           }
           const unsigned xw[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
           float part[2][4] = {};
@@ -382,7 +360,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[i] += part[0][i] + part[1][i];
         }
-        if (s + kDepth < my_units) load_step<FP8, kHalfSectors>(ring[d], w_lo, w_hi, (s + kDepth) * kWarps, s_lo, s_hi);
+        if (s + kDepth < my_units) load_step<FP8>(ring[d], w_lo, w_hi, (s + kDepth) * kWarps, s_lo, s_hi);
       }
     }
     // The next tile's first steps load while this tile's sums are reduced and written.
@@ -439,11 +417,11 @@ int smem_bytes(bool staged, int m, int k) {  // staged: FP8 with x staged (not k
 }
 
 template <typename T, bool FP8, bool SILU, int kDepth = 2, int kMinBlocks = 3, bool kGroupedX = false,
-          bool kPersistent = false, bool kDirectX = false, bool kHalfSectors = false>
+          bool kPersistent = false, bool kDirectX = false>
 void launch(uintptr_t out, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, int m, int n, int k,
             cudaStream_t stream) {
   constexpr bool kStaged = FP8 && !kDirectX;
-  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX, kPersistent, kDirectX, kHalfSectors>;
+  auto kernel = gemv_tc_kernel<T, FP8, SILU, kDepth, kMinBlocks, kGroupedX, kPersistent, kDirectX>;
   if constexpr (kStaged) {
     static PerDevice<int> opted_in;  // shared memory above 48 KB, once per device
     opted_in.get([&](int) {
@@ -483,12 +461,6 @@ bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
 
 int gemv_tc_fp8_pipelines() { return kNumFp8Pipelines + 1; }  // (and kByGrid)
 
-bool set_gemv_tc_half_sectors(bool half) {
-  const bool before = g_half_sectors;
-  g_half_sectors = half;
-  return before;
-}
-
 int set_gemv_tc_fp8_variant(int variant) {
   if (variant < 0 || variant > kByGrid) {
     throw std::invalid_argument("set_gemv_tc_fp8_variant: variant " + std::to_string(variant) + " is not in 0.." +
@@ -504,30 +476,20 @@ void gemv_tc(const GemvArgs& a) {
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("gemv: ", a.dtype, kHalfTypes, T, {
     if (a.fp8) {
-      auto fp8 = [&](auto pipeline, auto half_sectors) {
+      auto fp8 = [&](auto pipeline) {
         constexpr Fp8Pipeline p = kFp8Pipelines[decltype(pipeline)::value];
-        constexpr bool kHalf = decltype(half_sectors)::value;
         if (a.silu_gate_up) {
-          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x, kHalf>(
+          return launch<T, true, true, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x>(
               a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
         }
-        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x, kHalf>(
-            a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+        launch<T, true, false, p.depth, p.min_blocks, p.grouped_x, p.persistent, p.direct_x>(a.out, a.x, a.w, a.scale,
+                                                                                             a.bias, m, n, k, stream);
       };
       int pipeline = g_fp8_pipeline;
       if (pipeline == kByGrid) {
         pipeline = fp8_pipeline_for(tile_count(n, a.silu_gate_up), sm_count());
       }
-      if (g_half_sectors) {
-        return for_pipeline(pipeline, [&](auto pl) { fp8(pl, std::true_type{}); },
-                            std::make_integer_sequence<int, kNumFp8Pipelines>{});
-      }
-      return for_pipeline(pipeline, [&](auto pl) { fp8(pl, std::false_type{}); },
-                          std::make_integer_sequence<int, kNumFp8Pipelines>{});
-    }
-    if (g_half_sectors) {
-      if (a.silu_gate_up) return launch<T, false, true, 2, 3, false, false, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
-      return launch<T, false, false, 2, 3, false, false, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
+      return for_pipeline(pipeline, fp8, std::make_integer_sequence<int, kNumFp8Pipelines>{});
     }
     if (a.silu_gate_up) return launch<T, false, true>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);
     launch<T, false, false>(a.out, a.x, a.w, a.scale, a.bias, m, n, k, stream);

@@ -33,7 +33,6 @@ def native() -> ModuleType | None:
                     if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
                         _C.set_programmatic_launch(env.programmatic_launch())
                         _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
-                        _C.set_gemv_tc_half_sectors(env.gemv_tc_half_sectors())
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
                     _module = None
                     _import_error = e

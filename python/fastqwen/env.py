@@ -58,12 +58,6 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
-def gemv_tc_half_sectors() -> bool:
-    """FASTQWEN_GEMV_TC_HALF_SECTORS=1: the tensor-core GEMV's lanes load half of each 32-byte sector, the layout
-    until 2026-11-27 (csrc/gemv_tc.cu, LaneBytes), for benchmarks that compare it with the default in a whole engine."""
-    return _flag("FASTQWEN_GEMV_TC_HALF_SECTORS", False)
-
-
 def gemv_tc_fp8_variant() -> int | None:
     """FASTQWEN_GEMV_TC_FP8_VARIANT=N: the pipeline of the tensor-core GEMV's FP8 kernel (csrc/gemv_tc.cu,
     set_gemv_tc_fp8_variant; 0 to the extension's GEMV_TC_FP8_PIPELINES - 1, which _native checks), for benchmarks
