@@ -37,6 +37,8 @@
 #   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..12) at 1 to 4 tokens, their GPU
 #            test, then FP8 speculation off, and at acceptance 2.0 with each of GEMV_TC_VARIANTS (default: the
 #            default pipeline and the fastest of GEMV_TC_BENCH_VARIANTS over a layer at 2 to 4 tokens)
+#   gemvprofile  Nsight Compute on the FP8 GEMV (gate_up, o_proj) at one token and at four (default pipeline and
+#            GEMV_PROFILE_VARIANTS): DRAM and L2 traffic, speed of light, warp stalls
 #   verifyprofile  bench/profile_step.py --verify: the FP8 verify step's kernels (FASTQWEN_PDL=0, durations that add
 #            up) and its graph's time with and without PDL
 #   specreplay  bench/spec_replay.py: greedy requests twice with suffix decoding, the second drafting from the first
@@ -317,6 +319,22 @@ stage_prefillprofile() {  # issue 48: where the Hopper prefill kernel's time goe
     "${case[@]}"
 }
 
+stage_gemvprofile() {  # issue 42: Nsight Compute on the FP8 GEMV of gate_up and o_proj at one token (gemv.cu) and at
+  # four (gemv_tc.cu's default pipeline, and GEMV_PROFILE_VARIANTS): DRAM and L2 traffic, speed of light, warp stalls
+  if ! command -v ncu > /dev/null; then echo "gemvprofile: no ncu on this machine"; return; fi
+  local sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
+                  --section LaunchStats --section Occupancy
+                  --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_hit_rate.pct)
+  for shape in gate_up o_proj; do
+    run "gemv_ncu_${shape}_m1" 120 ncu --kernel-name regex:gemv --launch-skip 4 --launch-count 1 "${sections[@]}" \
+      python3 bench/gemv_ncu_case.py --shape "$shape" --m 1
+    for v in 13 ${GEMV_PROFILE_VARIANTS:-}; do
+      run "gemv_ncu_${shape}_m4_v$v" 120 ncu --kernel-name regex:gemv --launch-skip 4 --launch-count 1 \
+        "${sections[@]}" python3 bench/gemv_ncu_case.py --shape "$shape" --m 4 --variant "$v"
+    done
+  done
+}
+
 stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT at 4k and 32k through HTTP, then offline
   # with the FLOP limit, then 131,071 tokens with YaRN (factor 4) offline
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
@@ -360,6 +378,9 @@ stage_speculative() {  # issue 42: a server and an engine side by side (small po
         --quantization "$q" --num-pages 2048 --prompt-lens 128 --new-tokens 128 --repeats "${SPEC_REPEATS:-5}" \
         --url http://127.0.0.1:$PORT \
         "${extra[@]}" --json "$OUT/latency_spec_$tag.json"
+      # and an independent client, one request at a time (SGL_TOOLS set): SGLang's bench_serving, its TPOT and ITL
+      bench_serving "bench_serving_spec_$tag" --backend vllm --num-prompts 8 --max-concurrency 1 \
+        --random-input-len 128 --random-output-len 128
       stop_server
     done
   done
@@ -493,7 +514,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then
