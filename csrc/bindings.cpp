@@ -283,10 +283,9 @@ PYBIND11_MODULE(_C, m) {
         "previous setting. For tests and benchmarks.");
   m.def("set_gemv_tc_fp8_variant", &fastqwen::set_gemv_tc_fp8_variant, py::arg("variant"),
         "Pipeline of the tensor-core GEMV's FP8 kernel (0: two steps in flight per warp, 3 blocks per SM; 1: four, 2 "
-        "blocks; 2: three, 2 blocks; 3, 4: two and three at 2 blocks with x staged four tokens at a time; "
-        "5, 6: 3 and 0 with blocks that take tiles in turn, x staged once per block; 7-11: x read as it is; 12: the "
-        "weights streamed into shared memory by bulk copies where that applies, else 13; 13: one of 7, 8, 11 by the "
-        "grid; the default), for benchmarks and tests; returns the previous one.");
+        "blocks; 2: three, 2 blocks; 3 (the default), 4: two and three at 2 blocks with x staged four tokens at a time; "
+        "5, 6: 3 and 0 with blocks that take tiles in turn, x staged once per block), for benchmarks and tests; returns "
+        "the previous one.");
   m.attr("GEMV_TC_FP8_PIPELINES") = fastqwen::gemv_tc_fp8_pipelines();
   m.def("gemv_uses_tensor_cores", &fastqwen::gemv_uses_tensor_cores, py::arg("m"), py::arg("k"), py::arg("fp8"),
         "Whether gemv runs m tokens of row length k on its tensor-core kernel (2 to 8 tokens, rows a multiple of 128 "

@@ -77,9 +77,8 @@ bool set_gemv_tensor_cores(bool enabled);
 
 // The tensor-core kernel's FP8 pipeline (gemv_tc.cu: kFp8Pipelines; 0: two steps of weights in flight per warp at 3
 // blocks per SM; 1: four at 2; 2: three at 2; 3 and 4: two and three at 2 with up to four tokens of x loaded at once;
-// 5 and 6: 3 and 0 with persistent blocks, x staged once per block; 7 to 11: x read as it is; 12: the weights streamed
-// into shared memory by bulk copies (gemv_tc_bulk.cu) where that applies, else 13; 13 (the default): one of 7, 8 and
-// 11 per call, by the grid), for benchmarks and tests; returns the previous one. std::invalid_argument
+// 5 and 6: 3 and 0 with persistent blocks, x staged once per block; 7 to 11: x read as it is; 12 (the default): one
+// of 7, 8 and 11 per call, by the grid), for benchmarks and tests; returns the previous one. std::invalid_argument
 // outside 0 .. gemv_tc_fp8_pipelines() - 1.
 int set_gemv_tc_fp8_variant(int variant);
 int gemv_tc_fp8_pipelines();

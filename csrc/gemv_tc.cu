@@ -38,7 +38,6 @@
 #include "cuda_check.h"
 #include "device_cache.h"
 #include "gemv_tc.h"
-#include "gemv_tc_bulk.h"
 #include "launch.cuh"
 #include "mma.cuh"
 
@@ -221,10 +220,7 @@ constexpr int kNumFp8Pipelines = sizeof(kFp8Pipelines) / sizeof(kFp8Pipelines[0]
 // a larger one the persistent blocks of 11. On an H100 at 4 tokens (bench_gemv): o_proj and down (256 tiles) 8.88 and
 // 20.99 us with 8 against 11.15 and 26.68 with 7; qkv (384 tiles) 11.93 with 7 against 13.31 with 8, whose 264 blocks
 // leave a second, partial wave.
-constexpr int kByGrid = kNumFp8Pipelines + 1;
-// And kBulk: gemv_tc_bulk.cu's kernel (the weights streamed into shared memory by bulk copies) where it applies,
-// else kByGrid's choice.
-constexpr int kBulk = kNumFp8Pipelines;
+constexpr int kByGrid = kNumFp8Pipelines;
 constexpr int kDefaultFp8Pipeline = kByGrid;
 int g_fp8_pipeline = kDefaultFp8Pipeline;
 
@@ -463,7 +459,7 @@ bool gemv_tc_applies(int64_t m, int64_t k, bool fp8) {
          smem_bytes(fp8, static_cast<int>(m), static_cast<int>(k)) <= kMaxSmem;  // (one rule for every pipeline)
 }
 
-int gemv_tc_fp8_pipelines() { return kNumFp8Pipelines + 2; }  // (and kBulk, kByGrid)
+int gemv_tc_fp8_pipelines() { return kNumFp8Pipelines + 1; }  // (and kByGrid)
 
 int set_gemv_tc_fp8_variant(int variant) {
   if (variant < 0 || variant > kByGrid) {
@@ -490,10 +486,6 @@ void gemv_tc(const GemvArgs& a) {
                                                                                              a.bias, m, n, k, stream);
       };
       int pipeline = g_fp8_pipeline;
-      if (pipeline == kBulk) {
-        if (gemv_tc_bulk_applies(m, k, true)) return gemv_tc_bulk(a);
-        pipeline = kByGrid;
-      }
       if (pipeline == kByGrid) {
         pipeline = fp8_pipeline_for(tile_count(n, a.silu_gate_up), sm_count());
       }

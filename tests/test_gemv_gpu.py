@@ -65,9 +65,9 @@ def projection_shapes(preset: str) -> dict[str, tuple[int, int]]:
 TENSOR_CORE_TOKENS = range(2, 9)
 
 
-# The tensor-core GEMV's FP8 pipelines (csrc/gemv_tc.cu, the last two kBulk and kByGrid); 14 in a build without CUDA kernels,
+# The tensor-core GEMV's FP8 pipelines (csrc/gemv_tc.cu, the last one kByGrid); 13 in a build without CUDA kernels,
 # so that the test ids tests/mutation_check.py names exist wherever the tests are collected.
-FP8_PIPELINES = getattr(_native.native(), "GEMV_TC_FP8_PIPELINES", 14)
+FP8_PIPELINES = getattr(_native.native(), "GEMV_TC_FP8_PIPELINES", 13)
 
 
 def tensor_core_applies(m: int, w: LinearWeight) -> bool:
