@@ -328,9 +328,11 @@ stage_gemvprofile() {  # issue 42: Nsight Compute on the FP8 GEMV of gate_up and
   for shape in gate_up o_proj; do
     run "gemv_ncu_${shape}_m1" 120 ncu --kernel-name regex:gemv --launch-skip 4 --launch-count 1 "${sections[@]}" \
       python3 bench/gemv_ncu_case.py --shape "$shape" --m 1
-    for v in 13 ${GEMV_PROFILE_VARIANTS:-}; do
+    for v in default ${GEMV_PROFILE_VARIANTS:-}; do
+      local variant=()
+      [ "$v" = default ] || variant=(--variant "$v")
       run "gemv_ncu_${shape}_m4_v$v" 120 ncu --kernel-name regex:gemv --launch-skip 4 --launch-count 1 \
-        "${sections[@]}" python3 bench/gemv_ncu_case.py --shape "$shape" --m 4 --variant "$v"
+        "${sections[@]}" python3 bench/gemv_ncu_case.py --shape "$shape" --m 4 "${variant[@]}"
     done
   done
 }
