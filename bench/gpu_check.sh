@@ -37,6 +37,8 @@
 #   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..12) at 1 to 4 tokens, their GPU
 #            test, then FP8 speculation off, and at acceptance 2.0 with each of GEMV_TC_VARIANTS (default: the
 #            default pipeline and the fastest of GEMV_TC_BENCH_VARIANTS over a layer at 2 to 4 tokens)
+#   eagle3   EAGLE-3 with a random head at Qwen3-8B's shapes (bench/make_eagle3_head.py), acceptance forced to 2.0:
+#            batch-1 TPOT offline and through HTTP beside speculation off (SPEC_QUANT: none fp8)
 #   gemvprofile  Nsight Compute on the FP8 GEMV (gate_up, o_proj) at one token and at four (default pipeline and
 #            GEMV_PROFILE_VARIANTS): DRAM and L2 traffic, speed of light, warp stalls
 #   verifyprofile  bench/profile_step.py --verify: the FP8 verify step's kernels (FASTQWEN_PDL=0, durations that add
@@ -455,6 +457,15 @@ stage_specgate() {  # issue 42: the host gate (FASTQWEN_VERIFY_GATE) on and off 
   done
 }
 
+stage_eagle3() {  # issue 42: EAGLE-3 on the GPU: a random head at Qwen3-8B's published shapes (bench/make_eagle3_head.py)
+  # drafting for real, acceptance forced to 2.0 (k = 3): batch-1 TPOT offline and through HTTP, bf16 and FP8 weights,
+  # beside speculation off (SPEC_QUANT)
+  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
+  [ -d /tmp/qwen3-8b-eagle3 ] || python3 bench/make_eagle3_head.py --target /tmp/qwen3-8b-dummy --out /tmp/qwen3-8b-eagle3
+  SPEC_SYNTHETIC='{"method": "eagle3", "model": "/tmp/qwen3-8b-eagle3", "num_speculative_tokens": 3, "synthetic_acceptance_length": 2.0}' \
+    SPEC_TAG=_eagle3 stage_speculative
+}
+
 stage_specreplay() {  # issue 42's replay test: acceptance length >= 3 and TPOT >= 2x better on the second pass
   # (and speculation off in the same call: the same prompt length and output length, one request at a time)
   run spec_replay_off 120 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
@@ -516,7 +527,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then
