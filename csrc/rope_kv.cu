@@ -1,5 +1,6 @@
 // qk-norm + NeoX RoPE + paged KV write: one warp per token and group of 4 heads. A q head
-// is normed, rotated and written to q_out; a KV head's k is normed, rotated
+// is normed (unless no norm weights are given: a Llama layer's attention, as the EAGLE-3
+// head's), rotated and written to q_out; a KV head's k is normed, rotated
 // and written to its slot, and its v copied there. Each lane holds D/32
 // consecutive elements, so the rotation partner (element +- D/2) sits in lane
 // ^ 16. Rounds where HF rounds: after the norm, after the weight, after each
@@ -73,8 +74,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       if (h >= num_heads) v[i] = reinterpret_cast<const P*>(row + static_cast<int64_t>(h + num_kv_heads) * D)[lane];
     }
   }
-  const P qw = reinterpret_cast<const P*>(q_weight)[lane];
-  const P kw = reinterpret_cast<const P*>(k_weight)[lane];
+  const bool normed = q_weight != nullptr;  // (both weights or neither: qk_norm_rope_store_kv checks)
+  P qw{}, kw{};
+  if (normed) {
+    qw = reinterpret_cast<const P*>(q_weight)[lane];
+    kw = reinterpret_cast<const P*>(k_weight)[lane];
+  }
   const float* cs = cos_sin + (pos_ok ? pos : 0) * D;
   float c[kEpl], s[kEpl];
 #pragma unroll
@@ -97,11 +102,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       x[k] = Cvt<T>::to_f(in[i].v[k]);
       sum_sq += x[k] * x[k];
     }
-    const float inv_rms = rsqrtf(warp_sum(sum_sq) / static_cast<float>(D) + eps);
+    if (normed) {  // (warp-uniform; without weights q and k are rotated as they are, a Llama layer's attention)
+      const float inv_rms = rsqrtf(warp_sum(sum_sq) / static_cast<float>(D) + eps);
 #pragma unroll
-    for (int k = 0; k < kEpl; ++k) {
-      const float w = Cvt<T>::to_f(is_q ? qw.v[k] : kw.v[k]);  // by value: a reference would push both to memory
-      x[k] = round_to<T>(w * round_to<T>(x[k] * inv_rms));
+      for (int k = 0; k < kEpl; ++k) {
+        const float w = Cvt<T>::to_f(is_q ? qw.v[k] : kw.v[k]);  // by value: a reference would push both to memory
+        x[k] = round_to<T>(w * round_to<T>(x[k] * inv_rms));
+      }
     }
     P out;
 #pragma unroll
@@ -186,8 +193,11 @@ void qk_norm_rope_store_kv(const RopeKVArgs& a) {
     throw std::invalid_argument(op + "too many tokens");
   }
   if (a.num_tokens == 0) return;
-  for (uintptr_t p : {a.qkv, a.q_weight, a.k_weight, a.cos_sin, a.positions, a.k_cache, a.v_cache, a.out_slots, a.q_out}) {
+  for (uintptr_t p : {a.qkv, a.cos_sin, a.positions, a.k_cache, a.v_cache, a.out_slots, a.q_out}) {
     if (p == 0) throw std::invalid_argument(op + "null data pointer");
+  }
+  if ((a.q_weight == 0) != (a.k_weight == 0)) {
+    throw std::invalid_argument(op + "q_weight and k_weight are both given or both 0 (no per-head norm)");
   }
   // Each lane moves head_dim / 32 elements of 2 bytes (1 in an FP8 cache) at once; the index arrays are read as
   // int64, cos/sin as fp32.

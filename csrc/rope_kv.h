@@ -13,7 +13,7 @@ constexpr int kRopeKVHeadDims[] = {64, 128, 256};
 // The arguments of qk_norm_rope_store_kv, by name (pointers are device addresses, stream a cudaStream_t).
 struct RopeKVArgs {
   uintptr_t qkv = 0;        // [T, (H + 2 H_kv) * D]
-  uintptr_t q_weight = 0;   // [D]
+  uintptr_t q_weight = 0;   // [D], or 0 with k_weight 0: no per-head norm
   uintptr_t k_weight = 0;   // [D]
   uintptr_t cos_sin = 0;    // float32 [max_pos, D]: cos in the first half, sin in the second
   uintptr_t positions = 0;  // int64 [T]
@@ -31,7 +31,8 @@ struct RopeKVArgs {
   uintptr_t stream = 0;
 };
 
-// For every token t and head: per-head RMSNorm of q and k (weights q_weight, k_weight), NeoX RoPE at positions[t]
+// For every token t and head: per-head RMSNorm of q and k (weights q_weight, k_weight; none when both are 0), NeoX
+// RoPE at positions[t]
 // with cos/sin rows of cos_sin, q -> q_out; rotated k and v -> k_cache / v_cache at out_slots[t] (-1 = skip).
 // Positions outside [0, max_pos) give NaN q and skip the K/V write; slots >= num_slots are skipped. head_dim: one
 // of kRopeKVHeadDims. Throws std::invalid_argument for bad arguments.

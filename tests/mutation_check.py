@@ -680,6 +680,18 @@ MUTATIONS += [
         "rotate_half's sign on the wrong half: q and k turned by -position",
     ),
     Mutation(
+        "rope_without_weights_normed_anyway",
+        ROPE_KV,
+        [
+            (
+                "    if (normed) {  // (warp-uniform; without weights q and k are rotated as they are",
+                "    if (true) {  // (warp-uniform; without weights q and k are rotated as they are",
+            )
+        ],
+        ["tests/test_kernels_gpu.py::test_rope_store_kv_without_norms_runs_the_kernel[33-dtype0]"],
+        "without norm weights (the EAGLE-3 head's layer) q and k still go through the norm, with zero weights",
+    ),
+    Mutation(
         "rope_row_of_the_token_index",
         ROPE_KV,
         [

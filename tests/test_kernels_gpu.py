@@ -96,13 +96,16 @@ def test_norms_where_eps_counts(eps):
 def qk_reference(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, num_heads):
     """The reference math (the op would take the kernel on these tensors), on copies: (q_out, k_cache, v_cache)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    head_dim = qw.shape[0]
+    head_dim = k_cache.shape[3]
     t = qkv.shape[0]
     kvh = k_cache.shape[2]
     q, k, v = qkv.split([num_heads * head_dim, kvh * head_dim, kvh * head_dim], dim=1)
+    q, k = q.reshape(t, num_heads, head_dim), k.reshape(t, kvh, head_dim)
+    if qw is not None:  # (None: no per-head norm, a Llama layer's)
+        q, k = rms_norm_reference(q, qw, EPS), rms_norm_reference(k, kw, EPS)
     rows = cos_sin[positions]
-    q_out = apply_rope_reference(rms_norm_reference(q.reshape(t, num_heads, head_dim), qw, EPS), rows)
-    k = apply_rope_reference(rms_norm_reference(k.reshape(t, kvh, head_dim), kw, EPS), rows)
+    q_out = apply_rope_reference(q, rows)
+    k = apply_rope_reference(k, rows)
     valid = slots >= 0
     k_cache.view(-1, kvh, head_dim)[slots[valid]] = k[valid]
     v_cache.view(-1, kvh, head_dim)[slots[valid]] = v.reshape(t, kvh, head_dim)[valid]
@@ -122,12 +125,22 @@ def test_qk_norm_rope_store_kv_other_head_dims(head_dim):
     run_qk_case(torch.bfloat16, 8, 2, 16, 19, head_dim)
 
 
-def run_qk_case(dtype, heads, kv_heads, page_size, tokens, head_dim):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_rope_store_kv_without_norms_runs_the_kernel(dtype, tokens):
+    """q_weight = k_weight = None (the EAGLE-3 head's Llama layer): the kernel rotates q and k as they are, against
+    the reference math without the norms."""
+    run_qk_case(dtype, 32, 8, 16, tokens, 128, normed=False)
+
+
+def run_qk_case(dtype, heads, kv_heads, page_size, tokens, head_dim, normed=True):
     gen = torch.Generator(device="cuda").manual_seed(heads * 1000 + tokens * 10 + page_size)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = (torch.randn(tokens, width, device="cuda", generator=gen) * 2).to(dtype)
     qw = (1 + 0.3 * torch.randn(head_dim, device="cuda", generator=gen)).to(dtype)
     kw = (1 + 0.3 * torch.randn(head_dim, device="cuda", generator=gen)).to(dtype)
+    if not normed:
+        qw = kw = None
     max_pos = 4096
     cos_sin = rope_cos_sin_cache(head_dim, max_pos, 1e6, torch.device("cuda"))
     positions = torch.randint(0, max_pos, (tokens,), device="cuda", generator=gen)

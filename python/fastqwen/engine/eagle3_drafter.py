@@ -43,10 +43,20 @@ class _State:
     runs: list[list[int]] = field(default_factory=list)
     num_entries: int = 0
     end: int = 0  # one past the last position seen
-    next_token: int = -1  # the head's prediction for the token at `end + 1`
+    # The head's prediction for the token at `end + 1`: a 0-d tensor on the head's device, read back with the draft
+    # it starts (one read-back a step for all drafts).
+    next_token: torch.Tensor | None = None
     feature: torch.Tensor | None = None  # the head's output at end - 1, before its final norm [hidden]
     decoding: bool = False  # the last advance reached the request's last token: a draft may follow
     draft: list[int] | None = None  # this step's draft, once made (until the next advance)
+
+
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`; to a GPU through pinned memory, not waiting for the kernels queued before it
+    (PyTorch's pinned allocator keeps the block until the copy has run)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 class Eagle3Drafter:
@@ -86,7 +96,7 @@ class Eagle3Drafter:
             return
         batch = self._batch([(s, first, start, tokens) for s, first, start, tokens in rows])
         draft_ids, outputs = self.head.forward(batch, self.pool, torch.cat(features))
-        for (state, *_), token, output in zip(rows, draft_ids.tolist(), outputs):
+        for (state, *_), token, output in zip(rows, draft_ids, outputs):
             state.next_token, state.feature = token, output
 
     def propose(self, rid: int, tokens: list[int], num_prompt_tokens: int, limit: int) -> tuple[list[int], float]:
@@ -111,24 +121,35 @@ class Eagle3Drafter:
         """Every request whose last position the head has seen and that has no draft yet gets its full draft
         (proposals take a prefix of it), max_batch requests per batch; then the draft entries are dropped."""
         waiting = [s for s in self._states.values() if s.decoding and s.draft is None]
-        for state in waiting:
-            state.draft = [state.next_token]
+        if not waiting:
+            return
+        # The drafts stay on the device until every step of every batch is queued: one read-back for all of them.
+        tokens = {id(s): [s.next_token] for s in waiting}
         k = self.num_tokens
         if k > 1:  # the first token needs no step of its own
             for i in range(0, len(waiting), self.head.max_batch):
-                self._draft_steps(waiting[i : i + self.head.max_batch], k)
+                self._draft_steps(waiting[i : i + self.head.max_batch], k, tokens)
+        flat = [t for s in waiting for t in tokens[id(s)]]
+        values = torch.stack(flat).tolist()
+        at = 0
+        for state in waiting:
+            n = len(tokens[id(state)])
+            state.draft, at = values[at : at + n], at + n
 
-    def _draft_steps(self, states: list[_State], k: int) -> None:
+    def _draft_steps(self, states: list[_State], k: int, tokens: dict[int, list[torch.Tensor]]) -> None:
+        """The k - 1 decode steps of the head for `states` (those with room for k - 1 more entries), each step's
+        tokens (on the device) fed to the next; tokens[id(state)] gets each step's draft token."""
         kept = {id(s): s.num_entries for s in states}
         states = [s for s in states if self._reserve(s, s.num_entries + k - 1)]  # without room: the 1-token draft
-        features = torch.stack([s.feature for s in states]) if states else None
+        if not states:
+            return
+        features = torch.stack([s.feature for s in states])
+        input_ids = torch.stack([s.next_token for s in states])
         for i in range(1, k):
-            if not states:
-                break
-            batch = self._batch([(s, s.num_entries, s.end + i - 1, [s.draft[-1]]) for s in states])
-            draft_ids, features = self.head.forward(batch, self.pool, features)
-            for state, token in zip(states, draft_ids.tolist()):
-                state.draft.append(token)
+            batch = self._batch([(s, s.num_entries, s.end + i - 1, [0]) for s in states], input_ids=input_ids)
+            input_ids, features = self.head.forward(batch, self.pool, features)
+            for state, token in zip(states, input_ids):
+                tokens[id(state)].append(token)
                 state.num_entries += 1
         for state in states:
             state.num_entries = kept[id(state)]
@@ -136,14 +157,17 @@ class Eagle3Drafter:
 
     # ---- the head's pages -----------------------------------------------------------------------------------
 
-    def _batch(self, rows: list[tuple[_State, int, int, list[int]]]) -> ForwardBatch:
+    def _batch(
+        self, rows: list[tuple[_State, int, int, list[int]]], input_ids: torch.Tensor | None = None
+    ) -> ForwardBatch:
         """A ForwardBatch of requests' rows: (state, the entry of its first row, the position of its first row, the
-        token at p + 1 of each row); the rows are the request's last entries."""
+        token at p + 1 of each row); the rows are the request's last entries. input_ids: the rows' tokens already on
+        the device (the lists then only count the rows)."""
         page_size, device = self.page_size, self.head.device
-        input_ids, positions, slots, query_start, kv_lens, tables = [], [], [], [0], [], []
+        token_ids, positions, slots, query_start, kv_lens, tables = [], [], [], [0], [], []
         for state, first, start, tokens in rows:
             count = len(tokens)
-            input_ids.extend(tokens)
+            token_ids.extend(tokens)
             positions.extend(range(start, start + count))
             slots.extend(state.pages[e // page_size] * page_size + e % page_size for e in range(first, first + count))
             query_start.append(query_start[-1] + count)
@@ -152,18 +176,24 @@ class Eagle3Drafter:
         width = max(len(t) for t in tables)
         table = [t + [0] * (width - len(t)) for t in tables]
         lengths = [b - a for a, b in zip(query_start, query_start[1:])]
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        rows_n, seqs = len(positions), len(rows)
+        # Two packed copies (int64, int32) instead of one a field: on a GPU from pinned memory without waiting, where
+        # a copy from a Python list waits for every kernel queued before it.
+        wide = _to_device(
+            torch.tensor(token_ids + positions + slots + [end - 1 for end in query_start[1:]], dtype=torch.int64),
+            device,
+        )
+        narrow = _to_device(torch.tensor(query_start + kv_lens + sum(table, []), dtype=torch.int32), device)
+        if input_ids is None:
+            input_ids = wide[:rows_n]
         return ForwardBatch(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            out_slots=tensor(slots, torch.int64),
-            query_start=tensor(query_start, torch.int32),
-            kv_lens=tensor(kv_lens, torch.int32),
-            page_table=tensor(table, torch.int32),
-            logits_indices=tensor([end - 1 for end in query_start[1:]], torch.int64),
+            input_ids=input_ids,
+            positions=wide[rows_n : 2 * rows_n],
+            out_slots=wide[2 * rows_n : 3 * rows_n],
+            query_start=narrow[: seqs + 1],
+            kv_lens=narrow[seqs + 1 : 2 * seqs + 1],
+            page_table=narrow[2 * seqs + 1 :].view(seqs, width),
+            logits_indices=wide[3 * rows_n :],
             is_decode=max(lengths) == 1,
             max_query_len=max(lengths),
         )

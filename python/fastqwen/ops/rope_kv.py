@@ -113,8 +113,8 @@ def qk_norm_rope_store_kv(
     rope_kv_kernel_applies (bf16 / fp16 CUDA tensors, head_dim 64, 128 or 256) this is one kernel launch
     (csrc/rope_kv.cu); otherwise the reference.
 
-    q_weight = k_weight = None: no per-head norm (a Llama layer's attention, as the EAGLE-3 head's). The kernel has no
-    such variant yet: that case runs the reference on every device.
+    q_weight = k_weight = None: no per-head norm (a Llama layer's attention, as the EAGLE-3 head's), in the kernel
+    and the reference alike.
     """
     num_tokens = qkv.shape[0]
     if q_out.dim() != 3 or q_out.shape[0] != num_tokens:
@@ -153,14 +153,14 @@ def qk_norm_rope_store_kv(
         raise ValueError(
             f"qk_norm_rope_store_kv: k_scale and v_scale must be positive and finite, not {k_scale}, {v_scale}"
         )
-    if normed and rope_kv_kernel_applies(qkv.is_cuda, qkv.dtype, head_dim):
+    if rope_kv_kernel_applies(qkv.is_cuda, qkv.dtype, head_dim):
+        norm_weights = {"q_weight": q_weight, "k_weight": k_weight} if normed else {}
         check_tensors(
             "qk_norm_rope_store_kv",
             qkv.device,
             qkv.dtype,
             qkv=qkv,
-            q_weight=q_weight,
-            k_weight=k_weight,
+            **norm_weights,
             k_cache=(k_cache, None),
             v_cache=(v_cache, None),
             q_out=q_out,
@@ -170,7 +170,9 @@ def qk_norm_rope_store_kv(
         )
         m = native()
         args = m.RopeKVArgs()
-        args.qkv, args.q_weight, args.k_weight = qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr()
+        args.qkv = qkv.data_ptr()
+        if normed:  # (0 and 0: no per-head norm)
+            args.q_weight, args.k_weight = q_weight.data_ptr(), k_weight.data_ptr()
         args.cos_sin, args.positions, args.out_slots = (
             cos_sin_cache.data_ptr(),
             positions.data_ptr(),
