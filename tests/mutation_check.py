@@ -488,6 +488,13 @@ MUTATIONS = [
         "ranks arm their gates, and one that times out runs padding while the others' collectives wait for its step",
     ),
     Mutation(
+        "host_gate_armed_for_device_drafts",
+        "python/fastqwen/engine/llm_engine.py",
+        [('        if getattr(self.speculator.drafter, "drafts_on_device", False):', "        if False:")],
+        ["tests/test_speculative.py::test_the_host_gate_is_not_armed_for_drafts_made_on_the_gpu"],
+        "the gate is armed before an EAGLE-3 head's drafts, whose kernels then wait behind the gated step",
+    ),
+    Mutation(
         "host_gate_rows_a_step_behind",
         "python/fastqwen/engine/sampler.py",
         [("            step = r.num_output_tokens\n", "            step = r.num_output_tokens - 1\n")],

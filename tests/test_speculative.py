@@ -890,6 +890,24 @@ def test_the_host_gate_is_not_armed_under_tensor_parallelism(checkpoint, monkeyp
     assert llm.engine.runner.num_gated_launches == 0 and llm.engine.num_early_launches > 0
 
 
+def test_the_host_gate_is_not_armed_for_drafts_made_on_the_gpu(checkpoint, monkeypatch):
+    """An EAGLE-3 head drafts with kernels queued on the engine's stream: behind a gated verify step they would wait
+    for the gate, which waits for their drafts (until it timed out, 50 ms a step). A drafter that says its drafts
+    come from the device (Eagle3Drafter does) keeps the gate unarmed; the tokens are the same."""
+    from fastqwen.engine.eagle3_drafter import Eagle3Drafter
+
+    assert Eagle3Drafter.drafts_on_device
+    path, _ = checkpoint
+    batch = prompts(2, seed=27)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = graph_llm(monkeypatch, path, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    monkeypatch.setattr(llm.engine.speculator.drafter, "drafts_on_device", True, raising=False)
+    assert outputs(llm, batch, params) == reference
+    assert llm.engine.runner.num_gated_launches == 0 and llm.engine.num_early_launches > 0
+
+
 def test_verify_steps_are_launched_before_the_step_returns(checkpoint, penalized, monkeypatch):
     """A verify step's drafts follow the tokens of the step before it, so the overlap schedule cannot launch it ahead
     of them; it is launched as soon as they are recorded, before step() returns them (LLMEngine._launch_next): every

@@ -60,6 +60,10 @@ def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Eagle3Drafter:
+    # Its drafts come from kernels on the head's device, queued behind whatever the engine queued before them: the
+    # engine does not queue the next verify step behind its host gate (LLMEngine._arm_next_verify).
+    drafts_on_device = True
+
     def __init__(self, head: Eagle3Head, num_tokens: int, pool: KVPool):
         self.head = head
         self.num_tokens = num_tokens

@@ -759,13 +759,17 @@ class LLMEngine:
         """Queue the verify step after the one just launched behind the host gate (ModelRunner.arm_verify), so that
         the GPU waits only for the host's drafts, not for its launch calls, when that step is most likely one of the
         same size: this step holds every running request, each has more than two steps' tokens left before
-        max_tokens and the context end, nothing waits to be admitted, and every row is plain (no penalties, bans,
-        grammar or logprobs). A guess that fails (an EOS, an abort) costs one verify step on padding, so the engine
+        max_tokens and the context end, nothing waits to be admitted, every row is plain (no penalties, bans,
+        grammar or logprobs), and the drafter works on the host. A guess that fails (an EOS, an abort) costs one verify step on padding, so the engine
         arms only while its gates have paid lately (GateCredit); an arrival waits one step instead (_chooses_next_now)."""
         runner, scheduler = self.runner, self.scheduler
         # Not under tensor parallelism: a rank whose gate timed out would run its step on padding while the others
         # run theirs, and their collectives would pair the wrong steps.
         if not self.parallel.single or not runner.can_arm_verify or len(scheduled.chunks) != len(scheduler.running):
+            return
+        # Nor when the drafts are made on the GPU (EAGLE-3): the head's forwards would queue behind the gated step,
+        # which waits for their drafts, until the gate timed out.
+        if getattr(self.speculator.drafter, "drafts_on_device", False):
             return
         if not self._gate_credit.allows(runner):
             return
