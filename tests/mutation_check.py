@@ -488,6 +488,18 @@ MUTATIONS = [
         "ranks arm their gates, and one that times out runs padding while the others' collectives wait for its step",
     ),
     Mutation(
+        "eagle3_graph_steps_one_position_late",
+        "python/fastqwen/engine/eagle3_graphs.py",
+        [
+            (
+                "                wide[i * 2 * b + r] = position + i\n",
+                "                wide[i * 2 * b + r] = position + i + 1\n",
+            )
+        ],
+        ["tests/test_eagle3_batched.py::test_batched_drafts_on_cuda_match_the_reference[bfloat16-graphs]"],
+        "the graphed draft steps rotate each row one position past its own: the drafts leave the reference's",
+    ),
+    Mutation(
         "host_gate_armed_for_device_drafts",
         "python/fastqwen/engine/llm_engine.py",
         [('        if getattr(self.speculator.drafter, "drafts_on_device", False):', "        if False:")],

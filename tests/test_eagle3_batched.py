@@ -70,7 +70,9 @@ def random_weights(seed: int, dtype=torch.float32, c: Eagle3Config = CONFIG) -> 
     }
 
 
-def make_drafter(w: dict, num_pages: int = 256, max_batch: int = 8, dtype=torch.float32, device="cpu"):
+def make_drafter(
+    w: dict, num_pages: int = 256, max_batch: int = 8, dtype=torch.float32, device="cpu", graphs: bool = False
+):
     def t(name):
         return w[name].to(device=device, dtype=dtype).contiguous()
 
@@ -94,7 +96,7 @@ def make_drafter(w: dict, num_pages: int = 256, max_batch: int = 8, dtype=torch.
     c = w["config"]
     head = Eagle3Head(c, weights, max_positions=512, max_batch=max_batch)
     pool = KVPool(1, num_pages, PAGE, c.num_kv_heads, c.head_dim, dtype, torch.device(device))
-    return Eagle3Drafter(head, K, pool)
+    return Eagle3Drafter(head, K, pool, graphs=graphs)
 
 
 # ---- the reference: one request at a time, float64, KV as a list of (position, k, v) ------------------------------
@@ -329,20 +331,28 @@ def test_greedy_output_with_batched_drafts_equals_speculation_off(engine_setup):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_drafts_on_cuda_match_the_reference(dtype):
+@pytest.mark.parametrize(
+    "dtype,graphs",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["float32", "bfloat16", "bfloat16-graphs"],
+)
+def test_batched_drafts_on_cuda_match_the_reference(dtype, graphs):
     """The same workloads on the GPU with head_dim 128: in bfloat16 the CUDA kernels (qkv, attention for prefill
-    and decode, split-KV decode over the head's workspace), in float32 the references on the device. float32 drafts
+    and decode, split-KV decode over the head's workspace), in float32 the references on the device; with graphs, the
+    draft steps replay CUDA graphs (engine/eagle3_graphs.py: padded batches, bucketed page tables; bfloat16 only, where
+    the head runs kernels and no reference's read-back). float32 drafts
     equal the float64 reference; bfloat16 rounding may flip a near-tie of the argmax and, once a draft token differs,
     the tokens after it: at least 90% of the drafts equal."""
     w = random_weights(5, dtype, CONFIG_128)
-    drafter = make_drafter(w, dtype=dtype, device="cuda")
+    drafter = make_drafter(w, dtype=dtype, device="cuda", graphs=graphs)
     if dtype == torch.bfloat16:
         assert drafter.head.decode_workspace is not None  # the decode kernel runs
     mismatches = [] if dtype == torch.bfloat16 else None
     compared = run_workload(drafter, ReferenceHead(w), 5, check=drafter.check_invariants, mismatches=mismatches)
     assert compared >= 20
     assert not mismatches or len(mismatches) <= 0.1 * compared, mismatches
+    if graphs:
+        assert drafter.graphs.captures >= 2, "the workload's batches should need more than one graph"
 
 
 def test_rope_store_kv_without_the_qk_norms():

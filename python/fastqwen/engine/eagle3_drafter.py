@@ -64,12 +64,19 @@ class Eagle3Drafter:
     # engine does not queue the next verify step behind its host gate (LLMEngine._arm_next_verify).
     drafts_on_device = True
 
-    def __init__(self, head: Eagle3Head, num_tokens: int, pool: KVPool):
+    def __init__(self, head: Eagle3Head, num_tokens: int, pool: KVPool, graphs: bool = False):
+        """graphs: the draft steps replay CUDA graphs (engine/eagle3_graphs.py) where the head runs its kernels (its
+        decode attention has a workspace; the references read back and cannot be captured)."""
         self.head = head
         self.num_tokens = num_tokens
         self.pool = pool
         self.page_size = pool.page_size
         self._states: dict[int, _State] = {}
+        self.graphs = None
+        if graphs and num_tokens > 1 and head.decode_workspace is not None:
+            from .eagle3_graphs import DraftGraphs
+
+            self.graphs = DraftGraphs(head, pool, num_tokens - 1)
 
     # ---- the speculator's drafter interface -----------------------------------------------------------------
 
@@ -149,6 +156,13 @@ class Eagle3Drafter:
             return
         features = torch.stack([s.feature for s in states])
         input_ids = torch.stack([s.next_token for s in states])
+        if self.graphs is not None:
+            rows = [(s.pages, s.num_entries, s.end) for s in states]
+            steps = self.graphs.run(input_ids, features, rows, self.page_size)
+            for r, state in enumerate(states):
+                tokens[id(state)].extend(steps[:, r])
+                self._give_back(state)  # (its entries did not move: the draft steps' entries are dropped at once)
+            return
         for i in range(1, k):
             batch = self._batch([(s, s.num_entries, s.end + i - 1, [0]) for s in states], input_ids=input_ids)
             input_ids, features = self.head.forward(batch, self.pool, features)

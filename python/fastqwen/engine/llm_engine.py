@@ -315,7 +315,9 @@ class LLMEngine:
             c, k = head.config, spec_config.num_speculative_tokens
             head_pages = num_pages + head.max_batch * -(-(k - 1) // page_size)
             head_pool = KVPool(1, head_pages, page_size, c.num_kv_heads, c.head_dim, head.dtype, self.device)
-            drafter = Eagle3Drafter(head, spec_config.num_speculative_tokens, head_pool)
+            # Its draft steps replay CUDA graphs where the target's do (and the head runs kernels: the drafter checks).
+            draft_graphs = graph_bs > 0 and self.device.type == "cuda"
+            drafter = Eagle3Drafter(head, spec_config.num_speculative_tokens, head_pool, graphs=draft_graphs)
         self.speculator = Speculator(spec_config, drafter) if spec_config is not None else None
         recording = self.kv_events is not None
         self.cache = RadixCache(self.kv.allocator, page_size, recording) if config.enable_prefix_caching else None

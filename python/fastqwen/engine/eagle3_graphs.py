@@ -1,0 +1,149 @@
+"""CUDA graphs of the EAGLE-3 head's draft steps (engine/eagle3_drafter.py): the k - 1 decode steps that turn each
+request's first draft token into a draft of k, for a whole batch, as one graph replay instead of k - 1 eager forwards
+of some thirty kernel launches each (the host, not the GPU, was what a draft step waited for).
+
+A graph is captured per (batch size rounded up to a power of two, page-table width rounded up to a power of two, at
+least 8), the first time a draft needs it. What changes from one replay to the next lives in static buffers the graph
+reads: the first tokens and features (copied on the device from the step that made them), and per step each row's
+position, KV slot and KV length, and the rows' page tables (one packed copy from pinned memory, not waiting for the
+kernels queued before it). Rows past the batch are padding: KV slot -1 (nothing written), one cached entry on page 0
+(read, not used). The replay writes each step's tokens into a static [k - 1, batch] buffer, which the drafter copies
+before the next replay.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from ..kvcache import KVPool
+from ..model.eagle3 import Eagle3Head
+from ..model.forward_batch import ForwardBatch
+
+
+def _bucket(n: int, least: int = 1) -> int:
+    size = least
+    while size < n:
+        size *= 2
+    return size
+
+
+class _Graph:
+    """One captured (batch, width): its graph and the static buffers it reads and writes."""
+
+    def __init__(self, head: Eagle3Head, steps: int, batch: int, width: int):
+        device, hidden = head.device, head.config.hidden_size
+        self.batch, self.width, self.steps = batch, width, steps
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.features = torch.zeros(batch, hidden, dtype=head.dtype, device=device)
+        # Per step: positions, then KV slots (int64); per step: KV lengths, then the page table (int32).
+        self.wide = torch.zeros(steps * 2 * batch, dtype=torch.int64, device=device)
+        self.narrow = torch.zeros(steps * batch + batch * width, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(batch, dtype=torch.int64, device=device)
+        self.out = torch.zeros(steps, batch, dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def step_batch(self, i: int, input_ids: torch.Tensor) -> ForwardBatch:
+        b = self.batch
+        wide = self.wide[i * 2 * b : (i + 1) * 2 * b]
+        return ForwardBatch(
+            input_ids=input_ids,
+            positions=wide[:b],
+            out_slots=wide[b:],
+            query_start=self.query_start,
+            kv_lens=self.narrow[i * b : (i + 1) * b],
+            page_table=self.narrow[self.steps * b :].view(b, self.width),
+            logits_indices=self.logits_indices,
+            is_decode=True,
+            max_query_len=1,
+        )
+
+    def forward(self, head: Eagle3Head, pool: KVPool) -> None:
+        tokens, features = self.tokens, self.features
+        for i in range(self.steps):
+            tokens, features = head.forward(self.step_batch(i, tokens), pool, features)
+            self.out[i].copy_(tokens)
+
+    def fill_padding(self) -> None:
+        """Every row padding: no KV written, one entry on page 0."""
+        b = self.batch
+        for i in range(self.steps):
+            self.wide[i * 2 * b : i * 2 * b + b].zero_()
+            self.wide[i * 2 * b + b : (i + 1) * 2 * b].fill_(-1)
+            self.narrow[i * b : (i + 1) * b].fill_(1)
+        self.narrow[self.steps * b :].zero_()
+
+
+class DraftGraphs:
+    def __init__(self, head: Eagle3Head, pool: KVPool, steps: int):
+        self.head, self.pool, self.steps = head, pool, steps
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._mempool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+
+    def run(
+        self,
+        first_tokens: torch.Tensor,
+        features: torch.Tensor,
+        rows: list[tuple[list[int], int, int]],
+        page_size: int,
+    ) -> torch.Tensor:
+        """first_tokens [B] and features [B, hidden] on the device; rows: per request (its pages, the entry of its
+        first draft step, that step's position), the pages already holding k - 1 more entries. Returns the steps'
+        tokens [k - 1, B] on the device (a copy: the next replay reuses the buffer)."""
+        n = len(rows)
+        width = _bucket(max(len(pages) for pages, _, _ in rows), 8)
+        key = (_bucket(n), width)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture(*key)
+        b, steps = g.batch, self.steps
+        wide = [0] * (steps * 2 * b)
+        narrow = [1] * (steps * b) + [0] * (b * width)
+        for i in range(steps):
+            base = i * 2 * b
+            wide[base + b : base + 2 * b] = [-1] * b  # (padding rows write no KV)
+        for r, (pages, first, position) in enumerate(rows):
+            for i in range(steps):
+                entry = first + i
+                wide[i * 2 * b + r] = position + i
+                wide[i * 2 * b + b + r] = pages[entry // page_size] * page_size + entry % page_size
+                narrow[i * b + r] = entry + 1
+            at = steps * b + r * width
+            narrow[at : at + len(pages)] = pages
+        g.wide.copy_(torch.tensor(wide, dtype=torch.int64).pin_memory(), non_blocking=True)
+        g.narrow.copy_(torch.tensor(narrow, dtype=torch.int32).pin_memory(), non_blocking=True)
+        g.tokens[:n].copy_(first_tokens)
+        g.features[:n].copy_(features)
+        g.graph.replay()
+        return g.out[:, :n].clone()
+
+    @torch.inference_mode()
+    def _capture(self, batch: int, width: int) -> _Graph:
+        # Garbage freed during a capture makes CUDA calls that invalidate it (cuda_graph.py): collect now, none during.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._capture_one(batch, width)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _capture_one(self, batch: int, width: int) -> _Graph:
+        g = _Graph(self.head, self.steps, batch, width)
+        g.fill_padding()
+        device = self.head.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            g.forward(self.head, self.pool)  # warm-up outside the capture (cuBLAS settles its workspace)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self._mempool, stream=stream, capture_error_mode="thread_local"):
+            g.forward(self.head, self.pool)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self._graphs[(batch, width)] = g
+        self.captures += 1
+        return g
