@@ -218,7 +218,8 @@ def run_workload(drafter, reference, seed: int, steps: int = 40, check=None, mis
             items.append((request, start, torch.randn(kept, 3 * TARGET_HIDDEN, generator=gen)))
         if check is not None:  # drafted, not advanced yet: the drafts' entries and pages are gone already
             check(as_of(running, computed))
-        drafter.advance_batch(items)
+        device = drafter.head.device  # (the aux hidden states come from the target: on the head's device)
+        drafter.advance_batch([(request, start, aux.to(device)) for request, start, aux in items])
         for request, start, aux in items:
             reference.advance(request.rid, request.token_ids, start, aux)
         for request in list(running):

@@ -83,6 +83,7 @@ class DraftGraphs:
         self._mempool = torch.cuda.graph_pool_handle()
         self.captures = 0
 
+    @torch.inference_mode()  # (the buffers were made in it: their in-place updates must be too)
     def run(
         self,
         first_tokens: torch.Tensor,
