@@ -201,7 +201,9 @@ class Eagle3Drafter:
             torch.tensor(token_ids + positions + slots + [end - 1 for end in query_start[1:]], dtype=torch.int64),
             device,
         )
-        narrow = _to_device(torch.tensor(query_start + kv_lens + sum(table, []), dtype=torch.int32), device)
+        narrow = _to_device(
+            torch.tensor(query_start + kv_lens + [p for row in table for p in row], dtype=torch.int32), device
+        )
         if input_ids is None:
             input_ids = wide[:rows_n]
         return ForwardBatch(

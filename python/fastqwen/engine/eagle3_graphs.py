@@ -8,7 +8,9 @@ reads: the first tokens and features (copied on the device from the step that ma
 position, KV slot and KV length, and the rows' page tables (one packed copy from pinned memory, not waiting for the
 kernels queued before it). Rows past the batch are padding: KV slot -1 (nothing written), one cached entry on page 0
 (read, not used). The replay writes each step's tokens into a static [k - 1, batch] buffer, which the drafter copies
-before the next replay.
+before the next replay. The graphs' activations come from one private memory pool, outside the KV budget: a few MB
+a graph at Qwen3-8B's head (its 32,000-token logits of up to max_batch rows), at most log2(max_batch) + 1 batch
+sizes times the widths the requests' lengths reach.
 """
 
 from __future__ import annotations
