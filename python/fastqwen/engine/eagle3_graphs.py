@@ -79,6 +79,8 @@ class _Graph:
 
 
 class DraftGraphs:
+    """The drafter's graphs of `steps` draft steps of the head over its pool, by (padded batch, page-table width)."""
+
     def __init__(self, head: Eagle3Head, pool: KVPool, steps: int):
         self.head, self.pool, self.steps = head, pool, steps
         self._graphs: dict[tuple[int, int], _Graph] = {}
