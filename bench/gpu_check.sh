@@ -56,7 +56,7 @@
 #            100, 640, 1,200 and 100..1,200 tokens, bf16 and FP8 pools (bench/kernels.py --ops decode); the FP8
 #            projections at M = 16..512 against cuBLAS's FP8 and bf16 GEMMs (bench/bench_gemm_fp8.py); then the
 #            stepaccount stage, its two runs' limits cut so that they end 570 s after this script began
-# Every stage after `tests` builds first if the package is not installed yet.
+# Every stage after `tests` builds first if the package is not installed yet or was built from other sources.
 # Exit code: nonzero if the build or the tests failed (benchmarks are recorded only).
 set -u -o pipefail
 
@@ -83,6 +83,14 @@ tests_rc=0
 bench_rc=0
 serve_rc=0
 
+# The sources an install is built from, hashed: a warm machine keeps the last call's install, which is stale when the
+# tree changed since (an eleventh-session call ran old Python code that way).
+tree_hash() {
+  find python csrc CMakeLists.txt pyproject.toml -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h' \
+    -o -name '*.cpp' -o -name '*.txt' -o -name '*.toml' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-40
+}
+BUILT_HASH_FILE=/tmp/fastqwen-build/.tree_hash
+
 build() {
   echo "== build"
   local start
@@ -90,6 +98,7 @@ build() {
   # (the build folder is kept: the mutants stage recompiles only its mutated sources in it)
   python3 -m pip install --no-build-isolation --no-deps -v -Cbuild-dir=/tmp/fastqwen-build . > "$OUT/build.log" 2>&1
   build_rc=$?
+  [ "$build_rc" -eq 0 ] && tree_hash > "$BUILT_HASH_FILE"
   echo "build rc=$build_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/build.log"
   [ "$build_rc" -eq 0 ] || tail -n 40 "$OUT/build.log"
   # Run from outside the source tree's python/ so the installed package (with _C) is used.
@@ -530,8 +539,9 @@ for stage in $STAGES; do
     testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
+        [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||
         { [ "$stage" = mutants ] && [ ! -d /tmp/fastqwen-build ]; }; then
-        build
+        build  # (none yet, or built from other sources)
       fi
       "stage_$stage" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
