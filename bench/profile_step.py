@@ -14,7 +14,9 @@ mean step call; step_ms and engine_step_call_ms are medians):
   record       Scheduler.update: the step's tokens, accepted drafts, stop checks, detokenization
   update       the rest: building the step's updates and what the engine does between the parts above
 A verify step's drafts follow the step before it: the GPU waits while the host runs record, schedule (the drafts)
-and replay, so their sum is the idle time a speculative step adds to the GPU's.
+and replay, so their sum is the idle time a speculative step adds to the GPU's. With an EAGLE-3 head (drafts made on
+the GPU), drafter_ms splits out its advance over the kept tokens and its draft steps (each inside one of the parts
+above), with their waits for the GPU.
 With overlap the GPU runs step N+1 while the host records step N: the step time approaches gpu_ms when the host
 parts other than collect add up to less than gpu_ms. Without it, step time = host parts + gpu_ms.
 """
@@ -109,6 +111,14 @@ def main() -> int:
         runner.staging.upload = timed(replay_parts, "upload", runner.staging.upload)
         runner.verify_graphs.replay = timed(replay_parts, "graph_replay", runner.verify_graphs.replay)
         runner._start_read_back = timed(replay_parts, "read_back", runner._start_read_back)
+    # A drafter that works on the GPU (EAGLE-3): its host time advancing the head over the kept tokens (inside update,
+    # on a CPU run) and making the drafts (inside schedule: the draft steps and their one read-back), which the GPU
+    # waits for before the verify step.
+    drafter_parts: dict[str, list[float]] = {}
+    drafter = getattr(engine.speculator, "drafter", None) if engine.speculator is not None else None
+    if getattr(drafter, "drafts_on_device", False):
+        drafter.advance_batch = timed(drafter_parts, "advance", drafter.advance_batch)
+        drafter._draft_all = timed(drafter_parts, "draft_steps", drafter._draft_all)
     runner.launch = timed(times, "launch", launch_recording)
     scheduler.update = timed(times, "record", scheduler.update)
 
@@ -121,7 +131,7 @@ def main() -> int:
         while not batch_sizes or batch_sizes[-1] != args.batch:  # prefill (eager, chunked) until all decode
             engine.step()
         engine.step()  # (the first decode step's call may still record the prefill's last chunk)
-        for values in [*times.values(), *replay_parts.values()]:  # profile the decode steps only
+        for values in [*times.values(), *replay_parts.values(), *drafter_parts.values()]:  # the decode steps only
             values.clear()
         ends.clear()
         if run == 1 and args.verify and args.kernels:
@@ -176,6 +186,8 @@ def main() -> int:
         }
     if replay_parts:  # (means per engine.step call, as the parts above; "replay" holds them)
         result["replay_ms"] = {k: round(sum(v) / steps * 1e3, 4) for k, v in replay_parts.items()}
+    if drafter_parts:  # (means per engine.step call, each inside one of the host parts above)
+        result["drafter_ms"] = {k: round(sum(v) / steps * 1e3, 4) for k, v in drafter_parts.items()}
     # Host work besides the wait: with overlap it hides behind the GPU as long as it is below gpu_ms.
     result["host_ms_excluding_wait"] = round(sum(v for k, v in parts.items() if k != "collect"), 4)
     if args.kernels and graphs is not None:
