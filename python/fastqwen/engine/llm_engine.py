@@ -762,8 +762,9 @@ class LLMEngine:
         the GPU waits only for the host's drafts, not for its launch calls, when that step is most likely one of the
         same size: this step holds every running request, each has more than two steps' tokens left before
         max_tokens and the context end, nothing waits to be admitted, every row is plain (no penalties, bans,
-        grammar or logprobs), and the drafter works on the host. A guess that fails (an EOS, an abort) costs one verify step on padding, so the engine
-        arms only while its gates have paid lately (GateCredit); an arrival waits one step instead (_chooses_next_now)."""
+        grammar or logprobs), and the drafter works on the host. A guess that fails (an EOS, an abort) costs one
+        verify step on padding, so the engine arms only while its gates have paid lately (GateCredit); an arrival
+        waits one step instead (_chooses_next_now)."""
         runner, scheduler = self.runner, self.scheduler
         # Not under tensor parallelism: a rank whose gate timed out would run its step on padding while the others
         # run theirs, and their collectives would pair the wrong steps.
