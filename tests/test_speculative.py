@@ -850,17 +850,24 @@ def test_an_arrival_waits_one_step_behind_an_armed_gate(checkpoint, monkeypatch)
     )
 
 
+def greedy_behind_the_gate(checkpoint, monkeypatch, seed: int, max_tokens: int):
+    """Two greedy requests, their tokens without speculation, and an n-gram engine with the stand-in host gate:
+    (llm, batch, params, reference)."""
+    path, _ = checkpoint
+    batch = prompts(2, seed=seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    reference = outputs(make_llm(path), batch, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
+    llm = graph_llm(monkeypatch, path, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    return llm, batch, params, reference
+
+
 def test_the_host_gate_backs_off_when_its_guesses_fail(checkpoint, monkeypatch):
     """Each cancelled gate wastes a verify step (its step runs on padding), so the engine stops arming once the gate
     has cost more than it saved (GateCredit) and tries again only much later. Every opening made to fail here (the
     runner cancels the gate and launches the step the ordinary way): 2 gates armed over the run, where arming every
     time arms one a verify step; greedy tokens equal decoding without speculation."""
-    path, _ = checkpoint
-    batch = prompts(2, seed=28)
-    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    reference = outputs(make_llm(path), batch, params)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
-    llm = graph_llm(monkeypatch, path, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    llm, batch, params, reference = greedy_behind_the_gate(checkpoint, monkeypatch, 28, 60)
     runner = llm.engine.runner
 
     def failing_open(scheduled, rows):
@@ -879,12 +886,7 @@ def test_the_host_gate_is_not_armed_under_tensor_parallelism(checkpoint, monkeyp
     and their collectives would pair different steps: the engine never arms the gate there. One rank standing in for
     several (its ParallelGroup says it is not single; nothing else here depends on it): no gate armed, verify steps
     launched early as before, the same tokens."""
-    path, _ = checkpoint
-    batch = prompts(2, seed=26)
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    reference = outputs(make_llm(path), batch, params)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
-    llm = graph_llm(monkeypatch, path, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    llm, batch, params, reference = greedy_behind_the_gate(checkpoint, monkeypatch, 26, 30)
     monkeypatch.setattr(type(llm.engine.parallel), "single", property(lambda group: False))
     assert outputs(llm, batch, params) == reference
     assert llm.engine.runner.num_gated_launches == 0 and llm.engine.num_early_launches > 0
@@ -897,12 +899,7 @@ def test_the_host_gate_is_not_armed_for_drafts_made_on_the_gpu(checkpoint, monke
     from fastqwen.engine.eagle3_drafter import Eagle3Drafter
 
     assert Eagle3Drafter.drafts_on_device
-    path, _ = checkpoint
-    batch = prompts(2, seed=27)
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    reference = outputs(make_llm(path), batch, params)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "min_acceptance_rate": 0.0}
-    llm = graph_llm(monkeypatch, path, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    llm, batch, params, reference = greedy_behind_the_gate(checkpoint, monkeypatch, 27, 30)
     monkeypatch.setattr(llm.engine.speculator.drafter, "drafts_on_device", True, raising=False)
     assert outputs(llm, batch, params) == reference
     assert llm.engine.runner.num_gated_launches == 0 and llm.engine.num_early_launches > 0
