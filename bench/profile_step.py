@@ -46,6 +46,45 @@ def timed(store: dict, name: str, fn):
     return wrapper
 
 
+def stamped(stamps: list, label: str, fn, at_entry: bool = False):
+    """fn, with (label, the time it returned, or was called with at_entry) appended to stamps at each call."""
+
+    def wrapper(*args, **kwargs):
+        if at_entry:
+            stamps.append((label, time.perf_counter()))
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stamps.append((label, time.perf_counter()))
+
+    return wrapper
+
+
+def gate_path(stamps: list, waits_ns: list[int]) -> dict:
+    """The host's path from a gated verify step's tokens to the opening of the next step's gate, which the GPU waits
+    for (medians over the steps, ms): tokens back (collect returned) -> recorded (Scheduler.update returned) ->
+    drafted (the next step scheduled) -> opened; and the GPU's own measure of that wait (the gate kernel's clock,
+    from the end of the step before to the opening), whose rest beyond the host's path is the read-back's latency
+    and the gate's reaction."""
+    parts: dict[str, list[float]] = {"recorded": [], "drafted": [], "opened": [], "tokens_to_open": []}
+    start = last = None
+    for label, t in stamps:
+        if label == "tokens":
+            start = last = t
+        elif start is not None and label in parts:
+            parts[label].append(t - last)
+            last = t
+            if label == "opened":
+                parts["tokens_to_open"].append(t - start)
+                start = None
+    result = {k: round(statistics.median(v) * 1e3, 4) for k, v in parts.items() if v}
+    if waits_ns:
+        result["gpu_wait"] = round(statistics.median(waits_ns) / 1e6, 4)
+        result["gates"] = len(waits_ns)
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=8192)
@@ -120,7 +159,24 @@ def main() -> int:
         drafter.advance_batch = timed(drafter_parts, "advance", drafter.advance_batch)
         drafter._draft_all = timed(drafter_parts, "draft_steps", drafter._draft_all)
     runner.launch = timed(times, "launch", launch_recording)
-    scheduler.update = timed(times, "record", scheduler.update)
+    # The critical path of a gated verify step (see gate_path): each stamp when its call returned
+    stamps: list[tuple[str, float]] = []
+    gate_waits: list[int] = []
+    gate = getattr(runner, "_gate", None)
+    if args.verify and gate is not None:
+        collect = runner.collect
+
+        def collect_stamped(pending):
+            out = collect(pending)
+            if pending.gate:
+                stamps.append(("tokens", time.perf_counter()))
+                gate_waits.append(runner.last_gate_wait_ns)
+            return out
+
+        runner.collect = collect_stamped
+        scheduler.update = stamped(stamps, "recorded", scheduler.update)
+        scheduler.schedule = stamped(stamps, "drafted", scheduler.schedule)
+        gate.open = stamped(stamps, "opened", gate.open, at_entry=True)
 
     prompts = [[(7 * i + 13 * b) % engine.config.vocab_size for i in range(args.prompt_len)] for b in range(args.batch)]
     step_profile = None
@@ -131,8 +187,8 @@ def main() -> int:
         while not batch_sizes or batch_sizes[-1] != args.batch:  # prefill (eager, chunked) until all decode
             engine.step()
         engine.step()  # (the first decode step's call may still record the prefill's last chunk)
-        for values in [*times.values(), *replay_parts.values(), *drafter_parts.values()]:  # the decode steps only
-            values.clear()
+        for values in [*times.values(), *replay_parts.values(), *drafter_parts.values(), stamps, gate_waits]:
+            values.clear()  # the decode steps only
         ends.clear()
         if run == 1 and args.verify and args.kernels:
             step_profile = profiled_steps(engine, ends)
@@ -184,6 +240,8 @@ def main() -> int:
             "cancelled": runner.num_gate_cancels,
             "timed_out": runner.num_gate_timeouts,
         }
+    if gate_waits:
+        result["gate_path_ms"] = gate_path(stamps, gate_waits)
     if replay_parts:  # (means per engine.step call, as the parts above; "replay" holds them)
         result["replay_ms"] = {k: round(sum(v) / steps * 1e3, 4) for k, v in replay_parts.items()}
     if drafter_parts:  # (means per engine.step call, each inside one of the host parts above)

@@ -317,7 +317,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "host_gate",
       [](const py::int_& flag, const py::int_& status, uint32_t expect, const py::tuple& a, const py::tuple& b,
-         uint64_t timeout_ns, const py::int_& stream) {
+         uint64_t timeout_ns, const py::int_& stream, const py::int_& waited_ns) {
         auto copy = [](const py::tuple& t, const char* name) {
           if (t.size() != 4) throw std::invalid_argument(std::string("host_gate: ") + name + " is (src, dst, fallback, bytes)");
           fastqwen::HostGateCopy c;
@@ -328,13 +328,14 @@ PYBIND11_MODULE(_C, m) {
           return c;
         };
         fastqwen::host_gate(to_uintptr(flag, "flag"), to_uintptr(status, "status"), expect, copy(a, "a"),
-                            copy(b, "b"), timeout_ns, to_uintptr(stream, "stream"));
+                            copy(b, "b"), timeout_ns, to_uintptr(stream, "stream"), to_uintptr(waited_ns, "waited_ns"));
       },
       py::arg("flag"), py::arg("status"), py::arg("expect"), py::arg("a"), py::arg("b"), py::arg("timeout_ns"),
-      py::arg("stream"),
+      py::arg("stream"), py::arg("waited_ns") = 0,
       "Queue a kernel that waits for the pinned host word flag to hold expect (then copies each (src, dst, fallback, "
       "bytes) from pinned src) or expect | HOST_GATE_CANCEL or a timeout (then from the device fallback), and writes "
-      "expect (or 0) to the pinned word status (csrc/host_gate.h).");
+      "expect (or 0) to the pinned word status, and the nanoseconds it waited to the pinned uint64 waited_ns unless 0 "
+      "(csrc/host_gate.h).");
   m.def(
       "rms_norm",
       [](const py::int_& out, const py::int_& x, const py::int_& weight, int64_t num_rows, int64_t hidden, double eps,

@@ -7,7 +7,9 @@
 // The kernel spins on the flag (a pinned host word, read over the bus with acquire semantics, so the buffer loads
 // that follow see what the host wrote before raising it), then copies the buffers with loads that bypass the caches.
 // A cancelled gate, or one the host leaves closed past timeout_ns, copies device-resident fallbacks (padding inputs)
-// instead: the step then runs on inputs that write nothing anyone reads, and the status word tells the host so.
+// instead: the step then runs on inputs that write nothing anyone reads, and the status word tells the host so. How
+// long the GPU waited for the host (from the kernel's start, right after the step before it, to the flag) goes to an
+// optional pinned word: the idle time between two verify steps, measured where it happens.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -46,7 +48,8 @@ __device__ __forceinline__ void fill(const Copy& c, bool from_host) {
 }
 
 __global__ void __launch_bounds__(kThreads) host_gate_kernel(const uint32_t* flag, volatile uint32_t* status,
-                                                             uint32_t expect, Copy a, Copy b, uint64_t timeout_ns) {
+                                                             volatile uint64_t* waited_ns, uint32_t expect, Copy a,
+                                                             Copy b, uint64_t timeout_ns) {
   __shared__ bool from_host;
   if (threadIdx.x == 0) {
     const uint64_t start = global_ns();
@@ -61,6 +64,7 @@ __global__ void __launch_bounds__(kThreads) host_gate_kernel(const uint32_t* fla
       __nanosleep(100);
     }
     from_host = open;
+    if (waited_ns != nullptr) *waited_ns = global_ns() - start;
   }
   __syncthreads();
   fill(a, from_host);
@@ -95,18 +99,20 @@ Copy to_copy(const HostGateCopy& c, const char* what) {
 }  // namespace
 
 void host_gate(uintptr_t flag, uintptr_t status, uint32_t expect, const HostGateCopy& a, const HostGateCopy& b,
-               uint64_t timeout_ns, uintptr_t stream) {
+               uint64_t timeout_ns, uintptr_t stream, uintptr_t waited_ns) {
   if (expect == 0 || (expect & kHostGateCancel) != 0) {
     throw std::invalid_argument("host_gate: expect must be in [1, 2^31)");
   }
   if (flag == 0 || status == 0 || flag % 4 != 0 || status % 4 != 0) {
     throw std::invalid_argument("host_gate: flag and status must be 4-byte aligned pinned host words");
   }
+  if (waited_ns % 8 != 0) throw std::invalid_argument("host_gate: waited_ns must be an 8-byte aligned pinned host word");
   const Copy ca = to_copy(a, "a"), cb = to_copy(b, "b");
   const auto* dev_flag = reinterpret_cast<const uint32_t*>(device_view(flag, "flag"));
   auto* dev_status = reinterpret_cast<uint32_t*>(device_view(status, "status"));
-  host_gate_kernel<<<1, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(dev_flag, dev_status, expect, ca, cb,
-                                                                              timeout_ns);
+  auto* dev_waited = waited_ns == 0 ? nullptr : reinterpret_cast<uint64_t*>(device_view(waited_ns, "waited_ns"));
+  host_gate_kernel<<<1, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(dev_flag, dev_status, dev_waited, expect,
+                                                                              ca, cb, timeout_ns);
   cuda_check_launch("host_gate");
 }
 

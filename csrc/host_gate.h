@@ -17,9 +17,10 @@ struct HostGateCopy {
 // from its src) or `expect | kHostGateCancel` (cancelled: from its fallback), or until `timeout_ns` have passed on the
 // GPU's clock (as cancelled), then fills the copies' dst and writes to the pinned host word `status` `expect` if it
 // copied the host's buffers and 0 otherwise. The work queued after it on the stream reads what the host wrote after
-// the launch. expect must not have kHostGateCancel's bit. Throws std::invalid_argument for bad arguments.
+// the launch. With `waited_ns` (a pinned host uint64, or 0 for none) it also writes there the nanoseconds it waited
+// on the GPU's clock. expect must not have kHostGateCancel's bit. Throws std::invalid_argument for bad arguments.
 constexpr uint32_t kHostGateCancel = 0x80000000u;
 void host_gate(uintptr_t flag, uintptr_t status, uint32_t expect, const HostGateCopy& a, const HostGateCopy& b,
-               uint64_t timeout_ns, uintptr_t stream);
+               uint64_t timeout_ns, uintptr_t stream, uintptr_t waited_ns = 0);
 
 }  // namespace fastqwen

@@ -533,6 +533,18 @@ MUTATIONS = [
         "the gate copies the host buffers at once, before the host has written them",
     ),
     Mutation(
+        "host_gate_wait_not_measured",
+        "csrc/host_gate.cu",
+        [
+            (
+                "    if (waited_ns != nullptr) *waited_ns = global_ns() - start;",
+                "    if (waited_ns != nullptr) *waited_ns = 0;",
+            )
+        ],
+        ["tests/test_host_gate_gpu.py::test_the_gate_measures_how_long_the_gpu_waited"],
+        "the gate reports no wait (profile_step's gate_path_ms would show the host's path as free)",
+    ),
+    Mutation(
         "spec_filler_masks_follow_the_filler",
         "python/fastqwen/engine/verify.py",
         [

@@ -149,3 +149,32 @@ def test_latency_repeats_report_each_figures_median_over_fresh_prompts(tmp_path,
         and row["offline"]["tpot_ms"] == sorted(r["tpot_ms"] for r in row["offline_runs"])[1]
     )
     assert len({tuple(p) for p in sent[1:4]}) == 3  # a fresh prompt for each run
+
+
+def test_profile_step_gate_path_by_hand():
+    """bench/profile_step.py's gate_path: per gated step, the gaps between the stamps from the tokens' arrival to the
+    gate's opening, medians over steps; stamps outside that path (a step that opened no gate) count nothing."""
+    from profile_step import gate_path
+
+    stamps = [
+        ("tokens", 1.000),
+        ("recorded", 1.010),
+        ("drafted", 1.030),
+        ("opened", 1.060),  # 10, 20, 30 ms
+        ("recorded", 1.500),
+        ("drafted", 1.600),  # no tokens stamp before them: not a gated step's path
+        ("tokens", 2.000),
+        ("recorded", 2.030),
+        ("drafted", 2.040),
+        ("opened", 2.050),  # 30, 10, 10 ms
+        ("tokens", 3.000),
+        ("recorded", 3.020),
+        ("drafted", 3.050),
+        ("opened", 3.060),  # 20, 30, 10 ms
+    ]
+    path = gate_path(stamps, [40_000_000, 70_000_000, 50_000_000])
+    assert path["recorded"] == pytest.approx(20.0)
+    assert path["drafted"] == pytest.approx(20.0)
+    assert path["opened"] == pytest.approx(10.0)
+    assert path["tokens_to_open"] == pytest.approx(60.0)  # 60, 50, 60
+    assert path["gpu_wait"] == pytest.approx(50.0) and path["gates"] == 3

@@ -45,6 +45,29 @@ def test_work_behind_an_open_gate_reads_what_the_host_wrote_after(n):
         assert torch.equal(got.cpu(), w)
 
 
+def test_the_gate_measures_how_long_the_gpu_waited():
+    """waited_ns: the gate kernel's own clock from its start to the host's opening. The host holds the gate 20 ms
+    after the GPU reached it (a synchronize on an event queued before the gate says it has), then 0 ms: the first
+    reading sits between 20 ms and the whole span, the second far below 20 ms."""
+    gate = HostGate(torch.device("cuda"))
+    src, dst, fallback = buffers(4)
+    torch.cuda.synchronize()
+    readings = []
+    for hold_s in (0.02, 0.0):
+        reached = torch.cuda.Event()
+        reached.record()  # (the stream's work before the gate)
+        start = time.perf_counter()
+        gate.arm(*zip(src, dst, fallback))
+        reached.synchronize()
+        time.sleep(hold_s)
+        gate.open()
+        torch.cuda.synchronize()
+        readings.append((gate.waited_ns() / 1e9, time.perf_counter() - start))
+    (held, span), (free, _) = readings
+    assert 0.02 <= held <= span, readings
+    assert free < 0.005, readings
+
+
 def test_cancelled_and_timed_out_gates_copy_the_fallbacks():
     gate = HostGate(torch.device("cuda"), timeout_s=0.002)
     src, dst, fallback = buffers(64)

@@ -36,6 +36,7 @@ class HostGate:
         self.timeout_ns = int(timeout_s * 1e9)
         self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._status = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._waited = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # the GPU's wait for the host, ns
         self._flag_word = self._flag.numpy().view(np.uint32)
         self._status_word = self._status.numpy().view(np.uint32)
         self._cancel = int(native().HOST_GATE_CANCEL)
@@ -71,6 +72,7 @@ class HostGate:
             args[1],
             self.timeout_ns,
             torch.cuda.current_stream(self.device).cuda_stream,
+            self._waited.data_ptr(),
         )
         self.armed = self._seq
         return self._seq
@@ -86,6 +88,11 @@ class HostGate:
         if self.armed:
             self._flag_word[0] = self.armed | self._cancel
             self.armed = 0
+
+    def waited_ns(self) -> int:
+        """After the gated work finished: how long the last gate kept the GPU waiting for the host (its kernel's start,
+        right after the work queued before it, to its opening or cancel), on the GPU's clock."""
+        return int(self._waited[0])
 
     def opened(self, seq: int) -> bool:
         """After the gated work finished (an event after it fired): whether gate `seq` copied the host's buffers."""
