@@ -21,6 +21,7 @@
 #include "fp8_quant.h"
 #include "gemv.h"
 #include "host_gate.h"
+#include "ngram_draft.h"
 #include "norm.h"
 #include "page_allocator.h"
 #include "rope_kv.h"
@@ -134,6 +135,20 @@ void export_contracts(py::module_& m) {
       .def_readwrite("k_scale", &fq::RopeKVArgs::k_scale)
       .def_readwrite("v_scale", &fq::RopeKVArgs::v_scale)
       .def_readwrite("stream", &fq::RopeKVArgs::stream);
+  py::class_<fq::NgramDraftArgs>(m, "NgramDraftArgs", "Arguments of ngram_draft (csrc/ngram_draft.h).")
+      .def(py::init<>())
+      .def_readwrite("history", &fq::NgramDraftArgs::history)
+      .def_readwrite("lens", &fq::NgramDraftArgs::lens)
+      .def_readwrite("drafts", &fq::NgramDraftArgs::drafts)
+      .def_readwrite("counts", &fq::NgramDraftArgs::counts)
+      .def_readwrite("batch", &fq::NgramDraftArgs::batch)
+      .def_readwrite("stride", &fq::NgramDraftArgs::stride)
+      .def_readwrite("n_min", &fq::NgramDraftArgs::n_min)
+      .def_readwrite("n_max", &fq::NgramDraftArgs::n_max)
+      .def_readwrite("k", &fq::NgramDraftArgs::k)
+      .def_readwrite("stream", &fq::NgramDraftArgs::stream);
+  m.attr("NGRAM_DRAFT_MAX_N") = fq::kNgramDraftMaxN;
+  m.attr("NGRAM_DRAFT_MAX_K") = fq::kNgramDraftMaxK;
   py::class_<fq::PagedAttentionArgs>(m, "PagedAttentionArgs", "What both attention kernels take (csrc/attention.h).")
       .def_readwrite("q", &fq::PagedAttentionArgs::q)
       .def_readwrite("out", &fq::PagedAttentionArgs::out)
@@ -407,6 +422,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("handle"), "A peer's buffer mapped into this process (peer access enabled).");
   m.def("all_reduce_ipc_close", [](const py::int_& ptr) { fastqwen::all_reduce_ipc_close(to_uintptr(ptr, "ptr")); },
         py::arg("ptr"));
+  m.def("ngram_draft", &fastqwen::ngram_draft, py::arg("args"),
+        "Prompt lookup for a batch of int32 token histories on the device: each row's draft of up to k tokens after "
+        "the latest earlier occurrence of its longest matching tail (csrc/ngram_draft.h).");
   m.def(
       "custom_all_reduce",
       [](const fastqwen::AllReduceArgs& args) { fastqwen::custom_all_reduce(args); },

@@ -545,6 +545,18 @@ MUTATIONS = [
         "the gate reports no wait (profile_step's gate_path_ms would show the host's path as free)",
     ),
     Mutation(
+        "ngram_draft_earliest_occurrence",
+        "csrc/ngram_draft.cu",
+        [
+            (
+                "(static_cast<unsigned long long>(n) << 32) | static_cast<unsigned>(e);",
+                "(static_cast<unsigned long long>(n) << 32) | static_cast<unsigned>(len - e);",
+            )
+        ],
+        ["tests/test_ngram_draft.py::test_kernel_drafts_what_the_reference_drafts[2-4-3]"],
+        "the device drafts from the earliest occurrence of the tail instead of the latest",
+    ),
+    Mutation(
         "spec_filler_masks_follow_the_filler",
         "python/fastqwen/engine/verify.py",
         [
