@@ -159,7 +159,7 @@ def main() -> int:
         drafter.advance_batch = timed(drafter_parts, "advance", drafter.advance_batch)
         drafter._draft_all = timed(drafter_parts, "draft_steps", drafter._draft_all)
     runner.launch = timed(times, "launch", launch_recording)
-    # The critical path of a gated verify step (see gate_path): each stamp when its call returned
+    # The critical path of a gated verify step (see gate_path): each stamp when its call returned, the opening when called
     stamps: list[tuple[str, float]] = []
     gate_waits: list[int] = []
     gate = getattr(runner, "_gate", None)
