@@ -168,9 +168,9 @@ def main() -> int:
 
         def collect_stamped(pending):
             out = collect(pending)
-            if pending.gate:
+            if pending.gate:  # (the gate after it opens only later: the word still holds this one's wait)
                 stamps.append(("tokens", time.perf_counter()))
-                gate_waits.append(runner.last_gate_wait_ns)
+                gate_waits.append(gate.waited_ns())
             return out
 
         runner.collect = collect_stamped

@@ -74,9 +74,6 @@ class StandInHostGate:
             self._release(True)
         return seq
 
-    def waited_ns(self) -> int:  # (no clock to read: the held work runs inside open())
-        return 0
-
     def cancel(self) -> None:
         if self.armed:
             self.armed = 0

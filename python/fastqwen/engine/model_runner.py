@@ -155,8 +155,6 @@ class ModelRunner:
         self._gate_fallbacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._verify_constants: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # size -> logits_indices, query_start
         self.num_gated_launches = self.num_gate_opens = self.num_gate_cancels = self.num_gate_timeouts = 0
-        # How long the GPU waited for the host before the last opened gate's step, and the sum over all (ns, GPU clock)
-        self.last_gate_wait_ns = self.gate_wait_ns = 0
         if (
             self.verify_graphs is not None
             and not capture_aux
@@ -376,9 +374,6 @@ class ModelRunner:
                 again = self._launch_verify_graph(pending.scheduled, pending.size, pending.requests)
                 pending.host, pending.ready, pending.gate = again.host, again.ready, 0
                 pending.ready.synchronize()
-            elif pending.gate:
-                self.last_gate_wait_ns = self._gate.waited_ns()
-                self.gate_wait_ns += self.last_gate_wait_ns
             pending.tokens = pending.host.tolist()
             if pending.num_top >= 0:  # no step is launched ahead of one that asked, so the buffers are its own
                 pending.logprobs = self.sampler.results(pending.requests, pending.tokens)

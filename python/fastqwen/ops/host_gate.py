@@ -39,6 +39,7 @@ class HostGate:
         self._waited = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # the GPU's wait for the host, ns
         self._flag_word = self._flag.numpy().view(np.uint32)
         self._status_word = self._status.numpy().view(np.uint32)
+        self._waited_word = self._waited.numpy()
         self._cancel = int(native().HOST_GATE_CANCEL)
         self._seq = 0
         self.armed: int = 0  # the sequence number of the gate armed and not yet opened or cancelled, else 0
@@ -92,7 +93,7 @@ class HostGate:
     def waited_ns(self) -> int:
         """After the gated work finished: how long the last gate kept the GPU waiting for the host (its kernel's start,
         right after the work queued before it, to its opening or cancel), on the GPU's clock."""
-        return int(self._waited[0])
+        return int(self._waited_word[0])
 
     def opened(self, seq: int) -> bool:
         """After the gated work finished (an event after it fired): whether gate `seq` copied the host's buffers."""
