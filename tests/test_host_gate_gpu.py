@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-from fastqwen import LLM, SamplingParams
+from fastqwen import SamplingParams
 from fastqwen.ops.host_gate import HostGate
-from test_speculative_gpu import folder  # noqa: F401  (the checkpoint fixture: shapes the CUDA graphs take)
+from test_speculative_gpu import folder, make_llm  # noqa: F401  (folder: the checkpoint fixture)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,16 +117,7 @@ def test_gated_verify_steps_give_the_ungated_tokens(folder, monkeypatch):  # noq
 
     def run(gated: bool):
         monkeypatch.setenv("FASTQWEN_VERIFY_GATE", "1" if gated else "0")
-        # (verify graphs up to the speculative config's max_batch_size, 32: the decode graphs must reach it too)
-        llm = LLM(
-            folder,
-            dtype="bfloat16",
-            page_size=16,
-            num_pages=512,
-            max_num_seqs=32,
-            cuda_graph_max_bs=32,
-            speculative_config=spec,
-        )
+        llm = make_llm(folder, spec)  # (graphs up to 32: the verify graphs' max_batch_size)
         assert llm.engine.runner.verify_graphs is not None
         out = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         return llm, out

@@ -30,7 +30,8 @@ import bisect
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -49,6 +50,21 @@ def capture_sizes(max_bs: int) -> list[int]:
     max_bs itself always included."""
     sizes = {1, 2, 4, *range(8, 65, 8), *range(80, max_bs + 1, 16), max_bs}
     return sorted(s for s in sizes if 1 <= s <= max_bs)
+
+
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """Around a CUDA graph capture: garbage freed during one (a dropped engine's graphs or events, kept by a reference
+    cycle) makes CUDA calls that invalidate it, and torch no longer collects before capturing: collect now, none
+    during."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def unsupported_reason(model: Qwen3Model) -> str | None:
@@ -154,17 +170,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> DecodeGraphs:
         """Capture every size; measures the time and the device memory it takes (logits buffer, pool, graphs)."""
-        device = self.model.device
-        # Garbage freed during a capture (a dropped engine's graphs or events, kept by a reference cycle) makes CUDA
-        # calls that invalidate it, and torch no longer collects before capturing: collect now, none during.
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            return self._capture_all(device)
-        finally:
-            if collecting:
-                gc.enable()
+        with no_collection():
+            return self._capture_all(self.model.device)
 
     def _capture_all(self, device: torch.device) -> DecodeGraphs:
         torch.cuda.synchronize(device)

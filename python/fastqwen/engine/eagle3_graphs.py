@@ -15,13 +15,12 @@ sizes times the widths the requests' lengths reach.
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from ..kvcache import KVPool
 from ..model.eagle3 import Eagle3Head
 from ..model.forward_batch import ForwardBatch
+from .cuda_graph import no_collection
 
 
 def _bucket(n: int, least: int = 1) -> int:
@@ -127,15 +126,8 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def _capture(self, batch: int, width: int) -> _Graph:
-        # Garbage freed during a capture makes CUDA calls that invalidate it (cuda_graph.py): collect now, none during.
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with no_collection():
             return self._capture_one(batch, width)
-        finally:
-            if collecting:
-                gc.enable()
 
     def _capture_one(self, batch: int, width: int) -> _Graph:
         g = _Graph(self.head, self.steps, batch, width)
