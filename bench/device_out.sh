@@ -13,6 +13,14 @@ use_carried_wheels() {
   fi
 }
 
+# tree_hash: the sources an install is built from, hashed. A warm machine keeps the last call's install, which is
+# stale when the tree changed since (an eleventh-session call ran old Python code that way): the scripts compare this
+# with the hash written at their last build.
+tree_hash() {
+  find python csrc CMakeLists.txt pyproject.toml -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h' \
+    -o -name '*.cpp' -o -name '*.txt' -o -name '*.toml' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-40
+}
+
 # pytest_report LOG [LINES]: a pytest log's failures as short tracebacks (trimmed), then its summary lines last.
 pytest_report() {
   awk '/= (FAILURES|ERRORS) =/,/short test summary/' "$1" | grep -E "^(E  |_____|tests/[a-z_0-9]+\.py:[0-9]+)" \

@@ -84,13 +84,7 @@ tests_rc=0
 bench_rc=0
 serve_rc=0
 
-# The sources an install is built from, hashed: a warm machine keeps the last call's install, which is stale when the
-# tree changed since (an eleventh-session call ran old Python code that way).
-tree_hash() {
-  find python csrc CMakeLists.txt pyproject.toml -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h' \
-    -o -name '*.cpp' -o -name '*.txt' -o -name '*.toml' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-40
-}
-BUILT_HASH_FILE=/tmp/fastqwen-build/.tree_hash
+BUILT_HASH_FILE=/tmp/fastqwen-build/.tree_hash  # (tree_hash: device_out.sh)
 
 build() {
   echo "== build"
