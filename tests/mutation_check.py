@@ -557,6 +557,16 @@ MUTATIONS = [
         "the device drafts from the earliest occurrence of the tail instead of the latest",
     ),
     Mutation(
+        "eagle3_advance_graph_reads_the_first_kept_row",
+        "python/fastqwen/engine/eagle3_graphs.py",
+        [("            wide[3 * t + r] = lo + kept - 1", "            wide[3 * t + r] = lo")],
+        [
+            "tests/test_eagle3_batched.py::test_graphed_draft_steps_equal_the_eager_ones[5]",
+            "tests/test_eagle3_batched.py::test_graphed_draft_steps_equal_the_eager_ones[6]",
+        ],
+        "the graphed advance takes the head's prediction at each request's first kept row instead of its last",
+    ),
+    Mutation(
         "spec_filler_masks_follow_the_filler",
         "python/fastqwen/engine/verify.py",
         [

@@ -357,8 +357,9 @@ def test_batched_drafts_on_cuda_match_the_reference(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("seed", [5, 6])
 def test_graphed_draft_steps_equal_the_eager_ones(seed):
-    """bfloat16 on the GPU, the draft steps replayed from CUDA graphs (engine/eagle3_graphs.py: padded batches,
-    bucketed page tables, several graphs over the workload) against the same drafter run eagerly on the same workload:
+    """bfloat16 on the GPU, the draft steps and the advances over decode steps' kept positions replayed from CUDA
+    graphs (engine/eagle3_graphs.py: padded batches, k + 1 rows a request, bucketed page tables, several graphs over
+    the workload) against the same drafter run eagerly on the same workload:
     the same drafts (measured on an H100: all of them, seeds 5 and 6); at most 5% may differ, where a padded batch's
     split-KV plan sums a near-tie in another order. Both also against the float64 reference, as above."""
     w = random_weights(seed, torch.bfloat16, CONFIG_128)
@@ -373,6 +374,7 @@ def test_graphed_draft_steps_equal_the_eager_ones(seed):
         runs[graphs] = drafts
         if graphs:
             assert drafter.graphs.captures >= 2, "the workload's batches should need more than one graph"
+            assert drafter.graphs.advances >= 5, "the workload should have advances of decode steps only"
     eager, graphed = runs[False], runs[True]
     assert len(eager) == len(graphed)
     differ = sum(a != b for a, b in zip(eager, graphed))

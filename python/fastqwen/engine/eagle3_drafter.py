@@ -65,15 +65,16 @@ class Eagle3Drafter:
     drafts_on_device = True
 
     def __init__(self, head: Eagle3Head, num_tokens: int, pool: KVPool, graphs: bool = False):
-        """graphs: the draft steps replay CUDA graphs (engine/eagle3_graphs.py) where the head runs its kernels (its
-        decode attention has a workspace; the references read back and cannot be captured)."""
+        """graphs: the draft steps and the advances over a verify step's kept positions replay CUDA graphs
+        (engine/eagle3_graphs.py) where the head runs its kernels (its decode attention has a workspace; the
+        references read back and cannot be captured)."""
         self.head = head
         self.num_tokens = num_tokens
         self.pool = pool
         self.page_size = pool.page_size
         self._states: dict[int, _State] = {}
         self.graphs = None
-        if graphs and num_tokens > 1 and head.decode_workspace is not None:
+        if graphs and head.decode_workspace is not None:
             from .eagle3_graphs import DraftGraphs
 
             self.graphs = DraftGraphs(head, pool, num_tokens - 1)
@@ -105,8 +106,15 @@ class Eagle3Drafter:
             state.draft = None
         if not rows:
             return
-        batch = self._batch([(s, first, start, tokens) for s, first, start, tokens in rows])
-        draft_ids, outputs = self.head.forward(batch, self.pool, torch.cat(features))
+        graphs = self.graphs
+        if graphs is not None and max(len(tokens) for *_, tokens in rows) <= graphs.advance_rows:
+            # (a verify step's kept positions; a prompt's run eagerly)
+            draft_ids, outputs = graphs.advance(
+                [(s.pages, first, start, tokens) for s, first, start, tokens in rows], features, self.page_size
+            )
+        else:
+            batch = self._batch([(s, first, start, tokens) for s, first, start, tokens in rows])
+            draft_ids, outputs = self.head.forward(batch, self.pool, torch.cat(features))
         for (state, *_), token, output in zip(rows, draft_ids, outputs):
             state.next_token, state.feature = token, output
 

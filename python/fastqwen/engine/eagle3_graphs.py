@@ -11,6 +11,12 @@ kernels queued before it). Rows past the batch are padding: KV slot -1 (nothing 
 before the next replay. The graphs' activations come from one private memory pool, outside the KV budget: a few MB
 a graph at Qwen3-8B's head (its 32,000-token logits of up to max_batch rows), at most log2(max_batch) + 1 batch
 sizes times the widths the requests' lengths reach.
+
+The head's advance over the positions a verify step kept (1 to k + 1 a request) replays graphs too, keyed the same
+way: each request takes k + 1 rows, its kept ones first, as the last rows of its entries (KV length = its first
+entry + k + 1); the rows past its kept ones are padding, written nowhere and attended only by themselves (the causal
+mask keeps them out of the kept rows), and the request's result is read at its last kept row. An advance over more
+rows (a prompt's) runs eagerly.
 """
 
 from __future__ import annotations
@@ -77,14 +83,100 @@ class _Graph:
         self.narrow[self.steps * b :].zero_()
 
 
+class _AdvanceGraph:
+    """One captured advance of (batch, rows a request, width): its graph and the static buffers it reads and writes."""
+
+    def __init__(self, head: Eagle3Head, batch: int, rows: int, width: int, feature_width: int):
+        device = head.device
+        self.batch, self.rows, self.width = batch, rows, width
+        t = batch * rows
+        self.features = torch.zeros(t, feature_width, dtype=head.dtype, device=device)
+        # input ids, positions, KV slots (one a row), then the row read per request (int64); KV lengths, then the
+        # page table (int32)
+        self.wide = torch.zeros(3 * t + batch, dtype=torch.int64, device=device)
+        self.narrow = torch.zeros(batch + batch * width, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(0, t + 1, rows, dtype=torch.int32, device=device)
+        self.draft_ids = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.outputs = torch.zeros(batch, head.config.hidden_size, dtype=head.dtype, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def forward(self, head: Eagle3Head, pool: KVPool) -> None:
+        b, t = self.batch, self.batch * self.rows
+        batch = ForwardBatch(
+            input_ids=self.wide[:t],
+            positions=self.wide[t : 2 * t],
+            out_slots=self.wide[2 * t : 3 * t],
+            query_start=self.query_start,
+            kv_lens=self.narrow[:b],
+            page_table=self.narrow[b:].view(b, self.width),
+            logits_indices=self.wide[3 * t :],
+            is_decode=False,
+            max_query_len=self.rows,
+        )
+        draft_ids, outputs = head.forward(batch, pool, self.features)
+        self.draft_ids.copy_(draft_ids)
+        self.outputs.copy_(outputs)
+
+
 class DraftGraphs:
-    """The drafter's graphs of `steps` draft steps of the head over its pool, by (padded batch, page-table width)."""
+    """The drafter's graphs of `steps` draft steps of the head over its pool, by (padded batch, page-table width),
+    and of its advances over up to steps + 2 (= k + 1) rows a request."""
 
     def __init__(self, head: Eagle3Head, pool: KVPool, steps: int):
         self.head, self.pool, self.steps = head, pool, steps
+        self.advance_rows = steps + 2
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._advance_graphs: dict[tuple[int, int], _AdvanceGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle()
         self.captures = 0
+        self.advances = 0  # advances replayed from a graph
+
+    @torch.inference_mode()
+    def advance(
+        self, rows: list[tuple[list[int], int, int, list[int]]], features: list[torch.Tensor], page_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows: per request (its pages, the entry of its first kept row, that row's position, the token after each
+        kept row), at most advance_rows kept rows each, their entries' pages held; features: each request's
+        [kept, n_aux * target_hidden] on the device. Returns (the head's draft id after each request's last kept row
+        [n], its output there [n, hidden]) on the device (copies: the next replay reuses the buffers)."""
+        n, q = len(rows), self.advance_rows
+        width = _bucket(max(-(-(first + q) // page_size) for _, first, _, _ in rows), 8)
+        key = (_bucket(n), width)
+        g = self._advance_graphs.get(key) or self._capture_advance(*key, features[0].shape[1])
+        b, t = g.batch, g.batch * q
+        wide = [0] * t + [0] * t + [-1] * t + [r * q + q - 1 for r in range(b)]  # (padding: no KV written)
+        narrow = [q] * b + [0] * (b * width)
+        g.features.zero_()
+        for r, ((pages, first, position, tokens), feature) in enumerate(zip(rows, features)):
+            kept, lo = len(tokens), r * q
+            for i in range(q):
+                wide[t + lo + i] = position + min(i, kept - 1)  # (padding rows repeat the last kept position)
+            for i, token in enumerate(tokens):
+                entry = first + i
+                wide[lo + i] = token
+                wide[2 * t + lo + i] = pages[entry // page_size] * page_size + entry % page_size
+            wide[3 * t + r] = lo + kept - 1
+            narrow[r] = first + q
+            narrow[b + r * width : b + r * width + len(pages)] = pages
+            g.features[lo : lo + kept].copy_(feature)
+        g.wide.copy_(torch.tensor(wide, dtype=torch.int64).pin_memory(), non_blocking=True)
+        g.narrow.copy_(torch.tensor(narrow, dtype=torch.int32).pin_memory(), non_blocking=True)
+        g.graph.replay()
+        self.advances += 1
+        return g.draft_ids[:n].clone(), g.outputs[:n].clone()
+
+    @torch.inference_mode()
+    def _capture_advance(self, batch: int, width: int, feature_width: int) -> _AdvanceGraph:
+        g = _AdvanceGraph(self.head, batch, self.advance_rows, width, feature_width)
+        q, t = self.advance_rows, batch * self.advance_rows
+        g.wide[2 * t : 3 * t].fill_(-1)  # (capture on padding: every row writes nowhere)
+        g.wide[3 * t :].copy_(torch.arange(q - 1, t, q, device=g.wide.device))
+        g.narrow[:batch].fill_(q)
+        with no_collection():
+            g.graph = self._captured(lambda: g.forward(self.head, self.pool))
+        self._advance_graphs[(batch, width)] = g
+        self.captures += 1
+        return g
 
     @torch.inference_mode()  # (the buffers were made in it: their in-place updates must be too)
     def run(
@@ -132,15 +224,20 @@ class DraftGraphs:
     def _capture_one(self, batch: int, width: int) -> _Graph:
         g = _Graph(self.head, self.steps, batch, width)
         g.fill_padding()
+        g.graph = self._captured(lambda: g.forward(self.head, self.pool))
+        self._graphs[(batch, width)] = g
+        self.captures += 1
+        return g
+
+    def _captured(self, forward) -> torch.cuda.CUDAGraph:
+        """A graph of forward() (which reads and writes static buffers only), in the drafter's memory pool."""
         device = self.head.device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            g.forward(self.head, self.pool)  # warm-up outside the capture (cuBLAS settles its workspace)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self._mempool, stream=stream, capture_error_mode="thread_local"):
-            g.forward(self.head, self.pool)
+            forward()  # warm-up outside the capture (cuBLAS settles its workspace)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool, stream=stream, capture_error_mode="thread_local"):
+            forward()
         torch.cuda.current_stream(device).wait_stream(stream)
-        self._graphs[(batch, width)] = g
-        self.captures += 1
-        return g
+        return graph
