@@ -39,7 +39,7 @@
 #            default pipeline and the fastest of GEMV_TC_BENCH_VARIANTS over a layer at 2 to 4 tokens)
 #   eagle3   EAGLE-3 with a random head at Qwen3-8B's shapes (bench/make_eagle3_head.py), acceptance forced to 2.0:
 #            batch-1 TPOT offline and through HTTP beside speculation off (SPEC_QUANT: none fp8), then profile_step
-#            --verify with the head (its advance and draft steps' host time)
+#            --verify with the head (its advance and draft steps' host time); EAGLE3_HEAD_QUANT=fp8 quantizes the head
 #   gemvprofile  Nsight Compute on the FP8 GEMV (gate_up, o_proj) at one token and at four (default pipeline and
 #            GEMV_PROFILE_VARIANTS): DRAM and L2 traffic, speed of light, warp stalls
 #   verifyprofile  bench/profile_step.py --verify: the FP8 verify step's kernels (FASTQWEN_PDL=0, durations that add
@@ -466,12 +466,15 @@ stage_eagle3() {  # issue 42: EAGLE-3 on the GPU: a random head at Qwen3-8B's pu
   # beside speculation off (SPEC_QUANT)
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   [ -d /tmp/qwen3-8b-eagle3 ] || python3 bench/make_eagle3_head.py --target /tmp/qwen3-8b-dummy --out /tmp/qwen3-8b-eagle3
-  local eagle3='{"method": "eagle3", "model": "/tmp/qwen3-8b-eagle3", "num_speculative_tokens": 3, "synthetic_acceptance_length": 2.0}'
-  SPEC_SYNTHETIC="$eagle3" SPEC_TAG=_eagle3 stage_speculative
+  # EAGLE3_HEAD_QUANT=fp8: the head's projections quantized too (speculative_config.quantization)
+  local head_quant="" tag=_eagle3
+  [ -n "${EAGLE3_HEAD_QUANT:-}" ] && head_quant=", \"quantization\": \"$EAGLE3_HEAD_QUANT\"" && tag="_eagle3_head$EAGLE3_HEAD_QUANT"
+  local eagle3="{\"method\": \"eagle3\", \"model\": \"/tmp/qwen3-8b-eagle3\", \"num_speculative_tokens\": 3, \"synthetic_acceptance_length\": 2.0$head_quant}"
+  SPEC_SYNTHETIC="$eagle3" SPEC_TAG=$tag stage_speculative
   # where the cycle's time goes: profile_step --verify with the head (drafter_ms: its advance and draft steps)
   for q in ${SPEC_QUANT:-none fp8}; do
-    run "verify_profile_eagle3_$q" 150 python3 bench/profile_step.py --model Qwen3-8B --load-format dummy \
-      --quantization "$q" --num-pages 2048 --speculative-config "$eagle3" --verify --json "$OUT/verify_profile_eagle3_$q.json"
+    run "verify_profile${tag}_$q" 150 python3 bench/profile_step.py --model Qwen3-8B --load-format dummy \
+      --quantization "$q" --num-pages 2048 --speculative-config "$eagle3" --verify --json "$OUT/verify_profile${tag}_$q.json"
   done
 }
 

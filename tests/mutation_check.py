@@ -567,6 +567,18 @@ MUTATIONS = [
         "the graphed advance takes the head's prediction at each request's first kept row instead of its last",
     ),
     Mutation(
+        "eagle3_fp8_head_lm_head_left_dense",
+        "python/fastqwen/model/eagle3.py",
+        [
+            (
+                'for name in ("fc", "qkv", "o_proj", "gate_up", "down", "lm_head")}',
+                'for name in ("fc", "qkv", "o_proj", "gate_up", "down")}',
+            )
+        ],
+        ["tests/test_speculative_eagle3.py::test_an_fp8_head_drafts_what_its_fp8_weights_give"],
+        "speculative_config.quantization fp8 leaves the head's LM head in the checkpoint's dtype",
+    ),
+    Mutation(
         "spec_filler_masks_follow_the_filler",
         "python/fastqwen/engine/verify.py",
         [
@@ -646,7 +658,7 @@ MUTATIONS = [
         "eagle3_captured_forward_writes_no_hidden_states",
         "python/fastqwen/engine/cuda_graph.py",
         [("aux = self.aux[:rows] if self.aux is not None else None", "aux = None")],
-        ["tests/test_speculative_gpu.py::test_eagle3_drafts_from_the_verify_graphs_hidden_states"],
+        ["tests/test_speculative_gpu.py::test_eagle3_drafts_from_the_verify_graphs_hidden_states[None]"],
         "the captured graphs do not write the target's hidden states at the head's layers (the buffer stays unset)",
         gpus=1,
     ),

@@ -16,6 +16,7 @@ from checkpoints import VOCAB, make_checkpoint
 from cpu_graphs import graph_llm
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig
+from fastqwen.speculative.config import SpeculativeConfig, SpeculativeConfigError
 
 K = 3
 LAYERS = 4
@@ -287,3 +288,59 @@ def test_bad_head_folders_are_refused_naming_the_problem(tmp_path, setup):
         EngineConfig(model=target, speculative_config={"method": "ngram", "model": head})
     with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
         EngineConfig(model=target, tensor_parallel_size=2, speculative_config={"method": "eagle3", "model": head})
+
+
+def fp8_rounded(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as FP8 e4m3 with one scale per 128 x 128 block (amax / 448) holds it, back in float64: written here
+    from the format's description (torch's e4m3 cast rounds)."""
+    rows, cols = weight.shape
+    out = torch.empty_like(weight)
+    for r in range(0, rows, 128):
+        for c in range(0, cols, 128):
+            block = weight[r : r + 128, c : c + 128]
+            amax = float(block.abs().max())
+            scale = amax / 448.0 if amax > 0 else 1.0
+            out[r : r + 128, c : c + 128] = (block / scale).float().to(torch.float8_e4m3fn).double() * scale
+    return out
+
+
+def test_an_fp8_head_drafts_what_its_fp8_weights_give(setup):
+    """speculative_config.quantization "fp8": the head's projections and LM head become e4m3 with block scales (the
+    stacked q/k/v and gate/up as one matrix each, as loaded), and every draft equals the float64 reference over those
+    rounded weights; the rounding changes some drafts of the dense reference, so the comparison tells them apart."""
+    target, model, head, w = setup
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K, "quantization": "fp8"}
+    llm = make_llm(target, spec, enable_prefix_caching=False)
+    weights = llm.engine.speculator.drafter.head.weights
+    linears = (weights.fc, weights.qkv, weights.o_proj, weights.gate_up, weights.down, weights.lm_head)
+    assert all(lw.weight.dtype == torch.float8_e4m3fn for lw in linears)
+    rounded = dict(w)
+    attn, mlp = "midlayer.self_attn.", "midlayer.mlp."
+    for stacked in (
+        [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"],
+        [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+    ):
+        parts = fp8_rounded(torch.cat([w[name] for name in stacked])).split([w[n].shape[0] for n in stacked])
+        rounded.update(zip(stacked, parts))
+    for name in ("fc.weight", attn + "o_proj.weight", mlp + "down_proj.weight", "lm_head.weight"):
+        rounded[name] = fp8_rounded(w[name])
+    proposals = recorded_proposals(llm.engine.speculator.drafter)
+    outputs(llm, prompts(3, seed=9), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    checked = changed = 0
+    for tokens, draft, limit in proposals[:: max(1, len(proposals) // 12)]:
+        k = min(K, limit)
+        assert draft == reference_drafts(model, rounded, tokens, k), len(tokens)
+        changed += draft != reference_drafts(model, w, tokens, k)
+        checked += 1
+    assert checked >= 8 and changed >= 1, (checked, changed)
+
+
+def test_head_quantization_is_checked(setup):
+    head = setup[2]
+    for spec in (
+        {"method": "eagle3", "model": head, "quantization": "int4"},
+        {"method": "ngram", "quantization": "fp8"},  # (no draft model to quantize)
+    ):
+        with pytest.raises(SpeculativeConfigError) as caught:
+            SpeculativeConfig.parse(spec)
+        assert caught.value.key == "quantization", caught.value

@@ -200,18 +200,20 @@ def test_greedy_tokens_with_penalties_unchanged_with_verify_graphs(folder, metho
     llm.engine.check_invariants()
 
 
-def test_eagle3_drafts_from_the_verify_graphs_hidden_states(folder, tmp_path):
+@pytest.mark.parametrize("head_quant", [None, "fp8"])
+def test_eagle3_drafts_from_the_verify_graphs_hidden_states(folder, tmp_path, head_quant):
     """eagle3 (a random head) with the decode and verify graphs on: greedy tokens equal decoding without speculation
     up to a near-tie, and the drafts made from the replayed steps' hidden states (the graphs' aux buffer) equal, for
     the same tokens, those of the same engine run eagerly, up to bf16 rounding (at least 80% of them: a buffer never
-    written, or rows of the wrong sequences, would make nearly every one differ)."""
+    written, or rows of the wrong sequences, would make nearly every one differ). head_quant "fp8": the head's
+    projections in FP8 (its GEMV and GEMM kernels in the graphs and eagerly alike)."""
     from test_speculative_eagle3 import recorded_proposals, write_head
 
     head = str(tmp_path / "head")
     # The head is narrower (64) than this target (256): it brings its own embedding, as heads of another width do.
     embed = torch.randn(VOCAB, 64, generator=torch.Generator().manual_seed(5)) * 0.15
     write_head(head, seed=1, target_hidden=256, tensors={"embed_tokens.weight": embed})
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K, "quantization": head_quant}
     batch = prompts(8, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
     # With an EAGLE-3 head the target keeps its norms unfolded (the head reads the residual stream the batch-1 path

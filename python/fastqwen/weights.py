@@ -356,12 +356,12 @@ def _shard_layer(layer: LayerWeights, cfg: ModelConfig, shard: Shard) -> LayerWe
 
 def _quantized(layer: LayerWeights) -> LayerWeights:
     """The layer with its projections quantized to FP8 (quantize_fp8: 128x128 block scales)."""
-
-    def fp8(w: LinearWeight) -> LinearWeight:
-        return LinearWeight(*quantize_fp8(w.weight), w.bias)
-
     return replace(
-        layer, qkv=fp8(layer.qkv), o_proj=fp8(layer.o_proj), gate_up=fp8(layer.gate_up), down=fp8(layer.down)
+        layer,
+        qkv=layer.qkv.to_fp8(),
+        o_proj=layer.o_proj.to_fp8(),
+        gate_up=layer.gate_up.to_fp8(),
+        down=layer.down.to_fp8(),
     )
 
 

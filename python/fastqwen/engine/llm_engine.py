@@ -438,7 +438,12 @@ class LLMEngine:
 
         try:
             head_config, head_weights = load_eagle3(
-                spec_config.model, self.config, weights.embed, self.dtype, self.device
+                spec_config.model,
+                self.config,
+                weights.embed,
+                self.dtype,
+                self.device,
+                fp8=spec_config.quantization == "fp8",
             )
         except SpeculativeConfigError as error:
             raise ConfigError(str(error), "speculative_config") from None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -113,9 +113,15 @@ class Eagle3Weights:
 
 
 def load_eagle3(
-    folder: str, target: ModelConfig, target_embed: torch.Tensor, dtype: torch.dtype, device: torch.device
+    folder: str,
+    target: ModelConfig,
+    target_embed: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8: bool = False,
 ) -> tuple[Eagle3Config, Eagle3Weights]:
-    """The head's config and weights, every shape checked against its config and the target's."""
+    """The head's config and weights, every shape checked against its config and the target's; with fp8 its
+    projections and LM head quantized to FP8 (speculative_config.quantization)."""
     from safetensors.torch import load_file
 
     config = Eagle3Config.read(folder, target)
@@ -190,6 +196,11 @@ def load_eagle3(
         embed=embed,
         d2t=d2t,
     )
+    if fp8:
+        weights = replace(
+            weights,
+            **{name: getattr(weights, name).to_fp8() for name in ("fc", "qkv", "o_proj", "gate_up", "down", "lm_head")},
+        )
     return config, weights
 
 
@@ -200,7 +211,10 @@ class Eagle3Head:
 
     def __init__(self, config: Eagle3Config, weights: Eagle3Weights, max_positions: int, max_batch: int):
         self.config, self.weights = config, weights
-        self.device, self.dtype = weights.lm_head.weight.device, weights.lm_head.weight.dtype
+        self.device, self.dtype = weights.final_norm.device, weights.final_norm.dtype  # (projections may be FP8)
+        # (FP8 projections: their GEMM probed and its scales laid out now, not inside a draft graph's capture)
+        linears = (weights.fc, weights.qkv, weights.o_proj, weights.gate_up, weights.down, weights.lm_head)
+        ops.prepare_linear(linears, self.dtype, self.device)
         self.cos_sin_cache = ops.rope_cos_sin_cache(config.head_dim, max_positions, config.rope_theta, self.device)
         self.scale = config.head_dim**-0.5
         # Decode steps of up to max_batch requests (the drafts' steps) take the split-KV kernel where it runs.

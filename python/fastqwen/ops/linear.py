@@ -125,6 +125,10 @@ class LinearWeight:
     def in_features(self) -> int:
         return self.weight.shape[1]
 
+    def to_fp8(self) -> LinearWeight:
+        """This projection quantized to FP8 (quantize_fp8: 128x128 block scales), its bias kept."""
+        return LinearWeight(*quantize_fp8(self.weight), self.bias)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a dense [out, in] tensor of `dtype` (dequantized in float32, then rounded once)."""
         if not self.is_fp8:

@@ -33,6 +33,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     # eagle3: the draft head's folder (config.json + safetensors, the published EAGLE-3 layout).
     model: str | None = None
+    # eagle3: "fp8" quantizes the head's projections and LM head on load (FP8 e4m3, 128x128 block scales, as
+    # --quantization fp8 does the target's): about half the head's weight reads a step; None keeps the checkpoint's.
+    quantization: str | None = None
     # ngram (prompt lookup): the longest and shortest tail of the sequence looked up in its own earlier tokens.
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -91,8 +94,10 @@ class SpeculativeConfig:
         )
         if self.method == "eagle3":
             self._check_eagle3_folder()
+            need(self.quantization in (None, "fp8"), "quantization", "'fp8' or unset")
         else:
             need(self.model is None, "model", f"unset for method {self.method!r} (only eagle3 loads a draft model)")
+            need(self.quantization is None, "quantization", f"unset for method {self.method!r} (no draft model)")
         need(_int_in(self.prompt_lookup_min, 1, 64), "prompt_lookup_min", "an integer from 1 to 64")
         need(
             _int_in(self.prompt_lookup_max, self.prompt_lookup_min, 64),
