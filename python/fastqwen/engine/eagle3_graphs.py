@@ -172,8 +172,7 @@ class DraftGraphs:
         g.wide[2 * t : 3 * t].fill_(-1)  # (capture on padding: every row writes nowhere)
         g.wide[3 * t :].copy_(torch.arange(q - 1, t, q, device=g.wide.device))
         g.narrow[:batch].fill_(q)
-        with no_collection():
-            g.graph = self._captured(lambda: g.forward(self.head, self.pool))
+        g.graph = self._captured(lambda: g.forward(self.head, self.pool))
         self._advance_graphs[(batch, width)] = g
         self.captures += 1
         return g
@@ -218,10 +217,6 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def _capture(self, batch: int, width: int) -> _Graph:
-        with no_collection():
-            return self._capture_one(batch, width)
-
-    def _capture_one(self, batch: int, width: int) -> _Graph:
         g = _Graph(self.head, self.steps, batch, width)
         g.fill_padding()
         g.graph = self._captured(lambda: g.forward(self.head, self.pool))
@@ -237,7 +232,10 @@ class DraftGraphs:
         with torch.cuda.stream(stream):
             forward()  # warm-up outside the capture (cuBLAS settles its workspace)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, stream=stream, capture_error_mode="thread_local"):
+        with (
+            no_collection(),
+            torch.cuda.graph(graph, pool=self._mempool, stream=stream, capture_error_mode="thread_local"),
+        ):
             forward()
         torch.cuda.current_stream(device).wait_stream(stream)
         return graph
