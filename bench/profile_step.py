@@ -240,6 +240,8 @@ def main() -> int:
             "cancelled": runner.num_gate_cancels,
             "timed_out": runner.num_gate_timeouts,
         }
+    if runner.chain is not None:  # verify steps made on the device from the one before (FASTQWEN_VERIFY_CHAIN)
+        result["verify_chain"] = {"chained": engine.num_chained_steps, "starts": runner.chain.num_starts}
     if gate_waits:
         result["gate_path_ms"] = gate_path(stamps, gate_waits)
     if replay_parts:  # (means per engine.step call, as the parts above; "replay" holds them)

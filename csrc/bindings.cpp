@@ -22,6 +22,7 @@
 #include "gemv.h"
 #include "host_gate.h"
 #include "ngram_draft.h"
+#include "verify_chain.h"
 #include "norm.h"
 #include "page_allocator.h"
 #include "rope_kv.h"
@@ -135,6 +136,31 @@ void export_contracts(py::module_& m) {
       .def_readwrite("k_scale", &fq::RopeKVArgs::k_scale)
       .def_readwrite("v_scale", &fq::RopeKVArgs::v_scale)
       .def_readwrite("stream", &fq::RopeKVArgs::stream);
+  py::class_<fq::VerifyChainArgs>(m, "VerifyChainArgs", "Arguments of verify_chain (csrc/verify_chain.h).")
+      .def(py::init<>())
+      .def_readwrite("tokens", &fq::VerifyChainArgs::tokens)
+      .def_readwrite("input_ids", &fq::VerifyChainArgs::input_ids)
+      .def_readwrite("positions", &fq::VerifyChainArgs::positions)
+      .def_readwrite("out_slots", &fq::VerifyChainArgs::out_slots)
+      .def_readwrite("kv_lens", &fq::VerifyChainArgs::kv_lens)
+      .def_readwrite("page_table", &fq::VerifyChainArgs::page_table)
+      .def_readwrite("rows", &fq::VerifyChainArgs::rows)
+      .def_readwrite("history", &fq::VerifyChainArgs::history)
+      .def_readwrite("lens", &fq::VerifyChainArgs::lens)
+      .def_readwrite("credit", &fq::VerifyChainArgs::credit)
+      .def_readwrite("report", &fq::VerifyChainArgs::report)
+      .def_readwrite("batch", &fq::VerifyChainArgs::batch)
+      .def_readwrite("q", &fq::VerifyChainArgs::q)
+      .def_readwrite("width", &fq::VerifyChainArgs::width)
+      .def_readwrite("stride", &fq::VerifyChainArgs::stride)
+      .def_readwrite("page_size", &fq::VerifyChainArgs::page_size)
+      .def_readwrite("row_words", &fq::VerifyChainArgs::row_words)
+      .def_readwrite("step_lo", &fq::VerifyChainArgs::step_lo)
+      .def_readwrite("step_hi", &fq::VerifyChainArgs::step_hi)
+      .def_readwrite("n_min", &fq::VerifyChainArgs::n_min)
+      .def_readwrite("n_max", &fq::VerifyChainArgs::n_max)
+      .def_readwrite("synthetic", &fq::VerifyChainArgs::synthetic)
+      .def_readwrite("stream", &fq::VerifyChainArgs::stream);
   py::class_<fq::NgramDraftArgs>(m, "NgramDraftArgs", "Arguments of ngram_draft (csrc/ngram_draft.h).")
       .def(py::init<>())
       .def_readwrite("history", &fq::NgramDraftArgs::history)
@@ -422,6 +448,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("handle"), "A peer's buffer mapped into this process (peer access enabled).");
   m.def("all_reduce_ipc_close", [](const py::int_& ptr) { fastqwen::all_reduce_ipc_close(to_uintptr(ptr, "ptr")); },
         py::arg("ptr"));
+  m.def("verify_chain", &fastqwen::verify_chain, py::arg("args"),
+        "The next verify step's inputs made on the device from the draws of the one before: acceptance, history, "
+        "prompt-lookup draft, positions, KV slots and sampler steps (csrc/verify_chain.h).");
   m.def("ngram_draft", &fastqwen::ngram_draft, py::arg("args"),
         "Prompt lookup for a batch of int32 token histories on the device: each row's draft of up to k tokens after "
         "the latest earlier occurrence of its longest matching tail (csrc/ngram_draft.h).");

@@ -546,7 +546,7 @@ MUTATIONS = [
     ),
     Mutation(
         "ngram_draft_earliest_occurrence",
-        "csrc/ngram_draft.cu",
+        "csrc/ngram_match.cuh",
         [
             (
                 "(static_cast<unsigned long long>(n) << 32) | static_cast<unsigned>(e);",
@@ -555,6 +555,18 @@ MUTATIONS = [
         ],
         ["tests/test_ngram_draft.py::test_kernel_drafts_what_the_reference_drafts[2-4-3]"],
         "the device drafts from the earliest occurrence of the tail instead of the latest",
+    ),
+    Mutation(
+        "verify_chain_step_not_advanced",
+        "csrc/verify_chain.cu",
+        [
+            (
+                "((static_cast<unsigned long long>(words[step_hi]) << 32) | words[step_lo]) + accepted + 1;",
+                "((static_cast<unsigned long long>(words[step_hi]) << 32) | words[step_lo]) + accepted;",
+            )
+        ],
+        ["tests/test_verify_chain.py::test_the_kernel_makes_what_the_host_makes[None-4]"],
+        "a chained step's sampler rows draw with the seed step of the rejected position, not the next one",
     ),
     Mutation(
         "eagle3_advance_graph_reads_the_first_kept_row",

@@ -117,6 +117,7 @@ def test_gated_verify_steps_give_the_ungated_tokens(folder, monkeypatch):  # noq
 
     def run(gated: bool):
         monkeypatch.setenv("FASTQWEN_VERIFY_GATE", "1" if gated else "0")
+        monkeypatch.setenv("FASTQWEN_VERIFY_CHAIN", "0")  # (prompt lookup's steps would be chained instead)
         llm = make_llm(folder, spec)  # (graphs up to 32: the verify graphs' max_batch_size)
         assert llm.engine.runner.verify_graphs is not None
         out = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

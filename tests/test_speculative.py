@@ -680,9 +680,9 @@ def test_requests_near_max_tokens_keep_the_verify_graphs(checkpoint, monkeypatch
                 eager_verify_steps.append(len(scheduled.chunks))
             return run_eager(scheduled, *args, **kwargs)
 
-        def counting(scheduled, sampled):
+        def counting(scheduled, sampled, **kwargs):
             decodes[0] += sum(c.samples and c.end - c.start == 1 for c in scheduled.chunks)
-            return update(scheduled, sampled)
+            return update(scheduled, sampled, **kwargs)
 
         monkeypatch.setattr(runner, "_run_eager", recording)
         monkeypatch.setattr(scheduler, "update", counting)
@@ -982,9 +982,9 @@ def test_stop_strings_while_the_next_verify_step_is_launched(checkpoint, monkeyp
 
     update, live_drafts = engine.scheduler.update, [0]
 
-    def counting_update(scheduled, sampled):  # drafted chunks whose request is still running when recorded
+    def counting_update(scheduled, sampled, **kwargs):  # drafted chunks whose request is still running when recorded
         live_drafts[0] += sum(1 for c in scheduled.chunks if c.draft and not c.request.finished)
-        return update(scheduled, sampled)
+        return update(scheduled, sampled, **kwargs)
 
     engine.abort, engine.scheduler.update = recording_abort, counting_update
     got = llm.generate(batch, params, use_tqdm=False)
@@ -1024,8 +1024,8 @@ def test_a_failed_early_launch_fails_only_the_next_steps_requests(checkpoint, mo
 
     update = engine.scheduler.update
 
-    def arming_update(scheduled, sampled):  # the step that finishes request 0 is followed by a failing launch
-        advanced = update(scheduled, sampled)
+    def arming_update(scheduled, sampled, **kwargs):  # the step that finishes request 0 is followed by a failing launch
+        advanced = update(scheduled, sampled, **kwargs)
         armed[0] = armed[0] or any(r.rid == 0 and r.finished for r, _, _ in advanced)
         return advanced
 

@@ -52,6 +52,12 @@ def verify_gate() -> bool:
     return _flag("FASTQWEN_VERIFY_GATE", True)
 
 
+def verify_chain() -> bool:
+    """FASTQWEN_VERIFY_CHAIN=0: prompt lookup's verify steps are not chained on the device (engine/verify_chain.py);
+    the host gate, if on, queues them instead; for comparison."""
+    return _flag("FASTQWEN_VERIFY_CHAIN", True)
+
+
 def gemv_tensor_cores() -> bool:
     """FASTQWEN_GEMV_TENSOR_CORES=0: projections of 2 to 8 tokens skip the GEMV's tensor-core kernel: linear() then
     runs cuBLAS or the FP8 GEMM there, as before that kernel (gemv() itself its FMA kernel); for comparison."""

@@ -34,7 +34,7 @@ from ..model import Qwen3Model, Qwen3WithBatch1Decode
 from ..ops import _native
 from ..ops.collectives import SINGLE, ParallelGroup
 from ..pooling import architectures_of, detect_task
-from ..scheduler import FinishReason, Request, RequestState, ScheduledBatch, Scheduler
+from ..scheduler import FinishReason, Request, RequestState, ScheduledBatch, ScheduledChunk, Scheduler
 from ..sharding import Shard
 from ..speculative import SpeculativeConfig, SpeculativeConfigError, Speculator
 from ..speculative.config import MAX_SPECULATIVE_TOKENS
@@ -50,7 +50,7 @@ from .messages import EngineInfo, EngineRequest, EngineStats, RequestDelta, Step
 from .model_runner import ModelRunner
 from .sampler import make_sampler
 from .staging import staging_for
-from .verify import emitted_tokens
+from .verify import emitted_tokens, sampling_rows
 
 log = logging.getLogger(__name__)
 
@@ -358,6 +358,13 @@ class LLMEngine:
         if self.speculator is not None:
             # Verify graphs take drafts of one length: a short draft is filled up (any token is a valid guess).
             self.speculator.pad_drafts = self.runner.verify_graphs is not None
+            if spec_config.method == "ngram" and parallel.single:  # prompt lookup has a kernel: it may chain
+                self.runner.enable_chain(
+                    self.scheduler.max_model_len,
+                    spec_config.prompt_lookup_min,
+                    spec_config.prompt_lookup_max,
+                    spec_config.synthetic_acceptance_length,
+                )
         self.runner.mask_gate = functools.partial(rows_without_masks, wait_for_all=not parallel.single)
         self._arrivals = itertools.count()  # admission order (preemption takes the newest first)
         # Overlap: a decode step whose batch is known before the previous step's tokens are (Scheduler.schedule_ahead)
@@ -368,6 +375,7 @@ class LLMEngine:
         self._ahead = None
         self.num_ahead_steps = 0
         self.num_early_launches = 0  # steps launched before step() returned the one before them (_launch_next)
+        self.num_chained_steps = 0  # verify steps made on the device from the one before (_chain_next)
         self._gate_credit = GateCredit()
         self._step_requests: list[Request] = []  # the requests of the step in progress: those a failure fails
         self._failed_steps = 0  # in a row
@@ -755,7 +763,7 @@ class LLMEngine:
             launched = self.runner.launch_replay(scheduled)
             self._ahead = (scheduled, launched)
             self.num_early_launches += launched is not None
-            if launched is not None and scheduled.has_drafts:
+            if launched is not None and scheduled.has_drafts and not self._chain_next(scheduled, launched, True):
                 self._arm_next_verify(scheduled)
         except Exception as error:
             failed = self._fail_step(error)
@@ -790,6 +798,57 @@ class LLMEngine:
             if left <= 2 * q or not runner.sampler.plain(r):
                 return
         runner.arm_verify(runner.verify_graphs.padded_size(len(scheduled.chunks)))
+
+    def _chain_next(self, scheduled: ScheduledBatch, launched, start: bool) -> bool:
+        """Queue the verify step after `scheduled` (just launched) on the device, its inputs made there from this
+        one's draws (ModelRunner.chain_verify, engine/verify_chain.py), when it is certainly the step the host would
+        launch next up to what those draws decide: prompt lookup drafts (the kernel's), one rank, this step holds
+        every running request with a full draft, none is paused for low acceptance, nothing waits to be admitted,
+        every row is plain, each request has more than two steps' tokens left and gets pages for the longest
+        outcome of both steps. `start`: `scheduled` was launched by the host. True when queued."""
+        runner, scheduler, speculator = self.runner, self.scheduler, self.speculator
+        if runner.chain is None or launched.gate or len(scheduled.chunks) != len(scheduler.running):
+            return False
+        if scheduler.admission.might_admit():
+            return False
+        q = runner.verify_graphs.query_len
+        for c in scheduled.chunks:
+            r = c.request
+            if r.finished or c.filled_from is not None or len(c.draft) != q - 1 or not runner.sampler.plain(r):
+                return False
+            left = min(r.params.max_tokens - r.num_output_tokens, scheduler.max_model_len - len(r.token_ids))
+            if left <= 2 * q or not speculator.drafts_next(r):
+                return False
+        requests = [c.request for c in scheduled.chunks]
+        if not scheduler.reserve_ahead(requests, 2 * q):
+            return False
+        credits = [speculator.synthetic_credit(r) for r in requests] if start else None
+        runner.chain_verify(launched, requests, credits)
+        return True
+
+    def _take_chained(self, scheduled: ScheduledBatch, sampled, pending) -> tuple[ScheduledBatch, object]:
+        """The chained verify step that follows `scheduled` (just recorded), as the host would have scheduled it,
+        from its kernel's report: each chunk at its request's last token with the draft the device made. The report's
+        acceptance and last tokens must be what the host recorded (else the device and the host disagree on the
+        sequence, and the step fails). Chains the step after it when it may."""
+        accepted, ids = pending.chain_report.read()
+        q = self.runner.verify_graphs.query_len
+        chunks = []
+        for b, (chunk, emitted) in enumerate(zip(scheduled.chunks, sampled)):
+            request, row = chunk.request, ids[b * q : (b + 1) * q]
+            if not request.finished and (accepted[b] != len(emitted) - 1 or row[0] != request.token_ids[-1]):
+                raise RuntimeError(
+                    f"a chained verify step disagrees with the host on request {request.rid}: the device accepted "
+                    f"{accepted[b]} draft tokens and continues from token {row[0]}, the host kept "
+                    f"{len(emitted) - 1} and ends at {request.token_ids[-1]}"
+                )
+            end = len(request.token_ids)
+            chunks.append(ScheduledChunk(request, end - 1, end, tuple(row[1:])))
+        following, launched = ScheduledBatch(chunks), pending.chained
+        launched.requests = sampling_rows(following)
+        self.num_chained_steps += 1
+        self._chain_next(following, launched, False)
+        return following, launched
 
     def _publish_cache_events(self) -> None:
         """Hand what the prefix cache stored and removed since the last call to the KV-event publisher's thread."""
@@ -872,7 +931,8 @@ class LLMEngine:
             logprobs = None if logprobs is None else [logprobs[i] for i in kept]
         sampled = emitted_tokens(scheduled, tokens, self.speculator) if scheduled.has_drafts else tokens
         first_rows = [row for c, row in _with_first_rows(scheduled) if c.samples]
-        advanced = self.scheduler.update(scheduled, sampled)
+        chained = pending.chained  # a verify step made on the device from this one's draws is in flight
+        advanced = self.scheduler.update(scheduled, sampled, ahead=chained is not None)
         if pending.aux_hidden is not None:  # an EAGLE-3 drafter advances over the positions the step kept
             self.speculator.observe(token_rows, pending.aux_hidden)
         if self.check_every_step:
@@ -913,6 +973,9 @@ class LLMEngine:
                     prompt_logprobs=self._take_prompt_logprobs(request),
                 )
             )
+        if chained is not None:
+            self._step_requests = [c.request for c in scheduled.chunks]
+            self._ahead = self._take_chained(scheduled, sampled, pending)
         return StepOutput(deltas, time.monotonic(), scheduled.num_tokens)
 
     @staticmethod

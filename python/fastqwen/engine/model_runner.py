@@ -13,12 +13,14 @@ from .. import env
 from ..kvcache import KVPool
 from ..model import ForwardBatch, Qwen3Model
 from ..ops.host_gate import HostGate, host_gate_applies
+from ..ops.verify_chain import verify_chain_kernel_applies
 from ..scheduler import Request, ScheduledBatch
 from .cuda_graph import DecodeGraphs, fill_padding
 from .messages import TokenLogprobs
 from .sampler import ReferenceSampler, Sampler
 from .staging import BatchStaging, Layout, staging_for
 from .verify import sampling_rows
+from .verify_chain import ChainReport, VerifyChain
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,10 @@ class PendingStep:
     gate: int = 0
     scheduled: ScheduledBatch | None = None
     size: int = 0
+    # The verify step chained behind this one on the device (ModelRunner.chain_verify), and the report of how the
+    # kernel made it from this one's draws
+    chained: PendingStep | None = None
+    chain_report: ChainReport | None = None
 
 
 @dataclass
@@ -155,6 +161,7 @@ class ModelRunner:
         self._gate_fallbacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._verify_constants: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # size -> logits_indices, query_start
         self.num_gated_launches = self.num_gate_opens = self.num_gate_cancels = self.num_gate_timeouts = 0
+        self.chain: VerifyChain | None = None  # enable_chain's
         if (
             self.verify_graphs is not None
             and not capture_aux
@@ -466,6 +473,40 @@ class ModelRunner:
         self._gated = GatedVerify(seq, size, host, ready)
         self.num_gated_launches += 1
         return True
+
+    def enable_chain(self, max_model_len: int, n_min: int, n_max: int, synthetic: float | None) -> bool:
+        """Let prompt lookup's verify steps be chained on the device (chain_verify); False where they cannot be: no
+        verify graphs or CUDA sampler, an EAGLE-3 drafter's hidden states to capture, no kernel, or
+        FASTQWEN_VERIFY_CHAIN=0."""
+        if (
+            self.verify_graphs is None
+            or self.capture_aux
+            or not hasattr(self.sampler, "chained")
+            or not env.verify_chain()
+            or not verify_chain_kernel_applies(self.device)
+        ):
+            return False
+        self.chain = VerifyChain(
+            self.verify_graphs, self.sampler, self.kv.page_size, max_model_len, n_min, n_max, synthetic
+        )
+        return True
+
+    def chain_verify(self, after: PendingStep, requests: list[Request], credits: list[float] | None) -> PendingStep:
+        """Queue the verify step that follows `after` (a verify step in flight for these requests, in its row order,
+        every row plain) with its inputs made on the device from `after`'s draws (engine/verify_chain.py): the pages'
+        upload, the kernel, its report (after.chain_report), the verify graphs and the read-back. The returned step
+        is `after.chained`; its rows (`requests`) are set by whoever reads the report. `credits`: a chain's start
+        (`after` was launched by the host), see VerifyChain.queue."""
+        if self._gated is not None:  # (the engine arms the gate or chains, never both)
+            raise RuntimeError("chain_verify: a verify step is armed behind the host gate")
+        graphs = self.verify_graphs
+        size = graphs.padded_size(len(requests))
+        after.chain_report = self.chain.queue(requests, size, credits)
+        graphs.replay(size)
+        host, ready = self._start_read_back(self.sampler.tokens[: len(requests) * graphs.query_len])
+        self.sampler.chained(len(requests) * graphs.query_len)
+        after.chained = PendingStep([], host=host, ready=ready, size=size)
+        return after.chained
 
     def cancel_gate(self) -> None:
         """Let an armed verify step run on padding (its tokens are never read); nothing when none is armed."""

@@ -439,6 +439,19 @@ class GpuSampler(Sampler):
         self.num_rows = n
         self.num_top = -1
 
+    @property
+    def step_words(self) -> tuple[int, int]:
+        """The words of a packed row that hold its step (low, high): a chained verify step advances them on the
+        device (engine/verify_chain.py)."""
+        return self._step_words
+
+    def chained(self, num_rows: int) -> None:
+        """A verify step of plain rows chained on the device (engine/verify_chain.py) was launched: its rows are the
+        last step's with their steps advanced there; the host keeps what prepare() would have set."""
+        self._launch_blocked, self._launch_bias = self.blocked, self.bias
+        self.num_rows = num_rows
+        self.num_top = -1
+
     def neutral_rows(self, count: int) -> torch.Tensor:
         """count neutral rows (greedy, no slot, no logprobs) on the device: a gated step's rows when it is cancelled."""
         return torch.from_numpy(np.tile(self._neutral_row, (count, 1))).to(self.device)

@@ -72,6 +72,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
     cache_node: object | None = None  # the prefix-cache node this request has locked (its path is kept)
     cached_in_tree: int = 0  # tokens of this request's prefix already inserted in the cache
+    # Tokens whose KV pages stay held past a trim: a chained verify step in flight writes that far at most
+    # (Scheduler.reserve_ahead).
+    reserved_len: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when it was first admitted: queue time = this - arrival_time
     sampler: SamplerState = field(default_factory=SamplerState)

@@ -260,13 +260,16 @@ class Scheduler:
             return None
         return ScheduledBatch(chunks)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | list[int]]) -> list[tuple[Request, int, int]]:
+    def update(
+        self, batch: ScheduledBatch, sampled: list[int | list[int]], ahead: bool = False
+    ) -> list[tuple[Request, int, int]]:
         """Record a step's results: sampled[i] belongs to the i-th sampling chunk, its token, or for a chunk with a
         draft the tokens it emits (the accepted draft tokens, then the target's next one).
 
         Returns (request, i, n) for every request that got new tokens, finished or not: the first n of sampled[i]'s
         tokens were kept (fewer than emitted when one of them stops the request). A request that finished (or was
-        aborted) after the step was launched gets nothing.
+        aborted) after the step was launched gets nothing. `ahead`: a chained verify step follows this one already
+        (reserve_ahead): its requests keep their reserved pages; otherwise the reservations end here.
         """
         self.num_computed_tokens += batch.num_tokens
         advanced = []
@@ -306,7 +309,9 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
-            elif chunk.draft:
+            elif chunk.draft or request.reserved_len:
+                if not ahead:
+                    request.reserved_len = 0
                 self._trim_pages(request)
         if self.cache is not None:
             for chunk in batch.chunks:  # share freshly prefilled pages with requests admitted from now on
@@ -346,9 +351,24 @@ class Scheduler:
         )
         return self.speculator.propose(request, limit) if limit > 0 else ()
 
+    def reserve_ahead(self, requests: list[Request], num_tokens: int) -> bool:
+        """Pages for num_tokens tokens past each request's recorded ones (its last one included), held until the
+        update that ends the reservation: a chained verify step (engine/verify_chain.py) is launched before the host
+        knows where the step before it ends, so its pages are grown for the longest outcome and kept past trims
+        while it is in flight. False when the pages cannot all be had without a preemption (nothing is reserved;
+        pages grown for earlier requests go back at their next trim)."""
+        for request in requests:
+            end = len(request.token_ids) - 1 + num_tokens
+            if end > self.max_model_len or not self._grow(request, end):
+                return False
+        for request in requests:
+            request.reserved_len = len(request.token_ids) - 1 + num_tokens
+        return True
+
     def _trim_pages(self, request: Request) -> None:
-        """Give back the pages a verify step grew for draft tokens that were rejected (past the request's tokens)."""
-        keep = self._pages_for(len(request.token_ids))
+        """Give back the pages a verify step grew for draft tokens that were rejected (past the request's tokens and
+        its reservation)."""
+        keep = self._pages_for(max(len(request.token_ids), request.reserved_len))
         if len(request.pages) > keep:
             self.allocator.decref(request.pages[keep:])
             del request.pages[keep:]
@@ -411,6 +431,7 @@ class Scheduler:
             self.cache.unlock(request.cache_node)
             request.cache_node = None
         request.cached_in_tree = 0
+        request.reserved_len = 0
         if request.pages:
             self.allocator.decref(request.pages)
             request.pages = []

@@ -96,6 +96,18 @@ class Speculator:
             return False
         return True
 
+    def drafts_next(self, request) -> bool:
+        """Whether the request's next step would carry a draft as far as acceptance goes (not paused for low
+        acceptance); unlike may_draft, it counts nothing. Asked before a chained verify step is launched."""
+        state = self._states.get(request.rid)
+        return state is None or not state.paused or self.synthetic is not None
+
+    def synthetic_credit(self, request) -> float:
+        """The request's forced-acceptance credit (accepted's arithmetic): a chained verify step continues it on the
+        device."""
+        state = self._states.get(request.rid)
+        return state.synthetic_credit if state is not None else 0.0
+
     def propose(self, request, limit: int) -> tuple[int, ...]:
         """The draft for a decoding request's next step: at most `limit` tokens (what max_tokens and the context leave
         after the token the step samples anyway). (The scheduler fills a draft that verify graphs need longer with
