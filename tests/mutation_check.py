@@ -553,8 +553,12 @@ MUTATIONS = [
                 "(static_cast<unsigned long long>(n) << 32) | static_cast<unsigned>(len - e);",
             )
         ],
-        ["tests/test_ngram_draft.py::test_kernel_drafts_what_the_reference_drafts[2-4-3]"],
+        [
+            "tests/test_ngram_draft.py::test_kernel_drafts_what_the_reference_drafts[2-4-3]",
+            "tests/test_verify_chain.py::test_the_kernel_makes_what_the_host_makes[4-None]",
+        ],
         "the device drafts from the earliest occurrence of the tail instead of the latest",
+        rebuild=("ngram_draft.cu", "verify_chain.cu"),
     ),
     Mutation(
         "verify_chain_step_not_advanced",
@@ -565,7 +569,7 @@ MUTATIONS = [
                 "((static_cast<unsigned long long>(words[step_hi]) << 32) | words[step_lo]) + accepted;",
             )
         ],
-        ["tests/test_verify_chain.py::test_the_kernel_makes_what_the_host_makes[None-4]"],
+        ["tests/test_verify_chain.py::test_the_kernel_makes_what_the_host_makes[4-None]"],
         "a chained step's sampler rows draw with the seed step of the rejected position, not the next one",
     ),
     Mutation(
