@@ -340,3 +340,61 @@ def test_chained_steps_on_the_gpu_draw_what_the_host_launches_draw(tmp_path, mon
     assert out == reference
     assert host.num_chained_steps == 0 and engine.runner.chain is not None
     assert engine.num_chained_steps >= 0.5 * engine.stats().spec_num_drafts / len(batch), engine.num_chained_steps
+
+
+def test_chains_start_again_after_an_arrival(checkpoint, monkeypatch):
+    """An arrival stops the chain (it waits for the chained step in flight, then is admitted); the next verify steps
+    chain again, also where the host gate queued one meanwhile (a gated step is never chained behind: its gate may
+    time out and the step run on padding). Requests arriving every sixth step: the tokens of the engine with neither,
+    and a chain started again after most arrivals."""
+    from test_speculative import arrivals_every
+
+    batch = prompts(5, seed=37)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "synthetic_acceptance_length": 2.0}
+    reference = arrivals_every(chain_llm(monkeypatch, checkpoint, spec, chained=False), batch, params, 6)
+    monkeypatch.setenv("FASTQWEN_VERIFY_CHAIN", "1")
+    monkeypatch.setattr(model_runner_module, "verify_chain_kernel_applies", lambda device: True)
+    llm = graph_llm(monkeypatch, checkpoint, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    runner = llm.engine.runner
+    assert runner.chain is not None and runner._gate is not None
+    assert arrivals_every(llm, batch, params, 6) == reference
+    assert runner.chain.num_starts >= len(batch), (runner.chain.num_starts, runner.num_gated_launches)
+    assert llm.engine.num_chained_steps >= 20
+
+
+def test_a_chain_follows_the_host_gate_again(checkpoint, monkeypatch):
+    """Where a chain cannot start (here: its first pages refused, as in a shortage) the host gate queues the next verify
+    step instead. A step is never chained behind a gated one (the gate may time out and run it on padding), so once a
+    gated step's batch could chain, the next verify step is launched the ordinary way and the chain starts behind it,
+    instead of gate after gate. The tokens of the engine with neither."""
+    batch = prompts(3, seed=38)
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "synthetic_acceptance_length": 2.0}
+    reference = outputs(chain_llm(monkeypatch, checkpoint, spec, chained=False), batch, params)
+    monkeypatch.setenv("FASTQWEN_VERIFY_CHAIN", "1")
+    monkeypatch.setattr(model_runner_module, "verify_chain_kernel_applies", lambda device: True)
+    llm = graph_llm(monkeypatch, checkpoint, host_gate=True, speculative_config=spec, page_size=4, num_pages=512)
+    engine, runner = llm.engine, llm.engine.runner
+    reserve, calls = engine.scheduler.reserve_ahead, [0]
+
+    def refused_once(requests, num_tokens):
+        calls[0] += 1
+        return calls[0] != 1 and reserve(requests, num_tokens)
+
+    engine.scheduler.reserve_ahead = refused_once
+    launches = []  # (gated, the batch could chain) of each verify step the host launched
+    launch_replay = runner.launch_replay
+
+    def recording(scheduled):
+        launched = launch_replay(scheduled)
+        if launched is not None and scheduled.has_drafts:
+            launches.append((bool(launched.gate), engine._chainable(scheduled)))
+        return launched
+
+    runner.launch_replay = recording
+    assert outputs(llm, batch, params) == reference
+    gated_chainable = [i for i, (gated, chainable) in enumerate(launches) if gated and chainable]
+    assert gated_chainable, str(launches)  # (the case arises)
+    assert all(i + 1 == len(launches) or not launches[i + 1][0] for i in gated_chainable), str(launches)
+    assert runner.chain.num_starts == 1 and engine.num_chained_steps >= 20, (engine.num_chained_steps, launches)

@@ -763,8 +763,11 @@ class LLMEngine:
             launched = self.runner.launch_replay(scheduled)
             self._ahead = (scheduled, launched)
             self.num_early_launches += launched is not None
-            if launched is not None and scheduled.has_drafts and not self._chain_next(scheduled, launched, True):
-                self._arm_next_verify(scheduled)
+            if launched is not None and scheduled.has_drafts:
+                if launched.gate and self._chainable(scheduled):
+                    pass  # (launched the ordinary way next, to chain behind: never behind a gate, which may time out)
+                elif not self._chain_next(scheduled, launched, True):
+                    self._arm_next_verify(scheduled)
         except Exception as error:
             failed = self._fail_step(error)
             return StepOutput(output.deltas + failed.deltas, failed.time, output.num_tokens)
@@ -806,10 +809,19 @@ class LLMEngine:
         every running request with a full draft, none is paused for low acceptance, nothing waits to be admitted,
         every row is plain, each request has more than two steps' tokens left and gets pages for the longest
         outcome of both steps. `start`: `scheduled` was launched by the host. True when queued."""
-        runner, scheduler, speculator = self.runner, self.scheduler, self.speculator
-        if runner.chain is None or launched.gate or len(scheduled.chunks) != len(scheduler.running):
+        if launched.gate or not self._chainable(scheduled):
             return False
-        if scheduler.admission.might_admit():
+        requests = [c.request for c in scheduled.chunks]
+        if not self.scheduler.reserve_ahead(requests, 2 * self.runner.verify_graphs.query_len):
+            return False
+        credits = [self.speculator.synthetic_credit(r) for r in requests] if start else None
+        self.runner.chain_verify(launched, requests, credits)
+        return True
+
+    def _chainable(self, scheduled: ScheduledBatch) -> bool:
+        """_chain_next's conditions on the step and its requests (all but the gate and the pages)."""
+        runner, scheduler, speculator = self.runner, self.scheduler, self.speculator
+        if runner.chain is None or len(scheduled.chunks) != len(scheduler.running) or scheduler.admission.might_admit():
             return False
         q = runner.verify_graphs.query_len
         for c in scheduled.chunks:
@@ -819,11 +831,6 @@ class LLMEngine:
             left = min(r.params.max_tokens - r.num_output_tokens, scheduler.max_model_len - len(r.token_ids))
             if left <= 2 * q or not speculator.drafts_next(r):
                 return False
-        requests = [c.request for c in scheduled.chunks]
-        if not scheduler.reserve_ahead(requests, 2 * q):
-            return False
-        credits = [speculator.synthetic_credit(r) for r in requests] if start else None
-        runner.chain_verify(launched, requests, credits)
         return True
 
     def _take_chained(self, scheduled: ScheduledBatch, sampled, pending) -> tuple[ScheduledBatch, object]:

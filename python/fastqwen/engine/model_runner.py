@@ -502,6 +502,7 @@ class ModelRunner:
         graphs = self.verify_graphs
         size = graphs.padded_size(len(requests))
         after.chain_report = self.chain.queue(requests, size, credits)
+        self._table_size = 0  # (it writes a verify layout into the staging buffer, the host's on the CPU)
         graphs.replay(size)
         host, ready = self._start_read_back(self.sampler.tokens[: len(requests) * graphs.query_len])
         self.sampler.chained(len(requests) * graphs.query_len)
@@ -513,6 +514,7 @@ class ModelRunner:
         if self._gated is not None:
             self._gated = None
             self._gate.cancel()
+            self._table_size = 0  # (its fallback inputs overwrite the staging buffer where it is the host's: CPU)
             self.num_gate_cancels += 1
 
     def _make_gate_fallbacks(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:

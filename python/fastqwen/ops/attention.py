@@ -177,12 +177,13 @@ def paged_attention_decode_reference(
     group = num_heads // num_kv_heads
     max_kv = int(kv_lens.max())
     pos = torch.arange(max_kv, device=q.device)
-    slots = page_table[:, pos // page_size].long() * page_size + pos % page_size  # [B, max_kv]
+    invalid = pos[None, :] >= kv_lens[:, None].long()  # [B, max_kv]
+    # As the kernel, no page-table entry past a row's kv_len is read: the caller may leave anything there.
+    slots = page_table[:, pos // page_size].long().masked_fill(invalid, 0) * page_size + pos % page_size
     keys = dequantize_kv(gather_rows(k_cache.view(-1, num_kv_heads, head_dim), slots), k_scale)  # [B, max_kv, H_kv, D]
     values = dequantize_kv(gather_rows(v_cache.view(-1, num_kv_heads, head_dim), slots), v_scale)
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,bjkd->bkgj", qg, keys) * scale
-    invalid = pos[None, :] >= kv_lens[:, None].long()  # [B, max_kv]
     scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bkgj,bjkd->bkgd", probs, values).reshape(batch, num_heads, head_dim).to(q.dtype)
