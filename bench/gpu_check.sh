@@ -31,8 +31,9 @@
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3;
 #            SPEC_REPEATS requests of 128 tokens, default 5, medians)
 #            next to without, offline and through HTTP (SPEC_QUANT: none fp8)   (README: speculative.md)
-#   specgate  the host gate on and off on one machine: FP8 speculation with it, without it and speculation off;
-#            bf16 with it; profile_step --verify with it and without                      (README: speculative.md)
+#   specgate  how verify steps follow each other, on one machine: FP8 speculation chained on the device (the
+#            default), behind the host gate (FASTQWEN_VERIFY_CHAIN=0), launched plainly (and FASTQWEN_VERIFY_GATE=0),
+#            speculation off; bf16 chained; profile_step --verify for each of the three      (README: speculative.md)
 #   specthroughput  offline output throughput with and without speculation at 1, 4, 16 and 256 in flight
 #   gemvtc   the tensor-core GEMV's FP8 pipelines (FASTQWEN_GEMV_TC_FP8_VARIANT 0..12) at 1 to 4 tokens, their GPU
 #            test, then FP8 speculation off, and at acceptance 2.0 with each of GEMV_TC_VARIANTS (default: the
@@ -450,16 +451,18 @@ stage_verifyprofile() {  # issue 42: the FP8 verify step (k = 3, acceptance 2.0,
   done
 }
 
-stage_specgate() {  # issue 42: the host gate (FASTQWEN_VERIFY_GATE) on and off on the same machine: FP8 speculation
-  # through HTTP and offline with it, without it, and without speculation; bf16 with it; then profile_step --verify
-  # with it and without (the host parts between two verify steps)
+stage_specgate() {  # issue 42: chained verify steps, the host gate and neither on the same machine: FP8 speculation
+  # through HTTP and offline with each, and without speculation; bf16 chained; then profile_step --verify with each
+  # (the host parts between two verify steps)
   SPEC_QUANT=fp8 stage_speculative
-  FASTQWEN_VERIFY_GATE=0 SPEC_QUANT=fp8 SPEC_MODES=on SPEC_TAG=_nogate stage_speculative
+  FASTQWEN_VERIFY_CHAIN=0 SPEC_QUANT=fp8 SPEC_MODES=on SPEC_TAG=_gate stage_speculative
+  FASTQWEN_VERIFY_CHAIN=0 FASTQWEN_VERIFY_GATE=0 SPEC_QUANT=fp8 SPEC_MODES=on SPEC_TAG=_nogate stage_speculative
   SPEC_QUANT=none SPEC_MODES=on stage_speculative
-  for gate in 1 0; do
-    FASTQWEN_VERIFY_GATE=$gate run "verify_profile_fp8_gate$gate" 120 python3 bench/profile_step.py --model Qwen3-8B \
-      --load-format dummy --quantization fp8 --num-pages 2048 --speculative-config "$SPEC_SYNTHETIC" --verify \
-      --json "$OUT/verify_profile_fp8_gate$gate.json"
+  for mode in chain:1:1 gate:0:1 plain:0:0; do
+    local name=${mode%%:*} flags=${mode#*:}
+    FASTQWEN_VERIFY_CHAIN=${flags%:*} FASTQWEN_VERIFY_GATE=${flags#*:} run "verify_profile_fp8_$name" 120 \
+      python3 bench/profile_step.py --model Qwen3-8B --load-format dummy --quantization fp8 --num-pages 2048 \
+      --speculative-config "$SPEC_SYNTHETIC" --verify --json "$OUT/verify_profile_fp8_$name.json"
   done
 }
 
