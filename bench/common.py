@@ -91,3 +91,35 @@ def report(result: dict, json_path: str | None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+# Kernel families of a prefill or decode step, by the names the profiler gives kernels (ours from csrc/, cuBLAS's
+# GEMMs, PyTorch's own): the first family whose words the name holds.
+KERNEL_FAMILIES = [
+    ("attention", ("prefill_hopper_kernel", "prefill_kernel", "decode_kernel", "merge_kernel", "plan_kernel")),
+    ("projections", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "quantize_kernel")),
+    ("norms + rope/kv", ("rms_norm", "qk_norm_rope")),
+    ("activation", ("silu_and_mul",)),
+    ("sampler", ("scan_kernel", "finish_kernel")),
+    ("all-reduce", ("one_shot", "nccl")),
+]
+
+
+def kernel_family(name: str) -> str:
+    """The family of a kernel by its profiler name (KERNEL_FAMILIES), or "other" (copies, fills, elementwise ops)."""
+    lowered = name.lower()
+    for family, words in KERNEL_FAMILIES:
+        if any(word in lowered for word in words):
+            return family
+    return "other"
+
+
+def family_times(events) -> dict[str, dict]:
+    """GPU milliseconds and kernel counts per family of profiler CUDA events (each with .name and .device_time in us),
+    largest first."""
+    families: dict[str, dict] = {}
+    for e in events:
+        entry = families.setdefault(kernel_family(e.name), {"ms": 0.0, "kernels": 0})
+        entry["ms"] += e.device_time / 1e3
+        entry["kernels"] += 1
+    return dict(sorted(families.items(), key=lambda item: -item[1]["ms"]))

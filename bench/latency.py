@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-from common import copy_bandwidth, hf_model_like, report
+from common import copy_bandwidth, family_times, hf_model_like, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
 from serving import chunk_tokens, request_metrics
@@ -216,6 +216,33 @@ def ttft_rows(llm: LLM, lengths: list[int], rng: random.Random) -> list[dict]:
     return rows
 
 
+def ttft_profile(llm: LLM, n: int, rng: random.Random) -> dict:
+    """One fresh prompt of n tokens to its first token under torch.profiler: the kernels' GPU time per family
+    (bench/common.py's kernel_family) beside the TTFT, and the chunks it was prefilled in (max_num_batched_tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = llm.engine.config.vocab_size
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ttft = engine_latency(llm, [rng.randrange(vocab) for _ in range(n)], 1)["ttft_ms"]
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+    families = family_times(events)
+    busy = sum(f["ms"] for f in families.values())
+    chunk = llm.engine.config.max_num_batched_tokens
+    row = {
+        "prompt_tokens": n,
+        "chunk_tokens": chunk,
+        "ttft_ms": ttft,
+        "kernels_ms": busy,
+        "families": {k: {"ms": round(v["ms"], 3), "kernels": v["kernels"]} for k, v in families.items()},
+    }
+    shares = ", ".join(f"{k} {v['ms']:.1f}" for k, v in families.items())
+    print(
+        f"TTFT {n} tokens in chunks of {chunk}: {ttft:.1f} ms (profiled), kernels {busy:.1f} ms: {shares}", flush=True
+    )
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=8192)
@@ -241,6 +268,12 @@ def main() -> int:
         default=[],
         help="also the TTFT of one prompt of each length (median of 3 fresh prompts): offline beside the FLOP limit of "
         "its prefill, or through --url with --http-only",
+    )
+    p.add_argument(
+        "--ttft-profile",
+        action="store_true",
+        help="also one more fresh prompt of each --ttft-lens length under torch.profiler: the prefill's GPU time per "
+        "kernel family (attention, projections, norms, ...) against its TTFT",
     )
     p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
     p.add_argument("--json", default=None)
@@ -295,6 +328,8 @@ def main() -> int:
     result["rows"] = rows
     if args.ttft_lens:
         result["ttft"] = ttft_rows(llm, args.ttft_lens, rng)
+        if args.ttft_profile:
+            result["ttft_profile"] = [ttft_profile(llm, n, rng) for n in args.ttft_lens]
     # Free the engine's GPU memory (weights, KV pool, graphs) before the baseline builds its own model.
     del llm, graphs, weights
     gc.collect()

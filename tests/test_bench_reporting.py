@@ -178,3 +178,32 @@ def test_profile_step_gate_path_by_hand():
     assert path["opened"] == pytest.approx(10.0)
     assert path["tokens_to_open"] == pytest.approx(60.0)  # 60, 50, 60
     assert path["gpu_wait"] == pytest.approx(50.0) and path["gates"] == 3
+
+
+def test_kernel_families_of_profiler_names():
+    """bench/common.py's kernel_family sorts the names the profiler gives a prefill's kernels (written out here from an
+    H100 trace's kinds) into the families latency.py --ttft-profile reports, and family_times sums them."""
+    from types import SimpleNamespace
+
+    from common import family_times, kernel_family
+
+    names = {
+        "void fastqwen::(anonymous namespace)::prefill_hopper_kernel<(int)10, __nv_bfloat16>(Params)": "attention",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "projections",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off": (
+            "projections"
+        ),
+        "void fastqwen::(anonymous namespace)::rms_norm_kernel<__nv_bfloat16, 8>(...)": "norms + rope/kv",
+        "void fastqwen::(anonymous namespace)::qk_norm_rope_kernel<__nv_bfloat16>(...)": "norms + rope/kv",
+        "void fastqwen::(anonymous namespace)::silu_and_mul_kernel<__nv_bfloat16>(...)": "activation",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(...)": "other",
+        "Memcpy DtoD (Device -> Device)": "other",
+    }
+    for name, family in names.items():
+        assert kernel_family(name) == family, name
+    events = [SimpleNamespace(name=n, device_time=t) for n, t in [(list(names)[0], 1500.0), (list(names)[1], 250.0),
+              (list(names)[2], 750.0), (list(names)[6], 10.0)]]  # fmt: skip
+    times = family_times(events)
+    assert list(times) == ["attention", "projections", "other"]  # (largest first)
+    assert times["attention"] == {"ms": 1.5, "kernels": 1} and times["projections"] == {"ms": 1.0, "kernels": 2}
+    assert times["other"] == {"ms": 0.01, "kernels": 1}
