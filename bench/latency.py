@@ -222,13 +222,15 @@ def ttft_profile(llm: LLM, n: int, rng: random.Random) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     vocab = llm.engine.config.vocab_size
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    on_gpu = llm.engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]) as prof:
         ttft = engine_latency(llm, [rng.randrange(vocab) for _ in range(n)], 1)["ttft_ms"]
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
     families = family_times(events)
     busy = sum(f["ms"] for f in families.values())
-    chunk = llm.engine.config.max_num_batched_tokens
+    chunk = llm.engine.scheduler.max_num_batched_tokens
     row = {
         "prompt_tokens": n,
         "chunk_tokens": chunk,

@@ -207,3 +207,18 @@ def test_kernel_families_of_profiler_names():
     assert list(times) == ["attention", "projections", "other"]  # (largest first)
     assert times["attention"] == {"ms": 1.5, "kernels": 1} and times["projections"] == {"ms": 1.0, "kernels": 2}
     assert times["other"] == {"ms": 0.01, "kernels": 1}
+
+
+def test_ttft_profile_runs_on_a_cpu_engine(tmp_path):
+    """latency.py's ttft_profile end to end on a tiny CPU engine (no CUDA kernels, so no families): its row names the
+    prompt, the chunk size the engine prefilled it in, and a TTFT."""
+    import random
+
+    from fastqwen import LLM
+    from latency import ttft_profile
+
+    make_checkpoint(str(tmp_path), tied=True)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=32)
+    row = ttft_profile(llm, 100, random.Random(0))
+    assert row["prompt_tokens"] == 100 and row["chunk_tokens"] == 32 and row["ttft_ms"] > 0
+    assert row["families"] == {} and row["kernels_ms"] == 0
