@@ -481,7 +481,7 @@ class ModelRunner:
         if (
             self.verify_graphs is None
             or self.capture_aux
-            or not hasattr(self.sampler, "chained")
+            or not hasattr(self.sampler, "plain_rows_launched")
             or not env.verify_chain()
             or not verify_chain_kernel_applies(self.device)
         ):
@@ -505,7 +505,7 @@ class ModelRunner:
         self._table_size = 0  # (it writes a verify layout into the staging buffer, the host's on the CPU)
         graphs.replay(size)
         host, ready = self._start_read_back(self.sampler.tokens[: len(requests) * graphs.query_len])
-        self.sampler.chained(len(requests) * graphs.query_len)
+        self.sampler.plain_rows_launched(len(requests) * graphs.query_len)
         after.chained = PendingStep([], host=host, ready=ready, size=size)
         return after.chained
 

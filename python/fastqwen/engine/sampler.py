@@ -435,9 +435,7 @@ class GpuSampler(Sampler):
             words[i, step_hi] = step >> 32
         if pad_to > n:
             host[n:pad_to] = self._neutral_row
-        self._launch_blocked, self._launch_bias = self.blocked, self.bias
-        self.num_rows = n
-        self.num_top = -1
+        self.plain_rows_launched(n)
 
     @property
     def step_words(self) -> tuple[int, int]:
@@ -445,9 +443,9 @@ class GpuSampler(Sampler):
         device (engine/verify_chain.py)."""
         return self._step_words
 
-    def chained(self, num_rows: int) -> None:
-        """A verify step of plain rows chained on the device (engine/verify_chain.py) was launched: its rows are the
-        last step's with their steps advanced there; the host keeps what prepare() would have set."""
+    def plain_rows_launched(self, num_rows: int) -> None:
+        """The next launch draws num_rows plain rows (packed by pack_rows, or the last step's rows with their steps
+        advanced on the device by a chained verify step, engine/verify_chain.py): what prepare() would have set."""
         self._launch_blocked, self._launch_bias = self.blocked, self.bias
         self.num_rows = num_rows
         self.num_top = -1
