@@ -89,6 +89,16 @@ __device__ __forceinline__ uint64_t desc_at(uint64_t base_desc) {
   return base_desc;
 }
 
+// base_desc with `add` (a byte offset / 16) added to its start-address field, in the low word alone: a 64-bit add
+// would cost the carry's instructions at every k16 step, on the path of each matrix multiply's issue.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t base_desc, uint32_t add) {
+  uint32_t lo, hi;
+  asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(base_desc));
+  uint64_t d;
+  asm("mov.b64 %0, {%1, %2};\n" : "=l"(d) : "r"(lo + add), "r"(hi));
+  return d;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
