@@ -53,7 +53,7 @@
 #            server (API_SERVERS front-end processes, default 1) with SGLang's bench_serving (SGL_TOOLS) (issue 47)
 #   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   prefillstalls  Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill kernel (16k, bf16)
-#   prefilldiag  bench/prefill_diag.py: the prefill kernel under experimental switches (PREFILL_DIAG_CONFIGS)
+#   prefillvariants  bench/prefill_variants.py: the prefill kernel's pipelines (PREFILL_VARIANTS_LIST) beside cuDNN
 #   stepaccount  bench/step_account.py: the decode step of random Qwen3-8B at batch 64, 256 and 512 per kernel family
 #            against each family's bound; bf16, then FP8 weights + FP8 KV (issue 47)
 #   saturated  issue 47's parts at decode batch sizes, in one call: decode attention at 256 and 512 sequences of
@@ -329,11 +329,11 @@ stage_prefillprofile() {  # issue 48: where the Hopper prefill kernel's time goe
 }
 
 stage_prefillstalls() {  # issue 48: Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill
-  # kernel (PREFILL_PROFILE_VARIANT, default the default pipeline) on one 16k causal prefill, bf16; clocks left alone
+  # kernel (PREFILL_PROFILE_VARIANT, default 11, the default pipeline) on one 16k causal prefill, bf16; clocks left alone
   if ! command -v ncu > /dev/null; then echo "prefillstalls: no ncu on this machine"; return; fi
-  # (bench/prefill_diag.py: its first launches are the pipeline's own, before cuDNN's)
-  local case=(python3 bench/prefill_diag.py --iters 3 --repeats 1 --cases 1:16384
-              --configs "VARIANT=${PREFILL_PROFILE_VARIANT:-10}")
+  # (bench/prefill_variants.py: its first launches are the pipeline's own, before cuDNN's)
+  local case=(python3 bench/prefill_variants.py --iters 3 --repeats 1 --no-cudnn --cases 1:16384
+              --variants "${PREFILL_PROFILE_VARIANT:-11}")
   run prefill_stalls 300 ncu --clock-control none --kernel-name regex:prefill_hopper --launch-skip 2 --launch-count 1 \
     --section SourceCounters --section WarpStateStats --section SpeedOfLight --import-source no -f \
     -o /tmp/prefill_stalls "${case[@]}"
@@ -345,9 +345,9 @@ stage_prefillstalls() {  # issue 48: Nsight Compute's warp-stall samples per SAS
   head -n 60 "$OUT/prefill_stalls_top.txt"
 }
 
-stage_prefilldiag() {  # issue 48 (experiment): bench/prefill_diag.py's switches (PREFILL_DIAG_CONFIGS) beside cuDNN
-  run prefill_diag 400 python3 bench/prefill_diag.py --cases ${PREFILL_DIAG_CASES:-1:8192 1:16384 1:32768 4:4096} \
-    --configs ${PREFILL_DIAG_CONFIGS:-base}
+stage_prefillvariants() {  # issue 48: bench/prefill_variants.py, pipelines PREFILL_VARIANTS_LIST beside cuDNN
+  run prefill_variants 400 python3 bench/prefill_variants.py --cases ${PREFILL_VARIANT_CASES:-1:8192 1:16384 1:32768 4:4096} \
+    --variants ${PREFILL_VARIANTS_LIST:-10 11}
 }
 
 stage_gemvprofile() {  # issue 42: Nsight Compute on the FP8 GEMV of gate_up and o_proj at one token (gemv.cu) and at
@@ -568,7 +568,7 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
 for stage in $STAGES; do
   case "$stage" in
     tests) stage_tests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|prefillstalls|prefilldiag|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

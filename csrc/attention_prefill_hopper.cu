@@ -16,9 +16,10 @@
 // Pipelines (template switches, chosen at run time by set_paged_attention_prefill_hopper_variant): the softmax of a
 // tile overlapped with the previous tile's P V, the two warpgroups taking turns at the tensor cores (ping-pong), two
 // or three K/V stages, a static or dynamic schedule, Q loaded by the consumers or by the producer. The default
-// (ping-pong + dynamic, consumers' Q) is the best measured mean.
+// (overlap + ping-pong + dynamic, consumers' Q) is the best measured; the producer warpgroup's four warps issue the
+// 16-bit copies (one warp issuing them all held every pipeline near 500 TFLOP/s on an H100).
 //
-// Q by the producer (16-bit caches, G dividing 128): the producer warp copies a work item's 128 packed query rows with
+// Q by the producer (16-bit caches, G dividing 128): producer warp 0 copies a work item's 128 packed query rows with
 // two bulk tensor copies (q viewed as [tokens, H, 128]; packed row r of a tile is token r / G of head kvh * G + r % G,
 // so the tile is one box of 128 / G tokens x G heads) as soon as both consumer warpgroups have completed their last
 // S = Q K^T of the item before, so the next item's Q arrives while this item's last softmax, P V and stores run
@@ -35,7 +36,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -64,6 +64,7 @@ constexpr int kTileBytes = 2 * kHalfBytes;         // a K or V tile: 32 KB
 constexpr int kQBytes = 2 * kBM * 128;             // the Q tile: 32 KB
 constexpr int kRawTileBytes = kBN * kD;            // an e4m3 K or V tile as copied (16 KB, rows of 128 bytes)
 constexpr int kConverterThreads = 96;              // FP8: warps 1..3 of the producer warpgroup
+constexpr int kIssueWarps = 4;                     // 16-bit caches: the producer warps that issue the copies
 constexpr int kVariantTmaQ = 16;                   // set_paged_attention_prefill_hopper_variant's bit for Q by the producer
 static_assert(kPrefillHopperVariants == 2 * kVariantTmaQ, "attention.h's variant count: bits 0..4");
 template <int kStages, bool kFp8>
@@ -75,8 +76,9 @@ static_assert(kSmemBytes<kMaxStages, false> <= kMaxSmemBytes && kSmemBytes<2, tr
 constexpr float kLog2e = 1.4426950408889634f;
 // Registers per thread after setmaxnreg. The block's pool is what it launched with (__launch_bounds__(384, 1): 168
 // each), and an increase that the pool cannot cover waits forever, so the split must fit in it.
-// FP8 caches: the producer warpgroup converts tiles too and keeps more (24 spilled 80 bytes there). The dynamic
-// schedule's producer warp spills 36 bytes at 24 (kept: it waits on barriers most of the time, the consumers do not).
+// FP8 caches: the producer warpgroup converts tiles too and keeps more (24 spilled 80 bytes there). The 16-bit
+// issuing warps spill up to 88 bytes at 24 (kept: they wait on barriers most of the time; the overlapped consumers
+// need their 240).
 constexpr int kLaunchRegs = 168;
 template <bool kFp8>
 constexpr int kProducerRegs = kFp8 ? 40 : 24;
@@ -98,14 +100,13 @@ struct Params {
   int m_tiles;      // query tiles of the longest sequence
   float scale_log2;  // softmax scale * k_scale * log2(e)
   float v_scale;     // 1 for 16-bit caches
-  int section_pairs;  // work items are numbered section by section of this many (sequence, KV head) pairs
-  int diag;           // EXPERIMENT: bit 0 skips the softmax, bit 1 reads each K/V tile with one 128-key box
 };
 
 // Shared memory, from a 1,024-aligned base: Q (two 64-column halves of 128 rows), then per stage K and V (two halves
 // of 128 keys each), then (FP8) per stage the e4m3 K and V tiles as copied, then the barriers. Addresses are computed
 // from the stage, not held in arrays: a stage chosen at run time would index such an array in local memory.
-// full_k/full_v: a stage's 16-bit K/V tiles are ready (the copies' bytes; FP8: the three converter warps' arrivals);
+// full_k/full_v: a stage's 16-bit K/V tiles are ready (the copies' bytes, after the two issuing warps' arrivals of
+// each; FP8: the three converter warps' arrivals);
 // empty_k/empty_v: the 8 consumer warps are done with its K tile (once S = Q K^T has completed) or its V tile (once
 // P V has): K is released a P V earlier than V, so the next K tile streams in while this tile's softmax and P V
 // run, as FlashAttention-3 releases its K and V pipelines apart; raw_full_k/raw_full_v, raw_empty: the e4m3 ring.
@@ -217,16 +218,9 @@ struct Work {
 // from_end = i / (B * H_kv): the tiles that see the most keys come first. The same item also owns the tiles
 // from_end + m_tiles, + 2 m_tiles, ... (only when max_query_len understated a sequence: never in the engine).
 __device__ __forceinline__ Work work_of(const Params& p, int item, int round) {
-  const int pairs = p.batch * p.num_kv_heads;
-  // Sections: the pairs are taken section_pairs at a time (longest tiles first within each), so that the blocks
-  // running at once read the K/V of a few heads, which stay in L2.
-  const int per_section = p.m_tiles * p.section_pairs;
-  const int section = item / per_section;
-  const int first = section * p.section_pairs;
-  const int width = min(p.section_pairs, pairs - first);
-  const int r = item - section * per_section;
-  const int from_end = r / width + round * p.m_tiles;
-  const int rest = first + r % width;
+  const int per_tile = p.batch * p.num_kv_heads;
+  const int from_end = item / per_tile + round * p.m_tiles;
+  const int rest = item % per_tile;
   Work w;
   w.kvh = rest % p.num_kv_heads;
   w.b = rest / p.num_kv_heads;
@@ -258,27 +252,14 @@ __device__ __forceinline__ void issue_turn_end(int c) {
   if constexpr (kPingpong) asm volatile("bar.arrive %0, 256;\n" ::"r"(kIssueBarrier + (c ^ 1)) : "memory");
 }
 
-// 2^x for x <= 0 on the FMA pipe (the exponential unit does 16 a cycle per SM, and it is what the softmax waits on):
-// x = j + f with j an integer and |f| <= 1/2 (rounded through the float's mantissa), 2^f by a degree-3 polynomial
-// (relative error 1.0e-4, below bf16's 3.9e-3 and fp16's 4.9e-4 rounding of P), and j added to its exponent. x is
-// clamped at -127, where the polynomial's 1 plus j's bits make exactly +0 (a masked key's -inf included).
-__device__ __forceinline__ float exp2_fma(float x) {
-  x = fmaxf(x, -127.0f);
-  const float shifted = x + 12582912.0f;  // 1.5 * 2^23: j in the mantissa's low bits
-  const float f = x - (shifted - 12582912.0f);
-  const float p = fmaf(fmaf(fmaf(0.0550089255f, f, 0.242211f), f, 0.693282962f), f, 1.0f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-}
-
 // Online softmax of one S tile (raw scores) for this thread's two rows, in place: the probabilities relative to the
 // new running max (log2 units, one FFMA and one exp2 per score). Returns each row's rescale factor of O and l.
 // The maxima are a tree per row (31 FMNMX, depth 5) with both rows interleaved, and the sums run in kChains chains per
 // row: written as one running value each was a chain of 32 dependent FMNMX or FADD (seen in the SASS), whose latency
 // the warpgroup's one warp per scheduler cannot hide while the other warpgroup waits on its matrix multiplies. The
-// maxima are the same whatever the order; the sums' order changes their last bits. kPolyOf8: of each 8 scores, this
-// many take exp2_fma instead of the exponential unit (0: none), so that the two pipes share the work.
+// maxima are the same whatever the order; the sums' order changes their last bits.
 constexpr int kChains = 4;
-template <bool kMasked, int kPolyOf8>
+template <bool kMasked>
 __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
                                              const int (&row_pos)[2], int key0, int lane, float scale_log2) {
   if constexpr (kMasked) {
@@ -356,10 +337,8 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m_run)[2],
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int i = nb * 4 + h * 2 + e;
-        float& x = sc[i];
-        const float arg = fmaf(x, scale_log2, -m_scaled[h]);
-        x = (i % 8) < kPolyOf8 ? exp2_fma(arg) : mma::fast_exp2(arg);
+        float& x = sc[nb * 4 + h * 2 + e];
+        x = mma::fast_exp2(fmaf(x, scale_log2, -m_scaled[h]));
         sum[h][nb % kChains] += x;
       }
     }
@@ -375,12 +354,10 @@ static_assert(kChains == 4, "softmax_tile combines four chains");
 // warpgroups take turns issuing. kStages: K/V tiles in flight. kDynamic: the schedule of work items. kTmaQ: the
 // producer copies each work item's Q tile (q_map; unused otherwise). set_paged_attention_prefill_hopper_variant picks
 // them (kernel_variant below holds the default, the best measured).
-template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic, bool kTmaQ,
-          int kPolyOf8 = 0>
+template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic, bool kTmaQ>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_hopper_kernel(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                          const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_wide_map,
-                          const __grid_constant__ CUtensorMap v_wide_map, const Params p) {
+                          const __grid_constant__ CUtensorMap q_map, const Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace hopper;
   extern __shared__ unsigned char smem_raw[];
@@ -392,15 +369,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x;
   const int warpgroup = tid / 128;
   const int items = p.m_tiles * p.batch * p.num_kv_heads;
-  // EXPERIMENT (diag bit 2, 16-bit caches): the producer warpgroup's four warps issue the copies, warp q half q % 2
-  // of the K (q < 2) or V tile, instead of warp 0 all 32 boxes of a tile.
-  const bool split_issue = !kFp8 && (p.diag & 4);
 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(sm.full_k(s), kFp8 ? kConverterThreads / 32 : split_issue ? 2 : 1);
-      mbar_init(sm.full_v(s), kFp8 ? kConverterThreads / 32 : split_issue ? 2 : 1);
+      mbar_init(sm.full_k(s), kFp8 ? kConverterThreads / 32 : kIssueWarps);
+      mbar_init(sm.full_v(s), kFp8 ? kConverterThreads / 32 : kIssueWarps);
       mbar_init(sm.empty_k(s), 8);  // one arrival per consumer warp
       mbar_init(sm.empty_v(s), 8);
       if constexpr (kFp8) {
@@ -412,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kDynamic) {
       for (int i = 0; i < 2; ++i) {
         mbar_init(sm.item_full(i), 1);
-        mbar_init(sm.item_empty(i), 8 + (kFp8 ? kConverterThreads / 32 : split_issue ? 3 : 0));
+        mbar_init(sm.item_empty(i), 8 + (kFp8 ? kConverterThreads / 32 : kIssueWarps - 1));
       }
     }
     if constexpr (kTmaQ) {
@@ -430,11 +404,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   griddep_launch_dependents();
 
   if (warpgroup == 0) {
-    // Producer: warp 0 issues every copy, lane i the 16-key boxes i of K and V (their page ids load in parallel);
-    // the other warps leave (FP8: convert the copied tiles), and the warpgroup gives its registers to the consumers.
+    // Producer. 16-bit caches: warp q copies half q % 2 of every K (q < 2) or V tile, lane i its 16-key box i (the
+    // page ids load in parallel). One warp issuing all 32 boxes of a tile was the kernel's limit once the softmax
+    // overlapped P V: each bulk copy with operands that differ by lane costs the issuing warp a loop of about 80
+    // cycles (its uniform registers' round trip), 2,500 of a tile's 3,400 (Nsight's stall samples, H100). FP8 caches:
+    // warp 0 copies the e4m3 tiles and warps 1..3 convert them. The warpgroup gives its registers to the consumers.
     regs_dec<kProducerRegs<kFp8>>();
-    if (tid >= 32 && !split_issue) {
-      if constexpr (kFp8) {
+    if constexpr (kFp8) {
+      if (tid >= 32) {
         const int t = tid - 32;
         int it = 0;  // as the producer's
         for (int k = 0;; ++k) {
@@ -464,11 +441,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         }
+        return;
       }
-      return;
     }
     const int lane = tid % 32;
-    const int pw = tid / 32;  // the issuing warp (0 unless split_issue)
+    const int pw = tid / 32;  // the issuing warp (0 for FP8 caches)
     if (tid == 0) {
       prefetch_tensor_map(&k_map);
       prefetch_tensor_map(&v_map);
@@ -523,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               tma_load_3d(sm.raw_k(s) + offset, &k_map, sm.raw_full_k(s), 0, w.kvh, slot);
               tma_load_3d(sm.raw_v(s) + offset, &v_map, sm.raw_full_v(s), 0, w.kvh, slot);
             }
-          } else if (split_issue) {
+          } else {  // warp pw copies half pw % 2 of the K (pw < 2) or V tile as soon as its stage's K or V is released
             const bool is_v = pw >= 2;
             const int half = pw % 2;
             const uint32_t full = is_v ? sm.full_v(s) : sm.full_k(s);
@@ -535,40 +512,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                           full, half * 64, w.kvh, slot);
             }
             if (j == 0 && pw == 0) load_q();
-          } else if (p.diag & 2) {  // EXPERIMENT: one 128-key box per half from box 0's slot (wrong keys)
-            const int slot0 = __shfl_sync(0xffffffffu, slot, 0);
-            mbar_wait(sm.empty_k(s), ((it / kStages) & 1) ^ 1);
-            if (lane == 0) {
-              mbar_arrive_expect_tx(sm.full_k(s), kTileBytes);
-              tma_load_3d(sm.k(s), &k_wide_map, sm.full_k(s), 0, w.kvh, slot0);
-              tma_load_3d(sm.k(s) + kHalfBytes, &k_wide_map, sm.full_k(s), 64, w.kvh, slot0);
-            }
-            __syncwarp();
-            if (j == 0) load_q();
-            mbar_wait(sm.empty_v(s), ((it / kStages) & 1) ^ 1);
-            if (lane == 0) {
-              mbar_arrive_expect_tx(sm.full_v(s), kTileBytes);
-              tma_load_3d(sm.v(s), &v_wide_map, sm.full_v(s), 0, w.kvh, slot0);
-              tma_load_3d(sm.v(s) + kHalfBytes, &v_wide_map, sm.full_v(s), 64, w.kvh, slot0);
-            }
-            __syncwarp();
-          } else {  // K as soon as its stage's K is released, then V as soon as its V is
-            const uint32_t offset = lane * kBoxKeys * 128;
-            mbar_wait(sm.empty_k(s), ((it / kStages) & 1) ^ 1);
-            if (lane == 0) mbar_arrive_expect_tx(sm.full_k(s), kTileBytes);  // the whole tile
-            __syncwarp();
-            if (lane < kBN / kBoxKeys) {
-              tma_load_3d(sm.k(s) + offset, &k_map, sm.full_k(s), 0, w.kvh, slot);
-              tma_load_3d(sm.k(s) + kHalfBytes + offset, &k_map, sm.full_k(s), 64, w.kvh, slot);
-            }
-            if (j == 0) load_q();
-            mbar_wait(sm.empty_v(s), ((it / kStages) & 1) ^ 1);
-            if (lane == 0) mbar_arrive_expect_tx(sm.full_v(s), kTileBytes);
-            __syncwarp();
-            if (lane < kBN / kBoxKeys) {
-              tma_load_3d(sm.v(s) + offset, &v_map, sm.full_v(s), 0, w.kvh, slot);
-              tma_load_3d(sm.v(s) + kHalfBytes + offset, &v_map, sm.full_v(s), 64, w.kvh, slot);
-            }
           }
         }
       }
@@ -671,14 +614,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       auto softmax = [&](int j, float (&alpha)[2]) {
         fence_regs(sc);
-        if (p.diag & 1) {  // EXPERIMENT: P = S
-          alpha[0] = alpha[1] = 1.0f;
-          return;
-        }
         if ((j + 1) * kBN > full_end) {
-          softmax_tile<true, kPolyOf8>(sc, m_run, l_run, alpha, row_pos, j * kBN, lane, p.scale_log2);
+          softmax_tile<true>(sc, m_run, l_run, alpha, row_pos, j * kBN, lane, p.scale_log2);
         } else {
-          softmax_tile<false, kPolyOf8>(sc, m_run, l_run, alpha, row_pos, j * kBN, lane, p.scale_log2);
+          softmax_tile<false>(sc, m_run, l_run, alpha, row_pos, j * kBN, lane, p.scale_log2);
         }
       };
       // O's rows to the new running max. The fence keeps the 64 multiplies here: the compiler otherwise sinks them
@@ -848,14 +787,14 @@ EncodeTiled encode_tiled() {
 
 // The pool [slots, H_kv, 128] as a tensor map whose box is 16 slots x 1 head x 128 bytes: 64 columns swizzled for
 // 16-bit caches (the layout wgmma reads), all 128 e4m3 columns unswizzled for FP8 ones (the converters' input).
-CUtensorMap pool_map(const void* pool, int kv_dtype, int64_t slots, int64_t num_kv_heads, uint32_t box_keys = kBoxKeys) {
+CUtensorMap pool_map(const void* pool, int kv_dtype, int64_t slots, int64_t num_kv_heads) {
   CUtensorMap map;
   const bool fp8 = kv_dtype == kFP8E4M3;
   const cuuint64_t bytes = fp8 ? 1 : 2;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(num_kv_heads),
                               static_cast<cuuint64_t>(slots)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kD * bytes), static_cast<cuuint64_t>(num_kv_heads * kD * bytes)};
-  const cuuint32_t box[3] = {fp8 ? 128u : 64u, 1, box_keys};
+  const cuuint32_t box[3] = {fp8 ? 128u : 64u, 1, kBoxKeys};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUtensorMapDataType type = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                    : kv_dtype == kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
@@ -892,23 +831,21 @@ CUtensorMap q_tile_map(const void* q, int dtype, int64_t tokens, int64_t num_hea
 
 bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
 // set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic, 4 Q by the
-// producer (16-bit caches with G dividing 128; else the consumers load it). The default:
-// ping-pong with the dynamic schedule (two stages, no overlap), the best mean over bench/kernels.py's prefill cases
-// on an H100 (2026-11-27, all 16 variants in one run: 502 TFLOP/s over the seven 16-bit cases against 492 for
-// overlap + ping-pong + three stages and 481 for ping-pong alone; the best of the four FP8 pipelines in 7 of 8
-// cases, +1 to +11% over static ping-pong). With two stages the overlap starved (335-445) while a stage's K and V
-// were released together, after the P V that overlaps the next tile's softmax; they are now released apart.
-int kernel_variant = 10;
+// producer (16-bit caches with G dividing 128; else the consumers load it). The default: the softmax overlapped with
+// the previous tile's P V, ping-pong, the dynamic schedule, two stages (FlashAttention-3's pipeline). Once four warps
+// issue the copies it is the fastest (H100, 2026-11-27: 588 / 586 / 581 TFLOP/s at 8k / 16k / 32k against 549 / 527 /
+// 526 for ping-pong without the overlap, variant 10, the default before; cuDNN 614 / 581 / 616 in the same run).
+// FP8 caches run its ping-pong and schedule without the overlap (launch below).
+int kernel_variant = 11;
 
 // The maps of one launch: the pool's K and V, and q's (Q by the producer; else k's, unused).
 struct Maps {
-  CUtensorMap k, v, q, k_wide, v_wide;
+  CUtensorMap k, v, q;
 };
 
-template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic, bool kTmaQ,
-          int kPolyOf8 = 0>
+template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic, bool kTmaQ>
 void launch_variant(const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
-  auto kernel = prefill_hopper_kernel<T, Kv, kOverlap, kPingpong, kStages, kDynamic, kTmaQ, kPolyOf8>;
+  auto kernel = prefill_hopper_kernel<T, Kv, kOverlap, kPingpong, kStages, kDynamic, kTmaQ>;
   constexpr int smem_bytes = kSmemBytes<kStages, kIsFp8<Kv>>;
   static PerDevice<bool> configured;
   configured.get([&](int) {
@@ -920,7 +857,7 @@ void launch_variant(const Maps& maps, const Params& p, int64_t items, cudaStream
   // Persistent: one block per SM (its shared memory allows no second), each taking work items in turn.
   const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
   launch_programmatic(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem_bytes, stream,
-                      "paged_attention_prefill_hopper kernel launch", maps.k, maps.v, maps.q, maps.k_wide, maps.v_wide, p);
+                      "paged_attention_prefill_hopper kernel launch", maps.k, maps.v, maps.q, p);
 }
 
 // The pipeline of variant bits 0..2 with a static or dynamic schedule, Q loaded by the consumers or the producer.
@@ -951,30 +888,11 @@ void launch_schedule(int variant, const Maps& maps, const Params& p, int64_t ite
 // ring, and the overlap's registers (240) do not fit beside the converters' (40; the overlap spills at 232); and
 // their Q is converted on its way into shared memory, so the consumers load it. tma_q: bit 4 set and q's tile is
 // one box (G divides the 128 rows).
-template <typename T, typename Kv, bool kOverlap, int kPolyOf8>
-bool launch_poly(const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
-  launch_variant<T, Kv, kOverlap, true, 2, true, false, kPolyOf8>(maps, p, items, stream);
-  return true;
-}
-// EXPERIMENT: exp2 on the FMA pipe for poly_of8 of each 8 scores, pipelines 10 and 11 (consumers' Q) only.
-int poly_of8 = 0;
-template <typename T, typename Kv, bool kOverlap>
-bool launch_with_poly(const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
-  switch (poly_of8) {
-    case 2: return launch_poly<T, Kv, kOverlap, 2>(maps, p, items, stream);
-    case 3: return launch_poly<T, Kv, kOverlap, 3>(maps, p, items, stream);
-    case 4: return launch_poly<T, Kv, kOverlap, 4>(maps, p, items, stream);
-    default: return false;
-  }
-}
-
 template <typename T, typename Kv>
 void launch(const Maps& maps, bool tma_q, const Params& p, int64_t items, cudaStream_t stream) {
   if constexpr (kIsFp8<Kv>) {
     return launch_schedule<T, Kv, false>(kernel_variant & (2 | 8), maps, p, items, stream);
   } else {
-    if (poly_of8 && !tma_q && kernel_variant == 10 && launch_with_poly<T, Kv, false>(maps, p, items, stream)) return;
-    if (poly_of8 && !tma_q && kernel_variant == 11 && launch_with_poly<T, Kv, true>(maps, p, items, stream)) return;
     if (tma_q) return launch_schedule<T, Kv, true>(kernel_variant & 15, maps, p, items, stream);
     return launch_schedule<T, Kv, false>(kernel_variant & 15, maps, p, items, stream);
   }
@@ -1039,23 +957,12 @@ void paged_attention_prefill_hopper(const PrefillArgs& a) {
            reinterpret_cast<void*>(a.out), static_cast<int>(a.batch), static_cast<int>(a.num_heads),
            static_cast<int>(a.num_kv_heads), static_cast<int>(group), shift, static_cast<int>(a.max_pages),
            static_cast<int>(slots), static_cast<int>(a.num_pages), static_cast<int>(m_tiles),
-           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           0, 0};
-  const int pairs = static_cast<int>(a.batch * a.num_kv_heads);
-  const char* section_env = std::getenv("FASTQWEN_PREFILL_SECTION");  // EXPERIMENT
-  const int section = section_env ? std::atoi(section_env) : 0;
-  p.section_pairs = section > 0 && section < pairs ? section : pairs;
-  const char* diag_env = std::getenv("FASTQWEN_PREFILL_DIAG");  // EXPERIMENT
-  p.diag = diag_env && !fp8 ? std::atoi(diag_env) : 0;
-  const char* poly_env = std::getenv("FASTQWEN_PREFILL_POLY");  // EXPERIMENT
-  poly_of8 = poly_env ? std::atoi(poly_env) : 0;
+           static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0)};
   Maps maps;
   maps.k = pool_map(reinterpret_cast<const void*>(a.k_cache), a.kv_dtype, slots, a.num_kv_heads);
   maps.v = pool_map(reinterpret_cast<const void*>(a.v_cache), a.kv_dtype, slots, a.num_kv_heads);
   // Q by the producer needs q's row count (0: not given): its map's bounds, past which a box reads zeros.
   const bool tma_q = (kernel_variant & kVariantTmaQ) && !fp8 && kBM % group == 0 && a.num_tokens > 0;
-  maps.k_wide = (p.diag & 2) ? pool_map(reinterpret_cast<const void*>(a.k_cache), a.kv_dtype, slots, a.num_kv_heads, kBN) : maps.k;
-  maps.v_wide = (p.diag & 2) ? pool_map(reinterpret_cast<const void*>(a.v_cache), a.kv_dtype, slots, a.num_kv_heads, kBN) : maps.v;
   maps.q = tma_q ? q_tile_map(reinterpret_cast<const void*>(a.q), a.dtype, a.num_tokens, a.num_heads, group) : maps.k;
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill_hopper: ", a.dtype, kHalfTypes, T,

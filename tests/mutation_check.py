@@ -157,6 +157,18 @@ MUTATIONS = [
         "the Hopper kernel's warpgroups skip the last K/V tile their rows see when it is not full",
     ),
     Mutation(
+        "prefill_hopper_v_high_half_copied_from_the_low_columns",
+        PREFILL_HOPPER,
+        [
+            (
+                "                          full, half * 64, w.kvh, slot);",
+                "                          full, is_v ? 0 : half * 64, w.kvh, slot);",
+            )
+        ],
+        PREFILL_HOPPER_TESTS,
+        "the warp that copies the V tiles' second 64-column half (16-bit caches) reads the first half's columns",
+    ),
+    Mutation(
         "prefill_hopper_causal_offset_ignores_the_prefix",
         PREFILL_HOPPER,
         [
