@@ -373,8 +373,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(sm.full_k(s), kFp8 ? kConverterThreads / 32 : kIssueWarps);
-      mbar_init(sm.full_v(s), kFp8 ? kConverterThreads / 32 : kIssueWarps);
+      mbar_init(sm.full_k(s), kFp8 ? kConverterThreads / 32 : kIssueWarps / 2);  // (two warps copy each tile)
+      mbar_init(sm.full_v(s), kFp8 ? kConverterThreads / 32 : kIssueWarps / 2);  // (two warps copy each tile)
       mbar_init(sm.empty_k(s), 8);  // one arrival per consumer warp
       mbar_init(sm.empty_v(s), 8);
       if constexpr (kFp8) {
