@@ -35,6 +35,17 @@ def time_fn(fn, iters: int, warmup: int = 5, queue_ahead: bool = False) -> float
     return statistics.median(times)
 
 
+def interleaved_medians(graphs: dict, iters: int, rounds: int) -> dict:
+    """Median milliseconds of each CUDA graph's replay (time_fn, queued ahead) over `rounds` rounds in which the graphs
+    take turns: a drift of the GPU's clock during the run then reaches each alike, where timing one after the other
+    let a kernel and its reference meet different clocks (the 16k cuDNN prefill moved 569-638 TFLOP/s between calls)."""
+    samples = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            samples[name].append(time_fn(graph.replay, iters, queue_ahead=True))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def copy_bandwidth(iters: int, queue_ahead: bool = True) -> float:
     """GB/s of a 1 GiB device-to-device copy, counting read + write (GPU time: queued ahead, see time_fn)."""
     n = 1 << 30

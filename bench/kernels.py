@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from common import copy_bandwidth, graph_of, time_fn
+from common import copy_bandwidth, graph_of, interleaved_medians, time_fn
 from fastqwen.ops import (
     decode_workspace,
     fused_add_rms_norm,
@@ -326,12 +326,19 @@ HOPPER_VARIANTS = getattr(native(), "PREFILL_HOPPER_VARIANTS", 0)
 
 
 def bench_prefill(
-    batch: int, new: int, prefix: int, iters: int, kv: str = "bf16", variants: list[int] | None = None
+    batch: int,
+    new: int,
+    prefix: int,
+    iters: int,
+    kv: str = "bf16",
+    variants: list[int] | None = None,
+    rounds: int = 3,
 ) -> dict:
     """Causal prefill / extend attention, Qwen3-8B heads, page 16, pages scattered; against PyTorch's
     scaled_dot_product_attention (flash and cuDNN backends, SDPA_BACKENDS) on the same shapes in contiguous layout, K/V
-    expanded to all heads. Compute-bound: FLOPs = 4 * H * D * (keys each query sees, summed). variants: the Hopper
-    kernel's pipelines to time (default: all; an FP8 cache times those of 0, 2, 8, 10 it runs)."""
+    expanded to all heads. Compute-bound: FLOPs = 4 * H * D * (keys each query sees, summed). Our default and the
+    references (bf16 rows) take turns over `rounds` rounds, each figure their median (common.interleaved_medians).
+    variants: the Hopper kernel's pipelines to time (default: all; an FP8 cache times those of 0, 2, 8, 10 it runs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     total = prefix + new
@@ -372,7 +379,35 @@ def bench_prefill(
         finally:
             switch(previous if restore is None else restore)
 
-    us = replay_us()
+    # The references: the same attention, contiguous [B, H, S, D], through each backend (bottom-right causal for the
+    # extend), captured beside ours (bf16 rows; a backend may refuse a shape or mask).
+    graphs = {"ours": graph_of(ours)}
+    errors: dict[str, str] = {}
+    if kv == "bf16":
+        q = torch.randn(nbuf, batch, HEADS, new, HEAD_DIM, device="cuda", dtype=DT)
+        k = torch.randn(nbuf, batch, HEADS, total, HEAD_DIM, device="cuda", dtype=DT)
+        v = torch.randn_like(k)
+        if prefix == 0:
+            mask_kw = {"is_causal": True}
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask_kw = {"attn_mask": causal_lower_right(new, total)}
+        backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+        for name in SDPA_BACKENDS:
+            try:
+                with sdpa_kernel(backends[name]):
+                    graphs[name] = graph_of(
+                        lambda: [
+                            torch.nn.functional.scaled_dot_product_attention(q[i], k[i], v[i], **mask_kw)
+                            for i in range(nbuf)
+                        ]
+                    )
+            except RuntimeError as e:
+                errors[name] = str(e)[:200]
+    medians = interleaved_medians(graphs, iters, rounds)
+    graphs.clear()
+    us = medians["ours"] / nbuf * 1e3
     row = {
         "op": "paged_attention_prefill",
         "kv_dtype": kv,
@@ -380,10 +415,24 @@ def bench_prefill(
         "new_tokens": new,
         "prefix": prefix,
         "flops": flops,
+        "rounds": rounds,
         "kernel": "hopper" if prefill_uses_hopper_kernel(qs[0], k_cache) else "tensor_cores",
         "ours_us": us,
         "ours_tflops": flops / (us * 1e-6) / 1e12,
     }
+    for name in SDPA_BACKENDS:
+        if kv != "bf16":
+            row[f"sdpa_{name}_error"] = "compared on the bf16 rows only"
+        elif name in errors:
+            row[f"sdpa_{name}_error"] = errors[name]
+        else:
+            sdpa_us = medians[name] / nbuf * 1e3
+            row[f"sdpa_{name}_us"] = sdpa_us
+            row[f"sdpa_{name}_tflops"] = flops / (sdpa_us * 1e-6) / 1e12
+            row[f"ours_vs_{name}"] = row["ours_tflops"] / row[f"sdpa_{name}_tflops"]
+    if kv == "bf16":
+        del q, k, v
+        torch.cuda.empty_cache()
     if row["kernel"] == "hopper":  # the tensor-core kernel (csrc/attention_prefill.cu) on the same inputs
         tc_us = replay_us_with(set_hopper_prefill, False)
         row["tensor_cores_us"] = tc_us
@@ -393,7 +442,7 @@ def bench_prefill(
         row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
         # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
         # K/V stages, bit 3 a dynamic schedule, bit 4 Q copied by the producer. Each one's output is checked against
-        # the reference before it is timed.
+        # the reference before it is timed (once each: the default's figure above is the interleaved one).
         default_variant = native().set_paged_attention_prefill_hopper_variant(0)
         try:
             # An FP8 cache runs the 2-stage pipelines without overlap whatever the variant (bits 1 and 3 only).
@@ -410,41 +459,6 @@ def bench_prefill(
             native().set_paged_attention_prefill_hopper_variant(default_variant)
         row["hopper_default_variant"] = default_variant
     del k_cache, v_cache, qs, outs, want
-    torch.cuda.empty_cache()
-    if kv != "bf16":
-        for name in SDPA_BACKENDS:
-            row[f"sdpa_{name}_error"] = "compared on the bf16 rows only"
-        return row
-    # The same attention, contiguous [B, H, S, D], through each backend (bottom-right causal for the extend).
-    q = torch.randn(nbuf, batch, HEADS, new, HEAD_DIM, device="cuda", dtype=DT)
-    k = torch.randn(nbuf, batch, HEADS, total, HEAD_DIM, device="cuda", dtype=DT)
-    v = torch.randn_like(k)
-    if prefix == 0:
-        mask_kw = {"is_causal": True}
-    else:
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask_kw = {"attn_mask": causal_lower_right(new, total)}
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-    for name in SDPA_BACKENDS:
-        try:
-            with sdpa_kernel(backends[name]):
-
-                def sdpa():
-                    return [
-                        torch.nn.functional.scaled_dot_product_attention(q[i], k[i], v[i], **mask_kw)
-                        for i in range(nbuf)
-                    ]
-
-                graph = graph_of(sdpa)
-                sdpa_us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-                del graph
-            row[f"sdpa_{name}_us"] = sdpa_us
-            row[f"sdpa_{name}_tflops"] = flops / (sdpa_us * 1e-6) / 1e12
-            row[f"ours_vs_{name}"] = row["ours_tflops"] / row[f"sdpa_{name}_tflops"]
-        except RuntimeError as e:  # a backend may refuse a shape or mask
-            row[f"sdpa_{name}_error"] = str(e)[:200]
-    del q, k, v
     torch.cuda.empty_cache()
     return row
 
@@ -500,7 +514,13 @@ def main() -> int:
         choices=range(HOPPER_VARIANTS),
         default=None,
         metavar="N",
-        help="time only these pipelines of the Hopper prefill kernel (default: all 16)",
+        help="time only these pipelines of the Hopper prefill kernel (default: all 32)",
+    )
+    ap.add_argument(
+        "--prefill-rounds",
+        type=int,
+        default=3,
+        help="rounds in which the prefill default and SDPA's backends take turns (their medians are reported)",
     )
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -532,7 +552,7 @@ def main() -> int:
             native().set_paged_attention_decode_min_chunk(kv == "fp8", 0)  # the default
     prefill_rows = (
         [
-            bench_prefill(b, n, p, args.iters, kv, args.prefill_variants)
+            bench_prefill(b, n, p, args.iters, kv, args.prefill_variants, args.prefill_rounds)
             for b, n, p in args.prefill_cases or PREFILL_CASES
             for kv in args.kv_dtypes
         ]

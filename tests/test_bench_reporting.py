@@ -222,3 +222,29 @@ def test_ttft_profile_runs_on_a_cpu_engine(tmp_path):
     row = ttft_profile(llm, 100, random.Random(0))
     assert row["prompt_tokens"] == 100 and row["chunk_tokens"] == 32 and row["ttft_ms"] > 0
     assert row["families"] == {} and row["kernels_ms"] == 0
+
+
+def test_interleaved_medians_take_turns_and_report_each_median(monkeypatch):
+    """bench/common.py interleaved_medians: the graphs alternate within each round (a clock drift over the run then
+    reaches a kernel and its reference alike), and each figure is the median of its own rounds."""
+    import common
+
+    calls = []
+    times = {"ours": iter([5.0, 1.0, 3.0]), "cudnn": iter([2.0, 9.0, 4.0])}
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            pass
+
+    def fake_time_fn(fn, iters, warmup=5, queue_ahead=False):
+        name = fn.__self__.name
+        calls.append(name)
+        return next(times[name])
+
+    monkeypatch.setattr(common, "time_fn", fake_time_fn)
+    medians = common.interleaved_medians({"ours": Graph("ours"), "cudnn": Graph("cudnn")}, iters=10, rounds=3)
+    assert calls == ["ours", "cudnn"] * 3
+    assert medians == {"ours": 3.0, "cudnn": 4.0}
