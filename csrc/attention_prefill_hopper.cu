@@ -420,9 +420,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     // Producer. 16-bit caches: warp q copies half q % 2 of every K (q < 2) or V tile, lane i its 16-key box i (the
     // page ids load in parallel). One warp issuing all 32 boxes of a tile was the kernel's limit once the softmax
-    // overlapped P V: each bulk copy with operands that differ by lane costs the issuing warp a loop of about 80
-    // cycles (its uniform registers' round trip), 2,500 of a tile's 3,400 (Nsight's stall samples, H100). FP8 caches:
-    // warp 0 copies the e4m3 tiles and warps 1..3 convert them. The warpgroup gives its registers to the consumers.
+    // overlapped P V: a bulk copy whose operands differ by lane is issued one lane at a time (elect, operands into
+    // uniform registers, the copy, a branch back), about 80 cycles each, 2,500 of a tile's 3,400 (Nsight's stall
+    // samples, H100). FP8 caches: warp 0 copies the e4m3 tiles and warps 1..3 convert them. The warpgroup gives its
+    // registers to the consumers.
     regs_dec<kProducerRegs<kFp8>>();
     if constexpr (kFp8) {
       if (tid >= 32) {
