@@ -325,6 +325,99 @@ SDPA_BACKENDS = ("flash", "cudnn")
 HOPPER_VARIANTS = getattr(native(), "PREFILL_HOPPER_VARIANTS", 0)
 
 
+@dataclass
+class PrefillCase:
+    """A prefill case's paged inputs over `nbuf` buffers (pages of 16, scattered over one pool): `run()` calls the
+    kernel on each buffer, `flops` counts 4 * H * D * (keys each query sees, summed)."""
+
+    batch: int
+    new: int
+    prefix: int
+    nbuf: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    starts: torch.Tensor
+    qs: torch.Tensor
+    outs: torch.Tensor
+    scale: float = HEAD_DIM**-0.5
+
+    @property
+    def flops(self) -> int:
+        return 4 * HEADS * HEAD_DIM * self.batch * sum(self.prefix + i + 1 for i in range(self.new))
+
+    def call(self, i: int) -> None:
+        paged_attention_prefill(
+            self.qs[i],
+            self.k_cache,
+            self.v_cache,
+            self.starts,
+            self.tables[i],
+            self.lens,
+            self.scale,
+            self.outs[i],
+            self.new,
+        )
+
+    def run(self) -> None:
+        for i in range(self.nbuf):
+            self.call(i)
+
+
+def prefill_case(batch: int, new: int, prefix: int, kv: str = "bf16", nbuf: int = 2) -> PrefillCase:
+    total = prefix + new
+    pages_each = -(-total // PAGE)
+    pool_pages = nbuf * batch * pages_each
+    k_cache, v_cache = kv_pool(pool_pages, kv)
+    qs = torch.randn(nbuf, batch * new, HEADS, HEAD_DIM, device="cuda", dtype=DT)
+    return PrefillCase(
+        batch,
+        new,
+        prefix,
+        nbuf,
+        k_cache,
+        v_cache,
+        tables=torch.randperm(pool_pages, device="cuda").to(torch.int32).view(nbuf, batch, pages_each),
+        lens=torch.full((batch,), total, dtype=torch.int32, device="cuda"),
+        starts=torch.arange(batch + 1, dtype=torch.int32, device="cuda") * new,
+        qs=qs,
+        outs=torch.empty_like(qs),
+    )
+
+
+def sdpa_prefill_graphs(case: PrefillCase, names=SDPA_BACKENDS) -> tuple[dict, dict, tuple]:
+    """The same attention through PyTorch SDPA's backends (`names` of SDPA_BACKENDS), contiguous [B, H, S, D] with K/V
+    expanded to all heads, bottom-right causal for an extend: {name: CUDA graph of nbuf calls}, and {name: error} for
+    a backend that refuses the shape or mask, and the graphs' inputs, which the caller keeps while it replays them."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    total = case.prefix + case.new
+    q = torch.randn(case.nbuf, case.batch, HEADS, case.new, HEAD_DIM, device="cuda", dtype=DT)
+    k = torch.randn(case.nbuf, case.batch, HEADS, total, HEAD_DIM, device="cuda", dtype=DT)
+    v = torch.randn_like(k)
+    if case.prefix == 0:
+        mask_kw = {"is_causal": True}
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask_kw = {"attn_mask": causal_lower_right(case.new, total)}
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    graphs, errors = {}, {}
+    for name in names:
+        try:
+            with sdpa_kernel(backends[name]):
+                graphs[name] = graph_of(
+                    lambda: [
+                        torch.nn.functional.scaled_dot_product_attention(q[i], k[i], v[i], **mask_kw)
+                        for i in range(case.nbuf)
+                    ]
+                )
+        except RuntimeError as e:
+            errors[name] = str(e)[:200]
+    return graphs, errors, (q, k, v, mask_kw)
+
+
 def bench_prefill(
     batch: int,
     new: int,
@@ -334,38 +427,24 @@ def bench_prefill(
     variants: list[int] | None = None,
     rounds: int = 3,
 ) -> dict:
-    """Causal prefill / extend attention, Qwen3-8B heads, page 16, pages scattered; against PyTorch's
-    scaled_dot_product_attention (flash and cuDNN backends, SDPA_BACKENDS) on the same shapes in contiguous layout, K/V
-    expanded to all heads. Compute-bound: FLOPs = 4 * H * D * (keys each query sees, summed). Our default and the
-    references (bf16 rows) take turns over `rounds` rounds, each figure their median (common.interleaved_medians).
-    variants: the Hopper kernel's pipelines to time (default: all; an FP8 cache times those of 0, 2, 8, 10 it runs)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    total = prefix + new
-    pages_each = -(-total // PAGE)
-    nbuf = 2
-    pool_pages = nbuf * batch * pages_each
-    k_cache, v_cache = kv_pool(pool_pages, kv)
-    tables = torch.randperm(pool_pages, device="cuda").to(torch.int32).view(nbuf, batch, pages_each)
-    lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
-    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * new
-    qs = torch.randn(nbuf, batch * new, HEADS, HEAD_DIM, device="cuda", dtype=DT)
-    outs = torch.empty_like(qs)
-    scale = HEAD_DIM**-0.5
-    want = torch.empty_like(qs[0])
-    paged_attention_prefill(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, outs[0], new)
+    """Causal prefill / extend attention, Qwen3-8B heads, page 16, pages scattered (prefill_case); against PyTorch's
+    scaled_dot_product_attention (flash and cuDNN backends, sdpa_prefill_graphs) on the bf16 rows. Compute-bound:
+    TFLOP/s of PrefillCase.flops. Our default and the references take turns over `rounds` rounds, each figure their
+    median (common.interleaved_medians). variants: the Hopper kernel's pipelines to time (default: all; an FP8 cache
+    times those of 0, 2, 8, 10 it runs)."""
+    case = prefill_case(batch, new, prefix, kv)
+    nbuf, flops, total = case.nbuf, case.flops, prefix + new
+    want = torch.empty_like(case.qs[0])
+    case.call(0)
     checked = batch * new * total <= 8 * 4096 * 4096
     if checked:
-        paged_attention_prefill_reference(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, want)
-        torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
-    flops = 4 * HEADS * HEAD_DIM * batch * sum(prefix + i + 1 for i in range(new))
-    ours = lambda: [  # noqa: E731
-        paged_attention_prefill(qs[i], k_cache, v_cache, starts, tables[i], lens, scale, outs[i], new)
-        for i in range(nbuf)
-    ]
+        paged_attention_prefill_reference(
+            case.qs[0], case.k_cache, case.v_cache, case.starts, case.tables[0], case.lens, case.scale, want
+        )
+        torch.testing.assert_close(case.outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
 
-    def replay_us() -> float:  # a call of `ours` from its CUDA graph, per buffer
-        graph = graph_of(ours)
+    def replay_us() -> float:  # a call of the kernel from its CUDA graph, per buffer
+        graph = graph_of(case.run)
         try:
             return time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
         finally:
@@ -379,34 +458,16 @@ def bench_prefill(
         finally:
             switch(previous if restore is None else restore)
 
-    # The references: the same attention, contiguous [B, H, S, D], through each backend (bottom-right causal for the
-    # extend), captured beside ours (bf16 rows; a backend may refuse a shape or mask).
-    graphs = {"ours": graph_of(ours)}
+    graphs = {"ours": graph_of(case.run)}
     errors: dict[str, str] = {}
+    sdpa_inputs: tuple = ()  # (kept alive while the graphs replay)
     if kv == "bf16":
-        q = torch.randn(nbuf, batch, HEADS, new, HEAD_DIM, device="cuda", dtype=DT)
-        k = torch.randn(nbuf, batch, HEADS, total, HEAD_DIM, device="cuda", dtype=DT)
-        v = torch.randn_like(k)
-        if prefix == 0:
-            mask_kw = {"is_causal": True}
-        else:
-            from torch.nn.attention.bias import causal_lower_right
-
-            mask_kw = {"attn_mask": causal_lower_right(new, total)}
-        backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-        for name in SDPA_BACKENDS:
-            try:
-                with sdpa_kernel(backends[name]):
-                    graphs[name] = graph_of(
-                        lambda: [
-                            torch.nn.functional.scaled_dot_product_attention(q[i], k[i], v[i], **mask_kw)
-                            for i in range(nbuf)
-                        ]
-                    )
-            except RuntimeError as e:
-                errors[name] = str(e)[:200]
+        sdpa_graphs, errors, sdpa_inputs = sdpa_prefill_graphs(case)
+        graphs.update(sdpa_graphs)
     medians = interleaved_medians(graphs, iters, rounds)
     graphs.clear()
+    del sdpa_inputs
+    torch.cuda.empty_cache()
     us = medians["ours"] / nbuf * 1e3
     row = {
         "op": "paged_attention_prefill",
@@ -416,7 +477,7 @@ def bench_prefill(
         "prefix": prefix,
         "flops": flops,
         "rounds": rounds,
-        "kernel": "hopper" if prefill_uses_hopper_kernel(qs[0], k_cache) else "tensor_cores",
+        "kernel": "hopper" if prefill_uses_hopper_kernel(case.qs[0], case.k_cache) else "tensor_cores",
         "ours_us": us,
         "ours_tflops": flops / (us * 1e-6) / 1e12,
     }
@@ -430,9 +491,6 @@ def bench_prefill(
             row[f"sdpa_{name}_us"] = sdpa_us
             row[f"sdpa_{name}_tflops"] = flops / (sdpa_us * 1e-6) / 1e12
             row[f"ours_vs_{name}"] = row["ours_tflops"] / row[f"sdpa_{name}_tflops"]
-    if kv == "bf16":
-        del q, k, v
-        torch.cuda.empty_cache()
     if row["kernel"] == "hopper":  # the tensor-core kernel (csrc/attention_prefill.cu) on the same inputs
         tc_us = replay_us_with(set_hopper_prefill, False)
         row["tensor_cores_us"] = tc_us
@@ -450,15 +508,15 @@ def bench_prefill(
             for variant in [v for v in runs if variants is None or v in variants]:
                 native().set_paged_attention_prefill_hopper_variant(variant)
                 if checked:
-                    outs[0].fill_(float("nan"))
-                    paged_attention_prefill(qs[0], k_cache, v_cache, starts, tables[0], lens, scale, outs[0], new)
-                    torch.testing.assert_close(outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
+                    case.outs[0].fill_(float("nan"))
+                    case.call(0)
+                    torch.testing.assert_close(case.outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
                 v_us = replay_us()
                 row[f"hopper_variant{variant}_tflops"] = flops / (v_us * 1e-6) / 1e12
         finally:
             native().set_paged_attention_prefill_hopper_variant(default_variant)
         row["hopper_default_variant"] = default_variant
-    del k_cache, v_cache, qs, outs, want
+    del case, want
     torch.cuda.empty_cache()
     return row
 
