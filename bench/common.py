@@ -134,3 +134,23 @@ def family_times(events) -> dict[str, dict]:
         entry["ms"] += e.device_time / 1e3
         entry["kernels"] += 1
     return dict(sorted(families.items(), key=lambda item: -item[1]["ms"]))
+
+
+def attention_by_chunk(events, prompt: int, chunk: int, heads: int, head_dim: int) -> list[dict]:
+    """The attention kernels of one chunked causal prefill of `prompt` tokens in chunks of `chunk`, per chunk: GPU
+    milliseconds and TFLOP/s. events: profiler CUDA events (.name, .device_time in us, .time_range.start), in any
+    order; a chunk's layers launch one attention kernel each, one chunk after the other, so the attention events in
+    launch order split into equal groups. Chunk i holds c new queries on p cached keys: 4 * heads * head_dim * (c * p +
+    c * (c + 1) / 2) FLOPs a layer."""
+    calls = sorted((e for e in events if kernel_family(e.name) == "attention"), key=lambda e: e.time_range.start)
+    n_chunks = -(-prompt // chunk)
+    if not calls or len(calls) % n_chunks:
+        return []
+    layers = len(calls) // n_chunks
+    rows = []
+    for i in range(n_chunks):
+        prefix, new = i * chunk, min(chunk, prompt - i * chunk)
+        ms = sum(e.device_time for e in calls[i * layers : (i + 1) * layers]) / 1e3
+        flops = layers * 4 * heads * head_dim * (new * prefix + new * (new + 1) / 2)
+        rows.append({"prefix": prefix, "new": new, "ms": round(ms, 3), "tflops": round(flops / (ms * 1e9), 1)})
+    return rows

@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-from common import copy_bandwidth, family_times, hf_model_like, report
+from common import attention_by_chunk, copy_bandwidth, family_times, hf_model_like, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
 from serving import chunk_tokens, request_metrics
@@ -231,17 +231,22 @@ def ttft_profile(llm: LLM, n: int, rng: random.Random) -> dict:
     families = family_times(events)
     busy = sum(f["ms"] for f in families.values())
     chunk = llm.engine.scheduler.max_num_batched_tokens
+    config = llm.engine.config
+    by_chunk = attention_by_chunk(events, n, chunk, config.num_heads, config.head_dim)
     row = {
         "prompt_tokens": n,
         "chunk_tokens": chunk,
         "ttft_ms": ttft,
         "kernels_ms": busy,
         "families": {k: {"ms": round(v["ms"], 3), "kernels": v["kernels"]} for k, v in families.items()},
+        "attention_by_chunk": by_chunk,
     }
     shares = ", ".join(f"{k} {v['ms']:.1f}" for k, v in families.items())
     print(
         f"TTFT {n} tokens in chunks of {chunk}: {ttft:.1f} ms (profiled), kernels {busy:.1f} ms: {shares}", flush=True
     )
+    for c in by_chunk:
+        print(f"  attention, {c['new']} new on {c['prefix']} cached: {c['ms']:.1f} ms, {c['tflops']:.0f} TFLOP/s")
     return row
 
 

@@ -248,3 +248,24 @@ def test_interleaved_medians_take_turns_and_report_each_median(monkeypatch):
     medians = common.interleaved_medians({"ours": Graph("ours"), "cudnn": Graph("cudnn")}, iters=10, rounds=3)
     assert calls == ["ours", "cudnn"] * 3
     assert medians == {"ours": 3.0, "cudnn": 4.0}
+
+
+def test_attention_by_chunk_splits_the_calls_in_launch_order():
+    """bench/common.py attention_by_chunk: a 10-token prompt in chunks of 4 (4 on 0, 4 on 4, 2 on 8 cached) over two
+    layers; the events come out of launch order and with a projection among them. FLOPs written out by hand."""
+    from types import SimpleNamespace
+
+    from common import attention_by_chunk
+
+    def event(name, start, us):
+        return SimpleNamespace(name=name, device_time=us, time_range=SimpleNamespace(start=start))
+
+    attn = "prefill_hopper_kernel<...>"
+    events = [event(attn, 5, 30.0), event(attn, 0, 10.0), event("nvjet_gemm", 1, 99.0), event(attn, 2, 10.0),
+              event(attn, 3, 20.0), event(attn, 4, 20.0), event(attn, 6, 30.0)]  # fmt: skip
+    rows = attention_by_chunk(events, 10, 4, heads=2, head_dim=8)
+    # a layer: 4 * 2 * 8 = 64 FLOPs per (query, key) pair; pairs 4*5/2 = 10, 4*4 + 10 = 26, 2*8 + 3 = 19
+    assert [(r["prefix"], r["new"], r["ms"]) for r in rows] == [(0, 4, 0.02), (4, 4, 0.04), (8, 2, 0.06)]
+    assert [r["tflops"] for r in rows] == [round(2 * 64 * p / (ms * 1e9), 1) for p, ms in [(10, 0.02), (26, 0.04),
+                                                                                          (19, 0.06)]]  # fmt: skip
+    assert attention_by_chunk(events[:3], 10, 4, heads=2, head_dim=8) == []  # (calls not a whole number of chunks)
