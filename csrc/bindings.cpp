@@ -463,5 +463,8 @@ PYBIND11_MODULE(_C, m) {
       [](const fastqwen::AllReduceArgs& args) { fastqwen::custom_all_reduce_add_rms_norm(args); }, py::arg("args"),
       "custom_all_reduce, then the residual add and RMSNorm of fused_add_rms_norm, in one kernel, in place "
       "(csrc/custom_all_reduce.h).");
+  m.def("set_all_reduce_end_barrier", &fastqwen::set_all_reduce_end_barrier, py::arg("enabled"),
+        "Whether the custom all-reduce waits at a second barrier at the end of each round (the design before its "
+        "data areas had two halves; for comparison). Returns the previous setting.");
 #endif
 }

@@ -5,11 +5,17 @@
 // signal[p].start[b][r] of every peer p (release, system scope) and waits for every peer's flag in its own area
 // (acquire). Block b handles the same elements on every rank (same grid), so it only waits for its counterparts.
 // The round number lives in the rank's own signal area and is bumped by the kernel itself, so the kernel can be
-// captured in a CUDA graph and replayed. A second barrier ("end") keeps a rank from overwriting its buffer in the
-// next round while a peer may still read it. The flags of round k are only compared for equality: no peer can be a
-// whole round ahead, because each round ends with that barrier.
+// captured in a CUDA graph and replayed. Every launch sets every block's counter (block 0 those of the blocks it did
+// not launch), so all counters hold the number of launches so far and round k is the same number in every block.
 //
-// The fused variant (one_shot_add_rms_norm_kernel) keeps the same two barriers and round counters; it gives each
+// One barrier a round. Round k copies the input into half k % 2 of the rank's data area, so the copy of round k + 1
+// cannot overwrite what a peer still reads of round k; and the copy of round k + 2 comes after this rank passed round
+// k + 1's barrier, which every peer enters only once its round-k kernel has ended (kernels of a stream run in order).
+// A peer can therefore be one round ahead at a barrier, never two, and a flag is waited on until it reaches the round
+// (a later round's flag may already have replaced it). set_all_reduce_end_barrier(true) restores the second barrier
+// at the end of each round, which the one-shot kernel had before (for comparison).
+//
+// The fused variant (one_shot_add_rms_norm_kernel) keeps the same barrier, halves and round counters; it gives each
 // block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
 // The two kernels share the counters: block b's counter counts every launch that had a block b, on every rank alike.
 //
@@ -56,7 +62,8 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* addr) {
   return v;
 }
 
-// Every thread of the block must reach it. Threads 0..world-1 each signal one peer and wait for that peer.
+// Every thread of the block must reach it. Threads 0..world-1 each signal one peer and wait for that peer's flag to
+// reach the round (the difference as a signed number: the counters may wrap).
 template <int WORLD>
 __device__ __forceinline__ void barrier(const Peers& peers, int rank, bool at_end, uint32_t round) {
   __syncthreads();  // the block's writes are done (and, through release cumulativity, published below)
@@ -66,20 +73,36 @@ __device__ __forceinline__ void barrier(const Peers& peers, int rank, bool at_en
     uint32_t* theirs = at_end ? &peers.signal[p]->end[b][rank] : &peers.signal[p]->start[b][rank];
     const uint32_t* mine = at_end ? &peers.signal[rank]->end[b][p] : &peers.signal[rank]->start[b][p];
     store_release(theirs, round);
-    while (load_acquire(mine) != round) {
+    while (static_cast<int32_t>(load_acquire(mine) - round) < 0) {
     }
   }
   __syncthreads();
 }
 
+// The end of a round: the block's counter, and block 0 the counters of the blocks this launch did not have.
+__device__ __forceinline__ void end_round(Signal* self, uint32_t round) {
+  if (threadIdx.x == 0) self->round[blockIdx.x] = round;
+  if (blockIdx.x == 0) {
+    for (int b = gridDim.x + threadIdx.x; b < kAllReduceMaxBlocks; b += blockDim.x) self->round[b] = round;
+  }
+}
+
+// The first 16-byte vector of round's half of a data area of two halves of half_vecs vectors (the first half with
+// the end barrier).
+__device__ __forceinline__ int64_t half_offset(uint32_t round, int64_t half_vecs, bool end_barrier) {
+  return end_barrier ? 0 : static_cast<int64_t>(round & 1u) * half_vecs;
+}
+
 template <typename T, int WORLD>
-__global__ void __launch_bounds__(512) one_shot_kernel(Peers peers, int rank, uint4* data, int64_t nvec) {
+__global__ void __launch_bounds__(512)
+    one_shot_kernel(Peers peers, int rank, uint4* data, int64_t nvec, int64_t half_vecs, bool end_barrier) {
   constexpr int kPer = 16 / sizeof(T);
   griddep_wait();               // data comes from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   Signal* self = peers.signal[rank];
   const uint32_t round = self->round[blockIdx.x] + 1;
-  uint4* mine = const_cast<uint4*>(peers.data[rank]);
+  const int64_t half = half_offset(round, half_vecs, end_barrier);
+  uint4* mine = const_cast<uint4*>(peers.data[rank]) + half;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = first; i < nvec; i += stride) mine[i] = data[i];
@@ -90,7 +113,7 @@ __global__ void __launch_bounds__(512) one_shot_kernel(Peers peers, int rank, ui
     for (int k = 0; k < kPer; ++k) acc[k] = 0.0f;
 #pragma unroll
     for (int p = 0; p < WORLD; ++p) {  // rank order on every rank: bitwise the same sum everywhere
-      uint4 v = peers.data[p][i];
+      uint4 v = peers.data[p][half + i];
       const T* x = reinterpret_cast<const T*>(&v);
 #pragma unroll
       for (int k = 0; k < kPer; ++k) acc[k] += Cvt<T>::to_f(x[k]);
@@ -101,8 +124,8 @@ __global__ void __launch_bounds__(512) one_shot_kernel(Peers peers, int rank, ui
     for (int k = 0; k < kPer; ++k) o[k] = Cvt<T>::from_f(acc[k]);
     data[i] = out;
   }
-  barrier<WORLD>(peers, rank, true, round);
-  if (threadIdx.x == 0) self->round[blockIdx.x] = round;
+  if (end_barrier) barrier<WORLD>(peers, rank, true, round);
+  end_round(self, round);
 }
 
 // One block per row at a time (rows b, b + grid, ...), the row's 16-byte packs spread over the threads, VPT packs a
@@ -112,7 +135,7 @@ __global__ void __launch_bounds__(512) one_shot_kernel(Peers peers, int rank, ui
 template <typename T, int WORLD, int VPT>
 __global__ void __launch_bounds__(512)
     one_shot_add_rms_norm_kernel(Peers peers, int rank, uint4* data, uint4* residual, const uint4* __restrict__ weight,
-                                 int64_t rows, int row_vecs, float eps) {
+                                 int64_t rows, int row_vecs, float eps, int64_t half_vecs, bool end_barrier) {
   using P = Pack<T, 16 / sizeof(T)>;
   constexpr int kPer = 16 / sizeof(T);
   P w[VPT];  // the norm's weight (the weights may be read before the wait); its loads complete under the barrier
@@ -125,7 +148,8 @@ __global__ void __launch_bounds__(512)
   griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   Signal* self = peers.signal[rank];
   const uint32_t round = self->round[blockIdx.x] + 1;
-  uint4* mine = const_cast<uint4*>(peers.data[rank]);
+  const int64_t half = half_offset(round, half_vecs, end_barrier);
+  uint4* mine = const_cast<uint4*>(peers.data[rank]) + half;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) mine[row * row_vecs + v] = data[row * row_vecs + v];
   }
@@ -145,7 +169,7 @@ __global__ void __launch_bounds__(512)
         for (int k = 0; k < kPer; ++k) acc[k] = 0.0f;
 #pragma unroll
         for (int p = 0; p < WORLD; ++p) {  // rank order, as one_shot_kernel: every rank gets the same bits
-          const P x = reinterpret_cast<const P*>(peers.data[p])[base + v];
+          const P x = reinterpret_cast<const P*>(peers.data[p] + half)[base + v];
 #pragma unroll
           for (int k = 0; k < kPer; ++k) acc[k] += Cvt<T>::to_f(x.v[k]);
         }
@@ -186,9 +210,13 @@ __global__ void __launch_bounds__(512)
       }
     }
   }
-  barrier<WORLD>(peers, rank, true, round);
-  if (threadIdx.x == 0) self->round[blockIdx.x] = round;
+  if (end_barrier) barrier<WORLD>(peers, rank, true, round);
+  end_round(self, round);
 }
+
+bool g_end_barrier = false;  // set_all_reduce_end_barrier()
+
+int64_t half_vecs_of(const AllReduceArgs& a) { return a.capacity_bytes / kAllReduceAlign; }
 
 template <typename T, int WORLD>
 void launch(const Peers& peers, const AllReduceArgs& a, int64_t nvec) {
@@ -198,7 +226,7 @@ void launch(const Peers& peers, const AllReduceArgs& a, int64_t nvec) {
   if (blocks < 1) blocks = 1;
   launch_programmatic(one_shot_kernel<T, WORLD>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
                       reinterpret_cast<cudaStream_t>(a.stream), "custom_all_reduce", peers, a.rank,
-                      reinterpret_cast<uint4*>(a.data), nvec);
+                      reinterpret_cast<uint4*>(a.data), nvec, half_vecs_of(a), g_end_barrier);
 }
 
 template <typename T>
@@ -230,7 +258,8 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
                 : per_thread <= 2 ? one_shot_add_rms_norm_kernel<T, WORLD, 2>
                                   : one_shot_add_rms_norm_kernel<T, WORLD, 4>;
   launch_programmatic(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
-                      "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps);
+                      "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps,
+                      half_vecs_of(a), g_end_barrier);
 }
 
 template <typename T>
@@ -272,6 +301,12 @@ Peers checked_peers(const AllReduceArgs& a, const std::string& op) {
 }
 
 }  // namespace
+
+bool set_all_reduce_end_barrier(bool enabled) {
+  const bool before = g_end_barrier;
+  g_end_barrier = enabled;
+  return before;
+}
 
 uintptr_t all_reduce_buffer_alloc(int64_t data_bytes) {
   if (data_bytes <= 0 || data_bytes % kAllReduceAlign) {

@@ -11,14 +11,16 @@ namespace fastqwen {
 
 constexpr int kAllReduceMaxRanks = 8;
 constexpr int kAllReduceMaxBlocks = 64;  // all blocks must be resident at once: they wait for their peers
-// Each rank's shared buffer: a signal area (flags of the two barriers, per block and per peer, and the block's
-// own round counter), then the data area the rank's input is copied into.
+// Each rank's shared buffer: a signal area (flags of the barriers, per block and per peer, and the block's own round
+// counter), then the data area the rank's input is copied into: two halves of capacity_bytes, alternate rounds in
+// alternate halves.
 constexpr int64_t kAllReduceSignalBytes = 64 * 1024;
 constexpr int64_t kAllReduceAlign = 16;  // messages must be a whole number of 16-byte vectors
 // custom_all_reduce_add_rms_norm holds a row in registers: at most 4 16-byte packs for each of 512 threads.
 constexpr int kAllReduceNormMaxHidden = 16384;
 
-// Device memory for one rank's shared buffer (signal area zeroed), data_bytes of data after the signal area.
+// Device memory for one rank's shared buffer (signal area zeroed), data_bytes of data after the signal area (two
+// halves: 2 * capacity_bytes).
 uintptr_t all_reduce_buffer_alloc(int64_t data_bytes);
 void all_reduce_buffer_free(uintptr_t ptr);
 // The CUDA IPC handle of a buffer (cudaIpcMemHandle_t's bytes), and a peer's buffer opened from its handle.
@@ -32,7 +34,7 @@ struct AllReduceArgs {
   int world = 0;
   uintptr_t data = 0;  // in and out: numel elements of dtype, summed in place
   int64_t numel = 0;
-  int64_t capacity_bytes = 0;  // data area of each buffer
+  int64_t capacity_bytes = 0;  // the largest message: half of each buffer's data area
   int dtype = kBF16;
   int max_blocks = 36;
   uintptr_t stream = 0;
@@ -43,10 +45,14 @@ struct AllReduceArgs {
   double eps = 0.0;
 };
 
-// One-shot all-reduce: each rank copies its input into its buffer, a barrier across ranks, then each rank sums every
-// rank's buffer in rank order (so every rank gets bitwise the same result), a second barrier before the buffers may
-// be reused. Every rank must call it with the same numel, dtype and max_blocks, in the same order.
+// One-shot all-reduce: each rank copies its input into its buffer (the round's half), a barrier across ranks, then
+// each rank sums every rank's buffer in rank order (so every rank gets bitwise the same result). Every rank must call
+// it with the same numel, dtype and max_blocks, in the same order.
 void custom_all_reduce(const AllReduceArgs& args);
+
+// true: a second barrier at the end of each round, as before the halves (for comparison; read at launch, so a CUDA
+// graph keeps what was set when it was captured). Every rank must set the same. Returns the previous setting.
+bool set_all_reduce_end_barrier(bool enabled);
 
 // The all-reduce fused with the residual add and RMSNorm that follow it in a decoder layer: the same numbers as
 // custom_all_reduce followed by norm.h's fused_add_rms_norm, in one kernel. In place, per row r of data:

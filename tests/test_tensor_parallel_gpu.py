@@ -119,6 +119,27 @@ def _check_all_reduce(group, device, rank: int, world: int, dtype_name: str) -> 
         torch.cuda.synchronize()
         expected = sum(float(r + replay) for r in range(world))
         assert torch.all(static.float().cpu() == expected), f"replay {replay}: {static[:4].tolist()} != {expected}"
+    # Back to back with the ranks out of step: rank 1 spins before every other call, so rank 0 arrives a round ahead
+    # (one barrier a round: the flag waited for may already hold the next round's number, and the halves keep a
+    # round's copy from overwriting what the slower rank still reads of the round before).
+    chain = [torch.zeros(5120 * 16, dtype=dtype, device=device) for _ in range(16)]
+
+    def calls():
+        for i, buffer in enumerate(chain):
+            if rank == 1 and i % 2 == 0:
+                torch.cuda._sleep(20_000)
+            group.all_reduce(buffer)
+
+    graph = captured_graph(calls)
+    for replay in range(3):
+        _progress(rank, f"{dtype_name} out of step, replay {replay}")
+        for i, buffer in enumerate(chain):  # (small integers: exact sums in every dtype)
+            buffer.fill_(float(rank + 10 * (i % 8) + replay))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, buffer in enumerate(chain):
+            expected = sum(float(r + 10 * (i % 8) + replay) for r in range(world))
+            assert torch.all(buffer.float().cpu() == expected), f"out of step, replay {replay}, call {i}"
     group.barrier()
 
 

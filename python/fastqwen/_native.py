@@ -33,6 +33,8 @@ def native() -> ModuleType | None:
                     if hasattr(_C, "set_programmatic_launch"):  # (a build with the CUDA kernels)
                         _C.set_programmatic_launch(env.programmatic_launch())
                         _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
+                        if hasattr(_C, "set_all_reduce_end_barrier"):  # (built with the custom all-reduce)
+                            _C.set_all_reduce_end_barrier(env.all_reduce_end_barrier())
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so
                     _module = None
                     _import_error = e

@@ -85,6 +85,13 @@ def fused_all_reduce_norm() -> bool:
     return _flag("FASTQWEN_FUSED_ALLREDUCE_NORM", True)
 
 
+def all_reduce_end_barrier() -> bool:
+    """FASTQWEN_ALLREDUCE_END_BARRIER=1: the custom all-reduce waits at a second barrier at the end of each call, as
+    before its buffers had two halves (csrc/custom_all_reduce.cu); for comparison. Every rank reads the same
+    environment."""
+    return _flag("FASTQWEN_ALLREDUCE_END_BARRIER", False)
+
+
 def metrics_folder() -> str | None:
     """PROMETHEUS_MULTIPROC_DIR: prometheus_client's multiprocess mode, where each process writes its counters. Set
     by the parent of several front ends (api_servers.py, through share_metrics_through) before it starts them."""

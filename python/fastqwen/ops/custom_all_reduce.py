@@ -2,10 +2,10 @@
 a threshold (decode's hidden states); NCCL takes the larger ones.
 
 Each rank allocates one buffer (a signal area and a data area), shares its CUDA IPC handle with the others through
-the CPU process group, and opens theirs. A call copies the input into the rank's own buffer, waits for every peer at
-a barrier, sums every rank's buffer in rank order (so every rank gets bitwise the same result) back into the input,
-and waits at a second barrier. It never allocates and keeps its round counters on the device, so decode CUDA graphs
-capture it. Every rank must make the same calls in the same order (the engine's ranks run the same steps).
+the CPU process group, and opens theirs. A call copies the input into the rank's own buffer (alternate calls into
+alternate halves of it, so that no second barrier is needed before the next call), waits for every peer at a
+barrier, and sums every rank's buffer in rank order (so every rank gets bitwise the same result) back into the input.
+It never allocates and keeps its round counters on the device, so decode CUDA graphs capture it. Every rank must make the same calls in the same order (the engine's ranks run the same steps).
 
 `all_reduce_add_rms_norm` is the same sum fused with what follows it in a decoder layer: the residual add and the
 RMSNorm of ops.fused_add_rms_norm, per row, in the same kernel (the rows' sums never leave it). Its numbers are those
@@ -41,7 +41,7 @@ class CustomAllReduce:
         self.max_bytes = max_bytes - max_bytes % align
         self.rank, self.world, self.device = rank, world, device
         with torch.cuda.device(device):
-            self._own = m.all_reduce_buffer_alloc(self.max_bytes)
+            self._own = m.all_reduce_buffer_alloc(2 * self.max_bytes)  # (two halves: csrc/custom_all_reduce.h)
             handles = exchange(m.all_reduce_ipc_handle(self._own))
             self._opened = [m.all_reduce_ipc_open(h) for r, h in enumerate(handles) if r != rank]
         peers = iter(self._opened)
