@@ -50,8 +50,10 @@ struct AllReduceArgs {
 // it with the same numel, dtype and max_blocks, in the same order.
 void custom_all_reduce(const AllReduceArgs& args);
 
-// true: a second barrier at the end of each round, as before the halves (for comparison; read at launch, so a CUDA
-// graph keeps what was set when it was captured). Every rank must set the same. Returns the previous setting.
+// true: a second barrier at the end of each round, as before the halves (for comparison). Read at launch (a CUDA graph
+// keeps what was set when it was captured), so set it before the first all-reduce, the same on every rank: a call
+// with the barrier copies into the first half whatever the round, which a peer may still read of the call before if
+// that one ran without it. Returns the previous setting.
 bool set_all_reduce_end_barrier(bool enabled);
 
 // The all-reduce fused with the residual add and RMSNorm that follow it in a decoder layer: the same numbers as
