@@ -435,8 +435,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "sample", [](const fastqwen::SampleArgs& args) { fastqwen::sample(args); }, py::arg("args"),
       "One token per row with per-row penalties, temperature, top-k/top-p/min-p and seeds (csrc/sampling.h).");
-  m.def("all_reduce_buffer_alloc", &fastqwen::all_reduce_buffer_alloc, py::arg("data_bytes"),
-        "Device memory shared with the other ranks: a zeroed signal area, then data_bytes of data.");
+  m.def("all_reduce_buffer_alloc", &fastqwen::all_reduce_buffer_alloc, py::arg("capacity_bytes"),
+        "Device memory shared with the other ranks for messages of up to capacity_bytes: a zeroed signal area, then "
+        "a data area of two halves of capacity_bytes.");
   m.def("all_reduce_buffer_free", [](const py::int_& ptr) { fastqwen::all_reduce_buffer_free(to_uintptr(ptr, "ptr")); },
         py::arg("ptr"));
   m.def(

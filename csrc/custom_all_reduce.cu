@@ -17,7 +17,7 @@
 //
 // The fused variant (one_shot_add_rms_norm_kernel) keeps the same barrier, halves and round counters; it gives each
 // block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
-// The two kernels share the counters: block b's counter counts every launch that had a block b, on every rank alike.
+// The two kernels share the counters (every counter counts every launch of either, on every rank alike).
 //
 // Both are launched with programmatic dependent launch (launch.cuh) and keep common.cuh's rule: they wait for the
 // kernel before (the projection's GEMV that wrote the message) before touching anything, then let the next kernel
@@ -308,12 +308,12 @@ bool set_all_reduce_end_barrier(bool enabled) {
   return before;
 }
 
-uintptr_t all_reduce_buffer_alloc(int64_t data_bytes) {
-  if (data_bytes <= 0 || data_bytes % kAllReduceAlign) {
-    throw std::invalid_argument("all_reduce_buffer_alloc: data_bytes must be a positive multiple of 16");
+uintptr_t all_reduce_buffer_alloc(int64_t capacity_bytes) {
+  if (capacity_bytes <= 0 || capacity_bytes % kAllReduceAlign) {
+    throw std::invalid_argument("all_reduce_buffer_alloc: capacity_bytes must be a positive multiple of 16");
   }
   void* ptr = nullptr;
-  FASTQWEN_CUDA_CHECK(cudaMalloc(&ptr, kAllReduceSignalBytes + data_bytes));
+  FASTQWEN_CUDA_CHECK(cudaMalloc(&ptr, kAllReduceSignalBytes + 2 * capacity_bytes));  // (the two halves)
   FASTQWEN_CUDA_CHECK(cudaMemset(ptr, 0, kAllReduceSignalBytes));
   FASTQWEN_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can open it
   return reinterpret_cast<uintptr_t>(ptr);

@@ -19,9 +19,9 @@ constexpr int64_t kAllReduceAlign = 16;  // messages must be a whole number of 1
 // custom_all_reduce_add_rms_norm holds a row in registers: at most 4 16-byte packs for each of 512 threads.
 constexpr int kAllReduceNormMaxHidden = 16384;
 
-// Device memory for one rank's shared buffer (signal area zeroed), data_bytes of data after the signal area (two
-// halves: 2 * capacity_bytes).
-uintptr_t all_reduce_buffer_alloc(int64_t data_bytes);
+// Device memory for one rank's shared buffer, for messages of up to capacity_bytes: the signal area (zeroed), then the
+// data area of two halves of capacity_bytes.
+uintptr_t all_reduce_buffer_alloc(int64_t capacity_bytes);
 void all_reduce_buffer_free(uintptr_t ptr);
 // The CUDA IPC handle of a buffer (cudaIpcMemHandle_t's bytes), and a peer's buffer opened from its handle.
 std::string all_reduce_ipc_handle(uintptr_t ptr);

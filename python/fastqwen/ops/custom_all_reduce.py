@@ -41,7 +41,7 @@ class CustomAllReduce:
         self.max_bytes = max_bytes - max_bytes % align
         self.rank, self.world, self.device = rank, world, device
         with torch.cuda.device(device):
-            self._own = m.all_reduce_buffer_alloc(2 * self.max_bytes)  # (two halves: csrc/custom_all_reduce.h)
+            self._own = m.all_reduce_buffer_alloc(self.max_bytes)
             handles = exchange(m.all_reduce_ipc_handle(self._own))
             self._opened = [m.all_reduce_ipc_open(h) for r, h in enumerate(handles) if r != rank]
         peers = iter(self._opened)
