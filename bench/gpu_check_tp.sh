@@ -9,6 +9,9 @@
 #   latency     batch-1 TPOT with its limit (rank 0's weight bytes over the copy bandwidth of the same run), random
 #               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1; 32B TP=2 again with FASTQWEN_PDL=0
 #   httplatency batch-1 TPOT and TTFT of random Qwen3-32B at TP=2 through HTTP (bench/latency.py --http-only)
+#   arvariants  the custom all-reduce's designs in one run, random Qwen3-32B TP=2 batch 1 offline, bf16 then FP8
+#               weights: one barrier a call (the default), no barrier for small messages (FASTQWEN_ALLREDUCE_LAMPORT=1),
+#               two barriers (FASTQWEN_ALLREDUCE_END_BARRIER=1); then TP=1 (issue 46)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
@@ -180,6 +183,18 @@ for stage in $STAGES; do
         run http_latency_32B_tp2 200 python3 bench/latency.py --model Qwen3-32B --http-only --url http://127.0.0.1:8000 \
           --prompt-lens 128 --new-tokens 64 --json "$OUT/http_latency_32B_tp2.json"
       kill -TERM "$server"; wait "$server" ;;
+    arvariants)
+      for quantization in none fp8; do
+        for variant in default lamport endbarrier; do
+          FASTQWEN_ALLREDUCE_LAMPORT=$([ "$variant" = lamport ] && echo 1 || echo 0) \
+            FASTQWEN_ALLREDUCE_END_BARRIER=$([ "$variant" = endbarrier ] && echo 1 || echo 0) \
+            run "latency_32B_tp2_${quantization}_$variant" 150 python3 bench/latency.py --model Qwen3-32B \
+            --load-format dummy --tp 2 --quantization "$quantization" --prompt-lens 128 --new-tokens 64 \
+            --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
+        done
+      done
+      run latency_32B_tp1 150 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 1 --prompt-lens 128 \
+        --new-tokens 64 --json "$OUT/latency_32B_tp1.json" ;;
     fp8)
       FASTQWEN_FUSED_ALLREDUCE_NORM=${FUSED:-1} run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
         --quantization fp8 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fp8.json" ;;
@@ -207,7 +222,9 @@ for stage in $STAGES; do
     dp) stage_dp ;;
     mutants)
       names=all_reduce_drops_the_last_rank,all_reduce_norm_adds_the_residual_twice,all_reduce_norm_drops_the_last_rank
-      names+=,all_reduce_norm_composition_adds_the_residual_twice${MUTANTS:+,$MUTANTS}
+      names+=,all_reduce_norm_composition_adds_the_residual_twice
+      names+=,barrier_free_all_reduce_drops_the_last_rank,barrier_free_all_reduce_leaves_the_previous_buffer_full
+      names+=${MUTANTS:+,$MUTANTS}
       timeout "${MUTANTS_TIMEOUT:-300}" python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
         --names "$names" --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || rc=1
       grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 20 ;;

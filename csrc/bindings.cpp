@@ -249,6 +249,7 @@ void export_contracts(py::module_& m) {
       .def_readwrite("data", &fq::AllReduceArgs::data)
       .def_readwrite("numel", &fq::AllReduceArgs::numel)
       .def_readwrite("capacity_bytes", &fq::AllReduceArgs::capacity_bytes)
+      .def_readwrite("lamport_bytes", &fq::AllReduceArgs::lamport_bytes)
       .def_readwrite("dtype", &fq::AllReduceArgs::dtype)
       .def_readwrite("max_blocks", &fq::AllReduceArgs::max_blocks)
       .def_readwrite("stream", &fq::AllReduceArgs::stream)
@@ -436,8 +437,10 @@ PYBIND11_MODULE(_C, m) {
       "sample", [](const fastqwen::SampleArgs& args) { fastqwen::sample(args); }, py::arg("args"),
       "One token per row with per-row penalties, temperature, top-k/top-p/min-p and seeds (csrc/sampling.h).");
   m.def("all_reduce_buffer_alloc", &fastqwen::all_reduce_buffer_alloc, py::arg("capacity_bytes"),
-        "Device memory shared with the other ranks for messages of up to capacity_bytes: a zeroed signal area, then "
-        "a data area of two halves of capacity_bytes.");
+        py::arg("lamport_bytes"), py::arg("world"),
+        "Device memory shared with the other ranks for messages of up to capacity_bytes (csrc/custom_all_reduce.h): "
+        "a zeroed signal area, a data area of two halves of capacity_bytes, and with lamport_bytes the receive area "
+        "of the barrier-free kernels.");
   m.def("all_reduce_buffer_free", [](const py::int_& ptr) { fastqwen::all_reduce_buffer_free(to_uintptr(ptr, "ptr")); },
         py::arg("ptr"));
   m.def(

@@ -6,7 +6,8 @@
 // (acquire). Block b handles the same elements on every rank (same grid), so it only waits for its counterparts.
 // The round number lives in the rank's own signal area and is bumped by the kernel itself, so the kernel can be
 // captured in a CUDA graph and replayed. Every launch sets every block's counter (block 0 those of the blocks it did
-// not launch), so all counters hold the number of launches so far and round k is the same number in every block.
+// not launch), so all counters hold the number of launches so far and round k is the same number in every block (and
+// so is its receive buffer, `third`, below).
 //
 // One barrier a round. Round k copies the input into half k % 2 of the rank's data area, so the copy of round k + 1
 // cannot overwrite what a peer still reads of round k; and the copy of round k + 2 comes after this rank passed round
@@ -14,6 +15,15 @@
 // A peer can therefore be one round ahead at a barrier, never two, and a flag is waited on until it reaches the round
 // (a later round's flag may already have replaced it). set_all_reduce_end_barrier(true) restores the second barrier
 // at the end of each round, which the one-shot kernel had before (for comparison).
+//
+// Messages of up to lamport_bytes take no barrier at all (lamport_bytes = 0: never). Each rank's buffer then also has
+// a receive area: three buffers (round k uses buffer k % 3), each with a slot per sender. A rank stores its input into
+// its slot of every peer's buffer, then waits until the slots of its own buffer hold no empty word (all bits set,
+// what the area is filled with) and sums them in rank order. An element whose bits are all ones (a NaN) is sent as
+// another NaN, so no data word is empty. Round k empties buffer (k - 1) % 3 (as much as round k - 1 wrote, in any
+// kernel); a peer writes into it again only in round k + 2, which needs this rank's round k + 1 stores (or flags),
+// made after round k's kernel ended. The barrier rounds empty it too, so the two kinds of round mix: either kind of
+// round k + 1 ends on a rank only once every peer has begun it, so has ended round k.
 //
 // The fused variant (one_shot_add_rms_norm_kernel) keeps the same barrier, halves and round counters; it gives each
 // block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
@@ -44,13 +54,18 @@ struct Signal {
   uint32_t start[kAllReduceMaxBlocks][kAllReduceMaxRanks];
   uint32_t end[kAllReduceMaxBlocks][kAllReduceMaxRanks];
   uint32_t round[kAllReduceMaxBlocks];
+  uint32_t third[kAllReduceMaxBlocks];  // the receive buffer of the last round (0, 1, 2): round % 3 without the wrap
+  uint32_t received[3];  // 16-byte vectors each sender stored into receive buffer b in the last round that used it
 };
 static_assert(sizeof(Signal) <= kAllReduceSignalBytes, "the signal area is too small");
 
 struct Peers {
   Signal* signal[kAllReduceMaxRanks];
   const uint4* data[kAllReduceMaxRanks];
+  uint4* receive[kAllReduceMaxRanks];  // the receive areas (nullptr without lamport_bytes)
 };
+
+constexpr uint32_t kEmptyWord = 0xFFFFFFFFu;  // what an empty receive slot holds (the area is memset to 0xFF)
 
 __device__ __forceinline__ void store_release(uint32_t* addr, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
@@ -79,11 +94,22 @@ __device__ __forceinline__ void barrier(const Peers& peers, int rank, bool at_en
   __syncthreads();
 }
 
-// The end of a round: the block's counter, and block 0 the counters of the blocks this launch did not have.
-__device__ __forceinline__ void end_round(Signal* self, uint32_t round) {
-  if (threadIdx.x == 0) self->round[blockIdx.x] = round;
+// The receive buffer of this round: the next of 0, 1, 2 (a uint32 round counter wraps at a number 3 does not divide).
+__device__ __forceinline__ int next_third(const Signal* self) {
+  return static_cast<int>((self->third[blockIdx.x] + 1) % 3);
+}
+
+// The end of a round: the block's counters, and block 0 those of the blocks this launch did not have.
+__device__ __forceinline__ void end_round(Signal* self, uint32_t round, int third) {
+  if (threadIdx.x == 0) {
+    self->round[blockIdx.x] = round;
+    self->third[blockIdx.x] = third;
+  }
   if (blockIdx.x == 0) {
-    for (int b = gridDim.x + threadIdx.x; b < kAllReduceMaxBlocks; b += blockDim.x) self->round[b] = round;
+    for (int b = gridDim.x + threadIdx.x; b < kAllReduceMaxBlocks; b += blockDim.x) {
+      self->round[b] = round;
+      self->third[b] = third;
+    }
   }
 }
 
@@ -93,14 +119,123 @@ __device__ __forceinline__ int64_t half_offset(uint32_t round, int64_t half_vecs
   return end_barrier ? 0 : static_cast<int64_t>(round & 1u) * half_vecs;
 }
 
+__device__ __forceinline__ void store_volatile(uint4* addr, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 load_volatile(const uint4* addr) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(addr)
+               : "memory");
+  return v;
+}
+
+// A 16-byte vector as it is sent to the receive buffers: elements whose bits are all ones (NaNs) become another NaN
+// (the last bit cleared), so that no word of data is kEmptyWord. Every rank sums the vectors as sent, its own too.
+template <typename T>
+__device__ __forceinline__ uint4 as_sent(uint4 v) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 2) {
+      if ((w[i] & 0xFFFFu) == 0xFFFFu) w[i] &= ~1u;
+      if ((w[i] >> 16) == 0xFFFFu) w[i] &= ~0x10000u;
+    } else {
+      if (w[i] == kEmptyWord) w[i] &= ~1u;
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Sender p's vector i of receive buffer b on this rank, once it has arrived.
+__device__ __forceinline__ uint4 received_vector(const uint4* slot) {
+  uint4 v;
+  do {
+    v = load_volatile(slot);
+  } while (v.x == kEmptyWord || v.y == kEmptyWord || v.z == kEmptyWord || v.w == kEmptyWord);
+  return v;
+}
+
+// Slot of sender p in receive buffer b of an area with slots of slot_vecs vectors.
+template <int WORLD>
+__device__ __forceinline__ uint4* receive_slot(uint4* area, int b, int p, int64_t slot_vecs) {
+  return area + (static_cast<int64_t>(b) * WORLD + p) * slot_vecs;
+}
+
+// Every round, both kinds: empty what the round before stored into this rank's receive buffer (the one before b),
+// and (block 0, at the end) record how much this round stores into buffer b (sent_vecs; 0 for a barrier round).
+template <int WORLD>
+__device__ __forceinline__ void empty_previous_buffer(const Peers& peers, int rank, int b, int64_t slot_vecs) {
+  if (slot_vecs == 0) return;
+  const int previous = (b + 2) % 3;
+  const int64_t n = peers.signal[rank]->received[previous];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n * WORLD; j += stride) {
+    const int p = static_cast<int>(j / n);
+    if (p != rank) receive_slot<WORLD>(peers.receive[rank], previous, p, slot_vecs)[j % n] = empty;
+  }
+}
+
+__device__ __forceinline__ void record_sent(Signal* self, int b, int64_t slot_vecs, int64_t sent_vecs) {
+  if (slot_vecs != 0 && blockIdx.x == 0 && threadIdx.x == 0) self->received[b] = static_cast<uint32_t>(sent_vecs);
+}
+
+// Messages of up to lamport_bytes: no barrier (see the top of the file). Same sums as one_shot_kernel.
 template <typename T, int WORLD>
-__global__ void __launch_bounds__(512)
-    one_shot_kernel(Peers peers, int rank, uint4* data, int64_t nvec, int64_t half_vecs, bool end_barrier) {
+__global__ void __launch_bounds__(512) lamport_kernel(Peers peers, int rank, uint4* data, int64_t nvec, int64_t slot_vecs) {
   constexpr int kPer = 16 / sizeof(T);
   griddep_wait();               // data comes from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   Signal* self = peers.signal[rank];
   const uint32_t round = self->round[blockIdx.x] + 1;
+  const int b = next_third(self);
+  empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = first; i < nvec; i += stride) {
+    const uint4 v = as_sent<T>(data[i]);
+#pragma unroll
+    for (int p = 0; p < WORLD; ++p) {
+      if (p != rank) store_volatile(receive_slot<WORLD>(peers.receive[p], b, rank, slot_vecs) + i, v);
+    }
+  }
+  for (int64_t i = first; i < nvec; i += stride) {
+    float acc[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) acc[k] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < WORLD; ++p) {  // in rank order, as one_shot_kernel (bitwise the same sum everywhere)
+      const uint4 v = p == rank ? as_sent<T>(data[i])
+                                : received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + i);
+      const T* x = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) acc[k] += Cvt<T>::to_f(x[k]);
+    }
+    uint4 out;
+    T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) o[k] = Cvt<T>::from_f(acc[k]);
+    data[i] = out;
+  }
+  record_sent(self, b, slot_vecs, nvec);
+  end_round(self, round, b);
+}
+
+template <typename T, int WORLD>
+__global__ void __launch_bounds__(512)
+    one_shot_kernel(Peers peers, int rank, uint4* data, int64_t nvec, int64_t half_vecs, bool end_barrier,
+                    int64_t slot_vecs) {
+  constexpr int kPer = 16 / sizeof(T);
+  griddep_wait();               // data comes from the kernel before (see common.cuh)
+  griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
+  Signal* self = peers.signal[rank];
+  const uint32_t round = self->round[blockIdx.x] + 1;
+  const int b = next_third(self);
+  empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
   const int64_t half = half_offset(round, half_vecs, end_barrier);
   uint4* mine = const_cast<uint4*>(peers.data[rank]) + half;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -125,7 +260,8 @@ __global__ void __launch_bounds__(512)
     data[i] = out;
   }
   if (end_barrier) barrier<WORLD>(peers, rank, true, round);
-  end_round(self, round);
+  record_sent(self, b, slot_vecs, 0);
+  end_round(self, round, b);
 }
 
 // One block per row at a time (rows b, b + grid, ...), the row's 16-byte packs spread over the threads, VPT packs a
@@ -135,7 +271,8 @@ __global__ void __launch_bounds__(512)
 template <typename T, int WORLD, int VPT>
 __global__ void __launch_bounds__(512)
     one_shot_add_rms_norm_kernel(Peers peers, int rank, uint4* data, uint4* residual, const uint4* __restrict__ weight,
-                                 int64_t rows, int row_vecs, float eps, int64_t half_vecs, bool end_barrier) {
+                                 int64_t rows, int row_vecs, float eps, int64_t half_vecs, bool end_barrier,
+                                 int64_t slot_vecs, bool lamport) {
   using P = Pack<T, 16 / sizeof(T)>;
   constexpr int kPer = 16 / sizeof(T);
   P w[VPT];  // the norm's weight (the weights may be read before the wait); its loads complete under the barrier
@@ -148,12 +285,32 @@ __global__ void __launch_bounds__(512)
   griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   Signal* self = peers.signal[rank];
   const uint32_t round = self->round[blockIdx.x] + 1;
+  const int b = next_third(self);
+  empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
   const int64_t half = half_offset(round, half_vecs, end_barrier);
-  uint4* mine = const_cast<uint4*>(peers.data[rank]) + half;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) mine[row * row_vecs + v] = data[row * row_vecs + v];
+  if (lamport) {  // (no barrier: see the top of the file)
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+      for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) {
+        const uint4 sent = as_sent<T>(data[row * row_vecs + v]);
+#pragma unroll
+        for (int p = 0; p < WORLD; ++p) {
+          if (p != rank) store_volatile(receive_slot<WORLD>(peers.receive[p], b, rank, slot_vecs) + row * row_vecs + v, sent);
+        }
+      }
+    }
+  } else {
+    uint4* mine = const_cast<uint4*>(peers.data[rank]) + half;
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+      for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) mine[row * row_vecs + v] = data[row * row_vecs + v];
+    }
+    barrier<WORLD>(peers, rank, false, round);
   }
-  barrier<WORLD>(peers, rank, false, round);
+  // Rank p's 16-byte vector at index idx of the message: as sent to the receive buffers, or from p's data half.
+  auto peer_vector = [&](int p, int64_t idx) -> uint4 {
+    if (!lamport) return peers.data[p][half + idx];
+    if (p == rank) return as_sent<T>(data[idx]);
+    return received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + idx);
+  };
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t base = row * row_vecs;
     // Every load of the row before any store (a store to the residual could alias a later load for the compiler).
@@ -169,7 +326,8 @@ __global__ void __launch_bounds__(512)
         for (int k = 0; k < kPer; ++k) acc[k] = 0.0f;
 #pragma unroll
         for (int p = 0; p < WORLD; ++p) {  // rank order, as one_shot_kernel: every rank gets the same bits
-          const P x = reinterpret_cast<const P*>(peers.data[p] + half)[base + v];
+          const uint4 bits = peer_vector(p, base + v);
+          const P x = *reinterpret_cast<const P*>(&bits);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) acc[k] += Cvt<T>::to_f(x.v[k]);
         }
@@ -210,13 +368,20 @@ __global__ void __launch_bounds__(512)
       }
     }
   }
-  if (end_barrier) barrier<WORLD>(peers, rank, true, round);
-  end_round(self, round);
+  if (end_barrier && !lamport) barrier<WORLD>(peers, rank, true, round);
+  record_sent(self, b, slot_vecs, lamport ? rows * row_vecs : 0);
+  end_round(self, round, b);
 }
 
 bool g_end_barrier = false;  // set_all_reduce_end_barrier()
 
 int64_t half_vecs_of(const AllReduceArgs& a) { return a.capacity_bytes / kAllReduceAlign; }
+int64_t slot_vecs_of(const AllReduceArgs& a) { return a.lamport_bytes / kAllReduceAlign; }
+
+// Whether a message of nvec 16-byte vectors takes the barrier-free kernels.
+bool takes_lamport(const AllReduceArgs& a, int64_t nvec) {
+  return !g_end_barrier && nvec <= slot_vecs_of(a);
+}
 
 template <typename T, int WORLD>
 void launch(const Peers& peers, const AllReduceArgs& a, int64_t nvec) {
@@ -224,9 +389,16 @@ void launch(const Peers& peers, const AllReduceArgs& a, int64_t nvec) {
   int64_t blocks = (nvec + kThreads - 1) / kThreads;
   if (blocks > a.max_blocks) blocks = a.max_blocks;
   if (blocks < 1) blocks = 1;
-  launch_programmatic(one_shot_kernel<T, WORLD>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
-                      reinterpret_cast<cudaStream_t>(a.stream), "custom_all_reduce", peers, a.rank,
-                      reinterpret_cast<uint4*>(a.data), nvec, half_vecs_of(a), g_end_barrier);
+  const auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  auto* data = reinterpret_cast<uint4*>(a.data);
+  if (takes_lamport(a, nvec)) {
+    launch_programmatic(lamport_kernel<T, WORLD>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
+                        "custom_all_reduce", peers, a.rank, data, nvec, slot_vecs_of(a));
+    return;
+  }
+  launch_programmatic(one_shot_kernel<T, WORLD>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
+                      "custom_all_reduce", peers, a.rank, data, nvec, half_vecs_of(a), g_end_barrier,
+                      slot_vecs_of(a));
 }
 
 template <typename T>
@@ -259,7 +431,7 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
                                   : one_shot_add_rms_norm_kernel<T, WORLD, 4>;
   launch_programmatic(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
                       "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps,
-                      half_vecs_of(a), g_end_barrier);
+                      half_vecs_of(a), g_end_barrier, slot_vecs_of(a), takes_lamport(a, rows * row_vecs));
 }
 
 template <typename T>
@@ -280,6 +452,10 @@ void check_ranks(const AllReduceArgs& a, const std::string& op) {
   if (a.max_blocks < 1 || a.max_blocks > kAllReduceMaxBlocks) {
     throw std::invalid_argument(op + ": max_blocks must be in [1, 64]");
   }
+  if (a.lamport_bytes < 0 || a.lamport_bytes % kAllReduceAlign || a.lamport_bytes > a.capacity_bytes ||
+      a.lamport_bytes / kAllReduceAlign > UINT32_MAX) {
+    throw std::invalid_argument(op + ": lamport_bytes must be a multiple of 16 from 0 to capacity_bytes");
+  }
 }
 
 // Then, for a message of at least one element: its size and alignment; the peers' buffers as mapped here.
@@ -296,6 +472,9 @@ Peers checked_peers(const AllReduceArgs& a, const std::string& op) {
     if (p < a.world && base == 0) throw std::invalid_argument(op + ": a peer buffer is missing");
     peers.signal[p] = reinterpret_cast<Signal*>(base);
     peers.data[p] = base ? reinterpret_cast<const uint4*>(base + kAllReduceSignalBytes) : nullptr;
+    peers.receive[p] = base && a.lamport_bytes ? reinterpret_cast<uint4*>(base + kAllReduceSignalBytes +
+                                                                          2 * a.capacity_bytes)
+                                               : nullptr;
   }
   return peers;
 }
@@ -308,13 +487,22 @@ bool set_all_reduce_end_barrier(bool enabled) {
   return before;
 }
 
-uintptr_t all_reduce_buffer_alloc(int64_t capacity_bytes) {
+uintptr_t all_reduce_buffer_alloc(int64_t capacity_bytes, int64_t lamport_bytes, int world) {
   if (capacity_bytes <= 0 || capacity_bytes % kAllReduceAlign) {
     throw std::invalid_argument("all_reduce_buffer_alloc: capacity_bytes must be a positive multiple of 16");
   }
+  if (lamport_bytes < 0 || lamport_bytes % kAllReduceAlign || lamport_bytes > capacity_bytes) {
+    throw std::invalid_argument("all_reduce_buffer_alloc: lamport_bytes must be a multiple of 16 up to capacity_bytes");
+  }
+  if (world < 2 || world > kAllReduceMaxRanks) throw std::invalid_argument("all_reduce_buffer_alloc: world in [2, 8]");
+  const int64_t data_bytes = 2 * capacity_bytes;        // the two halves
+  const int64_t receive_bytes = 3 * world * lamport_bytes;  // three buffers of a slot per sender
   void* ptr = nullptr;
-  FASTQWEN_CUDA_CHECK(cudaMalloc(&ptr, kAllReduceSignalBytes + 2 * capacity_bytes));  // (the two halves)
+  FASTQWEN_CUDA_CHECK(cudaMalloc(&ptr, kAllReduceSignalBytes + data_bytes + receive_bytes));
   FASTQWEN_CUDA_CHECK(cudaMemset(ptr, 0, kAllReduceSignalBytes));
+  if (receive_bytes) {  // every receive slot empty (kEmptyWord)
+    FASTQWEN_CUDA_CHECK(cudaMemset(static_cast<char*>(ptr) + kAllReduceSignalBytes + data_bytes, 0xFF, receive_bytes));
+  }
   FASTQWEN_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can open it
   return reinterpret_cast<uintptr_t>(ptr);
 }

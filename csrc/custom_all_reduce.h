@@ -19,9 +19,10 @@ constexpr int64_t kAllReduceAlign = 16;  // messages must be a whole number of 1
 // custom_all_reduce_add_rms_norm holds a row in registers: at most 4 16-byte packs for each of 512 threads.
 constexpr int kAllReduceNormMaxHidden = 16384;
 
-// Device memory for one rank's shared buffer, for messages of up to capacity_bytes: the signal area (zeroed), then the
-// data area of two halves of capacity_bytes.
-uintptr_t all_reduce_buffer_alloc(int64_t capacity_bytes);
+// Device memory for one rank's shared buffer, for messages of up to capacity_bytes: the signal area (zeroed), the data
+// area of two halves of capacity_bytes, then (lamport_bytes > 0) the receive area of three buffers of `world` slots of
+// lamport_bytes (every word all ones: empty). Every rank allocates with the same arguments.
+uintptr_t all_reduce_buffer_alloc(int64_t capacity_bytes, int64_t lamport_bytes, int world);
 void all_reduce_buffer_free(uintptr_t ptr);
 // The CUDA IPC handle of a buffer (cudaIpcMemHandle_t's bytes), and a peer's buffer opened from its handle.
 std::string all_reduce_ipc_handle(uintptr_t ptr);
@@ -35,6 +36,7 @@ struct AllReduceArgs {
   uintptr_t data = 0;  // in and out: numel elements of dtype, summed in place
   int64_t numel = 0;
   int64_t capacity_bytes = 0;  // the largest message: half of each buffer's data area
+  int64_t lamport_bytes = 0;   // messages up to this size take no barrier (the buffers' receive areas); 0: none
   int dtype = kBF16;
   int max_blocks = 36;
   uintptr_t stream = 0;

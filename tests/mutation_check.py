@@ -991,6 +991,27 @@ MUTATIONS += [
         gpus=2,
     ),
     Mutation(
+        "barrier_free_all_reduce_drops_the_last_rank",
+        "csrc/custom_all_reduce.cu",
+        [
+            (
+                "    for (int p = 0; p < WORLD; ++p) {  // in rank order, as one_shot_kernel",
+                "    for (int p = 0; p < WORLD - 1; ++p) {  // in rank order, as one_shot_kernel",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_barrier_free_all_reduce_matches_the_sum_and_nccl[2]"],
+        "the barrier-free all-reduce sums every rank's vectors but the last one's",
+        gpus=2,
+    ),
+    Mutation(
+        "barrier_free_all_reduce_leaves_the_previous_buffer_full",
+        "csrc/custom_all_reduce.cu",
+        [("  if (slot_vecs == 0) return;\n  const int previous", "  if (slot_vecs >= 0) return;\n  const int previous")],
+        ["tests/test_tensor_parallel_gpu.py::test_barrier_free_all_reduce_matches_the_sum_and_nccl[2]"],
+        "the receive buffers are never emptied: three rounds on, a rank sums what a peer sent back then",
+        gpus=2,
+    ),
+    Mutation(
         "all_reduce_norm_adds_the_residual_twice",
         "csrc/custom_all_reduce.cu",
         [

@@ -1,5 +1,6 @@
 """Tensor parallelism on GPUs (skipped without 2): the custom all-reduce against a float64 sum and against NCCL at
-every size up to its threshold (eager and replayed from a CUDA graph, 2 and 4 ranks where there are GPUs for them);
+every size up to its threshold (eager and replayed from a CUDA graph, 2 and 4 ranks where there are GPUs for them),
+with one barrier a call and with the barrier-free kernels for the small messages;
 the all-reduce fused with the residual add and RMSNorm (called directly, whatever FASTQWEN_FUSED_ALLREDUCE_NORM says)
 against the float64 sum and norm and against the composition it replaces, at row counts up to the threshold, eager
 and in a graph; and a TP=2 engine against TP=1 on the same machine, teacher-forced (tokens equal except where the
@@ -53,6 +54,8 @@ def _connect(rank: int, world: int, port: int):
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
     group = ParallelGroup.connect(rank, world, store, device)
     assert group.custom is not None, "the custom all-reduce did not start"
+    barrier_free = os.environ.get("FASTQWEN_ALLREDUCE_LAMPORT") == "1"
+    assert (group.custom.lamport_bytes > 0) == barrier_free, "FASTQWEN_ALLREDUCE_LAMPORT not followed"
     return group, device
 
 
@@ -244,7 +247,7 @@ def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
     group.barrier()
 
 
-def _run_ranks(world: int, dtype_names: tuple[str, ...], target=_worker) -> None:
+def _run_ranks(world: int, dtype_names: tuple[str, ...], target=_worker, environment: dict | None = None) -> None:
     """The ranks in processes of their own, on a port nobody holds (a fixed one could meet the store of an earlier
     test's rank still shutting down, and wait). One deadline for all; once a rank has failed, the others get a few
     seconds (they may be waiting in a collective for it) and are killed, so a failure is reported, not a hang."""
@@ -253,12 +256,18 @@ def _run_ranks(world: int, dtype_names: tuple[str, ...], target=_worker) -> None
     port = free_port()
     progress = tempfile.mkdtemp(prefix="tp-progress-")
     procs = [ctx.Process(target=target, args=(r, world, port, dtype_names, failures)) for r in range(world)]
-    os.environ["FASTQWEN_TP_TEST_PROGRESS"] = progress  # (the spawned ranks inherit it)
+    environment = {"FASTQWEN_TP_TEST_PROGRESS": progress, **(environment or {})}
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)  # (the spawned ranks inherit it)
     try:
         for p in procs:
             p.start()
     finally:
-        del os.environ["FASTQWEN_TP_TEST_PROGRESS"]
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     deadline = time.monotonic() + RANKS_DEADLINE_S
     failed_at = None
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
@@ -299,6 +308,25 @@ def test_fused_all_reduce_norm_matches_float64(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     _run_ranks(world, ("bfloat16", "float16"), _fused_worker)
+
+
+# The barrier-free kernels (FASTQWEN_ALLREDUCE_LAMPORT=1) take the messages of up to LAMPORT_MAX_BYTES of the same
+# checks, the larger ones the barrier kernels in between (the two kinds of round share counters and receive buffers).
+BARRIER_FREE = {"FASTQWEN_ALLREDUCE_LAMPORT": "1"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_barrier_free_all_reduce_matches_the_sum_and_nccl(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _run_ranks(world, ("bfloat16", "float16", "float32"), environment=BARRIER_FREE)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_barrier_free_fused_all_reduce_norm_matches_float64(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _run_ranks(world, ("bfloat16", "float16"), _fused_worker, environment=BARRIER_FREE)
 
 
 # TP rounds each rank's partial o_proj / down sums to bf16 before adding them: a few bf16 steps per layer. Stated

@@ -92,6 +92,14 @@ def all_reduce_end_barrier() -> bool:
     return _flag("FASTQWEN_ALLREDUCE_END_BARRIER", False)
 
 
+def all_reduce_lamport() -> bool:
+    """FASTQWEN_ALLREDUCE_LAMPORT=1: under tensor parallelism on GPUs, the custom all-reduce's messages of up to
+    ops/custom_all_reduce.py's LAMPORT_MAX_BYTES wait at no barrier (each rank stores its input into the others'
+    receive buffers, which start empty, and sums what arrives; csrc/custom_all_reduce.cu). Off by default until
+    measured. Every rank reads the same environment."""
+    return _flag("FASTQWEN_ALLREDUCE_LAMPORT", False)
+
+
 def metrics_folder() -> str | None:
     """PROMETHEUS_MULTIPROC_DIR: prometheus_client's multiprocess mode, where each process writes its counters. Set
     by the parent of several front ends (api_servers.py, through share_metrics_through) before it starts them."""

@@ -5,7 +5,9 @@ Each rank allocates one buffer (a signal area and a data area), shares its CUDA 
 the CPU process group, and opens theirs. A call copies the input into the rank's own buffer (alternate calls into
 alternate halves of it, so that no second barrier is needed before the next call), waits for every peer at a
 barrier, and sums every rank's buffer in rank order (so every rank gets bitwise the same result) back into the input.
-It never allocates and keeps its round counters on the device, so decode CUDA graphs capture it. Every rank must make the same calls in the same order (the engine's ranks run the same steps).
+It never allocates and keeps its round counters on the device, so decode CUDA graphs capture it. With
+FASTQWEN_ALLREDUCE_LAMPORT=1 (env.py) messages of up to LAMPORT_MAX_BYTES wait at no barrier: each rank stores its
+input into the other ranks' receive buffers and sums what arrives there (csrc/custom_all_reduce.cu). Every rank must make the same calls in the same order (the engine's ranks run the same steps).
 
 `all_reduce_add_rms_norm` is the same sum fused with what follows it in a decoder layer: the residual add and the
 RMSNorm of ops.fused_add_rms_norm, per row, in the same kernel (the rows' sums never leave it). Its numbers are those
@@ -16,11 +18,15 @@ from __future__ import annotations
 
 import torch
 
+from .. import env
 from ._native import check_tensors, dtype_code, has_cuda_kernels, kernel_applies, native, stream_of
 
 # Above this many bytes NCCL is used. One-shot reads world x the message on every rank; past a few MB the ring's
 # bandwidth wins. Decode of 256 sequences of Qwen3-32B is 2.5 MiB of bf16.
 DEFAULT_MAX_BYTES = 4 * 2**20
+# The barrier-free kernels take messages up to this size (decode steps of up to 32 tokens of hidden 8192 in bf16, the
+# steps the fused norm takes); their receive buffers hold 3 x world x this on every rank.
+LAMPORT_MAX_BYTES = 512 * 2**10
 _BLOCKS = 36
 
 
@@ -40,8 +46,9 @@ class CustomAllReduce:
         align = m.ALL_REDUCE_ALIGN
         self.max_bytes = max_bytes - max_bytes % align
         self.rank, self.world, self.device = rank, world, device
+        self.lamport_bytes = min(LAMPORT_MAX_BYTES, self.max_bytes) if env.all_reduce_lamport() else 0
         with torch.cuda.device(device):
-            self._own = m.all_reduce_buffer_alloc(self.max_bytes)
+            self._own = m.all_reduce_buffer_alloc(self.max_bytes, self.lamport_bytes, world)
             handles = exchange(m.all_reduce_ipc_handle(self._own))
             self._opened = [m.all_reduce_ipc_open(h) for r, h in enumerate(handles) if r != rank]
         peers = iter(self._opened)
@@ -49,6 +56,7 @@ class CustomAllReduce:
         self._args.buffers = [self._own if r == rank else next(peers) for r in range(world)]
         self._args.rank, self._args.world = rank, world
         self._args.capacity_bytes = self.max_bytes
+        self._args.lamport_bytes = self.lamport_bytes
         self._args.max_blocks = _BLOCKS
 
     def applies(self, x: torch.Tensor) -> bool:
