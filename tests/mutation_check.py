@@ -1006,7 +1006,12 @@ MUTATIONS += [
     Mutation(
         "barrier_free_all_reduce_leaves_the_previous_buffer_full",
         "csrc/custom_all_reduce.cu",
-        [("  if (slot_vecs == 0) return;\n  const int previous", "  if (slot_vecs >= 0) return;\n  const int previous")],
+        [
+            (
+                "  if (slot_vecs == 0) return;\n  const int previous",
+                "  if (slot_vecs >= 0) return;\n  const int previous",
+            )
+        ],
         ["tests/test_tensor_parallel_gpu.py::test_barrier_free_all_reduce_matches_the_sum_and_nccl[2]"],
         "the receive buffers are never emptied: three rounds on, a rank sums what a peer sent back then",
         gpus=2,
