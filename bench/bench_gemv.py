@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 
 import torch
@@ -68,10 +69,13 @@ def bench_shape(
     gate_up: bool = False,
     host_timing: bool = False,
     tc_fp8_variants: tuple[int, ...] = (),
+    rows_per_block: tuple[int, ...] = (),
 ) -> list[dict]:
     """gate_up: also the GEMV with the SiLU-and-mul epilogue (out half as wide), as the MLP runs it. host_timing: one
     pass a graph, the host's submission timed (see the module's doc). tc_fp8_variants: where the FP8 GEMV runs on the
-    tensor cores, also each of these pipelines of its kernel (set_gemv_tc_fp8_variant), as gemv_fp8_v{N}."""
+    tensor cores, also each of these pipelines of its kernel (set_gemv_tc_fp8_variant), as gemv_fp8_v{N}.
+    rows_per_block: at one token, also the GEMVs with blocks of each of these many weight rows
+    (set_gemv_rows_per_block), as gemv_bf16_r{N} and gemv_fp8_r{N}."""
     dense = torch.randn(rows, cols, device="cuda") * 0.02
     nbuf = max(2, math.ceil(2 * L2_BYTES / (rows * cols)))  # the FP8 copies alone exceed twice the L2
     passes = 1 if host_timing else math.ceil(MIN_CALLS / nbuf)
@@ -111,6 +115,10 @@ def bench_shape(
                 variants[f"gemv_fp8_v{v}"] = variants["gemv_fp8"]
                 if gate_up:
                     variants[f"gemv_silu_fp8_v{v}"] = variants["gemv_silu_fp8"]
+        if m == 1:
+            for r in rows_per_block:
+                for name in ("gemv_bf16", "gemv_fp8"):
+                    variants[f"{name}_r{r}"] = variants[name]
         row = {"rows": rows, "cols": cols, "batch": m, "fp8_gemm": "scaled_mm" if scaled_mm else "dequantize+cublas"}
         for name, (weights, call) in variants.items():
 
@@ -122,10 +130,14 @@ def bench_shape(
             variant = int(name.rsplit("_v", 1)[1]) if "_fp8_v" in name else None
             before = native().set_gemv_tensor_cores("_simt_" not in name)  # read when the graph is captured
             before_variant = native().set_gemv_tc_fp8_variant(variant) if variant is not None else None
+            forced = re.search(r"_r(\d)$", name)  # (gemv_bf16_r5: blocks of 5 rows)
+            block_rows = int(forced.group(1)) if forced else 0
+            before_rows = native().set_gemv_rows_per_block(block_rows)
             try:
                 graph = graph_of(all_passes)
             finally:
                 native().set_gemv_tensor_cores(before)
+                native().set_gemv_rows_per_block(before_rows)
                 if before_variant is not None:
                     native().set_gemv_tc_fp8_variant(before_variant)
             ms = time_fn(graph.replay, iters, queue_ahead=not host_timing) / calls
@@ -160,6 +172,13 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1, help="one rank's shard of each projection at this tensor-parallel size")
     p.add_argument("--shapes-only", action="store_true", help="print the shapes and exit (no GPU needed)")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--rows-per-block",
+        type=int,
+        nargs="*",
+        default=[],
+        help="one token: also the GEMVs with blocks of these many weight rows (4, 5, 6; set_gemv_rows_per_block)",
+    )
     p.add_argument("--host-timing", action="store_true", help="time as before 2026-11-24 (see above)")
     p.add_argument(
         "--tc-fp8-variants",
@@ -199,6 +218,7 @@ def main() -> int:
                 gate_up=name == "gate_up",
                 host_timing=args.host_timing,
                 tc_fp8_variants=tuple(args.tc_fp8_variants),
+                rows_per_block=tuple(args.rows_per_block),
             )
             torch.cuda.empty_cache()
     report(result, args.json)

@@ -5,7 +5,8 @@
 #   tests       build, pytest the tensor-parallel tests (GPU and CPU)                  -> build.log, tests.log
 #   allreduce   bench/tp_bench.py: custom all-reduce vs NCCL at decode sizes, and the all-reduce + fused_add_rms_norm
 #               against the all-reduce fused with the norm, hidden 4096 and 5120 in one run; then one rank's GEMVs at
-#               the TP=2 shard shapes of Qwen3-8B and Qwen3-32B (bench/bench_gemv.py --tp 2)
+#               the TP=2 shard shapes of Qwen3-8B and Qwen3-32B (bench/bench_gemv.py --tp 2; at one token also
+#               with blocks of 4, 5 and 6 weight rows forced)
 #   latency     batch-1 TPOT with its limit (rank 0's weight bytes over the copy bandwidth of the same run), random
 #               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1; 32B TP=2 again with FASTQWEN_PDL=0
 #   httplatency batch-1 TPOT and TTFT of random Qwen3-32B at TP=2 through HTTP (bench/latency.py --http-only)
@@ -161,7 +162,7 @@ for stage in $STAGES; do
       run allreduce 300 python3 bench/tp_bench.py --hidden 4096 5120 --json "$OUT/allreduce.json"
       # One rank's GEMVs at the TP=2 shard shapes against the copy rate (one GPU is enough; issue 46)
       run gemv_tp2 200 python3 bench/bench_gemv.py --presets Qwen3-8B Qwen3-32B --tp 2 --batches 1 2 4 8 \
-        --json "$OUT/gemv_tp2.json" ;;
+        --rows-per-block 4 5 6 --json "$OUT/gemv_tp2.json" ;;
     latency)
       # spec: model:TP:fused:PDL. 32B at TP=2 with the all-reduce fused with the residual add and norm
       # (FASTQWEN_FUSED_ALLREDUCE_NORM=1), then followed by fused_add_rms_norm, then fused without programmatic

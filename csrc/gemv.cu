@@ -396,6 +396,8 @@ constexpr auto kernel_for() {
 // The grid's waves: full waves stream at the full rate, a partial last wave at a fraction of it. 6 rows a block
 // where that makes the waves fuller than 4 do (Qwen3-8B's qkv, 6,144 rows on an H100: 1,536 blocks of 4 are 1.45
 // waves of 1,056; 1,024 blocks of 6 are one).
+int g_rows_per_block = 0;  // set_gemv_rows_per_block(): 0 = the rule below
+
 template <typename T, bool FP8, int MT, bool SILU>
 int rows_per_block(int weight_rows, int epilogue) {
   if (MT != 1) return 4;  // (more tokens: fewer blocks per SM, and 4 rows already fill them)
@@ -403,6 +405,8 @@ int rows_per_block(int weight_rows, int epilogue) {
   // (16 to 24 bytes). 4 rows were faster on the H100 despite the extra wave: batch-1 Qwen3-8B FP8 3.330 -> 3.303 ms at
   // a 1,024-token prompt.
   if (FP8 && (epilogue == kGemvNormX || epilogue == kGemvNormXFolded)) return 4;
+  // A benchmark's choice (5 only without the SiLU epilogue, whose blocks take as many gate rows as up rows).
+  if (g_rows_per_block != 0 && !(SILU && g_rows_per_block == 5)) return g_rows_per_block;
   auto fill = [](int blocks, int slots) {
     const double waves = static_cast<double>(blocks) / slots;
     return waves / std::ceil(waves);
@@ -431,9 +435,12 @@ void tokens_switch(int m, F&& f) {
   f(std::integral_constant<int, 16>{});
 }
 
-template <typename F>
+template <int MT, bool SILU, typename F>
 void rows_switch(int rows, F&& f) {
   if (rows == 6) return f(std::integral_constant<int, 6>{});
+  if constexpr (MT == 1 && !SILU) {  // (5 rows only where rows_per_block may give them)
+    if (rows == 5) return f(std::integral_constant<int, 5>{});
+  }
   f(std::integral_constant<int, 4>{});
 }
 
@@ -443,7 +450,7 @@ template <bool FP8, int MT, bool SILU, int R>
 constexpr bool epilogue_compiled(int epilogue) {
   if (epilogue == kGemvPlain) return true;
   if (epilogue == kGemvAddResidual) return MT == 1 && !SILU;
-  return MT == 1 && !(FP8 && R == 6) && (epilogue == kGemvNormX || epilogue == kGemvNormXFolded);
+  return MT == 1 && !(FP8 && R != 4) && (epilogue == kGemvNormX || epilogue == kGemvNormXFolded);
 }
 
 template <bool FP8, int MT, bool SILU, int R, typename F>
@@ -481,7 +488,7 @@ void launch(const GemvArgs& a) {
         constexpr int MT = decltype(tokens)::value;
         bool_switch(a.silu_gate_up, [&](auto silu) {
           constexpr bool SILU = decltype(silu)::value;
-          rows_switch(rows_per_block<T, FP8, MT, SILU>(n, a.epilogue), [&](auto rows) {
+          rows_switch<MT, SILU>(rows_per_block<T, FP8, MT, SILU>(n, a.epilogue), [&](auto rows) {
             constexpr int R = decltype(rows)::value;
             const int outputs_per_block = SILU ? R / 2 : R;
             const int n_out = SILU ? n / 2 : n;
@@ -546,6 +553,15 @@ bool g_gemv_tensor_cores = true;
 bool set_gemv_tensor_cores(bool enabled) {
   const bool before = g_gemv_tensor_cores;
   g_gemv_tensor_cores = enabled;
+  return before;
+}
+
+int set_gemv_rows_per_block(int rows) {
+  if (rows != 0 && (rows < 4 || rows > 6)) {
+    throw std::invalid_argument("set_gemv_rows_per_block: 0 (the default rule), 4, 5 or 6, got " + std::to_string(rows));
+  }
+  const int before = g_rows_per_block;
+  g_rows_per_block = rows;
   return before;
 }
 

@@ -259,6 +259,18 @@ MUTATIONS = [
         "the one-token FP8 GEMV multiplies each lane's first chunk of a row again in place of the later ones",
     ),
     Mutation(
+        "gemv_block_of_5_reads_the_next_row_for_its_last",
+        "csrc/gemv.cu",
+        [
+            (
+                "      row_off[r] = (row - row0) * row_chunks;",
+                "      row_off[r] = (row - row0 + (kRows == 5 && r == 4 ? 1 : 0)) * row_chunks;",
+            )
+        ],
+        ["tests/test_gemv_gpu.py::test_gemv_blocks_of_4_5_and_6_rows_agree_bit_for_bit[bf16]"],
+        "blocks of 5 weight rows (set_gemv_rows_per_block) multiply the row after their last in its place",
+    ),
+    Mutation(
         "gemv_norm_sums_squares_of_weighted_x",
         "csrc/gemv.cu",
         [

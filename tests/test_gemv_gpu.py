@@ -179,6 +179,28 @@ def test_gemv_lm_head_odd_rows_bias_and_fp16(fp8):
         check_all_batches(w, dtype, gen, max_batch=4 if rows > 100000 else GEMV_MAX_TOKENS)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemv_blocks_of_4_5_and_6_rows_agree_bit_for_bit(fp8):
+    """One token: how many weight rows a block takes (set_gemv_rows_per_block; the default rule picks 4 or 6) changes
+    which block computes a row, not its arithmetic: every choice equals the default's output bit for bit, and the
+    float32 reference within the GEMV's tolerance. Row counts that leave the last block part-filled for each choice
+    (5,121 = 5 x 1,024 + 1; 1,001), and a bad choice refused."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for rows, cols in ((5121, 5120), (1001, 384)):
+        dense = torch.randn(rows, cols, device="cuda", generator=gen) * 0.02
+        w = LinearWeight(*quantize_fp8(dense)) if fp8 else LinearWeight(dense.to(torch.bfloat16))
+        x = torch.randn(1, cols, device="cuda", generator=gen).to(torch.bfloat16)
+        default = gemv(x, w)
+        for block_rows in (4, 5, 6):
+            with native_setting("set_gemv_rows_per_block", block_rows):
+                got = gemv(x, w)
+            assert torch.equal(got, default), (rows, block_rows)
+        want = x.float() @ w.dequantize(torch.float32).t()
+        torch.testing.assert_close(default.float(), want, rtol=RTOL, atol=1e-4 * want.abs().max().item())
+    with pytest.raises(ValueError, match="4, 5 or 6"):
+        _native.native().set_gemv_rows_per_block(3)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_tensor_core_fp8_gemv_scales_each_token_into_f16_range(dtype):
     """The FP8 tensor-core GEMV multiplies e4m3 weights (exact in f16) with x converted to f16 after scaling each
