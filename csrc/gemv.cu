@@ -393,11 +393,11 @@ constexpr auto kernel_for() {
   }
 }
 
+int g_rows_per_block = 0;  // set_gemv_rows_per_block(): 0 = the rule of rows_per_block
+
 // The grid's waves: full waves stream at the full rate, a partial last wave at a fraction of it. 6 rows a block
 // where that makes the waves fuller than 4 do (Qwen3-8B's qkv, 6,144 rows on an H100: 1,536 blocks of 4 are 1.45
 // waves of 1,056; 1,024 blocks of 6 are one).
-int g_rows_per_block = 0;  // set_gemv_rows_per_block(): 0 = the rule below
-
 template <typename T, bool FP8, int MT, bool SILU>
 int rows_per_block(int weight_rows, int epilogue) {
   if (MT != 1) return 4;  // (more tokens: fewer blocks per SM, and 4 rows already fill them)
