@@ -3,9 +3,11 @@ alone: does its rate in the engine (bench/latency.py --ttft-profile, per chunk) 
 because of what runs around it (clocks after the GEMMs, L2 contents) rather than its shape?
 
 Each case is a CUDA graph of `--layers` Qwen3-8B layers' projections at `new` tokens (qkv, o, gate_up, down through
-F.linear on [out, in] weights, as the engine's prefill), with and without the attention call between qkv and o; the attention's time
-in the layer is the difference, next to the attention graph alone. The three take turns (common.interleaved_medians),
-for our kernel and for cuDNN's SDPA on the same shapes (bench/kernels.py's sdpa_prefill_graphs inputs).
+F.linear on [out, in] weights, as the engine's prefill), with and without the attention call between qkv and o; the
+attention's time in the layer is the difference, next to the attention graph alone. The three take turns
+(common.interleaved_medians), for our kernel and for cuDNN's SDPA on the same shapes (bench/kernels.py's
+sdpa_prefill_graphs inputs). What it found (bench/results/current/long-context.md): in the engine the kernel runs at
+the lower clocks the 700 W power cap leaves it, not slower for what runs around it.
 
     python bench/prefill_in_layer.py --cases 1:8192:0 1:8192:16384 [--json out.json]"""
 
@@ -55,8 +57,8 @@ def main() -> int:
         dt = case.qs.dtype
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=dt)
         w_qkv, w_o, w_gu, w_down = (
-            torch.randn(rows, cols, device="cuda", dtype=dt) * 0.02
-            for rows, cols in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))
+            torch.randn(outputs, inputs, device="cuda", dtype=dt) * 0.02
+            for outputs, inputs in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))
         )
         _, _, (q, k, v, mask_kw) = sdpa_prefill_graphs(case, names=())
 
