@@ -1,10 +1,11 @@
-"""The custom all-reduce's synchronisation rules (csrc/custom_all_reduce.cu), played out on the CPU: ranks as
-generators that take one shared-memory step at a time (a store, a load, a flag), interleaved at random, over calls of
-the three kinds and of changing sizes. Every call of every rank must end with the exact sum (integers), and no
-interleaving may leave every rank waiting. This checks the rules, not the CUDA code: one barrier a call with the data
-copied into alternate halves, two barriers into one half, and the barrier-free calls over three receive buffers that
-each call empties one call after their use. Each rule's deliberate break (one half and one barrier, no emptying,
-flags compared for equality) fails it, as the tests at the bottom show."""
+"""The custom all-reduce's synchronisation rules (csrc/custom_all_reduce.cu), played out on the CPU: each rank's
+kernel blocks as generators that take one shared-memory step at a time (a store, a load, a flag), interleaved at
+random, over calls of the three kinds, of changing sizes and of changing grids (block b takes elements b, b + grid,
+...). Every call of every rank must end with the exact sum (integers), and no interleaving may leave every block
+waiting. This checks the rules, not the CUDA code: one barrier a call with the data copied into alternate halves, two
+barriers into one half, the barrier-free calls over three receive buffers that each call empties one call after their
+use, and the round counters every launch sets for every block (block 0 those of the blocks it did not launch). Each
+rule's deliberate break fails it, as the tests at the bottom show."""
 
 from __future__ import annotations
 
@@ -13,98 +14,117 @@ import random
 import pytest
 
 EMPTY = None  # an empty receive slot
+MAX_BLOCKS = 3
 
 
 class Shared:
-    """Every rank's buffer as the kernels see it (one block: the rules are per block)."""
+    """Every rank's buffer as the kernels see it."""
 
     def __init__(self, world: int, capacity: int):
         self.world = world
         self.data = [[[0] * capacity for _ in range(2)] for _ in range(world)]  # [rank][half][i]
         self.receive = [[[[EMPTY] * capacity for _ in range(world)] for _ in range(3)] for _ in range(world)]
-        self.start = [[0] * world for _ in range(world)]  # start[r][p]: p's flag in r's signal area
-        self.end = [[0] * world for _ in range(world)]
-        self.round = [0] * world
-        self.third = [0] * world
+        # start[r][b][p]: the flag block b of rank p stored in r's signal area
+        self.start = [[[0] * world for _ in range(MAX_BLOCKS)] for _ in range(world)]
+        self.end = [[[0] * world for _ in range(MAX_BLOCKS)] for _ in range(world)]
+        self.round = [[0] * MAX_BLOCKS for _ in range(world)]
+        self.third = [[0] * MAX_BLOCKS for _ in range(world)]
         self.received = [[0] * 3 for _ in range(world)]
 
 
-def rank_program(s: Shared, r: int, calls, results, rules):
-    """Rank r's calls one after another (a stream: a call starts once the one before ended); yields before each
-    shared-memory step, and "wait" while a flag or a slot it needs is not there yet."""
-    world = s.world
-    for kind, inputs in calls:
-        n = len(inputs[r])
-        k = s.round[r] + 1
-        b = (s.third[r] + 1) % 3
-        previous = (b + 2) % 3  # empty what the call before stored here (both kinds)
-        if rules["empty"]:
+def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total: list, rules):
+    """Block b of rank r's kernel for one call: yields before each shared-memory step, "wait" while a flag or a slot
+    it needs is not there yet."""
+    world, n = s.world, len(inputs[r])
+    mine = range(b, n, grid)  # this block's elements
+    k = s.round[r][b] + 1
+    third = (s.third[r][b] + 1) % 3
+    previous = (third + 2) % 3  # empty what the call before stored here (every block a share, both kinds)
+    if rules["empty"]:
+        for p in range(world):
+            for i in range(b, s.received[r][previous], grid):
+                if p != r:
+                    yield
+                    s.receive[r][previous][p][i] = EMPTY
+    if kind == "lamport":
+        for i in mine:
             for p in range(world):
-                for i in range(s.received[r][previous]):
-                    if p != r:
-                        yield
-                        s.receive[r][previous][p][i] = EMPTY
-        total = []
-        if kind == "lamport":
-            for i in range(n):
-                for p in range(world):
-                    if p != r:
-                        yield
-                        s.receive[p][b][r][i] = inputs[r][i]
-            for i in range(n):
-                acc = 0
-                for p in range(world):
-                    if p == r:
-                        acc += inputs[r][i]
-                        continue
-                    while s.receive[r][b][p][i] is EMPTY:
-                        yield "wait"
+                if p != r:
                     yield
-                    acc += s.receive[r][b][p][i]
-                total.append(acc)
-            s.received[r][b] = n
-        else:
-            end_barrier = kind == "two_barriers"
-            half = 0 if end_barrier or not rules["halves"] else k % 2
-            for i in range(n):
+                    s.receive[p][third][r][i] = inputs[r][i]
+        for i in mine:
+            acc = 0
+            for p in range(world):
+                if p == r:
+                    acc += inputs[r][i]
+                    continue
+                while s.receive[r][third][p][i] is EMPTY:
+                    yield "wait"
                 yield
-                s.data[r][half][i] = inputs[r][i]
-            yield from barrier(s, r, s.start, k, rules)
-            for i in range(n):
-                acc = 0
-                for p in range(world):
-                    yield
-                    acc += s.data[p][half][i]
-                total.append(acc)
-            if end_barrier:
-                yield from barrier(s, r, s.end, k, rules)
-            s.received[r][b] = 0
-        s.round[r], s.third[r] = k, b
-        results[r].append(total)
+                acc += s.receive[r][third][p][i]
+            total[i] = acc
+    else:
+        end_barrier = kind == "two_barriers"
+        half = 0 if end_barrier or not rules["halves"] else k % 2
+        for i in mine:
+            yield
+            s.data[r][half][i] = inputs[r][i]
+        yield from barrier(s, r, b, s.start, k, rules)
+        for i in mine:
+            acc = 0
+            for p in range(world):
+                yield
+                acc += s.data[p][half][i]
+            total[i] = acc
+        if end_barrier:
+            yield from barrier(s, r, b, s.end, k, rules)
+    # end_round (and record_sent, block 0)
+    s.round[r][b], s.third[r][b] = k, third
+    if b == 0:
+        s.received[r][third] = n if kind == "lamport" else 0
+        if rules["absent_counters"]:
+            for absent in range(grid, MAX_BLOCKS):
+                s.round[r][absent], s.third[r][absent] = k, third
 
 
-def barrier(s: Shared, r: int, flags, k: int, rules):
+def barrier(s: Shared, r: int, b: int, flags, k: int, rules):
     for p in range(s.world):
         yield
-        flags[p][r] = k
+        flags[p][b][r] = k
     for p in range(s.world):
-        while not (flags[r][p] == k if rules["equal_flags"] else flags[r][p] >= k):
+        while not (flags[r][b][p] == k if rules["equal_flags"] else flags[r][b][p] >= k):
             yield "wait"
 
 
+def rank_program(s: Shared, r: int, calls, results, rules, rng: random.Random):
+    """Rank r's calls one after another (a stream: a call starts once every block of the one before ended), the blocks
+    of a call interleaved at random."""
+    for kind, grid, inputs in calls:
+        total = [None] * len(inputs[r])
+        blocks = [block_program(s, r, b, grid, kind, inputs, total, rules) for b in range(grid)]
+        while blocks:
+            block = rng.choice(blocks)
+            try:
+                yield next(block)
+            except StopIteration:
+                blocks.remove(block)
+        results[r].append(total)
+
+
 def play(seed: int, rules: dict, world: int = 2, calls: int = 12) -> None:
-    """One random interleaving of `calls` calls of random kinds and sizes; AssertionError on a wrong sum or when
-    every rank waits."""
+    """One random interleaving of `calls` calls of random kinds, sizes and grids; AssertionError on a wrong sum or
+    when every rank waits."""
     rng = random.Random(seed)
     capacity = 6
-    kinds = rules["kinds"]
     plan = []
     for c in range(calls):
         n = rng.randint(1, capacity)
-        plan.append((rng.choice(kinds), [[rng.randint(0, 9) + 10 * c for _ in range(n)] for _ in range(world)]))
+        grid = rng.randint(1, MAX_BLOCKS) if rules["grids"] else 1
+        inputs = [[rng.randint(0, 9) + 10 * c for _ in range(n)] for _ in range(world)]
+        plan.append((rng.choice(rules["kinds"]), grid, inputs))
     s = Shared(world, capacity)
     results = [[] for _ in range(world)]
-    programs = [rank_program(s, r, plan, results, rules) for r in range(world)]
+    programs = [rank_program(s, r, plan, results, rules, random.Random(seed * 31 + r)) for r in range(world)]
     running = list(range(world))
     waiting_in_a_row = 0
     while running:
@@ -115,14 +135,14 @@ def play(seed: int, rules: dict, world: int = 2, calls: int = 12) -> None:
             running.remove(r)
             continue
         waiting_in_a_row = waiting_in_a_row + 1 if step == "wait" else 0
-        assert waiting_in_a_row < 200, f"seed {seed}: every rank waits (deadlock)"
+        assert waiting_in_a_row < 400, f"seed {seed}: every block waits (deadlock)"
     for r in range(world):
-        for c, (kind, inputs) in enumerate(plan):
+        for c, (kind, grid, inputs) in enumerate(plan):
             want = [sum(inputs[p][i] for p in range(world)) for i in range(len(inputs[0]))]
-            assert results[r][c] == want, f"seed {seed}: rank {r}, call {c} ({kind}): {results[r][c]} != {want}"
+            assert results[r][c] == want, f"seed {seed}: rank {r}, call {c} ({kind}, grid {grid}): {results[r][c]}"
 
 
-KEPT = {"halves": True, "empty": True, "equal_flags": False}
+KEPT = {"halves": True, "empty": True, "equal_flags": False, "absent_counters": True, "grids": True}
 
 
 # The kinds of call one engine mixes: one barrier and barrier-free (FASTQWEN_ALLREDUCE_LAMPORT=1, small messages), or
@@ -141,6 +161,8 @@ def test_every_interleaving_sums_exactly(world, kinds):
         ({"empty": False}, ["lamport"]),  # a slot still full from three calls before is taken for this call's
         ({"empty": False}, ["one_barrier", "lamport"]),
         ({"equal_flags": True}, ["one_barrier"]),  # a peer a call ahead has replaced the flag waited for
+        ({"absent_counters": False}, ["one_barrier"]),  # a block's counter behind: its half and flags are a call off
+        ({"absent_counters": False}, ["lamport"]),  # ... and its receive buffer
         ({}, ["one_barrier", "two_barriers"]),  # the end barrier switched between calls (custom_all_reduce.h)
     ],
 )
