@@ -41,6 +41,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "cuda_check.h"
@@ -184,10 +185,31 @@ __device__ __forceinline__ void record_sent(Signal* self, int b, int64_t slot_ve
   if (slot_vecs != 0 && blockIdx.x == 0 && threadIdx.x == 0) self->received[b] = static_cast<uint32_t>(sent_vecs);
 }
 
+// The sum of every rank's 16-byte vector in rank order (fp32, one rounding to T); vector_of(p) is rank p's. Every rank
+// adds the same vectors in the same order, so all of them get bitwise the same result, whichever kernel sums.
+template <typename T, int WORLD, typename VectorOf>
+__device__ __forceinline__ uint4 sum_in_rank_order(VectorOf vector_of) {
+  constexpr int kPer = 16 / sizeof(T);
+  float acc[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) acc[k] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < WORLD; ++p) {  // rank order on every rank: bitwise the same sum everywhere
+    const uint4 v = vector_of(p);
+    const T* x = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) acc[k] += Cvt<T>::to_f(x[k]);
+  }
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) o[k] = Cvt<T>::from_f(acc[k]);
+  return out;
+}
+
 // Messages of up to lamport_bytes: no barrier (see the top of the file). Same sums as one_shot_kernel.
 template <typename T, int WORLD>
 __global__ void __launch_bounds__(512) lamport_kernel(Peers peers, int rank, uint4* data, int64_t nvec, int64_t slot_vecs) {
-  constexpr int kPer = 16 / sizeof(T);
   griddep_wait();               // data comes from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   Signal* self = peers.signal[rank];
@@ -204,22 +226,10 @@ __global__ void __launch_bounds__(512) lamport_kernel(Peers peers, int rank, uin
     }
   }
   for (int64_t i = first; i < nvec; i += stride) {
-    float acc[kPer];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) acc[k] = 0.0f;
-#pragma unroll
-    for (int p = 0; p < WORLD; ++p) {  // in rank order, as one_shot_kernel (bitwise the same sum everywhere)
-      const uint4 v = p == rank ? as_sent<T>(data[i])
-                                : received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + i);
-      const T* x = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) acc[k] += Cvt<T>::to_f(x[k]);
-    }
-    uint4 out;
-    T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) o[k] = Cvt<T>::from_f(acc[k]);
-    data[i] = out;
+    data[i] = sum_in_rank_order<T, WORLD>([&](int p) {
+      return p == rank ? as_sent<T>(data[i])
+                       : received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + i);
+    });
   }
   record_sent(self, b, slot_vecs, nvec);
   end_round(self, round, b);
@@ -229,7 +239,6 @@ template <typename T, int WORLD>
 __global__ void __launch_bounds__(512)
     one_shot_kernel(Peers peers, int rank, uint4* data, int64_t nvec, int64_t half_vecs, bool end_barrier,
                     int64_t slot_vecs) {
-  constexpr int kPer = 16 / sizeof(T);
   griddep_wait();               // data comes from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   Signal* self = peers.signal[rank];
@@ -243,21 +252,7 @@ __global__ void __launch_bounds__(512)
   for (int64_t i = first; i < nvec; i += stride) mine[i] = data[i];
   barrier<WORLD>(peers, rank, false, round);
   for (int64_t i = first; i < nvec; i += stride) {
-    float acc[kPer];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) acc[k] = 0.0f;
-#pragma unroll
-    for (int p = 0; p < WORLD; ++p) {  // rank order on every rank: bitwise the same sum everywhere
-      uint4 v = peers.data[p][half + i];
-      const T* x = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) acc[k] += Cvt<T>::to_f(x[k]);
-    }
-    uint4 out;
-    T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) o[k] = Cvt<T>::from_f(acc[k]);
-    data[i] = out;
+    data[i] = sum_in_rank_order<T, WORLD>([&](int p) { return peers.data[p][half + i]; });
   }
   if (end_barrier) barrier<WORLD>(peers, rank, true, round);
   record_sent(self, b, slot_vecs, 0);
@@ -268,11 +263,11 @@ __global__ void __launch_bounds__(512)
 // thread held in registers between the sum and the normalization. The arithmetic is one_shot_kernel's followed by
 // norm.cu's rms_norm_kernel<FUSED>, rounding where they round (and with their thread layout, so the sum of squares
 // is reduced in the same order).
-template <typename T, int WORLD, int VPT>
+template <typename T, int WORLD, int VPT, bool LAMPORT>
 __global__ void __launch_bounds__(512)
     one_shot_add_rms_norm_kernel(Peers peers, int rank, uint4* data, uint4* residual, const uint4* __restrict__ weight,
                                  int64_t rows, int row_vecs, float eps, int64_t half_vecs, bool end_barrier,
-                                 int64_t slot_vecs, bool lamport) {
+                                 int64_t slot_vecs) {
   using P = Pack<T, 16 / sizeof(T)>;
   constexpr int kPer = 16 / sizeof(T);
   P w[VPT];  // the norm's weight (the weights may be read before the wait); its loads complete under the barrier
@@ -288,7 +283,7 @@ __global__ void __launch_bounds__(512)
   const int b = next_third(self);
   empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
   const int64_t half = half_offset(round, half_vecs, end_barrier);
-  if (lamport) {  // (no barrier: see the top of the file)
+  if constexpr (LAMPORT) {  // (no barrier: see the top of the file)
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
       for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) {
         const uint4 sent = as_sent<T>(data[row * row_vecs + v]);
@@ -307,7 +302,7 @@ __global__ void __launch_bounds__(512)
   }
   // Rank p's 16-byte vector at index idx of the message: as sent to the receive buffers, or from p's data half.
   auto peer_vector = [&](int p, int64_t idx) -> uint4 {
-    if (!lamport) return peers.data[p][half + idx];
+    if constexpr (!LAMPORT) return peers.data[p][half + idx];
     if (p == rank) return as_sent<T>(data[idx]);
     return received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + idx);
   };
@@ -368,8 +363,8 @@ __global__ void __launch_bounds__(512)
       }
     }
   }
-  if (end_barrier && !lamport) barrier<WORLD>(peers, rank, true, round);
-  record_sent(self, b, slot_vecs, lamport ? rows * row_vecs : 0);
+  if (end_barrier && !LAMPORT) barrier<WORLD>(peers, rank, true, round);
+  record_sent(self, b, slot_vecs, LAMPORT ? rows * row_vecs : 0);
   end_round(self, round, b);
 }
 
@@ -426,12 +421,18 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
   auto* residual = reinterpret_cast<uint4*>(a.residual);
   const auto* weight = reinterpret_cast<const uint4*>(a.weight);
   const float eps = static_cast<float>(a.eps);
-  auto kernel = per_thread <= 1   ? one_shot_add_rms_norm_kernel<T, WORLD, 1>
-                : per_thread <= 2 ? one_shot_add_rms_norm_kernel<T, WORLD, 2>
-                                  : one_shot_add_rms_norm_kernel<T, WORLD, 4>;
-  launch_programmatic(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
-                      "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps,
-                      half_vecs_of(a), g_end_barrier, slot_vecs_of(a), takes_lamport(a, rows * row_vecs));
+  // (the barrier-free path is a template argument: as a runtime flag it cost the barrier kernels registers)
+  auto launch_with = [&](auto lamport) {
+    constexpr bool LAMPORT = decltype(lamport)::value;
+    auto kernel = per_thread <= 1   ? one_shot_add_rms_norm_kernel<T, WORLD, 1, LAMPORT>
+                  : per_thread <= 2 ? one_shot_add_rms_norm_kernel<T, WORLD, 2, LAMPORT>
+                                    : one_shot_add_rms_norm_kernel<T, WORLD, 4, LAMPORT>;
+    launch_programmatic(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
+                        "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps,
+                        half_vecs_of(a), g_end_barrier, slot_vecs_of(a));
+  };
+  if (takes_lamport(a, rows * row_vecs)) return launch_with(std::true_type{});
+  launch_with(std::false_type{});
 }
 
 template <typename T>

@@ -994,25 +994,15 @@ MUTATIONS += [
         "csrc/custom_all_reduce.cu",
         [
             (
-                "    for (int p = 0; p < WORLD; ++p) {  // rank order on every rank",
-                "    for (int p = 0; p < WORLD - 1; ++p) {  // rank order on every rank",
+                "  for (int p = 0; p < WORLD; ++p) {  // rank order on every rank",
+                "  for (int p = 0; p < WORLD - 1; ++p) {  // rank order on every rank",
             )
         ],
-        ["tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[2]"],
-        "the one-shot all-reduce sums every rank's buffer but the last one's",
-        gpus=2,
-    ),
-    Mutation(
-        "barrier_free_all_reduce_drops_the_last_rank",
-        "csrc/custom_all_reduce.cu",
         [
-            (
-                "    for (int p = 0; p < WORLD; ++p) {  // in rank order, as one_shot_kernel",
-                "    for (int p = 0; p < WORLD - 1; ++p) {  // in rank order, as one_shot_kernel",
-            )
+            "tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[2]",
+            "tests/test_tensor_parallel_gpu.py::test_barrier_free_all_reduce_matches_the_sum_and_nccl[2]",
         ],
-        ["tests/test_tensor_parallel_gpu.py::test_barrier_free_all_reduce_matches_the_sum_and_nccl[2]"],
-        "the barrier-free all-reduce sums every rank's vectors but the last one's",
+        "the all-reduce (one barrier or none: they share sum_in_rank_order) sums every rank's vector but the last one's",
         gpus=2,
     ),
     Mutation(
