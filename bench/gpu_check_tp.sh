@@ -11,8 +11,9 @@
 #               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1; 32B TP=2 again with FASTQWEN_PDL=0
 #   httplatency batch-1 TPOT and TTFT of random Qwen3-32B at TP=2 through HTTP (bench/latency.py --http-only)
 #   arvariants  the custom all-reduce's designs in one run, random Qwen3-32B TP=2 batch 1 offline, bf16 then FP8
-#               weights: one barrier a call (the default), no barrier for small messages (FASTQWEN_ALLREDUCE_LAMPORT=1),
-#               two barriers (FASTQWEN_ALLREDUCE_END_BARRIER=1); then TP=1 (issue 46)
+#               weights: no barrier for small messages (the default), one barrier a call for all
+#               (FASTQWEN_ALLREDUCE_LAMPORT=0), two barriers (and FASTQWEN_ALLREDUCE_END_BARRIER=1), the default
+#               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0); then TP=1 with and without 5
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
@@ -186,16 +187,19 @@ for stage in $STAGES; do
       kill -TERM "$server"; wait "$server" ;;
     arvariants)
       for quantization in none fp8; do
-        for variant in default lamport endbarrier; do
-          FASTQWEN_ALLREDUCE_LAMPORT=$([ "$variant" = lamport ] && echo 1 || echo 0) \
+        for variant in default onebarrier endbarrier fourorsix; do
+          FASTQWEN_ALLREDUCE_LAMPORT=$([ "$variant" = onebarrier ] || [ "$variant" = endbarrier ] && echo 0 || echo 1) \
             FASTQWEN_ALLREDUCE_END_BARRIER=$([ "$variant" = endbarrier ] && echo 1 || echo 0) \
+            FASTQWEN_GEMV_FIVE_ROWS=$([ "$variant" = fourorsix ] && echo 0 || echo 1) \
             run "latency_32B_tp2_${quantization}_$variant" 150 python3 bench/latency.py --model Qwen3-32B \
             --load-format dummy --tp 2 --quantization "$quantization" --prompt-lens 128 --new-tokens 64 \
             --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
         done
       done
-      run latency_32B_tp1 150 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 1 --prompt-lens 128 \
-        --new-tokens 64 --json "$OUT/latency_32B_tp1.json" ;;
+      for five in 1 0; do
+        FASTQWEN_GEMV_FIVE_ROWS=$five run "latency_32B_tp1_five$five" 150 python3 bench/latency.py --model Qwen3-32B \
+          --load-format dummy --tp 1 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp1_five$five.json"
+      done ;;
     fp8)
       FASTQWEN_FUSED_ALLREDUCE_NORM=${FUSED:-1} run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
         --quantization fp8 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fp8.json" ;;

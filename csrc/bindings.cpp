@@ -324,8 +324,11 @@ PYBIND11_MODULE(_C, m) {
         "Whether gemv sends the calls of 2 to 8 tokens it can to its tensor-core kernel (default on); returns the "
         "previous setting. For tests and benchmarks.");
   m.def("set_gemv_rows_per_block", &fastqwen::set_gemv_rows_per_block, py::arg("rows"),
-        "Weight rows a block of the one-token GEMV takes: 0 = the default rule (4 or 6 by wave fill), 4, 5 or 6 for "
-        "benchmarks (csrc/gemv.h). Returns the setting before.");
+        "Weight rows a block of the one-token GEMV takes: 0 = the default rule (4, 5 or 6 by wave fill), 4, 5 or 6 "
+        "for benchmarks (csrc/gemv.h). Returns the setting before.");
+  m.def("set_gemv_five_rows", &fastqwen::set_gemv_five_rows, py::arg("enabled"),
+        "Whether the default rule of set_gemv_rows_per_block may choose 5 rows (default on); returns the setting "
+        "before. For comparisons.");
   m.def("set_gemv_tc_fp8_variant", &fastqwen::set_gemv_tc_fp8_variant, py::arg("variant"),
         "Pipeline of the tensor-core GEMV's FP8 kernel (0: two steps in flight per warp, 3 blocks per SM; 1: four, 2 "
         "blocks; 2: three, 2 blocks; 3 (the default), 4: two and three at 2 blocks with x staged four tokens at a time; "

@@ -75,10 +75,14 @@ void set_programmatic_launch(bool enabled);
 // benchmarks that compare the two; a process-wide switch, FASTQWEN_GEMV_TENSOR_CORES=0 turns it off at import.
 bool set_gemv_tensor_cores(bool enabled);
 
-// Weight rows a block of the one-token FMA kernel takes: 0 (the default) chooses 4 or 6 by how full the grid's waves
+// Weight rows a block of the one-token FMA kernel takes: 0 (the default) chooses 4, 5 or 6 by how full the grid's waves
 // are (gemv.cu rows_per_block); 4, 5 or 6 forces it (5 not with the SiLU epilogue, and FP8 normalizing x keeps 4),
 // for benchmarks comparing them. Read at launch (a CUDA graph keeps it). Returns the setting before.
 int set_gemv_rows_per_block(int rows);
+
+// Whether that default rule may choose 5 rows (default on; FASTQWEN_GEMV_FIVE_ROWS=0 turns it off at import, the rule
+// of 4 or 6 before 2026-11-28, for comparison). Returns the setting before.
+bool set_gemv_five_rows(bool enabled);
 
 // The tensor-core kernel's FP8 pipeline (gemv_tc.cu: kFp8Pipelines; 0: two steps of weights in flight per warp at 3
 // blocks per SM; 1: four at 2; 2: three at 2; 3 and 4: two and three at 2 with up to four tokens of x loaded at once;

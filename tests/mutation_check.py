@@ -1000,7 +1000,7 @@ MUTATIONS += [
         ],
         [
             "tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[2]",
-            "tests/test_tensor_parallel_gpu.py::test_barrier_free_all_reduce_matches_the_sum_and_nccl[2]",
+            "tests/test_tensor_parallel_gpu.py::test_one_barrier_all_reduce_matches_the_sum_and_nccl[2]",
         ],
         "the all-reduce (one barrier or none: they share sum_in_rank_order) sums every rank's vector but the last one's",
         gpus=2,
@@ -1014,7 +1014,7 @@ MUTATIONS += [
                 "  if (slot_vecs >= 0) return;\n  const int previous",
             )
         ],
-        ["tests/test_tensor_parallel_gpu.py::test_barrier_free_all_reduce_matches_the_sum_and_nccl[2]"],
+        ["tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[2]"],
         "the receive buffers are never emptied: three rounds on, a rank sums what a peer sent back then",
         gpus=2,
     ),

@@ -181,7 +181,7 @@ def test_gemv_lm_head_odd_rows_bias_and_fp16(fp8):
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gemv_blocks_of_4_5_and_6_rows_agree_bit_for_bit(fp8):
-    """One token: how many weight rows a block takes (set_gemv_rows_per_block; the default rule picks 4 or 6) changes
+    """One token: how many weight rows a block takes (set_gemv_rows_per_block; the default rule picks 4, 5 or 6) changes
     which block computes a row, not its arithmetic: every choice equals the default's output bit for bit, and the
     float32 reference within the GEMV's tolerance. Row counts that leave the last block part-filled for each choice
     (5,121 = 5 x 1,024 + 1; 1,001), and a bad choice refused."""

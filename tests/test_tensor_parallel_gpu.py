@@ -54,8 +54,9 @@ def _connect(rank: int, world: int, port: int):
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
     group = ParallelGroup.connect(rank, world, store, device)
     assert group.custom is not None, "the custom all-reduce did not start"
-    barrier_free = os.environ.get("FASTQWEN_ALLREDUCE_LAMPORT") == "1"
-    assert (group.custom.lamport_bytes > 0) == barrier_free, "FASTQWEN_ALLREDUCE_LAMPORT not followed"
+    from fastqwen import env
+
+    assert (group.custom.lamport_bytes > 0) == env.all_reduce_lamport(), "FASTQWEN_ALLREDUCE_LAMPORT not followed"
     return group, device
 
 
@@ -310,23 +311,24 @@ def test_fused_all_reduce_norm_matches_float64(world):
     _run_ranks(world, ("bfloat16", "float16"), _fused_worker)
 
 
-# The barrier-free kernels (FASTQWEN_ALLREDUCE_LAMPORT=1) take the messages of up to LAMPORT_MAX_BYTES of the same
-# checks, the larger ones the barrier kernels in between (the two kinds of round share counters and receive buffers).
-BARRIER_FREE = {"FASTQWEN_ALLREDUCE_LAMPORT": "1"}
+# By default the barrier-free kernels take the messages of up to LAMPORT_MAX_BYTES of the two tests above, the larger
+# ones the barrier kernels in between (the two kinds of round share counters and receive buffers). With
+# FASTQWEN_ALLREDUCE_LAMPORT=0 the one-barrier kernels take them all.
+ONE_BARRIER = {"FASTQWEN_ALLREDUCE_LAMPORT": "0"}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_barrier_free_all_reduce_matches_the_sum_and_nccl(world):
+def test_one_barrier_all_reduce_matches_the_sum_and_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    _run_ranks(world, ("bfloat16", "float16", "float32"), environment=BARRIER_FREE)
+    _run_ranks(world, ("bfloat16", "float16", "float32"), environment=ONE_BARRIER)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_barrier_free_fused_all_reduce_norm_matches_float64(world):
+def test_one_barrier_fused_all_reduce_norm_matches_float64(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    _run_ranks(world, ("bfloat16", "float16"), _fused_worker, environment=BARRIER_FREE)
+    _run_ranks(world, ("bfloat16", "float16"), _fused_worker, environment=ONE_BARRIER)
 
 
 # TP rounds each rank's partial o_proj / down sums to bf16 before adding them: a few bf16 steps per layer. Stated

@@ -64,6 +64,12 @@ def gemv_tensor_cores() -> bool:
     return _flag("FASTQWEN_GEMV_TENSOR_CORES", True)
 
 
+def gemv_five_rows() -> bool:
+    """FASTQWEN_GEMV_FIVE_ROWS=0: the one-token GEMV's rule of rows a block chooses between 4 and 6 only, as before
+    blocks of 5 (csrc/gemv.cu rows_per_block); for comparison."""
+    return _flag("FASTQWEN_GEMV_FIVE_ROWS", True)
+
+
 def gemv_tc_fp8_variant() -> int | None:
     """FASTQWEN_GEMV_TC_FP8_VARIANT=N: the pipeline of the tensor-core GEMV's FP8 kernel (csrc/gemv_tc.cu,
     set_gemv_tc_fp8_variant; 0 to the extension's GEMV_TC_FP8_PIPELINES - 1, which _native checks), for benchmarks
@@ -93,11 +99,11 @@ def all_reduce_end_barrier() -> bool:
 
 
 def all_reduce_lamport() -> bool:
-    """FASTQWEN_ALLREDUCE_LAMPORT=1: under tensor parallelism on GPUs, the custom all-reduce's messages of up to
-    ops/custom_all_reduce.py's LAMPORT_MAX_BYTES wait at no barrier (each rank stores its input into the others'
-    receive buffers, which start empty, and sums what arrives; csrc/custom_all_reduce.cu). Off by default until
-    measured. Every rank reads the same environment."""
-    return _flag("FASTQWEN_ALLREDUCE_LAMPORT", False)
+    """FASTQWEN_ALLREDUCE_LAMPORT (on by default): under tensor parallelism on GPUs, the custom all-reduce's messages
+    of up to ops/custom_all_reduce.py's LAMPORT_MAX_BYTES wait at no barrier (each rank stores its input into the
+    others' receive buffers, which start empty, and sums what arrives; csrc/custom_all_reduce.cu). =0 sends them
+    through the one-barrier kernels too, for comparison. Every rank reads the same environment."""
+    return _flag("FASTQWEN_ALLREDUCE_LAMPORT", True)
 
 
 def metrics_folder() -> str | None:

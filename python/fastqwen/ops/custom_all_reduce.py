@@ -5,9 +5,9 @@ Each rank allocates one buffer (a signal area and a data area), shares its CUDA 
 the CPU process group, and opens theirs. A call copies the input into the rank's own buffer (alternate calls into
 alternate halves of it, so that no second barrier is needed before the next call), waits for every peer at a
 barrier, and sums every rank's buffer in rank order (so every rank gets bitwise the same result) back into the input.
-It never allocates and keeps its round counters on the device, so decode CUDA graphs capture it. With
-FASTQWEN_ALLREDUCE_LAMPORT=1 (env.py) messages of up to LAMPORT_MAX_BYTES wait at no barrier: each rank stores its
-input into the other ranks' receive buffers and sums what arrives there (csrc/custom_all_reduce.cu). Every rank must
+It never allocates and keeps its round counters on the device, so decode CUDA graphs capture it. Messages of up to
+LAMPORT_MAX_BYTES wait at no barrier (unless FASTQWEN_ALLREDUCE_LAMPORT=0, env.py): each rank stores its input into
+the other ranks' receive buffers and sums what arrives there (csrc/custom_all_reduce.cu). Every rank must
 make the same calls in the same order (the engine's ranks run the same steps).
 
 `all_reduce_add_rms_norm` is the same sum fused with what follows it in a decoder layer: the residual add and the
