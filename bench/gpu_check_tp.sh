@@ -19,7 +19,7 @@
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
 #               norm), and any named in MUTANTS=a,b        -> mutations.log, mutations_run.log
 #   tp4         on four GPUs (nvidia-h100-x4): the TP GPU tests at world 4, the all-reduce at 4 ranks, random
-#               Qwen3-32B batch-1 TPOT at TP=4 and TP=1 and throughput at TP=4 (issue 46)
+#               Qwen3-32B batch-1 TPOT at TP=4 and TP=1 and throughput at TP=4 (issue 46; TP4_PARTS picks some)
 #   dp          issue 45: random Qwen3-8B through HTTP at 128 in / 1024 out, 1024 requests, 512 in flight: one server
 #               on one GPU, one server with --dp 2, the same with --api-server-count 2 (DP_CONFIGS: replicas:front
 #               ends, default "1:1 2:1 2:2"), then SMG (cache_aware) before two single-GPU servers; SGLang's
@@ -211,19 +211,29 @@ for stage in $STAGES; do
           --json "$OUT/throughput_$1_tp$2_128x1024.json"
       done ;;
     tp4)  # issue 46 on a four-GPU machine: the TP tests at world 4, the all-reduce at 4 ranks, Qwen3-32B at TP=4
-      # the world-4 cases (the tests stage runs the TP=2 ones)
-      FASTQWEN_RESULTS_DIR="$OUT" timeout 300 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
-        "tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[4]" \
-        "tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[4]" \
-        > "$OUT/tests_tp4.log" 2>&1 || rc=1
-      pytest_report "$OUT/tests_tp4.log" 20
-      run allreduce_tp4 200 python3 bench/tp_bench.py --world 4 --hidden 5120 --json "$OUT/allreduce_tp4.json"
+      # TP4_PARTS: a subset of "tests allreduce latency4 latency1 throughput" (the default: all)
+      parts=" ${TP4_PARTS:-tests allreduce latency4 latency1 throughput} "
+      if [[ $parts == *" tests "* ]]; then  # the world-4 cases (the tests stage runs the TP=2 ones)
+        FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
+          "tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[4]" \
+          "tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[4]" \
+          "tests/test_tensor_parallel_gpu.py::test_one_barrier_all_reduce_matches_the_sum_and_nccl[4]" \
+          "tests/test_tensor_parallel_gpu.py::test_one_barrier_fused_all_reduce_norm_matches_float64[4]" \
+          > "$OUT/tests_tp4.log" 2>&1 || rc=1
+        pytest_report "$OUT/tests_tp4.log" 20
+      fi
+      [[ $parts == *" allreduce "* ]] &&
+        run allreduce_tp4 200 python3 bench/tp_bench.py --world 4 --hidden 5120 --json "$OUT/allreduce_tp4.json"
       for tp in 4 1; do
-        run "latency_32B_tp$tp" 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp "$tp" \
-          --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp$tp.json"
+        [[ $parts == *" latency$tp "* ]] &&
+          run "latency_32B_tp$tp" 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp "$tp" \
+            --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp$tp.json"
       done
-      run throughput_32B_tp4_128x1024 300 python3 bench/throughput.py --model Qwen3-32B --load-format dummy --tp 4 \
-        --workload fixed --num-prompts 256 --input-len 128 --output-len 1024 --json "$OUT/throughput_32B_tp4_128x1024.json" ;;
+      [[ $parts == *" throughput "* ]] &&
+        run throughput_32B_tp4_128x1024 300 python3 bench/throughput.py --model Qwen3-32B --load-format dummy --tp 4 \
+          --workload fixed --num-prompts 256 --input-len 128 --output-len 1024 \
+          --json "$OUT/throughput_32B_tp4_128x1024.json"
+      true ;;
     dp) stage_dp ;;
     mutants)
       names=all_reduce_drops_the_last_rank,all_reduce_norm_adds_the_residual_twice,all_reduce_norm_drops_the_last_rank
