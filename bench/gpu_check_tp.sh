@@ -9,11 +9,13 @@
 #               with blocks of 4, 5 and 6 weight rows forced)
 #   latency     batch-1 TPOT with its limit (rank 0's weight bytes over the copy bandwidth of the same run), random
 #               Qwen3-32B at TP=2 and TP=1, then Qwen3-8B at TP=2 and TP=1; 32B TP=2 again with FASTQWEN_PDL=0
-#   httplatency batch-1 TPOT and TTFT of random Qwen3-32B at TP=2 through HTTP (bench/latency.py --http-only)
+#   httplatency batch-1 TPOT and TTFT of random Qwen3-32B at TP=2 through HTTP (bench/latency.py --http-only, then
+#               SGLang's bench_serving one request at a time when .sgl/ holds it)
 #   arvariants  the custom all-reduce's designs in one run, random Qwen3-32B TP=2 batch 1 offline, bf16 then FP8
 #               weights: no barrier for small messages (the default), one barrier a call for all
 #               (FASTQWEN_ALLREDUCE_LAMPORT=0), two barriers (and FASTQWEN_ALLREDUCE_END_BARRIER=1), the default
 #               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0); then TP=1 with and without 5
+#               (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1"; ARV_TP1_FIVE=" " none)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
@@ -184,10 +186,17 @@ for stage in $STAGES; do
       wait_ready http://127.0.0.1:8000/health 400 &&
         run http_latency_32B_tp2 200 python3 bench/latency.py --model Qwen3-32B --http-only --url http://127.0.0.1:8000 \
           --prompt-lens 128 --new-tokens 64 --json "$OUT/http_latency_32B_tp2.json"
+      if [ -d .sgl/sglang ]; then  # the same through a client that is not ours: SGLang's bench_serving, one at a time
+        (cd .sgl && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" run http_latency_32B_tp2_bench_serving 200 \
+          python3 -m sglang.benchmark.serving --backend vllm --host 127.0.0.1 --port 8000 --dataset-name random-ids \
+          --random-range-ratio 1 --random-input-len 128 --random-output-len 64 --num-prompts 16 --max-concurrency 1 \
+          --tokenizer /tmp/qwen3-32b-dummy --model /tmp/qwen3-32b-dummy \
+          --output-file "$OUT/http_latency_32B_tp2_bench_serving.jsonl")
+      fi
       kill -TERM "$server"; wait "$server" ;;
     arvariants)
       for quantization in none fp8; do
-        for variant in default onebarrier endbarrier fourorsix; do
+        for variant in ${ARVARIANTS:-default onebarrier endbarrier fourorsix}; do
           FASTQWEN_ALLREDUCE_LAMPORT=$([ "$variant" = onebarrier ] || [ "$variant" = endbarrier ] && echo 0 || echo 1) \
             FASTQWEN_ALLREDUCE_END_BARRIER=$([ "$variant" = endbarrier ] && echo 1 || echo 0) \
             FASTQWEN_GEMV_FIVE_ROWS=$([ "$variant" = fourorsix ] && echo 0 || echo 1) \
@@ -196,7 +205,7 @@ for stage in $STAGES; do
             --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
         done
       done
-      for five in 1 0; do
+      for five in ${ARV_TP1_FIVE:-1 0}; do
         FASTQWEN_GEMV_FIVE_ROWS=$five run "latency_32B_tp1_five$five" 150 python3 bench/latency.py --model Qwen3-32B \
           --load-format dummy --tp 1 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp1_five$five.json"
       done ;;

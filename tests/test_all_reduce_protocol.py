@@ -145,7 +145,7 @@ def play(seed: int, rules: dict, world: int = 2, calls: int = 12) -> None:
 KEPT = {"halves": True, "empty": True, "equal_flags": False, "absent_counters": True, "grids": True}
 
 
-# The kinds of call one engine mixes: one barrier and barrier-free (FASTQWEN_ALLREDUCE_LAMPORT=1, small messages), or
+# The kinds of call one engine mixes: barrier-free (small messages, the default) and one barrier, or
 # two barriers alone (FASTQWEN_ALLREDUCE_END_BARRIER=1 turns the barrier-free kernels off).
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("kinds", [["one_barrier"], ["lamport"], ["one_barrier", "lamport"], ["two_barriers"]])
