@@ -47,13 +47,13 @@ namespace fastqwen {
 namespace {
 
 constexpr int kWarps = 4;
-// Weight rows per block: 4, or 5 or 6 where that fits the grid in fewer waves (rows_per_block below). Loads go two chunks
-// ahead for 4 bf16/fp16 rows and one otherwise: 6 rows must stay within the 64 registers of 8 blocks per SM, and FP8
-// chunks cost twice the arithmetic per byte, so an FP8 warp that waits for two chunks' loads and then converts them
-// leaves that arithmetic exposed after the last bytes arrive (and spilled registers at two chunks). One chunk ahead
-// still keeps 64 KB in flight per SM. Measured on an H100 at one token: FP8 o_proj 8.5 -> 7.2 us, gate_up with SiLU
-// 39.8 -> 36.2 us, down 21.0 -> 19.6 us; batch-1 decode of Qwen3-8B FP8 3.51 -> 3.31 ms. (One FP8 token now runs
-// gemv_fp8_one_token_kernel, which keeps those chunks in flight in a ring.)
+// Weight rows per block: 4, or 5 or 6 where that fills the grid's waves better (rows_per_block below). Loads go two
+// chunks ahead for 4 bf16/fp16 rows and one otherwise: 6 rows must stay within the 64 registers of 8 blocks per SM,
+// and FP8 chunks cost twice the arithmetic per byte, so an FP8 warp that waits for two chunks' loads and then
+// converts them leaves that arithmetic exposed after the last bytes arrive (and spilled registers at two chunks). One
+// chunk ahead still keeps 64 KB in flight per SM. Measured on an H100 at one token: FP8 o_proj 8.5 -> 7.2 us, gate_up
+// with SiLU 39.8 -> 36.2 us, down 21.0 -> 19.6 us; batch-1 decode of Qwen3-8B FP8 3.51 -> 3.31 ms. (One FP8 token now
+// runs gemv_fp8_one_token_kernel, which keeps those chunks in flight in a ring.)
 template <bool FP8, int R>
 constexpr int unroll_for_rows() {
   return R == 4 && !FP8 ? 2 : 1;
@@ -482,8 +482,8 @@ void epilogue_switch(int epilogue, F&& f) {
 // Every launch decision of a checked call (gemv() and gemv_norm() check it first), in one place:
 // - 2 to 8 tokens with the plain epilogue go to the tensor-core kernel where it takes them (gemv_tc.cu);
 // - otherwise the FMA kernel for MT = m rounded up to a power of two, at 4, 5 or 6 weight rows a block
-//   (rows_per_block), one block per R (SiLU: R / 2) outputs, kWarps warps; one token of FP8 weights runs its ring-load variant
-//   (gemv_fp8_one_token_kernel), everything else gemv_kernel; the epilogue is a template argument.
+//   (rows_per_block), one block per R (SiLU: R / 2) outputs, kWarps warps; one token of FP8 weights runs its
+//   ring-load variant (gemv_fp8_one_token_kernel), everything else gemv_kernel; the epilogue is a template argument.
 void launch(const GemvArgs& a) {
   if (a.epilogue == kGemvPlain && gemv_uses_tensor_cores(a.m, a.k, a.fp8)) return gemv_tc(a);
   const int m = static_cast<int>(a.m), n = static_cast<int>(a.n), k = static_cast<int>(a.k);
