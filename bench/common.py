@@ -106,13 +106,14 @@ def report(result: dict, json_path: str | None) -> None:
 
 # Kernel families of a prefill or decode step, by the names the profiler gives kernels (ours from csrc/, cuBLAS's
 # GEMMs, PyTorch's own): the first family whose words the name holds.
+# (The all-reduce before the norms: one_shot_add_rms_norm_kernel is the all-reduce fused with the norm.)
 KERNEL_FAMILIES = [
     ("attention", ("prefill_hopper_kernel", "prefill_kernel", "decode_kernel", "merge_kernel", "plan_kernel")),
     ("projections", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "quantize_kernel")),
+    ("all-reduce", ("one_shot", "lamport_kernel", "nccl")),
     ("norms + rope/kv", ("rms_norm", "qk_norm_rope")),
     ("activation", ("silu_and_mul",)),
     ("sampler", ("scan_kernel", "finish_kernel")),
-    ("all-reduce", ("one_shot", "nccl")),
 ]
 
 
@@ -134,6 +135,20 @@ def family_times(events) -> dict[str, dict]:
         entry["ms"] += e.device_time / 1e3
         entry["kernels"] += 1
     return dict(sorted(families.items(), key=lambda item: -item[1]["ms"]))
+
+
+def per_decode_step(whole: dict[str, dict], prefill_only: dict[str, dict], steps: int) -> dict[str, dict]:
+    """Each family's GPU microseconds and kernels per decode step (family_times of a request that decoded `steps`
+    tokens after its first, less those of a request of the same prompt length that stopped at its first token: what
+    the prefill and the first token cost drops out), largest first."""
+    rows = {}
+    for family, entry in whole.items():
+        before = prefill_only.get(family, {"ms": 0.0, "kernels": 0})
+        rows[family] = {
+            "us": round((entry["ms"] - before["ms"]) * 1e3 / steps, 2),
+            "kernels": round((entry["kernels"] - before["kernels"]) / steps, 2),
+        }
+    return dict(sorted(rows.items(), key=lambda item: -item[1]["us"]))
 
 
 def attention_by_chunk(events, prompt: int, chunk: int, heads: int, head_dim: int) -> list[dict]:

@@ -15,7 +15,8 @@
 #               weights: no barrier for small messages (the default), one barrier a call for all
 #               (FASTQWEN_ALLREDUCE_LAMPORT=0), two barriers (and FASTQWEN_ALLREDUCE_END_BARRIER=1), the default
 #               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0); then TP=1 with and without 5
-#               (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1"; ARV_TP1_FIVE=" " none)
+#               (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1"; ARV_TP1_FIVE=" " none); the default runs
+#               with --decode-profile (rank 0's kernel families per decode step)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
@@ -202,7 +203,7 @@ for stage in $STAGES; do
             FASTQWEN_GEMV_FIVE_ROWS=$([ "$variant" = fourorsix ] && echo 0 || echo 1) \
             run "latency_32B_tp2_${quantization}_$variant" 150 python3 bench/latency.py --model Qwen3-32B \
             --load-format dummy --tp 2 --quantization "$quantization" --prompt-lens 128 --new-tokens 64 \
-            --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
+            $([ "$variant" = default ] && echo --decode-profile) --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
         done
       done
       for five in ${ARV_TP1_FIVE:-1 0}; do

@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-from common import attention_by_chunk, copy_bandwidth, family_times, hf_model_like, report
+from common import attention_by_chunk, copy_bandwidth, family_times, hf_model_like, per_decode_step, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
 from serving import chunk_tokens, request_metrics
@@ -250,6 +250,49 @@ def ttft_profile(llm: LLM, n: int, rng: random.Random) -> dict:
     return row
 
 
+def decode_profile(llm: LLM, prompt_len: int, new_tokens: int, rng: random.Random) -> dict:
+    """Where a batch-1 decode step's GPU time goes: a fresh prompt of prompt_len tokens decoding new_tokens under
+    torch.profiler, less a fresh one of the same length that stops at its first token (bench/common.py
+    per_decode_step): each kernel family's microseconds per step and per layer (the step's figure over the layers,
+    the LM head and sampler included), beside the profiled run's TPOT. Kernels under programmatic dependent launch
+    overlap, so the families' sum may exceed the step; what it falls short of it by is time no kernel ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = llm.engine.config.vocab_size
+    on_gpu = llm.engine.device.type == "cuda"
+
+    def profiled(tokens: int) -> tuple[dict, dict]:
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        with profile(activities=[ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]) as prof:
+            times = engine_latency(llm, prompt, tokens)
+            if on_gpu:
+                torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+        return times, family_times(events)
+
+    times, whole = profiled(new_tokens)
+    _, first_only = profiled(1)
+    steps = new_tokens - 1
+    families = per_decode_step(whole, first_only, steps)
+    layers = llm.engine.config.num_layers
+    busy = sum(f["us"] for f in families.values())
+    row = {
+        "prompt_tokens": prompt_len,
+        "decode_steps": steps,
+        "tpot_mean_ms": times["tpot_mean_ms"],
+        "kernels_us_per_step": round(busy, 2),
+        "families": families,
+        "per_layer_us": {k: round(v["us"] / layers, 2) for k, v in families.items()},
+    }
+    shares = ", ".join(f"{k} {v['us']:.1f} ({v['kernels']:g} kernels)" for k, v in families.items())
+    print(
+        f"decode after {prompt_len} tokens: TPOT {times['tpot_mean_ms']:.3f} ms (profiled), kernels {busy:.1f} us a "
+        f"step: {shares}",
+        flush=True,
+    )
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_arguments(p, model="Qwen3-8B", load_format="dummy", max_model_len=8192)
@@ -281,6 +324,12 @@ def main() -> int:
         action="store_true",
         help="also one more fresh prompt of each --ttft-lens length under torch.profiler: the prefill's GPU time per "
         "kernel family (attention, projections, norms, ...) against its TTFT",
+    )
+    p.add_argument(
+        "--decode-profile",
+        action="store_true",
+        help="also where a decode step's GPU time goes: one more request of the first --prompt-lens length under "
+        "torch.profiler, its kernel families per step and per layer (less the prefill, by a second request)",
     )
     p.add_argument("--hf", action="store_true", help="also measure HF transformers (a preset --model only)")
     p.add_argument("--json", default=None)
@@ -337,6 +386,8 @@ def main() -> int:
         result["ttft"] = ttft_rows(llm, args.ttft_lens, rng)
         if args.ttft_profile:
             result["ttft_profile"] = [ttft_profile(llm, n, rng) for n in args.ttft_lens]
+    if args.decode_profile:
+        result["decode_profile"] = decode_profile(llm, args.prompt_lens[0], max(args.new_tokens, 2), rng)
     # Free the engine's GPU memory (weights, KV pool, graphs) before the baseline builds its own model.
     del llm, graphs, weights
     gc.collect()

@@ -196,17 +196,61 @@ def test_kernel_families_of_profiler_names():
         "void fastqwen::(anonymous namespace)::rms_norm_kernel<__nv_bfloat16, 8>(...)": "norms + rope/kv",
         "void fastqwen::(anonymous namespace)::qk_norm_rope_kernel<__nv_bfloat16>(...)": "norms + rope/kv",
         "void fastqwen::(anonymous namespace)::silu_and_mul_kernel<__nv_bfloat16>(...)": "activation",
+        "void fastqwen::(anonymous namespace)::one_shot_add_rms_norm_kernel<__nv_bfloat16, 2, 1, true>(...)": (
+            "all-reduce"  # (the all-reduce fused with the norm is the all-reduce's)
+        ),
+        "void fastqwen::(anonymous namespace)::lamport_kernel<__nv_bfloat16, 2>(...)": "all-reduce",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all-reduce",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(...)": "other",
         "Memcpy DtoD (Device -> Device)": "other",
     }
     for name, family in names.items():
         assert kernel_family(name) == family, name
     events = [SimpleNamespace(name=n, device_time=t) for n, t in [(list(names)[0], 1500.0), (list(names)[1], 250.0),
-              (list(names)[2], 750.0), (list(names)[6], 10.0)]]  # fmt: skip
+              (list(names)[2], 750.0), (list(names)[-2], 10.0)]]  # fmt: skip
     times = family_times(events)
     assert list(times) == ["attention", "projections", "other"]  # (largest first)
     assert times["attention"] == {"ms": 1.5, "kernels": 1} and times["projections"] == {"ms": 1.0, "kernels": 2}
     assert times["other"] == {"ms": 0.01, "kernels": 1}
+
+
+def test_per_decode_step_subtracts_the_prefill_and_divides_by_the_steps():
+    """bench/common.py per_decode_step: a request that decoded 4 tokens after its first, less one that stopped at its
+    first (families only the first has, one only the second has), per step; figures worked out by hand."""
+    from common import per_decode_step
+
+    whole = {
+        "projections": {"ms": 10.0, "kernels": 21},
+        "attention": {"ms": 1.2, "kernels": 9},
+        "all-reduce": {"ms": 0.8, "kernels": 8},
+    }
+    prefill_only = {
+        "projections": {"ms": 2.0, "kernels": 5},
+        "attention": {"ms": 0.4, "kernels": 1},
+        "other": {"ms": 0.1, "kernels": 2},
+    }
+    rows = per_decode_step(whole, prefill_only, 4)
+    assert rows == {
+        "projections": {"us": 2000.0, "kernels": 4.0},  # (10 - 2) ms / 4
+        "attention": {"us": 200.0, "kernels": 2.0},  # (1.2 - 0.4) ms / 4
+        "all-reduce": {"us": 200.0, "kernels": 2.0},  # (nothing before the first token)
+    }
+    assert list(rows)[0] == "projections"  # (largest first)
+
+
+def test_decode_profile_runs_on_a_cpu_engine(tmp_path):
+    """latency.py's decode_profile end to end on a tiny CPU engine (no CUDA kernels, so no families): its row names
+    the prompt, the decode steps and a TPOT."""
+    import random
+
+    from fastqwen import LLM
+    from latency import decode_profile
+
+    make_checkpoint(str(tmp_path), tied=True)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    row = decode_profile(llm, 20, 5, random.Random(0))
+    assert row["prompt_tokens"] == 20 and row["decode_steps"] == 4 and row["tpot_mean_ms"] > 0
+    assert row["families"] == {} and row["kernels_us_per_step"] == 0 and row["per_layer_us"] == {}
 
 
 def test_ttft_profile_runs_on_a_cpu_engine(tmp_path):
