@@ -12,11 +12,12 @@
 #   httplatency batch-1 TPOT and TTFT of random Qwen3-32B at TP=2 through HTTP (bench/latency.py --http-only, then
 #               SGLang's bench_serving one request at a time when .sgl/ holds it)
 #   arvariants  the custom all-reduce's designs in one run, random Qwen3-32B TP=2 batch 1 offline, bf16 then FP8
-#               weights: no barrier for small messages (the default), one barrier a call for all
+#               weights: no barrier for small messages (the default), the one-token o_proj / down GEMVs sending
+#               their rows themselves (FASTQWEN_GEMV_SENDS=1), one barrier a call for all
 #               (FASTQWEN_ALLREDUCE_LAMPORT=0), two barriers (and FASTQWEN_ALLREDUCE_END_BARRIER=1), the default
 #               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0); then TP=1 with and without 5
-#               (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1"; ARV_TP1_FIVE=" " none); the default runs
-#               with --decode-profile (rank 0's kernel families per decode step)
+#               (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1"; ARV_TP1_FIVE=" " none); the default and
+#               sends run with --decode-profile (rank 0's kernel families per decode step)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
@@ -197,13 +198,14 @@ for stage in $STAGES; do
       kill -TERM "$server"; wait "$server" ;;
     arvariants)
       for quantization in none fp8; do
-        for variant in ${ARVARIANTS:-default onebarrier endbarrier fourorsix}; do
+        for variant in ${ARVARIANTS:-default sends onebarrier endbarrier fourorsix}; do
           FASTQWEN_ALLREDUCE_LAMPORT=$([ "$variant" = onebarrier ] || [ "$variant" = endbarrier ] && echo 0 || echo 1) \
             FASTQWEN_ALLREDUCE_END_BARRIER=$([ "$variant" = endbarrier ] && echo 1 || echo 0) \
             FASTQWEN_GEMV_FIVE_ROWS=$([ "$variant" = fourorsix ] && echo 0 || echo 1) \
+            FASTQWEN_GEMV_SENDS=$([ "$variant" = sends ] && echo 1 || echo 0) \
             run "latency_32B_tp2_${quantization}_$variant" 150 python3 bench/latency.py --model Qwen3-32B \
             --load-format dummy --tp 2 --quantization "$quantization" --prompt-lens 128 --new-tokens 64 \
-            $([ "$variant" = default ] && echo --decode-profile) --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
+            $([ "$variant" = default ] || [ "$variant" = sends ] && echo --decode-profile) --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
         done
       done
       for five in ${ARV_TP1_FIVE:-1 0}; do
@@ -249,6 +251,7 @@ for stage in $STAGES; do
       names=all_reduce_drops_the_last_rank,all_reduce_norm_adds_the_residual_twice,all_reduce_norm_drops_the_last_rank
       names+=,all_reduce_norm_composition_adds_the_residual_twice
       names+=,barrier_free_all_reduce_leaves_the_previous_buffer_full
+      names+=,sent_all_reduce_takes_its_own_row_from_data,sending_gemv_stores_into_the_last_rounds_buffer
       names+=${MUTANTS:+,$MUTANTS}
       timeout "${MUTANTS_TIMEOUT:-300}" python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
         --names "$names" --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || rc=1

@@ -112,6 +112,7 @@ void export_contracts(py::module_& m) {
   m.attr("ALL_REDUCE_MAX_BLOCKS") = fq::kAllReduceMaxBlocks;
   m.attr("ALL_REDUCE_ALIGN") = fq::kAllReduceAlign;
   m.attr("ALL_REDUCE_NORM_MAX_HIDDEN") = fq::kAllReduceNormMaxHidden;
+  m.attr("ALL_REDUCE_SEND_TARGET_BYTES") = fq::kAllReduceSendTargetBytes;
 
   py::class_<fq::RopeKVArgs>(m, "RopeKVArgs", "Arguments of qk_norm_rope_store_kv (csrc/rope_kv.h).")
       .def(py::init<>())
@@ -211,7 +212,8 @@ void export_contracts(py::module_& m) {
       .value("PLAIN", fq::kGemvPlain)
       .value("ADD_RESIDUAL", fq::kGemvAddResidual)
       .value("NORM_X", fq::kGemvNormX)
-      .value("NORM_X_FOLDED", fq::kGemvNormXFolded);
+      .value("NORM_X_FOLDED", fq::kGemvNormXFolded)
+      .value("SEND", fq::kGemvSend);
   py::class_<fq::GemvArgs>(m, "GemvArgs", "Arguments of gemv and gemv_norm (csrc/gemv.h).")
       .def(py::init<>())
       .def_readwrite("out", &fq::GemvArgs::out)
@@ -228,6 +230,8 @@ void export_contracts(py::module_& m) {
       .def_readwrite("epilogue", &fq::GemvArgs::epilogue)
       .def_readwrite("norm_weight", &fq::GemvArgs::norm_weight)
       .def_readwrite("eps", &fq::GemvArgs::eps)
+      .def_readwrite("send", &fq::GemvArgs::send)
+      .def_readwrite("send_capacity", &fq::GemvArgs::send_capacity)
       .def_readwrite("stream", &fq::GemvArgs::stream);
   py::class_<fq::AllReduceArgs>(m, "AllReduceArgs", "Arguments of custom_all_reduce (csrc/custom_all_reduce.h).")
       .def(py::init<>())
@@ -256,7 +260,8 @@ void export_contracts(py::module_& m) {
       .def_readwrite("residual", &fq::AllReduceArgs::residual)
       .def_readwrite("weight", &fq::AllReduceArgs::weight)
       .def_readwrite("hidden", &fq::AllReduceArgs::hidden)
-      .def_readwrite("eps", &fq::AllReduceArgs::eps);
+      .def_readwrite("eps", &fq::AllReduceArgs::eps)
+      .def_readwrite("sent", &fq::AllReduceArgs::sent);
   py::class_<fq::SampleArgs>(m, "SampleArgs", "Arguments of sample (csrc/sampling.h).")
       .def(py::init<>())
       .def_readwrite("logits", &fq::SampleArgs::logits)
@@ -458,6 +463,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("handle"), "A peer's buffer mapped into this process (peer access enabled).");
   m.def("all_reduce_ipc_close", [](const py::int_& ptr) { fastqwen::all_reduce_ipc_close(to_uintptr(ptr, "ptr")); },
         py::arg("ptr"));
+  m.def(
+      "all_reduce_send_target",
+      [](const fastqwen::AllReduceArgs& args, const py::int_& dst) {
+        fastqwen::all_reduce_send_target(args, to_uintptr(dst, "dst"));
+      },
+      py::arg("args"), py::arg("dst"),
+      "Writes the AllReduceSendTarget of args' buffers (csrc/custom_all_reduce.h) to device memory at dst "
+      "(ALL_REDUCE_SEND_TARGET_BYTES): where a GEMV with the SEND epilogue stores its output.");
   m.def("verify_chain", &fastqwen::verify_chain, py::arg("args"),
         "The next verify step's inputs made on the device from the draws of the one before: acceptance, history, "
         "prompt-lookup draft, positions, KV slots and sampler steps (csrc/verify_chain.h).");

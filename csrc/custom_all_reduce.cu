@@ -25,6 +25,15 @@
 // made after round k's kernel ended. The barrier rounds empty it too, so the two kinds of round mix: either kind of
 // round k + 1 ends on a rank only once every peer has begun it, so has ended round k.
 //
+// A GEMV may send the message itself (gemv.h's kGemvSend, AllReduceSendTarget): each of its blocks stores its outputs
+// into every rank's buffer of the coming round (the one after the rank's `third`) as it computes them, its own rank's
+// slot included, and the fused all-reduce that follows (SENT) only waits for every slot and sums. The GEMV's blocks
+// store 16-bit elements, so a 32-bit word may hold one block's element before the other's: SENT waits until no
+// 16-bit element of a vector is empty. The rules above hold with the GEMV as the round's sending half: it runs after
+// the rank's round before has ended (the kernels between wait for it), and its round's buffer was emptied then. A
+// rank's own slot needs no emptying: the all-reduce reads it only after its wait for the GEMV, which has then stored
+// the whole row there (whatever an earlier round left).
+//
 // The fused variant (one_shot_add_rms_norm_kernel) keeps the same barrier, halves and round counters; it gives each
 // block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
 // The two kernels share the counters (every counter counts every launch of either, on every rank alike).
@@ -160,6 +169,23 @@ __device__ __forceinline__ uint4 received_vector(const uint4* slot) {
   return v;
 }
 
+// The same where the senders store 16-bit elements (SENT): until no element is empty.
+__device__ __forceinline__ bool has_empty_element(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool empty = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) empty |= (w[i] & 0xFFFFu) == 0xFFFFu || (w[i] >> 16) == 0xFFFFu;
+  return empty;
+}
+
+__device__ __forceinline__ uint4 received_elements(const uint4* slot) {
+  uint4 v;
+  do {
+    v = load_volatile(slot);
+  } while (has_empty_element(v));
+  return v;
+}
+
 // Slot of sender p in receive buffer b of an area with slots of slot_vecs vectors.
 template <int WORLD>
 __device__ __forceinline__ uint4* receive_slot(uint4* area, int b, int p, int64_t slot_vecs) {
@@ -262,8 +288,9 @@ __global__ void __launch_bounds__(512)
 // One block per row at a time (rows b, b + grid, ...), the row's 16-byte packs spread over the threads, VPT packs a
 // thread held in registers between the sum and the normalization. The arithmetic is one_shot_kernel's followed by
 // norm.cu's rms_norm_kernel<FUSED>, rounding where they round (and with their thread layout, so the sum of squares
-// is reduced in the same order).
-template <typename T, int WORLD, int VPT, bool LAMPORT>
+// is reduced in the same order). SENT (with LAMPORT): every rank's row, this rank's too, is in the receive buffer
+// already (a GEMV sent it), and data is only the output.
+template <typename T, int WORLD, int VPT, bool LAMPORT, bool SENT = false>
 __global__ void __launch_bounds__(512)
     one_shot_add_rms_norm_kernel(Peers peers, int rank, uint4* data, uint4* residual, const uint4* __restrict__ weight,
                                  int64_t rows, int row_vecs, float eps, int64_t half_vecs, bool end_barrier,
@@ -283,7 +310,8 @@ __global__ void __launch_bounds__(512)
   const int b = next_third(self);
   empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
   const int64_t half = half_offset(round, half_vecs, end_barrier);
-  if constexpr (LAMPORT) {  // (no barrier: see the top of the file)
+  static_assert(LAMPORT || !SENT, "a sent message is in the receive buffers");
+  if constexpr (LAMPORT && !SENT) {  // (no barrier: see the top of the file)
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
       for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) {
         const uint4 sent = as_sent<T>(data[row * row_vecs + v]);
@@ -293,7 +321,7 @@ __global__ void __launch_bounds__(512)
         }
       }
     }
-  } else {
+  } else if constexpr (!LAMPORT) {
     uint4* mine = const_cast<uint4*>(peers.data[rank]) + half;
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
       for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) mine[row * row_vecs + v] = data[row * row_vecs + v];
@@ -303,6 +331,7 @@ __global__ void __launch_bounds__(512)
   // Rank p's 16-byte vector at index idx of the message: as sent to the receive buffers, or from p's data half.
   auto peer_vector = [&](int p, int64_t idx) -> uint4 {
     if constexpr (!LAMPORT) return peers.data[p][half + idx];
+    if constexpr (SENT) return received_elements(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + idx);
     if (p == rank) return as_sent<T>(data[idx]);
     return received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + idx);
   };
@@ -422,17 +451,25 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
   const auto* weight = reinterpret_cast<const uint4*>(a.weight);
   const float eps = static_cast<float>(a.eps);
   // (the barrier-free path is a template argument: as a runtime flag it cost the barrier kernels registers)
-  auto launch_with = [&](auto lamport) {
-    constexpr bool LAMPORT = decltype(lamport)::value;
-    auto kernel = per_thread <= 1   ? one_shot_add_rms_norm_kernel<T, WORLD, 1, LAMPORT>
-                  : per_thread <= 2 ? one_shot_add_rms_norm_kernel<T, WORLD, 2, LAMPORT>
-                                    : one_shot_add_rms_norm_kernel<T, WORLD, 4, LAMPORT>;
+  auto launch_with = [&](auto lamport, auto sent) {
+    constexpr bool LAMPORT = decltype(lamport)::value, SENT = decltype(sent)::value;
+    auto kernel = per_thread <= 1   ? one_shot_add_rms_norm_kernel<T, WORLD, 1, LAMPORT, SENT>
+                  : per_thread <= 2 ? one_shot_add_rms_norm_kernel<T, WORLD, 2, LAMPORT, SENT>
+                                    : one_shot_add_rms_norm_kernel<T, WORLD, 4, LAMPORT, SENT>;
     launch_programmatic(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
                         "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps,
                         half_vecs_of(a), g_end_barrier, slot_vecs_of(a));
   };
-  if (takes_lamport(a, rows * row_vecs)) return launch_with(std::true_type{});
-  launch_with(std::false_type{});
+  const bool lamport = takes_lamport(a, rows * row_vecs);
+  if (a.sent) {
+    if (!lamport) {
+      throw std::invalid_argument("custom_all_reduce_add_rms_norm: a sent message needs the barrier-free path "
+                                  "(lamport_bytes covering it, no end barrier)");
+    }
+    return launch_with(std::true_type{}, std::true_type{});
+  }
+  if (lamport) return launch_with(std::true_type{}, std::false_type{});
+  launch_with(std::false_type{}, std::false_type{});
 }
 
 template <typename T>
@@ -529,6 +566,7 @@ void all_reduce_ipc_close(uintptr_t ptr) { FASTQWEN_CUDA_CHECK(cudaIpcCloseMemHa
 
 void custom_all_reduce(const AllReduceArgs& a) {
   check_ranks(a, "custom_all_reduce");
+  if (a.sent) throw std::invalid_argument("custom_all_reduce: only custom_all_reduce_add_rms_norm takes a sent message");
   if (a.numel <= 0) return;
   const Peers peers = checked_peers(a, "custom_all_reduce");
   const int64_t nvec = a.numel * (a.dtype == kF32 ? 4 : 2) / 16;
@@ -553,6 +591,24 @@ void custom_all_reduce_add_rms_norm(const AllReduceArgs& a) {
   if (a.residual == a.data) throw std::invalid_argument(op + ": residual and data must be different buffers");
   FASTQWEN_DISPATCH_DTYPE("custom_all_reduce_add_rms_norm: ", a.dtype, kHalfTypes, T,
                           dispatch_world_add_rms_norm<T>(peers, a));
+}
+
+void all_reduce_send_target(const AllReduceArgs& a, uintptr_t dst) {
+  const std::string op = "all_reduce_send_target";
+  check_ranks(a, op);
+  if (a.lamport_bytes == 0) throw std::invalid_argument(op + ": the buffers have no receive areas (lamport_bytes 0)");
+  if (dst == 0 || dst % 8) throw std::invalid_argument(op + ": dst must be non-null and 8-byte aligned");
+  AllReduceSendTarget target{};
+  for (int p = 0; p < a.world; ++p) {
+    if (a.buffers[p] == 0) throw std::invalid_argument(op + ": a peer buffer is missing");
+    target.receive[p] = reinterpret_cast<uint16_t*>(a.buffers[p] + kAllReduceSignalBytes + 2 * a.capacity_bytes);
+  }
+  target.third = &reinterpret_cast<const Signal*>(a.buffers[a.rank])->third[0];
+  target.rank = a.rank;
+  target.world = a.world;
+  target.slot_elems = a.lamport_bytes / 2;
+  cuda_check(cudaMemcpy(reinterpret_cast<void*>(dst), &target, sizeof(target), cudaMemcpyHostToDevice),
+             "all_reduce_send_target: cudaMemcpy");
 }
 
 }  // namespace fastqwen

@@ -45,7 +45,28 @@ struct AllReduceArgs {
   uintptr_t weight = 0;    // [hidden], the same dtype
   int64_t hidden = 0;
   double eps = 0.0;
+  // custom_all_reduce_add_rms_norm only: this rank's message is in the receive buffers already, stored there by the
+  // GEMV that computed it (gemv.h's kGemvSend), and data is only where the normalized rows go.
+  bool sent = false;
 };
+
+// Where a GEMV whose output is the next all-reduce's message stores it (gemv.h's kGemvSend): straight into its slot of
+// every rank's receive buffer of the coming round, this rank's own included, so that the all-reduce that follows
+// (custom_all_reduce_add_rms_norm with `sent`) has nothing left to send and only waits for the peers' rows. 16-bit
+// elements, each stored as it is computed; an element whose bits are all ones (a NaN) is stored as another NaN, so
+// that no element of a message reads as empty. Kept in device memory (all_reduce_send_target writes it).
+struct AllReduceSendTarget {
+  uint16_t* receive[kAllReduceMaxRanks];  // each rank's receive area as mapped here (buffer 0, slot 0)
+  const uint32_t* third;                   // this rank's record of the last round's receive buffer (0, 1, 2)
+  int rank;
+  int world;
+  int64_t slot_elems;  // 16-bit elements in a slot
+};
+constexpr int64_t kAllReduceSendTargetBytes = sizeof(AllReduceSendTarget);
+
+// Writes the AllReduceSendTarget of args' buffers (which need receive areas: lamport_bytes > 0) to device memory at
+// dst (kAllReduceSendTargetBytes, 8-byte aligned). Synchronous; once, before any GEMV sends.
+void all_reduce_send_target(const AllReduceArgs& args, uintptr_t dst);
 
 // One-shot all-reduce: each rank copies its input into its buffer (the round's half), a barrier across ranks, then
 // each rank sums every rank's buffer in rank order (so every rank gets bitwise the same result). Every rank must call
@@ -64,7 +85,9 @@ bool set_all_reduce_end_barrier(bool enabled);
 //   data[r]     = weight * round(residual[r] * rsqrt(mean(residual[r]^2) + eps))
 // float16 or bfloat16; hidden a whole number of 16-byte packs, at most kAllReduceNormMaxHidden; residual and weight
 // 16-byte aligned. Every rank must call it with the same shapes, in the same order as its other all-reduces (they
-// share the round counters), and the same residual (replicated across ranks in tensor parallelism).
+// share the round counters), and the same residual (replicated across ranks in tensor parallelism). With `sent`, every
+// rank's message is a row the GEMV before stored into the receive buffers (kGemvSend), which needs the barrier-free
+// path (lamport_bytes covering the message, no end barrier); data is then only the output.
 void custom_all_reduce_add_rms_norm(const AllReduceArgs& args);
 
 }  // namespace fastqwen

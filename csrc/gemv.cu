@@ -37,6 +37,7 @@
 
 #include "common.cuh"
 #include "cuda_check.h"
+#include "custom_all_reduce.h"
 #include "device_cache.h"
 #include "gemv.h"
 #include "gemv_tc.h"
@@ -105,6 +106,15 @@ __device__ __forceinline__ void prefetch_residual(const T* out, int out0) {
   }
 }
 
+// kGemvSend: the send target (written once, before any GEMV sends) into L1 before griddep_wait, so that the epilogue's
+// only round trip is the read of the round's buffer (which must wait: the kernel before may be an all-reduce).
+template <int EPI>
+__device__ __forceinline__ void prefetch_send_target(const AllReduceSendTarget* send) {
+  if constexpr (EPI == kGemvSend) {
+    if (threadIdx.x == 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(send));
+  }
+}
+
 // Weight elements per 16-byte chunk.
 template <bool FP8>
 constexpr int chunk_elems() {
@@ -159,15 +169,31 @@ __device__ __forceinline__ void accumulate_chunk(const T* __restrict__ x, const 
   }
 }
 
+// kGemvSend: output j into this rank's slot of every rank's receive buffer of the coming round (custom_all_reduce.cu:
+// the buffer after the one its last round used), as custom_all_reduce's barrier-free kernels send: an element whose
+// bits are all ones (a NaN, what an empty slot holds) goes as another NaN.
+template <typename T>
+__device__ __forceinline__ void send_output(const AllReduceSendTarget& send, int j, T y) {
+  uint16_t bits = *reinterpret_cast<const uint16_t*>(&y);
+  if (bits == 0xFFFFu) bits = 0xFFFEu;
+  const int b = static_cast<int>((*send.third + 1) % 3);
+  const int64_t at = (static_cast<int64_t>(b) * send.world + send.rank) * send.slot_elems + j;
+  for (int p = 0; p < send.world; ++p) {
+    asm volatile("st.volatile.global.u16 [%0], %1;" ::"l"(send.receive[p] + at), "h"(bits) : "memory");
+  }
+}
+
 // The block's epilogue: each warp's sums acc (its share of every row's dot products) meet in shared memory, in a fixed
 // order, and are rounded once to T (outputs out0 .. out0 + kOut of each token).
 // kGemvNormX, kGemvNormXFolded: sq is the thread's sum of x^2, k the row length, eps the norm's.
 template <typename T, int MT, bool SILU_GATE_UP, int kRows, int EPI = kGemvPlain>
 __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* __restrict__ out,
                                               const T* __restrict__ bias, int m, int n_out, int out0, int warp,
-                                              int lane, float sq = 0.0f, int k = 1, float eps = 0.0f) {
+                                              int lane, float sq = 0.0f, int k = 1, float eps = 0.0f,
+                                              const AllReduceSendTarget* send = nullptr) {
   static_assert(EPI == kGemvPlain || MT == 1, "the norm rides on one-token GEMVs");
-  static_assert(EPI != kGemvAddResidual || !SILU_GATE_UP, "the projection before a norm has no SiLU epilogue");
+  static_assert((EPI != kGemvAddResidual && EPI != kGemvSend) || !SILU_GATE_UP,
+                "the projection before a norm or an all-reduce has no SiLU epilogue");
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
   __shared__ float partial[kWarps][MT * kRows];
 #pragma unroll
@@ -204,6 +230,8 @@ __device__ __forceinline__ void write_outputs(const float (&acc)[MT][kRows], T* 
       out[static_cast<int64_t>(i) * n_out + j] = silu_mul(y[0], y[1]);
     } else if constexpr (EPI == kGemvAddResidual) {  // (one token)
       out[j] = Cvt<T>::from_f(Cvt<T>::to_f(y[0]) + Cvt<T>::to_f(out[j]));
+    } else if constexpr (EPI == kGemvSend) {  // (one token; after the wait, so the round before has ended)
+      send_output(*send, j, y[0]);
     } else {
       out[static_cast<int64_t>(i) * n_out + j] = y[0];
     }
@@ -240,7 +268,8 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
                                                            const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scale,
                                                            const T* __restrict__ bias, int m, int n, int k,
-                                                           const T* __restrict__ g, float eps) {
+                                                           const T* __restrict__ g, float eps,
+                                                           const AllReduceSendTarget* __restrict__ send) {
   constexpr int E = chunk_elems<FP8>();
   constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;  // outputs per block
@@ -254,6 +283,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
 
   const BlockRows<SILU_GATE_UP, kRows> rows(w, out0, n_out, k * kRowBytesPerElem / 16, scale_cols);
   prefetch_residual<EPI>(out, out0);
+  prefetch_send_target<EPI>(send);
   float acc[MT][kRows];
   float sq = 0.0f;  // (kGemvNormX, kGemvNormXFolded)
 #pragma unroll
@@ -296,7 +326,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
     griddep_launch_dependents();
   }
 
-  write_outputs<T, MT, SILU_GATE_UP, kRows, EPI>(acc, out, bias, m, n_out, out0, warp, lane, sq, k, eps);
+  write_outputs<T, MT, SILU_GATE_UP, kRows, EPI>(acc, out, bias, m, n_out, out0, warp, lane, sq, k, eps, send);
 }
 
 // One token, FP8 weights: the same arithmetic as gemv_kernel (bit for bit), with the loads in a ring. Each lane keeps
@@ -312,7 +342,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
                                                                            const uint8_t* __restrict__ w,
                                                                            const float* __restrict__ scale,
                                                                            const T* __restrict__ bias, int n, int k,
-                                                                           const T* __restrict__ g, float eps) {
+                                                                           const T* __restrict__ g, float eps,
+                                                                           const AllReduceSendTarget* __restrict__ send) {
   constexpr int E = chunk_elems<true>();
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
   constexpr int kStride = kWarps * 32;
@@ -324,6 +355,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
   const int scale_cols = (k + kGemvFp8Block - 1) / kGemvFp8Block;
   const BlockRows<SILU_GATE_UP, kRows> rows(w, out0, n_out, num_chunks, scale_cols);
   prefetch_residual<EPI>(out, out0);
+  prefetch_send_target<EPI>(send);
   int c = warp * 32 + lane;  // this lane's chunk of every row: c, c + kStride, ...
   uint4 wv[kRows];
   float sv[kRows];
@@ -368,7 +400,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
       }
     }
   }
-  write_outputs<T, 1, SILU_GATE_UP, kRows, EPI>(acc, out, bias, 1, n_out, out0, warp, lane, sq, k, eps);
+  write_outputs<T, 1, SILU_GATE_UP, kRows, EPI>(acc, out, bias, 1, n_out, out0, warp, lane, sq, k, eps, send);
 }
 
 // Blocks of a kernel resident per SM, times the SMs (once per kernel and device).
@@ -456,7 +488,7 @@ void rows_switch(int rows, F&& f) {
 template <bool FP8, int MT, bool SILU, int R>
 constexpr bool epilogue_compiled(int epilogue) {
   if (epilogue == kGemvPlain) return true;
-  if (epilogue == kGemvAddResidual) return MT == 1 && !SILU;
+  if (epilogue == kGemvAddResidual || epilogue == kGemvSend) return MT == 1 && !SILU;
   return MT == 1 && !(FP8 && R != 4) && (epilogue == kGemvNormX || epilogue == kGemvNormXFolded);
 }
 
@@ -475,6 +507,7 @@ void epilogue_switch(int epilogue, F&& f) {
     case kGemvAddResidual: return run(std::integral_constant<int, kGemvAddResidual>{});
     case kGemvNormX: return run(std::integral_constant<int, kGemvNormX>{});
     case kGemvNormXFolded: return run(std::integral_constant<int, kGemvNormXFolded>{});
+    case kGemvSend: return run(std::integral_constant<int, kGemvSend>{});
     default: throw std::logic_error("gemv: unknown epilogue " + std::to_string(epilogue));
   }
 }
@@ -510,12 +543,13 @@ void launch(const GemvArgs& a) {
               const T* bias = reinterpret_cast<const T*>(a.bias);
               const T* g = EPI == kGemvNormX ? reinterpret_cast<const T*>(a.norm_weight) : nullptr;
               const float eps = EPI == kGemvNormX || EPI == kGemvNormXFolded ? static_cast<float>(a.eps) : 0.0f;
+              const auto* send = reinterpret_cast<const AllReduceSendTarget*>(a.send);
               if constexpr (FP8 && MT == 1) {
                 launch_programmatic(gemv_fp8_one_token_kernel<T, SILU, R, EPI>, grid, block, 0, stream,
-                                    "gemv kernel launch", out, x, w, scale, bias, n, k, g, eps);
+                                    "gemv kernel launch", out, x, w, scale, bias, n, k, g, eps, send);
               } else {
                 launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R, EPI>, grid, block, 0, stream,
-                                    "gemv kernel launch", out, x, w, scale, bias, m, n, k, g, eps);
+                                    "gemv kernel launch", out, x, w, scale, bias, m, n, k, g, eps, send);
               }
             });
           });
@@ -603,9 +637,16 @@ void gemv_norm(const GemvArgs& args) {
       throw std::invalid_argument(op + "the norm weight must be 16-byte aligned");
     }
     if (!(args.eps >= 0.0)) throw std::invalid_argument(op + "eps must be >= 0, got " + std::to_string(args.eps));
+  } else if (kind == kGemvSend) {
+    if (args.silu_gate_up) throw std::invalid_argument(op + "the projection before an all-reduce has no SiLU epilogue");
+    if (args.send == 0 || args.send % 8) throw std::invalid_argument(op + "send must be a non-null, 8-byte aligned target");
+    if (args.n > args.send_capacity) {
+      throw std::invalid_argument(op + "n=" + std::to_string(args.n) + " exceeds the send target's slots of " +
+                                  std::to_string(args.send_capacity));
+    }
   } else {
-    throw std::invalid_argument(op + "epilogue must be kGemvAddResidual (1), kGemvNormX (2) or kGemvNormXFolded (3), "
-                                "got " + std::to_string(kind));
+    throw std::invalid_argument(op + "epilogue must be kGemvAddResidual (1), kGemvNormX (2), kGemvNormXFolded (3) "
+                                "or kGemvSend (4), got " + std::to_string(kind));
   }
   if (args.m != 1) throw std::invalid_argument(op + "one token: m must be 1, got " + std::to_string(args.m));
   check_args(op, args);

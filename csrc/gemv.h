@@ -25,6 +25,7 @@ enum GemvEpilogue : int {
   kGemvAddResidual = 1,  // the projection before the norm adds into the residual
   kGemvNormX = 2,        // the projection after the norm normalizes x (the residual) as it reads it
   kGemvNormXFolded = 3,  // the same with the norm's weight already multiplied into W's columns
+  kGemvSend = 4,         // the projection before a tensor-parallel all-reduce stores its output into the ranks' buffers
 };
 
 // What gemv() and gemv_norm() take, by name. Pointers are device addresses, stream a cudaStream_t.
@@ -45,6 +46,9 @@ struct GemvArgs {
   GemvEpilogue epilogue = kGemvPlain;
   uintptr_t norm_weight = 0;
   double eps = 0.0;
+  // kGemvSend only: a device AllReduceSendTarget (custom_all_reduce.h), and the elements its slots hold.
+  uintptr_t send = 0;
+  int64_t send_capacity = 0;
   uintptr_t stream = 0;
 };
 
@@ -62,6 +66,9 @@ void gemv(const GemvArgs& args);
 //   sum fp32, one rounding (silu_gate_up: both halves so, then as gemv). RMSNorm(h) @ W^T without rounding the
 //   normalized row (fused_add_rms_norm then gemv round it to dtype twice).
 // kGemvNormXFolded (W[j, c] already multiplied by g[c]): as kGemvNormX with g = 1 (norm_weight ignored).
+// kGemvSend (not silu_gate_up; n at most send_capacity): y, rounded as gemv rounds it, is not written to out but
+//   stored into this rank's slot of every rank's receive buffer of the coming round (custom_all_reduce.h's
+//   AllReduceSendTarget at `send`), for custom_all_reduce_add_rms_norm with `sent` to sum next.
 void gemv_norm(const GemvArgs& args);
 
 // Whether the decode step's kernels (GEMV, RMSNorm, q/k-norm + RoPE, decode attention and its merge, SiLU-and-mul)

@@ -1045,6 +1045,34 @@ MUTATIONS += [
         gpus=2,
     ),
     Mutation(
+        "sent_all_reduce_takes_its_own_row_from_data",
+        "csrc/custom_all_reduce.cu",
+        [
+            (
+                "    if constexpr (SENT) return received_elements(",
+                "    if constexpr (SENT) if (p != rank) return received_elements(",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_sending_gemv_feeds_the_fused_all_reduce[2]"],
+        "after a sending GEMV, the fused all-reduce takes its own rank's row from its data (which the GEMV never "
+        "wrote), not from the receive buffer the GEMV stored it in",
+        gpus=2,
+    ),
+    Mutation(
+        "sending_gemv_stores_into_the_last_rounds_buffer",
+        "csrc/gemv.cu",
+        [
+            (
+                "  const int b = static_cast<int>((*send.third + 1) % 3);",
+                "  const int b = static_cast<int>(*send.third % 3);",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_sending_gemv_feeds_the_fused_all_reduce[2]"],
+        "the sending GEMV stores into the receive buffer of the round before, which the all-reduce does not read "
+        "(it waits for a row that never comes: the test's ranks run into their deadline)",
+        gpus=2,
+    ),
+    Mutation(
         "tp_last_layer_down_not_all_reduced",
         "python/fastqwen/model/qwen3.py",
         [

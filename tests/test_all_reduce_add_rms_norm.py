@@ -69,3 +69,39 @@ def test_the_op_is_the_ranks_sum_added_to_the_residual_then_normalized(world, dt
         assert_close_to_reference(
             normed, new_residual, partials, residual, weight, EPS, world - 1, f"{world} ranks {rows}x{hidden}"
         )
+
+
+def test_the_extension_refuses_a_send_it_cannot_take():
+    """The sending GEMV (gemv.h kGemvSend) and the all-reduce after it check their arguments before anything touches a
+    device: a GEMV with the SiLU epilogue, without a target or with more outputs than a receive slot holds; a sent
+    message to the plain all-reduce, or to the fused one on buffers without receive areas; a send target of such
+    buffers."""
+    from fastqwen.ops._native import native
+
+    m = native()
+    if m is None or not m.built_with_cuda:
+        pytest.skip("needs the extension built with the CUDA kernels")
+    args = m.GemvArgs()
+    args.out, args.x, args.w, args.m, args.n, args.k, args.dtype = 16, 16, 16, 1, 64, 64, m.DTYPE_BF16
+    args.epilogue, args.send, args.send_capacity = m.GemvEpilogue.SEND, 64, 64
+    args.silu_gate_up = True
+    with pytest.raises(ValueError, match="no SiLU epilogue"):
+        m.gemv_norm(args)
+    args.silu_gate_up, args.send = False, 0
+    with pytest.raises(ValueError, match="send must be"):
+        m.gemv_norm(args)
+    args.send, args.send_capacity = 64, 63
+    with pytest.raises(ValueError, match="exceeds the send target's slots of 63"):
+        m.gemv_norm(args)
+    with pytest.raises(ValueError, match="gemv_norm's"):  # (gemv() takes the plain epilogue only)
+        m.gemv(args)
+    reduce = m.AllReduceArgs()
+    reduce.buffers, reduce.rank, reduce.world, reduce.capacity_bytes = [4096, 8192], 0, 2, 1024
+    reduce.data, reduce.numel, reduce.dtype, reduce.sent = 2048, 8, m.DTYPE_BF16, True
+    with pytest.raises(ValueError, match="only custom_all_reduce_add_rms_norm takes a sent message"):
+        m.custom_all_reduce(reduce)
+    reduce.residual, reduce.weight, reduce.hidden = 2064, 2080, 8
+    with pytest.raises(ValueError, match="a sent message needs the barrier-free path"):  # (lamport_bytes 0)
+        m.custom_all_reduce_add_rms_norm(reduce)
+    with pytest.raises(ValueError, match="no receive areas"):
+        m.all_reduce_send_target(reduce, 4096)

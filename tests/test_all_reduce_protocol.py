@@ -4,8 +4,10 @@ random, over calls of the three kinds, of changing sizes and of changing grids (
 ...). Every call of every rank must end with the exact sum (integers), and no interleaving may leave every block
 waiting. This checks the rules, not the CUDA code: one barrier a call with the data copied into alternate halves, two
 barriers into one half, the barrier-free calls over three receive buffers that each call empties one call after their
-use, and the round counters every launch sets for every block (block 0 those of the blocks it did not launch). Each
-rule's deliberate break fails it, as the tests at the bottom show."""
+use, and the round counters every launch sets for every block (block 0 those of the blocks it did not launch); and the
+barrier-free calls whose message a GEMV sent before them (kGemvSend: a kernel of its own grid that stores each element
+into its slot of every rank's buffer of the coming round, its own rank's too, after which the all-reduce only waits
+and sums). Each rule's deliberate break fails it, as the tests at the bottom show."""
 
 from __future__ import annotations
 
@@ -46,16 +48,17 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
                 if p != r:
                     yield
                     s.receive[r][previous][p][i] = EMPTY
-    if kind == "lamport":
-        for i in mine:
-            for p in range(world):
-                if p != r:
-                    yield
-                    s.receive[p][third][r][i] = inputs[r][i]
+    if kind in ("lamport", "sent"):
+        if kind == "lamport":  # ("sent": the GEMV before stored every slot, this rank's own too)
+            for i in mine:
+                for p in range(world):
+                    if p != r:
+                        yield
+                        s.receive[p][third][r][i] = inputs[r][i]
         for i in mine:
             acc = 0
             for p in range(world):
-                if p == r:
+                if p == r and kind == "lamport":
                     acc += inputs[r][i]
                     continue
                 while s.receive[r][third][p][i] is EMPTY:
@@ -81,10 +84,22 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
     # end_round (and record_sent, block 0)
     s.round[r][b], s.third[r][b] = k, third
     if b == 0:
-        s.received[r][third] = n if kind == "lamport" else 0
+        s.received[r][third] = n if kind in ("lamport", "sent") else 0
         if rules["absent_counters"]:
             for absent in range(grid, MAX_BLOCKS):
                 s.round[r][absent], s.third[r][absent] = k, third
+
+
+def sending_gemv(s: Shared, r: int, b: int, grid: int, inputs, rules):
+    """Block b of rank r's sending GEMV (its own grid, blocks of consecutive outputs): each output into its slot of
+    every rank's buffer of the coming round, the one after the rank's record of the last round's (block 0's)."""
+    world, n = s.world, len(inputs[r])
+    third = (s.third[r][0] + (1 if rules["send_next"] else 0)) % 3
+    per_block = -(-n // grid)
+    for i in range(b * per_block, min(n, (b + 1) * per_block)):
+        for p in range(world):
+            yield
+            s.receive[p][third][r][i] = inputs[r][i]
 
 
 def barrier(s: Shared, r: int, b: int, flags, k: int, rules):
@@ -101,6 +116,15 @@ def rank_program(s: Shared, r: int, calls, results, rules, rng: random.Random):
     of a call interleaved at random."""
     for kind, grid, inputs in calls:
         total = [None] * len(inputs[r])
+        if kind == "sent":  # the GEMV first (the all-reduce waits for it before anything)
+            gemv_grid = rng.randint(1, 4)
+            blocks = [sending_gemv(s, r, b, gemv_grid, inputs, rules) for b in range(gemv_grid)]
+            while blocks:
+                block = rng.choice(blocks)
+                try:
+                    yield next(block)
+                except StopIteration:
+                    blocks.remove(block)
         blocks = [block_program(s, r, b, grid, kind, inputs, total, rules) for b in range(grid)]
         while blocks:
             block = rng.choice(blocks)
@@ -142,13 +166,17 @@ def play(seed: int, rules: dict, world: int = 2, calls: int = 12) -> None:
             assert results[r][c] == want, f"seed {seed}: rank {r}, call {c} ({kind}, grid {grid}): {results[r][c]}"
 
 
-KEPT = {"halves": True, "empty": True, "equal_flags": False, "absent_counters": True, "grids": True}
+KEPT = {"halves": True, "empty": True, "equal_flags": False, "absent_counters": True, "grids": True, "send_next": True}
 
 
-# The kinds of call one engine mixes: barrier-free (small messages, the default) and one barrier, or
-# two barriers alone (FASTQWEN_ALLREDUCE_END_BARRIER=1 turns the barrier-free kernels off).
+# The kinds of call one engine mixes: barrier-free (small messages, the default) and one barrier, with sending GEMVs
+# (FASTQWEN_GEMV_SENDS=1) before some barrier-free ones, or two barriers alone (FASTQWEN_ALLREDUCE_END_BARRIER=1 turns
+# the barrier-free kernels off).
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("kinds", [["one_barrier"], ["lamport"], ["one_barrier", "lamport"], ["two_barriers"]])
+@pytest.mark.parametrize(
+    "kinds",
+    [["one_barrier"], ["lamport"], ["one_barrier", "lamport"], ["sent", "lamport", "one_barrier"], ["two_barriers"]],
+)
 def test_every_interleaving_sums_exactly(world, kinds):
     for seed in range(150):
         play(seed, {**KEPT, "kinds": kinds}, world)
@@ -164,6 +192,8 @@ def test_every_interleaving_sums_exactly(world, kinds):
         ({"absent_counters": False}, ["one_barrier"]),  # a block's counter behind: its half and flags are a call off
         ({"absent_counters": False}, ["lamport"]),  # ... and its receive buffer
         ({}, ["one_barrier", "two_barriers"]),  # the end barrier switched between calls (custom_all_reduce.h)
+        ({"send_next": False}, ["sent", "lamport"]),  # the GEMV sends into the last call's buffer
+        ({"empty": False}, ["sent"]),  # nothing emptied: a sent call sums a peer's row of three calls before
     ],
 )
 def test_each_broken_rule_is_caught(broken, kinds):

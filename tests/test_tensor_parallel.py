@@ -192,7 +192,9 @@ def test_tp2_matches_hf_and_one_rank(model):
         parallel = llm.engine.model.parallel
         seen = []
         fused = parallel.all_reduce_add_rms_norm
-        parallel.all_reduce_add_rms_norm = lambda p, r, weight, eps: seen.append(weight) or fused(p, r, weight, eps)
+        parallel.all_reduce_add_rms_norm = lambda p, r, weight, eps, **kw: (
+            seen.append(weight) or fused(p, r, weight, eps, **kw)
+        )
         try:
             teacher_forced_match(
                 llm, PROMPTS, references, TOLERANCE, min_decisive=len(PROMPTS) * NEW_TOKENS * 3 // 4, bound_forced=True

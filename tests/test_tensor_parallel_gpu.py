@@ -248,6 +248,107 @@ def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
     group.barrier()
 
 
+def _send_worker(rank: int, world: int, port: int, dtype_names: tuple[str, ...], failures) -> None:
+    try:
+        group, device = _connect(rank, world, port)
+        for dtype_name in dtype_names:
+            _check_sent(group, device, rank, world, dtype_name)
+    except BaseException:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+# The sending GEMV's cases: (outputs, inputs, FP8 weights). Qwen3-32B's o_proj shard at TP=2 (5,120 rows: blocks of 5
+# where the rule picks them), an output count no block size divides (1,000: the last block part-filled), FP8.
+SENT_CASES = [(5120, 4096, False), (1000, 512, False), (4096, 1024, True)]
+
+
+def _check_sent(group, device, rank: int, world: int, dtype_name: str) -> None:
+    """FASTQWEN_GEMV_SENDS=1: a one-token GEMV stores its output into the ranks' receive buffers and the fused
+    all-reduce + norm only sums (ParallelGroup.linear_to_all_reduce, then all_reduce_add_rms_norm(sent=True)). Against
+    the same GEMV writing its output and the fused kernel sending it: bit for bit (the same values summed in the same
+    order); against float64 of the ranks' GEMV outputs; every rank alike. Mixed with barrier-free and one-barrier
+    all-reduces between (one round sequence, three receive buffers), eagerly and in a CUDA graph replayed with rank 1
+    running late before every other GEMV."""
+    from fastqwen.ops.linear import LinearWeight, gemv, quantize_fp8
+
+    custom = group.custom
+    assert custom.send_target is not None, "FASTQWEN_GEMV_SENDS=1 made no send target"
+    dtype = getattr(torch, dtype_name)
+
+    def gathered(t: torch.Tensor) -> torch.Tensor:
+        everyone = torch.empty(world * t.numel(), dtype=t.dtype, device=device)
+        group.device_group._allgather_base(everyone, t.reshape(-1)).wait()
+        return everyone.view(world, *t.shape)
+
+    big = torch.zeros(custom.lamport_bytes // 2 + 8, dtype=dtype, device=device)  # past the barrier-free size
+    for n, k, fp8 in SENT_CASES:
+        what = f"{dtype_name} {n}x{k}{' fp8' if fp8 else ''}"
+        _progress(rank, what)
+        g = torch.Generator().manual_seed(n * 7 + k + 1000 * rank)  # this rank's shard and input
+        dense = torch.randn(n, k, generator=g) * 0.05
+        w = LinearWeight(*quantize_fp8(dense.to(device))) if fp8 else LinearWeight(dense.to(dtype).to(device))
+        x = torch.randn(1, k, generator=g).to(dtype).to(device)
+        shared = torch.Generator().manual_seed(n)  # the same residual and norm weight on every rank
+        residual = (torch.randn(1, n, generator=shared) * 4).to(dtype).to(device)
+        weight = (torch.rand(n, generator=shared) + 0.5).to(dtype).to(device)
+        plain = gemv(x, w)  # this rank's partial as the GEMV writes it
+        partials = [p.cpu() for p in gathered(plain)]
+        for repeat in range(4):  # (each round in the next receive buffer; other kinds of round between)
+            out, sent = group.linear_to_all_reduce(x, w)
+            assert sent, f"{what}: the GEMV did not send"
+            normed, new_residual = group.all_reduce_add_rms_norm(out, residual.clone(), weight, EPS, sent=True)
+            want, want_residual = custom.all_reduce_add_rms_norm(plain.clone(), residual.clone(), weight, EPS)
+            assert torch.equal(new_residual, want_residual), f"{what} #{repeat}: the new residual differs"
+            assert torch.equal(normed, want), f"{what} #{repeat}: the normed row differs"
+            assert_close_to_reference(normed, new_residual, partials, residual.cpu(), weight.cpu(), EPS, 1, what)
+            for t in (normed, new_residual):
+                assert all(torch.equal(mine, t) for mine in gathered(t)), f"{what}: ranks disagree"
+            if repeat % 2:
+                group.all_reduce(big)  # a one-barrier round between
+    # In a graph: two sent rounds with a barrier-free all-reduce between, rank 1 late before every other GEMV.
+    n, k, _ = SENT_CASES[0]
+    g = torch.Generator().manual_seed(99 + rank)
+    w = LinearWeight((torch.randn(n, k, generator=g) * 0.05).to(dtype).to(device))
+    xs = [torch.zeros(1, k, dtype=dtype, device=device) for _ in range(2)]
+    residual = torch.zeros(1, n, dtype=dtype, device=device)
+    weight = torch.ones(n, dtype=dtype, device=device)
+    between = torch.zeros(4096, dtype=dtype, device=device)
+    outs = []
+
+    def step():
+        outs.clear()
+        for i, x in enumerate(xs):
+            if rank == 1 and i == 0:
+                torch.cuda._sleep(20_000)
+            out, sent = group.linear_to_all_reduce(x, w)
+            assert sent
+            outs.append(group.all_reduce_add_rms_norm(out, residual, weight, EPS, sent=True)[0])
+            if i == 0:
+                group.all_reduce(between)
+
+    graph = captured_graph(step)
+    for replay in range(3):
+        _progress(rank, f"{dtype_name} sent, replay {replay}")
+        inputs = [torch.randn(1, k, generator=torch.Generator().manual_seed(10 * replay + i + 100 * rank)).to(dtype)
+                  for i in range(2)]  # fmt: skip
+        start = (torch.randn(1, n, generator=torch.Generator().manual_seed(replay)) * 4).to(dtype).to(device)
+        for x, values in zip(xs, inputs):
+            x.copy_(values.to(device))
+        residual.copy_(start)
+        between.fill_(float(rank + replay))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [o.clone() for o in outs]
+        expected_residual = start.clone()  # the same eagerly, through the unsent path
+        for i, x in enumerate(xs):
+            want, _ = custom.all_reduce_add_rms_norm(gemv(x, w), expected_residual, weight, EPS)
+            assert torch.equal(got[i], want), f"{dtype_name} graph replay {replay}, call {i}: differs from eager"
+        assert torch.equal(residual, expected_residual), f"{dtype_name} graph replay {replay}: the residual differs"
+        assert torch.all(between.float().cpu() == sum(float(r + replay) for r in range(world))), "the call between"
+    group.barrier()
+
+
 def _run_ranks(world: int, dtype_names: tuple[str, ...], target=_worker, environment: dict | None = None) -> None:
     """The ranks in processes of their own, on a port nobody holds (a fixed one could meet the store of an earlier
     test's rank still shutting down, and wait). One deadline for all; once a rank has failed, the others get a few
@@ -331,6 +432,17 @@ def test_one_barrier_fused_all_reduce_norm_matches_float64(world):
     _run_ranks(world, ("bfloat16", "float16"), _fused_worker, environment=ONE_BARRIER)
 
 
+# A one-token GEMV sends its output into the receive buffers itself (FASTQWEN_GEMV_SENDS=1, off by default).
+SENDS = {"FASTQWEN_GEMV_SENDS": "1"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sending_gemv_feeds_the_fused_all_reduce(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _run_ranks(world, ("bfloat16", "float16"), _send_worker, environment=SENDS)
+
+
 # TP rounds each rank's partial o_proj / down sums to bf16 before adding them: a few bf16 steps per layer. Stated
 # tolerance: 5% of the largest |logit| (the graph tests' 1% is for identical arithmetic).
 TOLERANCE = 0.05
@@ -395,14 +507,18 @@ def folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "quantization, fused_norm", [("auto", False), ("fp8", False), ("auto", True)], ids=["auto", "fp8", "fused_norm"]
+    "quantization, fused_norm, sends",
+    [("auto", False, False), ("fp8", False, False), ("auto", True, False), ("auto", True, True)],
+    ids=["auto", "fp8", "fused_norm", "gemv_sends"],
 )
-def test_tp2_matches_tp1_teacher_forced(folder, quantization, fused_norm, monkeypatch):
+def test_tp2_matches_tp1_teacher_forced(folder, quantization, fused_norm, sends, monkeypatch):
     """quantization "fp8": each rank quantizes its shard on load and runs the FP8 GEMV and GEMM on it (every split of
     this shape falls on whole 128 blocks, so both runs hold the same FP8 values). fused_norm: with
     FASTQWEN_FUSED_ALLREDUCE_NORM=1 (read by every rank: rank 1 inherits the environment), so the decode steps run the
-    all-reduce fused with the residual add and norm."""
+    all-reduce fused with the residual add and norm. sends: FASTQWEN_GEMV_SENDS=1 too, so the one-token steps' o_proj
+    and down GEMVs store their rows into the receive buffers themselves."""
     monkeypatch.setenv("FASTQWEN_FUSED_ALLREDUCE_NORM", "1" if fused_norm else "0")
+    monkeypatch.setenv("FASTQWEN_GEMV_SENDS", "1" if sends else "0")
     prompts, max_tokens = workload(24, seed=3)
     knobs = dict(
         dtype="bfloat16",
@@ -417,12 +533,25 @@ def test_tp2_matches_tp1_teacher_forced(folder, quantization, fused_norm, monkey
     one = generate_recording(single, prompts, max_tokens)
     del single
     torch.cuda.empty_cache()
+    # Rank 0's row-parallel projections (its graphs' captures included): which of them sent
+    from fastqwen.ops.collectives import ParallelGroup
+
+    sent, original = [], ParallelGroup.linear_to_all_reduce
+
+    def counted(self, x, w):
+        out, was_sent = original(self, x, w)
+        sent.append(was_sent)
+        return out, was_sent
+
+    monkeypatch.setattr(ParallelGroup, "linear_to_all_reduce", counted)
     llm = LLM(folder, tensor_parallel_size=2, **knobs)
     try:
         parallel = llm.engine.parallel
         assert parallel.custom is not None and parallel.fused_norm == fused_norm
+        assert (parallel.custom.send_target is not None) == sends
         two = generate_recording(llm, prompts, max_tokens)
         assert any(size for _, size, _ in two[2]), "no decode step replayed a CUDA graph"
+        assert any(sent) == sends, "no GEMV sent" if sends else "a GEMV sent"
     finally:
         llm.close()
     figures, tolerance = {}, TOLERANCE
@@ -446,6 +575,7 @@ def test_tp2_matches_tp1_teacher_forced(folder, quantization, fused_norm, monkey
     assert compared >= (len(prompts) if quantization == "auto" else len(prompts) // 6)
     key = "tp2_vs_tp1" if quantization == "auto" else f"tp2_vs_tp1_{quantization}"
     key += "_fused_norm" if fused_norm else ""
+    key += "_gemv_sends" if sends else ""
     figures.update(steps_compared=compared, worst_logit_diff_rel=worst, tolerance=tolerance)
     record_result("tensor_parallel.json", key, figures)
 

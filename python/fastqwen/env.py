@@ -106,6 +106,14 @@ def all_reduce_lamport() -> bool:
     return _flag("FASTQWEN_ALLREDUCE_LAMPORT", True)
 
 
+def gemv_sends() -> bool:
+    """FASTQWEN_GEMV_SENDS=1: under tensor parallelism on GPUs, a one-token o_proj or down GEMV stores its output
+    straight into the ranks' receive buffers of the barrier-free all-reduce (csrc/gemv.h kGemvSend), and the fused
+    all-reduce + norm after it only waits for the rows and sums them (ParallelGroup.linear_to_all_reduce). Off by
+    default until measured on GPUs. Every rank reads the same environment."""
+    return _flag("FASTQWEN_GEMV_SENDS", False)
+
+
 def metrics_folder() -> str | None:
     """PROMETHEUS_MULTIPROC_DIR: prometheus_client's multiprocess mode, where each process writes its counters. Set
     by the parent of several front ends (api_servers.py, through share_metrics_through) before it starts them."""

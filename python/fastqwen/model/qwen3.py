@@ -73,19 +73,26 @@ class Qwen3Model:
         decode_kernel = batch.is_decode and self.decode_workspace is not None
         if decode_kernel:  # the split plan of this step, once for all layers, on the device
             ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
+        down_sent = False  # whether the layer before's down GEMV sent its rows (ParallelGroup.linear_to_all_reduce)
+        last = len(w.layers) - 1
         for index, layer in enumerate(w.layers):
             if index == 0:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
             else:  # hidden: the layer before's down, this rank's partial sums
-                hidden, residual = self.parallel.all_reduce_add_rms_norm(hidden, residual, layer.input_norm, eps)
+                hidden, residual = self.parallel.all_reduce_add_rms_norm(
+                    hidden, residual, layer.input_norm, eps, sent=down_sent
+                )
             if aux_out is not None:
                 self._capture(aux_out, index, residual)
             qkv = ops.linear(hidden, layer.qkv)
             self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
-            o = ops.linear(attn.view(num_tokens, -1), layer.o_proj)
-            hidden, residual = self.parallel.all_reduce_add_rms_norm(o, residual, layer.post_norm, eps)
+            o, o_sent = self.parallel.linear_to_all_reduce(attn.view(num_tokens, -1), layer.o_proj)
+            hidden, residual = self.parallel.all_reduce_add_rms_norm(o, residual, layer.post_norm, eps, sent=o_sent)
             act = ops.linear_silu_and_mul(hidden, layer.gate_up)
-            hidden = ops.linear(act, layer.down)
+            if index < last:
+                hidden, down_sent = self.parallel.linear_to_all_reduce(act, layer.down)
+            else:  # (the last layer's down goes to the plain all-reduce below)
+                hidden = ops.linear(act, layer.down)
         hidden = self.parallel.all_reduce(hidden)  # the last layer's down (the final norm takes only some rows)
         if aux_out is not None and len(w.layers) in self.aux_layers:
             self._capture(aux_out, len(w.layers), hidden + residual)

@@ -8,7 +8,8 @@ all-reduce takes the custom kernel (ops/custom_all_reduce.py) for messages it ac
 `all_reduce_add_rms_norm` is what a decoder layer does after its row-parallel o_proj and down: the all-reduce, then
 ops.fused_add_rms_norm. Its meaning is that composition, on every path; where the custom kernel takes the tensors,
 the step has at most FUSED_NORM_MAX_ROWS tokens and FASTQWEN_FUSED_ALLREDUCE_NORM is not 0 (env.py), one kernel does
-both.
+both. `linear_to_all_reduce` is the row-parallel projection before it: with FASTQWEN_GEMV_SENDS=1 a one-token GEMV
+stores its output straight into the ranks' receive buffers, and the all-reduce that follows only sums.
 
 The process groups are made directly from a store (not torch.distributed's global default group), so one process
 can run several engines one after the other (tests do) and an engine's groups die with it.
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from .. import env
 from .custom_all_reduce import CustomAllReduce, custom_all_reduce_supported
+from .linear import LinearWeight, gemv_kernel_applies, linear, linear_send
 from .norm import fused_add_rms_norm
 
 # The fused kernel up to this many rows (tokens of a step), the all-reduce then fused_add_rms_norm above: on two H200s
@@ -83,20 +85,43 @@ class ParallelGroup:
         self.device_group.allreduce([x]).wait()
         return x
 
+    def linear_to_all_reduce(self, x: torch.Tensor, w: LinearWeight) -> tuple[torch.Tensor, bool]:
+        """A row-parallel projection whose output all_reduce_add_rms_norm sums next: (ops.linear(x, w), False), or,
+        where the GEMV sends (FASTQWEN_GEMV_SENDS=1, the custom kernel fused with the norm, one token on the one-token
+        GEMV, an output that fits a receive slot), (ops.linear_send(...), True): the output went straight into the
+        ranks' receive buffers, and the call that follows must pass sent=True. Every rank decides alike (the same
+        shapes and environment)."""
+        custom = self.custom
+        if (
+            custom is not None
+            and custom.send_target is not None
+            and self.fused_norm
+            and x.dim() == 2
+            and x.shape[0] == 1
+            and gemv_kernel_applies(x, w)
+            and w.out_features <= custom.send_capacity
+        ):
+            return linear_send(x, w, custom.send_target, custom.send_capacity), True
+        return linear(x, w), False
+
     def all_reduce_add_rms_norm(
-        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, sent: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """In place: residual <- residual + (partial summed over the ranks); partial <- RMSNorm(residual) * weight.
         Returns (partial, residual): the normalized rows and the new residual stream. The same numbers as
         fused_add_rms_norm(all_reduce(partial), residual, weight, eps), which it is wherever the fused kernel does
-        not run (one rank, the CPU, NCCL's sizes, float32, or FASTQWEN_FUSED_ALLREDUCE_NORM off)."""
-        if (
+        not run (one rank, the CPU, NCCL's sizes, float32, or FASTQWEN_FUSED_ALLREDUCE_NORM off). sent: partial came
+        from linear_to_all_reduce's sending GEMV (its rows are in the receive buffers already)."""
+        fused = (
             self.fused_norm
             and self.custom is not None
             and partial.numel() <= FUSED_NORM_MAX_ROWS * partial.shape[-1]
             and self.custom.applies_with_norm(partial, residual, weight)
-        ):
-            return self.custom.all_reduce_add_rms_norm(partial, residual, weight, eps)
+        )
+        if sent and not fused:  # (linear_to_all_reduce sends only where the fused kernel takes its output)
+            raise ValueError("all_reduce_add_rms_norm: a sent message needs the fused kernel, which does not take it")
+        if fused:
+            return self.custom.all_reduce_add_rms_norm(partial, residual, weight, eps, sent=sent)
         return fused_add_rms_norm(self.all_reduce(partial), residual, weight, eps)
 
     def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

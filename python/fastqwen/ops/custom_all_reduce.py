@@ -12,7 +12,9 @@ make the same calls in the same order (the engine's ranks run the same steps).
 
 `all_reduce_add_rms_norm` is the same sum fused with what follows it in a decoder layer: the residual add and the
 RMSNorm of ops.fused_add_rms_norm, per row, in the same kernel (the rows' sums never leave it). Its numbers are those
-of `__call__` followed by fused_add_rms_norm; ParallelGroup.all_reduce_add_rms_norm decides when it runs.
+of `__call__` followed by fused_add_rms_norm; ParallelGroup.all_reduce_add_rms_norm decides when it runs. With
+FASTQWEN_GEMV_SENDS=1 the one-token GEMV before it may store its output into the receive buffers itself
+(`send_target`, ops.linear_send), and `all_reduce_add_rms_norm(..., sent=True)` then only waits and sums.
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ class CustomAllReduce:
         self._args.capacity_bytes = self.max_bytes
         self._args.lamport_bytes = self.lamport_bytes
         self._args.max_blocks = _BLOCKS
+        # Where a sending GEMV stores its output (made here, before any CUDA graph is captured); None: no GEMV sends.
+        self.send_target: int | None = None
+        self._send_target_memory = None
+        if self.lamport_bytes and env.gemv_sends() and not env.all_reduce_end_barrier():
+            self._send_target_memory = torch.empty(m.ALL_REDUCE_SEND_TARGET_BYTES, dtype=torch.uint8, device=device)
+            m.all_reduce_send_target(self._args, self._send_target_memory.data_ptr())
+            self.send_target = self._send_target_memory.data_ptr()
+
+    @property
+    def send_capacity(self) -> int:
+        """The 16-bit elements a sending GEMV's output may have (a receive slot)."""
+        return self.lamport_bytes // 2
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether the kernel takes this tensor (else the caller uses NCCL)."""
@@ -81,6 +95,7 @@ class CustomAllReduce:
         check_tensors("custom_all_reduce", self.device, None, x=x)
         args = self._args
         args.data, args.numel, args.dtype, args.stream = x.data_ptr(), x.numel(), dtype_code(x.dtype), stream_of(x)
+        args.sent = False
         native().custom_all_reduce(args)
         return x
 
@@ -105,10 +120,14 @@ class CustomAllReduce:
         )
 
     def all_reduce_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, sent: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """In place, in one kernel: residual <- residual + (x summed across the ranks), x <- RMSNorm(residual) *
-        weight (ops.fused_add_rms_norm's roundings). Returns (x, residual)."""
+        weight (ops.fused_add_rms_norm's roundings). Returns (x, residual). sent: every rank's message was stored
+        into the receive buffers by the GEMV that computed it (ops.linear_send to send_target), and x is only where
+        the normalized rows go."""
+        if sent and self.send_target is None:
+            raise ValueError("custom_all_reduce_add_rms_norm: sent=True, but no GEMV sends (FASTQWEN_GEMV_SENDS)")
         if not self.applies_with_norm(x, residual, weight):
             raise ValueError(
                 f"custom_all_reduce_add_rms_norm: does not take a {tuple(x.shape)} {x.dtype} tensor on {x.device} "
@@ -117,6 +136,7 @@ class CustomAllReduce:
         args = self._args
         args.data, args.numel, args.dtype, args.stream = x.data_ptr(), x.numel(), dtype_code(x.dtype), stream_of(x)
         args.residual, args.weight, args.hidden, args.eps = residual.data_ptr(), weight.data_ptr(), x.shape[-1], eps
+        args.sent = sent
         native().custom_all_reduce_add_rms_norm(args)
         return x, residual
 
@@ -131,3 +151,4 @@ class CustomAllReduce:
                 m.all_reduce_ipc_close(ptr)
             m.all_reduce_buffer_free(self._own)
         self._own, self._opened = None, []
+        self.send_target, self._send_target_memory = None, None

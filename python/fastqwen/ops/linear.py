@@ -335,8 +335,10 @@ def _gemv_norm(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     silu_gate_up: bool = False,
+    send: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """The one-token GEMV with a GemvEpilogue other than PLAIN (csrc/gemv.h, gemv_norm)."""
+    """The one-token GEMV with a GemvEpilogue other than PLAIN (csrc/gemv.h, gemv_norm). send: (target, capacity)
+    of the SEND epilogue."""
     if not _gemv_fits(x, w, 1):
         raise ValueError(
             f"linear (norm in the GEMV): the one-token GEMV does not apply to x {tuple(x.shape)} "
@@ -353,6 +355,8 @@ def _gemv_norm(
     args = _gemv_args(x, w, out, silu_gate_up)
     args.epilogue, args.eps = epilogue, eps
     args.norm_weight = 0 if norm_weight is None else norm_weight.data_ptr()
+    if send is not None:
+        args.send, args.send_capacity = send
     native().gemv_norm(args)
     return out
 
@@ -363,6 +367,16 @@ def linear_add_residual(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor
     projection (`linear(residual, w, norm=...)`). Under programmatic launch the kernel may read the residual before
     it waits for the kernel before it, which therefore must not write the residual."""
     return _gemv_norm(GemvEpilogue.ADD_RESIDUAL, x.contiguous(), w, residual)
+
+
+def linear_send(x: torch.Tensor, w: LinearWeight, target: int, capacity: int) -> torch.Tensor:
+    """One token, the projection before a tensor-parallel all-reduce (o_proj, down; the one-token GEMV, ValueError
+    where it does not run): y = x @ W^T, rounded as linear rounds it, is not written out but stored into this rank's
+    slot of every rank's receive buffer of the coming round (target: CustomAllReduce.send_target; capacity: its
+    send_capacity elements). Returns a new [1, out] tensor that holds nothing yet: where
+    CustomAllReduce.all_reduce_add_rms_norm(..., sent=True), which must come next, writes its normalized rows."""
+    out = torch.empty(1, w.out_features, dtype=x.dtype, device=x.device)
+    return _gemv_norm(GemvEpilogue.SEND, x.contiguous(), w, out, send=(target, capacity))
 
 
 def _norm_epilogue(norm: tuple[torch.Tensor | None, float]):
