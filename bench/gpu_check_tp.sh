@@ -251,7 +251,8 @@ for stage in $STAGES; do
       names=all_reduce_drops_the_last_rank,all_reduce_norm_adds_the_residual_twice,all_reduce_norm_drops_the_last_rank
       names+=,all_reduce_norm_composition_adds_the_residual_twice
       names+=,barrier_free_all_reduce_leaves_the_previous_buffer_full
-      names+=,sent_all_reduce_takes_its_own_row_from_data,sending_gemv_stores_into_the_last_rounds_buffer
+      names+=,sent_all_reduce_takes_its_own_row_from_data,one_barrier_all_reduce_copies_into_one_half
+      # (sending_gemv_stores_into_the_last_rounds_buffer hangs its test's ranks into their 240 s deadline: MUTANTS=)
       names+=${MUTANTS:+,$MUTANTS}
       timeout "${MUTANTS_TIMEOUT:-300}" python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
         --names "$names" --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || rc=1

@@ -1045,6 +1045,20 @@ MUTATIONS += [
         gpus=2,
     ),
     Mutation(
+        "one_barrier_all_reduce_copies_into_one_half",
+        "csrc/custom_all_reduce.cu",
+        [
+            (
+                "  return end_barrier ? 0 : static_cast<int64_t>(round & 1u) * half_vecs;",
+                "  return 0;",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_one_barrier_all_reduce_matches_the_sum_and_nccl[2]"],
+        "the one-barrier all-reduce copies every round into the same half, so a rank a round ahead overwrites what its "
+        "peer still sums (the test's calls with one rank late)",
+        gpus=2,
+    ),
+    Mutation(
         "sent_all_reduce_takes_its_own_row_from_data",
         "csrc/custom_all_reduce.cu",
         [
