@@ -32,7 +32,9 @@
 // 16-bit element of a vector is empty. The rules above hold with the GEMV as the round's sending half: it runs after
 // the rank's round before has ended (the kernels between wait for it), and its round's buffer was emptied then. A
 // rank's own slot needs no emptying: the all-reduce reads it only after its wait for the GEMV, which has then stored
-// the whole row there (whatever an earlier round left).
+// the whole row there (whatever an earlier round left). Everything else it may do before that wait (the GEMV touches
+// none of it): read the counters, empty the buffer before, and wait for the peers' rows, which then arrive while
+// this rank's GEMV still runs.
 //
 // The fused variant (one_shot_add_rms_norm_kernel) keeps the same barrier, halves and round counters; it gives each
 // block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
@@ -298,19 +300,41 @@ __global__ void __launch_bounds__(512)
   using P = Pack<T, 16 / sizeof(T)>;
   constexpr int kPer = 16 / sizeof(T);
   P w[VPT];  // the norm's weight (the weights may be read before the wait); its loads complete under the barrier
+  auto load_weight = [&] {
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int v = threadIdx.x + i * blockDim.x;
-    if (v < row_vecs) w[i] = reinterpret_cast<const P*>(weight)[v];
+    for (int i = 0; i < VPT; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v < row_vecs) w[i] = reinterpret_cast<const P*>(weight)[v];
+    }
+  };
+  if constexpr (!SENT) load_weight();  // (SENT: after its wait for the peers' rows, which holds fewer registers)
+  static_assert(LAMPORT || !SENT, "a sent message is in the receive buffers");
+  if constexpr (!SENT) {
+    griddep_wait();               // data (and the residual) come from the kernels before (see common.cuh)
+    griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   }
-  griddep_wait();               // data (and the residual) come from the kernels before (see common.cuh)
-  griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
+  // (SENT reads these before its wait: the kernel before is the sending GEMV, which touches neither; the all-reduce
+  // that last set the counters and read the previous buffer came before it, so has ended: common.cuh)
   Signal* self = peers.signal[rank];
   const uint32_t round = self->round[blockIdx.x] + 1;
   const int b = next_third(self);
   empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
   const int64_t half = half_offset(round, half_vecs, end_barrier);
-  static_assert(LAMPORT || !SENT, "a sent message is in the receive buffers");
+  if constexpr (SENT) {
+    // The peers' rows arrive while this rank's GEMV may still run: wait for them before the wait for the GEMV (which
+    // stores this rank's row), so that little is left after it. (Their loads below then find them.)
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+      for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) {
+#pragma unroll
+        for (int p = 0; p < WORLD; ++p) {
+          if (p != rank) received_elements(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + row * row_vecs + v);
+        }
+      }
+    }
+    load_weight();
+    griddep_wait();               // this rank's row, from the GEMV before; the residual (see common.cuh)
+    griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
+  }
   if constexpr (LAMPORT && !SENT) {  // (no barrier: see the top of the file)
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
       for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) {

@@ -34,9 +34,10 @@ class Shared:
         self.received = [[0] * 3 for _ in range(world)]
 
 
-def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total: list, rules):
+def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total: list, rules, gemv_done=None):
     """Block b of rank r's kernel for one call: yields before each shared-memory step, "wait" while a flag or a slot
-    it needs is not there yet."""
+    it needs is not there yet. kind "sent": gemv_done() says whether every block of the rank's sending GEMV has ended
+    (the kernel's wait), which only the read of the rank's own slot waits for."""
     world, n = s.world, len(inputs[r])
     mine = range(b, n, grid)  # this block's elements
     k = s.round[r][b] + 1
@@ -55,6 +56,13 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
                     if p != r:
                         yield
                         s.receive[p][third][r][i] = inputs[r][i]
+        if kind == "sent":  # the peers' rows while the GEMV may still run, then the wait for it
+            for i in mine:
+                for p in range(world):
+                    while p != r and s.receive[r][third][p][i] is EMPTY:
+                        yield "wait"
+            while rules["own_after_gemv"] and not gemv_done():
+                yield "wait"
         for i in mine:
             acc = 0
             for p in range(world):
@@ -116,16 +124,13 @@ def rank_program(s: Shared, r: int, calls, results, rules, rng: random.Random):
     of a call interleaved at random."""
     for kind, grid, inputs in calls:
         total = [None] * len(inputs[r])
-        if kind == "sent":  # the GEMV first (the all-reduce waits for it before anything)
+        blocks = []
+        if kind == "sent":  # the GEMV's blocks, and beside them the all-reduce's (which starts early: PDL)
             gemv_grid = rng.randint(1, 4)
             blocks = [sending_gemv(s, r, b, gemv_grid, inputs, rules) for b in range(gemv_grid)]
-            while blocks:
-                block = rng.choice(blocks)
-                try:
-                    yield next(block)
-                except StopIteration:
-                    blocks.remove(block)
-        blocks = [block_program(s, r, b, grid, kind, inputs, total, rules) for b in range(grid)]
+        gemv = list(blocks)
+        done = lambda gemv=gemv, blocks=blocks: not any(g in blocks for g in gemv)  # noqa: E731
+        blocks += [block_program(s, r, b, grid, kind, inputs, total, rules, done) for b in range(grid)]
         while blocks:
             block = rng.choice(blocks)
             try:
@@ -166,7 +171,15 @@ def play(seed: int, rules: dict, world: int = 2, calls: int = 12) -> None:
             assert results[r][c] == want, f"seed {seed}: rank {r}, call {c} ({kind}, grid {grid}): {results[r][c]}"
 
 
-KEPT = {"halves": True, "empty": True, "equal_flags": False, "absent_counters": True, "grids": True, "send_next": True}
+KEPT = {
+    "halves": True,
+    "empty": True,
+    "equal_flags": False,
+    "absent_counters": True,
+    "grids": True,
+    "send_next": True,
+    "own_after_gemv": True,
+}
 
 
 # The kinds of call one engine mixes: barrier-free (small messages, the default) and one barrier, with sending GEMVs
@@ -194,6 +207,7 @@ def test_every_interleaving_sums_exactly(world, kinds):
         ({}, ["one_barrier", "two_barriers"]),  # the end barrier switched between calls (custom_all_reduce.h)
         ({"send_next": False}, ["sent", "lamport"]),  # the GEMV sends into the last call's buffer
         ({"empty": False}, ["sent"]),  # nothing emptied: a sent call sums a peer's row of three calls before
+        ({"own_after_gemv": False}, ["sent"]),  # its own row read before its GEMV ended: one of three calls before
     ],
 )
 def test_each_broken_rule_is_caught(broken, kinds):
