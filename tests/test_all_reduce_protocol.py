@@ -185,7 +185,7 @@ KEPT = {
 # The kinds of call one engine mixes: barrier-free (small messages, the default) and one barrier, with sending GEMVs
 # (FASTQWEN_GEMV_SENDS=1) before some barrier-free ones, or two barriers alone (FASTQWEN_ALLREDUCE_END_BARRIER=1 turns
 # the barrier-free kernels off).
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize(
     "kinds",
     [["one_barrier"], ["lamport"], ["one_barrier", "lamport"], ["sent", "lamport", "one_barrier"], ["two_barriers"]],
