@@ -4,7 +4,8 @@
 # Stages (default: tests allreduce latency fp8 throughput; each fits in one 10-minute device call):
 #   tests       build, pytest the tensor-parallel tests (GPU and CPU)                  -> build.log, tests.log
 #   allreduce   bench/tp_bench.py: custom all-reduce vs NCCL at decode sizes, and the all-reduce + fused_add_rms_norm
-#               against the all-reduce fused with the norm, hidden 4096 and 5120 in one run; then one rank's GEMVs at
+#               against the all-reduce fused with the norm, hidden 4096 and 5120 in one run, and at one token each
+#               row-parallel GEMV with the fused kernel after it, unsent and sending its rows; then one rank's GEMVs at
 #               the TP=2 shard shapes of Qwen3-8B and Qwen3-32B (bench/bench_gemv.py --tp 2; at one token also
 #               with blocks of 4, 5 and 6 weight rows forced)
 #   latency     batch-1 TPOT with its limit (rank 0's weight bytes over the copy bandwidth of the same run), random

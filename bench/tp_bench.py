@@ -6,6 +6,11 @@ fused_add_rms_norm kernel (what the engine runs for steps of more than 32 tokens
 the residual add and RMSNorm (custom_all_reduce_add_rms_norm, the engine's choice up to 32 tokens unless
 FASTQWEN_FUSED_ALLREDUCE_NORM=0; timed here whatever it says), and the norm kernel alone for reference. Rows: batch 1..256, hidden 4096 (Qwen3-8B) and 5120 (Qwen3-32B).
 
+Then, at one token, a row-parallel projection (o_proj and down at the shard shapes of Qwen3-8B / Qwen3-32B, bf16 and
+FP8 weights) with the all-reduce + norm after it, as a decoder layer runs them: the GEMV writing its output then the
+fused kernel sending it (gemv_then_fused), the GEMV storing its rows into the receive buffers itself and the fused
+kernel only summing (gemv_sends: FASTQWEN_GEMV_SENDS's path, timed here whatever it says), and the GEMV alone.
+
 The engine-level figures of the tensor-parallel bars come from the existing benchmarks, which take --tp:
     python bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 --prompt-lens 128   # TPOT and its limit
     python bench/throughput.py --model Qwen3-32B --load-format dummy --tp 2 --workload fixed \\
@@ -66,6 +71,7 @@ def _rank(rank: int, world: int, port: int, hiddens: list[int], results) -> None
     from fastqwen.ops.collectives import ParallelGroup
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["FASTQWEN_GEMV_SENDS"] = "1"  # (the send target, for the pairs below; the model is not used here)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=120))
@@ -95,10 +101,55 @@ def _rank(rank: int, world: int, port: int, hiddens: list[int], results) -> None
             if "fused_norm_us" in row:
                 row["separate_over_fused"] = round(row["custom_then_norm_us"] / row["fused_norm_us"], 2)
             rows.append(row)
+    pairs = _projection_pairs(group, device, world, hiddens)
     group.barrier()
     if rank == 0:
-        results.put(rows)
+        results.put((rows, pairs))
     group.close()
+
+
+# hidden -> the preset whose row-parallel projections the pairs take (their inputs split over the ranks)
+PRESETS = {4096: "Qwen3-8B", 5120: "Qwen3-32B"}
+
+
+def _projection_pairs(group, device, world: int, hiddens: list[int]) -> list[dict]:
+    """One token: each row-parallel projection's GEMV with the fused all-reduce + norm after it, unsent and sent."""
+    from fastqwen.config import ModelConfig
+    from fastqwen.ops.linear import LinearWeight, gemv, quantize_fp8
+
+    custom = group.custom
+    rows = []
+    for hidden in hiddens:
+        if hidden not in PRESETS or custom is None or custom.send_target is None:
+            continue
+        cfg = ModelConfig.from_preset(PRESETS[hidden])
+        weight = (torch.rand(hidden, device=device) + 0.5).to(torch.bfloat16)
+        residual = torch.randn(1, hidden, device=device).to(torch.bfloat16)
+        for name, k in (("o_proj", cfg.q_size // world), ("down", cfg.intermediate_size // world)):
+            dense = torch.randn(hidden, k, device=device) * 0.02
+            x = torch.randn(1, k, device=device).to(torch.bfloat16)
+            out = torch.empty(1, hidden, device=device, dtype=torch.bfloat16)
+            for fp8 in (False, True):
+                w = LinearWeight(*quantize_fp8(dense)) if fp8 else LinearWeight(dense.to(torch.bfloat16))
+
+                def sends(w=w):
+                    sent_out, sent = group.linear_to_all_reduce(x, w)
+                    assert sent, "the GEMV did not send"
+                    group.all_reduce_add_rms_norm(sent_out, residual, weight, EPS, sent=True)
+
+                paths = {
+                    "gemv_alone": lambda w=w: gemv(x, w, out),
+                    "gemv_then_fused": lambda w=w: custom.all_reduce_add_rms_norm(
+                        gemv(x, w, out), residual, weight, EPS
+                    ),
+                    "gemv_sends": sends,
+                }
+                row = {"preset": PRESETS[hidden], "projection": name, "shape": [hidden, k], "fp8": fp8}
+                for path, call in paths.items():
+                    row[f"{path}_us"] = _time_in_graph(group, call)
+                row["unsent_over_sent"] = round(row["gemv_then_fused_us"] / row["gemv_sends_us"], 3)
+                rows.append(row)
+    return rows
 
 
 def _table(rows: list[dict]) -> str:
@@ -129,7 +180,7 @@ def main() -> int:
     ]
     for proc in procs:
         proc.start()
-    rows = results.get(timeout=600)
+    rows, pairs = results.get(timeout=600)
     for proc in procs:
         proc.join(60)
     out = {
@@ -139,8 +190,11 @@ def main() -> int:
         "dtype": "bfloat16",
         "calls_per_graph": CALLS_PER_GRAPH,
         "rows": rows,
+        "projection_pairs": pairs,
     }
     print(_table(rows))
+    for pair in pairs:
+        print(pair)
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
