@@ -20,7 +20,7 @@
 #               (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1"; ARV_TP1_FIVE=" " none); the default and
 #               sends run with --decode-profile (rank 0's kernel families per decode step)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
-#   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B at TP=1 and TP=2, then Qwen3-8B at TP=2
+#   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B and Qwen3-8B at TP=1 and TP=2 (THROUGHPUT_SPECS)
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
 #               norm), and any named in MUTANTS=a,b        -> mutations.log, mutations_run.log
 #   tp4         on four GPUs (nvidia-h100-x4): the TP GPU tests at world 4, the all-reduce at 4 ranks, random
@@ -217,8 +217,9 @@ for stage in $STAGES; do
       FASTQWEN_FUSED_ALLREDUCE_NORM=${FUSED:-1} run latency_32B_tp2_fp8 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 2 \
         --quantization fp8 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp2_fp8.json" ;;
     throughput)
-      for spec in "32B 1" "32B 2" "8B 2"; do
-        set -- $spec
+      # THROUGHPUT_SPECS: model:TP runs (the default all four: TP=1 beside TP=2 for both models, issue 46's bars)
+      for spec in ${THROUGHPUT_SPECS:-32B:1 32B:2 8B:1 8B:2}; do
+        set -- ${spec//:/ }
         run "throughput_$1_tp$2_128x1024" 400 python3 bench/throughput.py --model "Qwen3-$1" --load-format dummy \
           --tp "$2" --workload fixed --num-prompts 256 --input-len 128 --output-len 1024 \
           --json "$OUT/throughput_$1_tp$2_128x1024.json"
