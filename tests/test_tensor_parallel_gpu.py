@@ -68,12 +68,13 @@ def _progress(rank: int, what: str) -> None:
             f.write(what)
 
 
-def _worker(rank: int, world: int, port: int, dtype_names: tuple[str, ...], failures) -> None:
-    """Every dtype in one set of rank processes (starting the ranks and their groups costs more than the checks)."""
+def _worker(rank: int, world: int, port: int, dtype_names: tuple[str, ...], failures, check) -> None:
+    """check(group, device, rank, world, dtype_name) for every dtype in one set of rank processes (starting the ranks
+    and their groups costs more than the checks)."""
     try:
         group, device = _connect(rank, world, port)
         for dtype_name in dtype_names:
-            _check_all_reduce(group, device, rank, world, dtype_name)
+            check(group, device, rank, world, dtype_name)
     except BaseException:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
         raise
@@ -164,16 +165,6 @@ def _norm_inputs(world: int, rows: int, hidden: int, dtype, seed: int):
     return partials, residual, weight
 
 
-def _fused_worker(rank: int, world: int, port: int, dtype_names: tuple[str, ...], failures) -> None:
-    try:
-        group, device = _connect(rank, world, port)
-        for dtype_name in dtype_names:
-            _check_fused(group, device, rank, world, dtype_name)
-    except BaseException:
-        failures.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-
-
 def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
     from fastqwen import ops
 
@@ -246,16 +237,6 @@ def _check_fused(group, device, rank: int, world: int, dtype_name: str) -> None:
         expected = sum(float(r + replay) for r in range(world))
         assert torch.all(plain.float().cpu() == expected), f"replay {replay}: the plain all-reduce between"
     group.barrier()
-
-
-def _send_worker(rank: int, world: int, port: int, dtype_names: tuple[str, ...], failures) -> None:
-    try:
-        group, device = _connect(rank, world, port)
-        for dtype_name in dtype_names:
-            _check_sent(group, device, rank, world, dtype_name)
-    except BaseException:
-        failures.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
 
 
 # The sending GEMV's cases: (outputs, inputs, FP8 weights). Qwen3-32B's o_proj shard at TP=2 (5,120 rows: blocks of 5
@@ -349,7 +330,9 @@ def _check_sent(group, device, rank: int, world: int, dtype_name: str) -> None:
     group.barrier()
 
 
-def _run_ranks(world: int, dtype_names: tuple[str, ...], target=_worker, environment: dict | None = None) -> None:
+def _run_ranks(
+    world: int, dtype_names: tuple[str, ...], check=_check_all_reduce, environment: dict | None = None
+) -> None:
     """The ranks in processes of their own, on a port nobody holds (a fixed one could meet the store of an earlier
     test's rank still shutting down, and wait). One deadline for all; once a rank has failed, the others get a few
     seconds (they may be waiting in a collective for it) and are killed, so a failure is reported, not a hang."""
@@ -357,7 +340,7 @@ def _run_ranks(world: int, dtype_names: tuple[str, ...], target=_worker, environ
     failures = ctx.Queue()
     port = free_port()
     progress = tempfile.mkdtemp(prefix="tp-progress-")
-    procs = [ctx.Process(target=target, args=(r, world, port, dtype_names, failures)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, dtype_names, failures, check)) for r in range(world)]
     environment = {"FASTQWEN_TP_TEST_PROGRESS": progress, **(environment or {})}
     saved = {name: os.environ.get(name) for name in environment}
     os.environ.update(environment)  # (the spawned ranks inherit it)
@@ -409,7 +392,7 @@ def test_fused_all_reduce_norm_matches_float64(world):
     """bf16 and fp16 in turn (a failure names its dtype)."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    _run_ranks(world, ("bfloat16", "float16"), _fused_worker)
+    _run_ranks(world, ("bfloat16", "float16"), _check_fused)
 
 
 # By default the barrier-free kernels take the messages of up to LAMPORT_MAX_BYTES of the two tests above, the larger
@@ -429,7 +412,7 @@ def test_one_barrier_all_reduce_matches_the_sum_and_nccl(world):
 def test_one_barrier_fused_all_reduce_norm_matches_float64(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    _run_ranks(world, ("bfloat16", "float16"), _fused_worker, environment=ONE_BARRIER)
+    _run_ranks(world, ("bfloat16", "float16"), _check_fused, environment=ONE_BARRIER)
 
 
 # A one-token GEMV sends its output into the receive buffers itself (FASTQWEN_GEMV_SENDS=1, off by default).
@@ -440,7 +423,7 @@ SENDS = {"FASTQWEN_GEMV_SENDS": "1"}
 def test_sending_gemv_feeds_the_fused_all_reduce(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    _run_ranks(world, ("bfloat16", "float16"), _send_worker, environment=SENDS)
+    _run_ranks(world, ("bfloat16", "float16"), _check_sent, environment=SENDS)
 
 
 # TP rounds each rank's partial o_proj / down sums to bf16 before adding them: a few bf16 steps per layer. Stated
