@@ -213,6 +213,28 @@ __device__ __forceinline__ void record_sent(Signal* self, int b, int64_t slot_ve
   if (slot_vecs != 0 && blockIdx.x == 0 && threadIdx.x == 0) self->received[b] = static_cast<uint32_t>(sent_vecs);
 }
 
+// A round as every kernel opens and closes it, of either kind: its number and receive buffer from the block's
+// counters, the buffer the round before filled emptied (begin_round); then what it stored recorded and every block's
+// counters set (finish_round).
+struct Round {
+  Signal* self;
+  uint32_t number;
+  int buffer;
+};
+
+template <int WORLD>
+__device__ __forceinline__ Round begin_round(const Peers& peers, int rank, int64_t slot_vecs) {
+  Signal* self = peers.signal[rank];
+  const Round round{self, self->round[blockIdx.x] + 1, next_third(self)};
+  empty_previous_buffer<WORLD>(peers, rank, round.buffer, slot_vecs);
+  return round;
+}
+
+__device__ __forceinline__ void finish_round(const Round& round, int64_t slot_vecs, int64_t sent_vecs) {
+  record_sent(round.self, round.buffer, slot_vecs, sent_vecs);
+  end_round(round.self, round.number, round.buffer);
+}
+
 // The sum of every rank's 16-byte vector in rank order (fp32, one rounding to T); vector_of(p) is rank p's. Every rank
 // adds the same vectors in the same order, so all of them get bitwise the same result, whichever kernel sums.
 template <typename T, int WORLD, typename VectorOf>
@@ -240,10 +262,8 @@ template <typename T, int WORLD>
 __global__ void __launch_bounds__(512) lamport_kernel(Peers peers, int rank, uint4* data, int64_t nvec, int64_t slot_vecs) {
   griddep_wait();               // data comes from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
-  Signal* self = peers.signal[rank];
-  const uint32_t round = self->round[blockIdx.x] + 1;
-  const int b = next_third(self);
-  empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
+  const Round round = begin_round<WORLD>(peers, rank, slot_vecs);
+  const int b = round.buffer;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = first; i < nvec; i += stride) {
@@ -259,8 +279,7 @@ __global__ void __launch_bounds__(512) lamport_kernel(Peers peers, int rank, uin
                        : received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + i);
     });
   }
-  record_sent(self, b, slot_vecs, nvec);
-  end_round(self, round, b);
+  finish_round(round, slot_vecs, nvec);
 }
 
 template <typename T, int WORLD>
@@ -269,22 +288,19 @@ __global__ void __launch_bounds__(512)
                     int64_t slot_vecs) {
   griddep_wait();               // data comes from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
-  Signal* self = peers.signal[rank];
-  const uint32_t round = self->round[blockIdx.x] + 1;
-  const int b = next_third(self);
-  empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
-  const int64_t half = half_offset(round, half_vecs, end_barrier);
+  const Round round = begin_round<WORLD>(peers, rank, slot_vecs);
+  const int b = round.buffer;
+  const int64_t half = half_offset(round.number, half_vecs, end_barrier);
   uint4* mine = const_cast<uint4*>(peers.data[rank]) + half;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = first; i < nvec; i += stride) mine[i] = data[i];
-  barrier<WORLD>(peers, rank, false, round);
+  barrier<WORLD>(peers, rank, false, round.number);
   for (int64_t i = first; i < nvec; i += stride) {
     data[i] = sum_in_rank_order<T, WORLD>([&](int p) { return peers.data[p][half + i]; });
   }
-  if (end_barrier) barrier<WORLD>(peers, rank, true, round);
-  record_sent(self, b, slot_vecs, 0);
-  end_round(self, round, b);
+  if (end_barrier) barrier<WORLD>(peers, rank, true, round.number);
+  finish_round(round, slot_vecs, 0);
 }
 
 // One block per row at a time (rows b, b + grid, ...), the row's 16-byte packs spread over the threads, VPT packs a
@@ -315,11 +331,9 @@ __global__ void __launch_bounds__(512)
   }
   // (SENT reads these before its wait: the kernel before is the sending GEMV, which touches neither; the all-reduce
   // that last set the counters and read the previous buffer came before it, so has ended: common.cuh)
-  Signal* self = peers.signal[rank];
-  const uint32_t round = self->round[blockIdx.x] + 1;
-  const int b = next_third(self);
-  empty_previous_buffer<WORLD>(peers, rank, b, slot_vecs);
-  const int64_t half = half_offset(round, half_vecs, end_barrier);
+  const Round round = begin_round<WORLD>(peers, rank, slot_vecs);
+  const int b = round.buffer;
+  const int64_t half = half_offset(round.number, half_vecs, end_barrier);
   if constexpr (SENT) {
     // The peers' rows arrive while this rank's GEMV may still run: wait for them before the wait for the GEMV (which
     // stores this rank's row), so that little is left after it. (Their loads below then find them.)
@@ -350,7 +364,7 @@ __global__ void __launch_bounds__(512)
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
       for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) mine[row * row_vecs + v] = data[row * row_vecs + v];
     }
-    barrier<WORLD>(peers, rank, false, round);
+    barrier<WORLD>(peers, rank, false, round.number);
   }
   // Rank p's 16-byte vector at index idx of the message: as sent to the receive buffers, or from p's data half.
   auto peer_vector = [&](int p, int64_t idx) -> uint4 {
@@ -416,9 +430,8 @@ __global__ void __launch_bounds__(512)
       }
     }
   }
-  if (end_barrier && !LAMPORT) barrier<WORLD>(peers, rank, true, round);
-  record_sent(self, b, slot_vecs, LAMPORT ? rows * row_vecs : 0);
-  end_round(self, round, b);
+  if (end_barrier && !LAMPORT) barrier<WORLD>(peers, rank, true, round.number);
+  finish_round(round, slot_vecs, LAMPORT ? rows * row_vecs : 0);
 }
 
 bool g_end_barrier = false;  // set_all_reduce_end_barrier()
