@@ -137,6 +137,28 @@ def family_times(events) -> dict[str, dict]:
     return dict(sorted(families.items(), key=lambda item: -item[1]["ms"]))
 
 
+def idle_gaps(events, least_us: float = 20.0) -> dict:
+    """Where the GPU ran no kernel between the first kernel's start and the last one's end, from profiler CUDA events
+    (.time_range.start / .end in us): the idle milliseconds in all, and the gaps of least_us or more (count, sum,
+    the five longest with how far into the span each began)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    if not spans:
+        return {"span_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0, "longest": []}
+    gaps, reach = [], spans[0][1]
+    for start, end in spans[1:]:
+        if start > reach:
+            gaps.append((start - reach, reach - spans[0][0]))
+        reach = max(reach, end)
+    long_gaps = sorted((g for g in gaps if g[0] >= least_us), reverse=True)
+    return {
+        "span_ms": round((reach - spans[0][0]) / 1e3, 3),
+        "idle_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
+        "gaps": len(long_gaps),
+        "gaps_ms": round(sum(g[0] for g in long_gaps) / 1e3, 3),
+        "longest": [{"us": round(g, 1), "at_ms": round(at / 1e3, 3)} for g, at in long_gaps[:5]],
+    }
+
+
 def per_decode_step(whole: dict[str, dict], prefill_only: dict[str, dict], steps: int) -> dict[str, dict]:
     """Each family's GPU microseconds and kernels per decode step (family_times of a request that decoded `steps`
     tokens after its first, less those of a request of the same prompt length that stopped at its first token: what
@@ -156,8 +178,10 @@ def attention_by_chunk(events, prompt: int, chunk: int, heads: int, head_dim: in
     milliseconds and TFLOP/s. events: profiler CUDA events (.name, .device_time in us, .time_range.start), in any
     order; a chunk's layers launch one attention kernel each, one chunk after the other, so the attention events in
     launch order split into equal groups. Chunk i holds c new queries on p cached keys: 4 * heads * head_dim * (c * p +
-    c * (c + 1) / 2) FLOPs a layer."""
-    calls = sorted((e for e in events if kernel_family(e.name) == "attention"), key=lambda e: e.time_range.start)
+    c * (c + 1) / 2) FLOPs a layer. Only the prefill kernels count: the last layer attends for the sampling rows
+    alone, with the decode kernel, or not at all (model/qwen3.py), so a chunk has a prefill kernel per layer but that
+    one."""
+    calls = sorted((e for e in events if "prefill" in e.name), key=lambda e: e.time_range.start)
     n_chunks = -(-prompt // chunk)
     if not calls or len(calls) % n_chunks:
         return []

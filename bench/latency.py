@@ -19,7 +19,15 @@ import sys
 import time
 
 import torch
-from common import attention_by_chunk, copy_bandwidth, family_times, hf_model_like, per_decode_step, report
+from common import (
+    attention_by_chunk,
+    copy_bandwidth,
+    family_times,
+    hf_model_like,
+    idle_gaps,
+    per_decode_step,
+    report,
+)
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
 from serving import chunk_tokens, request_metrics
@@ -233,6 +241,7 @@ def ttft_profile(llm: LLM, n: int, rng: random.Random) -> dict:
     chunk = llm.engine.scheduler.max_num_batched_tokens
     config = llm.engine.config
     by_chunk = attention_by_chunk(events, n, chunk, config.num_heads, config.head_dim)
+    idle = idle_gaps(events)
     row = {
         "prompt_tokens": n,
         "chunk_tokens": chunk,
@@ -240,6 +249,7 @@ def ttft_profile(llm: LLM, n: int, rng: random.Random) -> dict:
         "kernels_ms": busy,
         "families": {k: {"ms": round(v["ms"], 3), "kernels": v["kernels"]} for k, v in families.items()},
         "attention_by_chunk": by_chunk,
+        "idle": idle,
     }
     shares = ", ".join(f"{k} {v['ms']:.1f}" for k, v in families.items())
     print(
@@ -247,6 +257,10 @@ def ttft_profile(llm: LLM, n: int, rng: random.Random) -> dict:
     )
     for c in by_chunk:
         print(f"  attention, {c['new']} new on {c['prefix']} cached: {c['ms']:.1f} ms, {c['tflops']:.0f} TFLOP/s")
+    print(
+        f"  kernels span {idle['span_ms']:.1f} ms, the GPU idle {idle['idle_ms']:.1f} ms of it ({idle['gaps']} gaps of "
+        f"20 us or more: {idle['gaps_ms']:.1f} ms; longest {idle['longest']})"
+    )
     return row
 
 

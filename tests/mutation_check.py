@@ -1100,6 +1100,32 @@ MUTATIONS += [
         "(the other ranks' shards left out)",
     ),
     Mutation(
+        "last_layer_row_attends_one_key_short",
+        "python/fastqwen/model/qwen3.py",
+        [("kv_lens = (batch.positions[rows] + 1)", "kv_lens = (batch.positions[rows] + 0)")],
+        ["tests/test_last_layer_rows.py::test_a_chunked_prompt_runs_the_last_layer_for_its_sampling_row_only"],
+        "the last layer's sampling rows attend to their sequence's cache without their own key",
+    ),
+    Mutation(
+        "last_layer_row_takes_the_sequence_before",
+        "python/fastqwen/model/qwen3.py",
+        [("rows, right=True)", "rows, right=False)")],
+        ["tests/test_last_layer_rows.py::test_rows_of_a_mixed_batch_find_their_sequences"],
+        "a sampling row that is its sequence's first in the batch (a decode row) attends to the sequence before's pages",
+    ),
+    Mutation(
+        "last_layer_runs_every_row",
+        "python/fastqwen/model/qwen3.py",
+        [
+            (
+                "        if rows.shape[0] >= num_tokens:\n            return False",
+                "        if True:\n            return False",
+            )
+        ],
+        ["tests/test_last_layer_rows.py::test_a_chunked_prompt_runs_the_last_layer_for_its_sampling_row_only"],
+        "the last layer computes attention, o_proj and the MLP for prefill rows whose output nothing reads",
+    ),
+    Mutation(
         "all_reduce_norm_composition_adds_the_residual_twice",
         "python/fastqwen/ops/collectives.py",
         [

@@ -313,3 +313,23 @@ def test_attention_by_chunk_splits_the_calls_in_launch_order():
     assert [r["tflops"] for r in rows] == [round(2 * 64 * p / (ms * 1e9), 1) for p, ms in [(10, 0.02), (26, 0.04),
                                                                                           (19, 0.06)]]  # fmt: skip
     assert attention_by_chunk(events[:3], 10, 4, heads=2, head_dim=8) == []  # (calls not a whole number of chunks)
+    # the last layer's decode kernel (its sampling row alone) is not a chunk's prefill
+    assert attention_by_chunk(events + [event("decode_kernel<...>", 7, 5.0)], 10, 4, heads=2, head_dim=8) == rows
+
+
+def test_idle_gaps_merge_overlapping_kernels():
+    """bench/common.py idle_gaps: kernels at [0, 10], [5, 20] (overlapping), [50, 60], [61, 100] us: idle 30 + 1 us,
+    one gap of 20 us or more, 30 us long, starting 20 us into the span."""
+    from types import SimpleNamespace
+
+    from common import idle_gaps
+
+    events = [SimpleNamespace(time_range=SimpleNamespace(start=a, end=b)) for a, b in [(50, 60), (0, 10), (61, 100), (5, 20)]]  # fmt: skip
+    gaps = idle_gaps(events)
+    assert gaps == {
+        "span_ms": 0.1,
+        "idle_ms": 0.031,
+        "gaps": 1,
+        "gaps_ms": 0.03,
+        "longest": [{"us": 30, "at_ms": 0.02}],
+    }

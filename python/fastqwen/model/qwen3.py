@@ -75,6 +75,9 @@ class Qwen3Model:
             ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
         down_sent = False  # whether the layer before's down GEMV sent its rows (ParallelGroup.linear_to_all_reduce)
         last = len(w.layers) - 1
+        # Only the rows that sample (and the extra rows) reach the final norm and the LM head.
+        rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
+        trimmed = self._last_layer_takes_only(rows, num_tokens, aux_out)
         for index, layer in enumerate(w.layers):
             if index == 0:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
@@ -85,8 +88,16 @@ class Qwen3Model:
             if aux_out is not None:
                 self._capture(aux_out, index, residual)
             qkv = ops.linear(hidden, layer.qkv)
-            self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
-            o, o_sent = self.parallel.linear_to_all_reduce(attn.view(num_tokens, -1), layer.o_proj)
+            if index == last and trimmed:
+                # The last layer's K/V of every row go to the cache; the rest of it only for the rows that sample.
+                if rows.shape[0] == 0:  # (only unfinished prefill chunks: nothing more to compute)
+                    self._store_kv(index, layer, batch, kv, qkv, q)
+                    return self._no_logits(extra_rows is not None)
+                attn = self._attention_of_rows(index, layer, batch, kv, qkv, q, attn, rows)
+                residual = residual[rows]
+            else:
+                self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
+            o, o_sent = self.parallel.linear_to_all_reduce(attn.view(attn.shape[0], -1), layer.o_proj)
             hidden, residual = self.parallel.all_reduce_add_rms_norm(o, residual, layer.post_norm, eps, sent=o_sent)
             act = ops.linear_silu_and_mul(hidden, layer.gate_up)
             if index < last:
@@ -96,10 +107,9 @@ class Qwen3Model:
         hidden = self.parallel.all_reduce(hidden)  # the last layer's down (the final norm takes only some rows)
         if aux_out is not None and len(w.layers) in self.aux_layers:
             self._capture(aux_out, len(w.layers), hidden + residual)
-        # Only the rows that sample reach the final norm and the LM head.
-        rows = batch.logits_indices if extra_rows is None else torch.cat([batch.logits_indices, extra_rows])
-        hidden = hidden[rows]
-        residual = residual[rows]
+        if not trimmed:
+            hidden = hidden[rows]
+            residual = residual[rows]
         ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
         if extra_rows is not None:
             num_samples = batch.logits_indices.shape[0]
@@ -109,6 +119,23 @@ class Qwen3Model:
             return logits.float()
         return logits_out.copy_(logits)
 
+    def _last_layer_takes_only(self, rows: torch.Tensor, num_tokens: int, aux_out: torch.Tensor | None) -> bool:
+        """Whether the last layer computes its attention, o_proj and MLP for `rows` only: no other row's output is
+        read (in a prefill chunk, only the last token of a finishing prompt samples), unless EAGLE-3 wants every row's
+        stream after the last layer, or the rows are more than the decode workspace holds (each row is attended to
+        as a decode query of its own). A decode step's rows are all its tokens: it never trims, CUDA graphs alike."""
+        if rows.shape[0] >= num_tokens:
+            return False
+        if aux_out is not None and len(self.weights.layers) in self.aux_layers:
+            return False
+        return self.decode_workspace is None or rows.shape[0] <= self.decode_workspace.max_batch
+
+    def _no_logits(self, with_hidden: bool):
+        logits = torch.empty(0, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        if with_hidden:
+            return logits, torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        return logits
+
     def _capture(self, aux_out: torch.Tensor, index: int, stream: torch.Tensor) -> None:
         width = stream.shape[1]
         for slot, layer in enumerate(self.aux_layers):
@@ -117,6 +144,45 @@ class Qwen3Model:
 
     def _attention(self, index, layer, batch, kv, qkv, q, attn, decode_kernel: bool) -> None:
         """Layer index's q/k-norm + RoPE + KV write, then attention into attn."""
+        self._store_kv(index, layer, batch, kv, qkv, q)
+        k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]
+        ops.paged_attention(
+            q,
+            kv.k(index),
+            kv.v(index),
+            batch,
+            self.scale,
+            attn,
+            self.decode_workspace,
+            planned=decode_kernel,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+    def _attention_of_rows(self, index, layer, batch, kv, qkv, q, attn, rows: torch.Tensor) -> torch.Tensor:
+        """Layer index's q/k-norm + RoPE + KV write for every row, then the attention of `rows` only, into the first
+        rows of attn (returned): each as one decode query over its sequence's cache up to its own position (the KV
+        of this step's rows before it is in the cache by then)."""
+        self._store_kv(index, layer, batch, kv, qkv, q)
+        sequence = torch.searchsorted(batch.query_start[1:].long(), rows, right=True)  # the sequence of each row
+        kv_lens = (batch.positions[rows] + 1).to(torch.int32)
+        out = attn[: rows.shape[0]]
+        ops.paged_attention_decode(
+            q[rows],
+            kv.k(index),
+            kv.v(index),
+            batch.page_table[sequence],
+            kv_lens,
+            self.scale,
+            out,
+            self.decode_workspace,
+            k_scale=kv.k_scales[index],
+            v_scale=kv.v_scales[index],
+        )
+        return out
+
+    def _store_kv(self, index, layer, batch, kv, qkv, q) -> None:
+        """Layer index's q/k-norm + RoPE into q, and its K/V written to the cache."""
         k_cache, v_cache = kv.k(index), kv.v(index)
         k_scale, v_scale = kv.k_scales[index], kv.v_scales[index]  # 1.0 but for a scaled FP8 pool
         ops.qk_norm_rope_store_kv(
@@ -130,18 +196,6 @@ class Qwen3Model:
             batch.out_slots,
             self.cfg.rms_norm_eps,
             q_out=q,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-        ops.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch,
-            self.scale,
-            attn,
-            self.decode_workspace,
-            planned=decode_kernel,
             k_scale=k_scale,
             v_scale=v_scale,
         )
