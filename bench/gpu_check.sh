@@ -24,8 +24,9 @@
 #            the Hopper kernel (what they run) against the tensor-core one and SDPA
 #   prefillprofile  Nsight Compute on one Hopper prefill launch and one of cuDNN's SDPA kernel, the same 16k causal
 #            prefill (bf16): speed of light, pipes, instructions, warp stalls (if ncu exists)
-#   longcontext  TTFT of 4k and 32k prompts through HTTP and offline (with the prefill's FLOP limit), and of a
-#            131,071-token prompt with YaRN offline, random Qwen3-8B          (README: long-context.md)
+#   longcontext  TTFT of 4k and 32k prompts through HTTP (bench/latency.py --http-only, then SGLang's bench_serving
+#            when SGL_TOOLS is set) and offline (with the prefill's FLOP limit), and of a 131,071-token prompt with
+#            YaRN offline, random Qwen3-8B                                    (README: long-context.md)
 #   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
 #            bench_serving (SGL_TOOLS)                                      (README: serving-256.md)
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3;
@@ -374,6 +375,10 @@ stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT a
   start_server "server_longcontext.log" /tmp/qwen3-8b-dummy --max-model-len 33000 &&
     run "ttft_http_8b" 200 python3 bench/latency.py --model Qwen3-8B --http-only --url http://127.0.0.1:$PORT \
     --prompt-lens 128 --new-tokens 4 --ttft-lens 4096 32768 --json "$OUT/ttft_http_8b.json"
+  for n in 4096 32768; do  # the same through a client that is not ours (SGL_TOOLS): 3 prompts one at a time
+    bench_serving "ttft_http_8b_bench_serving_$n" --backend vllm --num-prompts 3 --max-concurrency 1 \
+      --random-input-len "$n" --random-output-len 2
+  done
   stop_server
   run "ttft_offline_8b" 200 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
     --new-tokens 4 --ttft-lens 4096 32768 --max-model-len 33000 --json "$OUT/ttft_offline_8b.json"
