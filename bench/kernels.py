@@ -358,7 +358,6 @@ class PrefillCase:
             self.scale,
             self.outs[i],
             self.new,
-            cached_prefix=self.prefix > 0,  # as the engine tells it (ForwardBatch.cached_prefix)
         )
 
     def run(self) -> None:
@@ -496,12 +495,8 @@ def bench_prefill(
         tc_us = replay_us_with(set_hopper_prefill, False)
         row["tensor_cores_us"] = tc_us
         row["tensor_cores_tflops"] = flops / (tc_us * 1e-6) / 1e12
-        # the grid chosen for every batch: persistent (one block per SM), and one block per work item; the default
-        # above takes the first where the case has a cached prefix, else the second
-        grid = native().set_paged_attention_prefill_hopper_grid
-        persistent_us = replay_us_with(grid, native().PREFILL_GRID_PERSISTENT)
-        row["hopper_persistent_tflops"] = flops / (persistent_us * 1e-6) / 1e12
-        np_us = replay_us_with(grid, native().PREFILL_GRID_PER_ITEM)
+        # one block per work item instead of the persistent grid (its setter returns nothing: back to persistent)
+        np_us = replay_us_with(native().set_paged_attention_prefill_hopper_persistent, False, restore=True)
         row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
         # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
         # K/V stages, bit 3 a dynamic schedule, bit 4 Q copied by the producer. Each one's output is checked against
@@ -653,8 +648,7 @@ def main() -> int:
         variants = " ".join(format(r.get(f"hopper_variant{v}_tflops", 0), ".0f") for v in range(HOPPER_VARIANTS))
         previous_kernel = (
             f" (variants {variants}, "
-            f"persistent {r['hopper_persistent_tflops']:>4.0f}, "
-            f"block per item {r['hopper_one_block_per_tile_tflops']:>4.0f}, "
+            f"not persistent {r['hopper_one_block_per_tile_tflops']:>4.0f}, "
             f"tensor-core kernel {r['tensor_cores_tflops']:>4.0f})"
             if "tensor_cores_tflops" in r
             else ""

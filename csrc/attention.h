@@ -63,11 +63,6 @@ struct PrefillArgs : PagedAttentionArgs {
   // Rows of q (the total of the query lengths): the Hopper kernel copies Q tiles by TMA only when it is given, since
   // a tile's box may reach past the last sequence. 0: not given.
   int64_t num_tokens = 0;
-  // Whether some sequence has cached keys before its query tokens (an extend), or may have: a hint, any value gives
-  // the same output. The Hopper kernel's grid is persistent (a block per SM looping over the work items) only then,
-  // else one block per work item, which the hardware dispatches in order: faster on causal prefills from position 0,
-  // slower on extends after long prefixes (set_paged_attention_prefill_hopper_grid).
-  bool cached_prefix = true;
 };
 
 void paged_attention_prefill(const PrefillArgs& args);
@@ -76,12 +71,9 @@ void paged_attention_prefill(const PrefillArgs& args);
 // or more tokens; available on a compute capability 9.0 device when the extension was built for sm_90a.
 bool paged_attention_prefill_hopper_available(int device);
 void paged_attention_prefill_hopper(const PrefillArgs& args);
-// Its grid: kPrefillGridByPrefix (the default) persistent (one block per SM looping over the work items) where
-// PrefillArgs::cached_prefix says a sequence has a cached prefix, else one block per work item;
-// kPrefillGridPersistent or kPrefillGridPerItem for every batch. For benchmarks that compare them; returns the mode it
-// replaces.
-enum PrefillGrid : int { kPrefillGridByPrefix = 0, kPrefillGridPersistent = 1, kPrefillGridPerItem = 2 };
-int set_paged_attention_prefill_hopper_grid(int mode);
+// Whether its grid is persistent (one block per SM looping over the work, the default) or one block per work item.
+// For benchmarks that compare the two.
+void set_paged_attention_prefill_hopper_persistent(bool persistent);
 // Which pipeline, 0..kPrefillHopperVariants - 1 (bit 0: softmax overlapped with the previous tile's P V; bit 1:
 // warpgroups take turns issuing; bit 2: three K/V stages instead of two; bit 3: work items fetched from a device
 // counter instead of taken in a fixed stride; bit 4: Q tiles copied by the producer warp, for 16-bit caches, G

@@ -844,11 +844,7 @@ CUtensorMap q_tile_map(const void* q, int dtype, int64_t tokens, int64_t num_hea
   return map;
 }
 
-// set_paged_attention_prefill_hopper_grid. One block per work item against the persistent grid (H100, bf16, three
-// calls of bench/kernels.py, 2026-11-28): causal prefills from position 0 at 8k 600-611 TFLOP/s against 565-588, 32k
-// 588-594 against 573-585, 4 x 4k 545-550 against 502-520, 4k and 16k level; the 2k-on-30k extend 563-580 against
-// 608-643.
-int grid_mode = kPrefillGridByPrefix;
+bool persistent_grid = true;  // set_paged_attention_prefill_hopper_persistent (benchmarks)
 // set_paged_attention_prefill_hopper_variant: bits 0 overlap, 1 ping-pong, 2 three stages, 3 dynamic, 4 Q by the
 // producer (16-bit caches with G dividing 128; else the consumers load it). The default: the softmax overlapped with
 // the previous tile's P V, ping-pong, the dynamic schedule, two stages (FlashAttention-3's pipeline). Once four warps
@@ -863,7 +859,7 @@ struct Maps {
 };
 
 template <typename T, typename Kv, bool kOverlap, bool kPingpong, int kStages, bool kDynamic, bool kTmaQ>
-void launch_variant(const Maps& maps, const Params& p, int64_t grid, cudaStream_t stream) {
+void launch_variant(const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
   auto kernel = prefill_hopper_kernel<T, Kv, kOverlap, kPingpong, kStages, kDynamic, kTmaQ>;
   constexpr int smem_bytes = kSmemBytes<kStages, kIsFp8<Kv>>;
   static PerDevice<bool> configured;
@@ -872,32 +868,35 @@ void launch_variant(const Maps& maps, const Params& p, int64_t grid, cudaStream_
                "paged_attention_prefill_hopper: cudaFuncSetAttribute");
     return true;
   });
+  const int num_sms = sm_count();
+  // Persistent: one block per SM (its shared memory allows no second), each taking work items in turn.
+  const int64_t grid = persistent_grid ? std::min<int64_t>(items, num_sms) : items;
   launch_programmatic(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem_bytes, stream,
                       "paged_attention_prefill_hopper kernel launch", maps.k, maps.v, maps.q, p);
 }
 
 // The pipeline of variant bits 0..2 with a static or dynamic schedule, Q loaded by the consumers or the producer.
 template <typename T, typename Kv, bool kDynamic, bool kTmaQ>
-void launch_pipeline(int variant, const Maps& maps, const Params& p, int64_t grid, cudaStream_t stream) {
+void launch_pipeline(int variant, const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
   if constexpr (!kIsFp8<Kv>) {
     switch (variant) {
-      case 1: return launch_variant<T, Kv, true, false, 2, kDynamic, kTmaQ>(maps, p, grid, stream);
-      case 3: return launch_variant<T, Kv, true, true, 2, kDynamic, kTmaQ>(maps, p, grid, stream);
-      case 4: return launch_variant<T, Kv, false, false, 3, kDynamic, kTmaQ>(maps, p, grid, stream);
-      case 5: return launch_variant<T, Kv, true, false, 3, kDynamic, kTmaQ>(maps, p, grid, stream);
-      case 6: return launch_variant<T, Kv, false, true, 3, kDynamic, kTmaQ>(maps, p, grid, stream);
-      case 7: return launch_variant<T, Kv, true, true, 3, kDynamic, kTmaQ>(maps, p, grid, stream);
+      case 1: return launch_variant<T, Kv, true, false, 2, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 3: return launch_variant<T, Kv, true, true, 2, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 4: return launch_variant<T, Kv, false, false, 3, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 5: return launch_variant<T, Kv, true, false, 3, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 6: return launch_variant<T, Kv, false, true, 3, kDynamic, kTmaQ>(maps, p, items, stream);
+      case 7: return launch_variant<T, Kv, true, true, 3, kDynamic, kTmaQ>(maps, p, items, stream);
       default: break;
     }
   }
-  if (variant == 2) return launch_variant<T, Kv, false, true, 2, kDynamic, kTmaQ>(maps, p, grid, stream);
-  return launch_variant<T, Kv, false, false, 2, kDynamic, kTmaQ>(maps, p, grid, stream);
+  if (variant == 2) return launch_variant<T, Kv, false, true, 2, kDynamic, kTmaQ>(maps, p, items, stream);
+  return launch_variant<T, Kv, false, false, 2, kDynamic, kTmaQ>(maps, p, items, stream);
 }
 
 template <typename T, typename Kv, bool kTmaQ>
-void launch_schedule(int variant, const Maps& maps, const Params& p, int64_t grid, cudaStream_t stream) {
-  if (variant & 8) return launch_pipeline<T, Kv, true, kTmaQ>(variant & 7, maps, p, grid, stream);
-  return launch_pipeline<T, Kv, false, kTmaQ>(variant & 7, maps, p, grid, stream);
+void launch_schedule(int variant, const Maps& maps, const Params& p, int64_t items, cudaStream_t stream) {
+  if (variant & 8) return launch_pipeline<T, Kv, true, kTmaQ>(variant & 7, maps, p, items, stream);
+  return launch_pipeline<T, Kv, false, kTmaQ>(variant & 7, maps, p, items, stream);
 }
 
 // FP8 caches take two stages and no overlap whatever the variant says: a third stage does not fit beside the e4m3
@@ -905,23 +904,18 @@ void launch_schedule(int variant, const Maps& maps, const Params& p, int64_t gri
 // their Q is converted on its way into shared memory, so the consumers load it. tma_q: bit 4 set and q's tile is
 // one box (G divides the 128 rows).
 template <typename T, typename Kv>
-void launch(const Maps& maps, bool tma_q, const Params& p, int64_t grid, cudaStream_t stream) {
+void launch(const Maps& maps, bool tma_q, const Params& p, int64_t items, cudaStream_t stream) {
   if constexpr (kIsFp8<Kv>) {
-    return launch_schedule<T, Kv, false>(kernel_variant & (2 | 8), maps, p, grid, stream);
+    return launch_schedule<T, Kv, false>(kernel_variant & (2 | 8), maps, p, items, stream);
   } else {
-    if (tma_q) return launch_schedule<T, Kv, true>(kernel_variant & 15, maps, p, grid, stream);
-    return launch_schedule<T, Kv, false>(kernel_variant & 15, maps, p, grid, stream);
+    if (tma_q) return launch_schedule<T, Kv, true>(kernel_variant & 15, maps, p, items, stream);
+    return launch_schedule<T, Kv, false>(kernel_variant & 15, maps, p, items, stream);
   }
 }
 
 }  // namespace
 
-int set_paged_attention_prefill_hopper_grid(int mode) {
-  if (mode < kPrefillGridByPrefix || mode > kPrefillGridPerItem) {
-    throw std::invalid_argument("set_paged_attention_prefill_hopper_grid: mode must be 0, 1 or 2");
-  }
-  return std::exchange(grid_mode, mode);
-}
+void set_paged_attention_prefill_hopper_persistent(bool persistent) { persistent_grid = persistent; }
 int set_paged_attention_prefill_hopper_variant(int variant) {
   if (variant < 0 || variant >= kPrefillHopperVariants) {
     throw std::invalid_argument("set_paged_attention_prefill_hopper_variant: variant must be 0.." +
@@ -987,11 +981,8 @@ void paged_attention_prefill_hopper(const PrefillArgs& a) {
   const bool tma_q = (kernel_variant & kVariantTmaQ) && !fp8 && kBM % group == 0 && a.num_tokens > 0;
   maps.q = tma_q ? q_tile_map(reinterpret_cast<const void*>(a.q), a.dtype, a.num_tokens, a.num_heads, group) : maps.k;
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
-  // Persistent: one block per SM (its shared memory allows no second), each taking work items in turn.
-  const bool persistent = grid_mode == kPrefillGridPersistent || (grid_mode == kPrefillGridByPrefix && a.cached_prefix);
-  const int64_t grid = persistent ? std::min<int64_t>(blocks, sm_count()) : blocks;
   FASTQWEN_DISPATCH_DTYPE("paged_attention_prefill_hopper: ", a.dtype, kHalfTypes, T,
-                          fp8 ? launch<T, Fp8E4M3>(maps, false, p, grid, s) : launch<T, T>(maps, tma_q, p, grid, s));
+                          fp8 ? launch<T, Fp8E4M3>(maps, false, p, blocks, s) : launch<T, T>(maps, tma_q, p, blocks, s));
 }
 
 }  // namespace fastqwen

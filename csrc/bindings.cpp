@@ -100,9 +100,6 @@ void export_contracts(py::module_& m) {
   m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
   m.attr("PREFILL_HOPPER_VARIANTS") = fq::kPrefillHopperVariants;
-  m.attr("PREFILL_GRID_BY_PREFIX") = static_cast<int>(fq::kPrefillGridByPrefix);
-  m.attr("PREFILL_GRID_PERSISTENT") = static_cast<int>(fq::kPrefillGridPersistent);
-  m.attr("PREFILL_GRID_PER_ITEM") = static_cast<int>(fq::kPrefillGridPerItem);
   m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
   m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;
   m.attr("GEMV_TENSOR_CORE_TOKENS") = py::make_tuple(fq::kGemvTcMinTokens, fq::kGemvTcMaxTokens);
@@ -210,8 +207,7 @@ void export_contracts(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("query_start", &fq::PrefillArgs::query_start)
       .def_readwrite("max_query_len", &fq::PrefillArgs::max_query_len)
-      .def_readwrite("num_tokens", &fq::PrefillArgs::num_tokens)
-      .def_readwrite("cached_prefix", &fq::PrefillArgs::cached_prefix);
+      .def_readwrite("num_tokens", &fq::PrefillArgs::num_tokens);
   py::enum_<fq::GemvEpilogue>(m, "GemvEpilogue", "What a GEMV does besides x @ W^T (csrc/gemv.h).")
       .value("PLAIN", fq::kGemvPlain)
       .value("ADD_RESIDUAL", fq::kGemvAddResidual)
@@ -438,10 +434,8 @@ PYBIND11_MODULE(_C, m) {
       "paged_attention_prefill on Hopper's TMA and wgmma (16-bit caches, pages of 16 or more tokens).");
   m.def("paged_attention_prefill_hopper_available", &fastqwen::paged_attention_prefill_hopper_available,
         py::arg("device"), "Whether paged_attention_prefill_hopper runs on this CUDA device (sm_90a build, CC 9.0).");
-  m.def("set_paged_attention_prefill_hopper_grid", &fastqwen::set_paged_attention_prefill_hopper_grid, py::arg("mode"),
-        "The Hopper prefill kernel's grid: PREFILL_GRID_BY_PREFIX (the default: persistent where PrefillArgs."
-        "cached_prefix, else one block per work item), PREFILL_GRID_PERSISTENT or PREFILL_GRID_PER_ITEM for every "
-        "batch, for benchmarks and tests; returns the previous mode.");
+  m.def("set_paged_attention_prefill_hopper_persistent", &fastqwen::set_paged_attention_prefill_hopper_persistent,
+        py::arg("persistent"), "Persistent grid (default) or one block per work item, for benchmarks.");
   m.def("set_paged_attention_prefill_hopper_variant", &fastqwen::set_paged_attention_prefill_hopper_variant,
         py::arg("variant"),
         "Pipeline of the Hopper prefill kernel (0..PREFILL_HOPPER_VARIANTS - 1: bit 0 overlap, bit 1 ping-pong, bit 2 "

@@ -1114,14 +1114,6 @@ MUTATIONS += [
         "a sampling row that is its sequence's first in the batch (a decode row) attends to the sequence before's pages",
     ),
     Mutation(
-        "every_batch_says_it_has_a_cached_prefix",
-        "python/fastqwen/engine/model_runner.py",
-        [("cached_prefix=any(c.start > 0 for c in chunks)", "cached_prefix=any(c.start >= 0 for c in chunks)")],
-        ["tests/test_prefix_cache.py::test_batches_say_whether_a_sequence_has_cached_tokens"],
-        "a prompt computed from its first token is said to have cached tokens: the Hopper prefill kernel keeps its "
-        "persistent grid where one block per work item is faster",
-    ),
-    Mutation(
         "last_layer_runs_every_row",
         "python/fastqwen/model/qwen3.py",
         [

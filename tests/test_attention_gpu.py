@@ -29,7 +29,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import native_setting, record_result
+from checkpoints import record_result
 from fastqwen.ops import decode_workspace, paged_attention_decode, paged_attention_prefill, plan_decode
 from fastqwen.ops._native import has_cuda_kernels, native
 from fastqwen.ops.attention import (
@@ -187,12 +187,10 @@ def make_prefill_case(kv_heads, group, page_size, q_lens, kv_lens, dtype, seed):
     return q, k_cache, v_cache, starts, table, lens
 
 
-def check_prefill(q, k_cache, v_cache, starts, table, lens, max_query_len=None, cached_prefix=True):
+def check_prefill(q, k_cache, v_cache, starts, table, lens, max_query_len=None):
     scale = 128**-0.5
     out = torch.full_like(q, float("nan"))
-    paged_attention_prefill(
-        q, k_cache, v_cache, starts, table, lens, scale, out, max_query_len, cached_prefix=cached_prefix
-    )
+    paged_attention_prefill(q, k_cache, v_cache, starts, table, lens, scale, out, max_query_len)
     want = torch.empty_like(q)
     paged_attention_prefill_reference(q, k_cache, v_cache, starts, table, lens, scale, want)
     assert not torch.isnan(out).any(), "unwritten output"
@@ -264,27 +262,6 @@ def test_hopper_prefill_every_pipeline_matches_reference(variant):
         check_prefill(*make_prefill_case(8, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=3))
     finally:
         native().set_paged_attention_prefill_hopper_variant(previous_variant)
-        set_hopper_prefill(previous_kernel)
-
-
-@pytest.mark.parametrize("mode", ["PREFILL_GRID_BY_PREFIX", "PREFILL_GRID_PERSISTENT", "PREFILL_GRID_PER_ITEM"])
-@pytest.mark.parametrize("cached_prefix", [True, False])
-def test_hopper_prefill_every_grid_matches_reference(mode, cached_prefix):
-    """The Hopper kernel's grids (set_paged_attention_prefill_hopper_grid: persistent or one block per work item, by
-    default chosen by PrefillArgs.cached_prefix) on prompts from position 0 and on extends, whatever the hint says
-    (it is a hint: a wrong one costs time, never the output), with work items that loop over several query tiles."""
-    previous_kernel = set_hopper_prefill(True)
-    try:
-        if not hopper_prefill_runs_here():
-            pytest.skip("no Hopper prefill kernel on this device")
-        with native_setting("set_paged_attention_prefill_hopper_grid", getattr(native(), mode)):
-            prompts = [4096, 1, 700, 129]
-            check_prefill(*make_prefill_case(8, 4, 16, prompts, prompts, torch.bfloat16, seed=6), None, cached_prefix)
-            q_lens, kv_lens = prefill_lengths(random.Random(7), 16)
-            check_prefill(*make_prefill_case(2, 4, 16, q_lens, kv_lens, torch.bfloat16, seed=7), None, cached_prefix)
-            case = make_prefill_case(2, 4, 16, [700, 20], [900, 20], torch.bfloat16, seed=8)
-            check_prefill(*case, max_query_len=1, cached_prefix=cached_prefix)
-    finally:
         set_hopper_prefill(previous_kernel)
 
 

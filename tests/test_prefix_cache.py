@@ -263,30 +263,3 @@ def test_invariant_holds_under_random_interleavings(num_pages, page_size, budget
     driver.cache.reset()
     driver.check()
     assert driver.allocator.num_free() == num_pages
-
-
-def test_batches_say_whether_a_sequence_has_cached_tokens(folder):
-    """ForwardBatch.cached_prefix (the Hopper prefill kernel's grid hint): False for a batch of prompts computed from
-    their first token, True once a chunk has cached tokens before it: a prefix-cache hit or a prompt's later chunk."""
-    rng = random.Random(9)
-    llm = LLM(folder, dtype="float32", device="cpu", page_size=4, num_pages=512, max_num_batched_tokens=32)
-    runner = llm.engine.runner
-    seen = []
-    run_model = runner.run_model
-
-    def recording_run_model(batch, graph_size=0):
-        if not batch.is_decode:
-            seen.append((batch.kv_lens.tolist(), batch.cached_prefix))
-        return run_model(batch, graph_size)
-
-    runner.run_model = recording_run_model
-    one = SamplingParams(temperature=0.0, max_tokens=1)
-    system = words(rng, 20)
-    llm.generate([system + words(rng, 5), words(rng, 6)], one, use_tqdm=False)
-    assert seen == [([25, 6], False)]
-    seen.clear()
-    llm.generate([system + words(rng, 7)], one, use_tqdm=False)  # a hit on the first prompt's pages
-    assert seen == [([27], True)]
-    seen.clear()
-    llm.generate([words(rng, 50)], one, use_tqdm=False)  # chunks of 32 and 18 tokens
-    assert seen == [([32], False), ([50], True)]

@@ -340,7 +340,6 @@ class ModelRunner:
             logits_indices=v["logits_indices"],
             is_decode=scheduled.is_decode,
             max_query_len=max_query_len,
-            cached_prefix=any(c.start > 0 for c in chunks),
         )
 
     def run_model(self, batch: ForwardBatch, graph_size: int = 0) -> torch.Tensor:

@@ -19,7 +19,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] int64, rows of T whose logits are needed (last token of sampling sequences)
     is_decode: bool  # every sequence computes exactly one token
     max_query_len: int = 0  # longest run of query tokens of one sequence (sizes the prefill grid); 0 = unknown
-    cached_prefix: bool = True  # whether a sequence may have cached tokens before its queries (the prefill grid's hint)
 
     @property
     def num_tokens(self) -> int:

@@ -158,7 +158,6 @@ def paged_attention(
         batch.max_query_len or None,
         k_scale=k_scale,
         v_scale=v_scale,
-        cached_prefix=batch.cached_prefix,
     )
 
 
@@ -273,7 +272,6 @@ def paged_attention_prefill(
     max_query_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    cached_prefix: bool = True,
 ) -> torch.Tensor:
     """q [T, H, D] packed by sequence (query_start [B+1]) -> out [T, H, D].
 
@@ -281,26 +279,14 @@ def paged_attention_prefill(
     causal mask is aligned to the end: query i sees keys 0 .. kv_len - q_len + i. On bf16 / fp16 CUDA tensors with
     head_dim 128 this is the tensor-core kernel in csrc/attention_prefill.cu; max_query_len (the longest q_len)
     sizes its grid and is read back from the device when not given. FP8 caches as in paged_attention_decode.
-    Otherwise the reference. cached_prefix: whether some sequence may have cached keys before its queries (False only
-    when none has): a hint for the Hopper kernel's grid (csrc/attention.h, PrefillArgs), the output is the same.
+    Otherwise the reference.
     """
     head_dim = q.shape[2]
     if q.shape[0] == 0 or query_start.shape[0] <= 1:
         return out
     if attention_kernel_applies(q.is_cuda, q.dtype, head_dim, k_cache.dtype):
         _prefill_kernel(
-            q,
-            k_cache,
-            v_cache,
-            query_start,
-            page_table,
-            kv_lens,
-            scale,
-            out,
-            max_query_len,
-            k_scale,
-            v_scale,
-            cached_prefix,
+            q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale
         )
         return out
     return paged_attention_prefill_reference(
@@ -309,7 +295,7 @@ def paged_attention_prefill(
 
 
 def _prefill_kernel(
-    q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale, cached_prefix
+    q, k_cache, v_cache, query_start, page_table, kv_lens, scale, out, max_query_len, k_scale, v_scale
 ) -> None:
     batch = query_start.shape[0] - 1
     _check_paged(
@@ -331,7 +317,6 @@ def _prefill_kernel(
     args.query_start = query_start.data_ptr()
     args.max_query_len = max_query_len
     args.num_tokens = q.shape[0]
-    args.cached_prefix = cached_prefix
     if prefill_uses_hopper_kernel(q, k_cache):
         m.paged_attention_prefill_hopper(args)
     else:
