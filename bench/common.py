@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import torch
@@ -35,14 +36,24 @@ def time_fn(fn, iters: int, warmup: int = 5, queue_ahead: bool = False) -> float
     return statistics.median(times)
 
 
-def interleaved_medians(graphs: dict, iters: int, rounds: int) -> dict:
+def interleaved_medians(graphs: dict, iters: int, rounds: int, settle_ms: float = 0.0) -> dict:
     """Median milliseconds of each CUDA graph's replay (time_fn, queued ahead) over `rounds` rounds in which the graphs
     take turns: a drift of the GPU's clock during the run then reaches each alike, where timing one after the other
-    let a kernel and its reference meet different clocks (the 16k cuDNN prefill moved 569-638 TFLOP/s between calls)."""
+    let a kernel and its reference meet different clocks (the 16k cuDNN prefill moved 569-638 TFLOP/s between calls).
+
+    settle_ms: before its samples, each graph replays untimed for about that long (its warm-up count from a first
+    replay's time), so that the clocks settle to its own load: under the power cap, what runs right after a lighter
+    kernel meets clocks that have recovered meanwhile (a prefill timed right after the tensor-core kernel gained 5-8%,
+    H100, 2026-11-28)."""
     samples = {name: [] for name in graphs}
+    warmups = dict.fromkeys(graphs, 5)
+    if settle_ms > 0:
+        for name, graph in graphs.items():
+            once = time_fn(graph.replay, 1, warmup=1, queue_ahead=True)
+            warmups[name] = max(5, math.ceil(settle_ms / once)) if once > 0 else 5
     for _ in range(rounds):
         for name, graph in graphs.items():
-            samples[name].append(time_fn(graph.replay, iters, queue_ahead=True))
+            samples[name].append(time_fn(graph.replay, iters, warmup=warmups[name], queue_ahead=True))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -426,11 +426,13 @@ def bench_prefill(
     kv: str = "bf16",
     variants: list[int] | None = None,
     rounds: int = 3,
+    settle_ms: float = 200.0,
 ) -> dict:
     """Causal prefill / extend attention, Qwen3-8B heads, page 16, pages scattered (prefill_case); against PyTorch's
     scaled_dot_product_attention (flash and cuDNN backends, sdpa_prefill_graphs) on the bf16 rows. Compute-bound:
-    TFLOP/s of PrefillCase.flops. Our default and the references take turns over `rounds` rounds, each figure their
-    median (common.interleaved_medians). variants: the Hopper kernel's pipelines to time (default: all; an FP8 cache
+    TFLOP/s of PrefillCase.flops. Our default, the references and the comparison rows (the tensor-core kernel, one
+    block per work item, the pipelines) take turns over `rounds` rounds, each settled for settle_ms before its samples,
+    each figure their median (common.interleaved_medians). variants: the Hopper kernel's pipelines to time (default: all; an FP8 cache
     times those of 0, 2, 8, 10 it runs)."""
     case = prefill_case(batch, new, prefix, kv)
     nbuf, flops, total = case.nbuf, case.flops, prefix + new
@@ -443,28 +445,49 @@ def bench_prefill(
         )
         torch.testing.assert_close(case.outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
 
-    def replay_us() -> float:  # a call of the kernel from its CUDA graph, per buffer
-        graph = graph_of(case.run)
-        try:
-            return time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-        finally:
-            del graph
-
-    def replay_us_with(switch, value, restore=None) -> float:
-        """replay_us with a process-wide kernel switch set to value, then back (to restore, or to what it returned)."""
+    def captured_with(switch, value, restore=None) -> torch.cuda.CUDAGraph:
+        """case.run's graph captured with a process-wide kernel switch set to value (the graph keeps the kernel it was
+        captured with), then the switch back (to restore, or to what it returned)."""
         previous = switch(value)
         try:
-            return replay_us()
+            return graph_of(case.run)
         finally:
             switch(previous if restore is None else restore)
 
+    # Every figure of the row takes turns with the others (interleaved_medians, each graph settled first): the
+    # comparison rows timed one after the other, outside the turns, met other clocks (the one timed right after the
+    # tensor-core kernel gained 5-8% on an H100).
     graphs = {"ours": graph_of(case.run)}
     errors: dict[str, str] = {}
     sdpa_inputs: tuple = ()  # (kept alive while the graphs replay)
     if kv == "bf16":
         sdpa_graphs, errors, sdpa_inputs = sdpa_prefill_graphs(case)
         graphs.update(sdpa_graphs)
-    medians = interleaved_medians(graphs, iters, rounds)
+    hopper = prefill_uses_hopper_kernel(case.qs[0], case.k_cache)
+    default_variant = None
+    if hopper:  # the tensor-core kernel (csrc/attention_prefill.cu) on the same inputs, and one block per work item
+        graphs["tensor_cores"] = captured_with(set_hopper_prefill, False)
+        # (the persistent switch's setter returns nothing: back to persistent)
+        graphs["one_block_per_tile"] = captured_with(
+            native().set_paged_attention_prefill_hopper_persistent, False, restore=True
+        )
+        # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
+        # K/V stages, bit 3 a dynamic schedule, bit 4 Q copied by the producer. Each one's output is checked against
+        # the reference before it is captured.
+        default_variant = native().set_paged_attention_prefill_hopper_variant(0)
+        try:
+            # An FP8 cache runs the 2-stage pipelines without overlap whatever the variant (bits 1 and 3 only).
+            runs = range(HOPPER_VARIANTS) if kv == "bf16" else (0, 2, 8, 10)
+            for variant in [v for v in runs if variants is None or v in variants]:
+                native().set_paged_attention_prefill_hopper_variant(variant)
+                if checked:
+                    case.outs[0].fill_(float("nan"))
+                    case.call(0)
+                    torch.testing.assert_close(case.outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
+                graphs[f"variant{variant}"] = graph_of(case.run)
+        finally:
+            native().set_paged_attention_prefill_hopper_variant(default_variant)
+    medians = interleaved_medians(graphs, iters, rounds, settle_ms)
     graphs.clear()
     del sdpa_inputs
     torch.cuda.empty_cache()
@@ -491,30 +514,12 @@ def bench_prefill(
             row[f"sdpa_{name}_us"] = sdpa_us
             row[f"sdpa_{name}_tflops"] = flops / (sdpa_us * 1e-6) / 1e12
             row[f"ours_vs_{name}"] = row["ours_tflops"] / row[f"sdpa_{name}_tflops"]
-    if row["kernel"] == "hopper":  # the tensor-core kernel (csrc/attention_prefill.cu) on the same inputs
-        tc_us = replay_us_with(set_hopper_prefill, False)
-        row["tensor_cores_us"] = tc_us
-        row["tensor_cores_tflops"] = flops / (tc_us * 1e-6) / 1e12
-        # one block per work item instead of the persistent grid (its setter returns nothing: back to persistent)
-        np_us = replay_us_with(native().set_paged_attention_prefill_hopper_persistent, False, restore=True)
-        row["hopper_one_block_per_tile_tflops"] = flops / (np_us * 1e-6) / 1e12
-        # The pipelines: bit 0 softmax overlapped with the previous P V, bit 1 warpgroups taking turns, bit 2 three
-        # K/V stages, bit 3 a dynamic schedule, bit 4 Q copied by the producer. Each one's output is checked against
-        # the reference before it is timed (once each: the default's figure above is the interleaved one).
-        default_variant = native().set_paged_attention_prefill_hopper_variant(0)
-        try:
-            # An FP8 cache runs the 2-stage pipelines without overlap whatever the variant (bits 1 and 3 only).
-            runs = range(HOPPER_VARIANTS) if kv == "bf16" else (0, 2, 8, 10)
-            for variant in [v for v in runs if variants is None or v in variants]:
-                native().set_paged_attention_prefill_hopper_variant(variant)
-                if checked:
-                    case.outs[0].fill_(float("nan"))
-                    case.call(0)
-                    torch.testing.assert_close(case.outs[0].float(), want.float(), rtol=2e-2, atol=2e-2)
-                v_us = replay_us()
-                row[f"hopper_variant{variant}_tflops"] = flops / (v_us * 1e-6) / 1e12
-        finally:
-            native().set_paged_attention_prefill_hopper_variant(default_variant)
+    if hopper:
+        for name, key in [("tensor_cores", "tensor_cores"), ("one_block_per_tile", "hopper_one_block_per_tile")]:
+            row[f"{key}_us"] = medians[name] / nbuf * 1e3
+            row[f"{key}_tflops"] = flops / (row[f"{key}_us"] * 1e-6) / 1e12
+        for name in [n for n in medians if n.startswith("variant")]:
+            row[f"hopper_{name}_tflops"] = flops / (medians[name] / nbuf * 1e-3) / 1e12
         row["hopper_default_variant"] = default_variant
     del case, want
     torch.cuda.empty_cache()
@@ -578,7 +583,15 @@ def main() -> int:
         "--prefill-rounds",
         type=int,
         default=3,
-        help="rounds in which the prefill default and SDPA's backends take turns (their medians are reported)",
+        help="rounds in which the prefill default, SDPA's backends and the comparison rows take turns (their medians "
+        "are reported)",
+    )
+    ap.add_argument(
+        "--settle-ms",
+        type=float,
+        default=200.0,
+        help="untimed replays of each prefill graph before its samples in a round, about this long (0: 5 replays): "
+        "the clocks settle to its own load under the power cap",
     )
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -610,7 +623,7 @@ def main() -> int:
             native().set_paged_attention_decode_min_chunk(kv == "fp8", 0)  # the default
     prefill_rows = (
         [
-            bench_prefill(b, n, p, args.iters, kv, args.prefill_variants, args.prefill_rounds)
+            bench_prefill(b, n, p, args.iters, kv, args.prefill_variants, args.prefill_rounds, args.settle_ms)
             for b, n, p in args.prefill_cases or PREFILL_CASES
             for kv in args.kv_dtypes
         ]

@@ -294,6 +294,31 @@ def test_interleaved_medians_take_turns_and_report_each_median(monkeypatch):
     assert medians == {"ours": 3.0, "cudnn": 4.0}
 
 
+def test_interleaved_medians_settle_each_graph_before_its_samples(monkeypatch):
+    """With settle_ms, each graph's samples follow about that long of its own untimed replays: the warm-up count is
+    settle_ms over a first replay's time (0.5 ms: 200 for 100 ms; 40 ms: 5, the least)."""
+    import common
+
+    calls = []
+    once = {"ours": 0.5, "cudnn": 40.0}
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            pass
+
+    def fake_time_fn(fn, iters, warmup=5, queue_ahead=False):
+        name = fn.__self__.name
+        calls.append((name, iters, warmup))
+        return once[name]
+
+    monkeypatch.setattr(common, "time_fn", fake_time_fn)
+    common.interleaved_medians({"ours": Graph("ours"), "cudnn": Graph("cudnn")}, iters=10, rounds=2, settle_ms=100)
+    assert calls == [("ours", 1, 1), ("cudnn", 1, 1)] + [("ours", 10, 200), ("cudnn", 10, 5)] * 2
+
+
 def test_attention_by_chunk_splits_the_calls_in_launch_order():
     """bench/common.py attention_by_chunk: a 10-token prompt in chunks of 4 (4 on 0, 4 on 4, 2 on 8 cached) over two
     layers; the events come out of launch order and with a projection among them. FLOPs written out by hand."""
