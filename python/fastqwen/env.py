@@ -110,7 +110,8 @@ def gemv_sends() -> bool:
     """FASTQWEN_GEMV_SENDS=1: under tensor parallelism on GPUs, a one-token o_proj or down GEMV stores its output
     straight into the ranks' receive buffers of the barrier-free all-reduce (csrc/gemv.h kGemvSend), and the fused
     all-reduce + norm after it only waits for the rows and sums them (ParallelGroup.linear_to_all_reduce). Off by
-    default until measured on GPUs. Every rank reads the same environment."""
+    default: no faster on two H200s (bench/results/current/tensor-parallel.md). Every rank reads the same
+    environment."""
     return _flag("FASTQWEN_GEMV_SENDS", False)
 
 
