@@ -431,9 +431,9 @@ def bench_prefill(
     """Causal prefill / extend attention, Qwen3-8B heads, page 16, pages scattered (prefill_case); against PyTorch's
     scaled_dot_product_attention (flash and cuDNN backends, sdpa_prefill_graphs) on the bf16 rows. Compute-bound:
     TFLOP/s of PrefillCase.flops. Our default, the references and the comparison rows (the tensor-core kernel, one
-    block per work item, the pipelines) take turns over `rounds` rounds, each settled for settle_ms before its samples,
-    each figure their median (common.interleaved_medians). variants: the Hopper kernel's pipelines to time (default: all; an FP8 cache
-    times those of 0, 2, 8, 10 it runs)."""
+    block per work item, the pipelines) take turns over `rounds` rounds, each settled for settle_ms before its
+    samples, each figure their median (common.interleaved_medians). variants: the Hopper kernel's pipelines to time
+    (default: all; an FP8 cache times those of 0, 2, 8, 10 it runs)."""
     case = prefill_case(batch, new, prefix, kv)
     nbuf, flops, total = case.nbuf, case.flops, prefix + new
     want = torch.empty_like(case.qs[0])

@@ -349,7 +349,8 @@ def test_idle_gaps_merge_overlapping_kernels():
 
     from common import idle_gaps
 
-    events = [SimpleNamespace(time_range=SimpleNamespace(start=a, end=b)) for a, b in [(50, 60), (0, 10), (61, 100), (5, 20)]]  # fmt: skip
+    spans = [(50, 60), (0, 10), (61, 100), (5, 20)]
+    events = [SimpleNamespace(time_range=SimpleNamespace(start=a, end=b)) for a, b in spans]
     gaps = idle_gaps(events)
     assert gaps == {
         "span_ms": 0.1,
