@@ -233,6 +233,7 @@ for stage in $STAGES; do
           "tests/test_tensor_parallel_gpu.py::test_fused_all_reduce_norm_matches_float64[4]" \
           "tests/test_tensor_parallel_gpu.py::test_one_barrier_all_reduce_matches_the_sum_and_nccl[4]" \
           "tests/test_tensor_parallel_gpu.py::test_one_barrier_fused_all_reduce_norm_matches_float64[4]" \
+          "tests/test_tensor_parallel_gpu.py::test_sending_gemv_feeds_the_fused_all_reduce[4]" \
           > "$OUT/tests_tp4.log" 2>&1 || rc=1
         pytest_report "$OUT/tests_tp4.log" 20
       fi
