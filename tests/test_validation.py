@@ -72,6 +72,8 @@ def llm(tmp_path_factory):
         ([1, 2, 384], {}, "prompt", "vocabulary"),
         ([1, -1], {}, "prompt", "vocabulary"),
         ([1, "2"], {}, "prompt", "token ids"),
+        ([1, True], {}, "prompt", "token ids"),  # a bool is an int to Python, not a token id
+        ([1, 2.0], {}, "prompt", "token ids"),
         ([1] * 100, {"max_tokens": 29}, "max_tokens", "maximum context length"),
         ([1] * 128, {"max_tokens": 1}, "prompt", "maximum context length"),
         ([1, 2], {"stop_token_ids": [1000]}, "stop_token_ids", "vocabulary"),

