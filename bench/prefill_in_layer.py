@@ -45,6 +45,12 @@ def main() -> int:
         help="the layer's other kernels too, as the engine runs them: the two fused_add_rms_norm, qk_norm_rope_store_kv "
         "(which writes the chunk's q and its K/V into the pages the attention then reads) and silu_and_mul",
     )
+    ap.add_argument(
+        "--settle-ms",
+        type=float,
+        default=200.0,
+        help="untimed replays of each graph before its samples in a round, about this long (common.interleaved_medians)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -109,7 +115,7 @@ def main() -> int:
                 "layers": graph_of(lambda: layers(True)),
                 "projections": graph_of(lambda: layers(False)),
             }
-            ms = interleaved_medians(graphs, args.iters, args.rounds)
+            ms = interleaved_medians(graphs, args.iters, args.rounds, args.settle_ms)
             graphs.clear()
             alone = ms["attention"] / args.layers
             in_layer = (ms["layers"] - ms["projections"]) / args.layers
