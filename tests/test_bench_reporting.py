@@ -268,29 +268,42 @@ def test_ttft_profile_runs_on_a_cpu_engine(tmp_path):
     assert row["families"] == {} and row["kernels_ms"] == 0
 
 
+class _FakeGraph:
+    """A stand-in for a CUDA graph in interleaved_medians' tests: time_fn gets its replay, named."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def replay(self):
+        pass
+
+
+def _fake_graphs(*names) -> dict:
+    return {name: _FakeGraph(name) for name in names}
+
+
+def _fake_timing(monkeypatch, common, ms_of) -> list:
+    """common.time_fn replaced: each call recorded as (graph name, iters, warmup), its time ms_of(name)."""
+    calls = []
+
+    def fake_time_fn(fn, iters, warmup=5, queue_ahead=False):
+        name = fn.__self__.name
+        calls.append((name, iters, warmup))
+        return ms_of(name)
+
+    monkeypatch.setattr(common, "time_fn", fake_time_fn)
+    return calls
+
+
 def test_interleaved_medians_take_turns_and_report_each_median(monkeypatch):
     """bench/common.py interleaved_medians: the graphs alternate within each round (a clock drift over the run then
     reaches a kernel and its reference alike), and each figure is the median of its own rounds."""
     import common
 
-    calls = []
     times = {"ours": iter([5.0, 1.0, 3.0]), "cudnn": iter([2.0, 9.0, 4.0])}
-
-    class Graph:
-        def __init__(self, name):
-            self.name = name
-
-        def replay(self):
-            pass
-
-    def fake_time_fn(fn, iters, warmup=5, queue_ahead=False):
-        name = fn.__self__.name
-        calls.append(name)
-        return next(times[name])
-
-    monkeypatch.setattr(common, "time_fn", fake_time_fn)
-    medians = common.interleaved_medians({"ours": Graph("ours"), "cudnn": Graph("cudnn")}, iters=10, rounds=3)
-    assert calls == ["ours", "cudnn"] * 3
+    calls = _fake_timing(monkeypatch, common, lambda name: next(times[name]))
+    medians = common.interleaved_medians(_fake_graphs("ours", "cudnn"), iters=10, rounds=3)
+    assert [name for name, _, _ in calls] == ["ours", "cudnn"] * 3
     assert medians == {"ours": 3.0, "cudnn": 4.0}
 
 
@@ -299,23 +312,9 @@ def test_interleaved_medians_settle_each_graph_before_its_samples(monkeypatch):
     settle_ms over a first replay's time (0.5 ms: 200 for 100 ms; 40 ms: 5, the least)."""
     import common
 
-    calls = []
     once = {"ours": 0.5, "cudnn": 40.0}
-
-    class Graph:
-        def __init__(self, name):
-            self.name = name
-
-        def replay(self):
-            pass
-
-    def fake_time_fn(fn, iters, warmup=5, queue_ahead=False):
-        name = fn.__self__.name
-        calls.append((name, iters, warmup))
-        return once[name]
-
-    monkeypatch.setattr(common, "time_fn", fake_time_fn)
-    common.interleaved_medians({"ours": Graph("ours"), "cudnn": Graph("cudnn")}, iters=10, rounds=2, settle_ms=100)
+    calls = _fake_timing(monkeypatch, common, once.__getitem__)
+    common.interleaved_medians(_fake_graphs("ours", "cudnn"), iters=10, rounds=2, settle_ms=100)
     assert calls == [("ours", 1, 1), ("cudnn", 1, 1)] + [("ours", 10, 200), ("cudnn", 10, 5)] * 2
 
 
