@@ -342,13 +342,14 @@ def test_attention_by_chunk_splits_the_calls_in_launch_order():
 
 
 def test_idle_gaps_merge_overlapping_kernels():
-    """bench/common.py idle_gaps: kernels at [0, 10], [5, 20] (overlapping), [50, 60], [61, 100] us: idle 30 + 1 us,
-    one gap of 20 us or more, 30 us long, starting 20 us into the span."""
+    """bench/common.py idle_gaps: kernels at [0, 10], [5, 20] (overlapping), [50, 60], [52, 55] (inside the one
+    before: it ends nothing), [61, 100] us: idle 30 + 1 us, one gap of 20 us or more, 30 us long, starting 20 us
+    into the span."""
     from types import SimpleNamespace
 
     from common import idle_gaps
 
-    spans = [(50, 60), (0, 10), (61, 100), (5, 20)]
+    spans = [(50, 60), (0, 10), (61, 100), (52, 55), (5, 20)]
     events = [SimpleNamespace(time_range=SimpleNamespace(start=a, end=b)) for a, b in spans]
     gaps = idle_gaps(events)
     assert gaps == {
