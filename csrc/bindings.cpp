@@ -261,7 +261,8 @@ void export_contracts(py::module_& m) {
       .def_readwrite("weight", &fq::AllReduceArgs::weight)
       .def_readwrite("hidden", &fq::AllReduceArgs::hidden)
       .def_readwrite("eps", &fq::AllReduceArgs::eps)
-      .def_readwrite("sent", &fq::AllReduceArgs::sent);
+      .def_readwrite("sent", &fq::AllReduceArgs::sent)
+      .def_readwrite("spread_sends", &fq::AllReduceArgs::spread_sends);
   py::class_<fq::SampleArgs>(m, "SampleArgs", "Arguments of sample (csrc/sampling.h).")
       .def(py::init<>())
       .def_readwrite("logits", &fq::SampleArgs::logits)

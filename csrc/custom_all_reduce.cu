@@ -68,6 +68,7 @@ struct Signal {
   uint32_t round[kAllReduceMaxBlocks];
   uint32_t third[kAllReduceMaxBlocks];  // the receive buffer of the last round (0, 1, 2): round % 3 without the wrap
   uint32_t received[3];  // 16-byte vectors each sender stored into receive buffer b in the last round that used it
+  uint32_t senders_done[3];  // blocks of this rank's spread round on receive buffer b that have sent (spread_sends)
 };
 static_assert(sizeof(Signal) <= kAllReduceSignalBytes, "the signal area is too small");
 
@@ -87,6 +88,10 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* addr) {
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
   return v;
+}
+
+__device__ __forceinline__ void add_release_gpu(uint32_t* addr, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
 }
 
 // Every thread of the block must reach it. Threads 0..world-1 each signal one peer and wait for that peer's flag to
@@ -200,6 +205,7 @@ template <int WORLD>
 __device__ __forceinline__ void empty_previous_buffer(const Peers& peers, int rank, int b, int64_t slot_vecs) {
   if (slot_vecs == 0) return;
   const int previous = (b + 2) % 3;
+  if (blockIdx.x == 0 && threadIdx.x == 0) peers.signal[rank]->senders_done[previous] = 0;  // (a spread round's)
   const int64_t n = peers.signal[rank]->received[previous];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
@@ -308,11 +314,15 @@ __global__ void __launch_bounds__(512)
 // norm.cu's rms_norm_kernel<FUSED>, rounding where they round (and with their thread layout, so the sum of squares
 // is reduced in the same order). SENT (with LAMPORT): every rank's row, this rank's too, is in the receive buffer
 // already (a GEMV sent it), and data is only the output.
+// spread (LAMPORT, not SENT): the grid has more blocks than rows, and the sends are spread over all of them (16-byte
+// vector j of the message by thread j of the grid), so that one row's (WORLD - 1) x row_vecs remote stores do not
+// all leave from one SM. A block then sends what another block sums and overwrites in place: every block counts
+// itself in senders_done once its sends are done, and a block writes its first output only when all have.
 template <typename T, int WORLD, int VPT, bool LAMPORT, bool SENT = false>
 __global__ void __launch_bounds__(512)
     one_shot_add_rms_norm_kernel(Peers peers, int rank, uint4* data, uint4* residual, const uint4* __restrict__ weight,
                                  int64_t rows, int row_vecs, float eps, int64_t half_vecs, bool end_barrier,
-                                 int64_t slot_vecs) {
+                                 int64_t slot_vecs, bool spread) {
   using P = Pack<T, 16 / sizeof(T)>;
   constexpr int kPer = 16 / sizeof(T);
   P w[VPT];  // the norm's weight (the weights may be read before the wait); its loads complete under the barrier
@@ -350,13 +360,23 @@ __global__ void __launch_bounds__(512)
     griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   }
   if constexpr (LAMPORT && !SENT) {  // (no barrier: see the top of the file)
-    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-      for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) {
-        const uint4 sent = as_sent<T>(data[row * row_vecs + v]);
+    auto send = [&](int64_t j) {
+      const uint4 sent = as_sent<T>(data[j]);
 #pragma unroll
-        for (int p = 0; p < WORLD; ++p) {
-          if (p != rank) store_volatile(receive_slot<WORLD>(peers.receive[p], b, rank, slot_vecs) + row * row_vecs + v, sent);
-        }
+      for (int p = 0; p < WORLD; ++p) {
+        if (p != rank) store_volatile(receive_slot<WORLD>(peers.receive[p], b, rank, slot_vecs) + j, sent);
+      }
+    };
+    if (spread) {
+      const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+      for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < rows * row_vecs; j += stride) {
+        send(j);
+      }
+      __syncthreads();  // every thread's loads of data are done before the count says so
+      if (threadIdx.x == 0) add_release_gpu(&round.self->senders_done[b], 1);
+    } else {
+      for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+        for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) send(row * row_vecs + v);
       }
     }
   } else if constexpr (!LAMPORT) {
@@ -416,6 +436,13 @@ __global__ void __launch_bounds__(512)
     }
     __syncthreads();  // block_sum's scratch still holds the previous row's partial sums until every warp has read them
     const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(row_vecs * kPer) + eps);
+    if (LAMPORT && !SENT && spread && row == blockIdx.x) {  // before the block's first store into data
+      if (threadIdx.x == 0) {
+        while (load_acquire(&round.self->senders_done[b]) < gridDim.x) {
+        }
+      }
+      __syncthreads();
+    }
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
@@ -481,7 +508,7 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
   int threads = (row_vecs + 31) / 32 * 32;
   threads = threads > 512 ? 512 : threads;
   const int per_thread = (row_vecs + threads - 1) / threads;
-  const int blocks = static_cast<int>(rows < a.max_blocks ? rows : a.max_blocks);
+  const int row_blocks = static_cast<int>(rows < a.max_blocks ? rows : a.max_blocks);
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   auto* data = reinterpret_cast<uint4*>(a.data);
   auto* residual = reinterpret_cast<uint4*>(a.residual);
@@ -490,12 +517,19 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
   // (the barrier-free path is a template argument: as a runtime flag it cost the barrier kernels registers)
   auto launch_with = [&](auto lamport, auto sent) {
     constexpr bool LAMPORT = decltype(lamport)::value, SENT = decltype(sent)::value;
+    // spread_sends: a block per `threads` of the (WORLD - 1) x rows x row_vecs remote stores, up to max_blocks
+    int blocks = row_blocks;
+    if (LAMPORT && !SENT && a.spread_sends) {
+      const int64_t stores = static_cast<int64_t>(WORLD - 1) * rows * row_vecs;
+      const int64_t wanted = (stores + threads - 1) / threads;
+      if (wanted > blocks) blocks = static_cast<int>(wanted < a.max_blocks ? wanted : a.max_blocks);
+    }
     auto kernel = per_thread <= 1   ? one_shot_add_rms_norm_kernel<T, WORLD, 1, LAMPORT, SENT>
                   : per_thread <= 2 ? one_shot_add_rms_norm_kernel<T, WORLD, 2, LAMPORT, SENT>
                                     : one_shot_add_rms_norm_kernel<T, WORLD, 4, LAMPORT, SENT>;
     launch_programmatic(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
                         "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps,
-                        half_vecs_of(a), g_end_barrier, slot_vecs_of(a));
+                        half_vecs_of(a), g_end_barrier, slot_vecs_of(a), blocks > row_blocks);
   };
   const bool lamport = takes_lamport(a, rows * row_vecs);
   if (a.sent) {

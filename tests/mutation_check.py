@@ -1019,6 +1019,19 @@ MUTATIONS += [
         gpus=2,
     ),
     Mutation(
+        "spread_fused_norm_writes_before_every_block_sent",
+        "csrc/custom_all_reduce.cu",
+        [
+            (
+                "while (load_acquire(&round.self->senders_done[b]) < gridDim.x) {",
+                "while (load_acquire(&round.self->senders_done[b]) < 0u) {",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_spread_fused_all_reduce_norm_matches_float64[2]"],
+        "a row's block writes its output over the message while other blocks may still be sending it",
+        gpus=2,
+    ),
+    Mutation(
         "all_reduce_norm_adds_the_residual_twice",
         "csrc/custom_all_reduce.cu",
         [

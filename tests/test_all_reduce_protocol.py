@@ -7,7 +7,11 @@ barriers into one half, the barrier-free calls over three receive buffers that e
 use, and the round counters every launch sets for every block (block 0 those of the blocks it did not launch); and the
 barrier-free calls whose message a GEMV sent before them (kGemvSend: a kernel of its own grid that stores each element
 into its slot of every rank's buffer of the coming round, its own rank's too, after which the all-reduce only waits
-and sums). Each rule's deliberate break fails it, as the tests at the bottom show."""
+and sums); and the barrier-free fused calls whose sends are spread over more blocks than the rows
+(FASTQWEN_ALLREDUCE_NORM_SPREAD: element i sent by block i % grid, row q summed by block q % owners, the result written
+in place over the message, so a row's block waits until every block has counted its sends done; the count of each
+receive buffer zeroed by the call after the one that used it). Each rule's deliberate break fails it, as the tests at
+the bottom show."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import pytest
 
 EMPTY = None  # an empty receive slot
 MAX_BLOCKS = 3
+ROW = 2  # elements a row of a spread call (one block sums a row)
 
 
 class Shared:
@@ -32,6 +37,8 @@ class Shared:
         self.round = [[0] * MAX_BLOCKS for _ in range(world)]
         self.third = [[0] * MAX_BLOCKS for _ in range(world)]
         self.received = [[0] * 3 for _ in range(world)]
+        self.senders_done = [[0] * 3 for _ in range(world)]  # [rank][receive buffer]: a spread call's blocks that sent
+        self.message = [[] for _ in range(world)]  # a spread call's data on each rank, summed in place
 
 
 def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total: list, rules, gemv_done=None):
@@ -43,13 +50,17 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
     k = s.round[r][b] + 1
     third = (s.third[r][b] + 1) % 3
     previous = (third + 2) % 3  # empty what the call before stored here (every block a share, both kinds)
+    if b == 0 and rules["zero_count"]:
+        s.senders_done[r][previous] = 0
     if rules["empty"]:
         for p in range(world):
             for i in range(b, s.received[r][previous], grid):
                 if p != r:
                     yield
                     s.receive[r][previous][p][i] = EMPTY
-    if kind in ("lamport", "sent"):
+    if kind == "spread":
+        yield from spread_program(s, r, b, grid, third, total, rules)
+    elif kind in ("lamport", "sent"):
         if kind == "lamport":  # ("sent": the GEMV before stored every slot, this rank's own too)
             for i in mine:
                 for p in range(world):
@@ -92,10 +103,45 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
     # end_round (and record_sent, block 0)
     s.round[r][b], s.third[r][b] = k, third
     if b == 0:
-        s.received[r][third] = n if kind in ("lamport", "sent") else 0
+        s.received[r][third] = n if kind in ("lamport", "sent", "spread") else 0
         if rules["absent_counters"]:
             for absent in range(grid, MAX_BLOCKS):
                 s.round[r][absent], s.third[r][absent] = k, third
+
+
+def spread_program(s: Shared, r: int, b: int, grid: int, third: int, total: list, rules):
+    """The spread fused call's part of block b: its share of the sends (element i by block i % grid), its count,
+    then the rows it owns (rows of ROW elements, row q by block q % owners, owners < grid when grid > 1): their sums,
+    written over the message once every block has counted."""
+    world, message = s.world, s.message[r]
+    n = len(message)
+    for i in range(b, n, grid):
+        yield
+        value = message[i]
+        for p in range(world):
+            if p != r:
+                yield
+                s.receive[p][third][r][i] = value
+    yield
+    s.senders_done[r][third] += 1
+    owners = max(1, grid - 1)
+    mine = [i for i in range(n) if (i // ROW) % owners == b]
+    sums = {}
+    for i in mine:
+        yield
+        acc = message[i]
+        for p in range(world):
+            if p != r:
+                while s.receive[r][third][p][i] is EMPTY:
+                    yield "wait"
+                yield
+                acc += s.receive[r][third][p][i]
+        sums[i] = acc
+    while mine and rules["wait_senders"] and s.senders_done[r][third] < grid:
+        yield "wait"
+    for i in mine:
+        yield
+        message[i] = total[i] = sums[i]
 
 
 def sending_gemv(s: Shared, r: int, b: int, grid: int, inputs, rules):
@@ -128,6 +174,8 @@ def rank_program(s: Shared, r: int, calls, results, rules, rng: random.Random):
         if kind == "sent":  # the GEMV's blocks, and beside them the all-reduce's (which starts early: PDL)
             gemv_grid = rng.randint(1, 4)
             blocks = [sending_gemv(s, r, b, gemv_grid, inputs, rules) for b in range(gemv_grid)]
+        if kind == "spread":
+            s.message[r] = list(inputs[r])
         gemv = list(blocks)
         done = lambda gemv=gemv, blocks=blocks: not any(g in blocks for g in gemv)  # noqa: E731
         blocks += [block_program(s, r, b, grid, kind, inputs, total, rules, done) for b in range(grid)]
@@ -179,6 +227,8 @@ KEPT = {
     "grids": True,
     "send_next": True,
     "own_after_gemv": True,
+    "wait_senders": True,
+    "zero_count": True,
 }
 
 
@@ -188,7 +238,14 @@ KEPT = {
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize(
     "kinds",
-    [["one_barrier"], ["lamport"], ["one_barrier", "lamport"], ["sent", "lamport", "one_barrier"], ["two_barriers"]],
+    [
+        ["one_barrier"],
+        ["lamport"],
+        ["one_barrier", "lamport"],
+        ["sent", "lamport", "one_barrier"],
+        ["two_barriers"],
+        ["spread", "lamport", "one_barrier"],
+    ],
 )
 def test_every_interleaving_sums_exactly(world, kinds):
     for seed in range(150):
@@ -208,6 +265,8 @@ def test_every_interleaving_sums_exactly(world, kinds):
         ({"send_next": False}, ["sent", "lamport"]),  # the GEMV sends into the last call's buffer
         ({"empty": False}, ["sent"]),  # nothing emptied: a sent call sums a peer's row of three calls before
         ({"own_after_gemv": False}, ["sent"]),  # its own row read before its GEMV ended: one of three calls before
+        ({"wait_senders": False}, ["spread"]),  # a row written in place before another block sent it: a sum sent
+        ({"zero_count": False}, ["spread"]),  # a count left from three calls before: the same, without the wait
     ],
 )
 def test_each_broken_rule_is_caught(broken, kinds):

@@ -106,6 +106,14 @@ def all_reduce_lamport() -> bool:
     return _flag("FASTQWEN_ALLREDUCE_LAMPORT", True)
 
 
+def all_reduce_norm_spread() -> bool:
+    """FASTQWEN_ALLREDUCE_NORM_SPREAD=1: the barrier-free fused all-reduce + norm spreads its remote stores over more
+    blocks than its rows (a block per 512 of them), instead of each row's block sending its whole row
+    (csrc/custom_all_reduce.cu). Off until measured (bench/tp_bench.py times both). Every rank reads the same
+    environment."""
+    return _flag("FASTQWEN_ALLREDUCE_NORM_SPREAD", False)
+
+
 def gemv_sends() -> bool:
     """FASTQWEN_GEMV_SENDS=1: under tensor parallelism on GPUs, a one-token o_proj or down GEMV stores its output
     straight into the ranks' receive buffers of the barrier-free all-reduce (csrc/gemv.h kGemvSend), and the fused
