@@ -4,7 +4,8 @@
 # Stages (default: all, in this order; each fits in one 10-minute device call):
 #   tests    build, pytest tests (GPU tests included)                       -> build.log, tests.log
 #   tests1, tests2  the same in two halves (the test files before test_m*, then the rest), one device call each
-#            (the whole suite no longer fits in one)                       -> tests1.log, tests2.log
+#            (the whole suite no longer fits in one; TESTS_TIMEOUT, default 480 s, as for tests)
+#                                                                           -> tests1.log, tests2.log
 #   testsubset  pytest on TEST_FILES (default: tests) with -k TESTS_K, limit TESTS_TIMEOUT (default 200 s)
 #   kernels  bench/bench_*.py (but bench_gemm_fp8.py, which saturated runs), bench/kernels.py (norms, RoPE/KV,
 #            decode and prefill attention, sampling)
@@ -128,7 +129,8 @@ stage_tests() {  # stage_tests [1|2]: the whole suite, or one half
   local files=(tests) log="$OUT/tests.log"
   [ -n "${1:-}" ] && { mapfile -t files < <(test_half "$1"); log="$OUT/tests$1.log"; }
   echo "== tests ${1:+(half $1: ${#files[@]} files)}"
-  FASTQWEN_RESULTS_DIR="$OUT" timeout 480 python3 -m pytest -v -rfEs --tb=short --durations=25 -p no:cacheprovider \
+  FASTQWEN_RESULTS_DIR="$OUT" timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest -v -rfEs --tb=short --durations=25 \
+    -p no:cacheprovider \
     "${files[@]}" > "$log" 2>&1
   local rc=$?
   echo "tests rc=$rc" | tee -a "$log"
