@@ -13,6 +13,10 @@ Variants (per shape and M):
                the scaling cuBLAS runs fastest; not the model's numerics (128x128 block scales have no per-tensor
                form), a bar for the GEMM alone. fp8_tensor_fast: the same with use_fast_accum (Hopper's faster,
                less precise accumulation, the per-tensor setting vLLM uses)
+  fp8_rowwise  torch._scaled_mm on the same weight bytes with a scale per token of x (quantized so) and one per
+               output row of W (ones here): the scaling a per-channel FP8 model would take (not the model's numerics,
+               as fp8_tensor); whether cuBLAS/CUTLASS runs it at the per-tensor speed decides whether an on-load
+               quantization with scales per output row could leave the block-scaled GEMM behind
   bf16         torch.matmul with the bf16 weight: cuBLAS's bf16 GEMM, what dense weights run
 Every variant's output is checked against a float32 reference of its own inputs before it is timed.
 
@@ -48,12 +52,19 @@ from fastqwen.ops.linear import FP8_MAX
 L2_BYTES = 50 * 1024 * 1024
 MIN_CALLS = 24  # calls per timed graph (bench_gemv.py's reason: the graph's start is shared among them)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the FP8 layers' projections (the LM head stays bf16)
-VARIANTS = ("engine", "quantize", "fp8_block", "fp8_tensor", "fp8_tensor_fast", "bf16")
+VARIANTS = ("engine", "quantize", "fp8_block", "fp8_tensor", "fp8_tensor_fast", "fp8_rowwise", "bf16")
 BATCHES = [16, 32, 64, 128, 256, 512]
 # A variant's result against its reference (relative Frobenius error) must stay under this; the engine's includes
 # the activations' rounding to e4m3 (the bar linear's own probe uses), the others only the output's rounding to bf16,
 # but for fast accumulation, whose narrower accumulator can lose more over K = 12,288 (its error is recorded).
-MAX_ERROR = {"engine": 0.1, "fp8_block": 0.01, "fp8_tensor": 0.01, "fp8_tensor_fast": 0.05, "bf16": 0.01}
+MAX_ERROR = {
+    "engine": 0.1,
+    "fp8_block": 0.01,
+    "fp8_tensor": 0.01,
+    "fp8_tensor_fast": 0.05,
+    "fp8_rowwise": 0.01,
+    "bf16": 0.01,
+}
 
 
 def gemm_work(variant: str, m: int, n: int, k: int) -> dict[str, int]:
@@ -70,6 +81,8 @@ def gemm_work(variant: str, m: int, n: int, k: int) -> dict[str, int]:
         return {"bytes": n * k + weight_scales + m * k + x_scales + out, "flops": flops}
     if variant in ("fp8_tensor", "fp8_tensor_fast"):
         return {"bytes": n * k + m * k + out, "flops": flops}
+    if variant == "fp8_rowwise":  # float32 scales: one per token, one per output row
+        return {"bytes": n * k + m * k + 4 * m + 4 * n + out, "flops": flops}
     if variant == "bf16":
         return {"bytes": 2 * n * k + 2 * m * k + out, "flops": flops}
     raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS}")
@@ -117,6 +130,11 @@ def variants_at(x: torch.Tensor, bf16: list, fp8: list) -> tuple[str, dict]:
     x_tensor = F.pad(x_tensor.view(torch.uint8), (0, 0, 0, padded - m)).view(torch.float8_e4m3fn)
     x_tensor_scale = (amax / FP8_MAX).float()
     one = torch.ones((), device=x.device)
+    row_amax = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # per token: amax / 448
+    x_row = (x.float() * (FP8_MAX / row_amax)).to(torch.float8_e4m3fn)
+    x_row = F.pad(x_row.view(torch.uint8), (0, 0, 0, padded - m)).view(torch.float8_e4m3fn)
+    x_row_scale = F.pad(row_amax / FP8_MAX, (0, 0, 0, padded - m), value=1.0).float()
+    w_row_scale = torch.ones(1, fp8[0].weight.shape[0], device=x.device)
     if not x.is_cuda:
         path = "linear_reference (no GPU)"
     elif gemv_kernel_applies(x, fp8[0]):
@@ -145,6 +163,12 @@ def variants_at(x: torch.Tensor, bf16: list, fp8: list) -> tuple[str, dict]:
     def tensor_reference():
         return (x_tensor[:m].float() * x_tensor_scale) @ fp8[0].weight.float().t()
 
+    def rowwise(w):
+        return torch._scaled_mm(x_row, w.weight.t(), x_row_scale, w_row_scale, out_dtype=torch.bfloat16)[:m]
+
+    def rowwise_reference():
+        return (x_row[:m].float() * x_row_scale[:m]) @ (fp8[0].weight.float() * w_row_scale.t()).t()
+
     return path, {
         "engine": (fp8, lambda w: linear(x, w), lambda: linear_reference(x, fp8[0])),
         "quantize": (fp8, lambda w: _quantize_for_gemm(x, padded), None),
@@ -155,6 +179,7 @@ def variants_at(x: torch.Tensor, bf16: list, fp8: list) -> tuple[str, dict]:
         ),
         "fp8_tensor": (fp8, tensor_scaled, tensor_reference),
         "fp8_tensor_fast": (fp8, lambda w: tensor_scaled(w, fast=True), tensor_reference),
+        "fp8_rowwise": (fp8, rowwise, rowwise_reference),
         "bf16": (bf16, lambda w: torch.matmul(x, w.t()), lambda: x.float() @ bf16[0].float().t()),
     }
 
@@ -209,7 +234,7 @@ def bench_shape(
             row[f"{name}_gbs"] = round(work["bytes"] / (us * 1e-6) / 1e9, 1)
             row[f"{name}_frac_copy"] = round(work["bytes"] / (us * 1e-6) / 1e9 / copy_gbs, 3)
             row[f"{name}_of_bound"] = round(bound_us(work, copy_gbs, rate) / us, 3)
-        for other in ("fp8_block", "fp8_tensor_fast", "bf16"):  # > 1: the engine is faster
+        for other in ("fp8_block", "fp8_tensor_fast", "fp8_rowwise", "bf16"):  # > 1: the engine is faster
             if "engine_us" in row and f"{other}_us" in row:
                 row[f"{other}_over_engine"] = round(row[f"{other}_us"] / row["engine_us"], 3)
         rows.append(row)

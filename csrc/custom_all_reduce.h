@@ -49,7 +49,8 @@ struct AllReduceArgs {
   // GEMV that computed it (gemv.h's kGemvSend), and data is only where the normalized rows go.
   bool sent = false;
   // custom_all_reduce_add_rms_norm, barrier-free and not sent: spread the sends over more blocks than the rows
-  // (a block per 512 of the (world - 1) x numel / 8 remote 16-byte stores, up to max_blocks). Every rank alike.
+  // (a block per block width, up to 512, of the (world - 1) x numel x element size / 16 remote 16-byte stores, up
+  // to max_blocks). Every rank alike.
   bool spread_sends = false;
 };
 

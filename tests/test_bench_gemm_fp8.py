@@ -30,8 +30,10 @@ def test_the_bytes_and_flops_of_qwen3_8b_projections_by_hand():
     assert gemm_work("bf16", 16, 24576, 4096) == {"bytes": 202_244_096, "flops": 3_221_225_472}
     # The quantizer on o_proj's input at M = 256: reads 2,097,152, writes 1,048,576 e4m3 and 256 x 32 scales 32,768.
     assert gemm_work("quantize", 256, 4096, 4096) == {"bytes": 3_178_496, "flops": 0}
+    # ... the row-scaled one adds a float32 scale per token (64) and per output row (6,144): 26,214,400 + 24,832.
+    assert gemm_work("fp8_rowwise", 64, 6144, 4096) == {"bytes": 26_239_232, "flops": 3_221_225_472}
     with pytest.raises(ValueError, match="unknown variant"):
-        gemm_work("fp8_rowwise", 16, 4096, 4096)
+        gemm_work("fp8_channel", 16, 4096, 4096)
     # Bound of qkv at M = 64 at 3,000 GB/s and 1,000 TFLOP/s: the bytes' 8.83 us, not the FLOPs' 3.22 us.
     assert bound_us(gemm_work("engine", 64, 6144, 4096), 3000, 1000) == pytest.approx(8.8276, abs=1e-4)
     assert bound_us({"bytes": 1_000_000, "flops": 10**13}, 3000, 1000) == pytest.approx(10_000)
@@ -58,12 +60,13 @@ def test_the_variants_compute_x_times_w():
     bf16, fp8 = weight_copies(256, 384, 2, "cpu")
     x = torch.randn(16, 384).to(torch.bfloat16)
     _, variants = variants_at(x, bf16, fp8)
-    assert set(variants) == {"engine", "quantize", "fp8_block", "fp8_tensor", "fp8_tensor_fast", "bf16"}
+    assert set(variants) == {"engine", "quantize", "fp8_block", "fp8_tensor", "fp8_tensor_fast", "fp8_rowwise", "bf16"}
     w8 = fp8[0].weight.float()  # the per-tensor GEMMs take the e4m3 bytes with a weight scale of 1
     independent = {
         "engine": x.float() @ fp8[0].dequantize().t(),
         "fp8_tensor": x.float() @ w8.t(),
         "fp8_tensor_fast": x.float() @ w8.t(),
+        "fp8_rowwise": x.float() @ w8.t(),  # (the weight's row scales are ones)
         "bf16": x.float() @ bf16[0].float().t(),
     }
     for name, want in independent.items():
