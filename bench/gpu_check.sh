@@ -23,6 +23,8 @@
 #   copyref  the one-token GEMVs and decode attention (64 x 4,096, one sequence of 16k to 128k) against the same copy
 #            reference                                     (README: gemv-one-token.md, decode-attention.md)
 #   prefill  bench/kernels.py's prefill cases only: every Hopper pipeline, bf16 and FP8 pools, against cuDNN and FA2
+#   prefillbar  issue 48's bar cases only (4k, 8k, 16k, 32k, 2k on 30k; bf16), the default against cuDNN and FA2 in
+#            PREFILL_ROUNDS (default 7) settled rounds                   -> prefill_bar.json
 #   verifyattention  bench/kernels.py's prefill rows at verify steps' shapes (4 or 6 new tokens on 128 to 8,192 cached):
 #            the Hopper kernel (what they run) against the tensor-core one and SDPA
 #   prefillprofile  Nsight Compute on one Hopper prefill launch and one of cuDNN's SDPA kernel, the same 16k causal
@@ -316,6 +318,14 @@ stage_testsubset() {  # the GPU tests a change touched, without the whole suite'
   pytest_report "$OUT/tests_subset.log"
 }
 
+stage_prefillbar() {  # issue 48's bar cases alone (4k, 8k, 16k, 32k, 2k on 30k; bf16), the default pipeline against
+  # cuDNN's and FlashAttention-2's SDPA in PREFILL_ROUNDS (default 7) settled rounds: a ratio within 0.05 of 1 moved
+  # between calls at 3 rounds (long-context.md)
+  run prefill_bar 240 python3 bench/kernels.py --ops prefill --kv-dtypes bf16 --iters 10 \
+    --prefill-cases 1:4096:0 1:8192:0 1:16384:0 1:32768:0 1:2048:30720 --prefill-variants 11 \
+    --prefill-rounds "${PREFILL_ROUNDS:-7}" --json "$OUT/prefill_bar.json"
+}
+
 stage_prefill() {  # issue 48: the prefill cases of bench/kernels.py, the Hopper pipelines PREFILL_VARIANTS (default:
   # static and dynamic ping-pong, the overlap with ping-pong, three stages; each with and without Q by the producer,
   # bit 4), bf16 and FP8 pools, with cuDNN's and FlashAttention-2's SDPA on the same shapes in the same run
@@ -596,7 +606,7 @@ for stage in $STAGES; do
     tests) stage_tests ;;
     tests1) stage_tests 1 ;;
     tests2) stage_tests 2 ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||
