@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ..config import GenerationDefaults
 from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
@@ -29,8 +31,7 @@ class EngineRequest:
     pooling: PoolingParams | None = None
 
 
-@dataclass
-class TokenLogprobs:
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     """The logprob of a sampled token and the most likely alternatives at that step, from the raw logits."""
 
     token: int
@@ -39,8 +40,7 @@ class TokenLogprobs:
     rank: int | None = None  # 1-based rank of `token` in its distribution, where computed (prompt logprobs)
 
 
-@dataclass
-class RequestDelta:
+class RequestDelta(msgspec.Struct, array_like=True, gc=False):
     """What one step did for one request."""
 
     rid: int
@@ -62,8 +62,7 @@ class RequestDelta:
         return self.finish_reason is not None
 
 
-@dataclass
-class StepOutput:
+class StepOutput(msgspec.Struct, array_like=True, gc=False):
     """One engine step: a delta for every request that advanced or finished."""
 
     deltas: list[RequestDelta]
