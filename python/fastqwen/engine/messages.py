@@ -12,8 +12,6 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import msgspec
-
 from ..config import GenerationDefaults
 from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
@@ -31,7 +29,8 @@ class EngineRequest:
     pooling: PoolingParams | None = None
 
 
-class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+@dataclass
+class TokenLogprobs:
     """The logprob of a sampled token and the most likely alternatives at that step, from the raw logits."""
 
     token: int
@@ -40,7 +39,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     rank: int | None = None  # 1-based rank of `token` in its distribution, where computed (prompt logprobs)
 
 
-class RequestDelta(msgspec.Struct, array_like=True, gc=False):
+@dataclass
+class RequestDelta:
     """What one step did for one request."""
 
     rid: int
@@ -62,7 +62,8 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False):
         return self.finish_reason is not None
 
 
-class StepOutput(msgspec.Struct, array_like=True, gc=False):
+@dataclass
+class StepOutput:
     """One engine step: a delta for every request that advanced or finished."""
 
     deltas: list[RequestDelta]
