@@ -260,7 +260,7 @@ for stage in $STAGES; do
       names+=,all_reduce_norm_composition_adds_the_residual_twice
       names+=,barrier_free_all_reduce_leaves_the_previous_buffer_full
       names+=,sent_all_reduce_takes_its_own_row_from_data,one_barrier_all_reduce_copies_into_one_half
-      names+=,spread_fused_norm_writes_before_every_block_sent
+      names+=,spread_fused_norm_takes_its_own_row_from_data,spread_own_slot_never_emptied
       # (sending_gemv_stores_into_the_last_rounds_buffer hangs its test's ranks into their 240 s deadline: MUTANTS=)
       names+=${MUTANTS:+,$MUTANTS}
       timeout "${MUTANTS_TIMEOUT:-300}" python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \

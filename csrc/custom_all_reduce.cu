@@ -30,11 +30,11 @@
 // slot included, and the fused all-reduce that follows (SENT) only waits for every slot and sums. The GEMV's blocks
 // store 16-bit elements, so a 32-bit word may hold one block's element before the other's: SENT waits until no
 // 16-bit element of a vector is empty. The rules above hold with the GEMV as the round's sending half: it runs after
-// the rank's round before has ended (the kernels between wait for it), and its round's buffer was emptied then. A
-// rank's own slot needs no emptying: the all-reduce reads it only after its wait for the GEMV, which has then stored
-// the whole row there (whatever an earlier round left). Everything else it may do before that wait (the GEMV touches
-// none of it): read the counters, empty the buffer before, and wait for the peers' rows, which then arrive while
-// this rank's GEMV still runs.
+// the rank's round before has ended (the kernels between wait for it), and its round's buffer was emptied then. The
+// all-reduce reads the rank's own slot only after its wait for the GEMV, which has then stored the whole row there.
+// Everything else it may do before that wait (the GEMV touches none of it): read the counters, empty the buffer
+// before, and wait for the peers' rows, which then arrive while this rank's GEMV still runs. (Rounds empty a rank's
+// own slot like the others: the fused kernel's spread rounds, below, send into it too and poll it.)
 //
 // The fused variant (one_shot_add_rms_norm_kernel) keeps the same barrier, halves and round counters; it gives each
 // block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
@@ -68,7 +68,6 @@ struct Signal {
   uint32_t round[kAllReduceMaxBlocks];
   uint32_t third[kAllReduceMaxBlocks];  // the receive buffer of the last round (0, 1, 2): round % 3 without the wrap
   uint32_t received[3];  // 16-byte vectors each sender stored into receive buffer b in the last round that used it
-  uint32_t senders_done[3];  // blocks of this rank's spread round on receive buffer b that have sent (spread_sends)
 };
 static_assert(sizeof(Signal) <= kAllReduceSignalBytes, "the signal area is too small");
 
@@ -88,10 +87,6 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* addr) {
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
   return v;
-}
-
-__device__ __forceinline__ void add_release_gpu(uint32_t* addr, uint32_t v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
 }
 
 // Every thread of the block must reach it. Threads 0..world-1 each signal one peer and wait for that peer's flag to
@@ -200,18 +195,17 @@ __device__ __forceinline__ uint4* receive_slot(uint4* area, int b, int p, int64_
 }
 
 // Every round, both kinds: empty what the round before stored into this rank's receive buffer (the one before b),
-// and (block 0, at the end) record how much this round stores into buffer b (sent_vecs; 0 for a barrier round).
+// every slot, this rank's own too (a spread round polls it), and (block 0, at the end) record how much this round
+// stores into buffer b (sent_vecs; 0 for a barrier round).
 template <int WORLD>
 __device__ __forceinline__ void empty_previous_buffer(const Peers& peers, int rank, int b, int64_t slot_vecs) {
   if (slot_vecs == 0) return;
   const int previous = (b + 2) % 3;
-  if (blockIdx.x == 0 && threadIdx.x == 0) peers.signal[rank]->senders_done[previous] = 0;  // (a spread round's)
   const int64_t n = peers.signal[rank]->received[previous];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n * WORLD; j += stride) {
-    const int p = static_cast<int>(j / n);
-    if (p != rank) receive_slot<WORLD>(peers.receive[rank], previous, p, slot_vecs)[j % n] = empty;
+    receive_slot<WORLD>(peers.receive[rank], previous, static_cast<int>(j / n), slot_vecs)[j % n] = empty;
   }
 }
 
@@ -316,8 +310,9 @@ __global__ void __launch_bounds__(512)
 // already (a GEMV sent it), and data is only the output.
 // spread (LAMPORT, not SENT): the grid has more blocks than rows, and the sends are spread over all of them (16-byte
 // vector j of the message by thread j of the grid), so that one row's (WORLD - 1) x row_vecs remote stores do not
-// all leave from one SM. A block then sends what another block sums and overwrites in place: every block counts
-// itself in senders_done once its sends are done, and a block writes its first output only when all have.
+// all leave from one SM. A block then sends what another block sums and overwrites in place, so the senders store
+// each vector into this rank's own slot too, and a row's block takes this rank's vectors from there, polling as for
+// the peers': it can only overwrite a vector of the message after its sender has read it.
 template <typename T, int WORLD, int VPT, bool LAMPORT, bool SENT = false>
 __global__ void __launch_bounds__(512)
     one_shot_add_rms_norm_kernel(Peers peers, int rank, uint4* data, uint4* residual, const uint4* __restrict__ weight,
@@ -360,23 +355,21 @@ __global__ void __launch_bounds__(512)
     griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   }
   if constexpr (LAMPORT && !SENT) {  // (no barrier: see the top of the file)
-    auto send = [&](int64_t j) {
+    auto send = [&](int64_t j, bool to_self) {
       const uint4 sent = as_sent<T>(data[j]);
 #pragma unroll
       for (int p = 0; p < WORLD; ++p) {
-        if (p != rank) store_volatile(receive_slot<WORLD>(peers.receive[p], b, rank, slot_vecs) + j, sent);
+        if (p != rank || to_self) store_volatile(receive_slot<WORLD>(peers.receive[p], b, rank, slot_vecs) + j, sent);
       }
     };
     if (spread) {
       const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
       for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < rows * row_vecs; j += stride) {
-        send(j);
+        send(j, true);
       }
-      __syncthreads();  // every thread's loads of data are done before the count says so
-      if (threadIdx.x == 0) add_release_gpu(&round.self->senders_done[b], 1);
     } else {
       for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-        for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) send(row * row_vecs + v);
+        for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) send(row * row_vecs + v, false);
       }
     }
   } else if constexpr (!LAMPORT) {
@@ -390,7 +383,7 @@ __global__ void __launch_bounds__(512)
   auto peer_vector = [&](int p, int64_t idx) -> uint4 {
     if constexpr (!LAMPORT) return peers.data[p][half + idx];
     if constexpr (SENT) return received_elements(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + idx);
-    if (p == rank) return as_sent<T>(data[idx]);
+    if (p == rank && !spread) return as_sent<T>(data[idx]);
     return received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + idx);
   };
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -436,13 +429,6 @@ __global__ void __launch_bounds__(512)
     }
     __syncthreads();  // block_sum's scratch still holds the previous row's partial sums until every warp has read them
     const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(row_vecs * kPer) + eps);
-    if (LAMPORT && !SENT && spread && row == blockIdx.x) {  // before the block's first store into data
-      if (threadIdx.x == 0) {
-        while (load_acquire(&round.self->senders_done[b]) < gridDim.x) {
-        }
-      }
-      __syncthreads();
-    }
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int v = threadIdx.x + i * blockDim.x;

@@ -1019,16 +1019,31 @@ MUTATIONS += [
         gpus=2,
     ),
     Mutation(
-        "spread_fused_norm_writes_before_every_block_sent",
+        "spread_fused_norm_takes_its_own_row_from_data",
         "csrc/custom_all_reduce.cu",
         [
             (
-                "while (load_acquire(&round.self->senders_done[b]) < gridDim.x) {",
-                "while (load_acquire(&round.self->senders_done[b]) < 0u) {",
+                "    if (p == rank && !spread) return as_sent<T>(data[idx]);",
+                "    if (p == rank) return as_sent<T>(data[idx]);",
             )
         ],
         ["tests/test_tensor_parallel_gpu.py::test_spread_fused_all_reduce_norm_matches_float64[2]"],
-        "a row's block writes its output over the message while other blocks may still be sending it",
+        "a spread round's row block reads this rank's row from the message, which it may overwrite before another "
+        "block has sent it",
+        gpus=2,
+    ),
+    Mutation(
+        "spread_own_slot_never_emptied",
+        "csrc/custom_all_reduce.cu",
+        [
+            (
+                "    receive_slot<WORLD>(peers.receive[rank], previous, static_cast<int>(j / n), slot_vecs)[j % n] = empty;",
+                "    if (j / n != rank) receive_slot<WORLD>(peers.receive[rank], previous, static_cast<int>(j / n), "
+                "slot_vecs)[j % n] = empty;",
+            )
+        ],
+        ["tests/test_tensor_parallel_gpu.py::test_spread_fused_all_reduce_norm_matches_float64[2]"],
+        "rounds empty only the peers' slots: a spread round sums this rank's row of three rounds before",
         gpus=2,
     ),
     Mutation(

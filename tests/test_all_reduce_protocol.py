@@ -9,9 +9,9 @@ barrier-free calls whose message a GEMV sent before them (kGemvSend: a kernel of
 into its slot of every rank's buffer of the coming round, its own rank's too, after which the all-reduce only waits
 and sums); and the barrier-free fused calls whose sends are spread over more blocks than the rows
 (FASTQWEN_ALLREDUCE_NORM_SPREAD: element i sent by block i % grid, row q summed by block q % owners, the result written
-in place over the message, so a row's block waits until every block has counted its sends done; the count of each
-receive buffer zeroed by the call after the one that used it). Each rule's deliberate break fails it, as the tests at
-the bottom show."""
+in place over the message, so the senders store each element into the rank's own slot too and a row's block takes
+the rank's elements from there, polling; every call empties the own slots with the others). Each rule's deliberate
+break fails it, as the tests at the bottom show."""
 
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ class Shared:
         self.round = [[0] * MAX_BLOCKS for _ in range(world)]
         self.third = [[0] * MAX_BLOCKS for _ in range(world)]
         self.received = [[0] * 3 for _ in range(world)]
-        self.senders_done = [[0] * 3 for _ in range(world)]  # [rank][receive buffer]: a spread call's blocks that sent
         self.message = [[] for _ in range(world)]  # a spread call's data on each rank, summed in place
 
 
@@ -50,12 +49,10 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
     k = s.round[r][b] + 1
     third = (s.third[r][b] + 1) % 3
     previous = (third + 2) % 3  # empty what the call before stored here (every block a share, both kinds)
-    if b == 0 and rules["zero_count"]:
-        s.senders_done[r][previous] = 0
     if rules["empty"]:
         for p in range(world):
             for i in range(b, s.received[r][previous], grid):
-                if p != r:
+                if p != r or rules["empty_own"]:
                     yield
                     s.receive[r][previous][p][i] = EMPTY
     if kind == "spread":
@@ -110,35 +107,32 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
 
 
 def spread_program(s: Shared, r: int, b: int, grid: int, third: int, total: list, rules):
-    """The spread fused call's part of block b: its share of the sends (element i by block i % grid), its count,
-    then the rows it owns (rows of ROW elements, row q by block q % owners, owners < grid when grid > 1): their sums,
-    written over the message once every block has counted."""
+    """The spread fused call's part of block b: its share of the sends (element i by block i % grid, into every
+    rank's buffer, its own too), then the rows it owns (rows of ROW elements, row q by block q % owners, owners <
+    grid when grid > 1): their sums, the rank's own elements taken from its own slot, written over the message."""
     world, message = s.world, s.message[r]
     n = len(message)
     for i in range(b, n, grid):
         yield
         value = message[i]
         for p in range(world):
-            if p != r:
-                yield
-                s.receive[p][third][r][i] = value
-    yield
-    s.senders_done[r][third] += 1
+            yield
+            s.receive[p][third][r][i] = value
     owners = max(1, grid - 1)
     mine = [i for i in range(n) if (i // ROW) % owners == b]
     sums = {}
     for i in mine:
-        yield
-        acc = message[i]
+        acc = 0
         for p in range(world):
-            if p != r:
-                while s.receive[r][third][p][i] is EMPTY:
-                    yield "wait"
+            if p == r and not rules["own_from_slot"]:
                 yield
-                acc += s.receive[r][third][p][i]
+                acc += message[i]
+                continue
+            while s.receive[r][third][p][i] is EMPTY:
+                yield "wait"
+            yield
+            acc += s.receive[r][third][p][i]
         sums[i] = acc
-    while mine and rules["wait_senders"] and s.senders_done[r][third] < grid:
-        yield "wait"
     for i in mine:
         yield
         message[i] = total[i] = sums[i]
@@ -227,8 +221,8 @@ KEPT = {
     "grids": True,
     "send_next": True,
     "own_after_gemv": True,
-    "wait_senders": True,
-    "zero_count": True,
+    "own_from_slot": True,
+    "empty_own": True,
 }
 
 
@@ -265,8 +259,9 @@ def test_every_interleaving_sums_exactly(world, kinds):
         ({"send_next": False}, ["sent", "lamport"]),  # the GEMV sends into the last call's buffer
         ({"empty": False}, ["sent"]),  # nothing emptied: a sent call sums a peer's row of three calls before
         ({"own_after_gemv": False}, ["sent"]),  # its own row read before its GEMV ended: one of three calls before
-        ({"wait_senders": False}, ["spread"]),  # a row written in place before another block sent it: a sum sent
-        ({"zero_count": False}, ["spread"]),  # a count left from three calls before: the same, without the wait
+        ({"own_from_slot": False}, ["spread"]),  # its own elements from the message: written before another block
+        # sent them, so a sum is sent
+        ({"empty_own": False}, ["spread"]),  # own slots never emptied: an element of three calls before is summed
     ],
 )
 def test_each_broken_rule_is_caught(broken, kinds):
