@@ -239,6 +239,7 @@ KEPT = {
         ["sent", "lamport", "one_barrier"],
         ["two_barriers"],
         ["spread", "lamport", "one_barrier"],
+        ["sent", "spread", "lamport"],
     ],
 )
 def test_every_interleaving_sums_exactly(world, kinds):
