@@ -229,7 +229,9 @@ for stage in $STAGES; do
           --json "$OUT/throughput_$1_tp$2_128x1024.json"
       done ;;
     tp4)  # issue 46 on a four-GPU machine: the TP tests at world 4, the all-reduce at 4 ranks, Qwen3-32B at TP=4
-      # TP4_PARTS: a subset of "tests allreduce latency4 latency1 throughput" (the default: all)
+      # TP4_PARTS: a subset of "tests allreduce latency4 latency1 throughput" (the default: all), and of
+      # "latency4separate latency4spread": TP=4 again with the all-reduce and the norm kernel apart
+      # (FASTQWEN_FUSED_ALLREDUCE_NORM=0), or with the fused kernel's sends spread (FASTQWEN_ALLREDUCE_NORM_SPREAD=1)
       parts=" ${TP4_PARTS:-tests allreduce latency4 latency1 throughput} "
       if [[ $parts == *" tests "* ]]; then  # the world-4 cases (the tests stage runs the TP=2 ones)
         FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
@@ -248,6 +250,13 @@ for stage in $STAGES; do
         [[ $parts == *" latency$tp "* ]] &&
           run "latency_32B_tp$tp" 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp "$tp" \
             --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp$tp.json"
+      done
+      for variant in separate spread; do
+        [[ $parts == *" latency4$variant "* ]] &&
+          FASTQWEN_FUSED_ALLREDUCE_NORM=$([ "$variant" = separate ] && echo 0 || echo 1) \
+            FASTQWEN_ALLREDUCE_NORM_SPREAD=$([ "$variant" = spread ] && echo 1 || echo 0) \
+            run "latency_32B_tp4_$variant" 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 4 \
+            --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp4_$variant.json"
       done
       [[ $parts == *" throughput "* ]] &&
         run throughput_32B_tp4_128x1024 300 python3 bench/throughput.py --model Qwen3-32B --load-format dummy --tp 4 \
