@@ -5,6 +5,10 @@ and nano-vllm publish), `fixed` = N requests of --input-len in / --output-len ou
 every request runs to its output length (ignore_eos). --hf adds Hugging Face transformers' static-batch generate
 on the first --hf-requests requests of the same workload as the baseline.
 
+The run's steps are accounted too (`steps` in the JSON): the time between one step's end and the next's charged to
+the later step, split into decode-only steps (every token computed is an output token) and steps with prefill work,
+with the decode-only steps' median: where the run's rate falls short of the batch over its decode step (issue 47).
+
     python bench/throughput.py --model Qwen3-8B --load-format dummy --workload random --num-prompts 256 [--json out]
     python bench/throughput.py --model Qwen3-8B --load-format dummy --workload fixed --num-prompts 1024 \
         --input-len 128 --output-len 1024
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import statistics
 import sys
 import time
 
@@ -32,6 +37,40 @@ def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
     else:
         ins, outs = [args.input_len] * args.num_prompts, [args.output_len] * args.num_prompts
     return [[rng.randrange(vocab) for _ in range(n)] for n in ins], outs
+
+
+def step_breakdown(start: float, steps: list[tuple[float, int, int]]) -> dict:
+    """steps: (end time, tokens computed, tokens output) of each engine step in order; start: when the run began (the
+    same clock). The time since the step before (or the start) is charged to each step: "decode_only" when it
+    computed no more tokens than it output, else "with_prefill"."""
+    kinds = {"decode_only": [0, 0.0, 0], "with_prefill": [0, 0.0, 0]}
+    decode_durations = []
+    last = start
+    for end, computed, output in steps:
+        kind = "with_prefill" if computed > output else "decode_only"
+        duration, last = end - last, end
+        kinds[kind][0] += 1
+        kinds[kind][1] += duration
+        kinds[kind][2] += output
+        if kind == "decode_only":
+            decode_durations.append(duration)
+    result = {name: {"steps": n, "seconds": round(s, 4), "output_tokens": t} for name, (n, s, t) in kinds.items()}
+    result["decode_step_median_ms"] = round(statistics.median(decode_durations) * 1e3, 3) if decode_durations else None
+    return result
+
+
+def recording_steps(engine) -> list[tuple[float, int, int]]:
+    """Wraps engine.step to append each StepOutput's (time, tokens computed, tokens output) to the returned list."""
+    steps: list[tuple[float, int, int]] = []
+    step = engine.step
+
+    def recorded():
+        out = step()
+        steps.append((out.time, out.num_tokens, sum(len(d.new_token_ids) for d in out.deltas)))
+        return out
+
+    engine.step = recorded
+    return steps
 
 
 def sync() -> None:
@@ -82,8 +121,9 @@ def main() -> int:
     prompts, outs = workload(args, llm.engine.config.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+    steps = recording_steps(llm.engine)
     sync()
-    start = time.perf_counter()
+    start, start_monotonic = time.perf_counter(), time.monotonic()  # (steps end on the monotonic clock)
     results = llm.generate(prompts, params, use_tqdm=False)
     sync()
     elapsed = time.perf_counter() - start
@@ -101,6 +141,7 @@ def main() -> int:
         "preemptions": llm.engine.scheduler.num_preemptions,
         "overlap": llm.engine.overlap,
         "steps_launched_ahead": llm.engine.num_ahead_steps,
+        "steps": step_breakdown(start_monotonic, steps),
     }
     del llm, results
     gc.collect()  # the engine's GPU memory must be gone before the baseline builds its own model
