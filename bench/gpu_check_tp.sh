@@ -18,8 +18,9 @@
 #               their rows themselves (FASTQWEN_GEMV_SENDS=1), one barrier a call for all
 #               (FASTQWEN_ALLREDUCE_LAMPORT=0), two barriers (and FASTQWEN_ALLREDUCE_END_BARRIER=1), the default
 #               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0), the fused kernel's sends
-#               spread over more blocks than its rows (spread, FASTQWEN_ALLREDUCE_NORM_SPREAD=1; not in the
-#               default list); then TP=1 with and without 5 (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1";
+#               spread over more blocks than its rows (spread, FASTQWEN_ALLREDUCE_NORM_SPREAD=1), the decode
+#               merge launching o_proj's GEMV first (mergefirst, FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST=1; neither in
+#               the default list); then TP=1 with and without 5 (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1";
 #               ARV_TP1_FIVE=" " none); the default, sends and spread run with --decode-profile (rank 0's kernel
 #               families per decode step)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
@@ -208,6 +209,7 @@ for stage in $STAGES; do
             FASTQWEN_GEMV_FIVE_ROWS=$([ "$variant" = fourorsix ] && echo 0 || echo 1) \
             FASTQWEN_GEMV_SENDS=$([ "$variant" = sends ] && echo 1 || echo 0) \
             FASTQWEN_ALLREDUCE_NORM_SPREAD=$([ "$variant" = spread ] && echo 1 || echo 0) \
+            FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST=$([ "$variant" = mergefirst ] && echo 1 || echo 0) \
             run "latency_32B_tp2_${quantization}_$variant" 150 python3 bench/latency.py --model Qwen3-32B \
             --load-format dummy --tp 2 --quantization "$quantization" --prompt-lens 128 --new-tokens 64 \
             $([ "$variant" = default ] || [ "$variant" = sends ] || [ "$variant" = spread ] && echo --decode-profile) --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"

@@ -422,6 +422,10 @@ PYBIND11_MODULE(_C, m) {
       "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def("set_paged_attention_decode_min_chunk", &fastqwen::set_paged_attention_decode_min_chunk, py::arg("kv_fp8"),
         py::arg("tokens"), "The shortest split-KV decode chunk, for benchmarks (set before planning).");
+  m.def("set_paged_attention_decode_merge_launches_first", &fastqwen::set_paged_attention_decode_merge_launches_first,
+        py::arg("enabled"),
+        "Whether the decode merge kernel lets o_proj's GEMV launch before it waits (read at launch); returns the "
+        "previous setting.");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),

@@ -104,6 +104,21 @@ MUTATIONS = [
         "the merge leaves out the last chunk's output (its weight still counts in the sum)",
     ),
     Mutation(
+        "decode_merge_launching_first_skips_its_wait",
+        DECODE,
+        [
+            (
+                "  griddep_wait();  // the chunks' results come from the decode kernel (see common.cuh)",
+                "  if (!launches_first) griddep_wait();",
+            )
+        ],
+        [
+            "tests/test_gemv_gpu.py::test_engine_with_programmatic_launch_is_bitwise_the_engine_without[none]",
+        ],
+        "a merge that launches o_proj's GEMV first stops waiting for the decode kernel: it may merge partial results "
+        "not yet written",
+    ),
+    Mutation(
         "decode_merge_equal_weights",
         DECODE,
         [

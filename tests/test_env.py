@@ -53,6 +53,7 @@ SWITCHES = [  # (variable, its reader, its default)
     ("FASTQWEN_GEMV_TENSOR_CORES", env.gemv_tensor_cores, True),
     ("FASTQWEN_GEMV_FIVE_ROWS", env.gemv_five_rows, True),
     ("FASTQWEN_GEMV_SENDS", env.gemv_sends, False),
+    ("FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST", env.decode_merge_launches_first, False),
 ]
 
 
