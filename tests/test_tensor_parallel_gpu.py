@@ -422,7 +422,8 @@ def test_one_barrier_fused_all_reduce_norm_matches_float64(world):
 
 
 # The barrier-free fused kernel's sends spread over more blocks than its rows (FASTQWEN_ALLREDUCE_NORM_SPREAD=1, off
-# by default): a block sends what another sums and then overwrites in place, so each waits for all the sends.
+# by default): a block sends what another sums and then overwrites in place, so a row's block takes the rank's own
+# vectors from its own receive slot, where their senders store them after reading them.
 SPREAD = {"FASTQWEN_ALLREDUCE_NORM_SPREAD": "1"}
 
 
