@@ -72,16 +72,8 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
             while rules["own_after_gemv"] and not gemv_done():
                 yield "wait"
         for i in mine:
-            acc = 0
-            for p in range(world):
-                if p == r and kind == "lamport":
-                    acc += inputs[r][i]
-                    continue
-                while s.receive[r][third][p][i] is EMPTY:
-                    yield "wait"
-                yield
-                acc += s.receive[r][third][p][i]
-            total[i] = acc
+            own = (lambda i=i: inputs[r][i]) if kind == "lamport" else None
+            total[i] = yield from sum_of_slots(s, r, third, i, own)
     else:
         end_barrier = kind == "two_barriers"
         half = 0 if end_barrier or not rules["halves"] else k % 2
@@ -106,6 +98,22 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
                 s.round[r][absent], s.third[r][absent] = k, third
 
 
+def sum_of_slots(s: Shared, r: int, third: int, i: int, own=None):
+    """Rank r's sum of element i over the senders' slots of its receive buffer `third`, in rank order, waiting for
+    each; own() (if given) is rank r's value, read instead of its own slot."""
+    acc = 0
+    for p in range(s.world):
+        if p == r and own is not None:
+            yield
+            acc += own()
+            continue
+        while s.receive[r][third][p][i] is EMPTY:
+            yield "wait"
+        yield
+        acc += s.receive[r][third][p][i]
+    return acc
+
+
 def spread_program(s: Shared, r: int, b: int, grid: int, third: int, total: list, rules):
     """The spread fused call's part of block b: its share of the sends (element i by block i % grid, into every
     rank's buffer, its own too), then the rows it owns (rows of ROW elements, row q by block q % owners, owners <
@@ -122,17 +130,8 @@ def spread_program(s: Shared, r: int, b: int, grid: int, third: int, total: list
     mine = [i for i in range(n) if (i // ROW) % owners == b]
     sums = {}
     for i in mine:
-        acc = 0
-        for p in range(world):
-            if p == r and not rules["own_from_slot"]:
-                yield
-                acc += message[i]
-                continue
-            while s.receive[r][third][p][i] is EMPTY:
-                yield "wait"
-            yield
-            acc += s.receive[r][third][p][i]
-        sums[i] = acc
+        own = None if rules["own_from_slot"] else (lambda i=i: message[i])
+        sums[i] = yield from sum_of_slots(s, r, third, i, own)
     for i in mine:
         yield
         message[i] = total[i] = sums[i]
