@@ -23,8 +23,6 @@
 #   copyref  the one-token GEMVs and decode attention (64 x 4,096, one sequence of 16k to 128k) against the same copy
 #            reference                                     (README: gemv-one-token.md, decode-attention.md)
 #   prefill  bench/kernels.py's prefill cases only: every Hopper pipeline, bf16 and FP8 pools, against cuDNN and FA2
-#   mergefirst  batch-1 TPOT (random Qwen3-8B, 128 and 1,024-token prompts, bf16 then FP8) with the decode merge
-#            launching o_proj's GEMV before its wait (FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST=1) and without, in turns
 #   prefillbar  issue 48's bar cases only (4k, 8k, 16k, 32k, 2k on 30k; bf16), the default against cuDNN and FA2 in
 #            PREFILL_ROUNDS (default 7) settled rounds                   -> prefill_bar.json
 #   verifyattention  bench/kernels.py's prefill rows at verify steps' shapes (4 or 6 new tokens on 128 to 8,192 cached):
@@ -320,20 +318,6 @@ stage_testsubset() {  # the GPU tests a change touched, without the whole suite'
   pytest_report "$OUT/tests_subset.log"
 }
 
-stage_mergefirst() {  # batch-1 TPOT of random Qwen3-8B with the decode merge launching o_proj's GEMV before its wait
-  # (FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST=1) against without, in turns, twice (off, on, off, on), bf16 then FP8
-  [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
-  for q in none fp8; do
-    for turn in 1 2; do
-      for first in 0 1; do
-        FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST=$first run "latency_8b_${q}_mergefirst${first}_$turn" 150 \
-          python3 bench/latency.py --model Qwen3-8B --load-format dummy --quantization "$q" --prompt-lens 128 1024 \
-          --new-tokens 64 --json "$OUT/latency_8b_${q}_mergefirst${first}_$turn.json"
-      done
-    done
-  done
-}
-
 stage_prefillbar() {  # issue 48's bar cases alone (4k, 8k, 16k, 32k, 2k on 30k; bf16), the default pipeline against
   # cuDNN's and FlashAttention-2's SDPA in PREFILL_ROUNDS (default 7) settled rounds: a ratio within 0.05 of 1 moved
   # between calls at 3 rounds (long-context.md)
@@ -622,7 +606,7 @@ for stage in $STAGES; do
     tests) stage_tests ;;
     tests1) stage_tests 1 ;;
     tests2) stage_tests 2 ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|mergefirst|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

@@ -4,8 +4,7 @@
 # Stages (default: tests allreduce latency fp8 throughput; each fits in one 10-minute device call):
 #   tests       build, pytest the tensor-parallel tests (GPU and CPU)                  -> build.log, tests.log
 #   allreduce   bench/tp_bench.py: custom all-reduce vs NCCL at decode sizes, and the all-reduce + fused_add_rms_norm
-#               against the all-reduce fused with the norm (its sends spread over more blocks or not), hidden 4096
-#               and 5120 in one run, and at one token each
+#               against the all-reduce fused with the norm, hidden 4096 and 5120 in one run, and at one token each
 #               row-parallel GEMV with the fused kernel after it, unsent and sending its rows; then one rank's GEMVs at
 #               the TP=2 shard shapes of Qwen3-8B and Qwen3-32B (bench/bench_gemv.py --tp 2; at one token also
 #               with blocks of 4, 5 and 6 weight rows forced)
@@ -17,12 +16,9 @@
 #               weights: no barrier for small messages (the default), the one-token o_proj / down GEMVs sending
 #               their rows themselves (FASTQWEN_GEMV_SENDS=1), one barrier a call for all
 #               (FASTQWEN_ALLREDUCE_LAMPORT=0), two barriers (and FASTQWEN_ALLREDUCE_END_BARRIER=1), the default
-#               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0), the fused kernel's sends
-#               spread over more blocks than its rows (spread, FASTQWEN_ALLREDUCE_NORM_SPREAD=1), the decode
-#               merge launching o_proj's GEMV first (mergefirst, FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST=1; neither in
-#               the default list); then TP=1 with and without 5 (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1";
-#               ARV_TP1_FIVE=" " none); the default, sends and spread run with --decode-profile (rank 0's kernel
-#               families per decode step)
+#               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0); then TP=1 with and without 5
+#               (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1"; ARV_TP1_FIVE=" " none); the default and
+#               sends run with --decode-profile (rank 0's kernel families per decode step)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
 #   throughput  128 in / 1024 out, 256 requests at once, Qwen3-32B and Qwen3-8B at TP=1 and TP=2 (THROUGHPUT_SPECS)
 #   mutants     tests/mutation_check.py's mutants that need two GPUs (the custom all-reduce, the fused all-reduce +
@@ -208,11 +204,9 @@ for stage in $STAGES; do
             FASTQWEN_ALLREDUCE_END_BARRIER=$([ "$variant" = endbarrier ] && echo 1 || echo 0) \
             FASTQWEN_GEMV_FIVE_ROWS=$([ "$variant" = fourorsix ] && echo 0 || echo 1) \
             FASTQWEN_GEMV_SENDS=$([ "$variant" = sends ] && echo 1 || echo 0) \
-            FASTQWEN_ALLREDUCE_NORM_SPREAD=$([ "$variant" = spread ] && echo 1 || echo 0) \
-            FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST=$([ "$variant" = mergefirst ] && echo 1 || echo 0) \
             run "latency_32B_tp2_${quantization}_$variant" 150 python3 bench/latency.py --model Qwen3-32B \
             --load-format dummy --tp 2 --quantization "$quantization" --prompt-lens 128 --new-tokens 64 \
-            $([ "$variant" = default ] || [ "$variant" = sends ] || [ "$variant" = spread ] && echo --decode-profile) --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
+            $([ "$variant" = default ] || [ "$variant" = sends ] && echo --decode-profile) --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"
         done
       done
       for five in ${ARV_TP1_FIVE:-1 0}; do
@@ -231,9 +225,9 @@ for stage in $STAGES; do
           --json "$OUT/throughput_$1_tp$2_128x1024.json"
       done ;;
     tp4)  # issue 46 on a four-GPU machine: the TP tests at world 4, the all-reduce at 4 ranks, Qwen3-32B at TP=4
-      # TP4_PARTS: a subset of "tests allreduce latency4 latency1 throughput" (the default: all), and of
-      # "latency4separate latency4spread": TP=4 again with the all-reduce and the norm kernel apart
-      # (FASTQWEN_FUSED_ALLREDUCE_NORM=0), or with the fused kernel's sends spread (FASTQWEN_ALLREDUCE_NORM_SPREAD=1)
+      # TP4_PARTS: a subset of "tests allreduce latency4 latency1 throughput" (the default: all), and
+      # "latency4separate": TP=4 again with the all-reduce and the norm kernel apart (FASTQWEN_FUSED_ALLREDUCE_NORM=0;
+      # at four ranks the fused kernel timed slower than the pair, eighteenth session)
       parts=" ${TP4_PARTS:-tests allreduce latency4 latency1 throughput} "
       if [[ $parts == *" tests "* ]]; then  # the world-4 cases (the tests stage runs the TP=2 ones)
         FASTQWEN_RESULTS_DIR="$OUT" timeout 400 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
@@ -242,7 +236,6 @@ for stage in $STAGES; do
           "tests/test_tensor_parallel_gpu.py::test_one_barrier_all_reduce_matches_the_sum_and_nccl[4]" \
           "tests/test_tensor_parallel_gpu.py::test_one_barrier_fused_all_reduce_norm_matches_float64[4]" \
           "tests/test_tensor_parallel_gpu.py::test_sending_gemv_feeds_the_fused_all_reduce[4]" \
-          "tests/test_tensor_parallel_gpu.py::test_spread_fused_all_reduce_norm_matches_float64[4]" \
           > "$OUT/tests_tp4.log" 2>&1 || rc=1
         pytest_report "$OUT/tests_tp4.log" 20
       fi
@@ -253,13 +246,9 @@ for stage in $STAGES; do
           run "latency_32B_tp$tp" 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp "$tp" \
             --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp$tp.json"
       done
-      for variant in separate spread; do
-        [[ $parts == *" latency4$variant "* ]] &&
-          FASTQWEN_FUSED_ALLREDUCE_NORM=$([ "$variant" = separate ] && echo 0 || echo 1) \
-            FASTQWEN_ALLREDUCE_NORM_SPREAD=$([ "$variant" = spread ] && echo 1 || echo 0) \
-            run "latency_32B_tp4_$variant" 240 python3 bench/latency.py --model Qwen3-32B --load-format dummy --tp 4 \
-            --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp4_$variant.json"
-      done
+      [[ $parts == *" latency4separate "* ]] &&
+        FASTQWEN_FUSED_ALLREDUCE_NORM=0 run latency_32B_tp4_separate 240 python3 bench/latency.py --model Qwen3-32B \
+          --load-format dummy --tp 4 --prompt-lens 128 --new-tokens 64 --json "$OUT/latency_32B_tp4_separate.json"
       [[ $parts == *" throughput "* ]] &&
         run throughput_32B_tp4_128x1024 300 python3 bench/throughput.py --model Qwen3-32B --load-format dummy --tp 4 \
           --workload fixed --num-prompts 256 --input-len 128 --output-len 1024 \
@@ -271,7 +260,6 @@ for stage in $STAGES; do
       names+=,all_reduce_norm_composition_adds_the_residual_twice
       names+=,barrier_free_all_reduce_leaves_the_previous_buffer_full
       names+=,sent_all_reduce_takes_its_own_row_from_data,one_barrier_all_reduce_copies_into_one_half
-      names+=,spread_fused_norm_takes_its_own_row_from_data,spread_own_slot_never_emptied
       # (sending_gemv_stores_into_the_last_rounds_buffer hangs its test's ranks into their 240 s deadline: MUTANTS=)
       names+=${MUTANTS:+,$MUTANTS}
       timeout "${MUTANTS_TIMEOUT:-300}" python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \

@@ -4,9 +4,7 @@ each timed as 100 calls replayed from one CUDA graph (as decode runs them), the 
 In the same run, what a decoder layer does after o_proj and down: the custom all-reduce followed by the separate
 fused_add_rms_norm kernel (what the engine runs for steps of more than 32 tokens) against the all-reduce fused with
 the residual add and RMSNorm (custom_all_reduce_add_rms_norm, the engine's choice up to 32 tokens unless
-FASTQWEN_FUSED_ALLREDUCE_NORM=0; timed here whatever it says), the same with its sends spread over more blocks than
-the rows (fused_spread, FASTQWEN_ALLREDUCE_NORM_SPREAD=1's path, on the barrier-free sizes), and the norm kernel alone
-for reference. Rows: batch 1..256, hidden 4096 (Qwen3-8B) and 5120 (Qwen3-32B).
+FASTQWEN_FUSED_ALLREDUCE_NORM=0; timed here whatever it says), and the norm kernel alone for reference. Rows: batch 1..256, hidden 4096 (Qwen3-8B) and 5120 (Qwen3-32B).
 
 Then, at one token, a row-parallel projection (o_proj and down at the shard shapes of Qwen3-8B / Qwen3-32B, bf16 and
 FP8 weights) with the all-reduce + norm after it, as a decoder layer runs them: the GEMV writing its output then the
@@ -95,33 +93,19 @@ def _rank(rank: int, world: int, port: int, hiddens: list[int], results) -> None
                 paths["custom"] = lambda: custom(x)
                 paths["custom_then_norm"] = lambda: ops.fused_add_rms_norm(custom(x), residual, weight, EPS)
             if custom is not None and custom.applies_with_norm(x, residual, weight):
-                paths["fused_norm"] = lambda: _fused(custom, x, residual, weight, spread=False)
-                if custom.lamport_bytes and x.numel() * x.element_size() <= custom.lamport_bytes:
-                    paths["fused_spread"] = lambda: _fused(custom, x, residual, weight, spread=True)
+                paths["fused_norm"] = lambda: custom.all_reduce_add_rms_norm(x, residual, weight, EPS)
             for name, call in paths.items():
                 row[f"{name}_us"] = _time_in_graph(group, call)
             if "custom_us" in row:
                 row["nccl_over_custom"] = round(row["nccl_us"] / row["custom_us"], 2)
             if "fused_norm_us" in row:
                 row["separate_over_fused"] = round(row["custom_then_norm_us"] / row["fused_norm_us"], 2)
-            if "fused_spread_us" in row:
-                row["fused_over_spread"] = round(row["fused_norm_us"] / row["fused_spread_us"], 2)
             rows.append(row)
     pairs = _projection_pairs(group, device, world, hiddens)
     group.barrier()
     if rank == 0:
         results.put((rows, pairs))
     group.close()
-
-
-def _fused(custom, x, residual, weight, spread: bool) -> None:
-    """The fused all-reduce + norm with its sends spread over more blocks than the rows or not
-    (FASTQWEN_ALLREDUCE_NORM_SPREAD's choice, timed here both ways whatever it says; read at launch, so at capture)."""
-    kept, custom.spread_sends = custom.spread_sends, spread
-    try:
-        custom.all_reduce_add_rms_norm(x, residual, weight, EPS)
-    finally:
-        custom.spread_sends = kept
 
 
 # hidden -> the preset whose row-parallel projections the pairs take (their inputs split over the ranks)
@@ -170,7 +154,7 @@ def _projection_pairs(group, device, world: int, hiddens: list[int]) -> list[dic
 
 def _table(rows: list[dict]) -> str:
     columns = ["hidden", "batch", "nccl_us", "custom_us", "norm_us", "custom_then_norm_us", "fused_norm_us"]
-    columns += ["separate_over_fused", "fused_spread_us", "fused_over_spread"]
+    columns.append("separate_over_fused")
     lines = ["  ".join(f"{c:>19}" for c in columns)]
     for row in rows:
         lines.append("  ".join(f"{row.get(c, '-')!s:>19}" for c in columns))

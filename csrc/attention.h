@@ -53,13 +53,6 @@ void paged_attention_decode(const DecodeArgs& args);
 // set; 0 sets the default). For benchmarks that compare chunk lengths: set it before planning, never between a plan and its decode.
 void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens);
 
-// true: the split chunks' merge kernel lets the kernel after it (o_proj's GEMV) launch before it waits for the decode
-// kernel, so the GEMV's blocks sit on the SMs and stream their first weights while attention runs, as after a norm
-// (common.cuh's exception; the GEMVs read only weights before their wait). false (the default until measured): the
-// merge launches it only after its wait, so the GEMV starts once attention has ended. Read at launch (a CUDA graph
-// keeps what was set when it was captured). Returns the previous setting.
-bool set_paged_attention_decode_merge_launches_first(bool enabled);
-
 // Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed: sequence b's tokens
 // are rows query_start[b] .. query_start[b + 1] (int32 [B + 1]) of q, the last tokens of its kv_lens[b] cached tokens
 // (already written to the cache), so the causal mask is aligned to the end. max_query_len bounds query_start[b + 1]

@@ -12,7 +12,6 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <utility>
 
 #include "attention.h"
 #include "common.cuh"
@@ -42,7 +41,6 @@ constexpr int kMinChunkFp8 = 4 * kMinChunk;
 constexpr float kLog2e = 1.4426950408889634f;
 // The minimum chunks in use, [kv_fp8]: the constants above unless a benchmark set others (see attention.h).
 int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
-bool g_merge_launches_first = false;  // set_paged_attention_decode_merge_launches_first()
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
@@ -417,16 +415,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 
 // out[b, h] = the chunks' outputs weighted by 2^(lse - max lse), normalized; single-chunk sequences were written
 // directly by the decode kernel.
-// launches_first: the kernel after it may launch at once (attention.h, set_paged_attention_decode_merge_launches_first).
 template <typename T>
 __global__ void merge_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                             const int* __restrict__ split_offsets, T* __restrict__ out, int num_heads,
-                             bool launches_first) {
+                             const int* __restrict__ split_offsets, T* __restrict__ out, int num_heads) {
   const int b = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
   const int first = split_offsets[b], n = split_offsets[b + 1] - first;  // the plan came before the layers
-  if (launches_first) griddep_launch_dependents();  // o_proj's GEMV streams its weights during the attention
-  griddep_wait();  // the chunks' results come from the decode kernel (see common.cuh)
-  if (!launches_first) griddep_launch_dependents();  // o_proj's GEMV may start streaming its weights
+  griddep_wait();               // the chunks' results come from the decode kernel (see common.cuh)
+  griddep_launch_dependents();  // o_proj's GEMV may start streaming its weights
   if (n <= 1) return;
   // One round trip to L2 whatever the number of chunks (a loop of loads would wait for each in turn, and holding all
   // 32 in registers would halve the blocks in flight of a large batch): each thread prefetches its dim of every
@@ -480,7 +475,7 @@ void launch(const Params& p, cudaStream_t stream) {
   }
   launch_programmatic(merge_kernel<T>, dim3(static_cast<unsigned>(p.batch * p.num_heads)), dim3(kD), 0, stream,
                       "paged_attention_decode merge launch", p.part_out, p.part_lse, p.split_offsets,
-                      static_cast<T*>(p.out), p.num_heads, g_merge_launches_first);
+                      static_cast<T*>(p.out), p.num_heads);
 }
 
 }  // namespace
@@ -495,10 +490,6 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
       reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
       g_min_chunk[kv_fp8 ? 1 : 0]);
   cuda_check_launch("paged_attention_decode_plan launch");
-}
-
-bool set_paged_attention_decode_merge_launches_first(bool enabled) {
-  return std::exchange(g_merge_launches_first, enabled);
 }
 
 void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens) {

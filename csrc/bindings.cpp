@@ -261,8 +261,7 @@ void export_contracts(py::module_& m) {
       .def_readwrite("weight", &fq::AllReduceArgs::weight)
       .def_readwrite("hidden", &fq::AllReduceArgs::hidden)
       .def_readwrite("eps", &fq::AllReduceArgs::eps)
-      .def_readwrite("sent", &fq::AllReduceArgs::sent)
-      .def_readwrite("spread_sends", &fq::AllReduceArgs::spread_sends);
+      .def_readwrite("sent", &fq::AllReduceArgs::sent);
   py::class_<fq::SampleArgs>(m, "SampleArgs", "Arguments of sample (csrc/sampling.h).")
       .def(py::init<>())
       .def_readwrite("logits", &fq::SampleArgs::logits)
@@ -422,10 +421,6 @@ PYBIND11_MODULE(_C, m) {
       "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def("set_paged_attention_decode_min_chunk", &fastqwen::set_paged_attention_decode_min_chunk, py::arg("kv_fp8"),
         py::arg("tokens"), "The shortest split-KV decode chunk, for benchmarks (set before planning).");
-  m.def("set_paged_attention_decode_merge_launches_first", &fastqwen::set_paged_attention_decode_merge_launches_first,
-        py::arg("enabled"),
-        "Whether the decode merge kernel lets o_proj's GEMV launch before it waits (read at launch); returns the "
-        "previous setting.");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),

@@ -63,8 +63,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 //     by the time it starts). One exception: the RMSNorm kernels (norm.cu) launch their dependents first, so the
 //     kernel after a norm may start while the kernel before the norm still runs. It must read nothing but the
 //     weights before its wait; the projections' GEMVs keep to that, and a PDL kernel added after a norm must too.
-//     The decode merge kernel does the same when set_paged_attention_decode_merge_launches_first (attention.h) says
-//     so: what follows it is o_proj's projection.
 // So when a kernel starts, the kernel before it has passed its wait, and every kernel before that one has completed:
 // what they wrote (the step's inputs, the decode plan, the weights) may be read before griddep_wait().
 __device__ __forceinline__ void griddep_wait() {

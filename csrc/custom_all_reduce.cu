@@ -30,11 +30,11 @@
 // slot included, and the fused all-reduce that follows (SENT) only waits for every slot and sums. The GEMV's blocks
 // store 16-bit elements, so a 32-bit word may hold one block's element before the other's: SENT waits until no
 // 16-bit element of a vector is empty. The rules above hold with the GEMV as the round's sending half: it runs after
-// the rank's round before has ended (the kernels between wait for it), and its round's buffer was emptied then. The
-// all-reduce reads the rank's own slot only after its wait for the GEMV, which has then stored the whole row there.
-// Everything else it may do before that wait (the GEMV touches none of it): read the counters, empty the buffer
-// before, and wait for the peers' rows, which then arrive while this rank's GEMV still runs. (Rounds empty a rank's
-// own slot like the others: the fused kernel's spread rounds, below, send into it too and poll it.)
+// the rank's round before has ended (the kernels between wait for it), and its round's buffer was emptied then. A
+// rank's own slot needs no emptying: the all-reduce reads it only after its wait for the GEMV, which has then stored
+// the whole row there (whatever an earlier round left). Everything else it may do before that wait (the GEMV touches
+// none of it): read the counters, empty the buffer before, and wait for the peers' rows, which then arrive while
+// this rank's GEMV still runs.
 //
 // The fused variant (one_shot_add_rms_norm_kernel) keeps the same barrier, halves and round counters; it gives each
 // block whole rows (tokens), so that after summing a row it can add the residual and normalize the row in the block.
@@ -195,8 +195,7 @@ __device__ __forceinline__ uint4* receive_slot(uint4* area, int b, int p, int64_
 }
 
 // Every round, both kinds: empty what the round before stored into this rank's receive buffer (the one before b),
-// every slot, this rank's own too (a spread round polls it), and (block 0, at the end) record how much this round
-// stores into buffer b (sent_vecs; 0 for a barrier round).
+// and (block 0, at the end) record how much this round stores into buffer b (sent_vecs; 0 for a barrier round).
 template <int WORLD>
 __device__ __forceinline__ void empty_previous_buffer(const Peers& peers, int rank, int b, int64_t slot_vecs) {
   if (slot_vecs == 0) return;
@@ -205,7 +204,8 @@ __device__ __forceinline__ void empty_previous_buffer(const Peers& peers, int ra
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n * WORLD; j += stride) {
-    receive_slot<WORLD>(peers.receive[rank], previous, static_cast<int>(j / n), slot_vecs)[j % n] = empty;
+    const int p = static_cast<int>(j / n);
+    if (p != rank) receive_slot<WORLD>(peers.receive[rank], previous, p, slot_vecs)[j % n] = empty;
   }
 }
 
@@ -308,16 +308,11 @@ __global__ void __launch_bounds__(512)
 // norm.cu's rms_norm_kernel<FUSED>, rounding where they round (and with their thread layout, so the sum of squares
 // is reduced in the same order). SENT (with LAMPORT): every rank's row, this rank's too, is in the receive buffer
 // already (a GEMV sent it), and data is only the output.
-// spread (LAMPORT, not SENT): the grid has more blocks than rows, and the sends are spread over all of them (16-byte
-// vector j of the message by thread j of the grid), so that one row's (WORLD - 1) x row_vecs remote stores do not
-// all leave from one SM. A block then sends what another block sums and overwrites in place, so the senders store
-// each vector into this rank's own slot too, and a row's block takes this rank's vectors from there, polling as for
-// the peers': it can only overwrite a vector of the message after its sender has read it.
 template <typename T, int WORLD, int VPT, bool LAMPORT, bool SENT = false>
 __global__ void __launch_bounds__(512)
     one_shot_add_rms_norm_kernel(Peers peers, int rank, uint4* data, uint4* residual, const uint4* __restrict__ weight,
                                  int64_t rows, int row_vecs, float eps, int64_t half_vecs, bool end_barrier,
-                                 int64_t slot_vecs, bool spread) {
+                                 int64_t slot_vecs) {
   using P = Pack<T, 16 / sizeof(T)>;
   constexpr int kPer = 16 / sizeof(T);
   P w[VPT];  // the norm's weight (the weights may be read before the wait); its loads complete under the barrier
@@ -355,21 +350,13 @@ __global__ void __launch_bounds__(512)
     griddep_launch_dependents();  // the next projection's GEMV may start streaming its weights
   }
   if constexpr (LAMPORT && !SENT) {  // (no barrier: see the top of the file)
-    auto send = [&](int64_t j, bool to_self) {
-      const uint4 sent = as_sent<T>(data[j]);
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+      for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) {
+        const uint4 sent = as_sent<T>(data[row * row_vecs + v]);
 #pragma unroll
-      for (int p = 0; p < WORLD; ++p) {
-        if (p != rank || to_self) store_volatile(receive_slot<WORLD>(peers.receive[p], b, rank, slot_vecs) + j, sent);
-      }
-    };
-    if (spread) {
-      const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-      for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < rows * row_vecs; j += stride) {
-        send(j, true);
-      }
-    } else {
-      for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-        for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) send(row * row_vecs + v, false);
+        for (int p = 0; p < WORLD; ++p) {
+          if (p != rank) store_volatile(receive_slot<WORLD>(peers.receive[p], b, rank, slot_vecs) + row * row_vecs + v, sent);
+        }
       }
     }
   } else if constexpr (!LAMPORT) {
@@ -383,7 +370,7 @@ __global__ void __launch_bounds__(512)
   auto peer_vector = [&](int p, int64_t idx) -> uint4 {
     if constexpr (!LAMPORT) return peers.data[p][half + idx];
     if constexpr (SENT) return received_elements(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + idx);
-    if (p == rank && !spread) return as_sent<T>(data[idx]);
+    if (p == rank) return as_sent<T>(data[idx]);
     return received_vector(receive_slot<WORLD>(peers.receive[rank], b, p, slot_vecs) + idx);
   };
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -494,7 +481,7 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
   int threads = (row_vecs + 31) / 32 * 32;
   threads = threads > 512 ? 512 : threads;
   const int per_thread = (row_vecs + threads - 1) / threads;
-  const int row_blocks = static_cast<int>(rows < a.max_blocks ? rows : a.max_blocks);
+  const int blocks = static_cast<int>(rows < a.max_blocks ? rows : a.max_blocks);
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   auto* data = reinterpret_cast<uint4*>(a.data);
   auto* residual = reinterpret_cast<uint4*>(a.residual);
@@ -503,19 +490,12 @@ void launch_add_rms_norm(const Peers& peers, const AllReduceArgs& a) {
   // (the barrier-free path is a template argument: as a runtime flag it cost the barrier kernels registers)
   auto launch_with = [&](auto lamport, auto sent) {
     constexpr bool LAMPORT = decltype(lamport)::value, SENT = decltype(sent)::value;
-    // spread_sends: a block per `threads` of the (WORLD - 1) x rows x row_vecs remote stores, up to max_blocks
-    int blocks = row_blocks;
-    if (LAMPORT && !SENT && a.spread_sends) {
-      const int64_t stores = static_cast<int64_t>(WORLD - 1) * rows * row_vecs;
-      const int64_t wanted = (stores + threads - 1) / threads;
-      if (wanted > blocks) blocks = static_cast<int>(wanted < a.max_blocks ? wanted : a.max_blocks);
-    }
     auto kernel = per_thread <= 1   ? one_shot_add_rms_norm_kernel<T, WORLD, 1, LAMPORT, SENT>
                   : per_thread <= 2 ? one_shot_add_rms_norm_kernel<T, WORLD, 2, LAMPORT, SENT>
                                     : one_shot_add_rms_norm_kernel<T, WORLD, 4, LAMPORT, SENT>;
     launch_programmatic(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0, stream,
                         "custom_all_reduce_add_rms_norm", peers, a.rank, data, residual, weight, rows, row_vecs, eps,
-                        half_vecs_of(a), g_end_barrier, slot_vecs_of(a), blocks > row_blocks);
+                        half_vecs_of(a), g_end_barrier, slot_vecs_of(a));
   };
   const bool lamport = takes_lamport(a, rows * row_vecs);
   if (a.sent) {

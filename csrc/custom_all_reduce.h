@@ -48,10 +48,6 @@ struct AllReduceArgs {
   // custom_all_reduce_add_rms_norm only: this rank's message is in the receive buffers already, stored there by the
   // GEMV that computed it (gemv.h's kGemvSend), and data is only where the normalized rows go.
   bool sent = false;
-  // custom_all_reduce_add_rms_norm, barrier-free and not sent: spread the sends over more blocks than the rows
-  // (a block per block width, up to 512, of the (world - 1) x numel x element size / 16 remote 16-byte stores, up
-  // to max_blocks). Every rank alike.
-  bool spread_sends = false;
 };
 
 // Where a GEMV whose output is the next all-reduce's message stores it (gemv.h's kGemvSend): straight into its slot of

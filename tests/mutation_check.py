@@ -104,21 +104,6 @@ MUTATIONS = [
         "the merge leaves out the last chunk's output (its weight still counts in the sum)",
     ),
     Mutation(
-        "decode_merge_launching_first_skips_its_wait",
-        DECODE,
-        [
-            (
-                "  griddep_wait();  // the chunks' results come from the decode kernel (see common.cuh)",
-                "  if (!launches_first) griddep_wait();",
-            )
-        ],
-        [
-            "tests/test_gemv_gpu.py::test_engine_with_programmatic_launch_is_bitwise_the_engine_without[none]",
-        ],
-        "a merge that launches o_proj's GEMV first stops waiting for the decode kernel: it may merge partial results "
-        "not yet written",
-    ),
-    Mutation(
         "decode_merge_equal_weights",
         DECODE,
         [
@@ -1031,34 +1016,6 @@ MUTATIONS += [
         ],
         ["tests/test_tensor_parallel_gpu.py::test_custom_all_reduce_matches_the_sum_and_nccl[2]"],
         "the receive buffers are never emptied: three rounds on, a rank sums what a peer sent back then",
-        gpus=2,
-    ),
-    Mutation(
-        "spread_fused_norm_takes_its_own_row_from_data",
-        "csrc/custom_all_reduce.cu",
-        [
-            (
-                "    if (p == rank && !spread) return as_sent<T>(data[idx]);",
-                "    if (p == rank) return as_sent<T>(data[idx]);",
-            )
-        ],
-        ["tests/test_tensor_parallel_gpu.py::test_spread_fused_all_reduce_norm_matches_float64[2]"],
-        "a spread round's row block reads this rank's row from the message, which it may overwrite before another "
-        "block has sent it",
-        gpus=2,
-    ),
-    Mutation(
-        "spread_own_slot_never_emptied",
-        "csrc/custom_all_reduce.cu",
-        [
-            (
-                "    receive_slot<WORLD>(peers.receive[rank], previous, static_cast<int>(j / n), slot_vecs)[j % n] = empty;",
-                "    if (j / n != rank) receive_slot<WORLD>(peers.receive[rank], previous, static_cast<int>(j / n), "
-                "slot_vecs)[j % n] = empty;",
-            )
-        ],
-        ["tests/test_tensor_parallel_gpu.py::test_spread_fused_all_reduce_norm_matches_float64[2]"],
-        "rounds empty only the peers' slots: a spread round sums this rank's row of three rounds before",
         gpus=2,
     ),
     Mutation(

@@ -7,11 +7,7 @@ barriers into one half, the barrier-free calls over three receive buffers that e
 use, and the round counters every launch sets for every block (block 0 those of the blocks it did not launch); and the
 barrier-free calls whose message a GEMV sent before them (kGemvSend: a kernel of its own grid that stores each element
 into its slot of every rank's buffer of the coming round, its own rank's too, after which the all-reduce only waits
-and sums); and the barrier-free fused calls whose sends are spread over more blocks than the rows
-(FASTQWEN_ALLREDUCE_NORM_SPREAD: element i sent by block i % grid, row q summed by block q % owners, the result written
-in place over the message, so the senders store each element into the rank's own slot too and a row's block takes
-the rank's elements from there, polling; every call empties the own slots with the others). Each rule's deliberate
-break fails it, as the tests at the bottom show."""
+and sums). Each rule's deliberate break fails it, as the tests at the bottom show."""
 
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ import pytest
 
 EMPTY = None  # an empty receive slot
 MAX_BLOCKS = 3
-ROW = 2  # elements a row of a spread call (one block sums a row)
 
 
 class Shared:
@@ -37,7 +32,6 @@ class Shared:
         self.round = [[0] * MAX_BLOCKS for _ in range(world)]
         self.third = [[0] * MAX_BLOCKS for _ in range(world)]
         self.received = [[0] * 3 for _ in range(world)]
-        self.message = [[] for _ in range(world)]  # a spread call's data on each rank, summed in place
 
 
 def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total: list, rules, gemv_done=None):
@@ -52,12 +46,10 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
     if rules["empty"]:
         for p in range(world):
             for i in range(b, s.received[r][previous], grid):
-                if p != r or rules["empty_own"]:
+                if p != r:
                     yield
                     s.receive[r][previous][p][i] = EMPTY
-    if kind == "spread":
-        yield from spread_program(s, r, b, grid, third, total, rules)
-    elif kind in ("lamport", "sent"):
+    if kind in ("lamport", "sent"):
         if kind == "lamport":  # ("sent": the GEMV before stored every slot, this rank's own too)
             for i in mine:
                 for p in range(world):
@@ -72,8 +64,16 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
             while rules["own_after_gemv"] and not gemv_done():
                 yield "wait"
         for i in mine:
-            own = (lambda i=i: inputs[r][i]) if kind == "lamport" else None
-            total[i] = yield from sum_of_slots(s, r, third, i, own)
+            acc = 0
+            for p in range(world):
+                if p == r and kind == "lamport":
+                    acc += inputs[r][i]
+                    continue
+                while s.receive[r][third][p][i] is EMPTY:
+                    yield "wait"
+                yield
+                acc += s.receive[r][third][p][i]
+            total[i] = acc
     else:
         end_barrier = kind == "two_barriers"
         half = 0 if end_barrier or not rules["halves"] else k % 2
@@ -92,49 +92,10 @@ def block_program(s: Shared, r: int, b: int, grid: int, kind: str, inputs, total
     # end_round (and record_sent, block 0)
     s.round[r][b], s.third[r][b] = k, third
     if b == 0:
-        s.received[r][third] = n if kind in ("lamport", "sent", "spread") else 0
+        s.received[r][third] = n if kind in ("lamport", "sent") else 0
         if rules["absent_counters"]:
             for absent in range(grid, MAX_BLOCKS):
                 s.round[r][absent], s.third[r][absent] = k, third
-
-
-def sum_of_slots(s: Shared, r: int, third: int, i: int, own=None):
-    """Rank r's sum of element i over the senders' slots of its receive buffer `third`, in rank order, waiting for
-    each; own() (if given) is rank r's value, read instead of its own slot."""
-    acc = 0
-    for p in range(s.world):
-        if p == r and own is not None:
-            yield
-            acc += own()
-            continue
-        while s.receive[r][third][p][i] is EMPTY:
-            yield "wait"
-        yield
-        acc += s.receive[r][third][p][i]
-    return acc
-
-
-def spread_program(s: Shared, r: int, b: int, grid: int, third: int, total: list, rules):
-    """The spread fused call's part of block b: its share of the sends (element i by block i % grid, into every
-    rank's buffer, its own too), then the rows it owns (rows of ROW elements, row q by block q % owners, owners <
-    grid when grid > 1): their sums, the rank's own elements taken from its own slot, written over the message."""
-    world, message = s.world, s.message[r]
-    n = len(message)
-    for i in range(b, n, grid):
-        yield
-        value = message[i]
-        for p in range(world):
-            yield
-            s.receive[p][third][r][i] = value
-    owners = max(1, grid - 1)
-    mine = [i for i in range(n) if (i // ROW) % owners == b]
-    sums = {}
-    for i in mine:
-        own = None if rules["own_from_slot"] else (lambda i=i: message[i])
-        sums[i] = yield from sum_of_slots(s, r, third, i, own)
-    for i in mine:
-        yield
-        message[i] = total[i] = sums[i]
 
 
 def sending_gemv(s: Shared, r: int, b: int, grid: int, inputs, rules):
@@ -167,8 +128,6 @@ def rank_program(s: Shared, r: int, calls, results, rules, rng: random.Random):
         if kind == "sent":  # the GEMV's blocks, and beside them the all-reduce's (which starts early: PDL)
             gemv_grid = rng.randint(1, 4)
             blocks = [sending_gemv(s, r, b, gemv_grid, inputs, rules) for b in range(gemv_grid)]
-        if kind == "spread":
-            s.message[r] = list(inputs[r])
         gemv = list(blocks)
         done = lambda gemv=gemv, blocks=blocks: not any(g in blocks for g in gemv)  # noqa: E731
         blocks += [block_program(s, r, b, grid, kind, inputs, total, rules, done) for b in range(grid)]
@@ -220,8 +179,6 @@ KEPT = {
     "grids": True,
     "send_next": True,
     "own_after_gemv": True,
-    "own_from_slot": True,
-    "empty_own": True,
 }
 
 
@@ -231,15 +188,7 @@ KEPT = {
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize(
     "kinds",
-    [
-        ["one_barrier"],
-        ["lamport"],
-        ["one_barrier", "lamport"],
-        ["sent", "lamport", "one_barrier"],
-        ["two_barriers"],
-        ["spread", "lamport", "one_barrier"],
-        ["sent", "spread", "lamport"],
-    ],
+    [["one_barrier"], ["lamport"], ["one_barrier", "lamport"], ["sent", "lamport", "one_barrier"], ["two_barriers"]],
 )
 def test_every_interleaving_sums_exactly(world, kinds):
     for seed in range(150):
@@ -259,9 +208,6 @@ def test_every_interleaving_sums_exactly(world, kinds):
         ({"send_next": False}, ["sent", "lamport"]),  # the GEMV sends into the last call's buffer
         ({"empty": False}, ["sent"]),  # nothing emptied: a sent call sums a peer's row of three calls before
         ({"own_after_gemv": False}, ["sent"]),  # its own row read before its GEMV ended: one of three calls before
-        ({"own_from_slot": False}, ["spread"]),  # its own elements from the message: written before another block
-        # sent them, so a sum is sent
-        ({"empty_own": False}, ["spread"]),  # own slots never emptied: an element of three calls before is summed
     ],
 )
 def test_each_broken_rule_is_caught(broken, kinds):

@@ -49,11 +49,9 @@ SWITCHES = [  # (variable, its reader, its default)
     ("FASTQWEN_FUSED_ALLREDUCE_NORM", env.fused_all_reduce_norm, True),
     ("FASTQWEN_ALLREDUCE_END_BARRIER", env.all_reduce_end_barrier, False),
     ("FASTQWEN_ALLREDUCE_LAMPORT", env.all_reduce_lamport, True),
-    ("FASTQWEN_ALLREDUCE_NORM_SPREAD", env.all_reduce_norm_spread, False),
     ("FASTQWEN_GEMV_TENSOR_CORES", env.gemv_tensor_cores, True),
     ("FASTQWEN_GEMV_FIVE_ROWS", env.gemv_five_rows, True),
     ("FASTQWEN_GEMV_SENDS", env.gemv_sends, False),
-    ("FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST", env.decode_merge_launches_first, False),
 ]
 
 

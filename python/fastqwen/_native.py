@@ -34,7 +34,6 @@ def native() -> ModuleType | None:
                         _C.set_programmatic_launch(env.programmatic_launch())
                         _C.set_gemv_tensor_cores(env.gemv_tensor_cores())
                         _C.set_gemv_five_rows(env.gemv_five_rows())
-                        _C.set_paged_attention_decode_merge_launches_first(env.decode_merge_launches_first())
                         if hasattr(_C, "set_all_reduce_end_barrier"):  # (built with the custom all-reduce)
                             _C.set_all_reduce_end_barrier(env.all_reduce_end_barrier())
                 except Exception as e:  # ImportError, or a broken/ABI-mismatched .so

@@ -106,21 +106,6 @@ def all_reduce_lamport() -> bool:
     return _flag("FASTQWEN_ALLREDUCE_LAMPORT", True)
 
 
-def all_reduce_norm_spread() -> bool:
-    """FASTQWEN_ALLREDUCE_NORM_SPREAD=1: the barrier-free fused all-reduce + norm spreads its remote stores over more
-    blocks than its rows (a block per 512 of them), instead of each row's block sending its whole row
-    (csrc/custom_all_reduce.cu). Off until measured (bench/tp_bench.py times both). Every rank reads the same
-    environment."""
-    return _flag("FASTQWEN_ALLREDUCE_NORM_SPREAD", False)
-
-
-def decode_merge_launches_first() -> bool:
-    """FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST=1: the decode attention's merge kernel lets o_proj's GEMV launch before it
-    waits for the decode kernel, so the GEMV streams its first weights while attention runs (csrc/attention.h). Off
-    until measured: at batch 1 the merge launched the GEMV only once attention had ended."""
-    return _flag("FASTQWEN_DECODE_MERGE_LAUNCHES_FIRST", False)
-
-
 def gemv_sends() -> bool:
     """FASTQWEN_GEMV_SENDS=1: under tensor parallelism on GPUs, a one-token o_proj or down GEMV stores its output
     straight into the ranks' receive buffers of the barrier-free all-reduce (csrc/gemv.h kGemvSend), and the fused

@@ -14,8 +14,7 @@ make the same calls in the same order (the engine's ranks run the same steps).
 RMSNorm of ops.fused_add_rms_norm, per row, in the same kernel (the rows' sums never leave it). Its numbers are those
 of `__call__` followed by fused_add_rms_norm; ParallelGroup.all_reduce_add_rms_norm decides when it runs. With
 FASTQWEN_GEMV_SENDS=1 the one-token GEMV before it may store its output into the receive buffers itself
-(`send_target`, ops.linear_send), and `all_reduce_add_rms_norm(..., sent=True)` then only waits and sums. With
-FASTQWEN_ALLREDUCE_NORM_SPREAD=1 (`spread_sends`) its barrier-free sends leave from more blocks than the rows.
+(`send_target`, ops.linear_send), and `all_reduce_add_rms_norm(..., sent=True)` then only waits and sums.
 """
 
 from __future__ import annotations
@@ -62,8 +61,6 @@ class CustomAllReduce:
         self._args.capacity_bytes = self.max_bytes
         self._args.lamport_bytes = self.lamport_bytes
         self._args.max_blocks = _BLOCKS
-        # all_reduce_add_rms_norm's barrier-free sends over more blocks than its rows (read at each launch)
-        self.spread_sends = env.all_reduce_norm_spread()
         # Where a sending GEMV stores its output (made here, before any CUDA graph is captured); None: no GEMV sends.
         self.send_target: int | None = None
         self._send_target_memory = None
@@ -140,7 +137,6 @@ class CustomAllReduce:
         args.data, args.numel, args.dtype, args.stream = x.data_ptr(), x.numel(), dtype_code(x.dtype), stream_of(x)
         args.residual, args.weight, args.hidden, args.eps = residual.data_ptr(), weight.data_ptr(), x.shape[-1], eps
         args.sent = sent
-        args.spread_sends = self.spread_sends and not sent
         native().custom_all_reduce_add_rms_norm(args)
         return x, residual
 
