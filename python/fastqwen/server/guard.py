@@ -121,7 +121,9 @@ class RequestGuard:
                 return
             if not message.get("more_body", False):
                 break
-        if _MAYBE_SURROGATE.search(body):
+        # (the two substring tests find nothing in most bodies at memchr speed: a 32k-token prompt's 238 KB of
+        # digits took 1.2 ms of the regex, on the way to its first token)
+        if (b"\\u" in body or b"\xed" in body) and _MAYBE_SURROGATE.search(body):
             where = await asyncio.to_thread(_undecodable_field, bytes(body))
             if where is not None:
                 param = where.split(".", 1)[0]
