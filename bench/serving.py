@@ -32,6 +32,10 @@ import time
 
 import httpx
 
+# Bodies are JSON encoded before a request's clock starts (a 32k-token prompt takes 2.6 ms of json.dumps here):
+# TTFT counts from the request's first byte, not from the client's encoding.
+JSON_HEADERS = {"content-type": "application/json"}
+
 
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
@@ -111,8 +115,9 @@ async def _stream_completions(http: httpx.AsyncClient, model: str, prompt: list[
     }
     chunks: list[tuple[float, int]] = []
     usage = None
+    payload = json.dumps(body).encode()  # (encoded before the clock starts: the client's work, not the server's)
     start = time.perf_counter()
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    async with http.stream("POST", "/v1/completions", content=payload, headers=JSON_HEADERS) as response:
         if response.status_code != 200:
             return {"ok": False, "status": response.status_code, "error": (await response.aread()).decode()[:200]}
         async for now, event in _events(response):
@@ -145,8 +150,9 @@ async def _stream_generate(http: httpx.AsyncClient, prompt: list[int], output_le
     }
     chunks: list[tuple[float, int]] = []
     meta = None
+    payload = json.dumps(body).encode()
     start = time.perf_counter()
-    async with http.stream("POST", "/generate", json=body) as response:
+    async with http.stream("POST", "/generate", content=payload, headers=JSON_HEADERS) as response:
         if response.status_code != 200:
             return {"ok": False, "status": response.status_code, "error": (await response.aread()).decode()[:200]}
         async for now, event in _events(response):
