@@ -3,9 +3,9 @@
 #   bash bench/gpu_check.sh OUTDIR [STAGE ...]
 # Stages (default: all, in this order; each fits in one 10-minute device call):
 #   tests    build, pytest tests (GPU tests included)                       -> build.log, tests.log
-#   tests1, tests2  the same in two halves (the test files before test_m*, then the rest), one device call each
-#            (the whole suite no longer fits in one; TESTS_TIMEOUT, default 480 s, as for tests)
-#                                                                           -> tests1.log, tests2.log
+#   tests1 .. tests4  the same in four parts by file name (test_a..d, test_e..l, test_m..r, test_s..z), one device
+#            call each (the whole suite no longer fits in one; TESTS_TIMEOUT, default 480 s, as for tests)
+#                                                                           -> tests1.log .. tests4.log
 #   testsubset  pytest on TEST_FILES (default: tests) with -k TESTS_K, limit TESTS_TIMEOUT (default 200 s)
 #   kernels  bench/bench_*.py (but bench_gemm_fp8.py, which saturated runs), bench/kernels.py (norms, RoPE/KV,
 #            decode and prefill attention, sampling)
@@ -118,19 +118,22 @@ run() {  # run NAME TIMEOUT CMD...: logs to OUT/NAME.log, records a failure in b
   [ "$rc" -eq 0 ] || bench_rc=$rc
 }
 
-# The suite outgrew one call (2026-11-28: 67% in 480 s on an H100), so it runs in two halves of files, each in its
-# own call; -v names every test as it finishes, so a run its timeout cuts short still says which ones failed.
-test_half() {  # test_half 1|2: the test files before test_m*, or the rest
-  local f
+# The suite outgrew one call (2026-11-28: 67% in 480 s on an H100), and then its halves did (the second half took
+# 440 s, the first reached test_engine_core in 215 s), so it runs in four parts of files, each in its own call; -v
+# names every test as it finishes, so a run its timeout cuts short still says which ones failed.
+TEST_PART_STARTS=(test_a test_e test_m test_s)  # part k: the files from its start to the next part's
+test_part() {  # test_part 1..4: that part's test files
+  local f name first="${TEST_PART_STARTS[$(($1 - 1))]}" next="${TEST_PART_STARTS[$1]:-test_~}"
   for f in tests/test_*.py; do
-    if [[ "$(basename "$f")" < test_m ]]; then [ "$1" = 1 ] && echo "$f"; else [ "$1" = 2 ] && echo "$f"; fi
+    name="$(basename "$f")"
+    if [[ ! "$name" < "$first" && "$name" < "$next" ]]; then echo "$f"; fi
   done
 }
-stage_tests() {  # stage_tests [1|2]: the whole suite, or one half
+stage_tests() {  # stage_tests [1..4]: the whole suite, or one part
   build
   local files=(tests) log="$OUT/tests.log"
-  [ -n "${1:-}" ] && { mapfile -t files < <(test_half "$1"); log="$OUT/tests$1.log"; }
-  echo "== tests ${1:+(half $1: ${#files[@]} files)}"
+  [ -n "${1:-}" ] && { mapfile -t files < <(test_part "$1"); log="$OUT/tests$1.log"; }
+  echo "== tests ${1:+(part $1: ${#files[@]} files)}"
   FASTQWEN_RESULTS_DIR="$OUT" timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest -v -rfEs --tb=short --durations=25 \
     -p no:cacheprovider \
     "${files[@]}" > "$log" 2>&1
@@ -606,6 +609,8 @@ for stage in $STAGES; do
     tests) stage_tests ;;
     tests1) stage_tests 1 ;;
     tests2) stage_tests 2 ;;
+    tests3) stage_tests 3 ;;
+    tests4) stage_tests 4 ;;
     testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
