@@ -142,11 +142,11 @@ class RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # afterwards only http.disconnect can come
 
-        def watch(message):  # (returns send's awaitable: a coroutine less per message of every stream)
+        async def watch(message):
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-            return send(message)
+            await send(message)
 
         try:
             await self.app(scope, replay, watch)

@@ -43,10 +43,10 @@ class RequestIdMiddleware:
         if self.served_by is not None:
             headers.append(self.served_by)
 
-        def send_with_id(message):  # (returns send's awaitable: a coroutine less per message of every stream)
+        async def send_with_id(message):
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *headers]}
-            return send(message)
+            await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
