@@ -6,6 +6,8 @@
 #   tests1 .. tests4  the same in four parts by file name (test_a..d, test_e..l, test_m..r, test_s..z), one device
 #            call each (the whole suite no longer fits in one; TESTS_TIMEOUT, default 480 s, as for tests)
 #                                                                           -> tests1.log .. tests4.log
+#   gputests  every test marked gpu (`pytest -m gpu tests`: those that skip without a GPU; the rest also run in CI),
+#            one call (TESTS_TIMEOUT, default 480 s)                      -> gputests.log
 #   testsubset  pytest on TEST_FILES (default: tests) with -k TESTS_K, limit TESTS_TIMEOUT (default 200 s)
 #   kernels  bench/bench_*.py (but bench_gemm_fp8.py, which saturated runs), bench/kernels.py (norms, RoPE/KV,
 #            decode and prefill attention, sampling)
@@ -142,6 +144,18 @@ stage_tests() {  # stage_tests [1..4]: the whole suite, or one part
   [ "$rc" -eq 0 ] || tests_rc=$rc
   grep -E " (FAILED|ERROR) +\[" "$log" | cut -c1-200 | head -n 40
   pytest_report "$log"
+}
+
+stage_gputests() {  # the tests that only a GPU runs, in one call (the whole suite takes four)
+  build
+  echo "== tests marked gpu"
+  FASTQWEN_RESULTS_DIR="$OUT" timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest -v -rfEs --tb=short --durations=25 \
+    -p no:cacheprovider -m gpu tests > "$OUT/gputests.log" 2>&1
+  local rc=$?
+  echo "tests rc=$rc" | tee -a "$OUT/gputests.log"
+  [ "$rc" -eq 0 ] || tests_rc=$rc
+  grep -E " (FAILED|ERROR) +\[" "$OUT/gputests.log" | cut -c1-200 | head -n 40
+  pytest_report "$OUT/gputests.log"
 }
 
 stage_kernels() {
@@ -611,6 +625,7 @@ for stage in $STAGES; do
     tests2) stage_tests 2 ;;
     tests3) stage_tests 3 ;;
     tests4) stage_tests 4 ;;
+    gputests) stage_gputests ;;
     testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||

@@ -162,9 +162,14 @@ def test_the_reference_makes_what_the_host_makes(q, synthetic):
     check_chain(x, args[0], q, args[3], expected)
 
 
-gpu = pytest.mark.skipif(
+_skip_without_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and verify_chain_kernel_applies(torch.device("cuda"))), reason="needs a CUDA GPU"
 )
+
+
+def gpu(test):
+    """Marked gpu (what `-m gpu` selects: gpu_check.sh's gputests) and skipped without one."""
+    return pytest.mark.gpu(_skip_without_gpu(test))
 
 
 @gpu
