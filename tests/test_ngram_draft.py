@@ -45,14 +45,9 @@ def test_cpu_op_writes_drafts_counts_and_padding():
     assert drafts.tolist() == [[1, 2], [-1, -1], [-1, -1]] and counts.tolist() == [2, 0, 0]
 
 
-_skip_without_gpu = pytest.mark.skipif(
+gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and ngram_draft_kernel_applies(torch.device("cuda"))), reason="needs a CUDA GPU"
 )
-
-
-def gpu(test):
-    """Marked gpu (what `-m gpu` selects: gpu_check.sh's gputests) and skipped without one."""
-    return pytest.mark.gpu(_skip_without_gpu(test))
 
 
 @pytest.mark.gpu

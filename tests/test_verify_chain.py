@@ -162,16 +162,12 @@ def test_the_reference_makes_what_the_host_makes(q, synthetic):
     check_chain(x, args[0], q, args[3], expected)
 
 
-_skip_without_gpu = pytest.mark.skipif(
+gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and verify_chain_kernel_applies(torch.device("cuda"))), reason="needs a CUDA GPU"
 )
 
 
-def gpu(test):
-    """Marked gpu (what `-m gpu` selects: gpu_check.sh's gputests) and skipped without one."""
-    return pytest.mark.gpu(_skip_without_gpu(test))
-
-
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("synthetic", [None, 2.0, 2.75])
 @pytest.mark.parametrize("q", [2, 4, 9])
@@ -317,6 +313,7 @@ def test_a_chain_is_not_started_for_what_the_kernel_cannot_do(checkpoint, monkey
     assert llm.engine.num_chained_steps == 0
 
 
+@pytest.mark.gpu
 @gpu
 def test_chained_steps_on_the_gpu_draw_what_the_host_launches_draw(tmp_path, monkeypatch):
     """On the GPU (the kernel, the verify CUDA graphs, the CUDA sampler): greedy and seeded sampled requests through
