@@ -13,6 +13,8 @@
 #            decode and prefill attention, sampling)
 #   offline  bench/latency.py and bench/throughput.py, random Qwen3-8B and Qwen3-0.6B, with the HF baseline
 #            (= the stages latency, then throughput)
+#   latency  offline's first half: bench/latency.py (batch-1 TPOT, TTFT) and profile_step.py at batch 1 and 256
+#   throughput  offline's second half: bench/throughput.py (random and 128/1,024 workloads)
 #   serving  the HTTP server: batch-1 latency through HTTP, bench/serving.py at concurrency 1/8/64/256
 #   compare  bench/profile_step.py at batch 1 and 256 for this tree and for BASE_TREE (an older tree), same run
 #   structured  the structured-output GPU tests, then bench/structured.py (random Qwen3-8B, Qwen3's tokenizer, 64 in
