@@ -1,7 +1,7 @@
 """The GPU machines' scripts (bench/gpu_check.sh, bench/gpu_check_tp.sh) are only run on a device, where a mistake
 costs device time: here, on the CPU, they parse, every stage their header names has a case that runs it (and every
-case is named there), every stage function the shared case calls exists, and the suite's four parts (tests1..4)
-hold every test file exactly once."""
+case is named there), every stage function the shared case calls exists, the suite's four parts (tests1..4)
+hold every test file exactly once, and the mutants gpu_check_tp.sh names exist in tests/mutation_check.py."""
 
 from __future__ import annotations
 
@@ -80,3 +80,15 @@ def test_the_suites_four_parts_hold_every_test_file_once():
     files = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
     assert sorted(f for _, f in seen) == files  # each file once
     assert {k for k, _ in seen} == {"1", "2", "3", "4"}  # and no part empty
+
+
+def test_the_mutants_the_scripts_name_exist():
+    from mutation_check import MUTATIONS
+
+    known = {m.name for m in MUTATIONS}
+    text = read("gpu_check_tp.sh")
+    named = set()
+    for m in re.finditer(r"^\s+names\+?=,?([a-z0-9_,]+)$", text, flags=re.M):
+        named.update(n for n in m.group(1).split(",") if n)
+    assert named, "gpu_check_tp.sh's mutants stage names none"
+    assert named <= known, f"not in tests/mutation_check.py: {sorted(named - known)}"
