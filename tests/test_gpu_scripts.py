@@ -1,7 +1,7 @@
-"""The GPU machines' scripts (bench/gpu_check.sh, bench/gpu_check_tp.sh) are only run on a device, where a mistake
-costs device time: here, on the CPU, they (and every bench/*.sh) parse, every stage their header names has a case that runs it (and every
-case is named there), every stage function the shared case calls exists, the suite's four parts (tests1..4)
-hold every test file exactly once, and the mutants gpu_check_tp.sh names exist in tests/mutation_check.py."""
+"""The GPU machines' scripts are only run on a device, where a mistake costs device time. Here, on the CPU: every
+bench/*.sh parses; every stage the headers of bench/gpu_check.sh and bench/gpu_check_tp.sh list has a case that runs
+it (and every case is listed); every stage function the shared case calls exists; the suite's four parts (tests1..4)
+hold every test file exactly once; and the mutants gpu_check_tp.sh names exist in tests/mutation_check.py."""
 
 from __future__ import annotations
 
