@@ -22,6 +22,14 @@ streamed text's length / 5, however the server groups tokens into events.
     python bench/frontend_rate.py --model /tmp/qwen3-8b-dummy --replicas 2 --concurrency 512 --duration 20 \
         [--profile /tmp/server.prof]
 
+--ttft-lens N ... measures instead what the HTTP path adds to the time to first token by prompt length: one request
+at a time (no --concurrency load), --ttft-repeats of each length, each a prompt of N random token ids with max_tokens
+1, its body JSON encoded before the clock starts; the synthetic core answers at once (--step-ms 0 unless given), so
+the median TTFT per length is the front end's and the sockets' work (issue 48: the 32k prompt's TTFT was 10 ms more
+through HTTP than offline).
+
+    python bench/frontend_rate.py --model /tmp/qwen3-8b-dummy --replicas 1 --ttft-lens 16 4096 32768
+
 --profile writes a cProfile of the server process (event loop and core reader threads merged) for pstats (one front
 end only). --api-servers N runs the server with --api-server-count N: N front-end processes, each a client of every
 synthetic core; on a machine with fewer free cores than front ends plus the client, the delivered rate says little
@@ -37,6 +45,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -292,6 +301,55 @@ def client(argv: list[str]) -> int:
     return 0
 
 
+def ttft_by_length(port: int, lens: list[int], repeats: int, vocab: int) -> dict:
+    """Median (and every) TTFT in ms of one-token completions of each prompt length, one request at a time, after a
+    warm-up request of each length; each request's prompt_tokens from the stream's usage (the lengths measured)."""
+    import httpx
+
+    rng = random.Random(0)
+    rows = []
+    with httpx.Client(timeout=120) as http:
+
+        def one(n: int) -> tuple[float, int]:
+            body = {
+                "prompt": [rng.randrange(vocab) for _ in range(n)],
+                "max_tokens": 1,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            payload = json.dumps(body).encode()  # (before the clock: the client's work)
+            first, usage, start = None, None, time.perf_counter()
+            with http.stream(
+                "POST", f"http://127.0.0.1:{port}/v1/completions", content=payload,
+                headers={"content-type": "application/json"},
+            ) as response:  # fmt: skip
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if first is None and any(c.get("text") for c in event.get("choices") or ()):
+                        first = time.perf_counter()
+                    usage = event.get("usage") or usage
+            if first is None or usage is None:
+                raise RuntimeError(f"a {n}-token request streamed no text or no usage")
+            return (first - start) * 1e3, usage["prompt_tokens"]
+
+        for n in lens:
+            one(n)  # warm-up
+            runs = [one(n) for _ in range(repeats)]
+            rows.append(
+                {
+                    "prompt_tokens": n,
+                    "ttft_ms": statistics.median(t for t, _ in runs),
+                    "runs_ms": [round(t, 3) for t, _ in runs],
+                    "prompt_tokens_seen": sorted({p for _, p in runs}),
+                }
+            )
+    return {"ttft_by_length": rows}
+
+
 # ---- the driver ----------------------------------------------------------------------------------------------------
 
 
@@ -315,9 +373,15 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=256, help="each core's running requests at most")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window")
     p.add_argument("--duration", type=float, default=20.0, help="seconds measured")
+    p.add_argument(
+        "--ttft-lens", type=int, nargs="+", help="measure TTFT by prompt length instead (one request at a time)"
+    )
+    p.add_argument("--ttft-repeats", type=int, default=21, help="requests of each --ttft-lens length")
     p.add_argument("--profile", help="write the server's cProfile here (slows it: compare shares, not rates)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
+    if args.ttft_lens and "--step-ms" not in sys.argv:
+        args.step_ms = 0.0  # the synthetic core answers at once: the TTFT is the front end's
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import httpx
@@ -332,7 +396,8 @@ def main() -> int:
         FRONTEND_RATE_MAX_BATCH=str(args.max_batch),
         FRONTEND_RATE_PROFILE=args.profile or "",
     )
-    serve_args = ["--model", args.model, "--load-format", "dummy", "--port", str(port), "--max-model-len", "4096"]
+    max_len = max(4096, max(args.ttft_lens or [0]) + 64)
+    serve_args = ["--model", args.model, "--load-format", "dummy", "--port", str(port), "--max-model-len", str(max_len)]
     if args.replicas > 1:
         serve_args += ["--dp", str(args.replicas)]
     if args.api_servers > 1 and args.profile:
@@ -350,18 +415,32 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        result = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--client", "--port", str(port), "--server-pid",
-             str(server.pid), "--concurrency", str(args.concurrency), "--input-len", str(args.input_len),
-             "--output-len", str(args.output_len), "--warmup", str(args.warmup), "--duration", str(args.duration),
-             "--model", args.model, "--folder", args.model, "--cores", cores],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        figures = json.loads(result.stdout)
+        if args.ttft_lens:
+            with open(os.path.join(args.model, "config.json")) as f:
+                vocab = json.load(f)["vocab_size"]
+            figures = ttft_by_length(port, args.ttft_lens, args.ttft_repeats, vocab)
+        else:
+            result = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--client", "--port", str(port), "--server-pid",
+                 str(server.pid), "--concurrency", str(args.concurrency), "--input-len", str(args.input_len),
+                 "--output-len", str(args.output_len), "--warmup", str(args.warmup), "--duration", str(args.duration),
+                 "--model", args.model, "--folder", args.model, "--cores", cores],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            figures = json.loads(result.stdout)
     finally:
         server.terminate()
         server.wait(60)
         shutil.rmtree(cores, ignore_errors=True)
+    if args.ttft_lens:
+        figures["settings"] = {k: v for k, v in vars(args).items() if k not in ("json", "profile")}
+        for row in figures["ttft_by_length"]:
+            print(f"prompt {row['prompt_tokens']:>6} tokens: TTFT median {row['ttft_ms']:.2f} ms "
+                  f"({len(row['runs_ms'])} requests, one at a time, synthetic core)")  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1)
+        return 0
     per_replica = min(args.max_batch, -(-args.concurrency // args.replicas))
     offered = args.replicas * per_replica / (args.step_ms / 1000)
     rate = figures["tokens"] / figures["seconds"]
