@@ -369,7 +369,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=512, help="streams in flight")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--step-ms", type=float, default=20.0, help="each core's step time")
+    p.add_argument("--step-ms", type=float, help="each core's step time (default 20; 0 with --ttft-lens)")
     p.add_argument("--max-batch", type=int, default=256, help="each core's running requests at most")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window")
     p.add_argument("--duration", type=float, default=20.0, help="seconds measured")
@@ -380,8 +380,8 @@ def main() -> int:
     p.add_argument("--profile", help="write the server's cProfile here (slows it: compare shares, not rates)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
-    if args.ttft_lens and "--step-ms" not in sys.argv:
-        args.step_ms = 0.0  # the synthetic core answers at once: the TTFT is the front end's
+    if args.step_ms is None:  # with --ttft-lens the synthetic core answers at once: the TTFT is the front end's
+        args.step_ms = 0.0 if args.ttft_lens else 20.0
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import httpx
