@@ -34,8 +34,9 @@
 #   prefillprofile  Nsight Compute on one Hopper prefill launch and one of cuDNN's SDPA kernel, the same 16k causal
 #            prefill (bf16): speed of light, pipes, instructions, warp stalls (if ncu exists)
 #   longcontext  TTFT of 4k and 32k prompts through HTTP (bench/latency.py --http-only, then SGLang's bench_serving
-#            when SGL_TOOLS is set) and offline (with the prefill's FLOP limit), and of a 131,071-token prompt with
-#            YaRN offline, random Qwen3-8B                                    (README: long-context.md)
+#            when SGL_TOOLS is set), what the HTTP path alone adds (frontend_rate.py --ttft-lens, a synthetic core),
+#            offline (with the prefill's FLOP limit), and of a 131,071-token prompt with YaRN offline, random
+#            Qwen3-8B                                                        (README: long-context.md)
 #   fp8serving  128/1024 at 256 in flight, bf16 and FP8 weights: offline, then through the server with SGLang's
 #            bench_serving (SGL_TOOLS)                                      (README: serving-256.md)
 #   speculative  batch-1 time per output token with speculative decoding (synthetic acceptance length 2.0, k = 3;
@@ -415,8 +416,8 @@ stage_gemvprofile() {  # issue 42: Nsight Compute on the FP8 GEMV of gate_up and
   done
 }
 
-stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT at 4k and 32k through HTTP, then offline
-  # with the FLOP limit, then 131,071 tokens with YaRN (factor 4) offline
+stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT at 4k and 32k through HTTP, what the
+  # HTTP path alone adds, then offline with the FLOP limit, then 131,071 tokens with YaRN (factor 4) offline
   [ -d /tmp/qwen3-8b-dummy ] || python3 bench/make_dummy_checkpoint.py --preset Qwen3-8B --out /tmp/qwen3-8b-dummy
   start_server "server_longcontext.log" /tmp/qwen3-8b-dummy --max-model-len 33000 &&
     run "ttft_http_8b" 200 python3 bench/latency.py --model Qwen3-8B --http-only --url http://127.0.0.1:$PORT \
@@ -430,6 +431,9 @@ stage_longcontext() {  # issue 48, bench/results/current/long-context.md: TTFT a
       --max-concurrency 1 --random-input-len "$n" --random-output-len 2 --warmup-requests 0 --seed "$n"
   done
   stop_server
+  # What the HTTP path alone adds at each length (the server before a synthetic core that answers at once; CPU only)
+  run "ttft_http_path" 120 python3 bench/frontend_rate.py --model /tmp/qwen3-8b-dummy --replicas 1 \
+    --ttft-lens 16 4096 32768 --json "$OUT/ttft_http_path.json"
   run "ttft_offline_8b" 200 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
     --new-tokens 4 --ttft-lens 4096 32768 --max-model-len 33000 --json "$OUT/ttft_offline_8b.json"
   run "ttft_offline_8b_128k" 240 python3 bench/latency.py --model Qwen3-8B --load-format dummy --prompt-lens 128 \
