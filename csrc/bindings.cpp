@@ -314,6 +314,8 @@ PYBIND11_MODULE(_C, m) {
       .def("num_total", &PageAllocator::num_total)
       .def("num_used", &PageAllocator::num_used)
       .def("check", &PageAllocator::check, "Verify the invariant; RuntimeError describing any violation.")
+      .def("refcount_mismatches", &PageAllocator::refcount_mismatches, py::arg("owners"),
+           "The pages (ascending) whose refcount differs from how often owners lists them; IndexError on a bad id.")
       .def("reset", &PageAllocator::reset, "Free every page.")
       .def("__repr__", &PageAllocator::repr);
 

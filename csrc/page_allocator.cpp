@@ -117,6 +117,19 @@ int64_t PageAllocator::refcount(int64_t page) const {
   return refcount_[page];
 }
 
+std::vector<int64_t> PageAllocator::refcount_mismatches(const std::vector<int64_t>& owners) const {
+  std::vector<int64_t> held(refcount_.size(), 0);
+  for (int64_t p : owners) {
+    check_range(p);
+    ++held[static_cast<size_t>(p)];
+  }
+  std::vector<int64_t> out;
+  for (size_t p = 0; p < refcount_.size(); ++p) {
+    if (refcount_[p] != held[p]) out.push_back(static_cast<int64_t>(p));
+  }
+  return out;
+}
+
 void PageAllocator::check() const {
   const int64_t n = num_total();
   if (num_free() > n) {

@@ -44,6 +44,11 @@ class PageAllocator {
   // Verifies the invariant; throws std::runtime_error describing a violation.
   void check() const;
 
+  // The pages (ascending) whose refcount differs from the number of times owners lists them (a page once per
+  // reference its owners hold): the KV ownership check over every page in one pass, instead of a refcount call per
+  // page from Python (23,000 pages took 7 ms that way). Throws std::out_of_range on an id out of range.
+  std::vector<int64_t> refcount_mismatches(const std::vector<int64_t>& owners) const;
+
   // Frees every page (refcounts to 0, free list back to the initial order).
   void reset();
 

@@ -242,3 +242,56 @@ def test_randomized_against_model(seed):
             with pytest.raises(ValueError):
                 a.alloc(-rng.randint(1, 3))
         expect_same()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_refcount_mismatches_are_the_pages_whose_count_differs(seed):
+    """refcount_mismatches(owners) against the per-page refcounts and a count of owners done here."""
+    from collections import Counter
+
+    rng = random.Random(seed)
+    n = 300
+    a = PageAllocator(n)
+    for _ in range(400):  # some pages shared, some freed again
+        op = rng.choice(["alloc", "incref", "decref"])
+        used = [p for p in range(n) if a.refcount(p) > 0]
+        if op == "alloc" or not used:
+            a.alloc(rng.randrange(1, 4))
+        elif op == "incref":
+            a.incref([rng.choice(used)])
+        else:
+            a.decref([rng.choice(used)])
+    owners = [p for p in range(n) for _ in range(a.refcount(p))]
+    rng.shuffle(owners)
+    assert a.refcount_mismatches(owners) == []
+    for _ in range(20):
+        broken = list(owners)
+        for _ in range(rng.randrange(1, 4)):
+            if broken and rng.random() < 0.5:
+                broken.pop(rng.randrange(len(broken)))  # a reference nobody holds
+            else:
+                broken.append(rng.randrange(n))  # one more than the count
+        held = Counter(broken)
+        want = [p for p in range(n) if a.refcount(p) != held[p]]
+        assert a.refcount_mismatches(broken) == want
+    before = snapshot(a)
+    for bad in (-1, n):
+        with pytest.raises(IndexError):
+            a.refcount_mismatches([0, bad])
+    assert snapshot(a) == before
+
+
+def test_kv_invariants_name_a_page_with_a_reference_nobody_holds():
+    from types import SimpleNamespace
+
+    from fastqwen.kvcache import InvariantError, RadixCache, check_kv_invariants
+
+    a = PageAllocator(32)
+    cache = RadixCache(a, 4)
+    pages = a.alloc(3)
+    request = SimpleNamespace(rid=1, pages=list(pages), cache_node=None)
+    check_kv_invariants(a, cache, [request], [])
+    a.incref([pages[1]])  # a reference held by no request and not by the cache
+    with pytest.raises(InvariantError, match=f"page {pages[1]} has refcount 2 but 1 owners") as raised:
+        check_kv_invariants(a, cache, [request], [])
+    assert raised.value.pages == [pages[1]]

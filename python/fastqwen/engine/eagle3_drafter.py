@@ -285,7 +285,7 @@ class Eagle3Drafter:
                 )
             for page in state.pages:
                 held[page] = held.get(page, 0) + 1
-        wrong = [p for p in range(allocator.num_total()) if allocator.refcount(p) != held.get(p, 0)]
+        wrong = allocator.refcount_mismatches([p for p, n in held.items() for _ in range(n)])
         if wrong:
             raise InvariantError(
                 f"{len(wrong)} pages of the EAGLE-3 head's pool with the wrong reference count, the first "

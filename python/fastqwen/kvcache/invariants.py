@@ -42,7 +42,8 @@ def check_kv_invariants(allocator, cache, running, waiting) -> None:
     expected.update(in_cache)
     total = allocator.num_total()
     cached = set(in_cache)
-    wrong = [page for page in range(total) if allocator.refcount(page) != expected[page]]
+    owners = [page for request in running for page in request.pages] + list(in_cache)  # (expected's pages)
+    wrong = allocator.refcount_mismatches(owners)
     if wrong:
         shown = ", ".join(
             f"page {page} has refcount {allocator.refcount(page)} but {expected[page]} owners "
