@@ -302,51 +302,25 @@ def client(argv: list[str]) -> int:
 
 
 def ttft_by_length(port: int, lens: list[int], repeats: int, vocab: int) -> dict:
-    """Median (and every) TTFT in ms of one-token completions of each prompt length, one request at a time, after a
-    warm-up request of each length; each request's prompt_tokens from the stream's usage (the lengths measured)."""
-    import httpx
+    """Median (and every) TTFT in ms of one-token completions of each prompt length, one request at a time over one
+    kept-alive connection (latency.py's HTTP client), after a warm-up request of each length; the prompt lengths as
+    the server counted them (the stream's usage)."""
+    from latency import http_latency
 
     rng = random.Random(0)
+    url = f"http://127.0.0.1:{port}"
     rows = []
-    with httpx.Client(timeout=120) as http:
-
-        def one(n: int) -> tuple[float, int]:
-            body = {
-                "prompt": [rng.randrange(vocab) for _ in range(n)],
-                "max_tokens": 1,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
+    for n in lens:
+        http_latency(url, [rng.randrange(vocab) for _ in range(n)], 1)  # warm-up
+        runs = [http_latency(url, [rng.randrange(vocab) for _ in range(n)], 1) for _ in range(repeats)]
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+                "runs_ms": [round(r["ttft_ms"], 3) for r in runs],
+                "prompt_tokens_seen": sorted({r["prompt_tokens"] for r in runs}),
             }
-            payload = json.dumps(body).encode()  # (before the clock: the client's work)
-            first, usage, start = None, None, time.perf_counter()
-            with http.stream(
-                "POST", f"http://127.0.0.1:{port}/v1/completions", content=payload,
-                headers={"content-type": "application/json"},
-            ) as response:  # fmt: skip
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if first is None and any(c.get("text") for c in event.get("choices") or ()):
-                        first = time.perf_counter()
-                    usage = event.get("usage") or usage
-            if first is None or usage is None:
-                raise RuntimeError(f"a {n}-token request streamed no text or no usage")
-            return (first - start) * 1e3, usage["prompt_tokens"]
-
-        for n in lens:
-            one(n)  # warm-up
-            runs = [one(n) for _ in range(repeats)]
-            rows.append(
-                {
-                    "prompt_tokens": n,
-                    "ttft_ms": statistics.median(t for t, _ in runs),
-                    "runs_ms": [round(t, 3) for t, _ in runs],
-                    "prompt_tokens_seen": sorted({p for _, p in runs}),
-                }
-            )
+        )
     return {"ttft_by_length": rows}
 
 

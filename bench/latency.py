@@ -133,6 +133,7 @@ def http_latency(url: str, prompt: list[int], new_tokens: int) -> dict:
         "chunk_gap_mean_ms": gaps["tpot_mean_ms"],
         "e2e_ms": m["e2e"] * 1e3,
         "output_tokens": m["output_tokens"],
+        "prompt_tokens": usage["prompt_tokens"],  # as the server counted them
     }
 
 

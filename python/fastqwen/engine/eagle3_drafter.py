@@ -268,7 +268,7 @@ class Eagle3Drafter:
         except RuntimeError as e:
             raise InvariantError(f"the EAGLE-3 head's allocator: {e}") from e
         computed = {r.rid: r.cached_len for r in running}
-        held: dict[int, int] = {}
+        held: list[int] = []  # every page once per state that holds it
         for rid, state in self._states.items():
             if rid not in computed:
                 raise InvariantError(f"the EAGLE-3 head keeps KV of request {rid}, which is not running", state.pages)
@@ -283,12 +283,11 @@ class Eagle3Drafter:
                     f"tokens (or its {state.num_entries} entries disagree with its runs {state.runs})",
                     state.pages,
                 )
-            for page in state.pages:
-                held[page] = held.get(page, 0) + 1
-        wrong = allocator.refcount_mismatches([p for p, n in held.items() for _ in range(n)])
+            held += state.pages
+        wrong = allocator.refcount_mismatches(held)
         if wrong:
             raise InvariantError(
                 f"{len(wrong)} pages of the EAGLE-3 head's pool with the wrong reference count, the first "
-                f"{wrong[0]}: refcount {allocator.refcount(wrong[0])}, held {held.get(wrong[0], 0)} times",
+                f"{wrong[0]}: refcount {allocator.refcount(wrong[0])}, held {held.count(wrong[0])} times",
                 wrong,
             )

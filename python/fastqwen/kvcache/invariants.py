@@ -22,13 +22,13 @@ def check_kv_invariants(allocator, cache, running, waiting) -> None:
         allocator.check()
     except RuntimeError as e:
         raise InvariantError(f"allocator: {e}", [int(t) for t in re.findall(r"page (\d+)", str(e))]) from e
-    expected: Counter[int] = Counter()
+    owners: list[int] = []  # every page once per reference its owners hold
     by_requests: set[int] = set()
     for request in running:
         if len(set(request.pages)) != len(request.pages):
             twice = sorted(p for p, n in Counter(request.pages).items() if n > 1)
             raise InvariantError(f"request {request.rid} maps pages {twice} twice", twice)
-        expected.update(request.pages)
+        owners += request.pages
         by_requests.update(request.pages)
     for request in waiting:
         if request.pages or request.cache_node is not None:
@@ -39,12 +39,12 @@ def check_kv_invariants(allocator, cache, running, waiting) -> None:
     if len(set(in_cache)) != len(in_cache):
         twice = sorted(p for p, n in Counter(in_cache).items() if n > 1)
         raise InvariantError(f"the prefix cache holds pages {twice} twice", twice)
-    expected.update(in_cache)
+    owners += in_cache
     total = allocator.num_total()
     cached = set(in_cache)
-    owners = [page for request in running for page in request.pages] + list(in_cache)  # (expected's pages)
     wrong = allocator.refcount_mismatches(owners)
     if wrong:
+        expected = Counter(owners)
         shown = ", ".join(
             f"page {page} has refcount {allocator.refcount(page)} but {expected[page]} owners "
             f"({'in' if page in cached else 'not in'} the cache)"
