@@ -16,9 +16,7 @@
 #               weights: no barrier for small messages (the default), the one-token o_proj / down GEMVs sending
 #               their rows themselves (FASTQWEN_GEMV_SENDS=1), one barrier a call for all
 #               (FASTQWEN_ALLREDUCE_LAMPORT=0), two barriers (and FASTQWEN_ALLREDUCE_END_BARRIER=1), the default
-#               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0), pfNk: the qkv and gate_up
-#               GEMVs asking N KiB of each weight row into L2 while the all-reduce before them runs
-#               (FASTQWEN_GEMV_L2_PREFETCH); then TP=1 with and without 5
+#               with the GEMV's blocks of 4 or 6 rows only (FASTQWEN_GEMV_FIVE_ROWS=0); then TP=1 with and without 5
 #               (ARVARIANTS and ARV_TP1_FIVE pick some: "default", "1"; ARV_TP1_FIVE=" " none); the default and
 #               sends run with --decode-profile (rank 0's kernel families per decode step)
 #   fp8         batch-1 TPOT with its limit, random Qwen3-32B with FP8 weights (quantized shard by shard) at TP=2
@@ -206,7 +204,6 @@ for stage in $STAGES; do
             FASTQWEN_ALLREDUCE_END_BARRIER=$([ "$variant" = endbarrier ] && echo 1 || echo 0) \
             FASTQWEN_GEMV_FIVE_ROWS=$([ "$variant" = fourorsix ] && echo 0 || echo 1) \
             FASTQWEN_GEMV_SENDS=$([ "$variant" = sends ] && echo 1 || echo 0) \
-            FASTQWEN_GEMV_L2_PREFETCH=$([[ $variant =~ ^pf([0-9]+)k$ ]] && echo $(( BASH_REMATCH[1] * 1024 )) || echo 0) \
             run "latency_32B_tp2_${quantization}_$variant" 150 python3 bench/latency.py --model Qwen3-32B \
             --load-format dummy --tp 2 --quantization "$quantization" --prompt-lens 128 --new-tokens 64 \
             $([ "$variant" = default ] || [ "$variant" = sends ] && echo --decode-profile) --json "$OUT/latency_32B_tp2_${quantization}_$variant.json"

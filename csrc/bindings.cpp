@@ -232,7 +232,6 @@ void export_contracts(py::module_& m) {
       .def_readwrite("eps", &fq::GemvArgs::eps)
       .def_readwrite("send", &fq::GemvArgs::send)
       .def_readwrite("send_capacity", &fq::GemvArgs::send_capacity)
-      .def_readwrite("l2_prefetch", &fq::GemvArgs::l2_prefetch)
       .def_readwrite("stream", &fq::GemvArgs::stream);
   py::class_<fq::AllReduceArgs>(m, "AllReduceArgs", "Arguments of custom_all_reduce (csrc/custom_all_reduce.h).")
       .def(py::init<>())

@@ -115,29 +115,6 @@ __device__ __forceinline__ void prefetch_send_target(const AllReduceSendTarget* 
   }
 }
 
-// GemvArgs::l2_prefetch: the block's rows from chunk `first` (the first chunk it has not loaded into registers) for
-// l2_chunks chunks, asked into L2 before its programmatic wait, by the blocks of the first wave only (blockIdx below
-// l2_blocks: later blocks start once the kernel before has ended, and load the same chunks themselves at once). One
-// thread a row. Under tensor parallelism the kernel before a qkv or gate_up GEMV is the all-reduce, which leaves HBM
-// idle while the ranks exchange their rows.
-template <bool SILU_GATE_UP, int kRows, typename Rows>
-__device__ __forceinline__ void prefetch_rows_into_l2(const Rows& rows, int first, int num_chunks, int l2_chunks,
-                                                      int l2_blocks) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (l2_chunks <= 0 || static_cast<int>(blockIdx.x) >= l2_blocks) return;
-  const int end = min(num_chunks, first + l2_chunks);
-  if (end <= first) return;
-  const uint32_t bytes = static_cast<uint32_t>(end - first) * 16u;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (threadIdx.x == r) {
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(rows.rows0 + rows.row_off[r] + first), "r"(bytes)
-                   : "memory");
-    }
-  }
-#endif
-}
-
 // Weight elements per 16-byte chunk.
 template <bool FP8>
 constexpr int chunk_elems() {
@@ -292,8 +269,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
                                                            const float* __restrict__ scale,
                                                            const T* __restrict__ bias, int m, int n, int k,
                                                            const T* __restrict__ g, float eps,
-                                                           const AllReduceSendTarget* __restrict__ send,
-                                                           int l2_chunks, int l2_blocks) {
+                                                           const AllReduceSendTarget* __restrict__ send) {
   constexpr int E = chunk_elems<FP8>();
   constexpr int kRowBytesPerElem = FP8 ? 1 : sizeof(T);
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;  // outputs per block
@@ -335,9 +311,6 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 8 : 1) gemv_kernel(T* _
       }
     }
     if (!waited) {
-      if constexpr (MT == 1) {
-        prefetch_rows_into_l2<SILU_GATE_UP, kRows>(rows, kStride * kUnroll, num_chunks, l2_chunks, l2_blocks);
-      }
       griddep_wait();
       griddep_launch_dependents();  // (after the wait: see common.cuh)
       waited = true;
@@ -370,8 +343,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
                                                                            const float* __restrict__ scale,
                                                                            const T* __restrict__ bias, int n, int k,
                                                                            const T* __restrict__ g, float eps,
-                                                                           const AllReduceSendTarget* __restrict__ send,
-                                                                           int l2_chunks, int l2_blocks) {
+                                                                           const AllReduceSendTarget* __restrict__ send) {
   constexpr int E = chunk_elems<true>();
   constexpr int kOut = SILU_GATE_UP ? kRows / 2 : kRows;
   constexpr int kStride = kWarps * 32;
@@ -394,7 +366,6 @@ __global__ void __launch_bounds__(kWarps * 32, 8) gemv_fp8_one_token_kernel(T* _
       sv[r] = __ldg(scale + rows.scale_off[r] + c * E / kGemvFp8Block);
     }
   }
-  prefetch_rows_into_l2<SILU_GATE_UP, kRows>(rows, kStride, num_chunks, l2_chunks, l2_blocks);
   griddep_wait();
   griddep_launch_dependents();  // (after the wait: see common.cuh)
 
@@ -573,17 +544,12 @@ void launch(const GemvArgs& a) {
               const T* g = EPI == kGemvNormX ? reinterpret_cast<const T*>(a.norm_weight) : nullptr;
               const float eps = EPI == kGemvNormX || EPI == kGemvNormXFolded ? static_cast<float>(a.eps) : 0.0f;
               const auto* send = reinterpret_cast<const AllReduceSendTarget*>(a.send);
-              // (GemvArgs::l2_prefetch: one token; the first wave's blocks)
-              const int l2_chunks = MT == 1 ? static_cast<int>(std::min<int64_t>(a.l2_prefetch, k * 2) / 16) : 0;
-              const int l2_blocks = l2_chunks > 0 ? resident_blocks<kernel_for<T, FP8, MT, SILU, R>()>() : 0;
               if constexpr (FP8 && MT == 1) {
                 launch_programmatic(gemv_fp8_one_token_kernel<T, SILU, R, EPI>, grid, block, 0, stream,
-                                    "gemv kernel launch", out, x, w, scale, bias, n, k, g, eps, send, l2_chunks,
-                                    l2_blocks);
+                                    "gemv kernel launch", out, x, w, scale, bias, n, k, g, eps, send);
               } else {
                 launch_programmatic(gemv_kernel<T, FP8, MT, SILU, R, EPI>, grid, block, 0, stream,
-                                    "gemv kernel launch", out, x, w, scale, bias, m, n, k, g, eps, send, l2_chunks,
-                                    l2_blocks);
+                                    "gemv kernel launch", out, x, w, scale, bias, m, n, k, g, eps, send);
               }
             });
           });
@@ -614,9 +580,6 @@ void check_args(const std::string& op, const GemvArgs& a) {
     throw std::invalid_argument(op + "silu_gate_up needs the gate and up rows stacked (n even), got n=" + std::to_string(n));
   }
   if (a.out == 0 || a.x == 0 || a.w == 0 || (a.fp8 && a.scale == 0)) throw std::invalid_argument(op + "null data pointer");
-  if (a.l2_prefetch < 0) {
-    throw std::invalid_argument(op + "l2_prefetch must be >= 0 bytes, got " + std::to_string(a.l2_prefetch));
-  }
   if (!aligned16(a.x) || !aligned16(a.w)) throw std::invalid_argument(op + "x and the weight must be 16-byte aligned");
 }
 

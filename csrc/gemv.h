@@ -49,11 +49,6 @@ struct GemvArgs {
   // kGemvSend only: a device AllReduceSendTarget (custom_all_reduce.h), and the elements its slots hold.
   uintptr_t send = 0;
   int64_t send_capacity = 0;
-  // One token, the FMA kernels: bytes of each weight row, past the chunks a block loads into registers before its
-  // programmatic wait, that the blocks of the grid's first wave ask into L2 (cp.async.bulk.prefetch.L2) before that
-  // wait, so that HBM streams the weights while the kernel before (a tensor-parallel all-reduce) still runs. 0: none.
-  // Ignored at more tokens and on GPUs before sm_90.
-  int64_t l2_prefetch = 0;
   uintptr_t stream = 0;
 };
 

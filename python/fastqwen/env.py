@@ -115,17 +115,6 @@ def gemv_sends() -> bool:
     return _flag("FASTQWEN_GEMV_SENDS", False)
 
 
-def gemv_l2_prefetch() -> int:
-    """FASTQWEN_GEMV_L2_PREFETCH (bytes of each weight row, default 0): under tensor parallelism on GPUs, the one-token
-    qkv and gate_up GEMVs, whose kernel before is the all-reduce, ask that much more of their first wave's weight rows
-    into L2 before they wait for it, so that HBM streams while the ranks exchange their rows (ops.linear's
-    l2_prefetch). Every rank reads the same environment. ValueError for anything but a whole number >= 0."""
-    value = os.environ.get("FASTQWEN_GEMV_L2_PREFETCH", "").strip() or "0"
-    if not value.isdigit():
-        raise ValueError(f"FASTQWEN_GEMV_L2_PREFETCH must be a whole number of bytes >= 0, got {value!r}")
-    return int(value)
-
-
 def metrics_folder() -> str | None:
     """PROMETHEUS_MULTIPROC_DIR: prometheus_client's multiprocess mode, where each process writes its counters. Set
     by the parent of several front ends (api_servers.py, through share_metrics_through) before it starts them."""

@@ -87,8 +87,7 @@ class Qwen3Model:
                 )
             if aux_out is not None:
                 self._capture(aux_out, index, residual)
-            # (after the all-reduce, which leaves HBM idle: the first wave's weights into L2 meanwhile)
-            qkv = ops.linear(hidden, layer.qkv, l2_prefetch=0 if index == 0 else self.parallel.l2_prefetch)
+            qkv = ops.linear(hidden, layer.qkv)
             if index == last and trimmed:
                 # The last layer's K/V of every row go to the cache; the rest of it only for the rows that sample.
                 if rows.shape[0] == 0:  # (only unfinished prefill chunks: nothing more to compute)
@@ -100,7 +99,7 @@ class Qwen3Model:
                 self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
             o, o_sent = self.parallel.linear_to_all_reduce(attn.view(attn.shape[0], -1), layer.o_proj)
             hidden, residual = self.parallel.all_reduce_add_rms_norm(o, residual, layer.post_norm, eps, sent=o_sent)
-            act = ops.linear_silu_and_mul(hidden, layer.gate_up, l2_prefetch=self.parallel.l2_prefetch)
+            act = ops.linear_silu_and_mul(hidden, layer.gate_up)
             if index < last:
                 hidden, down_sent = self.parallel.linear_to_all_reduce(act, layer.down)
             else:  # (the last layer's down goes to the plain all-reduce below)

@@ -44,16 +44,12 @@ class ParallelGroup:
         cpu_group=None,
         custom: CustomAllReduce | None = None,
         fused_norm: bool = False,
-        l2_prefetch: int = 0,
     ):
-        """fused_norm: all_reduce_add_rms_norm may take the custom kernel's fused form (where it applies).
-        l2_prefetch: what the projections after an all-reduce pass to ops.linear (FASTQWEN_GEMV_L2_PREFETCH; 0 on
-        one rank)."""
+        """fused_norm: all_reduce_add_rms_norm may take the custom kernel's fused form (where it applies)."""
         self.rank, self.size = rank, size
         self.device_group, self.cpu_group = device_group, cpu_group
         self.custom = custom
         self.fused_norm = fused_norm
-        self.l2_prefetch = l2_prefetch
 
     @classmethod
     def connect(
@@ -71,7 +67,6 @@ class ParallelGroup:
             if custom_all_reduce and custom_all_reduce_supported(size):
                 group.custom = CustomAllReduce(rank, size, device, group.all_gather_bytes)
                 group.fused_norm = env.fused_all_reduce_norm()
-                group.l2_prefetch = env.gemv_l2_prefetch()
             return group
         return cls(rank, size, cpu, cpu)
 

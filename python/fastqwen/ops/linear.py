@@ -191,9 +191,9 @@ def gemv_kernel_applies(x: torch.Tensor, w: LinearWeight) -> bool:
     return x.shape[0] == 1 or native().gemv_uses_tensor_cores(x.shape[0], w.in_features, w.is_fp8)
 
 
-def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None, l2_prefetch: int = 0) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMV kernel itself at any token count it takes (1 to GEMV_MAX_TOKENS), whatever linear() would pick: for
-    tests and benchmarks. ValueError where the kernel does not apply. l2_prefetch: as for `linear`."""
+    tests and benchmarks. ValueError where the kernel does not apply."""
     if not _gemv_fits(x, w, GEMV_MAX_TOKENS):
         raise ValueError(
             f"gemv: the kernel does not apply to x {tuple(x.shape)} {x.dtype} on {x.device} and a "
@@ -201,12 +201,10 @@ def gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None, l2_p
         )
     if out is None:
         out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
-    return _gemv(x.contiguous(), w, out, l2_prefetch=l2_prefetch)
+    return _gemv(x.contiguous(), w, out)
 
 
-def _gemv(
-    x: torch.Tensor, w: LinearWeight, out: torch.Tensor, silu_gate_up: bool = False, l2_prefetch: int = 0
-) -> torch.Tensor:
+def _gemv(x: torch.Tensor, w: LinearWeight, out: torch.Tensor, silu_gate_up: bool = False) -> torch.Tensor:
     check_tensors("linear", x.device, None, x=x, weight=w.weight, out=(out, x.dtype))
     scale = w.scale if w.is_fp8 else None
     bias = w.bias
@@ -217,9 +215,7 @@ def _gemv(
     width = w.out_features // 2 if silu_gate_up else w.out_features
     if tuple(out.shape) != (x.shape[0], width):
         raise ValueError(f"linear: out must be [{x.shape[0]}, {width}], got {tuple(out.shape)}")
-    args = _gemv_args(x, w, out, silu_gate_up)
-    args.l2_prefetch = l2_prefetch
-    native().gemv(args)
+    native().gemv(_gemv_args(x, w, out, silu_gate_up))
     return out
 
 
@@ -397,16 +393,12 @@ def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
 
 
 def linear_silu_and_mul(
-    x: torch.Tensor,
-    w: LinearWeight,
-    gemv_only: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
-    l2_prefetch: int = 0,
+    x: torch.Tensor, w: LinearWeight, gemv_only: bool = False, norm: tuple[torch.Tensor, float] | None = None
 ) -> torch.Tensor:
     """silu_and_mul(linear(x, w)) for w the gate and up projections stacked ([gate; up], as Qwen3's MLP keeps them):
     [M, out / 2]. Where linear would run the GEMV, one GEMV kernel computes both halves and multiplies them in its
     epilogue, bit for bit what the two ops give. gemv_only: the GEMV at any token count it takes (tests, benchmarks;
-    ValueError where it does not apply). norm, l2_prefetch: as for `linear`."""
+    ValueError where it does not apply). norm: as for `linear`."""
     if w.out_features % 2 != 0:
         raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
     if norm is not None:
@@ -415,33 +407,26 @@ def linear_silu_and_mul(
     fits = _gemv_fits(x, w, GEMV_MAX_TOKENS) if gemv_only else gemv_kernel_applies(x, w)
     if fits:
         out = torch.empty(x.shape[0], w.out_features // 2, dtype=x.dtype, device=x.device)
-        return _gemv(x.contiguous(), w, out, silu_gate_up=True, l2_prefetch=l2_prefetch)
+        return _gemv(x.contiguous(), w, out, silu_gate_up=True)
     if gemv_only:
         raise ValueError(f"linear_silu_and_mul: the GEMV does not apply to x {tuple(x.shape)} {x.dtype} on {x.device}")
     return silu_and_mul(linear(x, w))
 
 
 def linear(
-    x: torch.Tensor,
-    w: LinearWeight,
-    out: torch.Tensor | None = None,
-    norm: tuple[torch.Tensor, float] | None = None,
-    l2_prefetch: int = 0,
+    x: torch.Tensor, w: LinearWeight, out: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None
 ) -> torch.Tensor:
     """y = x @ W^T (+ bias) for x [M, in] -> [M, out] of x's dtype; into `out` when given (and the GEMV runs).
     norm = (weight, eps): x is one token's residual and y = RMSNorm(x) @ W^T (+ bias), the norm done by the one-token
     GEMV as it reads x (products and sums fp32, the normalized row never rounded; ValueError where it does not run).
-    norm = (None, eps): the same where the norm's weight is already multiplied into W's columns (weights.fold_norm).
-    l2_prefetch (bytes of each weight row): where the one-token GEMV runs, the blocks of its first wave ask that much
-    more of their rows into L2 before they wait for the kernel before (csrc/gemv.h GemvArgs::l2_prefetch); for a
-    projection whose kernel before leaves HBM idle (under tensor parallelism, the all-reduce)."""
+    norm = (None, eps): the same where the norm's weight is already multiplied into W's columns (weights.fold_norm)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x must be [tokens, {w.in_features}], got {tuple(x.shape)}")
     if norm is not None:
         out = torch.empty(1, w.out_features, dtype=x.dtype, device=x.device) if out is None else out
         return _gemv_norm(_norm_epilogue(norm), x.contiguous(), w, out, *norm)
     if gemv_kernel_applies(x, w):
-        return gemv(x, w, out, l2_prefetch=l2_prefetch)
+        return gemv(x, w, out)
     if not w.is_fp8 and w.weight.dtype == x.dtype:
         y = F.linear(x, w.weight, w.bias)
     elif w.is_fp8 and x.is_cuda and fp8_gemm_supported(x.device, x.dtype, w):
