@@ -9,7 +9,6 @@
 // their own online softmax, and merge in shared memory at the end. Chunks of a split sequence are merged by
 // log-sum-exp in a second kernel.
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -169,15 +168,15 @@ __device__ __forceinline__ void load_q_fp16(unsigned (&qa)[kD / 16][2], const T*
   }
 }
 
-// ALL_ROWS (an experiment's switch): the softmax and the output's rescale also for accumulator rows 8..15, which no
-// query head fills (G <= 8: check_paged_attention), as before.
-template <typename T, typename C, bool ALL_ROWS = false>
+template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   using S = Shape<C>;
-  // The m16 tile's rows 8..15 (the accumulators' second half, h = 1) hold no query head: G <= 8. Their scores are
-  // zero (zero Q rows) and nothing reads their outputs, so the softmax, the rescale and the final merge skip them,
-  // and P's rows 8..15 go into the P V multiply as zeros.
-  constexpr int kHalves = ALL_ROWS ? 2 : 1;
+  // The m16 tile's rows 8..15 (the accumulators' second half, h = 1) hold no query head: G <= 8
+  // (check_paged_attention). Their scores are zero (zero Q rows) and nothing reads their outputs, so the softmax, the
+  // rescale and the final merge skip them, and P's rows 8..15 go into the P V multiply as zeros. Measured on an H200
+  // against the kernel that computed them (rows 0..7 are computed as before: an mma's rows do not mix): 1-3% faster in
+  // every case of bench/kernels.py's (bf16 512 x 100..1,200 407 against 412 us, FP8 268 against 272).
+  constexpr int kHalves = 1;
   using M = typename std::conditional<S::kFp8, __half, T>::type;  // the tensor cores' input type
   constexpr int kTile = S::kTile;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -236,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     for (int d = 0; d < 16; ++d)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[d][e] = 0.0f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    float m_run[kHalves] = {-INFINITY}, l_run[kHalves] = {0.0f};
     unsigned qa[kD / 16][4];     // 16-bit caches: from shared memory at the first tile
     unsigned qa8[kD / 16][2];    // FP8: rows 0..7 of each A fragment (rows 8..15 are zero)
     if constexpr (S::kFp8) {
@@ -331,9 +330,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
       for (int step = 0; step < S::kSteps; ++step) {
         unsigned pa[4] = {Mma<M>::pack(s[2 * step][0], s[2 * step][1]),
-                          ALL_ROWS ? Mma<M>::pack(s[2 * step][2], s[2 * step][3]) : 0u,
+                          0u,  // (rows 8..15: no head)
                           Mma<M>::pack(s[2 * step + 1][0], s[2 * step + 1][1]),
-                          ALL_ROWS ? Mma<M>::pack(s[2 * step + 1][2], s[2 * step + 1][3]) : 0u};
+                          0u};
         if constexpr (!S::kFp8) {
 #pragma unroll
           for (int dp = 0; dp < kD / 16; ++dp) {
@@ -457,46 +456,28 @@ __global__ void merge_kernel(const float* __restrict__ part_out, const float* __
   out[static_cast<int64_t>(blockIdx.x) * kD + d] = Cvt<T>::from_f(weight_sum > 0.0f ? o / weight_sum : 0.0f);
 }
 
-// FASTQWEN_DECODE_ALL_ROWS=1 (an experiment's switch, read once): the kernel as it was, rows 8..15 computed too.
-bool decode_all_rows() {
-  static const bool all_rows = [] {
-    const char* v = std::getenv("FASTQWEN_DECODE_ALL_ROWS");
-    return v != nullptr && v[0] == '1';
-  }();
-  return all_rows;
-}
-
-template <typename T, typename C, bool ALL_ROWS>
-void launch_rows(const Params& p, cudaStream_t stream);
-
 template <typename T, typename C>
 void launch(const Params& p, cudaStream_t stream) {
-  if (decode_all_rows()) return launch_rows<T, C, true>(p, stream);
-  launch_rows<T, C, false>(p, stream);
-}
-
-template <typename T, typename C, bool ALL_ROWS>
-void launch_rows(const Params& p, cudaStream_t stream) {
   // Persistent grid: as many blocks as fit on the device at once, found once per kernel and device (the opt-in to
   // large shared memory is per device too).
   constexpr size_t kSmemBytes = Shape<C>::kSmemBytes;
   static PerDevice<int> grids;
   const int grid = grids.get([](int device) {
-    cuda_check(cudaFuncSetAttribute(decode_kernel<T, C, ALL_ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cuda_check(cudaFuncSetAttribute(decode_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kSmemBytes)),
                "paged_attention_decode: cudaFuncSetAttribute");
     int sms = 0, per_sm = 0;
     cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
                "paged_attention_decode: cudaDeviceGetAttribute");
-    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<T, C, ALL_ROWS>, kThreads, kSmemBytes),
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<T, C>, kThreads, kSmemBytes),
                "paged_attention_decode: occupancy");
     return std::max(1, sms * per_sm);
   });
   if (p.plan_fresh) {  // the kernel reads the plan before its griddep wait: the plan's kernel must have completed
-    decode_kernel<T, C, ALL_ROWS><<<grid, kThreads, kSmemBytes, stream>>>(p);
+    decode_kernel<T, C><<<grid, kThreads, kSmemBytes, stream>>>(p);
     cuda_check_launch("paged_attention_decode kernel launch");
   } else {
-    launch_programmatic(decode_kernel<T, C, ALL_ROWS>, dim3(grid), dim3(kThreads), kSmemBytes, stream,
+    launch_programmatic(decode_kernel<T, C>, dim3(grid), dim3(kThreads), kSmemBytes, stream,
                         "paged_attention_decode kernel launch", p);
   }
   launch_programmatic(merge_kernel<T>, dim3(static_cast<unsigned>(p.batch * p.num_heads)), dim3(kD), 0, stream,
