@@ -83,12 +83,14 @@ def gemv_tc_fp8_variant() -> int | None:
     return int(value)
 
 
-def fused_all_reduce_norm() -> bool:
-    """FASTQWEN_FUSED_ALLREDUCE_NORM (on by default): under tensor parallelism on GPUs, the custom all-reduce after
-    o_proj and down also adds the residual and applies the RMSNorm that follows, in one kernel
-    (ops/custom_all_reduce.py), for steps of up to FUSED_NORM_MAX_ROWS tokens (ops/collectives.py). =0: the all-reduce
-    and fused_add_rms_norm run one after the other (the same numbers), for comparison."""
-    return _flag("FASTQWEN_FUSED_ALLREDUCE_NORM", True)
+def fused_all_reduce_norm(world: int) -> bool:
+    """FASTQWEN_FUSED_ALLREDUCE_NORM: under tensor parallelism on GPUs, whether the custom all-reduce after o_proj and
+    down also adds the residual and applies the RMSNorm that follows, in one kernel (ops/custom_all_reduce.py), for
+    steps of up to FUSED_NORM_MAX_ROWS tokens (ops/collectives.py); otherwise the all-reduce and fused_add_rms_norm
+    run one after the other (the same numbers). Unset: at two ranks only (world), where it is faster; at four the
+    fused kernel's one block a row sends the row to three peers alone, and random Qwen3-32B at TP=4 ran 1.9% faster
+    with the two kernels (bench/results/current/tensor-parallel.md). =1 or =0 sets it at any world size."""
+    return _flag("FASTQWEN_FUSED_ALLREDUCE_NORM", world == 2)
 
 
 def all_reduce_end_barrier() -> bool:

@@ -7,8 +7,8 @@ all-reduce takes the custom kernel (ops/custom_all_reduce.py) for messages it ac
 
 `all_reduce_add_rms_norm` is what a decoder layer does after its row-parallel o_proj and down: the all-reduce, then
 ops.fused_add_rms_norm. Its meaning is that composition, on every path; where the custom kernel takes the tensors,
-the step has at most FUSED_NORM_MAX_ROWS tokens and FASTQWEN_FUSED_ALLREDUCE_NORM is not 0 (env.py), one kernel does
-both. `linear_to_all_reduce` is the row-parallel projection before it: with FASTQWEN_GEMV_SENDS=1 a one-token GEMV
+the step has at most FUSED_NORM_MAX_ROWS tokens and the group fuses (env.fused_all_reduce_norm: at two ranks unless
+FASTQWEN_FUSED_ALLREDUCE_NORM says otherwise), one kernel does both. `linear_to_all_reduce` is the row-parallel projection before it: with FASTQWEN_GEMV_SENDS=1 a one-token GEMV
 stores its output straight into the ranks' receive buffers, and the all-reduce that follows only sums.
 
 The process groups are made directly from a store (not torch.distributed's global default group), so one process
@@ -66,7 +66,7 @@ class ParallelGroup:
             torch.cuda.synchronize(device)
             if custom_all_reduce and custom_all_reduce_supported(size):
                 group.custom = CustomAllReduce(rank, size, device, group.all_gather_bytes)
-                group.fused_norm = env.fused_all_reduce_norm()
+                group.fused_norm = env.fused_all_reduce_norm(size)
             return group
         return cls(rank, size, cpu, cpu)
 
@@ -110,8 +110,9 @@ class ParallelGroup:
         """In place: residual <- residual + (partial summed over the ranks); partial <- RMSNorm(residual) * weight.
         Returns (partial, residual): the normalized rows and the new residual stream. The same numbers as
         fused_add_rms_norm(all_reduce(partial), residual, weight, eps), which it is wherever the fused kernel does
-        not run (one rank, the CPU, NCCL's sizes, float32, or FASTQWEN_FUSED_ALLREDUCE_NORM off). sent: partial came
-        from linear_to_all_reduce's sending GEMV (its rows are in the receive buffers already)."""
+        not run (one rank, the CPU, NCCL's sizes, float32, more than two ranks unless FASTQWEN_FUSED_ALLREDUCE_NORM=1,
+        or =0). sent: partial came from linear_to_all_reduce's sending GEMV (its rows are in the receive buffers
+        already)."""
         fused = (
             self.fused_norm
             and self.custom is not None
