@@ -717,7 +717,10 @@ ACTIVATION = "csrc/activation.cu"
 SILU_TESTS = ["tests/test_silu_and_mul.py::test_kernel_matches_reference[4096-7-dtype0]"]
 GEMV_TC = "csrc/gemv_tc.cu"
 FP8_QUANT = "csrc/fp8_quant.cu"
-FP8_QUANT_TESTS = ["tests/test_gemv_gpu.py::test_fp8_activation_quantizer_matches_reference[17]"]
+FP8_QUANT_TESTS = [
+    "tests/test_gemv_gpu.py::test_fp8_activation_quantizer_matches_reference[17-1024]",
+    "tests/test_gemv_gpu.py::test_fp8_activation_quantizer_matches_reference[17-12416]",
+]
 ALLOCATOR = "csrc/page_allocator.cpp"
 
 # The kernel families beside attention and the one-token GEMV (issue 43): the sampler, RoPE + KV write, the norms,
@@ -916,12 +919,36 @@ MUTATIONS += [
         FP8_QUANT,
         [
             (
-                "  if (lane == 0) scale_t[static_cast<int64_t>(group) * padded_m + row] = scale;",
-                "  if (lane == 0) scale_t[static_cast<int64_t>(row) * groups + group] = scale;",
+                "  if (sub == 0) scale_t[static_cast<int64_t>(group) * padded_m + row] = scale;",
+                "  if (sub == 0) scale_t[static_cast<int64_t>(row) * groups + group] = scale;",
             )
         ],
         FP8_QUANT_TESTS,
         "the scales written token-major where the GEMM reads them column-major (group * padded rows + row)",
+    ),
+    Mutation(
+        "fp8_quant_group_max_over_half_its_threads",
+        FP8_QUANT,
+        [
+            (
+                "    for (int o = kThreadsPerGroup / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));",
+                "    for (int o = kThreadsPerGroup / 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));",
+            )
+        ],
+        FP8_QUANT_TESTS,
+        "a group's largest value is reduced over 4 of its 8 threads: half its columns scaled by another half's amax",
+    ),
+    Mutation(
+        "fp8_quant_last_block_of_a_row_dropped",
+        FP8_QUANT,
+        [
+            (
+                "  const dim3 grid((groups + kGroupsPerBlock - 1) / kGroupsPerBlock, static_cast<unsigned>(padded_m));",
+                "  const dim3 grid(groups / kGroupsPerBlock > 0 ? groups / kGroupsPerBlock : 1, static_cast<unsigned>(padded_m));",
+            )
+        ],
+        FP8_QUANT_TESTS,
+        "the grid rounds a row's blocks down: the groups past the last multiple of 32 are never quantized",
     ),
     Mutation(
         "e4m3_read_as_e5m2",

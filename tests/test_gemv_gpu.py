@@ -573,28 +573,33 @@ def test_fp8_large_batch_path(tokens):
     assert error < (0.04 if scaled else 0.01), error
 
 
+@pytest.mark.parametrize("cols", [1024, 12416])
 @pytest.mark.parametrize("tokens", [1, 17, 333])
-def test_fp8_activation_quantizer_matches_reference(tokens):
+def test_fp8_activation_quantizer_matches_reference(tokens, cols):
     """The CUDA quantizer against float64 math: scale = amax / 448 correctly rounded to float32 (the kernel divides in
     IEEE float32), values = e4m3(x / scale); zero padding rows with scale 1, scales column-major. (PyTorch's own
-    quantize_activations divides by a scalar through its reciprocal, one ulp away at times.)"""
+    quantize_activations divides by a scalar through its reciprocal, one ulp away at times.) Rows of 8 groups of 128
+    columns, and of 97 (a block of the kernel takes 32: the last block of a row part-filled); the largest value of
+    some groups in their second half (a thread holds columns of both halves)."""
     from fastqwen.ops.linear import _quantize_for_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = (
-        torch.randn(tokens, 1024, device="cuda", generator=gen)
+        torch.randn(tokens, cols, device="cuda", generator=gen)
         * torch.rand(tokens, 1, device="cuda", generator=gen)
         * 5
     ).to(torch.bfloat16)
     x[0, :128] = 0  # an all-zero group
+    x[-1, 128 + 100] = 40.0  # group 1's largest, in its second half
+    x[-1, cols - 1] = -40.0  # the last group's, at its last column
     padded = -(-tokens // 16) * 16
     q, scale = _quantize_for_gemm(x, padded)
-    assert scale.stride() == (1, padded) and q.shape == (padded, 1024)
-    groups = x.double().view(tokens, 8, 128)
+    assert scale.stride() == (1, padded) and q.shape == (padded, cols)
+    groups = x.double().view(tokens, cols // 128, 128)
     want_scale = (groups.abs().amax(-1).clamp_min(1e-12) / 448).float()
     torch.testing.assert_close(scale[:tokens], want_scale, rtol=0, atol=0)
     ratio = (groups / want_scale.double().unsqueeze(-1)).float().clamp(-448, 448)  # one rounding, as in float32
-    want_q = ratio.to(torch.float8_e4m3fn).view(tokens, 1024)
+    want_q = ratio.to(torch.float8_e4m3fn).view(tokens, cols)
     same = (q[:tokens].view(torch.uint8) == want_q.view(torch.uint8)).float().mean().item()
     assert same > 0.999, same  # ties may round apart between the hardware and PyTorch conversions, nothing more
     step = (want_q.float().abs() * 2**-3).clamp_min(2**-9)  # one e4m3 step
