@@ -20,10 +20,11 @@ namespace {
 
 constexpr float kE4M3Max = 448.0f;
 // Eight threads a group of 128 columns, 16 values each (two 16-byte loads: the group's two halves, so that each load
-// instruction of a warp reads whole 128-byte lines), 32 groups a block of 256 threads. A thread keeps 32 bytes in
-// flight: the first form (a warp a group, 8 bytes a thread) kept 8, and read at about 1.3 TB/s on an H100.
+// instruction of a warp reads whole 128-byte lines), 8 groups a block of 64 threads (as many blocks as the first
+// form's, which small batches need to fill the SMs). A thread keeps 32 bytes in flight: the first form (a warp a
+// group, 8 bytes a thread) kept 8.
 constexpr int kThreadsPerGroup = 8;
-constexpr int kGroupsPerBlock = 32;
+constexpr int kGroupsPerBlock = 8;
 constexpr int kQuantThreads = kThreadsPerGroup * kGroupsPerBlock;
 
 // q's 8 e4m3 values of f (scaled by 1 / scale with IEEE division and clamped to e4m3's range, as the reference).

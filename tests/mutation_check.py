@@ -948,7 +948,7 @@ MUTATIONS += [
             )
         ],
         FP8_QUANT_TESTS,
-        "the grid rounds a row's blocks down: the groups past the last multiple of 32 are never quantized",
+        "the grid rounds a row's blocks down: the groups past the last multiple of 8 are never quantized",
     ),
     Mutation(
         "e4m3_read_as_e5m2",

@@ -579,7 +579,7 @@ def test_fp8_activation_quantizer_matches_reference(tokens, cols):
     """The CUDA quantizer against float64 math: scale = amax / 448 correctly rounded to float32 (the kernel divides in
     IEEE float32), values = e4m3(x / scale); zero padding rows with scale 1, scales column-major. (PyTorch's own
     quantize_activations divides by a scalar through its reciprocal, one ulp away at times.) Rows of 8 groups of 128
-    columns, and of 97 (a block of the kernel takes 32: the last block of a row part-filled); the largest value of
+    columns, and of 97 (a block of the kernel takes 8: the last block of a row part-filled); the largest value of
     some groups in their second half (a thread holds columns of both halves)."""
     from fastqwen.ops.linear import _quantize_for_gemm
 
