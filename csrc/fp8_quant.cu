@@ -1,4 +1,4 @@
-// Per-token FP8 activation quantization for the block-scaled FP8 GEMM: eight threads per (token, 128 columns), one pass
+// Per-token FP8 activation quantization for the block-scaled FP8 GEMM: 32 or 8 threads per (token, 128 columns), one pass
 // over x instead of the half-dozen elementwise PyTorch ops it replaces (a launch each, per projection, per layer).
 // The arithmetic is the PyTorch reference's (ops/linear.py quantize_activations): the same IEEE division and
 // round-to-nearest-even conversion, so the results are identical.
@@ -7,9 +7,9 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "cuda_check.h"
@@ -19,100 +19,69 @@ namespace fastqwen {
 namespace {
 
 constexpr float kE4M3Max = 448.0f;
-// Eight threads a group of 128 columns, 16 values each (two 16-byte loads: the group's two halves, so that each load
-// instruction of a warp reads whole 128-byte lines), 8 groups a block of 64 threads (as many blocks as the first
-// form's, which small batches need to fill the SMs). A thread keeps 32 bytes in flight: the first form (a warp a
-// group, 8 bytes a thread) kept 8.
-constexpr int kThreadsPerGroup = 8;
 constexpr int kGroupsPerBlock = 8;
-constexpr int kQuantThreads = kThreadsPerGroup * kGroupsPerBlock;
+// Two forms of one kernel, by how many values of a group a thread holds (kPerThread): 4 (a warp a group, 8 bytes a
+// thread) or 16 (eight threads a group, two 16-byte loads each, the group's two halves, so that each load instruction
+// of a warp reads whole 128-byte lines). 16 keeps four times the bytes in flight and is faster on large inputs; 4
+// puts more threads on small ones, whose time is latency. On an H200 (bench_gemm_fp8.py, us, 4 against 16 values):
+// [512, 12288] 8.8 against 6.5, [512, 4096] 3.7 against 3.3, [256, 12288] 4.7 against 3.9; [256, 4096] 2.5 against
+// 2.7, [64, 4096] 1.9 against 2.2, [16, 4096] 1.65 against 1.93. kLargeInput: from how many elements the 16 run.
+constexpr int64_t kLargeInput = int64_t{1} << 21;
 
-// q's 8 e4m3 values of f (scaled by 1 / scale with IEEE division and clamped to e4m3's range, as the reference).
-__device__ __forceinline__ uint2 to_e4m3x8(const float (&f)[8], float scale) {
-  uint32_t word[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < 8; i += 2) {
-    const float2 pair = make_float2(fminf(fmaxf(f[i] / scale, -kE4M3Max), kE4M3Max),
-                                    fminf(fmaxf(f[i + 1] / scale, -kE4M3Max), kE4M3Max));
-    const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
-    word[i / 4] |= static_cast<uint32_t>(two) << (8 * (i % 4));
-  }
-  return make_uint2(word[0], word[1]);
+// Threads a block of the form of kPerThread values a thread.
+constexpr int quant_threads(int per_thread) { return kGroupsPerBlock * kFp8QuantGroup / per_thread; }
+
+// The scale of a group whose largest magnitude is amax.
+__device__ __forceinline__ float group_scale(float amax) { return fmaxf(amax, 1e-12f) / kE4M3Max; }
+
+// Two values as e4m3 (divided by scale in IEEE float32 and clamped to e4m3's range, as the reference), in 16 bits.
+__device__ __forceinline__ uint32_t to_e4m3x2(float a, float b, float scale) {
+  const float2 pair = make_float2(fminf(fmaxf(a / scale, -kE4M3Max), kE4M3Max), fminf(fmaxf(b / scale, -kE4M3Max), kE4M3Max));
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3));
 }
 
-// Grid: x over blocks of kGroupsPerBlock column groups, y over padded rows. Thread t of a group holds columns
-// 8 t .. 8 t + 7 and 64 + 8 t .. 64 + 8 t + 7 of it.
-template <typename T>
-__global__ void __launch_bounds__(kQuantThreads) quantize_kernel(uint8_t* __restrict__ q, float* __restrict__ scale_t,
-                                                                 const T* __restrict__ x, int m, int padded_m, int k) {
+// Grid: x over blocks of kGroupsPerBlock column groups, y over padded rows. A thread loads kLoads packs of kWidth
+// values: columns sub * kWidth + l * (128 / kLoads) of its group, l < kLoads.
+template <typename T, int kPerThread>
+__global__ void __launch_bounds__(quant_threads(kPerThread))
+    quantize_kernel(uint8_t* __restrict__ q, float* __restrict__ scale_t, const T* __restrict__ x, int m, int padded_m,
+                    int k) {
+  constexpr int kThreadsPerGroup = kFp8QuantGroup / kPerThread;
+  constexpr int kWidth = kPerThread < 8 ? kPerThread : 8;  // values a load (8 or 16 bytes)
+  constexpr int kLoads = kPerThread / kWidth;
+  constexpr int kStride = kFp8QuantGroup / kLoads;  // columns between a thread's loads
+  using Bits = typename std::conditional<kWidth == 8, uint2, uint32_t>::type;  // kWidth e4m3 values
   const int sub = threadIdx.x % kThreadsPerGroup;
   const int group = blockIdx.x * kGroupsPerBlock + threadIdx.x / kThreadsPerGroup;
   const int row = blockIdx.y;
   const int groups = k / kFp8QuantGroup;
-  if (group >= groups) return;  // (whole groups: the 8 threads of a group leave together, shuffles stay in step)
-  const int64_t offset = static_cast<int64_t>(row) * k + group * kFp8QuantGroup + sub * 8;
-  constexpr int kHalf = kFp8QuantGroup / 2;
-  uint2 lo = make_uint2(0u, 0u), hi = lo;
+  if (group >= groups) return;  // (whole groups: a group's threads leave together, its shuffles stay in step)
+  const int64_t offset = static_cast<int64_t>(row) * k + group * kFp8QuantGroup + sub * kWidth;
+  uint32_t words[kPerThread / 4] = {};
   float scale = 1.0f;
   if (row < m) {
-    const Pack<T, 8> a = *reinterpret_cast<const Pack<T, 8>*>(x + offset);
-    const Pack<T, 8> b = *reinterpret_cast<const Pack<T, 8>*>(x + offset + kHalf);
-    float fa[8], fb[8];
+    float f[kPerThread];
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      fa[i] = Cvt<T>::to_f(a.v[i]);
-      fb[i] = Cvt<T>::to_f(b.v[i]);
-      amax = fmaxf(amax, fmaxf(fabsf(fa[i]), fabsf(fb[i])));
+    for (int l = 0; l < kLoads; ++l) {
+      const Pack<T, kWidth> v = *reinterpret_cast<const Pack<T, kWidth>*>(x + offset + l * kStride);
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) {
+        f[l * kWidth + i] = Cvt<T>::to_f(v.v[i]);
+        amax = fmaxf(amax, fabsf(f[l * kWidth + i]));
+      }
     }
-    const unsigned mask = 0xFFu << (threadIdx.x % 32 / kThreadsPerGroup * kThreadsPerGroup);  // the group's lanes
+    constexpr unsigned kGroupLanes = kThreadsPerGroup == 32 ? 0xFFFFFFFFu : (1u << kThreadsPerGroup) - 1u;
+    const unsigned mask = kGroupLanes << (threadIdx.x % 32 / kThreadsPerGroup * kThreadsPerGroup);
 #pragma unroll
     for (int o = kThreadsPerGroup / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
-    scale = fmaxf(amax, 1e-12f) / kE4M3Max;
-    lo = to_e4m3x8(fa, scale);
-    hi = to_e4m3x8(fb, scale);
+    scale = group_scale(amax);
+#pragma unroll
+    for (int i = 0; i < kPerThread; i += 2) words[i / 4] |= to_e4m3x2(f[i], f[i + 1], scale) << (8 * (i % 4));
   }
-  *reinterpret_cast<uint2*>(q + offset) = lo;
-  *reinterpret_cast<uint2*>(q + offset + kHalf) = hi;
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) *reinterpret_cast<Bits*>(q + offset + l * kStride) = reinterpret_cast<const Bits*>(words)[l];
   if (sub == 0) scale_t[static_cast<int64_t>(group) * padded_m + row] = scale;
-}
-
-// EXPERIMENT: the first form, for the A/B (FASTQWEN_QUANT_V1=1)
-constexpr int kV1WarpsPerBlock = 8;
-
-// Grid: x over groups of kV1WarpsPerBlock column groups, y over padded rows. Each lane holds 4 values.
-template <typename T>
-__global__ void quantize_kernel_v1(uint8_t* __restrict__ q, float* __restrict__ scale_t, const T* __restrict__ x, int m,
-                                int padded_m, int k) {
-  const int lane = threadIdx.x & 31;
-  const int group = blockIdx.x * kV1WarpsPerBlock + (threadIdx.x >> 5);
-  const int row = blockIdx.y;
-  const int groups = k / kFp8QuantGroup;
-  if (group >= groups) return;
-  const int64_t offset = static_cast<int64_t>(row) * k + group * kFp8QuantGroup + lane * 4;
-  uint32_t packed = 0;
-  float scale = 1.0f;
-  if (row < m) {
-    const Pack<T, 4> v = *reinterpret_cast<const Pack<T, 4>*>(x + offset);
-    float f[4];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[i] = Cvt<T>::to_f(v.v[i]);
-      amax = fmaxf(amax, fabsf(f[i]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    scale = fmaxf(amax, 1e-12f) / kE4M3Max;
-    for (int i = 0; i < 4; i += 2) {
-      const float2 pair = make_float2(fminf(fmaxf(f[i] / scale, -kE4M3Max), kE4M3Max),
-                                      fminf(fmaxf(f[i + 1] / scale, -kE4M3Max), kE4M3Max));
-      const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
-      packed |= static_cast<uint32_t>(two) << (8 * i);
-    }
-  }
-  *reinterpret_cast<uint32_t*>(q + offset) = packed;
-  if (lane == 0) scale_t[static_cast<int64_t>(group) * padded_m + row] = scale;
 }
 
 }  // namespace
@@ -131,19 +100,18 @@ void quantize_fp8_tokens(uintptr_t q, uintptr_t scale_t, uintptr_t x, int64_t m,
   const int groups = static_cast<int>(k / kFp8QuantGroup);
   const dim3 grid((groups + kGroupsPerBlock - 1) / kGroupsPerBlock, static_cast<unsigned>(padded_m));
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const bool large = padded_m * k >= kLargeInput;
   FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
-    static const bool v1 = std::getenv("FASTQWEN_QUANT_V1") != nullptr;
-    if (v1) {
-      const dim3 grid1((groups + kV1WarpsPerBlock - 1) / kV1WarpsPerBlock, static_cast<unsigned>(padded_m));
-      quantize_kernel_v1<T><<<grid1, kV1WarpsPerBlock * 32, 0, s>>>(reinterpret_cast<uint8_t*>(q),
-                                                             reinterpret_cast<float*>(scale_t),
-                                                             reinterpret_cast<const T*>(x), static_cast<int>(m),
-                                                             static_cast<int>(padded_m), static_cast<int>(k));
-    } else
-    quantize_kernel<T><<<grid, kQuantThreads, 0, s>>>(reinterpret_cast<uint8_t*>(q),
-                                                             reinterpret_cast<float*>(scale_t),
-                                                             reinterpret_cast<const T*>(x), static_cast<int>(m),
-                                                             static_cast<int>(padded_m), static_cast<int>(k));
+    auto* out = reinterpret_cast<uint8_t*>(q);
+    auto* scales = reinterpret_cast<float*>(scale_t);
+    const auto* in = reinterpret_cast<const T*>(x);
+    if (large) {
+      quantize_kernel<T, 16><<<grid, quant_threads(16), 0, s>>>(out, scales, in, static_cast<int>(m),
+                                                                  static_cast<int>(padded_m), static_cast<int>(k));
+    } else {
+      quantize_kernel<T, 4><<<grid, quant_threads(4), 0, s>>>(out, scales, in, static_cast<int>(m),
+                                                                  static_cast<int>(padded_m), static_cast<int>(k));
+    }
   });
   cuda_check_launch("quantize_fp8_tokens kernel launch");
 }

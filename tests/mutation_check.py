@@ -720,6 +720,7 @@ FP8_QUANT = "csrc/fp8_quant.cu"
 FP8_QUANT_TESTS = [
     "tests/test_gemv_gpu.py::test_fp8_activation_quantizer_matches_reference[17-1024]",
     "tests/test_gemv_gpu.py::test_fp8_activation_quantizer_matches_reference[17-12416]",
+    "tests/test_gemv_gpu.py::test_fp8_activation_quantizer_matches_reference[333-12416]",  # (the form for large inputs)
 ]
 ALLOCATOR = "csrc/page_allocator.cpp"
 
@@ -910,7 +911,12 @@ MUTATIONS += [
     Mutation(
         "fp8_quant_scale_inverted",
         FP8_QUANT,
-        [("    scale = fmaxf(amax, 1e-12f) / kE4M3Max;", "    scale = kE4M3Max / fmaxf(amax, 1e-12f);")],
+        [
+            (
+                "float group_scale(float amax) { return fmaxf(amax, 1e-12f) / kE4M3Max; }",
+                "float group_scale(float amax) { return kE4M3Max / fmaxf(amax, 1e-12f); }",
+            )
+        ],
         FP8_QUANT_TESTS,
         "the activation scale is 448 / amax instead of amax / 448",
     ),
@@ -949,6 +955,18 @@ MUTATIONS += [
         ],
         FP8_QUANT_TESTS,
         "the grid rounds a row's blocks down: the groups past the last multiple of 8 are never quantized",
+    ),
+    Mutation(
+        "fp8_quant_second_load_at_the_wrong_columns",
+        FP8_QUANT,
+        [
+            (
+                "  constexpr int kStride = kFp8QuantGroup / kLoads;  // columns between a thread's loads",
+                "  constexpr int kStride = kFp8QuantGroup / 4;  // columns between a thread's loads",
+            )
+        ],
+        FP8_QUANT_TESTS,
+        "the large inputs' form reads and writes its second pack 32 columns on instead of 64: half of each group twice",
     ),
     Mutation(
         "e4m3_read_as_e5m2",
