@@ -351,14 +351,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "quantize_fp8_tokens",
       [](const py::int_& q, const py::int_& scale_t, const py::int_& x, int64_t m, int64_t padded_m, int64_t k,
-         int dtype, const py::int_& stream) {
+         int dtype, const py::int_& stream, bool silu_gate_up) {
         fastqwen::quantize_fp8_tokens(to_uintptr(q, "q"), to_uintptr(scale_t, "scale_t"), to_uintptr(x, "x"), m,
-                                      padded_m, k, dtype, to_uintptr(stream, "stream"));
+                                      padded_m, k, dtype, to_uintptr(stream, "stream"), silu_gate_up);
       },
       py::arg("q"), py::arg("scale_t"), py::arg("x"), py::arg("m"), py::arg("padded_m"), py::arg("k"),
-      py::arg("dtype"), py::arg("stream"),
+      py::arg("dtype"), py::arg("stream"), py::arg("silu_gate_up") = false,
       "Per-token e4m3 quantization of x [m, k] in groups of 128 columns: q [padded_m, k], scale_t float32 "
-      "[k / 128, padded_m] (rows past m: zeros, scale 1).");
+      "[k / 128, padded_m] (rows past m: zeros, scale 1). silu_gate_up: x is [m, 2k] (gate, up) and what is "
+      "quantized is silu_and_mul(x), never written out.");
   m.def(
       "silu_and_mul",
       [](const py::int_& x_ptr, const py::int_& out_ptr, int64_t num_rows, int64_t d, int dtype,

@@ -1,5 +1,5 @@
-// Per-token FP8 activation quantization for the block-scaled FP8 GEMM: 32 or 8 threads per (token, 128 columns), one pass
-// over x instead of the half-dozen elementwise PyTorch ops it replaces (a launch each, per projection, per layer).
+// Per-token FP8 activation quantization for the block-scaled FP8 GEMM: 32 or 8 threads per (token, 128 columns), one
+// pass over x instead of the half-dozen elementwise PyTorch ops it replaces (a launch each, per projection, per layer).
 // The arithmetic is the PyTorch reference's (ops/linear.py quantize_activations): the same IEEE division and
 // round-to-nearest-even conversion, so the results are identical.
 #include <cuda_bf16.h>
@@ -36,13 +36,15 @@ __device__ __forceinline__ float group_scale(float amax) { return fmaxf(amax, 1e
 
 // Two values as e4m3 (divided by scale in IEEE float32 and clamped to e4m3's range, as the reference), in 16 bits.
 __device__ __forceinline__ uint32_t to_e4m3x2(float a, float b, float scale) {
-  const float2 pair = make_float2(fminf(fmaxf(a / scale, -kE4M3Max), kE4M3Max), fminf(fmaxf(b / scale, -kE4M3Max), kE4M3Max));
+  const float2 pair = make_float2(fminf(fmaxf(a / scale, -kE4M3Max), kE4M3Max),
+                                  fminf(fmaxf(b / scale, -kE4M3Max), kE4M3Max));
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3));
 }
 
 // Grid: x over blocks of kGroupsPerBlock column groups, y over padded rows. A thread loads kLoads packs of kWidth
-// values: columns sub * kWidth + l * (128 / kLoads) of its group, l < kLoads.
-template <typename T, int kPerThread>
+// values: columns sub * kWidth + l * (128 / kLoads) of its group, l < kLoads. SILU: each value is silu_mul of the
+// gate's and the up projection's at that column (x's rows are 2k long: gate, then up).
+template <typename T, int kPerThread, bool SILU>
 __global__ void __launch_bounds__(quant_threads(kPerThread))
     quantize_kernel(uint8_t* __restrict__ q, float* __restrict__ scale_t, const T* __restrict__ x, int m, int padded_m,
                     int k) {
@@ -56,15 +58,22 @@ __global__ void __launch_bounds__(quant_threads(kPerThread))
   const int row = blockIdx.y;
   const int groups = k / kFp8QuantGroup;
   if (group >= groups) return;  // (whole groups: a group's threads leave together, its shuffles stay in step)
-  const int64_t offset = static_cast<int64_t>(row) * k + group * kFp8QuantGroup + sub * kWidth;
+  const int column = group * kFp8QuantGroup + sub * kWidth;
+  const int64_t offset = static_cast<int64_t>(row) * k + column;  // in q
   uint32_t words[kPerThread / 4] = {};
   float scale = 1.0f;
   if (row < m) {
+    const T* in = x + static_cast<int64_t>(row) * (SILU ? 2 * k : k) + column;
     float f[kPerThread];
     float amax = 0.0f;
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) {
-      const Pack<T, kWidth> v = *reinterpret_cast<const Pack<T, kWidth>*>(x + offset + l * kStride);
+      Pack<T, kWidth> v = *reinterpret_cast<const Pack<T, kWidth>*>(in + l * kStride);
+      if constexpr (SILU) {
+        const Pack<T, kWidth> up = *reinterpret_cast<const Pack<T, kWidth>*>(in + k + l * kStride);
+#pragma unroll
+        for (int i = 0; i < kWidth; ++i) v.v[i] = silu_mul(v.v[i], up.v[i]);
+      }
 #pragma unroll
       for (int i = 0; i < kWidth; ++i) {
         f[l * kWidth + i] = Cvt<T>::to_f(v.v[i]);
@@ -80,14 +89,16 @@ __global__ void __launch_bounds__(quant_threads(kPerThread))
     for (int i = 0; i < kPerThread; i += 2) words[i / 4] |= to_e4m3x2(f[i], f[i + 1], scale) << (8 * (i % 4));
   }
 #pragma unroll
-  for (int l = 0; l < kLoads; ++l) *reinterpret_cast<Bits*>(q + offset + l * kStride) = reinterpret_cast<const Bits*>(words)[l];
+  for (int l = 0; l < kLoads; ++l) {
+    *reinterpret_cast<Bits*>(q + offset + l * kStride) = reinterpret_cast<const Bits*>(words)[l];
+  }
   if (sub == 0) scale_t[static_cast<int64_t>(group) * padded_m + row] = scale;
 }
 
 }  // namespace
 
 void quantize_fp8_tokens(uintptr_t q, uintptr_t scale_t, uintptr_t x, int64_t m, int64_t padded_m, int64_t k,
-                         int dtype, uintptr_t stream) {
+                         int dtype, uintptr_t stream, bool silu_gate_up) {
   const std::string op = "quantize_fp8_tokens: ";
   check_dtype(op, dtype, kHalfTypes);
   if (m < 0 || padded_m < m || padded_m > 65535 || k < 0 || k % kFp8QuantGroup != 0 || k > (1 << 30)) {
@@ -100,17 +111,24 @@ void quantize_fp8_tokens(uintptr_t q, uintptr_t scale_t, uintptr_t x, int64_t m,
   const int groups = static_cast<int>(k / kFp8QuantGroup);
   const dim3 grid((groups + kGroupsPerBlock - 1) / kGroupsPerBlock, static_cast<unsigned>(padded_m));
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (silu_gate_up && 2 * k > (1 << 30)) throw std::invalid_argument(op + "2k beyond 2^30 (silu_gate_up)");
   const bool large = padded_m * k >= kLargeInput;
   FASTQWEN_DISPATCH_DTYPE(op.c_str(), dtype, kHalfTypes, T, {
     auto* out = reinterpret_cast<uint8_t*>(q);
     auto* scales = reinterpret_cast<float*>(scale_t);
     const auto* in = reinterpret_cast<const T*>(x);
-    if (large) {
-      quantize_kernel<T, 16><<<grid, quant_threads(16), 0, s>>>(out, scales, in, static_cast<int>(m),
-                                                                  static_cast<int>(padded_m), static_cast<int>(k));
+    const int rows = static_cast<int>(m), padded = static_cast<int>(padded_m), cols = static_cast<int>(k);
+    auto run = [&](auto per_thread, auto silu) {
+      constexpr int kPer = decltype(per_thread)::value;
+      quantize_kernel<T, kPer, decltype(silu)::value><<<grid, quant_threads(kPer), 0, s>>>(out, scales, in, rows,
+                                                                                            padded, cols);
+    };
+    using Sixteen = std::integral_constant<int, 16>;
+    using Four = std::integral_constant<int, 4>;
+    if (silu_gate_up) {
+      large ? run(Sixteen{}, std::true_type{}) : run(Four{}, std::true_type{});
     } else {
-      quantize_kernel<T, 4><<<grid, quant_threads(4), 0, s>>>(out, scales, in, static_cast<int>(m),
-                                                                  static_cast<int>(padded_m), static_cast<int>(k));
+      large ? run(Sixteen{}, std::false_type{}) : run(Four{}, std::false_type{});
     }
   });
   cuda_check_launch("quantize_fp8_tokens kernel launch");

@@ -957,6 +957,21 @@ MUTATIONS += [
         "the grid rounds a row's blocks down: the groups past the last multiple of 8 are never quantized",
     ),
     Mutation(
+        "fp8_quant_silu_takes_the_gate_for_up",
+        FP8_QUANT,
+        [
+            (
+                "        const Pack<T, kWidth> up = *reinterpret_cast<const Pack<T, kWidth>*>(in + k + l * kStride);",
+                "        const Pack<T, kWidth> up = *reinterpret_cast<const Pack<T, kWidth>*>(in + l * kStride);",
+            )
+        ],
+        [
+            "tests/test_gemv_gpu.py::test_silu_activation_quantized_in_one_pass_is_the_quantized_silu_and_mul[small-bf16]",
+            "tests/test_gemv_gpu.py::test_silu_activation_quantized_in_one_pass_is_the_quantized_silu_and_mul[large-bf16]",
+        ],
+        "the fused SiLU quantization multiplies silu(gate) by the gate instead of the up projection",
+    ),
+    Mutation(
         "fp8_quant_second_load_at_the_wrong_columns",
         FP8_QUANT,
         [

@@ -14,7 +14,19 @@ import torch
 from checkpoints import FP8_PROJECTIONS, hf_greedy, load_projections_into_hf, make_checkpoint, make_fp8_checkpoint
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import ConfigError, EngineConfig, load_model_config
-from fastqwen.ops.linear import LinearWeight, dequantize_fp8, linear, linear_reference, quantize_fp8
+from fastqwen.ops.activation import silu_and_mul
+from fastqwen.ops.linear import (
+    LinearWeight,
+    QuantizedRows,
+    dequantize_fp8,
+    linear,
+    linear_reference,
+    linear_silu_and_mul,
+    quantize_activations,
+    quantize_fp8,
+    quantized_input_applies,
+    silu_and_mul_quantized,
+)
 from fastqwen.weights import load_weights
 
 CPU = torch.device("cpu")
@@ -114,6 +126,31 @@ def test_fp8_linear_reference_is_dequantized_matmul():
         LinearWeight(dense.float(), w.scale)
     with pytest.raises(ValueError, match="tokens"):
         linear(torch.randn(2, 3), w)
+
+
+def test_the_silu_activation_quantized_for_down_on_the_cpu():
+    """silu_and_mul_quantized without the CUDA quantizer: the reference quantizer (quantize_activations) of
+    silu_and_mul's activation, rows padded to 16 with zeros; linear on QuantizedRows refuses what its GEMM cannot
+    take; on the CPU the quantized path never applies, so linear_silu_and_mul with quantize_for gives the plain
+    activation."""
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
+    got = silu_and_mul_quantized(gate_up)
+    act = silu_and_mul(gate_up)
+    q, scale = quantize_activations(torch.cat([act, torch.zeros(11, 256, dtype=act.dtype)]))
+    assert got.rows == 5 and got.dtype == torch.bfloat16 and got.in_features == 256
+    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, scale)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        silu_and_mul_quantized(torch.randn(5, 200))
+    dense = LinearWeight(torch.randn(64, 256, generator=gen).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="FP8 weight"):
+        linear(got, dense)
+    fp8 = LinearWeight(*quantize_fp8(torch.randn(256, 256, generator=gen)))
+    assert not quantized_input_applies(64, torch.bfloat16, CPU, fp8)
+    gate_up_w = LinearWeight(torch.randn(512, 64, generator=gen).to(torch.bfloat16))
+    x = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+    out = linear_silu_and_mul(x, gate_up_w, quantize_for=fp8)
+    assert not isinstance(out, QuantizedRows) and torch.equal(out, linear_silu_and_mul(x, gate_up_w))
 
 
 def _write_config(folder, quantization_config):

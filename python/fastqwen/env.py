@@ -117,6 +117,14 @@ def gemv_sends() -> bool:
     return _flag("FASTQWEN_GEMV_SENDS", False)
 
 
+def fp8_silu_quant() -> bool:
+    """FASTQWEN_FP8_SILU_QUANT=1: with FP8 weights, at token counts that run the block-scaled FP8 GEMM, the MLP's
+    activation is quantized for the down projection in the same pass that computes it (ops.linear_silu_and_mul's
+    quantize_for), instead of written out by silu_and_mul and read back by the quantizer; the same GEMM inputs bit
+    for bit. Off by default until measured on a GPU."""
+    return _flag("FASTQWEN_FP8_SILU_QUANT", False)
+
+
 def metrics_folder() -> str | None:
     """PROMETHEUS_MULTIPROC_DIR: prometheus_client's multiprocess mode, where each process writes its counters. Set
     by the parent of several front ends (api_servers.py, through share_metrics_through) before it starts them."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .. import env, ops
 from ..config import ModelConfig
 from ..kvcache import KVPool
 from ..ops.collectives import SINGLE, ParallelGroup
@@ -42,6 +42,9 @@ class Qwen3Model:
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
         ops.prepare_linear(weights.projections(), self.dtype, self.device)
+        # FASTQWEN_FP8_SILU_QUANT: the MLP's activation quantized for down's FP8 GEMM as it is computed (off until
+        # measured; ops.linear_silu_and_mul's quantize_for)
+        self.silu_quant = env.fp8_silu_quant()
         # EAGLE-3 (model/eagle3.py): the layers whose entering residual stream forward copies into aux_out, when given.
         self.aux_layers: tuple[int, ...] = ()
 
@@ -99,7 +102,8 @@ class Qwen3Model:
                 self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
             o, o_sent = self.parallel.linear_to_all_reduce(attn.view(attn.shape[0], -1), layer.o_proj)
             hidden, residual = self.parallel.all_reduce_add_rms_norm(o, residual, layer.post_norm, eps, sent=o_sent)
-            act = ops.linear_silu_and_mul(hidden, layer.gate_up)
+            # (FP8 at many tokens, FASTQWEN_FP8_SILU_QUANT=1: the activation comes quantized for down's GEMM)
+            act = ops.linear_silu_and_mul(hidden, layer.gate_up, quantize_for=layer.down if self.silu_quant else None)
             if index < last:
                 hidden, down_sent = self.parallel.linear_to_all_reduce(act, layer.down)
             else:  # (the last layer's down goes to the plain all-reduce below)

@@ -19,6 +19,7 @@ from .attention import (
 from .kv_fp8 import FP8_KV_DTYPE, dequantize_kv, is_fp8, quantize_kv
 from .linear import (
     LinearWeight,
+    QuantizedRows,
     gemv_kernel_applies,
     linear,
     linear_add_residual,
@@ -27,6 +28,8 @@ from .linear import (
     linear_silu_and_mul,
     norm_in_gemv_applies,
     prepare_linear,
+    quantized_input_applies,
+    silu_and_mul_quantized,
 )
 from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
@@ -65,9 +68,12 @@ __all__ = [
     "linear_reference",
     "linear_silu_and_mul",
     "LinearWeight",
+    "QuantizedRows",
     "gemv_kernel_applies",
     "norm_in_gemv_applies",
     "prepare_linear",
+    "quantized_input_applies",
+    "silu_and_mul_quantized",
     "pack_sampler_rows",
     "paged_attention",
     "paged_attention_decode",

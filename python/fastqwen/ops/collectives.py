@@ -8,8 +8,9 @@ all-reduce takes the custom kernel (ops/custom_all_reduce.py) for messages it ac
 `all_reduce_add_rms_norm` is what a decoder layer does after its row-parallel o_proj and down: the all-reduce, then
 ops.fused_add_rms_norm. Its meaning is that composition, on every path; where the custom kernel takes the tensors,
 the step has at most FUSED_NORM_MAX_ROWS tokens and the group fuses (env.fused_all_reduce_norm: at two ranks unless
-FASTQWEN_FUSED_ALLREDUCE_NORM says otherwise), one kernel does both. `linear_to_all_reduce` is the row-parallel projection before it: with FASTQWEN_GEMV_SENDS=1 a one-token GEMV
-stores its output straight into the ranks' receive buffers, and the all-reduce that follows only sums.
+FASTQWEN_FUSED_ALLREDUCE_NORM says otherwise), one kernel does both. `linear_to_all_reduce` is the row-parallel
+projection before it: with FASTQWEN_GEMV_SENDS=1 a one-token GEMV stores its output straight into the ranks' receive
+buffers, and the all-reduce that follows only sums.
 
 The process groups are made directly from a store (not torch.distributed's global default group), so one process
 can run several engines one after the other (tests do) and an engine's groups die with it.
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from .. import env
 from .custom_all_reduce import CustomAllReduce, custom_all_reduce_supported
-from .linear import LinearWeight, gemv_kernel_applies, linear, linear_send
+from .linear import LinearWeight, QuantizedRows, gemv_kernel_applies, linear, linear_send
 from .norm import fused_add_rms_norm
 
 # The fused kernel up to this many rows (tokens of a step), the all-reduce then fused_add_rms_norm above: on two H200s
@@ -85,15 +86,16 @@ class ParallelGroup:
         self.device_group.allreduce([x]).wait()
         return x
 
-    def linear_to_all_reduce(self, x: torch.Tensor, w: LinearWeight) -> tuple[torch.Tensor, bool]:
+    def linear_to_all_reduce(self, x: torch.Tensor | QuantizedRows, w: LinearWeight) -> tuple[torch.Tensor, bool]:
         """A row-parallel projection whose output all_reduce_add_rms_norm sums next: (ops.linear(x, w), False), or,
         where the GEMV sends (FASTQWEN_GEMV_SENDS=1, the custom kernel fused with the norm, one token on the one-token
         GEMV, an output that fits a receive slot), (ops.linear_send(...), True): the output went straight into the
         ranks' receive buffers, and the call that follows must pass sent=True. Every rank decides alike (the same
-        shapes and environment)."""
+        shapes and environment). x may be QuantizedRows (ops.linear_silu_and_mul's): never sent (many tokens)."""
         custom = self.custom
         if (
-            custom is not None
+            not isinstance(x, QuantizedRows)
+            and custom is not None
             and custom.send_target is not None
             and self.fused_norm
             and x.dim() == 2

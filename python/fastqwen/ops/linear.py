@@ -257,36 +257,79 @@ def _scaled_mm_weight_scale(w: LinearWeight) -> torch.Tensor:
     return w._scaled_mm_scale
 
 
-def _quantize_for_gemm(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [padded, K], float32 scales [padded, K/128] with stride [1, padded]); rows past x's are zero."""
+def _quantize_for_gemm(x: torch.Tensor, padded: int, silu_gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [padded, K], float32 scales [padded, K/128] with stride [1, padded]); rows past x's are zero.
+    silu_gate_up: x is [M, 2K] (gate, up) and what is quantized is silu_and_mul(x), bit for bit."""
     m, k = x.shape
+    if silu_gate_up:
+        k //= 2
     if kernel_applies("quantize_fp8_tokens", x.is_cuda, x.dtype) and padded <= 65535:
         q = torch.empty(padded, k, dtype=FP8_DTYPE, device=x.device)
         scale_t = torch.empty(k // FP8_BLOCK, padded, dtype=torch.float32, device=x.device)
         check_tensors("linear", x.device, None, x=x)
         native().quantize_fp8_tokens(
-            q.data_ptr(), scale_t.data_ptr(), x.data_ptr(), m, padded, k, dtype_code(x.dtype), stream_of(x)
+            q.data_ptr(),
+            scale_t.data_ptr(),
+            x.data_ptr(),
+            m,
+            padded,
+            k,
+            dtype_code(x.dtype),
+            stream_of(x),
+            silu_gate_up,
         )
         return q, scale_t.t()
+    if silu_gate_up:
+        x = silu_and_mul(x)
     q, sx = quantize_activations(F.pad(x, (0, 0, 0, padded - m)))
     scale_a = torch.empty_strided(sx.shape, (1, padded), dtype=torch.float32, device=x.device)
     return q, scale_a.copy_(sx)
 
 
-def _fp8_gemm(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    m = x.shape[0]
-    padded = -(-m // 16) * 16  # cuBLASLt refuses block-scaled GEMMs whose token count (scale_a's stride) is unaligned
-    q, scale_a = _quantize_for_gemm(x.contiguous(), padded)
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations already quantized for the block-scaled FP8 GEMM (what _fp8_gemm would quantize them to):
+    q e4m3 [padded, K], scale float32 [padded, K/128] with stride [1, padded], of which `rows` are real; dtype is
+    the activations' own (the GEMM's output). linear() takes them for an FP8 weight on the GEMM path."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[1]
+
+
+def _padded_rows(m: int) -> int:
+    return -(-m // 16) * 16  # cuBLASLt refuses block-scaled GEMMs whose token count (scale_a's stride) is unaligned
+
+
+def _fp8_gemm(x: torch.Tensor | QuantizedRows, w: LinearWeight) -> torch.Tensor:
+    if not isinstance(x, QuantizedRows):
+        x = QuantizedRows(*_quantize_for_gemm(x.contiguous(), _padded_rows(x.shape[0])), x.shape[0], x.dtype)
     y = F.scaled_mm(
-        q,
+        x.q,
         w.weight.t(),
-        scale_a,
+        x.scale,
         F.ScalingType.BlockWise1x128,
         _scaled_mm_weight_scale(w),
         F.ScalingType.BlockWise128x128,
         output_dtype=x.dtype,
-    )[:m]
+    )[: x.rows]
     return y if w.bias is None else y + w.bias
+
+
+def silu_and_mul_quantized(gate_up: torch.Tensor) -> QuantizedRows:
+    """silu_and_mul(gate_up) quantized for the block-scaled FP8 GEMM in one pass, the [M, d] activations never
+    written out (the quantizer's silu_gate_up form; bit for bit _fp8_gemm's quantization of silu_and_mul(gate_up)).
+    gate_up: [M, 2d], d a multiple of 128."""
+    m, two_d = gate_up.shape
+    if two_d % (2 * FP8_BLOCK):
+        raise ValueError(f"silu_and_mul_quantized: gate_up must be [M, 2d] with d a multiple of 128, got {two_d}")
+    q, scale = _quantize_for_gemm(gate_up.contiguous(), _padded_rows(m), silu_gate_up=True)
+    return QuantizedRows(q, scale, m, gate_up.dtype)
 
 
 def fp8_gemm_supported(device: torch.device, dtype: torch.dtype, w: LinearWeight) -> bool:
@@ -392,15 +435,47 @@ def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
             _scaled_mm_weight_scale(w)
 
 
+def quantized_input_applies(rows: int, dtype: torch.dtype, device: torch.device, w: LinearWeight) -> bool:
+    """Whether linear(x, w) for x [rows, w.in_features] of dtype on device runs the block-scaled FP8 GEMM with the
+    CUDA quantizer (so that QuantizedRows made beforehand can stand for x): an FP8 weight, more tokens than the FP8
+    GEMV takes, the GEMM and the quantizer here."""
+    return (
+        w.is_fp8
+        and FP8_GEMV_MAX_TOKENS < rows
+        and _padded_rows(rows) <= 65535
+        and w.in_features % FP8_BLOCK == 0
+        and kernel_applies("quantize_fp8_tokens", device.type == "cuda", dtype)
+        and fp8_gemm_supported(device, dtype, w)
+    )
+
+
 def linear_silu_and_mul(
-    x: torch.Tensor, w: LinearWeight, gemv_only: bool = False, norm: tuple[torch.Tensor, float] | None = None
-) -> torch.Tensor:
+    x: torch.Tensor,
+    w: LinearWeight,
+    gemv_only: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    quantize_for: LinearWeight | None = None,
+) -> torch.Tensor | QuantizedRows:
     """silu_and_mul(linear(x, w)) for w the gate and up projections stacked ([gate; up], as Qwen3's MLP keeps them):
     [M, out / 2]. Where linear would run the GEMV, one GEMV kernel computes both halves and multiplies them in its
     epilogue, bit for bit what the two ops give. gemv_only: the GEMV at any token count it takes (tests, benchmarks;
-    ValueError where it does not apply). norm: as for `linear`."""
+    ValueError where it does not apply). norm: as for `linear`.
+    quantize_for (the down projection's weight): where linear(result, quantize_for) would quantize the result for
+    the block-scaled FP8 GEMM (quantized_input_applies), the activation is quantized as silu_and_mul computes it
+    (silu_and_mul_quantized) and QuantizedRows returned: bit for bit the same GEMM inputs, without writing the
+    [M, out / 2] activations and reading them back."""
     if w.out_features % 2 != 0:
         raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
+    if (
+        quantize_for is not None
+        and norm is None
+        and not gemv_only
+        and x.dim() == 2
+        and quantize_for.in_features == w.out_features // 2
+        and not gemv_kernel_applies(x, w)
+        and quantized_input_applies(x.shape[0], x.dtype, x.device, quantize_for)
+    ):
+        return silu_and_mul_quantized(linear(x, w))
     if norm is not None:
         out = torch.empty(1, w.out_features // 2, dtype=x.dtype, device=x.device)
         return _gemv_norm(_norm_epilogue(norm), x.contiguous(), w, out, *norm, silu_gate_up=True)
@@ -419,7 +494,16 @@ def linear(
     """y = x @ W^T (+ bias) for x [M, in] -> [M, out] of x's dtype; into `out` when given (and the GEMV runs).
     norm = (weight, eps): x is one token's residual and y = RMSNorm(x) @ W^T (+ bias), the norm done by the one-token
     GEMV as it reads x (products and sums fp32, the normalized row never rounded; ValueError where it does not run).
-    norm = (None, eps): the same where the norm's weight is already multiplied into W's columns (weights.fold_norm)."""
+    norm = (None, eps): the same where the norm's weight is already multiplied into W's columns (weights.fold_norm).
+    x may be QuantizedRows (linear_silu_and_mul's, for an FP8 w where quantized_input_applies): the FP8 GEMM on them."""
+    if isinstance(x, QuantizedRows):
+        if norm is not None or not w.is_fp8 or x.in_features != w.in_features:
+            raise ValueError(
+                f"linear: quantized rows of {x.in_features} columns take an FP8 weight of as many in-features and no "
+                f"norm, got a {w.weight.dtype} weight of {w.in_features}"
+            )
+        y = _fp8_gemm(x, w)
+        return y if out is None else out.copy_(y)
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x must be [tokens, {w.in_features}], got {tuple(x.shape)}")
     if norm is not None:
