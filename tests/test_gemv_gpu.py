@@ -423,15 +423,9 @@ def test_engine_norms_in_gemv_match_the_norm_kernels(tmp_path, monkeypatch, quan
     )
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp8"])
-def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path, quantization):
-    """Under programmatic dependent launch every kernel of a decode step (RMSNorm, the GEMVs with and without the SiLU
-    epilogue, q/k-norm + RoPE + KV write, decode attention and its merge) may start before the kernel before it ends,
-    and must wait for its inputs. Same checkpoint, CUDA-graph decode at batch 1 (the GEMV's FMA kernel) and at 5
-    (bf16: its tensor-core kernel; FP8: the block-scaled GEMM beside the PDL kernels), with PDL off and then on: the
-    same logits, bit for bit, at every step."""
-    native = _native.native()
-    folder = str(tmp_path)
+def make_engine_checkpoint(folder: str, seed: int) -> None:
+    """The small random checkpoint of the engine-level bitwise tests: 3 layers, hidden 256, head dim 128 (the
+    kernels' size), MLP 512 (whole 128 blocks for the FP8 GEMM)."""
     make_checkpoint(
         folder,
         tied=False,
@@ -442,9 +436,21 @@ def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path,
         head_dim=128,
         layers=3,
         logit_scale=4.0,
-        seed=13,
+        seed=seed,
         max_positions=2048,
     )
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_engine_with_programmatic_launch_is_bitwise_the_engine_without(tmp_path, quantization):
+    """Under programmatic dependent launch every kernel of a decode step (RMSNorm, the GEMVs with and without the SiLU
+    epilogue, q/k-norm + RoPE + KV write, decode attention and its merge) may start before the kernel before it ends,
+    and must wait for its inputs. Same checkpoint, CUDA-graph decode at batch 1 (the GEMV's FMA kernel) and at 5
+    (bf16: its tensor-core kernel; FP8: the block-scaled GEMM beside the PDL kernels), with PDL off and then on: the
+    same logits, bit for bit, at every step."""
+    native = _native.native()
+    folder = str(tmp_path)
+    make_engine_checkpoint(folder, seed=13)
     rng = random.Random(3)
     prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (5, 300, 17, 64, 1000)]
     kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, quantization=quantization)
@@ -639,22 +645,11 @@ def test_engine_with_the_silu_activation_quantized_is_bitwise_the_engine_without
     long prefill (the GEMM path) and of decode steps of 5 sequences (5 tokens: past the FP8 GEMV, the GEMM too), with
     CUDA graphs. And the path is taken: the quantized rows reach the down projection."""
     from fastqwen import SamplingParams
-    from fastqwen.ops import linear as linear_module
+
+    linear_module = importlib.import_module("fastqwen.ops.linear")  # (fastqwen.ops.linear is also the function)
 
     folder = str(tmp_path)
-    make_checkpoint(
-        folder,
-        tied=False,
-        hidden=256,
-        intermediate=512,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=128,
-        layers=3,
-        logit_scale=4.0,
-        seed=17,
-        max_positions=2048,
-    )
+    make_engine_checkpoint(folder, seed=17)
     rng = random.Random(5)
     prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (300, 5, 64, 17, 1000)]
     kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, quantization="fp8")
