@@ -62,9 +62,9 @@
 #            flight: where speculation stops paying, for its default switch-off batch size
 #   fp8kvserving  FP8 weights + FP8 KV, 128/1024 with 512 in flight (1,024 requests): offline, then through the
 #            server (API_SERVERS front-end processes, default 1) with SGLang's bench_serving (SGL_TOOLS) (issue 47)
-#   fp8silu  FASTQWEN_FP8_SILU_QUANT (the MLP activation quantized for down's FP8 GEMM as it is computed): its GPU
-#            tests and mutant, then FP8 weights + FP8 KV offline throughput at 512 in flight (1,024 requests of 128 /
-#            1,024) with it and without, in turns, twice (issue 47)
+#   fp8fused  FASTQWEN_FP8_FUSED_QUANT (the FP8 GEMMs' inputs quantized by the norm and the SiLU that compute them):
+#            its GPU tests and mutants, then FP8 weights + FP8 KV offline throughput at 512 in flight (1,024 requests
+#            of 128 / 1,024) with it and without, in turns, twice (issue 47)
 #   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   prefillstalls  Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill kernel (16k, bf16)
 #   prefillvariants  bench/prefill_variants.py: the prefill kernel's pipelines (PREFILL_VARIANTS_LIST) beside cuDNN
@@ -611,19 +611,20 @@ step_account_limit() {  # step_account_limit RUNS_LEFT: this run's limit, 280 s 
   [ "$share" -gt 1 ] || share=1  # (timeout 0 would mean no limit)
   echo $(( share < 280 ? share : 280 ))
 }
-stage_fp8silu() {  # issue 47: the MLP activation quantized in the pass that computes it, tested, then timed in turns
+stage_fp8fused() {  # issue 47: the FP8 GEMMs' inputs quantized where they are computed, tested, then timed in turns
   FASTQWEN_RESULTS_DIR="$OUT" timeout 200 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
-    tests/test_gemv_gpu.py -k "silu_activation_quantized or quantizer" > "$OUT/tests_fp8silu.log" 2>&1 || tests_rc=1
-  pytest_report "$OUT/tests_fp8silu.log" 20
-  timeout 150 python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
-    --names fp8_quant_silu_takes_the_gate_for_up --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
+    tests/test_gemv_gpu.py -k "quantized or quantizer" > "$OUT/tests_fp8fused.log" 2>&1 || tests_rc=1
+  pytest_report "$OUT/tests_fp8fused.log" 20
+  timeout 200 python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
+    --names fp8_quant_silu_takes_the_gate_for_up,norm_fp8_group_max_over_half_its_lanes --out "$OUT" \
+    > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
   grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 5
   local flags=(--quantization fp8 --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 --workload fixed --num-prompts 1024
                --input-len 128 --output-len 1024)
   for round in 1 2; do
-    for silu in 0 1; do
-      FASTQWEN_FP8_SILU_QUANT=$silu run "throughput_fp8kv_silu${silu}_$round" 120 python3 bench/throughput.py \
-        --model Qwen3-8B --load-format dummy "${flags[@]}" --json "$OUT/throughput_fp8kv_silu${silu}_$round.json"
+    for fused in 0 1; do
+      FASTQWEN_FP8_FUSED_QUANT=$fused run "throughput_fp8kv_fused${fused}_$round" 120 python3 bench/throughput.py \
+        --model Qwen3-8B --load-format dummy "${flags[@]}" --json "$OUT/throughput_fp8kv_fused${fused}_$round.json"
     done
   done
 }
@@ -652,7 +653,7 @@ for stage in $STAGES; do
     tests3) stage_tests 3 ;;
     tests4) stage_tests 4 ;;
     gputests) stage_gputests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8silu|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

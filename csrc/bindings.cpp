@@ -412,6 +412,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("num_rows"), py::arg("hidden"), py::arg("eps"),
       py::arg("dtype"), py::arg("stream"), "In place: residual += x; x = weight * RMSNorm(residual).");
   m.def(
+      "fused_add_rms_norm_fp8",
+      [](const py::int_& x, const py::int_& residual, const py::int_& weight, int64_t num_rows, int64_t hidden,
+         double eps, int dtype, const py::int_& q, const py::int_& scale_t, int64_t padded_rows,
+         const py::int_& stream) {
+        fastqwen::fused_add_rms_norm_fp8(to_uintptr(x, "x"), to_uintptr(residual, "residual"),
+                                         to_uintptr(weight, "weight"), num_rows, hidden, eps, dtype,
+                                         to_uintptr(q, "q"), to_uintptr(scale_t, "scale_t"), padded_rows,
+                                         to_uintptr(stream, "stream"));
+      },
+      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("num_rows"), py::arg("hidden"), py::arg("eps"),
+      py::arg("dtype"), py::arg("q"), py::arg("scale_t"), py::arg("padded_rows"), py::arg("stream"),
+      "residual += x; weight * RMSNorm(residual) quantized per token and 128 columns into q / scale_t (norm.h).");
+  m.def(
       "qk_norm_rope_store_kv", [](const fastqwen::RopeKVArgs& args) { fastqwen::qk_norm_rope_store_kv(args); },
       py::arg("args"), "Per-head RMSNorm of q and k, NeoX RoPE, q to q_out, k and v to their cache slots (-1 = skip).");
   m.def(

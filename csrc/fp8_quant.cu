@@ -13,12 +13,12 @@
 
 #include "common.cuh"
 #include "cuda_check.h"
+#include "fp8_quant.cuh"
 #include "fp8_quant.h"
 
 namespace fastqwen {
 namespace {
 
-constexpr float kE4M3Max = 448.0f;
 constexpr int kGroupsPerBlock = 8;
 // Two forms of one kernel, by how many values of a group a thread holds (kPerThread): 4 (a warp a group, 8 bytes a
 // thread) or 16 (eight threads a group, two 16-byte loads each, the group's two halves, so that each load instruction
@@ -30,16 +30,6 @@ constexpr int64_t kLargeInput = int64_t{1} << 21;
 
 // Threads a block of the form of kPerThread values a thread.
 constexpr int quant_threads(int per_thread) { return kGroupsPerBlock * kFp8QuantGroup / per_thread; }
-
-// The scale of a group whose largest magnitude is amax.
-__device__ __forceinline__ float group_scale(float amax) { return fmaxf(amax, 1e-12f) / kE4M3Max; }
-
-// Two values as e4m3 (divided by scale in IEEE float32 and clamped to e4m3's range, as the reference), in 16 bits.
-__device__ __forceinline__ uint32_t to_e4m3x2(float a, float b, float scale) {
-  const float2 pair = make_float2(fminf(fmaxf(a / scale, -kE4M3Max), kE4M3Max),
-                                  fminf(fmaxf(b / scale, -kE4M3Max), kE4M3Max));
-  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3));
-}
 
 // Grid: x over blocks of kGroupsPerBlock column groups, y over padded rows. A thread loads kLoads packs of kWidth
 // values: columns sub * kWidth + l * (128 / kLoads) of its group, l < kLoads. SILU: each value is silu_mul of the

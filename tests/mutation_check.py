@@ -910,15 +910,16 @@ MUTATIONS += [
     ),
     Mutation(
         "fp8_quant_scale_inverted",
-        FP8_QUANT,
+        "csrc/fp8_quant.cuh",
         [
             (
                 "float group_scale(float amax) { return fmaxf(amax, 1e-12f) / kE4M3Max; }",
                 "float group_scale(float amax) { return kE4M3Max / fmaxf(amax, 1e-12f); }",
             )
         ],
-        FP8_QUANT_TESTS,
-        "the activation scale is 448 / amax instead of amax / 448",
+        FP8_QUANT_TESTS + ["tests/test_gemv_gpu.py::test_norm_quantized_in_one_pass_is_the_quantized_norm[4096-bf16]"],
+        "the activation scale is 448 / amax instead of amax / 448 (the quantizer's and the quantizing norm's)",
+        rebuild=("fp8_quant.cu", "norm.cu"),
     ),
     Mutation(
         "fp8_quant_scales_row_major",
@@ -970,6 +971,21 @@ MUTATIONS += [
             "tests/test_gemv_gpu.py::test_silu_activation_quantized_in_one_pass_is_the_quantized_silu_and_mul[large-bf16]",
         ],
         "the fused SiLU quantization multiplies silu(gate) by the gate instead of the up projection",
+    ),
+    Mutation(
+        "norm_fp8_group_max_over_half_its_lanes",
+        "csrc/norm.cu",
+        [
+            (
+                "      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));",
+                "      for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));",
+            )
+        ],
+        [
+            "tests/test_gemv_gpu.py::test_norm_quantized_in_one_pass_is_the_quantized_norm[4096-bf16]",
+            "tests/test_gemv_gpu.py::test_norm_quantized_in_one_pass_is_the_quantized_norm[5120-bf16]",
+        ],
+        "the quantizing norm reduces a group's largest value over 8 of its 16 lanes: half of each group scaled apart",
     ),
     Mutation(
         "fp8_quant_second_load_at_the_wrong_columns",
@@ -1190,8 +1206,8 @@ MUTATIONS += [
         "python/fastqwen/ops/collectives.py",
         [
             (
-                "        return fused_add_rms_norm(self.all_reduce(partial), residual, weight, eps)",
-                "        return fused_add_rms_norm(self.all_reduce(partial).add_(residual), residual, weight, eps)",
+                "        summed = self.all_reduce(partial)\n",
+                "        summed = self.all_reduce(partial).add_(residual)\n",
             )
         ],
         [

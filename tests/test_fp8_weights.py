@@ -153,6 +153,23 @@ def test_the_silu_activation_quantized_for_down_on_the_cpu():
     assert not isinstance(out, QuantizedRows) and torch.equal(out, linear_silu_and_mul(x, gate_up_w))
 
 
+def test_the_norm_quantized_for_the_next_gemm_on_the_cpu():
+    """fused_add_rms_norm_quantized without the CUDA kernel: fused_add_rms_norm (the residual updated as there), then
+    the reference quantizer of its output, rows padded to 16."""
+    from fastqwen.ops.norm import fused_add_rms_norm, fused_add_rms_norm_quantized
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
+    weight = torch.rand(256, generator=gen).to(torch.bfloat16)
+    want_x, want_residual = fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    q, scale = quantize_activations(torch.cat([want_x, torch.zeros(11, 256, dtype=want_x.dtype)]))
+    got, got_residual = fused_add_rms_norm_quantized(x.clone(), residual, weight, 1e-6)
+    assert isinstance(got, QuantizedRows) and got.rows == 5 and got.in_features == 256
+    assert torch.equal(got_residual, want_residual)
+    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, scale)
+
+
 def _write_config(folder, quantization_config):
     make_checkpoint(str(folder), tied=True)
     path = os.path.join(folder, "config.json")

@@ -639,11 +639,36 @@ def test_silu_activation_quantized_in_one_pass_is_the_quantized_silu_and_mul(tok
         assert torch.equal(linear(got, w), linear(act, w))
 
 
-def test_engine_with_the_silu_activation_quantized_is_bitwise_the_engine_without(tmp_path, monkeypatch):
-    """FASTQWEN_FP8_SILU_QUANT=1 hands down's FP8 GEMM the MLP activation quantized as it is computed, instead of
-    silu_and_mul's output quantized after: the same GEMM inputs, so the same logits, bit for bit, at every step of a
-    long prefill (the GEMM path) and of decode steps of 5 sequences (5 tokens: past the FP8 GEMV, the GEMM too), with
-    CUDA graphs. And the path is taken: the quantized rows reach the down projection."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hidden", [4096, 5120])
+def test_norm_quantized_in_one_pass_is_the_quantized_norm(hidden, dtype):
+    """fused_add_rms_norm_quantized against its two steps on the GPU (fused_add_rms_norm's kernel, then the
+    quantizer): the same residual, e4m3 values and scales, bit for bit, padding rows zero with scale 1; rows of 4,096
+    (one 16-byte pack a thread) and 5,120 (two: a thread's packs in two groups) at 333 tokens. A row whose largest
+    normalized value sits in the second half of a group's columns."""
+    from fastqwen.ops import fused_add_rms_norm, fused_add_rms_norm_quantized
+    from fastqwen.ops.linear import QuantizedRows, _quantize_for_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    tokens = 333
+    x = (torch.randn(tokens, hidden, device="cuda", generator=gen) * 2).to(dtype)
+    x[-1, 128 + 120] = 60.0
+    residual = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dtype)
+    weight = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype)
+    want_x, want_residual = fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    want_q, want_scale = _quantize_for_gemm(want_x, 336)
+    got, got_residual = fused_add_rms_norm_quantized(x.clone(), residual, weight, 1e-6)
+    assert isinstance(got, QuantizedRows) and got.rows == tokens and got.dtype == dtype
+    assert torch.equal(got_residual, want_residual)
+    assert got.scale.stride() == want_scale.stride() and torch.equal(got.scale, want_scale)
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_engine_with_the_activations_quantized_where_computed_is_bitwise_the_engine_without(tmp_path, monkeypatch):
+    """FASTQWEN_FP8_FUSED_QUANT=1 hands the FP8 GEMMs their inputs quantized by the kernels that compute them (the
+    norms before qkv and gate_up, the SiLU before down) instead of quantized after: the same GEMM inputs, so the same
+    logits, bit for bit, at every step of a long prefill (the GEMM path) and of decode steps of 5 sequences (5
+    tokens: past the FP8 GEMV, the GEMM too), with CUDA graphs. And both paths are taken."""
     from fastqwen import SamplingParams
 
     linear_module = importlib.import_module("fastqwen.ops.linear")  # (fastqwen.ops.linear is also the function)
@@ -653,17 +678,23 @@ def test_engine_with_the_silu_activation_quantized_is_bitwise_the_engine_without
     rng = random.Random(5)
     prompts = [[rng.randrange(0, 380) for _ in range(n)] for n in (300, 5, 64, 17, 1000)]
     kwargs = dict(dtype="bfloat16", device="cuda", page_size=16, num_pages=512, quantization="fp8")
-    quantized_calls = []
-    original = linear_module.silu_and_mul_quantized
+    collectives = importlib.import_module("fastqwen.ops.collectives")
+    quantized_calls, norm_calls = [], []
+    original, original_norm = linear_module.silu_and_mul_quantized, collectives.fused_add_rms_norm_quantized
 
     def counted(gate_up):
         quantized_calls.append(gate_up.shape[0])
         return original(gate_up)
 
+    def counted_norm(x, *args):
+        norm_calls.append(x.shape[0])
+        return original_norm(x, *args)
+
     monkeypatch.setattr(linear_module, "silu_and_mul_quantized", counted)
+    monkeypatch.setattr(collectives, "fused_add_rms_norm_quantized", counted_norm)
 
     def run(flag: str) -> tuple[list, list]:
-        monkeypatch.setenv("FASTQWEN_FP8_SILU_QUANT", flag)
+        monkeypatch.setenv("FASTQWEN_FP8_FUSED_QUANT", flag)
         llm = LLM(folder, **kwargs)
         try:
             if not linear_module.fp8_gemm_supported(
@@ -679,9 +710,10 @@ def test_engine_with_the_silu_activation_quantized_is_bitwise_the_engine_without
             llm.close()
 
     want_alone, want_together = run("0")
-    assert not quantized_calls
+    assert not quantized_calls and not norm_calls
     got_alone, got_together = run("1")
     assert quantized_calls and max(quantized_calls) >= 300, quantized_calls
+    assert norm_calls and max(norm_calls) >= 300, norm_calls
     for (want_tokens, want_logits), (got_tokens, got_logits) in zip(want_alone, got_alone):
         assert got_tokens == want_tokens
         assert torch.equal(got_logits, want_logits)

@@ -117,12 +117,13 @@ def gemv_sends() -> bool:
     return _flag("FASTQWEN_GEMV_SENDS", False)
 
 
-def fp8_silu_quant() -> bool:
-    """FASTQWEN_FP8_SILU_QUANT=1: with FP8 weights, at token counts that run the block-scaled FP8 GEMM, the MLP's
-    activation is quantized for the down projection in the same pass that computes it (ops.linear_silu_and_mul's
-    quantize_for), instead of written out by silu_and_mul and read back by the quantizer; the same GEMM inputs bit
-    for bit. Off by default until measured on a GPU."""
-    return _flag("FASTQWEN_FP8_SILU_QUANT", False)
+def fp8_fused_quant() -> bool:
+    """FASTQWEN_FP8_FUSED_QUANT=1: with FP8 weights, at token counts that run the block-scaled FP8 GEMM, the GEMMs'
+    inputs are quantized by the kernels that compute them, instead of written out and read back by the quantizer:
+    the residual add + RMSNorm before qkv and gate_up (ops.fused_add_rms_norm_quantized) and the SiLU before down
+    (ops.linear_silu_and_mul's quantize_for); the same GEMM inputs, bit for bit. Off by default until measured on a
+    GPU."""
+    return _flag("FASTQWEN_FP8_FUSED_QUANT", False)
 
 
 def metrics_folder() -> str | None:

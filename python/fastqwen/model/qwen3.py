@@ -42,9 +42,9 @@ class Qwen3Model:
         if ops.attention_kernel_applies(self.device.type == "cuda", self.dtype, cfg.head_dim):
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
         ops.prepare_linear(weights.projections(), self.dtype, self.device)
-        # FASTQWEN_FP8_SILU_QUANT: the MLP's activation quantized for down's FP8 GEMM as it is computed (off until
-        # measured; ops.linear_silu_and_mul's quantize_for)
-        self.silu_quant = env.fp8_silu_quant()
+        # FASTQWEN_FP8_FUSED_QUANT: the FP8 GEMMs' inputs quantized by the kernels that compute them (the norms before
+        # qkv and gate_up, the SiLU before down; off until measured): each op's quantize_for
+        self.fused_quant = env.fp8_fused_quant()
         # EAGLE-3 (model/eagle3.py): the layers whose entering residual stream forward copies into aux_out, when given.
         self.aux_layers: tuple[int, ...] = ()
 
@@ -86,7 +86,7 @@ class Qwen3Model:
                 ops.rms_norm(residual, layer.input_norm, eps, out=hidden)
             else:  # hidden: the layer before's down, this rank's partial sums
                 hidden, residual = self.parallel.all_reduce_add_rms_norm(
-                    hidden, residual, layer.input_norm, eps, sent=down_sent
+                    hidden, residual, layer.input_norm, eps, sent=down_sent, quantize_for=self._quantized(layer.qkv)
                 )
             if aux_out is not None:
                 self._capture(aux_out, index, residual)
@@ -101,9 +101,10 @@ class Qwen3Model:
             else:
                 self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)
             o, o_sent = self.parallel.linear_to_all_reduce(attn.view(attn.shape[0], -1), layer.o_proj)
-            hidden, residual = self.parallel.all_reduce_add_rms_norm(o, residual, layer.post_norm, eps, sent=o_sent)
-            # (FP8 at many tokens, FASTQWEN_FP8_SILU_QUANT=1: the activation comes quantized for down's GEMM)
-            act = ops.linear_silu_and_mul(hidden, layer.gate_up, quantize_for=layer.down if self.silu_quant else None)
+            hidden, residual = self.parallel.all_reduce_add_rms_norm(
+                o, residual, layer.post_norm, eps, sent=o_sent, quantize_for=self._quantized(layer.gate_up)
+            )
+            act = ops.linear_silu_and_mul(hidden, layer.gate_up, quantize_for=self._quantized(layer.down))
             if index < last:
                 hidden, down_sent = self.parallel.linear_to_all_reduce(act, layer.down)
             else:  # (the last layer's down goes to the plain all-reduce below)
@@ -122,6 +123,11 @@ class Qwen3Model:
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
+
+    def _quantized(self, w):
+        """The projection whose FP8 GEMM input the op before may hand over already quantized (FASTQWEN_FP8_FUSED_QUANT;
+        the op decides where its output would be quantized for that GEMM anyway), else None."""
+        return w if self.fused_quant else None
 
     def _last_layer_takes_only(self, rows: torch.Tensor, num_tokens: int, aux_out: torch.Tensor | None) -> bool:
         """Whether the last layer computes its attention, o_proj and MLP for `rows` only: no other row's output is

@@ -31,7 +31,7 @@ from .linear import (
     quantized_input_applies,
     silu_and_mul_quantized,
 )
-from .norm import fused_add_rms_norm, rms_norm, rms_norm_kernel_applies
+from .norm import fused_add_rms_norm, fused_add_rms_norm_quantized, rms_norm, rms_norm_kernel_applies
 from .rope_kv import qk_norm_rope_store_kv, rope_cos_sin_cache, rope_kv_kernel_applies
 from .sampling import (
     apply_penalties,
@@ -60,6 +60,7 @@ __all__ = [
     "draw_reference",
     "FP8_KV_DTYPE",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_quantized",
     "has_cuda_kernels",
     "is_fp8",
     "linear",

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from .. import env
 from .custom_all_reduce import CustomAllReduce, custom_all_reduce_supported
-from .linear import LinearWeight, QuantizedRows, gemv_kernel_applies, linear, linear_send
-from .norm import fused_add_rms_norm
+from .linear import LinearWeight, QuantizedRows, gemv_kernel_applies, linear, linear_send, quantized_input_applies
+from .norm import fused_add_rms_norm, fused_add_rms_norm_quantized
 
 # The fused kernel up to this many rows (tokens of a step), the all-reduce then fused_add_rms_norm above: on two H200s
 # (bench/tp_bench.py, hidden 4096 / 5120) fused is 1.03-1.32x faster up to 32 rows, even at 64, 0.66-0.92x from 128.
@@ -107,14 +107,22 @@ class ParallelGroup:
         return linear(x, w), False
 
     def all_reduce_add_rms_norm(
-        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, sent: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        partial: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        sent: bool = False,
+        quantize_for: LinearWeight | None = None,
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """In place: residual <- residual + (partial summed over the ranks); partial <- RMSNorm(residual) * weight.
         Returns (partial, residual): the normalized rows and the new residual stream. The same numbers as
         fused_add_rms_norm(all_reduce(partial), residual, weight, eps), which it is wherever the fused kernel does
         not run (one rank, the CPU, NCCL's sizes, float32, more than two ranks unless FASTQWEN_FUSED_ALLREDUCE_NORM=1,
         or =0). sent: partial came from linear_to_all_reduce's sending GEMV (its rows are in the receive buffers
-        already)."""
+        already). quantize_for (the next projection's weight): where the fused kernel does not run and linear would
+        quantize the normalized rows for that weight's FP8 GEMM (ops.quantized_input_applies), they come back as
+        QuantizedRows instead (ops.fused_add_rms_norm_quantized: the same GEMM inputs, bit for bit)."""
         fused = (
             self.fused_norm
             and self.custom is not None
@@ -125,7 +133,15 @@ class ParallelGroup:
             raise ValueError("all_reduce_add_rms_norm: a sent message needs the fused kernel, which does not take it")
         if fused:
             return self.custom.all_reduce_add_rms_norm(partial, residual, weight, eps, sent=sent)
-        return fused_add_rms_norm(self.all_reduce(partial), residual, weight, eps)
+        summed = self.all_reduce(partial)
+        if (
+            quantize_for is not None
+            and summed.dim() == 2
+            and quantize_for.in_features == summed.shape[1]
+            and quantized_input_applies(summed.shape[0], summed.dtype, summed.device, quantize_for)
+        ):
+            return fused_add_rms_norm_quantized(summed, residual, weight, eps)
+        return fused_add_rms_norm(summed, residual, weight, eps)
 
     def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows of a vocabulary-parallel embedding: this rank's slice [rank * rows, (rank + 1) * rows) of the table

@@ -450,7 +450,7 @@ def quantized_input_applies(rows: int, dtype: torch.dtype, device: torch.device,
 
 
 def linear_silu_and_mul(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     w: LinearWeight,
     gemv_only: bool = False,
     norm: tuple[torch.Tensor, float] | None = None,
@@ -463,9 +463,19 @@ def linear_silu_and_mul(
     quantize_for (the down projection's weight): where linear(result, quantize_for) would quantize the result for
     the block-scaled FP8 GEMM (quantized_input_applies), the activation is quantized as silu_and_mul computes it
     (silu_and_mul_quantized) and QuantizedRows returned: bit for bit the same GEMM inputs, without writing the
-    [M, out / 2] activations and reading them back."""
+    [M, out / 2] activations and reading them back. x may be QuantizedRows (the norm before quantized its rows for
+    this GEMM: ops.fused_add_rms_norm_quantized)."""
     if w.out_features % 2 != 0:
         raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
+    if isinstance(x, QuantizedRows):
+        y = linear(x, w)
+        if (
+            quantize_for is not None
+            and quantize_for.in_features == w.out_features // 2
+            and quantized_input_applies(x.rows, x.dtype, y.device, quantize_for)
+        ):
+            return silu_and_mul_quantized(y)
+        return silu_and_mul(y)
     if (
         quantize_for is not None
         and norm is None

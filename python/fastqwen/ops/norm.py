@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
+from .linear import FP8_BLOCK, FP8_DTYPE, QuantizedRows, _padded_rows, _quantize_for_gemm
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,3 +77,42 @@ def fused_add_rms_norm(
         stream_of(x),
     )
     return x, residual
+
+
+def fused_add_rms_norm_quantized(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[QuantizedRows, torch.Tensor]:
+    """fused_add_rms_norm with its output quantized for the block-scaled FP8 GEMM instead of written: residual <- x +
+    residual as there; returns (QuantizedRows of RMSNorm(residual) * weight, bit for bit what the GEMM would quantize
+    fused_add_rms_norm's output to, residual). x [M, hidden] is left as it was where the kernel runs (csrc/norm.h
+    fused_add_rms_norm_fp8; hidden a multiple of 128); elsewhere the two steps, x overwritten."""
+    _check_shapes("fused_add_rms_norm_quantized", x, weight, residual, "residual")
+    m, hidden = x.shape
+    padded = _padded_rows(m)
+    kernel = (
+        rms_norm_kernel_applies(x.is_cuda, x.dtype)
+        and kernel_applies("quantize_fp8_tokens", x.is_cuda, x.dtype)
+        and hidden % FP8_BLOCK == 0
+        and 0 < m
+        and padded <= 65535
+    )
+    if not kernel:
+        fused_add_rms_norm(x, residual, weight, eps)
+        return QuantizedRows(*_quantize_for_gemm(x, padded), m, x.dtype), residual
+    check_tensors("fused_add_rms_norm_quantized", x.device, x.dtype, x=x, residual=residual, weight=weight)
+    q = torch.empty(padded, hidden, dtype=FP8_DTYPE, device=x.device)
+    scale_t = torch.empty(hidden // FP8_BLOCK, padded, dtype=torch.float32, device=x.device)
+    native().fused_add_rms_norm_fp8(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        m,
+        hidden,
+        eps,
+        dtype_code(x.dtype),
+        q.data_ptr(),
+        scale_t.data_ptr(),
+        padded,
+        stream_of(x),
+    )
+    return QuantizedRows(q, scale_t.t(), m, x.dtype), residual
