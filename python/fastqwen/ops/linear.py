@@ -505,7 +505,8 @@ def linear(
     norm = (weight, eps): x is one token's residual and y = RMSNorm(x) @ W^T (+ bias), the norm done by the one-token
     GEMV as it reads x (products and sums fp32, the normalized row never rounded; ValueError where it does not run).
     norm = (None, eps): the same where the norm's weight is already multiplied into W's columns (weights.fold_norm).
-    x may be QuantizedRows (linear_silu_and_mul's, for an FP8 w where quantized_input_applies): the FP8 GEMM on them."""
+    x may be QuantizedRows (linear_silu_and_mul's or norm.fused_add_rms_norm_quantized's, made for an FP8 w where
+    quantized_input_applies): the FP8 GEMM on them."""
     if isinstance(x, QuantizedRows):
         if norm is not None or not w.is_fp8 or x.in_features != w.in_features:
             raise ValueError(
