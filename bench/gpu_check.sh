@@ -63,8 +63,9 @@
 #   fp8kvserving  FP8 weights + FP8 KV, 128/1024 with 512 in flight (1,024 requests): offline, then through the
 #            server (API_SERVERS front-end processes, default 1) with SGLang's bench_serving (SGL_TOOLS) (issue 47)
 #   fp8fused  FASTQWEN_FP8_FUSED_QUANT (the FP8 GEMMs' inputs quantized by the norm and the SiLU that compute them):
-#            its GPU tests and mutants, then FP8 weights + FP8 KV offline throughput at 512 in flight (1,024 requests
-#            of 128 / 1,024) with it and without, in turns, twice (issue 47)
+#            its GPU tests and mutants, then FP8 weights + FP8 KV with it and without, in turns: the batch-512 decode
+#            step's graph replay (bench/profile_step.py, twice each), then offline throughput at 512 in flight (1,024
+#            requests of 128 / 1,024), once each (issue 47)
 #   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   prefillstalls  Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill kernel (16k, bf16)
 #   prefillvariants  bench/prefill_variants.py: the prefill kernel's pipelines (PREFILL_VARIANTS_LIST) beside cuDNN
@@ -619,13 +620,16 @@ stage_fp8fused() {  # issue 47: the FP8 GEMMs' inputs quantized where they are c
     --names fp8_quant_silu_takes_the_gate_for_up,norm_fp8_group_max_over_half_its_lanes --out "$OUT" \
     > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
   grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 5
-  local flags=(--quantization fp8 --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 --workload fixed --num-prompts 1024
-               --input-len 128 --output-len 1024)
+  local fp8=(--model Qwen3-8B --load-format dummy --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-num-seqs 512)
   for round in 1 2; do
     for fused in 0 1; do
-      FASTQWEN_FP8_FUSED_QUANT=$fused run "throughput_fp8kv_fused${fused}_$round" 120 python3 bench/throughput.py \
-        --model Qwen3-8B --load-format dummy "${flags[@]}" --json "$OUT/throughput_fp8kv_fused${fused}_$round.json"
+      FASTQWEN_FP8_FUSED_QUANT=$fused run "step_fp8kv_b512_fused${fused}_$round" 90 python3 bench/profile_step.py \
+        "${fp8[@]}" --batch 512 --steps 32 --json "$OUT/step_fp8kv_b512_fused${fused}_$round.json"
     done
+  done
+  for fused in 0 1; do
+    FASTQWEN_FP8_FUSED_QUANT=$fused run "throughput_fp8kv_fused$fused" 110 python3 bench/throughput.py "${fp8[@]}" \
+      --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024 --json "$OUT/throughput_fp8kv_fused$fused.json"
   done
 }
 
