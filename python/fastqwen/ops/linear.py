@@ -443,7 +443,6 @@ def quantized_input_applies(rows: int, dtype: torch.dtype, device: torch.device,
         w.is_fp8
         and FP8_GEMV_MAX_TOKENS < rows
         and _padded_rows(rows) <= 65535
-        and w.in_features % FP8_BLOCK == 0
         and kernel_applies("quantize_fp8_tokens", device.type == "cuda", dtype)
         and fp8_gemm_supported(device, dtype, w)
     )
@@ -467,21 +466,16 @@ def linear_silu_and_mul(
     this GEMM: ops.fused_add_rms_norm_quantized)."""
     if w.out_features % 2 != 0:
         raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
+    quantize = quantize_for is not None and quantize_for.in_features == w.out_features // 2
     if isinstance(x, QuantizedRows):
         y = linear(x, w)
-        if (
-            quantize_for is not None
-            and quantize_for.in_features == w.out_features // 2
-            and quantized_input_applies(x.rows, x.dtype, y.device, quantize_for)
-        ):
-            return silu_and_mul_quantized(y)
-        return silu_and_mul(y)
+        quantize = quantize and quantized_input_applies(x.rows, x.dtype, y.device, quantize_for)
+        return silu_and_mul_quantized(y) if quantize else silu_and_mul(y)
     if (
-        quantize_for is not None
+        quantize
         and norm is None
         and not gemv_only
         and x.dim() == 2
-        and quantize_for.in_features == w.out_features // 2
         and not gemv_kernel_applies(x, w)
         and quantized_input_applies(x.shape[0], x.dtype, x.device, quantize_for)
     ):
