@@ -51,7 +51,7 @@ SWITCHES = [  # (variable, its reader, its default)
     ("FASTQWEN_GEMV_TENSOR_CORES", env.gemv_tensor_cores, True),
     ("FASTQWEN_GEMV_FIVE_ROWS", env.gemv_five_rows, True),
     ("FASTQWEN_GEMV_SENDS", env.gemv_sends, False),
-    ("FASTQWEN_FP8_FUSED_QUANT", env.fp8_fused_quant, False),
+    ("FASTQWEN_FP8_FUSED_QUANT", env.fp8_fused_quant, True),
 ]
 
 
