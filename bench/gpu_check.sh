@@ -66,9 +66,6 @@
 #            its GPU tests and mutants, then FP8 weights + FP8 KV with it and without, in turns: the batch-512 decode
 #            step's graph replay (bench/profile_step.py, twice each), then offline throughput at 512 in flight (1,024
 #            requests of 128 / 1,024), once each (issue 47)
-#   decodeorder  decode attention's work items longest first: its GPU tests and mutants, bench/kernels.py's decode
-#            rows against index order round robin in turns (issue 47)
-#   decodeorderthroughput  offline throughput with the two orders in turns: bf16 at 256 in flight, FP8 + FP8 KV at 512
 #   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   prefillstalls  Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill kernel (16k, bf16)
 #   prefillvariants  bench/prefill_variants.py: the prefill kernel's pipelines (PREFILL_VARIANTS_LIST) beside cuDNN
@@ -636,33 +633,6 @@ stage_fp8fused() {  # issue 47: the FP8 GEMMs' inputs quantized where they are c
   done
 }
 
-stage_decodeorder() {  # issue 47: decode attention's work items longest first in alternating rounds, tested, then
-  # against index order round robin in turns: the kernel at saturated and mixed batches
-  FASTQWEN_RESULTS_DIR="$OUT" timeout 240 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
-    tests/test_attention_gpu.py tests/test_fp8_kv_gpu.py -k "decode" > "$OUT/tests_decodeorder.log" 2>&1 || tests_rc=1
-  pytest_report "$OUT/tests_decodeorder.log" 20
-  timeout 260 python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
-    --names decode_order_repeats_a_first_chunk,decode_order_shortest_first,decode_backward_rounds_shifted \
-    --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
-  grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 5
-  run decode_order 200 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 --iters 30 --decode-index-order \
-    --decode-cases 1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:1200 512:100-1200 \
-    --json "$OUT/decode_order.json"
-}
-
-stage_decodeorderthroughput() {  # issue 47: offline throughput with decode attention's items longest first and in
-  # index order, in turns: bf16 at 256 in flight, then FP8 weights + FP8 KV at 512 (the index order first there)
-  local fixed=(--model Qwen3-8B --load-format dummy --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024)
-  for order in "" --decode-index-order; do
-    run "throughput_bf16_256${order:+_index}" 150 python3 bench/throughput.py "${fixed[@]}" --max-num-seqs 256 $order \
-      --json "$OUT/throughput_bf16_256${order:+_index}.json"
-  done
-  for order in --decode-index-order ""; do
-    run "throughput_fp8kv_512${order:+_index}" 110 python3 bench/throughput.py "${fixed[@]}" --quantization fp8 \
-      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $order --json "$OUT/throughput_fp8kv_512${order:+_index}.json"
-  done
-}
-
 stage_stepaccount() {  # issue 47: the saturated step accounted for, bf16 and FP8 weights + FP8 KV
   run step_account_bf16 "$(step_account_limit 2)" python3 bench/step_account.py --model Qwen3-8B --load-format dummy \
     --json "$OUT/step_account_bf16.json"
@@ -687,7 +657,7 @@ for stage in $STAGES; do
     tests3) stage_tests 3 ;;
     tests4) stage_tests 4 ;;
     gputests) stage_gputests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeorder|decodeorderthroughput|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import random
-import statistics
 import sys
 from dataclasses import dataclass
 
@@ -232,11 +231,9 @@ def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
     return k_cache, v_cache
 
 
-def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16", index_order: bool = False) -> dict:
+def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16") -> dict:
     """Paged decode attention, Qwen3-8B heads, page 16, each sequence's pages scattered over the pool (which holds
-    just the pages the sequences use). Bandwidth counts the bytes actually read and written (decode_bytes).
-    index_order: also time the kernel taking its work items in index order round robin (the plan before the
-    longest-first order), the two in turns over three rounds (medians; keys index_order_*)."""
+    just the pages the sequences use). Bandwidth counts the bytes actually read and written (decode_bytes)."""
     batch = case.batch
     per = decode_bytes(case.lengths, kv)
     nbuf = buffers_needed(per)
@@ -277,31 +274,9 @@ def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16"
         "buffers": nbuf,
         "bytes_per_call": per,
     }
-    if index_order:
-        plain = decode_workspace(batch, HEADS, torch.device("cuda"))
-        native().set_paged_attention_decode_longest_first(False)
-        try:
-            plan_decode(lens, plain, k_cache.dtype)
-            variants["index_order"] = lambda: [
-                paged_attention_decode(qs[i], k_cache, v_cache, tables[i], lens, scale, outs[i], plain, planned=True)
-                for i in range(nbuf)
-            ]
-            graphs = {name: graph_of(fn) for name, fn in variants.items()}  # captured with the setting of their plan
-        finally:
-            native().set_paged_attention_decode_longest_first(True)
-        times = {name: [] for name in graphs}
-        for _ in range(3):
-            for name, g in graphs.items():
-                times[name].append(time_fn(g.replay, iters, queue_ahead=True) / nbuf * 1e3)
-        del graphs
-        us = statistics.median(times["ours"])
-        row["index_order_us"] = statistics.median(times["index_order"])
-        row["index_order_frac_copy"] = per / (row["index_order_us"] * 1e-6) / 1e9 / copy_gbs
-        row["rounds_us"] = times
-    else:
-        graph = graph_of(variants["ours"])
-        us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-        del graph
+    graph = graph_of(variants["ours"])
+    us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
+    del graph
     row["ours_us"] = us
     row["ours_gbs"] = per / (us * 1e-6) / 1e9
     row["ours_frac_copy"] = row["ours_gbs"] / copy_gbs
@@ -579,11 +554,6 @@ def main() -> int:
         help="also time the decode rows with these shortest chunks (tokens), for each KV pool",
     )
     ap.add_argument(
-        "--decode-index-order",
-        action="store_true",
-        help="also time each decode row with its work items in index order round robin, in turns with the default",
-    )
-    ap.add_argument(
         "--decode-cases",
         nargs="+",
         type=parse_decode_case,
@@ -638,11 +608,7 @@ def main() -> int:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
     cases = args.decode_cases or [parse_decode_case(c) for c in DECODE_CASES]
     decode_rows = (
-        [
-            bench_decode(case, copy_gbs, args.iters, kv, args.decode_index_order)
-            for case in cases
-            for kv in args.kv_dtypes
-        ]
+        [bench_decode(case, copy_gbs, args.iters, kv) for case in cases for kv in args.kv_dtypes]
         if "decode" in args.ops
         else []
     )
@@ -683,11 +649,6 @@ def main() -> int:
             f"paged_attention_decode {r['kv_dtype']:<4}{r.get('min_chunk', ''):>5} {r['case']:<13} splits {r['splits']:<3} "
             f"chunks {r['chunks']:<5} | {r['ours_us']:>8.2f} us "
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
-            + (
-                f" | index order {r['index_order_us']:>8.2f} us {r['index_order_frac_copy']:>6.1%}"
-                if "index_order_us" in r
-                else ""
-            )
         )
     for r in prefill_rows:
         sdpa = " | ".join(

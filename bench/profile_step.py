@@ -99,17 +99,8 @@ def main() -> int:
         "profiler saw them, per step, instead of a replay of the decode graph (a verify graph replayed after the run "
         "reads inputs its last step no longer left)",
     )
-    p.add_argument(
-        "--decode-index-order",
-        action="store_true",
-        help="decode attention takes its work items in index order round robin (not longest first), for comparison",
-    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.decode_index_order:
-        from fastqwen.ops._native import native
-
-        native().set_paged_attention_decode_longest_first(False)
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )  # the capture's time and memory

@@ -108,17 +108,8 @@ def main() -> int:
         default=0,
         help="decode attention's shortest chunk in tokens (0: the kernel's default), set before the graphs",
     )
-    p.add_argument(
-        "--decode-index-order",
-        action="store_true",
-        help="decode attention takes its work items in index order round robin (not longest first), for comparison",
-    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.decode_index_order:
-        from fastqwen.ops._native import native
-
-        native().set_paged_attention_decode_longest_first(False)
     if args.decode_min_chunk:
         from fastqwen.config import resolve_kv_cache_dtype
         from fastqwen.ops._native import native

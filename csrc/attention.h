@@ -29,10 +29,8 @@ struct PagedAttentionArgs {
 
 // Decode: one query token per sequence. A sequence is cut into chunks whose length depends only on its own length
 // and the cache's type (at least 256 tokens, 1,024 for an FP8 cache, whose tiles hold twice the tokens; at most
-// kDecodeMaxSplits chunks); paged_attention_decode_plan writes the plan once per step, on the device, and
-// paged_attention_decode reads it, so the pair can be captured in a CUDA graph. The plan (split_offsets, int32
-// [B + 1 + B * kDecodeMaxSplits]) holds the chunk offsets (sequence b's chunks are C_b .. C_{b+1} - 1, C_B all of
-// them), then the C_B chunk indices in the order the blocks take them (longest first). Split sequences
+// kDecodeMaxSplits chunks); paged_attention_decode_plan writes the chunk offsets (int32 [B + 1]) once per step,
+// on the device, and paged_attention_decode reads them, so the pair can be captured in a CUDA graph. Split sequences
 // leave per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
 // kDecodeMaxSplits, merged by a second kernel.
 struct DecodeArgs : PagedAttentionArgs {
@@ -54,10 +52,6 @@ void paged_attention_decode(const DecodeArgs& args);
 // The shortest chunk a sequence is split into (a multiple of 64 tokens; 256 for 16-bit caches, 1,024 for FP8 unless
 // set; 0 sets the default). For benchmarks that compare chunk lengths: set it before planning, never between a plan and its decode.
 void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens);
-
-// Whether the plan lists chunks longest first and the blocks alternate direction each round (default), or takes them
-// in index order round robin (the kernel before the order), for benchmarks: set it before planning, as above.
-void set_paged_attention_decode_longest_first(bool longest_first);
 
 // Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed: sequence b's tokens
 // are rows query_start[b] .. query_start[b + 1] (int32 [B + 1]) of q, the last tokens of its kv_lens[b] cached tokens

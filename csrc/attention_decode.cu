@@ -3,11 +3,8 @@
 // The G query heads that share a KV head form the first G rows of one m16 tile, so each K and V row is read from
 // memory once for all of them. Each sequence is cut into chunks whose length depends only on the sequence's own
 // length (not on the batch: a request's result must not depend on what runs beside it), planned once per step by
-// a small kernel into per-sequence split offsets in device memory, with the chunks listed longest first. A
-// persistent grid walks the (chunk, KV head) work items in that order, each block taking one item a round and the
-// rounds alternating direction (block 0 takes the first item of even rounds and the last of odd ones), so that the
-// blocks' totals come out even when lengths differ (a static round robin over the plain order left blocks of a
-// 512 x 100..1,200 FP8 batch up to 18% apart in a simulation of item costs). A block streams its chunk's K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop
+// a small kernel into per-sequence split offsets in device memory. A persistent grid walks the (chunk, KV head)
+// work items. A block streams its chunk's K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop
 // is bound by memory, so the point is many bytes in flight); its four warps take 16 tokens of each tile each, keep
 // their own online softmax, and merge in shared memory at the end. Chunks of a split sequence are merged by
 // log-sum-exp in a second kernel.
@@ -42,14 +39,9 @@ constexpr int kChunks = kD / 8;
 constexpr int kMinChunk = 256;
 constexpr int kMinChunkFp8 = 4 * kMinChunk;
 constexpr float kLog2e = 1.4426950408889634f;
-// The plan sorts chunks by their length in units of 64 tokens, longer ones than this sharing the last bucket.
-constexpr int kOrderBuckets = 256;
 // The minimum chunks in use, [kv_fp8]: the constants above unless a benchmark set others (see attention.h).
 int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
-// Whether the plan lists chunks longest first and blocks alternate direction each round (set_..._longest_first).
-bool g_longest_first = true;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
-static_assert(kOrderBuckets % 32 == 0, "the plan's scan gives each lane as many buckets");
 
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
 // kMinChunkFp8 for an FP8 cache), and at most kDecodeMaxSplits chunks in all.
@@ -58,21 +50,11 @@ __device__ __forceinline__ int chunk_len(int len, int min_chunk) {
   return (want + kTile - 1) / kTile * kTile;
 }
 
-// The bucket of a chunk of `tokens` tokens in the longest-first order: bucket 0 holds the longest.
-__device__ __forceinline__ int order_bucket(int tokens) {
-  return kOrderBuckets - 1 - min((tokens + 63) / 64, kOrderBuckets - 1);
-}
-
-// split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks (C); then chunk_order
-// (split_offsets + batch + 1) lists the C chunk indices longest first (ties in any order: an item's result does not
-// depend on the block or the round that computes it), or in index order unless longest_first. One block.
-__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch, int min_chunk,
-                            bool longest_first) {
+// split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks. One block.
+__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch, int min_chunk) {
   __shared__ int warp_sums[32];
   __shared__ int carry;
-  __shared__ int bucket_next[kOrderBuckets];  // counts, then each bucket's next free slot
   if (threadIdx.x == 0) carry = 0;
-  for (int i = threadIdx.x; i < kOrderBuckets; i += blockDim.x) bucket_next[i] = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int base = 0; base < batch; base += blockDim.x) {
@@ -106,49 +88,6 @@ __global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ s
     __syncthreads();
   }
   if (threadIdx.x == 0) split_offsets[batch] = carry;
-  int* chunk_order = split_offsets + batch + 1;
-  if (!longest_first) {
-    for (int i = threadIdx.x; i < carry; i += blockDim.x) chunk_order[i] = i;
-    return;
-  }
-  // Counting sort. A sequence's chunks all have the chunk length but its last, which may be shorter.
-  for (int b = threadIdx.x; b < batch; b += blockDim.x) {
-    const int len = max(kv_lens[b], 0), clen = chunk_len(len, min_chunk);
-    const int n = max(1, (len + clen - 1) / clen);
-    if (n > 1) atomicAdd(&bucket_next[order_bucket(clen)], n - 1);
-    atomicAdd(&bucket_next[order_bucket(len - (n - 1) * clen)], 1);
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {  // exclusive scan of the counts: warp 0, kOrderBuckets / 32 buckets a lane
-    constexpr int kPerLane = kOrderBuckets / 32;
-    const int lane = threadIdx.x;
-    int counts[kPerLane], sum = 0;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) sum += counts[i] = bucket_next[lane * kPerLane + i];
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    int at = incl - sum;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      bucket_next[lane * kPerLane + i] = at;
-      at += counts[i];
-    }
-  }
-  __syncthreads();
-  for (int b = threadIdx.x; b < batch; b += blockDim.x) {
-    const int len = max(kv_lens[b], 0), clen = chunk_len(len, min_chunk);
-    const int n = max(1, (len + clen - 1) / clen);
-    const int first = split_offsets[b];
-    if (n > 1) {
-      const int at = atomicAdd(&bucket_next[order_bucket(clen)], n - 1);
-      for (int c = 0; c < n - 1; ++c) chunk_order[at + c] = first + c;
-    }
-    chunk_order[atomicAdd(&bucket_next[order_bucket(len - (n - 1) * clen)], 1)] = first + n - 1;
-  }
 }
 
 struct Params {
@@ -158,7 +97,6 @@ struct Params {
   const int* page_table;
   const int* kv_lens;
   const int* split_offsets;
-  const int* chunk_order;  // split_offsets + batch + 1 (plan_kernel)
   void* out;
   float* part_out;
   float* part_lse;
@@ -168,7 +106,6 @@ struct Params {
   float v_scale;
   int min_chunk;     // as the plan was made with
   bool plan_fresh;   // DecodeArgs::plan_fresh
-  bool alternate;    // odd rounds run backwards (with a longest-first plan)
 };
 
 // One work item: a chunk of sequence b, for KV head kvh.
@@ -177,10 +114,9 @@ struct Item {
   const int* pages;
 };
 
-// The item at position `item` of the plan's order: chunk chunk_order[item / H_kv], KV head item % H_kv.
 __device__ __forceinline__ Item item_of(const Params& p, int item, int tile) {
   Item it;
-  it.chunk_index = p.chunk_order[item / p.num_kv_heads];
+  it.chunk_index = item / p.num_kv_heads;
   it.kvh = item % p.num_kv_heads;
   int lo = 0, hi = p.batch - 1;  // the sequence: last b with split_offsets[b] <= chunk_index
   while (lo < hi) {
@@ -267,12 +203,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   griddep_wait();               // q and the new token's K and V come from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the merge may start (it waits for this kernel's end)
 
-  const int grid = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
-  for (int round = 0, round_start = 0; round_start < total_items; ++round, round_start += grid) {
-    const bool backwards = p.alternate && round % 2 == 1;
-    const int item = round_start + (backwards ? grid - 1 - block : block);
-    if (item >= total_items) continue;  // (the last round: blocks past its end; backwards, the first blocks)
-    const Item it = round_start == 0 ? first : item_of(p, item, kTile);
+  for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
+    const Item it = item == static_cast<int>(blockIdx.x) ? first : item_of(p, item, kTile);
     const int b = it.b, kvh = it.kvh, chunk_index = it.chunk_index, num_splits = it.num_splits;
     const int start = it.start, end = it.end, n_tiles = it.n_tiles;
     const int* pages = it.pages;
@@ -563,7 +495,7 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
-      g_min_chunk[kv_fp8 ? 1 : 0], g_longest_first);
+      g_min_chunk[kv_fp8 ? 1 : 0]);
   cuda_check_launch("paged_attention_decode_plan launch");
 }
 
@@ -575,8 +507,6 @@ void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens) {
   }
   g_min_chunk[kv_fp8 ? 1 : 0] = static_cast<int>(tokens);
 }
-
-void set_paged_attention_decode_longest_first(bool longest_first) { g_longest_first = longest_first; }
 
 void paged_attention_decode(const DecodeArgs& a) {
   const std::string op = "paged_attention_decode: ";
@@ -599,11 +529,11 @@ void paged_attention_decode(const DecodeArgs& a) {
   Params p{reinterpret_cast<const void*>(a.q), reinterpret_cast<const void*>(a.k_cache),
            reinterpret_cast<const void*>(a.v_cache), reinterpret_cast<const int*>(a.page_table),
            reinterpret_cast<const int*>(a.kv_lens), reinterpret_cast<const int*>(a.split_offsets),
-           reinterpret_cast<const int*>(a.split_offsets) + a.batch + 1, reinterpret_cast<void*>(a.out), reinterpret_cast<float*>(a.part_out), reinterpret_cast<float*>(a.part_lse),
+           reinterpret_cast<void*>(a.out), reinterpret_cast<float*>(a.part_out), reinterpret_cast<float*>(a.part_lse),
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           g_min_chunk[fp8 ? 1 : 0], a.plan_fresh, g_longest_first};
+           g_min_chunk[fp8 ? 1 : 0], a.plan_fresh};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

@@ -434,13 +434,9 @@ PYBIND11_MODULE(_C, m) {
                                               batch, kv_fp8, to_uintptr(stream, "stream"));
       },
       py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("kv_fp8"), py::arg("stream"),
-      "Plans split-KV decode: the chunk offsets of each sequence and the chunks' order, from kv_lens, on the device.");
+      "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def("set_paged_attention_decode_min_chunk", &fastqwen::set_paged_attention_decode_min_chunk, py::arg("kv_fp8"),
         py::arg("tokens"), "The shortest split-KV decode chunk, for benchmarks (set before planning).");
-  m.def("set_paged_attention_decode_longest_first", &fastqwen::set_paged_attention_decode_longest_first,
-        py::arg("longest_first"),
-        "Decode work items longest first in alternating rounds (default) or in index order, for benchmarks (set before "
-        "planning).");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),

@@ -92,45 +92,6 @@ MUTATIONS = [
         "the first chunk of a split sequence computes nothing (its keys are dropped)",
     ),
     Mutation(
-        "decode_order_repeats_a_first_chunk",
-        DECODE,
-        [
-            (
-                "      for (int c = 0; c < n - 1; ++c) chunk_order[at + c] = first + c;",
-                "      for (int c = 0; c < n - 1; ++c) chunk_order[at + c] = first;",
-            )
-        ],
-        [
-            "tests/test_attention_gpu.py::test_decode_plan_lists_chunks_longest_first",
-            "tests/test_attention_gpu.py::test_decode_every_chunk_counts",
-        ],
-        "the plan's order lists a split sequence's first chunk in place of its other full-length ones",
-    ),
-    Mutation(
-        "decode_order_shortest_first",
-        DECODE,
-        [
-            (
-                "  return kOrderBuckets - 1 - min((tokens + 63) / 64, kOrderBuckets - 1);",
-                "  return min((tokens + 63) / 64, kOrderBuckets - 1);",
-            )
-        ],
-        ["tests/test_attention_gpu.py::test_decode_plan_lists_chunks_longest_first"],
-        "the plan lists chunks shortest first (correct results, the blocks' totals uneven)",
-    ),
-    Mutation(
-        "decode_backward_rounds_shifted",
-        DECODE,
-        [
-            (
-                "    const int item = round_start + (backwards ? grid - 1 - block : block);",
-                "    const int item = round_start + (backwards ? grid - block : block);",
-            )
-        ],
-        ["tests/test_attention_gpu.py::test_decode_result_does_not_depend_on_the_order_of_work"],
-        "the backward rounds start one item late: each skips its first item and takes the next round's first",
-    ),
-    Mutation(
         "decode_merge_skips_last_chunk",
         DECODE,
         [

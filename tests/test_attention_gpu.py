@@ -142,67 +142,6 @@ def test_decode_shared_workspace_planned_once():
     assert workspace.part_lse.shape[0] == 8 * q.shape[1] * native().DECODE_MAX_SPLITS  # sized by csrc/attention.h
 
 
-def _plan_chunk_tokens(lens, min_chunk):
-    """Each chunk's tokens, in chunk-index order, as csrc/attention_decode.cu cuts sequences (its chunk_len)."""
-    tokens = []
-    for n in lens:
-        want = max(min_chunk, -(-n // native().DECODE_MAX_SPLITS))
-        clen = -(-want // KV_TILE) * KV_TILE
-        tokens += [min(n, s + clen) - s for s in range(0, max(n, 1), clen)]
-    return tokens
-
-
-@pytest.mark.parametrize("kv_dtype, min_chunk", [(torch.bfloat16, 256), (torch.float8_e4m3fn, 1024)])
-def test_decode_plan_lists_chunks_longest_first(kv_dtype, min_chunk):
-    """The plan's second part lists every chunk once, longest first (by 64-token units, which is how it sorts), so
-    that the blocks' rounds of work items come out even; 1,500 sequences take the plan's block more than one pass."""
-    gen = random.Random(5)
-    lens = [4000, 20, 9000, 0, 1, 255, 256, 257, 640, 1200, 20000, 64, 65, 1024, 1025]
-    lens += [gen.randint(1, 1300) for _ in range(1500 - len(lens))]
-    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    workspace = decode_workspace(len(lens), 8, kv_lens.device)
-    tokens = _plan_chunk_tokens(lens, min_chunk)
-    batch, chunks = len(lens), len(tokens)
-    try:
-        for longest_first in (True, False):
-            native().set_paged_attention_decode_longest_first(longest_first)
-            plan_decode(kv_lens, workspace, kv_dtype)
-            plan = workspace.split_offsets.tolist()
-            assert plan[batch] == chunks
-            order = plan[batch + 1 : batch + 1 + chunks]
-            if not longest_first:
-                assert order == list(range(chunks)), "index order"
-                continue
-            assert sorted(order) == list(range(chunks)), "each chunk once"
-            units = [min(-(-tokens[c] // 64), 255) for c in order]
-            assert all(a >= b for a, b in zip(units, units[1:])), "longest first"
-    finally:
-        native().set_paged_attention_decode_longest_first(True)
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_decode_result_does_not_depend_on_the_order_of_work(fp8):
-    """Chunks longest first with the blocks' rounds alternating direction (the default) against index order round
-    robin: bit for bit, over a batch of mixed lengths with many more work items than blocks (so every block runs
-    rounds in both directions), every output written."""
-    gen = random.Random(7)
-    lens = [gen.randint(1, 1300) for _ in range(600)] + [5000, 17000]
-    q, k, v, table, kv_lens = make_case(len(lens), 2, 4, 16, lens, torch.bfloat16, seed=9)
-    if fp8:
-        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-    outs = []
-    try:
-        for longest_first in (True, False):
-            native().set_paged_attention_decode_longest_first(longest_first)
-            out = torch.full_like(q, float("nan"))
-            paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, out)
-            outs.append(out)
-    finally:
-        native().set_paged_attention_decode_longest_first(True)
-    assert not torch.isnan(outs[0]).any() and not torch.isnan(outs[1]).any(), "unwritten output"
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_decode_bad_arguments():
     q, k, v, table, lens = make_case(2, 2, 4, 16, [5, 9], torch.bfloat16, seed=1)
     out = torch.empty_like(q)
