@@ -66,6 +66,10 @@
 #            its GPU tests and mutants, then FP8 weights + FP8 KV with it and without, in turns: the batch-512 decode
 #            step's graph replay (bench/profile_step.py, twice each), then offline throughput at 512 in flight (1,024
 #            requests of 128 / 1,024), once each (issue 47)
+#   decodeafresh  decode attention's loads running on across a block's items: its GPU tests and mutants, then
+#            bench/kernels.py's decode rows against the pipeline started afresh at each item, in turns (issue 47)
+#   decodeafreshsteps  the same two in the engine, in turns: decode-step replays (bf16 at 256, FP8 + FP8 KV at 512),
+#            then offline throughput at 256 (bf16) and 512 (FP8 + FP8 KV) in flight
 #   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   prefillstalls  Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill kernel (16k, bf16)
 #   prefillvariants  bench/prefill_variants.py: the prefill kernel's pipelines (PREFILL_VARIANTS_LIST) beside cuDNN
@@ -633,6 +637,41 @@ stage_fp8fused() {  # issue 47: the FP8 GEMMs' inputs quantized where they are c
   done
 }
 
+stage_decodeafresh() {  # issue 47: decode attention's loads running on across a block's work items, tested, then
+  # against the pipeline started afresh at each item, in turns: the kernel at batch 1 and at saturated batches
+  FASTQWEN_RESULTS_DIR="$OUT" timeout 240 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
+    tests/test_attention_gpu.py tests/test_fp8_kv_gpu.py -k "decode" > "$OUT/tests_decodeafresh.log" 2>&1 || tests_rc=1
+  pytest_report "$OUT/tests_decodeafresh.log" 20
+  timeout 200 python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
+    --names decode_q_in_the_next_stage_slot,decode_merge_in_the_stage_loading --out "$OUT" \
+    > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
+  grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 5
+  run decode_afresh 200 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 --iters 30 --decode-afresh \
+    --decode-cases 1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:1200 512:100-1200 \
+    --json "$OUT/decode_afresh.json"
+}
+
+stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's loads run on across items and started
+  # afresh, in turns: the decode step's graph replay (bf16 at 256, FP8 + FP8 KV at 512, 640-token prompts), then
+  # offline throughput (128 / 1,024, 1,024 requests) bf16 at 256 in flight and FP8 + FP8 KV at 512
+  local step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32)
+  for afresh in "" --decode-afresh; do
+    run "step_bf16_256${afresh:+_afresh}" 90 python3 bench/profile_step.py "${step[@]}" --batch 256 --max-num-seqs 256 \
+      $afresh --json "$OUT/step_bf16_256${afresh:+_afresh}.json"
+    run "step_fp8kv_512${afresh:+_afresh}" 90 python3 bench/profile_step.py "${step[@]}" --batch 512 --quantization fp8 \
+      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $afresh --json "$OUT/step_fp8kv_512${afresh:+_afresh}.json"
+  done
+  local fixed=(--model Qwen3-8B --load-format dummy --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024)
+  for afresh in --decode-afresh ""; do
+    run "throughput_bf16_256${afresh:+_afresh}" 150 python3 bench/throughput.py "${fixed[@]}" --max-num-seqs 256 \
+      $afresh --json "$OUT/throughput_bf16_256${afresh:+_afresh}.json"
+  done
+  for afresh in "" --decode-afresh; do
+    run "throughput_fp8kv_512${afresh:+_afresh}" 110 python3 bench/throughput.py "${fixed[@]}" --quantization fp8 \
+      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $afresh --json "$OUT/throughput_fp8kv_512${afresh:+_afresh}.json"
+  done
+}
+
 stage_stepaccount() {  # issue 47: the saturated step accounted for, bf16 and FP8 weights + FP8 KV
   run step_account_bf16 "$(step_account_limit 2)" python3 bench/step_account.py --model Qwen3-8B --load-format dummy \
     --json "$OUT/step_account_bf16.json"
@@ -657,7 +696,7 @@ for stage in $STAGES; do
     tests3) stage_tests 3 ;;
     tests4) stage_tests 4 ;;
     gputests) stage_gputests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -231,9 +232,11 @@ def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
     return k_cache, v_cache
 
 
-def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16") -> dict:
+def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16", afresh: bool = False) -> dict:
     """Paged decode attention, Qwen3-8B heads, page 16, each sequence's pages scattered over the pool (which holds
-    just the pages the sequences use). Bandwidth counts the bytes actually read and written (decode_bytes)."""
+    just the pages the sequences use). Bandwidth counts the bytes actually read and written (decode_bytes).
+    afresh: also time the kernel starting each work item's pipeline afresh (as before its loads ran on across items),
+    the two in turns over three rounds (medians; keys afresh_*)."""
     batch = case.batch
     per = decode_bytes(case.lengths, kv)
     nbuf = buffers_needed(per)
@@ -274,9 +277,26 @@ def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16"
         "buffers": nbuf,
         "bytes_per_call": per,
     }
-    graph = graph_of(variants["ours"])
-    us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
-    del graph
+    if afresh:
+        graphs = {"ours": graph_of(variants["ours"])}
+        native().set_paged_attention_decode_prefetch_next(False)  # read at launch: the graph keeps it
+        try:
+            graphs["afresh"] = graph_of(variants["ours"])
+        finally:
+            native().set_paged_attention_decode_prefetch_next(True)
+        times = {name: [] for name in graphs}
+        for _ in range(3):
+            for name, g in graphs.items():
+                times[name].append(time_fn(g.replay, iters, queue_ahead=True) / nbuf * 1e3)
+        del graphs
+        us = statistics.median(times["ours"])
+        row["afresh_us"] = statistics.median(times["afresh"])
+        row["afresh_frac_copy"] = per / (row["afresh_us"] * 1e-6) / 1e9 / copy_gbs
+        row["rounds_us"] = times
+    else:
+        graph = graph_of(variants["ours"])
+        us = time_fn(graph.replay, iters, queue_ahead=True) / nbuf * 1e3
+        del graph
     row["ours_us"] = us
     row["ours_gbs"] = per / (us * 1e-6) / 1e9
     row["ours_frac_copy"] = row["ours_gbs"] / copy_gbs
@@ -554,6 +574,11 @@ def main() -> int:
         help="also time the decode rows with these shortest chunks (tokens), for each KV pool",
     )
     ap.add_argument(
+        "--decode-afresh",
+        action="store_true",
+        help="also time each decode row with each work item's pipeline started afresh, in turns with the default",
+    )
+    ap.add_argument(
         "--decode-cases",
         nargs="+",
         type=parse_decode_case,
@@ -608,7 +633,7 @@ def main() -> int:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
     cases = args.decode_cases or [parse_decode_case(c) for c in DECODE_CASES]
     decode_rows = (
-        [bench_decode(case, copy_gbs, args.iters, kv) for case in cases for kv in args.kv_dtypes]
+        [bench_decode(case, copy_gbs, args.iters, kv, args.decode_afresh) for case in cases for kv in args.kv_dtypes]
         if "decode" in args.ops
         else []
     )
@@ -649,6 +674,7 @@ def main() -> int:
             f"paged_attention_decode {r['kv_dtype']:<4}{r.get('min_chunk', ''):>5} {r['case']:<13} splits {r['splits']:<3} "
             f"chunks {r['chunks']:<5} | {r['ours_us']:>8.2f} us "
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
+            + (f" | afresh {r['afresh_us']:>8.2f} us {r['afresh_frac_copy']:>6.1%}" if "afresh_us" in r else "")
         )
     for r in prefill_rows:
         sdpa = " | ".join(

@@ -99,8 +99,17 @@ def main() -> int:
         "profiler saw them, per step, instead of a replay of the decode graph (a verify graph replayed after the run "
         "reads inputs its last step no longer left)",
     )
+    p.add_argument(
+        "--decode-afresh",
+        action="store_true",
+        help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.decode_afresh:
+        from fastqwen.ops._native import native
+
+        native().set_paged_attention_decode_prefetch_next(False)
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )  # the capture's time and memory

@@ -108,8 +108,17 @@ def main() -> int:
         default=0,
         help="decode attention's shortest chunk in tokens (0: the kernel's default), set before the graphs",
     )
+    p.add_argument(
+        "--decode-afresh",
+        action="store_true",
+        help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.decode_afresh:
+        from fastqwen.ops._native import native
+
+        native().set_paged_attention_decode_prefetch_next(False)
     if args.decode_min_chunk:
         from fastqwen.config import resolve_kv_cache_dtype
         from fastqwen.ops._native import native

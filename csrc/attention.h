@@ -53,6 +53,10 @@ void paged_attention_decode(const DecodeArgs& args);
 // set; 0 sets the default). For benchmarks that compare chunk lengths: set it before planning, never between a plan and its decode.
 void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens);
 
+// Whether a block's load pipeline runs on into its next work item while it finishes one (default), or starts afresh
+// at each item (the kernel before), for benchmarks and tests; the results are the same bit for bit.
+void set_paged_attention_decode_prefetch_next(bool prefetch_next);
+
 // Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed: sequence b's tokens
 // are rows query_start[b] .. query_start[b + 1] (int32 [B + 1]) of q, the last tokens of its kv_lens[b] cached tokens
 // (already written to the cache), so the causal mask is aligned to the end. max_query_len bounds query_start[b + 1]

@@ -4,9 +4,10 @@
 // memory once for all of them. Each sequence is cut into chunks whose length depends only on the sequence's own
 // length (not on the batch: a request's result must not depend on what runs beside it), planned once per step by
 // a small kernel into per-sequence split offsets in device memory. A persistent grid walks the (chunk, KV head)
-// work items. A block streams its chunk's K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop
-// is bound by memory, so the point is many bytes in flight); its four warps take 16 tokens of each tile each, keep
-// their own online softmax, and merge in shared memory at the end. Chunks of a split sequence are merged by
+// work items. A block streams K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop is bound by
+// memory, so the point is many bytes in flight) that runs on across its items: the next item's first tiles (and
+// its Q) load while the current one's last tiles are computed and merged. Its four warps take 16 tokens of each tile
+// each, keep their own online softmax, and merge in shared memory at the end of an item. Chunks of a split sequence are merged by
 // log-sum-exp in a second kernel.
 #include <algorithm>
 #include <stdexcept>
@@ -41,6 +42,8 @@ constexpr int kMinChunkFp8 = 4 * kMinChunk;
 constexpr float kLog2e = 1.4426950408889634f;
 // The minimum chunks in use, [kv_fp8]: the constants above unless a benchmark set others (see attention.h).
 int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
+// Whether a block's pipeline runs on across its items (set_paged_attention_decode_prefetch_next, for comparison).
+bool g_prefetch_next = true;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
@@ -106,6 +109,7 @@ struct Params {
   float v_scale;
   int min_chunk;     // as the plan was made with
   bool plan_fresh;   // DecodeArgs::plan_fresh
+  bool prefetch_next;  // the pipeline runs on into the next item (else it starts afresh at each item)
 };
 
 // One work item: a chunk of sequence b, for KV head kvh.
@@ -144,8 +148,13 @@ struct Shape {
   static constexpr int kWarpKeys = kTile / kWarps;             // 16 or 32: one or two m16n8k16 key steps
   static constexpr int kSteps = kWarpKeys / 16;
   static constexpr int kStageElems = 2 * kTile * kD;           // K and V of one stage
-  static constexpr int kQBytes = kFp8 ? 0 : 16 * kD * 2;       // the FP8 path keeps Q in registers
-  static constexpr size_t kSmemBytes = kStages * kStageElems * sizeof(C) + kQBytes;
+  static constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(C));
+  // An item's Q rides with its first tile, in that stage's Q slot: 16 swizzled rows (rows >= G zero) for the 16-bit
+  // path's ldmatrix, the G <= 8 rows as they are for the FP8 path (which converts them to fp16 fragments itself).
+  static constexpr int kQSlotBytes = kFp8 ? 8 * kD * 2 : 16 * kD * 2;
+  static constexpr size_t kSmemBytes = kStages * (kStageBytes + kQSlotBytes);
+  // The merge of an item's four warps uses the stage its last tile was computed from (no load is in flight there).
+  static_assert(kWarps * 16 * 2 * 4 + kWarps * 8 * kD * 4 <= kStageBytes, "the merge fits in a stage");
 };
 
 // Q of this lane for the FP8 path, as the A fragments of the 8 k-steps over the head (rows >= 8 are zero, G <= 8).
@@ -154,6 +163,7 @@ struct Shape {
 // product does not care in which order the dims are summed, so Q takes the same order.
 template <typename T>
 __device__ __forceinline__ void load_q_fp16(unsigned (&qa)[kD / 16][2], const T* q_row, bool valid, int lane) {
+  // (q_row: the head's row in the stage's Q slot)
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
     qa[kk][0] = qa[kk][1] = 0u;
@@ -180,8 +190,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   using M = typename std::conditional<S::kFp8, __half, T>::type;  // the tensor cores' input type
   constexpr int kTile = S::kTile;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // 16 rows; rows >= G are zero (16-bit caches only)
-  C* sKV = reinterpret_cast<C*>(smem_raw + S::kQBytes);
+  C* sKV = reinterpret_cast<C*>(smem_raw);  // kStages stages of K then V
+  unsigned char* sQ = smem_raw + kStages * S::kStageBytes;  // kStages Q slots
   const T* q = static_cast<const T*>(p.q);
   const C* k_cache = static_cast<const C*>(p.k_cache);
   const C* v_cache = static_cast<const C*>(p.v_cache);
@@ -203,52 +213,89 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   griddep_wait();               // q and the new token's K and V come from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the merge may start (it waits for this kernel's end)
 
-  for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
-    const Item it = item == static_cast<int>(blockIdx.x) ? first : item_of(p, item, kTile);
-    const int b = it.b, kvh = it.kvh, chunk_index = it.chunk_index, num_splits = it.num_splits;
-    const int start = it.start, end = it.end, n_tiles = it.n_tiles;
-    const int* pages = it.pages;
-
-    if constexpr (!S::kFp8) {
-      // Q rows: G heads of 16 chunks; the rest of the 16-row tile zero.
-      for (int c = tid; c < 16 * kChunks; c += kThreads) {
-        const int row = c / kChunks, chunk = c % kChunks;
-        const bool valid = row < G;
-        const T* src = valid ? q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + row) * kD + chunk * 8 : q;
-        cp_async16(sQ + swz(row, chunk), src, valid);
+  // The loads: one stream of slots over the block's items (blockIdx.x, + gridDim.x, ...), each item taking
+  // max(1, n_tiles) slots (an empty one loads nothing), slot L into stage L % kStages, kStages - 1 slots ahead of the
+  // compute. An item's first slot also brings its Q into the stage's Q slot, and its Item into item_slot (thread 0;
+  // read by the compute at that slot, after the barrier that follows the copy's wait). Unless p.prefetch_next, the
+  // loads stop at the end of the item being computed and the next item starts them afresh (the kernel before).
+  __shared__ Item item_slot[kStages];
+  int load_item = blockIdx.x, load_t = 0, load_slot = 0;
+  Item load_it = first;
+  int compute_item = blockIdx.x;
+  auto issue_load = [&]() {
+    if (load_item < total_items && (p.prefetch_next || load_item == compute_item)) {
+      const int stage = load_slot % kStages;
+      if (load_t == 0) {
+        const T* q_rows = q + (static_cast<int64_t>(load_it.b) * p.num_heads + load_it.kvh * G) * kD;
+        T* dq = reinterpret_cast<T*>(sQ + stage * S::kQSlotBytes);
+        if constexpr (!S::kFp8) {  // 16 rows of 16 chunks, rows >= G zero
+          for (int c = tid; c < 16 * kChunks; c += kThreads) {
+            const int row = c / kChunks, chunk = c % kChunks;
+            const bool valid = row < G;
+            cp_async16(dq + swz(row, chunk), valid ? q_rows + row * kD + chunk * 8 : q, valid);
+          }
+        } else {  // the G rows as they are
+          for (int c = tid; c < G * kChunks; c += kThreads) cp_async16(dq + c * 8, q_rows + c * 8, true);
+        }
+        if (tid == 0) item_slot[stage] = load_it;
+      }
+      if (load_t < load_it.n_tiles) {
+        C* dk = sKV + stage * S::kStageElems;
+        load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
+                            load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
+      }
+      ++load_slot;
+      if (++load_t >= max(1, load_it.n_tiles)) {
+        load_item += gridDim.x;
+        load_t = 0;
+        if (load_item < total_items) load_it = item_of(p, load_item, kTile);
       }
     }
-    auto load_tile = [&](int t) {
-      C* dk = sKV + (t % kStages) * S::kStageElems;
-      load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, pages, start + t * kTile, end, p.page_shift,
-                          p.max_pages, p.num_pages, p.num_kv_heads, kvh, tid);
-    };
-    // Prologue: Q with tile 0, then tiles 1 .. kStages - 2, one commit group each.
+    cp_async_commit();  // (one group a call, empty or not: the waits count groups)
+  };
 #pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) {
-      if (t < n_tiles) load_tile(t);
-      cp_async_commit();
-    }
+  for (int i = 0; i < kStages - 1; ++i) issue_load();
 
+  int slot = 0;  // the compute's slot in the stream
+  for (; compute_item < total_items; compute_item += gridDim.x) {
+    if (!p.prefetch_next && compute_item != static_cast<int>(blockIdx.x)) {
+#pragma unroll
+      for (int i = 0; i < kStages - 1; ++i) issue_load();  // this item's first slots, afresh
+    }
+    Item it{};
+    int start = 0, end = 0, n_tiles = 0;
     float o[16][4];
 #pragma unroll
     for (int d = 0; d < 16; ++d)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[d][e] = 0.0f;
     float m_run[kHalves] = {-INFINITY}, l_run[kHalves] = {0.0f};
-    unsigned qa[kD / 16][4];     // 16-bit caches: from shared memory at the first tile
-    unsigned qa8[kD / 16][2];    // FP8: rows 0..7 of each A fragment (rows 8..15 are zero)
-    if constexpr (S::kFp8) {
-      const int row = lane >> 2;
-      load_q_fp16(qa8, q + (static_cast<int64_t>(b) * p.num_heads + kvh * G + min(row, G - 1)) * kD, row < G, lane);
-    }
+    unsigned qa[kD / 16][4];   // 16-bit caches: Q's A fragments, from the Q slot at the first tile
+    unsigned qa8[kD / 16][2];  // FP8: rows 0..7 of each A fragment (rows 8..15 are zero)
 
-    for (int t = 0; t < n_tiles; ++t) {
-      cp_async_wait<kStages - 2>();  // tile t (and Q) landed for this thread
-      __syncthreads();               // ... for every thread; and every warp is done with tile t - 1's buffer
-      if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
-      cp_async_commit();
-      const C* tk = sKV + (t % kStages) * S::kStageElems + warp * S::kWarpKeys * kD;  // this warp's keys
+    for (int t = 0; t == 0 || t < n_tiles; ++t, ++slot) {
+      cp_async_wait<kStages - 2>();  // slot `slot` (and with the item's first, its Q) landed for this thread
+      __syncthreads();               // ... for every thread; and every warp is done with the slot before's stage
+      const int stage = slot % kStages;
+      if (t == 0) {
+        it = item_slot[stage];
+        start = it.start;
+        end = it.end;
+        n_tiles = it.n_tiles;
+      }
+      issue_load();
+      if (n_tiles == 0) continue;  // (an empty item's one slot: nothing to compute)
+      if (t == 0) {
+        const T* dq = reinterpret_cast<const T*>(sQ + stage * S::kQSlotBytes);
+        if constexpr (!S::kFp8) {
+#pragma unroll
+          for (int kk = 0; kk < kD / 16; ++kk) ldsm_x4(qa[kk], dq + swz(lane & 15, kk * 2 + (lane >> 4)));
+        } else {
+          const int row = lane >> 2;
+          load_q_fp16(qa8, dq + min(row, G - 1) * kD, row < G, lane);
+        }
+      }
+      const C* tk = sKV + stage * S::kStageElems + warp * S::kWarpKeys * kD;  // this warp's keys
       const C* tv = tk + kTile * kD;
       float s[2 * S::kSteps][4];
 #pragma unroll
@@ -256,10 +303,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[ni][e] = 0.0f;
       if constexpr (!S::kFp8) {
-        if (t == 0) {
-#pragma unroll
-          for (int kk = 0; kk < kD / 16; ++kk) ldsm_x4(qa[kk], sQ + swz(lane & 15, kk * 2 + (lane >> 4)));
-        }
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
           unsigned bk[4];
@@ -362,15 +405,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         }
       }
     }
-    cp_async_wait<0>();
-    __syncthreads();  // the pipeline buffers are free: reuse them to merge the four warps
+    __syncthreads();  // every warp is done with the item's last stage: the merge of the four warps uses it
+    const int b = it.b, kvh = it.kvh, chunk_index = it.chunk_index, num_splits = it.num_splits;
 
     // The head dim of accumulator o[d][e] (e = 0, 1; rows g and g + 8 alike).
     auto out_dim = [&](int d, int e) {
       return S::kFp8 ? (d >> 1) * 16 + (lane & 3) * 4 + e * 2 + (d & 1) : d * 8 + (lane & 3) * 2 + e;
     };
     // Per warp and row: the running max and sum (quad-reduced), and the unnormalized output of rows < G.
-    float* sm_m = reinterpret_cast<float*>(smem_raw);  // [kWarps][16]
+    float* sm_m = reinterpret_cast<float*>(sKV + ((slot - 1) % kStages) * S::kStageElems);  // [kWarps][16]
     float* sm_l = sm_m + kWarps * 16;                   // [kWarps][16]
     float* sm_o = sm_l + kWarps * 16;                   // [kWarps][8][kD]
 #pragma unroll
@@ -418,6 +461,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     }
     __syncthreads();  // shared memory is reused by the next item
   }
+  cp_async_wait<0>();  // (only empty groups can be left)
 }
 
 // out[b, h] = the chunks' outputs weighted by 2^(lse - max lse), normalized; single-chunk sequences were written
@@ -508,6 +552,8 @@ void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens) {
   g_min_chunk[kv_fp8 ? 1 : 0] = static_cast<int>(tokens);
 }
 
+void set_paged_attention_decode_prefetch_next(bool prefetch_next) { g_prefetch_next = prefetch_next; }
+
 void paged_attention_decode(const DecodeArgs& a) {
   const std::string op = "paged_attention_decode: ";
   const int shift = check_paged_attention(op, a);
@@ -533,7 +579,7 @@ void paged_attention_decode(const DecodeArgs& a) {
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           g_min_chunk[fp8 ? 1 : 0], a.plan_fresh};
+           g_min_chunk[fp8 ? 1 : 0], a.plan_fresh, g_prefetch_next};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

@@ -437,6 +437,10 @@ PYBIND11_MODULE(_C, m) {
       "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def("set_paged_attention_decode_min_chunk", &fastqwen::set_paged_attention_decode_min_chunk, py::arg("kv_fp8"),
         py::arg("tokens"), "The shortest split-KV decode chunk, for benchmarks (set before planning).");
+  m.def("set_paged_attention_decode_prefetch_next", &fastqwen::set_paged_attention_decode_prefetch_next,
+        py::arg("prefetch_next"),
+        "Decode blocks load their next work item's first tiles while finishing one (default), or start each afresh, "
+        "for benchmarks and tests.");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),

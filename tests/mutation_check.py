@@ -92,6 +92,32 @@ MUTATIONS = [
         "the first chunk of a split sequence computes nothing (its keys are dropped)",
     ),
     Mutation(
+        "decode_q_in_the_next_stage_slot",
+        DECODE,
+        [
+            (
+                "        T* dq = reinterpret_cast<T*>(sQ + stage * S::kQSlotBytes);",
+                "        T* dq = reinterpret_cast<T*>(sQ + (stage + 1) % kStages * S::kQSlotBytes);",
+            )
+        ],
+        DECODE_TESTS,
+        "an item's Q is copied into the next stage's Q slot (the compute reads its own stage's: another item's or none)",
+    ),
+    Mutation(
+        "decode_merge_in_the_stage_loading",
+        DECODE,
+        [
+            (
+                "    float* sm_m = reinterpret_cast<float*>(sKV + ((slot - 1) % kStages) * S::kStageElems);",
+                "    float* sm_m = reinterpret_cast<float*>(sKV + (slot % kStages) * S::kStageElems);",
+            )
+        ],
+        [
+            "tests/test_attention_gpu.py::test_decode_pipeline_across_items_is_bitwise_the_pipeline_started_afresh",
+        ],
+        "the warps merge in the stage the next item's tile is loading into, not in the one their last tile came from",
+    ),
+    Mutation(
         "decode_merge_skips_last_chunk",
         DECODE,
         [

@@ -142,6 +142,34 @@ def test_decode_shared_workspace_planned_once():
     assert workspace.part_lse.shape[0] == 8 * q.shape[1] * native().DECODE_MAX_SPLITS  # sized by csrc/attention.h
 
 
+@pytest.mark.parametrize("fp8, group", [(False, 4), (False, 8), (True, 4), (True, 8)])
+def test_decode_pipeline_across_items_is_bitwise_the_pipeline_started_afresh(fp8, group):
+    """A block's loads run on into its next work item (its Q and first tiles) while it finishes one, and the item's
+    warps merge in the stage its last tile came from. Against the kernel that starts each item's pipeline afresh:
+    bit for bit, over 700 sequences (every block takes many items, of one to nine tiles, and empty ones: length 0),
+    every output written; and (bf16 caches) within the tolerance of `check` against the reference."""
+    gen = random.Random(11 + group)
+    lens = [gen.choice([0, 1, 15, 64, 65, 200, 640, 1023, 1300, 2100]) for _ in range(300)]
+    lens += [gen.randint(1, 1300) for _ in range(400)]
+    q, k, v, table, kv_lens = make_case(len(lens), 2, group, 16, lens, torch.bfloat16, seed=13 + group)
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    outs = []
+    try:
+        for prefetch_next in (True, False):
+            native().set_paged_attention_decode_prefetch_next(prefetch_next)
+            out = torch.full_like(q, float("nan"))
+            paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, out)
+            outs.append(out)
+    finally:
+        native().set_paged_attention_decode_prefetch_next(True)
+    assert not torch.isnan(outs[0]).any() and not torch.isnan(outs[1]).any(), "unwritten output"
+    assert torch.equal(outs[0], outs[1])
+    if not fp8:  # (the FP8 cache's own tolerances are test_fp8_kv_gpu.py's)
+        want = paged_attention_decode_reference(q, k, v, table, kv_lens, 128**-0.5)
+        assert_within_scale(outs[0], want, 8 * unit_roundoff(q.dtype), "decode across items")
+
+
 def test_decode_bad_arguments():
     q, k, v, table, lens = make_case(2, 2, 4, 16, [5, 9], torch.bfloat16, seed=1)
     out = torch.empty_like(q)
