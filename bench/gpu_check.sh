@@ -69,7 +69,7 @@
 #   decodeafresh  decode attention's loads running on across a block's items: its GPU tests and mutants, then
 #            bench/kernels.py's decode rows against the pipeline started afresh at each item, in turns (issue 47)
 #   decodeafreshsteps  the same two in the engine, in turns: decode-step replays (bf16 at 256, FP8 + FP8 KV at 512),
-#            then offline throughput at 256 (bf16) and 512 (FP8 + FP8 KV) in flight
+#            then offline throughput at 256 (bf16; not with DECODE_AFRESH_BF16_THROUGHPUT=0) and 512 (FP8 + FP8 KV)
 #   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   prefillstalls  Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill kernel (16k, bf16)
 #   prefillvariants  bench/prefill_variants.py: the prefill kernel's pipelines (PREFILL_VARIANTS_LIST) beside cuDNN
@@ -662,10 +662,12 @@ stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's load
       --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $afresh --json "$OUT/step_fp8kv_512${afresh:+_afresh}.json"
   done
   local fixed=(--model Qwen3-8B --load-format dummy --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024)
-  for afresh in --decode-afresh ""; do
-    run "throughput_bf16_256${afresh:+_afresh}" 150 python3 bench/throughput.py "${fixed[@]}" --max-num-seqs 256 \
-      $afresh --json "$OUT/throughput_bf16_256${afresh:+_afresh}.json"
-  done
+  if [ "${DECODE_AFRESH_BF16_THROUGHPUT:-1}" = 1 ]; then
+    for afresh in --decode-afresh ""; do
+      run "throughput_bf16_256${afresh:+_afresh}" 150 python3 bench/throughput.py "${fixed[@]}" --max-num-seqs 256 \
+        $afresh --json "$OUT/throughput_bf16_256${afresh:+_afresh}.json"
+    done
+  fi
   for afresh in "" --decode-afresh; do
     run "throughput_fp8kv_512${afresh:+_afresh}" 110 python3 bench/throughput.py "${fixed[@]}" --quantization fp8 \
       --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $afresh --json "$OUT/throughput_fp8kv_512${afresh:+_afresh}.json"
