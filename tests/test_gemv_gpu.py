@@ -741,14 +741,19 @@ FP8_MIN_DECISIVE = 15
 def emulated_fp8_gemm(accumulate: torch.dtype):
     """linear's block-scaled FP8 GEMM (_fp8_gemm) in PyTorch: x rounded to e4m3 per token and 128 columns by the
     reference quantizer (quantize_activations), both operands dequantized and multiplied in `accumulate`, one rounding
-    to x's dtype, the bias added after as _fp8_gemm adds it."""
+    to x's dtype, the bias added after as _fp8_gemm adds it. x may come quantized (QuantizedRows, from the norm or the
+    SiLU that computed it: bit for bit the reference quantizer's, test_*_quantized_in_one_pass above)."""
     linear_module = importlib.import_module("fastqwen.ops.linear")
 
-    def gemm(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-        m, k = x.shape
-        q, scale = linear_module.quantize_activations(x.contiguous())
+    def gemm(x, w: LinearWeight) -> torch.Tensor:
+        if isinstance(x, linear_module.QuantizedRows):
+            m, k, dtype = x.rows, x.in_features, x.dtype
+            q, scale = x.q[:m], x.scale[:m]
+        else:
+            (m, k), dtype = x.shape, x.dtype
+            q, scale = linear_module.quantize_activations(x.contiguous())
         xq = (q.to(accumulate).view(m, k // 128, 128) * scale.to(accumulate).unsqueeze(-1)).view(m, k)
-        y = (xq @ w.dequantize(accumulate).t()).to(x.dtype)
+        y = (xq @ w.dequantize(accumulate).t()).to(dtype)
         return y if w.bias is None else y + w.bias
 
     return gemm
