@@ -36,6 +36,34 @@ def time_fn(fn, iters: int, warmup: int = 5, queue_ahead: bool = False) -> float
     return statistics.median(times)
 
 
+def add_decode_attention_options(parser) -> None:
+    """The decode attention kernel's settings an engine benchmark can change for a comparison
+    (apply_decode_attention_options sets them before the engine captures its graphs)."""
+    parser.add_argument(
+        "--decode-min-chunk",
+        type=int,
+        default=0,
+        help="decode attention's shortest chunk in tokens (0: the kernel's default), set before the graphs",
+    )
+    parser.add_argument(
+        "--decode-afresh",
+        action="store_true",
+        help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
+    )
+
+
+def apply_decode_attention_options(args) -> None:
+    from fastqwen.config import resolve_kv_cache_dtype
+    from fastqwen.ops._native import native
+    from fastqwen.ops.kv_fp8 import is_fp8
+
+    if args.decode_afresh:
+        native().set_paged_attention_decode_prefetch_next(False)
+    if args.decode_min_chunk:
+        kv_fp8 = is_fp8(resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))  # (auto: the model's 16-bit type)
+        native().set_paged_attention_decode_min_chunk(kv_fp8, args.decode_min_chunk)
+
+
 def interleaved_medians(graphs: dict, iters: int, rounds: int, settle_ms: float = 0.0) -> dict:
     """Median milliseconds of each CUDA graph's replay (time_fn, queued ahead) over `rounds` rounds in which the graphs
     take turns: a drift of the GPU's clock during the run then reaches each alike, where timing one after the other

@@ -70,6 +70,9 @@
 #            bench/kernels.py's decode rows against the pipeline started afresh at each item, in turns (issue 47)
 #   decodeafreshsteps  the same two in the engine, in turns: decode-step replays (bf16 at 256, FP8 + FP8 KV at 512),
 #            then offline throughput at 256 (bf16; not with DECODE_AFRESH_BF16_THROUGHPUT=0) and 512 (FP8 + FP8 KV)
+#   minchunk  bf16 decode attention's shortest chunk MIN_CHUNK (default 512) against the kernel's 256, in turns: batch-1
+#            steps at 1k and 4k of context (bench/leave_out.py), the batch-256 step, offline throughput at 256 (issue 47)
+#   decodestalls  Nsight Compute's warp-stall samples of the decode attention kernel at 512 x 640, bf16 and FP8 pools
 #   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   prefillstalls  Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill kernel (16k, bf16)
 #   prefillvariants  bench/prefill_variants.py: the prefill kernel's pipelines (PREFILL_VARIANTS_LIST) beside cuDNN
@@ -674,6 +677,44 @@ stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's load
   done
 }
 
+stage_minchunk() {  # issue 47: bf16 decode attention with 512-token chunks (MIN_CHUNK) against the default 256, in
+  # turns: batch-1 steps at 1k and 4k of context (the cost: fewer chunks, fewer SMs), the batch-256 step (640-token
+  # prompts) and offline throughput at 256 in flight (the gain the kernel rows promise: 9% at 256 and 512 x 640)
+  local chunk=${MIN_CHUNK:-512}
+  run minchunk_batch1 150 python3 bench/leave_out.py --model Qwen3-8B --load-format dummy --prompt-lens 1024 4096 \
+    --variants full --min-chunks "$chunk" --rounds 3 --json "$OUT/minchunk_batch1.json"
+  local step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32 --batch 256 --max-num-seqs 256)
+  for round in 1 2; do
+    for c in 0 "$chunk"; do
+      run "minchunk_step_${c}_$round" 90 python3 bench/profile_step.py "${step[@]}" --decode-min-chunk "$c" \
+        --json "$OUT/minchunk_step_${c}_$round.json"
+    done
+  done
+  local fixed=(--model Qwen3-8B --load-format dummy --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024)
+  for c in "$chunk" 0; do
+    run "minchunk_throughput_$c" 150 python3 bench/throughput.py "${fixed[@]}" --max-num-seqs 256 --decode-min-chunk "$c" \
+      --json "$OUT/minchunk_throughput_$c.json"
+  done
+}
+
+stage_decodestalls() {  # issue 47: Nsight Compute's warp-stall samples per SASS instruction of the decode attention
+  # kernel at 512 sequences of 640 tokens, bf16 then FP8 pools (its first launch: the eager call before the graphs)
+  if ! command -v ncu > /dev/null; then echo "decodestalls: no ncu on this machine"; return; fi
+  local kv
+  for kv in bf16 fp8; do
+    run "decode_stalls_$kv" 200 ncu --clock-control none --kernel-name regex:decode_kernel --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --section SpeedOfLight --section Occupancy --import-source no \
+      -f -o "/tmp/decode_stalls_$kv" python3 bench/kernels.py --ops decode --kv-dtypes "$kv" --iters 3 \
+      --decode-cases 512:640
+    ncu -i "/tmp/decode_stalls_$kv.ncu-rep" --page source --csv --print-source sass > "/tmp/decode_stalls_${kv}_sass.csv" \
+      2> "$OUT/decode_stalls_${kv}_export.err"
+    ncu -i "/tmp/decode_stalls_$kv.ncu-rep" --page details --print-details all > "$OUT/decode_stalls_${kv}_details.txt" 2>&1
+    gzip -c "/tmp/decode_stalls_${kv}_sass.csv" > "$OUT/decode_stalls_${kv}_sass.csv.gz"
+    python3 bench/ncu_stalls.py "/tmp/decode_stalls_${kv}_sass.csv" > "$OUT/decode_stalls_${kv}_top.txt" 2>&1
+    head -n 40 "$OUT/decode_stalls_${kv}_top.txt"
+  done
+}
+
 stage_stepaccount() {  # issue 47: the saturated step accounted for, bf16 and FP8 weights + FP8 KV
   run step_account_bf16 "$(step_account_limit 2)" python3 bench/step_account.py --model Qwen3-8B --load-format dummy \
     --json "$OUT/step_account_bf16.json"
@@ -698,7 +739,7 @@ for stage in $STAGES; do
     tests3) stage_tests 3 ;;
     tests4) stage_tests 4 ;;
     gputests) stage_gputests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|minchunk|decodestalls|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

@@ -30,7 +30,7 @@ import sys
 import time
 
 import torch
-from common import report
+from common import add_decode_attention_options, apply_decode_attention_options, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
 
@@ -99,17 +99,10 @@ def main() -> int:
         "profiler saw them, per step, instead of a replay of the decode graph (a verify graph replayed after the run "
         "reads inputs its last step no longer left)",
     )
-    p.add_argument(
-        "--decode-afresh",
-        action="store_true",
-        help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
-    )
+    add_decode_attention_options(p)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.decode_afresh:
-        from fastqwen.ops._native import native
-
-        native().set_paged_attention_decode_prefetch_next(False)
+    apply_decode_attention_options(args)
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )  # the capture's time and memory

@@ -24,7 +24,7 @@ import sys
 import time
 
 import torch
-from common import hf_model_like, report
+from common import add_decode_attention_options, apply_decode_attention_options, hf_model_like, report
 from fastqwen import LLM, SamplingParams
 from fastqwen.config import EngineConfig
 
@@ -102,30 +102,10 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--hf", action="store_true")
     p.add_argument("--hf-requests", type=int, default=32)
-    p.add_argument(
-        "--decode-min-chunk",
-        type=int,
-        default=0,
-        help="decode attention's shortest chunk in tokens (0: the kernel's default), set before the graphs",
-    )
-    p.add_argument(
-        "--decode-afresh",
-        action="store_true",
-        help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
-    )
+    add_decode_attention_options(p)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.decode_afresh:
-        from fastqwen.ops._native import native
-
-        native().set_paged_attention_decode_prefetch_next(False)
-    if args.decode_min_chunk:
-        from fastqwen.config import resolve_kv_cache_dtype
-        from fastqwen.ops._native import native
-        from fastqwen.ops.kv_fp8 import is_fp8
-
-        kv_fp8 = is_fp8(resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))  # (auto: the model's 16-bit type)
-        native().set_paged_attention_decode_min_chunk(kv_fp8, args.decode_min_chunk)
+    apply_decode_attention_options(args)
     llm = LLM(EngineConfig.from_cli(args))
     prompts, outs = workload(args, llm.engine.config.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
