@@ -7,8 +7,8 @@
 // work items. A block streams K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop is bound by
 // memory, so the point is many bytes in flight) that runs on across its items: the next item's first tiles (and
 // its Q) load while the current one's last tiles are computed and merged. Its four warps take 16 tokens of each tile
-// each, keep their own online softmax, and merge in shared memory at the end of an item. Chunks of a split sequence are merged by
-// log-sum-exp in a second kernel.
+// each, keep their own online softmax, and merge in shared memory at the end of an item. Chunks of a split sequence
+// are merged by log-sum-exp in a second kernel.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -157,13 +157,13 @@ struct Shape {
   static_assert(kWarps * 16 * 2 * 4 + kWarps * 8 * kD * 4 <= kStageBytes, "the merge fits in a stage");
 };
 
-// Q of this lane for the FP8 path, as the A fragments of the 8 k-steps over the head (rows >= 8 are zero, G <= 8).
+// Q of this lane for the FP8 path, as the A fragments of the 8 k-steps over the head (rows >= 8 are zero, G <= 8),
+// from q_row, its head's row in the stage's Q slot.
 // The B fragments come from e4m3 rows read by ldmatrix in 2-byte units, so lane (g, c) holds dims 4c .. 4c + 3 of
 // each 16: k-step slot (2c, 2c + 1) is dims (4c, 4c + 1) and slot (2c + 8, 2c + 9) dims (4c + 2, 4c + 3). A dot
 // product does not care in which order the dims are summed, so Q takes the same order.
 template <typename T>
 __device__ __forceinline__ void load_q_fp16(unsigned (&qa)[kD / 16][2], const T* q_row, bool valid, int lane) {
-  // (q_row: the head's row in the stage's Q slot)
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
     qa[kk][0] = qa[kk][1] = 0u;
