@@ -18,6 +18,9 @@ Variants (per shape and M):
                as fp8_tensor); whether cuBLAS/CUTLASS runs it at the per-tensor speed decides whether an on-load
                quantization with scales per output row could leave the block-scaled GEMM behind
   bf16         torch.matmul with the bf16 weight: cuBLAS's bf16 GEMM, what dense weights run
+  bf16_lt      the same through cuBLASLt (torch.backends.cuda.preferred_blas_library("cublaslt") while it is
+               captured): whether its heuristics pick faster kernels at these shapes than cuBLAS's (issue 47: the bf16
+               projections at M = 256 took 1.3-1.7x their bound on the H100)
 Every variant's output is checked against a float32 reference of its own inputs before it is timed.
 
 Bytes per call (gemm_work): the compulsory ones, each once: W (FP8: its values and float32 block scales), x read at its
@@ -52,7 +55,7 @@ from fastqwen.ops.linear import FP8_MAX
 L2_BYTES = 50 * 1024 * 1024
 MIN_CALLS = 24  # calls per timed graph (bench_gemv.py's reason: the graph's start is shared among them)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the FP8 layers' projections (the LM head stays bf16)
-VARIANTS = ("engine", "quantize", "fp8_block", "fp8_tensor", "fp8_tensor_fast", "fp8_rowwise", "bf16")
+VARIANTS = ("engine", "quantize", "fp8_block", "fp8_tensor", "fp8_tensor_fast", "fp8_rowwise", "bf16", "bf16_lt")
 BATCHES = [16, 32, 64, 128, 256, 512]
 # A variant's result against its reference (relative Frobenius error) must stay under this; the engine's includes
 # the activations' rounding to e4m3 (the bar linear's own probe uses), the others only the output's rounding to bf16,
@@ -64,6 +67,7 @@ MAX_ERROR = {
     "fp8_tensor_fast": 0.05,
     "fp8_rowwise": 0.01,
     "bf16": 0.01,
+    "bf16_lt": 0.01,
 }
 
 
@@ -83,7 +87,7 @@ def gemm_work(variant: str, m: int, n: int, k: int) -> dict[str, int]:
         return {"bytes": n * k + m * k + out, "flops": flops}
     if variant == "fp8_rowwise":  # float32 scales: one per token, one per output row
         return {"bytes": n * k + m * k + 4 * m + 4 * n + out, "flops": flops}
-    if variant == "bf16":
+    if variant in ("bf16", "bf16_lt"):
         return {"bytes": 2 * n * k + 2 * m * k + out, "flops": flops}
     raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS}")
 
@@ -181,7 +185,25 @@ def variants_at(x: torch.Tensor, bf16: list, fp8: list) -> tuple[str, dict]:
         "fp8_tensor_fast": (fp8, lambda w: tensor_scaled(w, fast=True), tensor_reference),
         "fp8_rowwise": (fp8, rowwise, rowwise_reference),
         "bf16": (bf16, lambda w: torch.matmul(x, w.t()), lambda: x.float() @ bf16[0].float().t()),
+        "bf16_lt": (bf16, through_cublaslt(lambda w: torch.matmul(x, w.t())), lambda: x.float() @ bf16[0].float().t()),
     }
+
+
+def through_cublaslt(call):
+    """call with torch's preferred BLAS library set to cuBLASLt for its duration (a graph keeps the kernels chosen
+    while it was captured); on the CPU (the tests), call as it is."""
+
+    def lt_call(w):
+        if not w.is_cuda:
+            return call(w)
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return call(w)
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+
+    return lt_call
 
 
 def checked(name: str, weights: list, call, reference) -> float | None:
@@ -228,13 +250,13 @@ def bench_shape(
                 row[f"{name}_failed"] = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
                 continue
             work = gemm_work(name, m, n, k)
-            rate = tflops["bf16" if name == "bf16" else "fp8"]
+            rate = tflops["bf16" if name.startswith("bf16") else "fp8"]
             row[f"{name}_us"] = round(us, 2)
             row[f"{name}_tflops"] = round(work["flops"] / (us * 1e-6) / 1e12, 1)
             row[f"{name}_gbs"] = round(work["bytes"] / (us * 1e-6) / 1e9, 1)
             row[f"{name}_frac_copy"] = round(work["bytes"] / (us * 1e-6) / 1e9 / copy_gbs, 3)
             row[f"{name}_of_bound"] = round(bound_us(work, copy_gbs, rate) / us, 3)
-        for other in ("fp8_block", "fp8_tensor_fast", "fp8_rowwise", "bf16"):  # > 1: the engine is faster
+        for other in ("fp8_block", "fp8_tensor_fast", "fp8_rowwise", "bf16", "bf16_lt"):  # > 1: the engine is faster
             if "engine_us" in row and f"{other}_us" in row:
                 row[f"{other}_over_engine"] = round(row[f"{other}_us"] / row["engine_us"], 3)
         rows.append(row)

@@ -71,7 +71,16 @@ def test_the_variants_compute_x_times_w():
     bf16, fp8 = weight_copies(256, 384, 2, "cpu")
     x = torch.randn(16, 384).to(torch.bfloat16)
     _, variants = variants_at(x, bf16, fp8)
-    assert set(variants) == {"engine", "quantize", "fp8_block", "fp8_tensor", "fp8_tensor_fast", "fp8_rowwise", "bf16"}
+    assert set(variants) == {
+        "engine",
+        "quantize",
+        "fp8_block",
+        "fp8_tensor",
+        "fp8_tensor_fast",
+        "fp8_rowwise",
+        "bf16",
+        "bf16_lt",
+    }
     w8 = fp8[0].weight.float()  # the per-tensor GEMMs take the e4m3 bytes with a weight scale of 1
     independent = {
         "engine": x.float() @ fp8[0].dequantize().t(),
@@ -79,6 +88,7 @@ def test_the_variants_compute_x_times_w():
         "fp8_tensor_fast": x.float() @ w8.t(),
         "fp8_rowwise": x.float() @ w8.t(),  # (the weight's row scales are ones)
         "bf16": x.float() @ bf16[0].float().t(),
+        "bf16_lt": x.float() @ bf16[0].float().t(),
     }
     if not _cpu_takes_row_scales():
         del independent["fp8_rowwise"]
