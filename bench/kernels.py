@@ -232,11 +232,19 @@ def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
     return k_cache, v_cache
 
 
-def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16", afresh: bool = False) -> dict:
+# Settings of the decode kernel a row can be timed with beside the default (--decode-compare): each is a setter of
+# the extension and the value that differs from the default, set while the other graph is planned and captured.
+DECODE_SETTINGS = {
+    "afresh": ("set_paged_attention_decode_prefetch_next", False),  # each item's pipeline started afresh
+    "chunk_table": ("set_paged_attention_decode_chunk_table", True),  # each chunk's sequence looked up, not searched
+}
+
+
+def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16", compare: str | None = None) -> dict:
     """Paged decode attention, Qwen3-8B heads, page 16, each sequence's pages scattered over the pool (which holds
     just the pages the sequences use). Bandwidth counts the bytes actually read and written (decode_bytes).
-    afresh: also time the kernel starting each work item's pipeline afresh (as before its loads ran on across items),
-    the two in turns over three rounds (medians; keys afresh_*)."""
+    compare: also time the kernel with that setting of DECODE_SETTINGS (planned and captured with it), the two in
+    turns over three rounds (medians; keys <compare>_*)."""
     batch = case.batch
     per = decode_bytes(case.lengths, kv)
     nbuf = buffers_needed(per)
@@ -277,21 +285,31 @@ def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16"
         "buffers": nbuf,
         "bytes_per_call": per,
     }
-    if afresh:
+    if compare:
         graphs = {"ours": graph_of(variants["ours"])}
-        native().set_paged_attention_decode_prefetch_next(False)  # read at launch: the graph keeps it
+        setter, value = DECODE_SETTINGS[compare]
+        other = decode_workspace(batch, HEADS, torch.device("cuda"))
+        getattr(native(), setter)(value)  # read at planning and at launch: the graph keeps it
         try:
-            graphs["afresh"] = graph_of(variants["ours"])
+            plan_decode(lens, other, k_cache.dtype)
+            graphs[compare] = graph_of(
+                lambda: [
+                    paged_attention_decode(
+                        qs[i], k_cache, v_cache, tables[i], lens, scale, outs[i], other, planned=True
+                    )
+                    for i in range(nbuf)
+                ]
+            )
         finally:
-            native().set_paged_attention_decode_prefetch_next(True)
+            getattr(native(), setter)(not value)
         times = {name: [] for name in graphs}
         for _ in range(3):
             for name, g in graphs.items():
                 times[name].append(time_fn(g.replay, iters, queue_ahead=True) / nbuf * 1e3)
         del graphs
         us = statistics.median(times["ours"])
-        row["afresh_us"] = statistics.median(times["afresh"])
-        row["afresh_frac_copy"] = per / (row["afresh_us"] * 1e-6) / 1e9 / copy_gbs
+        row[f"{compare}_us"] = statistics.median(times[compare])
+        row[f"{compare}_frac_copy"] = per / (row[f"{compare}_us"] * 1e-6) / 1e9 / copy_gbs
         row["rounds_us"] = times
     else:
         graph = graph_of(variants["ours"])
@@ -574,9 +592,10 @@ def main() -> int:
         help="also time the decode rows with these shortest chunks (tokens), for each KV pool",
     )
     ap.add_argument(
-        "--decode-afresh",
-        action="store_true",
-        help="also time each decode row with each work item's pipeline started afresh, in turns with the default",
+        "--decode-compare",
+        choices=sorted(DECODE_SETTINGS),
+        default=None,
+        help="also time each decode row with this setting of the kernel (DECODE_SETTINGS), in turns with the default",
     )
     ap.add_argument(
         "--decode-cases",
@@ -633,7 +652,7 @@ def main() -> int:
             rows.append(bench_qk(tokens, copy_gbs, args.iters))
     cases = args.decode_cases or [parse_decode_case(c) for c in DECODE_CASES]
     decode_rows = (
-        [bench_decode(case, copy_gbs, args.iters, kv, args.decode_afresh) for case in cases for kv in args.kv_dtypes]
+        [bench_decode(case, copy_gbs, args.iters, kv, args.decode_compare) for case in cases for kv in args.kv_dtypes]
         if "decode" in args.ops
         else []
     )
@@ -674,7 +693,11 @@ def main() -> int:
             f"paged_attention_decode {r['kv_dtype']:<4}{r.get('min_chunk', ''):>5} {r['case']:<13} splits {r['splits']:<3} "
             f"chunks {r['chunks']:<5} | {r['ours_us']:>8.2f} us "
             f"{r['ours_gbs']:>6.0f} GB/s {r['ours_frac_copy']:>6.1%} of copy | reference {r['reference_us']:>9.1f} us"
-            + (f" | afresh {r['afresh_us']:>8.2f} us {r['afresh_frac_copy']:>6.1%}" if "afresh_us" in r else "")
+            + "".join(
+                f" | {name} {r[f'{name}_us']:>8.2f} us {r[f'{name}_frac_copy']:>6.1%}"
+                for name in DECODE_SETTINGS
+                if f"{name}_us" in r
+            )
         )
     for r in prefill_rows:
         sdpa = " | ".join(

@@ -44,6 +44,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
 // Whether a block's pipeline runs on across its items (set_paged_attention_decode_prefetch_next, for comparison).
 bool g_prefetch_next = true;
+// Whether the plan also writes each chunk's sequence (set_paged_attention_decode_chunk_table; off until run on a GPU).
+bool g_chunk_table = false;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
@@ -53,8 +55,11 @@ __device__ __forceinline__ int chunk_len(int len, int min_chunk) {
   return (want + kTile - 1) / kTile * kTile;
 }
 
-// split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks. One block.
-__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch, int min_chunk) {
+// split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks; with chunk_table, then
+// chunk_seq[c] (split_offsets + batch + 1) = the sequence of chunk c, for the decode kernel to look up instead of
+// searching the offsets. One block.
+__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch, int min_chunk,
+                            bool chunk_table) {
   __shared__ int warp_sums[32];
   __shared__ int carry;
   if (threadIdx.x == 0) carry = 0;
@@ -85,7 +90,12 @@ __global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ s
     }
     __syncthreads();
     const int before = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - n;
-    if (b < batch) split_offsets[b] = before;
+    if (b < batch) {
+      split_offsets[b] = before;
+      if (chunk_table) {
+        for (int c = 0; c < n; ++c) split_offsets[batch + 1 + before + c] = b;
+      }
+    }
     __syncthreads();
     if (threadIdx.x == blockDim.x - 1) carry = before + n;
     __syncthreads();
@@ -100,6 +110,7 @@ struct Params {
   const int* page_table;
   const int* kv_lens;
   const int* split_offsets;
+  const int* chunk_seq;  // the plan's chunk table (split_offsets + batch + 1), or null: item_of searches the offsets
   void* out;
   float* part_out;
   float* part_lse;
@@ -123,9 +134,13 @@ __device__ __forceinline__ Item item_of(const Params& p, int item, int tile) {
   it.chunk_index = item / p.num_kv_heads;
   it.kvh = item % p.num_kv_heads;
   int lo = 0, hi = p.batch - 1;  // the sequence: last b with split_offsets[b] <= chunk_index
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.split_offsets[mid] <= it.chunk_index) lo = mid; else hi = mid - 1;
+  if (p.chunk_seq != nullptr) {
+    lo = p.chunk_seq[it.chunk_index];
+  } else {
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (p.split_offsets[mid] <= it.chunk_index) lo = mid; else hi = mid - 1;
+    }
   }
   it.b = lo;
   it.split = it.chunk_index - p.split_offsets[lo];
@@ -539,7 +554,7 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
-      g_min_chunk[kv_fp8 ? 1 : 0]);
+      g_min_chunk[kv_fp8 ? 1 : 0], g_chunk_table);
   cuda_check_launch("paged_attention_decode_plan launch");
 }
 
@@ -553,6 +568,8 @@ void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens) {
 }
 
 void set_paged_attention_decode_prefetch_next(bool prefetch_next) { g_prefetch_next = prefetch_next; }
+
+void set_paged_attention_decode_chunk_table(bool chunk_table) { g_chunk_table = chunk_table; }
 
 void paged_attention_decode(const DecodeArgs& a) {
   const std::string op = "paged_attention_decode: ";
@@ -575,6 +592,7 @@ void paged_attention_decode(const DecodeArgs& a) {
   Params p{reinterpret_cast<const void*>(a.q), reinterpret_cast<const void*>(a.k_cache),
            reinterpret_cast<const void*>(a.v_cache), reinterpret_cast<const int*>(a.page_table),
            reinterpret_cast<const int*>(a.kv_lens), reinterpret_cast<const int*>(a.split_offsets),
+           g_chunk_table ? reinterpret_cast<const int*>(a.split_offsets) + a.batch + 1 : nullptr,
            reinterpret_cast<void*>(a.out), reinterpret_cast<float*>(a.part_out), reinterpret_cast<float*>(a.part_lse),
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,

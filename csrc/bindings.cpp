@@ -441,6 +441,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("prefetch_next"),
         "Decode blocks load their next work item's first tiles while finishing one (default), or start each afresh, "
         "for benchmarks and tests.");
+  m.def("set_paged_attention_decode_chunk_table", &fastqwen::set_paged_attention_decode_chunk_table,
+        py::arg("chunk_table"),
+        "The decode plan also lists each chunk's sequence, looked up instead of searched (set before planning).");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),

@@ -118,6 +118,21 @@ MUTATIONS = [
         "the warps merge in the stage the next item's tile is loading into, not in the one their last tile came from",
     ),
     Mutation(
+        "decode_chunk_table_one_sequence_early",
+        DECODE,
+        [
+            (
+                "        for (int c = 0; c < n; ++c) split_offsets[batch + 1 + before + c] = b;",
+                "        for (int c = 0; c < n; ++c) split_offsets[batch + 1 + before + c] = max(b - 1, 0);",
+            )
+        ],
+        [
+            "tests/test_attention_gpu.py::test_decode_plan_lists_the_sequence_of_every_chunk",
+            "tests/test_attention_gpu.py::test_decode_with_the_chunk_table_is_bitwise_the_search",
+        ],
+        "the plan's chunk table names the sequence before each chunk's own",
+    ),
+    Mutation(
         "decode_merge_skips_last_chunk",
         DECODE,
         [

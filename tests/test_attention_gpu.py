@@ -172,6 +172,57 @@ def test_decode_pipeline_across_items_is_bitwise_the_pipeline_started_afresh(fp8
         assert_within_scale(outs[0][rows], want, 8 * unit_roundoff(q.dtype), "decode across items")
 
 
+@pytest.mark.parametrize("kv_dtype, min_chunk", [(torch.bfloat16, 256), (torch.float8_e4m3fn, 1024)])
+def test_decode_plan_lists_the_sequence_of_every_chunk(kv_dtype, min_chunk):
+    """With the chunk table on, the plan lists each chunk's sequence after the offsets (1,500 sequences: the plan's
+    block takes them in two passes), and the offsets are those of the plan without it."""
+    gen = random.Random(5)
+    lens = [4000, 20, 9000, 0, 1, 255, 256, 257, 20000] + [gen.randint(1, 1300) for _ in range(1491)]
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    workspace = decode_workspace(len(lens), 8, kv_lens.device)
+    batch = len(lens)
+    plan_decode(kv_lens, workspace, kv_dtype)
+    offsets = workspace.split_offsets[: batch + 1].tolist()
+    try:
+        native().set_paged_attention_decode_chunk_table(True)
+        plan_decode(kv_lens, workspace, kv_dtype)
+    finally:
+        native().set_paged_attention_decode_chunk_table(False)
+    plan = workspace.split_offsets.tolist()
+    assert plan[: batch + 1] == offsets
+    want = []
+    for b in range(batch):
+        want += [b] * (offsets[b + 1] - offsets[b])
+    want_counts = []
+    for n in lens:  # csrc/attention_decode.cu's chunk_len, independently
+        clen = -(-max(min_chunk, -(-n // native().DECODE_MAX_SPLITS)) // KV_TILE) * KV_TILE
+        want_counts.append(max(1, -(-n // clen)))
+    assert [offsets[b + 1] - offsets[b] for b in range(batch)] == want_counts
+    assert plan[batch + 1 : batch + 1 + offsets[batch]] == want
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_with_the_chunk_table_is_bitwise_the_search(fp8):
+    """A work item's sequence looked up in the plan's chunk table against searched in the chunk offsets: bit for bit,
+    over 600 sequences of mixed lengths (items of many sequences per block), every output written."""
+    gen = random.Random(17)
+    lens = [gen.choice([0, 1, 300, 700, 1300, 5000]) for _ in range(200)] + [gen.randint(1, 1300) for _ in range(400)]
+    q, k, v, table, kv_lens = make_case(len(lens), 2, 4, 16, lens, torch.bfloat16, seed=19)
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    outs = []
+    try:
+        for chunk_table in (True, False):
+            native().set_paged_attention_decode_chunk_table(chunk_table)
+            out = torch.full_like(q, float("nan"))
+            paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, out)
+            outs.append(out)
+    finally:
+        native().set_paged_attention_decode_chunk_table(False)
+    assert not torch.isnan(outs[0]).any() and not torch.isnan(outs[1]).any(), "unwritten output"
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_decode_bad_arguments():
     q, k, v, table, lens = make_case(2, 2, 4, 16, [5, 9], torch.bfloat16, seed=1)
     out = torch.empty_like(q)

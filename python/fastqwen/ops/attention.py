@@ -30,10 +30,11 @@ def attention_kernel_applies(
 
 @dataclass
 class DecodeWorkspace:
-    """Scratch of split-KV decode, allocated once: the plan (chunk offsets per sequence, written on the device by
-    plan_decode) and the chunks' partial outputs and log-sum-exps, for batches of up to max_batch sequences."""
+    """Scratch of split-KV decode, allocated once: the plan (chunk offsets per sequence, and room for each chunk's
+    sequence, written on the device by plan_decode: csrc/attention.h) and the chunks' partial outputs and
+    log-sum-exps, for batches of up to max_batch sequences."""
 
-    split_offsets: torch.Tensor  # int32 [max_batch + 1]
+    split_offsets: torch.Tensor  # int32 [max_batch + 1 + max_batch * _C.DECODE_MAX_SPLITS]: offsets [B + 1], table
     part_out: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS, head_dim]
     part_lse: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS]
     max_batch: int
@@ -48,7 +49,7 @@ def decode_workspace(max_batch: int, num_heads: int, device: torch.device) -> De
     m = native()
     rows = max_batch * num_heads * m.DECODE_MAX_SPLITS
     return DecodeWorkspace(
-        split_offsets=torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
+        split_offsets=torch.zeros(_plan_ints(max_batch), dtype=torch.int32, device=device),
         part_out=torch.empty(rows, m.ATTENTION_HEAD_DIM, dtype=torch.float32, device=device),
         part_lse=torch.empty(rows, dtype=torch.float32, device=device),
         max_batch=max_batch,
@@ -61,7 +62,13 @@ def decode_workspace_bytes(max_batch: int, num_heads: int) -> int:
     log-sum-exps), for budgeting memory before it exists."""
     m = native()
     rows = max_batch * num_heads * m.DECODE_MAX_SPLITS
-    return 4 * ((max_batch + 1) + rows * m.ATTENTION_HEAD_DIM + rows)
+    return 4 * (_plan_ints(max_batch) + rows * m.ATTENTION_HEAD_DIM + rows)
+
+
+def _plan_ints(max_batch: int) -> int:
+    """int32 entries of a decode plan for up to max_batch sequences (csrc/attention.h): the chunk offsets, then a
+    table of up to DECODE_MAX_SPLITS chunks a sequence."""
+    return max_batch + 1 + max_batch * native().DECODE_MAX_SPLITS
 
 
 def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace, kv_dtype: torch.dtype) -> None:
