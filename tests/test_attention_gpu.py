@@ -142,6 +142,27 @@ def test_decode_shared_workspace_planned_once():
     assert workspace.part_lse.shape[0] == 8 * q.shape[1] * native().DECODE_MAX_SPLITS  # sized by csrc/attention.h
 
 
+def decode_bitwise_both_ways(lens, group, seed, fp8, setter, default):
+    """Decode of a case of `lens` (2 KV heads of `group` query heads, pages of 16; FP8 caches if fp8) with the
+    extension's `setter` on, then off (restored to `default` after): every output written both times, and the same
+    bit for bit. Returns the case and the output."""
+    q, k, v, table, kv_lens = make_case(len(lens), 2, group, 16, lens, torch.bfloat16, seed=seed)
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    outs = []
+    try:
+        for on in (True, False):
+            getattr(native(), setter)(on)
+            out = torch.full_like(q, float("nan"))
+            paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, out)
+            outs.append(out)
+    finally:
+        getattr(native(), setter)(default)
+    assert not torch.isnan(outs[0]).any() and not torch.isnan(outs[1]).any(), "unwritten output"
+    assert torch.equal(outs[0], outs[1])
+    return (q, k, v, table, kv_lens), outs[0]
+
+
 @pytest.mark.parametrize("fp8, group", [(False, 4), (False, 8), (True, 4), (True, 8)])
 def test_decode_pipeline_across_items_is_bitwise_the_pipeline_started_afresh(fp8, group):
     """A block's loads run on into its next work item (its Q and first tiles) while it finishes one, and the item's
@@ -151,25 +172,14 @@ def test_decode_pipeline_across_items_is_bitwise_the_pipeline_started_afresh(fp8
     gen = random.Random(11 + group)
     lens = [gen.choice([0, 1, 15, 64, 65, 200, 640, 1023, 1300, 2100]) for _ in range(300)]
     lens += [gen.randint(1, 1300) for _ in range(400)]
-    q, k, v, table, kv_lens = make_case(len(lens), 2, group, 16, lens, torch.bfloat16, seed=13 + group)
-    if fp8:
-        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-    outs = []
-    try:
-        for prefetch_next in (True, False):
-            native().set_paged_attention_decode_prefetch_next(prefetch_next)
-            out = torch.full_like(q, float("nan"))
-            paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, out)
-            outs.append(out)
-    finally:
-        native().set_paged_attention_decode_prefetch_next(True)
-    assert not torch.isnan(outs[0]).any() and not torch.isnan(outs[1]).any(), "unwritten output"
-    assert torch.equal(outs[0], outs[1])
-    assert not outs[0][kv_lens == 0].any(), "an empty sequence's output is zero"
+    (q, k, v, table, kv_lens), out = decode_bitwise_both_ways(
+        lens, group, 13 + group, fp8, "set_paged_attention_decode_prefetch_next", default=True
+    )
+    assert not out[kv_lens == 0].any(), "an empty sequence's output is zero"
     if not fp8:  # (the FP8 cache's own tolerances are test_fp8_kv_gpu.py's)
         rows = kv_lens > 0  # (the reference's softmax over no keys is NaN)
         want = paged_attention_decode_reference(q[rows], k, v, table[rows], kv_lens[rows], 128**-0.5)
-        assert_within_scale(outs[0][rows], want, 8 * unit_roundoff(q.dtype), "decode across items")
+        assert_within_scale(out[rows], want, 8 * unit_roundoff(q.dtype), "decode across items")
 
 
 @pytest.mark.parametrize("kv_dtype, min_chunk", [(torch.bfloat16, 256), (torch.float8_e4m3fn, 1024)])
@@ -207,20 +217,7 @@ def test_decode_with_the_chunk_table_is_bitwise_the_search(fp8):
     over 600 sequences of mixed lengths (items of many sequences per block), every output written."""
     gen = random.Random(17)
     lens = [gen.choice([0, 1, 300, 700, 1300, 5000]) for _ in range(200)] + [gen.randint(1, 1300) for _ in range(400)]
-    q, k, v, table, kv_lens = make_case(len(lens), 2, 4, 16, lens, torch.bfloat16, seed=19)
-    if fp8:
-        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-    outs = []
-    try:
-        for chunk_table in (True, False):
-            native().set_paged_attention_decode_chunk_table(chunk_table)
-            out = torch.full_like(q, float("nan"))
-            paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, out)
-            outs.append(out)
-    finally:
-        native().set_paged_attention_decode_chunk_table(False)
-    assert not torch.isnan(outs[0]).any() and not torch.isnan(outs[1]).any(), "unwritten output"
-    assert torch.equal(outs[0], outs[1])
+    decode_bitwise_both_ways(lens, 4, 19, fp8, "set_paged_attention_decode_chunk_table", default=False)
 
 
 def test_decode_bad_arguments():
