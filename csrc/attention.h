@@ -32,8 +32,8 @@ struct PagedAttentionArgs {
 // kDecodeMaxSplits chunks); paged_attention_decode_plan writes the plan once per step, on the device, and
 // paged_attention_decode reads it, so the pair can be captured in a CUDA graph. The plan (split_offsets, int32
 // [B + 1 + B * kDecodeMaxSplits]) holds the chunk offsets (sequence b's chunks are C_b .. C_{b+1} - 1, C_B all of
-// them), then, with set_paged_attention_decode_chunk_table(true), the sequence of each of the C_B chunks. Split sequences
-// leave per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
+// them), then, with set_paged_attention_decode_chunk_table(true), the sequence of each of the C_B chunks. Split
+// sequences leave per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
 // kDecodeMaxSplits, merged by a second kernel.
 struct DecodeArgs : PagedAttentionArgs {
   uintptr_t split_offsets = 0, part_out = 0, part_lse = 0;

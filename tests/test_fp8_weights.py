@@ -146,7 +146,7 @@ def test_the_silu_activation_quantized_for_down_on_the_cpu():
     with pytest.raises(ValueError, match="FP8 weight"):
         linear(got, dense)
     fp8 = LinearWeight(*quantize_fp8(torch.randn(256, 256, generator=gen)))
-    assert not quantized_input_applies(64, torch.bfloat16, CPU, fp8)
+    assert not quantized_input_applies((64, 256), torch.bfloat16, CPU, fp8)
     gate_up_w = LinearWeight(torch.randn(512, 64, generator=gen).to(torch.bfloat16))
     x = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
     out = linear_silu_and_mul(x, gate_up_w, quantize_for=fp8)

@@ -119,10 +119,10 @@ def gemv_sends() -> bool:
 
 def fp8_fused_quant() -> bool:
     """FASTQWEN_FP8_FUSED_QUANT (on unless =0): with FP8 weights, at token counts that run the block-scaled FP8 GEMM,
-    the GEMMs' inputs are quantized by the kernels that compute them, instead of written out and read back by the quantizer:
-    the residual add + RMSNorm before qkv and gate_up (ops.fused_add_rms_norm_quantized) and the SiLU before down
-    (ops.linear_silu_and_mul's quantize_for); the same GEMM inputs, bit for bit. =0 runs the norm and the SiLU
-    into bf16 and the quantizer after them, for comparison (on an H200 the batch-512 step took 1.1% longer)."""
+    the GEMMs' inputs are quantized by the kernels that compute them, instead of written out and read back by the
+    quantizer: the residual add + RMSNorm before qkv and gate_up (ops.fused_add_rms_norm_quantized) and the SiLU
+    before down (ops.linear_silu_and_mul's quantize_for); the same GEMM inputs, bit for bit. =0 runs the norm and the
+    SiLU into bf16 and the quantizer after them, for comparison (on an H200 the batch-512 step took 1.1% longer)."""
     return _flag("FASTQWEN_FP8_FUSED_QUANT", True)
 
 

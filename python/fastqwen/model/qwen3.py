@@ -43,7 +43,7 @@ class Qwen3Model:
             self.decode_workspace = ops.decode_workspace(max_batch, cfg.num_heads, self.device)
         ops.prepare_linear(weights.projections(), self.dtype, self.device)
         # FASTQWEN_FP8_FUSED_QUANT: the FP8 GEMMs' inputs quantized by the kernels that compute them (the norms before
-        # qkv and gate_up, the SiLU before down; off until measured): each op's quantize_for
+        # qkv and gate_up, the SiLU before down): each op's quantize_for
         self.fused_quant = env.fp8_fused_quant()
         # EAGLE-3 (model/eagle3.py): the layers whose entering residual stream forward copies into aux_out, when given.
         self.aux_layers: tuple[int, ...] = ()

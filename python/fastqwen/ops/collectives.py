@@ -134,12 +134,7 @@ class ParallelGroup:
         if fused:
             return self.custom.all_reduce_add_rms_norm(partial, residual, weight, eps, sent=sent)
         summed = self.all_reduce(partial)
-        if (
-            quantize_for is not None
-            and summed.dim() == 2
-            and quantize_for.in_features == summed.shape[1]
-            and quantized_input_applies(summed.shape[0], summed.dtype, summed.device, quantize_for)
-        ):
+        if quantized_input_applies(tuple(summed.shape), summed.dtype, summed.device, quantize_for):
             return fused_add_rms_norm_quantized(summed, residual, weight, eps)
         return fused_add_rms_norm(summed, residual, weight, eps)
 

@@ -257,6 +257,13 @@ def _scaled_mm_weight_scale(w: LinearWeight) -> torch.Tensor:
     return w._scaled_mm_scale
 
 
+def quantized_buffers(padded: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the CUDA kernels write activations quantized for the block-scaled FP8 GEMM (csrc/fp8_quant.h): q e4m3
+    [padded, k] and scale_t float32 [k / 128, padded] (QuantizedRows.scale is its transpose)."""
+    q = torch.empty(padded, k, dtype=FP8_DTYPE, device=device)
+    return q, torch.empty(k // FP8_BLOCK, padded, dtype=torch.float32, device=device)
+
+
 def _quantize_for_gemm(x: torch.Tensor, padded: int, silu_gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [padded, K], float32 scales [padded, K/128] with stride [1, padded]); rows past x's are zero.
     silu_gate_up: x is [M, 2K] (gate, up) and what is quantized is silu_and_mul(x), bit for bit."""
@@ -264,8 +271,7 @@ def _quantize_for_gemm(x: torch.Tensor, padded: int, silu_gate_up: bool = False)
     if silu_gate_up:
         k //= 2
     if kernel_applies("quantize_fp8_tokens", x.is_cuda, x.dtype) and padded <= 65535:
-        q = torch.empty(padded, k, dtype=FP8_DTYPE, device=x.device)
-        scale_t = torch.empty(k // FP8_BLOCK, padded, dtype=torch.float32, device=x.device)
+        q, scale_t = quantized_buffers(padded, k, x.device)
         check_tensors("linear", x.device, None, x=x)
         native().quantize_fp8_tokens(
             q.data_ptr(),
@@ -435,10 +441,15 @@ def prepare_linear(weights, dtype: torch.dtype, device: torch.device) -> None:
             _scaled_mm_weight_scale(w)
 
 
-def quantized_input_applies(rows: int, dtype: torch.dtype, device: torch.device, w: LinearWeight) -> bool:
-    """Whether linear(x, w) for x [rows, w.in_features] of dtype on device runs the block-scaled FP8 GEMM with the
-    CUDA quantizer (so that QuantizedRows made beforehand can stand for x): an FP8 weight, more tokens than the FP8
-    GEMV takes, the GEMM and the quantizer here."""
+def quantized_input_applies(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, w: LinearWeight | None
+) -> bool:
+    """Whether linear(x, w) for x of this shape, dtype and device runs the block-scaled FP8 GEMM with the CUDA
+    quantizer (so that QuantizedRows made beforehand can stand for x): a weight (None: no), x [rows, w.in_features],
+    an FP8 weight, more tokens than the FP8 GEMV takes, the GEMM and the quantizer here."""
+    if w is None or len(shape) != 2 or shape[1] != w.in_features:
+        return False
+    rows = shape[0]
     return (
         w.is_fp8
         and FP8_GEMV_MAX_TOKENS < rows
@@ -466,18 +477,16 @@ def linear_silu_and_mul(
     this GEMM: ops.fused_add_rms_norm_quantized)."""
     if w.out_features % 2 != 0:
         raise ValueError(f"linear_silu_and_mul: the weight must stack gate and up (even rows), got {w.out_features}")
-    quantize = quantize_for is not None and quantize_for.in_features == w.out_features // 2
     if isinstance(x, QuantizedRows):
         y = linear(x, w)
-        quantize = quantize and quantized_input_applies(x.rows, x.dtype, y.device, quantize_for)
+        quantize = quantized_input_applies((x.rows, w.out_features // 2), x.dtype, y.device, quantize_for)
         return silu_and_mul_quantized(y) if quantize else silu_and_mul(y)
     if (
-        quantize
-        and norm is None
+        norm is None
         and not gemv_only
         and x.dim() == 2
+        and quantized_input_applies((x.shape[0], w.out_features // 2), x.dtype, x.device, quantize_for)
         and not gemv_kernel_applies(x, w)
-        and quantized_input_applies(x.shape[0], x.dtype, x.device, quantize_for)
     ):
         return silu_and_mul_quantized(linear(x, w))
     if norm is not None:

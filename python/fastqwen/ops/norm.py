@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._native import check_tensors, dtype_code, kernel_applies, native, stream_of
-from .linear import FP8_BLOCK, FP8_DTYPE, QuantizedRows, _padded_rows, _quantize_for_gemm
+from .linear import FP8_BLOCK, QuantizedRows, _padded_rows, _quantize_for_gemm, quantized_buffers
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,8 +100,7 @@ def fused_add_rms_norm_quantized(
         fused_add_rms_norm(x, residual, weight, eps)
         return QuantizedRows(*_quantize_for_gemm(x, padded), m, x.dtype), residual
     check_tensors("fused_add_rms_norm_quantized", x.device, x.dtype, x=x, residual=residual, weight=weight)
-    q = torch.empty(padded, hidden, dtype=FP8_DTYPE, device=x.device)
-    scale_t = torch.empty(hidden // FP8_BLOCK, padded, dtype=torch.float32, device=x.device)
+    q, scale_t = quantized_buffers(padded, hidden, x.device)
     native().fused_add_rms_norm_fp8(
         x.data_ptr(),
         residual.data_ptr(),
