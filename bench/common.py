@@ -51,9 +51,9 @@ def add_decode_attention_options(parser) -> None:
         help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
     )
     parser.add_argument(
-        "--decode-chunk-table",
+        "--decode-search",
         action="store_true",
-        help="decode attention looks up each work item's sequence in the plan's chunk table instead of searching",
+        help="decode attention searches the chunk offsets for each work item's sequence (not the plan's chunk table)",
     )
 
 
@@ -64,8 +64,8 @@ def apply_decode_attention_options(args) -> None:
 
     if args.decode_afresh:
         native().set_paged_attention_decode_prefetch_next(False)
-    if args.decode_chunk_table:
-        native().set_paged_attention_decode_chunk_table(True)
+    if args.decode_search:
+        native().set_paged_attention_decode_chunk_table(False)
     if args.decode_min_chunk:
         kv_fp8 = is_fp8(resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))  # (auto: the model's 16-bit type)
         native().set_paged_attention_decode_min_chunk(kv_fp8, args.decode_min_chunk)

@@ -70,8 +70,8 @@
 #            bench/kernels.py's decode rows against the pipeline started afresh at each item, in turns (issue 47)
 #   decodeafreshsteps  the same two in the engine, in turns: decode-step replays (bf16 at 256, FP8 + FP8 KV at 512),
 #            then offline throughput at 256 (bf16; not with DECODE_AFRESH_BF16_THROUGHPUT=0) and 512 (FP8 + FP8 KV)
-#   chunktable  the decode plan's chunk table (off by default): its GPU tests and mutant, then bench/kernels.py's
-#            decode rows with it against without, in turns (issue 47)
+#   chunktable  the decode plan's chunk table (on by default since the twenty-second session): its GPU tests and
+#            mutant, then bench/kernels.py's decode rows with it against the offsets searched, in turns (issue 47)
 #   minchunk  bf16 decode attention's shortest chunk MIN_CHUNK (default 512) against the kernel's 256, in turns: batch-1
 #            steps at 1k and 4k of context (bench/leave_out.py), the batch-256 step, offline throughput at 256 (issue 47)
 #   decodestalls  Nsight Compute's warp-stall samples of the decode attention kernel at 512 x 640, bf16 and FP8 pools
@@ -680,7 +680,7 @@ stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's load
 }
 
 stage_chunktable() {  # issue 47: the decode plan's chunk table (each work item's sequence looked up, not searched;
-  # off by default until this runs): its GPU tests and mutant, then the kernel with it against without, in turns
+  # the default): its GPU tests and mutant, then the kernel with it against the search, in turns
   FASTQWEN_RESULTS_DIR="$OUT" timeout 240 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
     tests/test_attention_gpu.py tests/test_fp8_kv_gpu.py -k "decode" > "$OUT/tests_chunktable.log" 2>&1 || tests_rc=1
   pytest_report "$OUT/tests_chunktable.log" 20
@@ -688,7 +688,7 @@ stage_chunktable() {  # issue 47: the decode plan's chunk table (each work item'
     --names decode_chunk_table_one_sequence_early --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
   grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 5
   run decode_chunk_table 200 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 --iters 30 \
-    --decode-compare chunk_table --decode-cases 1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200 \
+    --decode-compare search --decode-cases 1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200 \
     --json "$OUT/decode_chunk_table.json"
 }
 

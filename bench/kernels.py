@@ -236,7 +236,7 @@ def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
 # the extension and the value that differs from the default, set while the other graph is planned and captured.
 DECODE_SETTINGS = {
     "afresh": ("set_paged_attention_decode_prefetch_next", False),  # each item's pipeline started afresh
-    "chunk_table": ("set_paged_attention_decode_chunk_table", True),  # each chunk's sequence looked up, not searched
+    "search": ("set_paged_attention_decode_chunk_table", False),  # each item's sequence searched in the offsets
 }
 
 

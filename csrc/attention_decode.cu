@@ -44,8 +44,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
 // Whether a block's pipeline runs on across its items (set_paged_attention_decode_prefetch_next, for comparison).
 bool g_prefetch_next = true;
-// Whether the plan also writes each chunk's sequence (set_paged_attention_decode_chunk_table; off until run on a GPU).
-bool g_chunk_table = false;
+// Whether the plan also writes each chunk's sequence for the kernel to look up (set_paged_attention_decode_chunk_table;
+// off: the kernel searches the offsets, as before, for comparison).
+bool g_chunk_table = true;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or

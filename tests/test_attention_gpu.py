@@ -184,20 +184,20 @@ def test_decode_pipeline_across_items_is_bitwise_the_pipeline_started_afresh(fp8
 
 @pytest.mark.parametrize("kv_dtype, min_chunk", [(torch.bfloat16, 256), (torch.float8_e4m3fn, 1024)])
 def test_decode_plan_lists_the_sequence_of_every_chunk(kv_dtype, min_chunk):
-    """With the chunk table on, the plan lists each chunk's sequence after the offsets (1,500 sequences: the plan's
-    block takes them in two passes), and the offsets are those of the plan without it."""
+    """With the chunk table (the default), the plan lists each chunk's sequence after the offsets (1,500 sequences:
+    the plan's block takes them in two passes), and the offsets are those of the plan without it."""
     gen = random.Random(5)
     lens = [4000, 20, 9000, 0, 1, 255, 256, 257, 20000] + [gen.randint(1, 1300) for _ in range(1491)]
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     workspace = decode_workspace(len(lens), 8, kv_lens.device)
     batch = len(lens)
-    plan_decode(kv_lens, workspace, kv_dtype)
-    offsets = workspace.split_offsets[: batch + 1].tolist()
     try:
-        native().set_paged_attention_decode_chunk_table(True)
+        native().set_paged_attention_decode_chunk_table(False)
         plan_decode(kv_lens, workspace, kv_dtype)
     finally:
-        native().set_paged_attention_decode_chunk_table(False)
+        native().set_paged_attention_decode_chunk_table(True)
+    offsets = workspace.split_offsets[: batch + 1].tolist()
+    plan_decode(kv_lens, workspace, kv_dtype)
     plan = workspace.split_offsets.tolist()
     assert plan[: batch + 1] == offsets
     want = []
@@ -217,7 +217,7 @@ def test_decode_with_the_chunk_table_is_bitwise_the_search(fp8):
     over 600 sequences of mixed lengths (items of many sequences per block), every output written."""
     gen = random.Random(17)
     lens = [gen.choice([0, 1, 300, 700, 1300, 5000]) for _ in range(200)] + [gen.randint(1, 1300) for _ in range(400)]
-    decode_bitwise_both_ways(lens, 4, 19, fp8, "set_paged_attention_decode_chunk_table", default=False)
+    decode_bitwise_both_ways(lens, 4, 19, fp8, "set_paged_attention_decode_chunk_table", default=True)
 
 
 def test_decode_bad_arguments():
