@@ -46,6 +46,12 @@ def add_decode_attention_options(parser) -> None:
         help="decode attention's shortest chunk in tokens (0: the kernel's default), set before the graphs",
     )
     parser.add_argument(
+        "--decode-max-splits",
+        type=int,
+        default=0,
+        help="the most chunks decode attention cuts a sequence into (0: SMs / KV heads, at most 32), set before the graphs",
+    )
+    parser.add_argument(
         "--decode-afresh",
         action="store_true",
         help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
@@ -66,6 +72,8 @@ def apply_decode_attention_options(args) -> None:
         native().set_paged_attention_decode_prefetch_next(False)
     if args.decode_search:
         native().set_paged_attention_decode_chunk_table(False)
+    if args.decode_max_splits:
+        native().set_paged_attention_decode_max_splits(args.decode_max_splits)
     if args.decode_min_chunk:
         kv_fp8 = is_fp8(resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))  # (auto: the model's 16-bit type)
         native().set_paged_attention_decode_min_chunk(kv_fp8, args.decode_min_chunk)

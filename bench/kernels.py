@@ -233,10 +233,12 @@ def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Settings of the decode kernel a row can be timed with beside the default (--decode-compare): each is a setter of
-# the extension and the value that differs from the default, set while the other graph is planned and captured.
+# the extension, the value that differs from the default (set while the other graph is planned and captured) and the
+# default it is set back to.
 DECODE_SETTINGS = {
-    "afresh": ("set_paged_attention_decode_prefetch_next", False),  # each item's pipeline started afresh
-    "search": ("set_paged_attention_decode_chunk_table", False),  # each item's sequence searched in the offsets
+    "afresh": ("set_paged_attention_decode_prefetch_next", False, True),  # each item's pipeline started afresh
+    "search": ("set_paged_attention_decode_chunk_table", False, True),  # each item's sequence searched in the offsets
+    "splits32": ("set_paged_attention_decode_max_splits", 32, 0),  # up to 32 chunks a sequence, not SMs / KV heads
 }
 
 
@@ -256,7 +258,7 @@ def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16"
     outs = torch.empty_like(qs)
     # The engine plans the split once per step for all layers: planned outside the timed calls.
     workspace = decode_workspace(batch, HEADS, torch.device("cuda"))
-    plan_decode(lens, workspace, k_cache.dtype)
+    plan_decode(lens, workspace, k_cache)
     chunks = workspace.split_offsets[: batch + 1].tolist()
     scale = HEAD_DIM**-0.5
     paged_attention_decode(qs[0], k_cache, v_cache, tables[0], lens, scale, outs[0], workspace, planned=True)
@@ -287,11 +289,11 @@ def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16"
     }
     if compare:
         graphs = {"ours": graph_of(variants["ours"])}
-        setter, value = DECODE_SETTINGS[compare]
+        setter, value, default = DECODE_SETTINGS[compare]
         other = decode_workspace(batch, HEADS, torch.device("cuda"))
         getattr(native(), setter)(value)  # read at planning and at launch: the graph keeps it
         try:
-            plan_decode(lens, other, k_cache.dtype)
+            plan_decode(lens, other, k_cache)
             graphs[compare] = graph_of(
                 lambda: [
                     paged_attention_decode(
@@ -301,7 +303,7 @@ def bench_decode(case: DecodeCase, copy_gbs: float, iters: int, kv: str = "bf16"
                 ]
             )
         finally:
-            getattr(native(), setter)(not value)
+            getattr(native(), setter)(default)
         times = {name: [] for name in graphs}
         for _ in range(3):
             for name, g in graphs.items():

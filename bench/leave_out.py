@@ -11,7 +11,7 @@ this is for): the replays run on the inputs of a real decode step (a prompt of -
 
 Besides the variants below: full_pdl_off (the whole step without programmatic dependent launch), per --min-chunks
 value full_min_chunk_N (the whole step with decode attention cutting sequences into chunks of at least N tokens
-instead of its default), and with --norm-kernels full_norm_kernels (the RMSNorms as their own kernels, as
+instead of its default), per --max-splits value full_max_splits_N (into at most N chunks instead of SMs / KV heads), and with --norm-kernels full_norm_kernels (the RMSNorms as their own kernels, as
 FASTQWEN_NORM_IN_GEMV=0 runs the step; by default they ride on the GEMVs and no_layer_norms leaves out nothing).
 """
 
@@ -85,6 +85,7 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--rounds", type=int, default=2, help="the variants are measured this many times, alternating")
     p.add_argument("--min-chunks", type=int, nargs="*", default=[])
+    p.add_argument("--max-splits", type=int, nargs="*", default=[])
     p.add_argument(
         "--norm-kernels",
         action="store_true",
@@ -117,18 +118,21 @@ def main() -> int:
         torch.cuda.synchronize()
         saved = runner.staging.dev.clone()  # the last decode step's inputs (batch 1)
         times: dict[str, list[float]] = {}
-        configs = [(name, kinds, True, 0) for name, kinds in VARIANTS.items()] + [("full_pdl_off", (), False, 0)]
+        # (name, kinds left out, PDL, decode's min chunk, decode's max splits; 0: the defaults)
+        configs = [(name, kinds, True, 0, 0) for name, kinds in VARIANTS.items()] + [("full_pdl_off", (), False, 0, 0)]
         configs = [c for c in configs if c[0] in args.variants]
-        configs += [(f"full_min_chunk_{n}", (), True, n) for n in args.min_chunks]
-        configs += [("full_norm_kernels", (), True, 0)] if args.norm_kernels else []
+        configs += [(f"full_min_chunk_{n}", (), True, n, 0) for n in args.min_chunks]
+        configs += [(f"full_max_splits_{n}", (), True, 0, n) for n in args.max_splits]
+        configs += [("full_norm_kernels", (), True, 0, 0)] if args.norm_kernels else []
         norms_in_gemv = model.norms_in_gemv
         kv_fp8 = runner.kv.k(0).dtype == torch.float8_e4m3fn
         for _ in range(args.rounds):
-            for name, kinds, pdl, min_chunk in configs:
+            for name, kinds, pdl, min_chunk, splits in configs:
                 left_out.clear()
                 left_out.update(kinds)
                 native.set_programmatic_launch(pdl)
                 native.set_paged_attention_decode_min_chunk(kv_fp8, min_chunk)  # (0: the default)
+                native.set_paged_attention_decode_max_splits(splits)
                 model.norms_in_gemv = norms_in_gemv and name != "full_norm_kernels"
                 try:
                     graphs = DecodeGraphs(model, runner.kv, runner.staging, 1, runner.sampler.graph_hook).capture()
@@ -136,6 +140,7 @@ def main() -> int:
                     left_out.clear()
                     native.set_programmatic_launch(True)
                     native.set_paged_attention_decode_min_chunk(kv_fp8, 0)
+                    native.set_paged_attention_decode_max_splits(0)
                     model.norms_in_gemv = norms_in_gemv
                 runner.staging.dev.copy_(saved)
                 times.setdefault(name, []).append(replay_ms(graphs, args.replays))

@@ -27,9 +27,10 @@ struct PagedAttentionArgs {
   uintptr_t stream = 0;
 };
 
-// Decode: one query token per sequence. A sequence is cut into chunks whose length depends only on its own length
-// and the cache's type (at least 256 tokens, 1,024 for an FP8 cache, whose tiles hold twice the tokens; at most
-// kDecodeMaxSplits chunks); paged_attention_decode_plan writes the plan once per step, on the device, and
+// Decode: one query token per sequence. A sequence is cut into chunks whose length depends only on its own length,
+// the cache's type and the model's KV heads on this GPU (at least 256 tokens, 1,024 for an FP8 cache, whose tiles
+// hold twice the tokens; at most decode_max_splits(num_kv_heads) chunks); paged_attention_decode_plan writes the
+// plan once per step, on the device, and
 // paged_attention_decode reads it, so the pair can be captured in a CUDA graph. The plan (split_offsets, int32
 // [B + 1 + B * kDecodeMaxSplits]) holds the chunk offsets (sequence b's chunks are C_b .. C_{b+1} - 1, C_B all of
 // them), then (unless set_paged_attention_decode_chunk_table(false)) the sequence of each of the C_B chunks. Split
@@ -45,9 +46,22 @@ struct DecodeArgs : PagedAttentionArgs {
   bool plan_fresh = true;
 };
 
-// kv_fp8: whether the decode this plan is for reads an FP8 cache (its chunks are longer).
+// kv_fp8: whether the decode this plan is for reads an FP8 cache (its chunks are longer); num_kv_heads: its cache's
+// KV heads (they bound the chunks a sequence is cut into: decode_max_splits).
 void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, bool kv_fp8,
-                                 uintptr_t stream);
+                                 int64_t num_kv_heads, uintptr_t stream);
+
+// The most chunks a sequence is cut into on the current GPU while its chunks stay within 2,048 tokens: one work item
+// per SM over the KV heads (SMs / num_kv_heads, at most kDecodeMaxSplits); longer sequences are cut into up to
+// kDecodeMaxSplits chunks of at least 2,048 tokens (attention_decode.cu, kLongChunk). Unless
+// set_paged_attention_decode_max_splits set a number, which then holds at every length. In the engine a batch-1 step
+// whose items outnumber the SMs took 0.3-0.4 ms longer (random Qwen3-8B on an H200: 4.11 ms at 4,032 tokens of
+// context in 16 chunks, 4.53 at 4,160 in 17), far more than the kernel alone shows.
+int decode_max_splits(int64_t num_kv_heads);
+
+// The most chunks a sequence is cut into, for benchmarks that compare split limits (1 .. kDecodeMaxSplits; 0 sets
+// the rule of decode_max_splits): set it before planning, never between a plan and its decode.
+void set_paged_attention_decode_max_splits(int64_t splits);
 
 void paged_attention_decode(const DecodeArgs& args);
 

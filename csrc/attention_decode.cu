@@ -49,10 +49,30 @@ bool g_prefetch_next = true;
 bool g_chunk_table = true;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
+// The split limit set for benchmarks (set_paged_attention_decode_max_splits), or 0: decode_split_rule's.
+int g_max_splits = 0;
+// Chunks up to this many tokens keep a sequence within one work item per SM; a longer sequence is cut into up to
+// kDecodeMaxSplits chunks of at least this length instead. Measured in the engine (random Qwen3-8B, batch 1, one
+// H200; 8 KV heads, so 16 chunks a sequence within the SMs): cut into at most 16 against at most 32, the step took
+// 4.18 / 4.53 ms at 4k of context, 4.75 / 4.91 at 16k, 5.43 / 5.41 at 32k (bf16 KV): beyond 32k, where the chunks
+// pass 2,048 tokens, the 32 chunks' parallelism pays for the items outnumbering the SMs (the kernel alone, at 128k:
+// 95% of the copy bandwidth with 32, on an H100).
+constexpr int kLongChunk = 2048;
+
+// How a sequence is cut (decode_split_rule): into at most max_splits chunks while they stay within long_chunk
+// tokens, then (long_chunk > 0) into up to kDecodeMaxSplits chunks of at least long_chunk.
+struct SplitRule {
+  int max_splits, long_chunk;
+};
+
 // The chunk length of a sequence of len tokens: a multiple of the tile, at least min_chunk (kMinChunk, or
-// kMinChunkFp8 for an FP8 cache), and at most kDecodeMaxSplits chunks in all.
-__device__ __forceinline__ int chunk_len(int len, int min_chunk) {
-  const int want = max(min_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
+// kMinChunkFp8 for an FP8 cache), and as the rule says (at most kDecodeMaxSplits chunks either way).
+__device__ __forceinline__ int chunk_len(int len, int min_chunk, SplitRule rule) {
+  int want = (len + rule.max_splits - 1) / rule.max_splits;
+  if (rule.long_chunk > 0 && want > rule.long_chunk) {
+    want = max(rule.long_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
+  }
+  want = max(min_chunk, want);
   return (want + kTile - 1) / kTile * kTile;
 }
 
@@ -60,7 +80,7 @@ __device__ __forceinline__ int chunk_len(int len, int min_chunk) {
 // chunk_seq[c] (split_offsets + batch + 1) = the sequence of chunk c, for the decode kernel to look up instead of
 // searching the offsets. One block.
 __global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch, int min_chunk,
-                            bool chunk_table) {
+                            SplitRule rule, bool chunk_table) {
   __shared__ int warp_sums[32];
   __shared__ int carry;
   if (threadIdx.x == 0) carry = 0;
@@ -69,7 +89,7 @@ __global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ s
   for (int base = 0; base < batch; base += blockDim.x) {
     const int b = base + threadIdx.x;
     const int len = b < batch ? max(kv_lens[b], 0) : 0;
-    const int clen = chunk_len(len, min_chunk);
+    const int clen = chunk_len(len, min_chunk, rule);
     const int n = b < batch ? max(1, (len + clen - 1) / clen) : 0;
     int incl = n;  // inclusive scan over the block
 #pragma unroll
@@ -120,6 +140,7 @@ struct Params {
   float scale_log2;  // softmax scale * k_scale * log2(e)
   float v_scale;
   int min_chunk;     // as the plan was made with
+  SplitRule split_rule;  // as the plan was made with
   bool plan_fresh;   // DecodeArgs::plan_fresh
   bool prefetch_next;  // the pipeline runs on into the next item (else it starts afresh at each item)
 };
@@ -147,7 +168,7 @@ __device__ __forceinline__ Item item_of(const Params& p, int item, int tile) {
   it.split = it.chunk_index - p.split_offsets[lo];
   it.num_splits = p.split_offsets[lo + 1] - p.split_offsets[lo];
   const int len = max(p.kv_lens[lo], 0);
-  const int clen = chunk_len(len, p.min_chunk);  // as the plan cut it
+  const int clen = chunk_len(len, p.min_chunk, p.split_rule);  // as the plan cut it
   it.start = it.split * clen;
   it.end = min(len, it.start + clen);
   it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;
@@ -547,16 +568,42 @@ void launch(const Params& p, cudaStream_t stream) {
 
 }  // namespace
 
+namespace {
+// The plan's and the kernel's rule (they must agree): a benchmark's limit alone, or one work item per SM up to
+// kLongChunk tokens a chunk.
+SplitRule decode_split_rule(int64_t num_kv_heads) {
+  if (g_max_splits != 0) return {g_max_splits, 0};
+  return {decode_max_splits(num_kv_heads), kLongChunk};
+}
+}  // namespace
+
+int decode_max_splits(int64_t num_kv_heads) {
+  if (num_kv_heads < 1) throw std::invalid_argument("decode_max_splits: num_kv_heads must be positive");
+  if (g_max_splits != 0) return g_max_splits;
+  return static_cast<int>(std::clamp<int64_t>(sm_count() / num_kv_heads, 1, kDecodeMaxSplits));
+}
+
 void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, bool kv_fp8,
-                                 uintptr_t stream) {
+                                 int64_t num_kv_heads, uintptr_t stream) {
   if (batch < 0 || batch > (int64_t{1} << 20)) throw std::invalid_argument("paged_attention_decode_plan: bad batch");
+  if (num_kv_heads < 1 || num_kv_heads > 1024) {
+    throw std::invalid_argument("paged_attention_decode_plan: num_kv_heads out of range");
+  }
   if (kv_lens == 0 || split_offsets == 0 || kv_lens % 4 != 0 || split_offsets % 4 != 0) {
     throw std::invalid_argument("paged_attention_decode_plan: kv_lens and split_offsets must be int32 buffers");
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
-      g_min_chunk[kv_fp8 ? 1 : 0], g_chunk_table);
+      g_min_chunk[kv_fp8 ? 1 : 0], decode_split_rule(num_kv_heads), g_chunk_table);
   cuda_check_launch("paged_attention_decode_plan launch");
+}
+
+void set_paged_attention_decode_max_splits(int64_t splits) {
+  if (splits < 0 || splits > kDecodeMaxSplits) {
+    throw std::invalid_argument("set_paged_attention_decode_max_splits: splits must be in [0, " +
+                                std::to_string(kDecodeMaxSplits) + "] (0: the rule)");
+  }
+  g_max_splits = static_cast<int>(splits);
 }
 
 void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens) {
@@ -598,7 +645,7 @@ void paged_attention_decode(const DecodeArgs& a) {
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           g_min_chunk[fp8 ? 1 : 0], a.plan_fresh, g_prefetch_next};
+           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

@@ -429,12 +429,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("args"), "Per-head RMSNorm of q and k, NeoX RoPE, q to q_out, k and v to their cache slots (-1 = skip).");
   m.def(
       "paged_attention_decode_plan",
-      [](const py::int_& kv_lens, const py::int_& split_offsets, int64_t batch, bool kv_fp8, const py::int_& stream) {
+      [](const py::int_& kv_lens, const py::int_& split_offsets, int64_t batch, bool kv_fp8, int64_t num_kv_heads,
+         const py::int_& stream) {
         fastqwen::paged_attention_decode_plan(to_uintptr(kv_lens, "kv_lens"), to_uintptr(split_offsets, "split_offsets"),
-                                              batch, kv_fp8, to_uintptr(stream, "stream"));
+                                              batch, kv_fp8, num_kv_heads, to_uintptr(stream, "stream"));
       },
-      py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("kv_fp8"), py::arg("stream"),
-      "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
+      py::arg("kv_lens"), py::arg("split_offsets"), py::arg("batch"), py::arg("kv_fp8"), py::arg("num_kv_heads"),
+      py::arg("stream"), "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
+  m.def("paged_attention_decode_max_splits", &fastqwen::decode_max_splits, py::arg("num_kv_heads"),
+        "The most chunks decode cuts a sequence into on the current GPU (SMs / num_kv_heads, at most "
+        "DECODE_MAX_SPLITS, unless set_paged_attention_decode_max_splits set a number).");
+  m.def("set_paged_attention_decode_max_splits", &fastqwen::set_paged_attention_decode_max_splits, py::arg("splits"),
+        "The most chunks decode cuts a sequence into, for benchmarks (0: the rule; set before planning).");
   m.def("set_paged_attention_decode_min_chunk", &fastqwen::set_paged_attention_decode_min_chunk, py::arg("kv_fp8"),
         py::arg("tokens"), "The shortest split-KV decode chunk, for benchmarks (set before planning).");
   m.def("set_paged_attention_decode_prefetch_next", &fastqwen::set_paged_attention_decode_prefetch_next,

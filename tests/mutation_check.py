@@ -133,6 +133,20 @@ MUTATIONS = [
         "the plan's chunk table names the sequence before each chunk's own",
     ),
     Mutation(
+        "decode_kernel_cuts_with_the_old_split_limit",
+        DECODE,
+        [
+            (
+                "           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next};",
+                "           g_min_chunk[fp8 ? 1 : 0], SplitRule{kDecodeMaxSplits, 0}, a.plan_fresh, g_prefetch_next};",
+            )
+        ],
+        [
+            "tests/test_attention_gpu.py::test_decode_every_chunk_counts[dtype4-4-8]",
+        ],
+        "the decode kernel cuts the chunks into up to 32 a sequence while the plan cut them by SMs / KV heads",
+    ),
+    Mutation(
         "decode_merge_skips_last_chunk",
         DECODE,
         [

@@ -131,13 +131,15 @@ def test_decode_shared_workspace_planned_once():
     lens = [4000, 20, 9000]
     q, k, v, table, kv_lens = make_case(len(lens), 2, 4, 16, lens, torch.bfloat16, seed=3)
     workspace = decode_workspace(8, q.shape[1], q.device)
-    plan_decode(kv_lens, workspace, k.dtype)
+    plan_decode(kv_lens, workspace, k)
     first = torch.empty_like(q)
     paged_attention_decode(q, k, v, table, kv_lens, 128**-0.5, first, workspace, planned=True)
     second = check(q, k, v, table, kv_lens, workspace)
     assert torch.equal(first, second)
-    # 4000 tokens: 16 chunks of 256 (the minimum); 20: one; 9000: 29 chunks of 320 (282 rounded up to the tile).
-    assert workspace.split_offsets[:4].tolist() == [0, 16, 17, 46]
+    # 4000 tokens: 16 chunks of 256 (the minimum); 20: one; 9000: 29 chunks of 320 (282 rounded up to the tile), with
+    # 2 KV heads on a GPU of at least 64 SMs (at most SMs / 2 chunks, and 32).
+    if max_splits(2) == 32:
+        assert workspace.split_offsets[:4].tolist() == [0, 16, 17, 46]
     assert not workspace.plan_fresh, "the decode after a plan was launched as if the plan were older"
     assert workspace.part_lse.shape[0] == 8 * q.shape[1] * native().DECODE_MAX_SPLITS  # sized by csrc/attention.h
 
@@ -190,14 +192,15 @@ def test_decode_plan_lists_the_sequence_of_every_chunk(kv_dtype, min_chunk):
     lens = [4000, 20, 9000, 0, 1, 255, 256, 257, 20000] + [gen.randint(1, 1300) for _ in range(1491)]
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     workspace = decode_workspace(len(lens), 8, kv_lens.device)
+    cache = torch.empty(0, 16, 8, 128, dtype=kv_dtype, device=kv_lens.device)  # (the plan reads its type and KV heads)
     batch = len(lens)
     try:
         native().set_paged_attention_decode_chunk_table(False)
-        plan_decode(kv_lens, workspace, kv_dtype)
+        plan_decode(kv_lens, workspace, cache)
     finally:
         native().set_paged_attention_decode_chunk_table(True)
     offsets = workspace.split_offsets[: batch + 1].tolist()
-    plan_decode(kv_lens, workspace, kv_dtype)
+    plan_decode(kv_lens, workspace, cache)
     plan = workspace.split_offsets.tolist()
     assert plan[: batch + 1] == offsets
     want = []
@@ -205,10 +208,46 @@ def test_decode_plan_lists_the_sequence_of_every_chunk(kv_dtype, min_chunk):
         want += [b] * (offsets[b + 1] - offsets[b])
     want_counts = []
     for n in lens:  # csrc/attention_decode.cu's chunk_len, independently
-        clen = -(-max(min_chunk, -(-n // native().DECODE_MAX_SPLITS)) // KV_TILE) * KV_TILE
+        clen = chunk_tokens(n, min_chunk, 8)
         want_counts.append(max(1, -(-n // clen)))
     assert [offsets[b + 1] - offsets[b] for b in range(batch)] == want_counts
     assert plan[batch + 1 : batch + 1 + offsets[batch]] == want
+
+
+def test_decode_split_limit_follows_the_sms_and_kv_heads():
+    """The plan cuts a sequence into at most SMs / KV heads chunks (32 at most) while they stay within 2,048 tokens,
+    longer ones into up to 32; a benchmark's limit replaces the rule until 0 restores it, and a limit outside
+    0 .. DECODE_MAX_SPLITS is refused."""
+    lens = [16448, 4160, 4032, 300, 32768, 40000, 131072]
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    workspace = decode_workspace(len(lens), 32, kv_lens.device)
+
+    def splits(kv_heads):
+        plan_decode(kv_lens, workspace, torch.empty(0, 16, kv_heads, 128, dtype=torch.bfloat16, device="cuda"))
+        offsets = workspace.split_offsets[: len(lens) + 1].tolist()
+        return [b - a for a, b in zip(offsets, offsets[1:])]
+
+    def want(kv_heads, limit=None):
+        return [-(-n // chunk_tokens(n, 256, kv_heads, limit)) for n in lens]
+
+    for kv_heads in (1, 4, 8, 16):
+        assert native().paged_attention_decode_max_splits(kv_heads) == max_splits(kv_heads)
+        assert splits(kv_heads) == want(kv_heads), kv_heads
+    if max_splits(8) == 16:  # an H100 or H200 (132 SMs); 40,000 tokens: 20 chunks of 2,048
+        assert want(8) == [16, 13, 16, 2, 16, 20, 32]
+    try:
+        native().set_paged_attention_decode_max_splits(32)
+        assert splits(8) == want(8, 32) == [29, 17, 16, 2, 32, 32, 32]
+        native().set_paged_attention_decode_max_splits(5)
+        assert splits(8) == want(8, 5)
+    finally:
+        native().set_paged_attention_decode_max_splits(0)
+    assert splits(8) == want(8)
+    for bad in (-1, native().DECODE_MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match="splits must be in"):
+            native().set_paged_attention_decode_max_splits(bad)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        native().paged_attention_decode_max_splits(0)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -403,11 +442,30 @@ PLANT_GAP = 20.0  # natural-log score of a planted key over the others: the othe
 MIN_CHUNK, KV_TILE = 256, 64  # mirrors kMinChunk in csrc/attention_decode.cu and kKVTile in csrc/paged_kv.cuh
 
 
-def decode_chunks(length: int) -> list[tuple[int, int]]:
-    """The split plan of csrc/attention_decode.cu: chunks of a multiple of 64 tokens, at least 256, at most
-    DECODE_MAX_SPLITS per sequence (so above 8192 tokens the chunks grow)."""
-    want = max(MIN_CHUNK, -(-length // native().DECODE_MAX_SPLITS))
-    chunk = -(-want // KV_TILE) * KV_TILE
+LONG_CHUNK = 2048  # mirrors kLongChunk in csrc/attention_decode.cu
+
+
+def max_splits(kv_heads: int) -> int:
+    """csrc/attention.h's decode_max_splits, from the GPU's SM count: one work item per SM over the KV heads, at most
+    DECODE_MAX_SPLITS chunks a sequence."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return min(native().DECODE_MAX_SPLITS, max(1, sms // kv_heads))
+
+
+def chunk_tokens(length: int, min_chunk: int, kv_heads: int, limit: int | None = None) -> int:
+    """The chunk length of csrc/attention_decode.cu's plan: a multiple of the 64-token tile, at least min_chunk; at
+    most max_splits(kv_heads) chunks while they stay within LONG_CHUNK tokens, else up to DECODE_MAX_SPLITS chunks of
+    at least LONG_CHUNK; with a benchmark's `limit`, at most that many chunks at any length."""
+    want = -(-length // (limit or max_splits(kv_heads)))
+    if limit is None and want > LONG_CHUNK:
+        want = max(LONG_CHUNK, -(-length // native().DECODE_MAX_SPLITS))
+    return -(-max(min_chunk, want) // KV_TILE) * KV_TILE
+
+
+def decode_chunks(length: int, kv_heads: int) -> list[tuple[int, int]]:
+    """The split plan of csrc/attention_decode.cu (chunk_tokens; 256-token chunks at least, so with 2 KV heads they
+    grow above 8,192 tokens)."""
+    chunk = chunk_tokens(length, MIN_CHUNK, kv_heads)
     return [(s, min(length, s + chunk)) for s in range(0, max(length, 1), chunk)]
 
 
@@ -539,17 +597,29 @@ PLANTED_DECODE_LENGTHS = [
 
 
 @pytest.mark.parametrize(
-    "dtype,group", [(torch.bfloat16, 1), (torch.bfloat16, 4), (torch.bfloat16, 8), (torch.float16, 4)]
+    "dtype,group,kv_heads",
+    [
+        (torch.bfloat16, 1, 2),
+        (torch.bfloat16, 4, 2),
+        (torch.bfloat16, 8, 2),
+        (torch.float16, 4, 2),
+        (torch.bfloat16, 4, 8),
+    ],
 )
-def test_decode_every_chunk_counts(dtype, group):
-    lens = PLANTED_DECODE_LENGTHS
-    q, k_cache, v_cache, table, kv_lens, keys, values = make_planted_case(2, group, 16, lens, None, dtype, seed=group)
+def test_decode_every_chunk_counts(dtype, group, kv_heads):
+    """With 8 KV heads the split limit (SMs / 8 on this GPU: 16 on an H100) cuts fewer, longer chunks than with 2, up
+    to 2,048 tokens (32,768 tokens: 16 chunks; 40,000: 20 of 2,048). (The 2-head cases keep their lengths: the
+    planted draws, and so each case's margins, follow the batch.)"""
+    lens = PLANTED_DECODE_LENGTHS + ([40000] if kv_heads == 8 else [])
+    q, k_cache, v_cache, table, kv_lens, keys, values = make_planted_case(
+        kv_heads, group, 16, lens, None, dtype, seed=group
+    )
     scale = 128**-0.5
     workspace = decode_workspace(len(lens), q.shape[1], q.device)
     out = torch.full_like(q, float("nan"))
     paged_attention_decode(q, k_cache, v_cache, table, kv_lens, scale, out, workspace)
     assert not torch.isnan(out).any(), "unwritten output"
-    plans = [decode_chunks(n) for n in lens]
+    plans = [decode_chunks(n, kv_heads) for n in lens]
     rel = 4 * unit_roundoff(dtype)
     figures = {}
 
@@ -565,7 +635,8 @@ def test_decode_every_chunk_counts(dtype, group):
         )
 
     check_each(range(len(lens)), check_sequence)
-    record_result("planted_attention.json", f"decode_{str(dtype).removeprefix('torch.')}_group{group}", figures)
+    name = f"decode_{str(dtype).removeprefix('torch.')}_group{group}" + ("" if kv_heads == 2 else f"_kv{kv_heads}")
+    record_result("planted_attention.json", name, figures)
     # The chunks checked above are the kernel's own (else the check would prove nothing about its chunks).
     offsets = [0]
     for plan in plans:

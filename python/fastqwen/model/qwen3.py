@@ -75,7 +75,7 @@ class Qwen3Model:
         attn = torch.empty_like(q)
         decode_kernel = batch.is_decode and self.decode_workspace is not None
         if decode_kernel:  # the split plan of this step, once for all layers, on the device
-            ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
+            ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0))
         down_sent = False  # whether the layer before's down GEMV sent its rows (ParallelGroup.linear_to_all_reduce)
         last = len(w.layers) - 1
         # Only the rows that sample (and the extra rows) reach the final norm and the LM head.

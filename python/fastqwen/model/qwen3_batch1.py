@@ -61,7 +61,7 @@ class Qwen3WithBatch1Decode(Qwen3Model):
         attn = torch.empty_like(q)
         decode_kernel = self.decode_workspace is not None
         if decode_kernel:
-            ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0).dtype)
+            ops.plan_decode(batch.kv_lens, self.decode_workspace, kv.k(0))
         for index, layer in enumerate(w.layers):
             qkv = ops.linear(residual, layer.qkv, norm=(None if folded.qkv else layer.input_norm, eps))
             self._attention(index, layer, batch, kv, qkv, q, attn, decode_kernel)

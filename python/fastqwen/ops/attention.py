@@ -71,17 +71,23 @@ def _plan_ints(max_batch: int) -> int:
     return max_batch + 1 + max_batch * native().DECODE_MAX_SPLITS
 
 
-def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace, kv_dtype: torch.dtype) -> None:
+def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace, k_cache: torch.Tensor) -> None:
     """Once per step, before the layers: how each sequence is cut into chunks, from kv_lens on the device (no host
-    sync, so it can be captured in a CUDA graph). The cut depends only on each sequence's own length (and on the
-    cache's type kv_dtype: FP8 chunks are longer), which keeps a request's attention independent of the batch it runs
-    in."""
+    sync, so it can be captured in a CUDA graph). The cut depends only on each sequence's own length, on the cache the
+    decode reads (k_cache [pages, page_size, H_kv, D]: FP8 chunks are longer, and the KV heads bound the chunks a
+    sequence is cut into on this GPU, csrc/attention.h's decode_max_splits) and on the GPU, which keeps a request's
+    attention independent of the batch it runs in."""
     batch = kv_lens.shape[0]
     if batch > workspace.max_batch:
         raise ValueError(f"plan_decode: batch {batch} exceeds the workspace's {workspace.max_batch}")
     check_tensors("plan_decode", workspace.split_offsets.device, torch.int32, kv_lens=kv_lens)
     native().paged_attention_decode_plan(
-        kv_lens.data_ptr(), workspace.split_offsets.data_ptr(), batch, is_fp8(kv_dtype), stream_of(kv_lens)
+        kv_lens.data_ptr(),
+        workspace.split_offsets.data_ptr(),
+        batch,
+        is_fp8(k_cache.dtype),
+        k_cache.shape[2],
+        stream_of(kv_lens),
     )
     workspace.plan_fresh = True
 
@@ -241,7 +247,7 @@ def _decode_kernel(q, k_cache, v_cache, page_table, kv_lens, scale, out, workspa
         split_offsets=(workspace.split_offsets, torch.int32),
     )
     if not planned:
-        plan_decode(kv_lens, workspace, k_cache.dtype)
+        plan_decode(kv_lens, workspace, k_cache)
     m = native()
     args = m.DecodeArgs()
     _fill_paged(args, q, out, k_cache, v_cache, page_table, kv_lens, batch, scale, k_scale, v_scale)
