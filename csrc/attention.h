@@ -51,9 +51,9 @@ struct DecodeArgs : PagedAttentionArgs {
 void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int64_t batch, bool kv_fp8,
                                  int64_t num_kv_heads, uintptr_t stream);
 
-// The most chunks a sequence is cut into on the current GPU while its chunks stay within 2,048 tokens: one work item
-// per SM over the KV heads (SMs / num_kv_heads, at most kDecodeMaxSplits); longer sequences are cut into up to
-// kDecodeMaxSplits chunks of at least 2,048 tokens (attention_decode.cu, kLongChunk). Unless
+// The most chunks a sequence is cut into on the current GPU while its chunks stay within 1,792 tokens: one work item
+// per SM over the KV heads (SMs / num_kv_heads, at most kDecodeMaxSplits); a sequence that would need longer chunks
+// is cut into up to kDecodeMaxSplits (attention_decode.cu, kLongChunk). Unless
 // set_paged_attention_decode_max_splits set a number, which then holds at every length. In the engine a batch-1 step
 // whose items outnumber the SMs took 0.3-0.4 ms longer (random Qwen3-8B on an H200: 4.11 ms at 4,032 tokens of
 // context in 16 chunks, 4.53 at 4,160 in 17), far more than the kernel alone shows.

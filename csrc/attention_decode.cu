@@ -51,16 +51,16 @@ static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 t
 
 // The split limit set for benchmarks (set_paged_attention_decode_max_splits), or 0: decode_split_rule's.
 int g_max_splits = 0;
-// Chunks up to this many tokens keep a sequence within one work item per SM; a longer sequence is cut into up to
-// kDecodeMaxSplits chunks of at least this length instead. Measured in the engine (random Qwen3-8B, batch 1, one
-// H200; 8 KV heads, so 16 chunks a sequence within the SMs): cut into at most 16 against at most 32, the step took
-// 4.18 / 4.53 ms at 4k of context, 4.75 / 4.91 at 16k, 5.43 / 5.41 at 32k (bf16 KV): beyond 32k, where the chunks
-// pass 2,048 tokens, the 32 chunks' parallelism pays for the items outnumbering the SMs (the kernel alone, at 128k:
-// 95% of the copy bandwidth with 32, on an H100).
-constexpr int kLongChunk = 2048;
+// Chunks up to this many tokens keep a sequence within one work item per SM; a sequence that would need longer ones
+// is cut into up to kDecodeMaxSplits chunks instead. Measured in the engine (random Qwen3-8B, batch 1, one H200; 8 KV
+// heads, so 16 chunks a sequence within the SMs): cut into at most 16 against at most 32, in turns, the step took
+// 4.18 / 4.52 ms at 4k of context, 4.74 / 4.92 at 16k, 5.43-5.46 / 5.41-5.42 at 32k (bf16 KV): the gap closes
+// linearly to about 29k, past which 32 chunks' parallelism pays for the items outnumbering the SMs (the kernel alone,
+// at 32k: 79% of the copy bandwidth in 32 chunks, 64% in 16).
+constexpr int kLongChunk = 1792;
 
 // How a sequence is cut (decode_split_rule): into at most max_splits chunks while they stay within long_chunk
-// tokens, then (long_chunk > 0) into up to kDecodeMaxSplits chunks of at least long_chunk.
+// tokens, else (long_chunk > 0) into up to kDecodeMaxSplits.
 struct SplitRule {
   int max_splits, long_chunk;
 };
@@ -69,9 +69,7 @@ struct SplitRule {
 // kMinChunkFp8 for an FP8 cache), and as the rule says (at most kDecodeMaxSplits chunks either way).
 __device__ __forceinline__ int chunk_len(int len, int min_chunk, SplitRule rule) {
   int want = (len + rule.max_splits - 1) / rule.max_splits;
-  if (rule.long_chunk > 0 && want > rule.long_chunk) {
-    want = max(rule.long_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
-  }
+  if (rule.long_chunk > 0 && want > rule.long_chunk) want = (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits;
   want = max(min_chunk, want);
   return (want + kTile - 1) / kTile * kTile;
 }
@@ -569,8 +567,8 @@ void launch(const Params& p, cudaStream_t stream) {
 }  // namespace
 
 namespace {
-// The plan's and the kernel's rule (they must agree): a benchmark's limit alone, or one work item per SM up to
-// kLongChunk tokens a chunk.
+// The plan's and the kernel's rule (they must agree): a benchmark's limit alone, or one work item per SM while the
+// chunks stay within kLongChunk tokens.
 SplitRule decode_split_rule(int64_t num_kv_heads) {
   if (g_max_splits != 0) return {g_max_splits, 0};
   return {decode_max_splits(num_kv_heads), kLongChunk};

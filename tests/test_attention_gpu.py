@@ -215,10 +215,10 @@ def test_decode_plan_lists_the_sequence_of_every_chunk(kv_dtype, min_chunk):
 
 
 def test_decode_split_limit_follows_the_sms_and_kv_heads():
-    """The plan cuts a sequence into at most SMs / KV heads chunks (32 at most) while they stay within 2,048 tokens,
+    """The plan cuts a sequence into at most SMs / KV heads chunks (32 at most) while they stay within 1,792 tokens,
     longer ones into up to 32; a benchmark's limit replaces the rule until 0 restores it, and a limit outside
     0 .. DECODE_MAX_SPLITS is refused."""
-    lens = [16448, 4160, 4032, 300, 32768, 40000, 131072]
+    lens = [16448, 4160, 4032, 300, 28672, 28673, 131072]
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     workspace = decode_workspace(len(lens), 32, kv_lens.device)
 
@@ -233,11 +233,11 @@ def test_decode_split_limit_follows_the_sms_and_kv_heads():
     for kv_heads in (1, 4, 8, 16):
         assert native().paged_attention_decode_max_splits(kv_heads) == max_splits(kv_heads)
         assert splits(kv_heads) == want(kv_heads), kv_heads
-    if max_splits(8) == 16:  # an H100 or H200 (132 SMs); 40,000 tokens: 20 chunks of 2,048
-        assert want(8) == [16, 13, 16, 2, 16, 20, 32]
+    if max_splits(8) == 16:  # an H100 or H200 (132 SMs): 16 chunks up to 28,672 tokens
+        assert want(8) == [16, 13, 16, 2, 16, 30, 32]
     try:
         native().set_paged_attention_decode_max_splits(32)
-        assert splits(8) == want(8, 32) == [29, 17, 16, 2, 32, 32, 32]
+        assert splits(8) == want(8, 32) == [29, 17, 16, 2, 32, 30, 32]
         native().set_paged_attention_decode_max_splits(5)
         assert splits(8) == want(8, 5)
     finally:
@@ -442,7 +442,7 @@ PLANT_GAP = 20.0  # natural-log score of a planted key over the others: the othe
 MIN_CHUNK, KV_TILE = 256, 64  # mirrors kMinChunk in csrc/attention_decode.cu and kKVTile in csrc/paged_kv.cuh
 
 
-LONG_CHUNK = 2048  # mirrors kLongChunk in csrc/attention_decode.cu
+LONG_CHUNK = 1792  # mirrors kLongChunk in csrc/attention_decode.cu
 
 
 def max_splits(kv_heads: int) -> int:
@@ -454,11 +454,11 @@ def max_splits(kv_heads: int) -> int:
 
 def chunk_tokens(length: int, min_chunk: int, kv_heads: int, limit: int | None = None) -> int:
     """The chunk length of csrc/attention_decode.cu's plan: a multiple of the 64-token tile, at least min_chunk; at
-    most max_splits(kv_heads) chunks while they stay within LONG_CHUNK tokens, else up to DECODE_MAX_SPLITS chunks of
-    at least LONG_CHUNK; with a benchmark's `limit`, at most that many chunks at any length."""
+    most max_splits(kv_heads) chunks while they stay within LONG_CHUNK tokens, else up to DECODE_MAX_SPLITS; with a
+    benchmark's `limit`, at most that many chunks at any length."""
     want = -(-length // (limit or max_splits(kv_heads)))
     if limit is None and want > LONG_CHUNK:
-        want = max(LONG_CHUNK, -(-length // native().DECODE_MAX_SPLITS))
+        want = -(-length // native().DECODE_MAX_SPLITS)
     return -(-max(min_chunk, want) // KV_TILE) * KV_TILE
 
 
@@ -607,10 +607,10 @@ PLANTED_DECODE_LENGTHS = [
     ],
 )
 def test_decode_every_chunk_counts(dtype, group, kv_heads):
-    """With 8 KV heads the split limit (SMs / 8 on this GPU: 16 on an H100) cuts fewer, longer chunks than with 2, up
-    to 2,048 tokens (32,768 tokens: 16 chunks; 40,000: 20 of 2,048). (The 2-head cases keep their lengths: the
-    planted draws, and so each case's margins, follow the batch.)"""
-    lens = PLANTED_DECODE_LENGTHS + ([40000] if kv_heads == 8 else [])
+    """With 8 KV heads the split limit (SMs / 8 on this GPU: 16 on an H100) cuts fewer, longer chunks than with 2 up
+    to 1,792 tokens a chunk (20,000 tokens: 16 chunks of 1,280; 28,672: 16 of 1,792; 28,673: 30; 32,768: 32). (The
+    2-head cases keep their lengths: the planted draws, and so each case's margins, follow the batch.)"""
+    lens = PLANTED_DECODE_LENGTHS + ([28672, 28673] if kv_heads == 8 else [])
     q, k_cache, v_cache, table, kv_lens, keys, values = make_planted_case(
         kv_heads, group, 16, lens, None, dtype, seed=group
     )
