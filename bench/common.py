@@ -52,6 +52,11 @@ def add_decode_attention_options(parser) -> None:
         help="the most chunks decode attention cuts a sequence into (0: SMs / KV heads, at most 32), set before the graphs",
     )
     parser.add_argument(
+        "--decode-item-records",
+        action="store_true",
+        help="decode attention reads each work item from the plan's chunk records, one item ahead",
+    )
+    parser.add_argument(
         "--decode-afresh",
         action="store_true",
         help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
@@ -70,6 +75,8 @@ def apply_decode_attention_options(args) -> None:
 
     if args.decode_afresh:
         native().set_paged_attention_decode_prefetch_next(False)
+    if args.decode_item_records:
+        native().set_paged_attention_decode_item_records(True)
     if args.decode_search:
         native().set_paged_attention_decode_chunk_table(False)
     if args.decode_max_splits:

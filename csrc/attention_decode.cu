@@ -47,6 +47,9 @@ bool g_prefetch_next = true;
 // Whether the plan also writes each chunk's sequence for the kernel to look up (set_paged_attention_decode_chunk_table;
 // off: the kernel searches the offsets, as before, for comparison).
 bool g_chunk_table = true;
+// Whether the plan also writes each chunk's record (b, start, end, split and count) and the decode kernel's loading
+// threads read the next item's record one item ahead (set_paged_attention_decode_item_records; off until measured).
+bool g_item_records = false;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The split limit set for benchmarks (set_paged_attention_decode_max_splits), or 0: decode_split_rule's.
@@ -74,11 +77,23 @@ __device__ __forceinline__ int chunk_len(int len, int min_chunk, SplitRule rule)
   return (want + kTile - 1) / kTile * kTile;
 }
 
+// Where a plan for `batch` sequences keeps its chunk records, in int32s from its start: past the room of the offsets
+// and the chunk table, 16-byte aligned (attention.h).
+__host__ __device__ __forceinline__ int64_t record_offset(int64_t batch) {
+  return (batch + 1 + batch * kDecodeMaxSplits + 3) / 4 * 4;
+}
+
+// A chunk's record: its sequence, its first and end token, and its index in the sequence with the sequence's count
+// of chunks (split | num_splits << 8; both at most kDecodeMaxSplits).
+__device__ __forceinline__ int4 chunk_record(int b, int start, int end, int split, int num_splits) {
+  return make_int4(b, start, end, split | (num_splits << 8));
+}
+
 // split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks; with chunk_table, then
 // chunk_seq[c] (split_offsets + batch + 1) = the sequence of chunk c, for the decode kernel to look up instead of
-// searching the offsets. One block.
+// searching the offsets; with records, chunk c's record at int4 c from record_offset(batch). One block.
 __global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch, int min_chunk,
-                            SplitRule rule, bool chunk_table) {
+                            SplitRule rule, bool chunk_table, bool records) {
   __shared__ int warp_sums[32];
   __shared__ int carry;
   if (threadIdx.x == 0) carry = 0;
@@ -114,6 +129,10 @@ __global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ s
       if (chunk_table) {
         for (int c = 0; c < n; ++c) split_offsets[batch + 1 + before + c] = b;
       }
+      if (records) {
+        int4* rec = reinterpret_cast<int4*>(split_offsets + record_offset(batch)) + before;
+        for (int c = 0; c < n; ++c) rec[c] = chunk_record(b, c * clen, min(len, c * clen + clen), c, n);
+      }
     }
     __syncthreads();
     if (threadIdx.x == blockDim.x - 1) carry = before + n;
@@ -130,6 +149,7 @@ struct Params {
   const int* kv_lens;
   const int* split_offsets;
   const int* chunk_seq;  // the plan's chunk table (split_offsets + batch + 1), or null: item_of searches the offsets
+  const int4* chunk_rec;  // the plan's chunk records (record_offset), or null: item_of works each item out
   void* out;
   float* part_out;
   float* part_lse;
@@ -149,7 +169,23 @@ struct Item {
   const int* pages;
 };
 
+// The item from its chunk's record (as item_of works it out).
+__device__ __forceinline__ Item item_of_record(const Params& p, int item, int4 rec, int tile) {
+  Item it;
+  it.chunk_index = item / p.num_kv_heads;
+  it.kvh = item % p.num_kv_heads;
+  it.b = rec.x;
+  it.start = rec.y;
+  it.end = rec.z;
+  it.split = rec.w & 0xff;
+  it.num_splits = rec.w >> 8;
+  it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;
+  it.pages = p.page_table + static_cast<int64_t>(it.b) * p.max_pages;
+  return it;
+}
+
 __device__ __forceinline__ Item item_of(const Params& p, int item, int tile) {
+  if (p.chunk_rec != nullptr) return item_of_record(p, item, p.chunk_rec[item / p.num_kv_heads], tile);
   Item it;
   it.chunk_index = item / p.num_kv_heads;
   it.kvh = item % p.num_kv_heads;
@@ -236,6 +272,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   // first item's bounds, and its first tiles' page ids into L1, come off the path from the wait to the K/V loads.
   const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
   Item first{};
+  // With records, the loading threads hold the record of the item after the one they load (read one item ahead, so
+  // that moving on to an item waits for no load: its record came while the item before was computed).
+  int4 next_rec{};
+  if (p.chunk_rec != nullptr && blockIdx.x + gridDim.x < total_items) {
+    next_rec = p.chunk_rec[(blockIdx.x + gridDim.x) / p.num_kv_heads];
+  }
   if (blockIdx.x < total_items) {
     first = item_of(p, blockIdx.x, kTile);
     const int head = min(first.end, first.start + (kStages - 1) * kTile);  // the prologue's tokens
@@ -283,7 +325,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       if (++load_t >= max(1, load_it.n_tiles)) {
         load_item += gridDim.x;
         load_t = 0;
-        if (load_item < total_items) load_it = item_of(p, load_item, kTile);
+        if (load_item < total_items) {
+          if (p.chunk_rec != nullptr) {
+            load_it = item_of_record(p, load_item, next_rec, kTile);
+            if (load_item + gridDim.x < total_items) next_rec = p.chunk_rec[(load_item + gridDim.x) / p.num_kv_heads];
+            // its first tile's page ids into L1 while this slot is computed (the next call loads that tile)
+            if (tid == 0 && load_it.n_tiles > 0 && (load_it.start >> p.page_shift) < p.max_pages) {
+              asm volatile("prefetch.global.L1 [%0];" ::"l"(load_it.pages + (load_it.start >> p.page_shift)));
+            }
+          } else {
+            load_it = item_of(p, load_item, kTile);
+          }
+        }
       }
     }
     cp_async_commit();  // (one group a call, empty or not: the waits count groups)
@@ -592,7 +645,7 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
-      g_min_chunk[kv_fp8 ? 1 : 0], decode_split_rule(num_kv_heads), g_chunk_table);
+      g_min_chunk[kv_fp8 ? 1 : 0], decode_split_rule(num_kv_heads), g_chunk_table, g_item_records);
   cuda_check_launch("paged_attention_decode_plan launch");
 }
 
@@ -617,6 +670,8 @@ void set_paged_attention_decode_prefetch_next(bool prefetch_next) { g_prefetch_n
 
 void set_paged_attention_decode_chunk_table(bool chunk_table) { g_chunk_table = chunk_table; }
 
+void set_paged_attention_decode_item_records(bool item_records) { g_item_records = item_records; }
+
 void paged_attention_decode(const DecodeArgs& a) {
   const std::string op = "paged_attention_decode: ";
   const int shift = check_paged_attention(op, a);
@@ -639,6 +694,9 @@ void paged_attention_decode(const DecodeArgs& a) {
            reinterpret_cast<const void*>(a.v_cache), reinterpret_cast<const int*>(a.page_table),
            reinterpret_cast<const int*>(a.kv_lens), reinterpret_cast<const int*>(a.split_offsets),
            g_chunk_table ? reinterpret_cast<const int*>(a.split_offsets) + a.batch + 1 : nullptr,
+           g_item_records ? reinterpret_cast<const int4*>(reinterpret_cast<const int*>(a.split_offsets) +
+                                                          record_offset(a.batch))
+                          : nullptr,
            reinterpret_cast<void*>(a.out), reinterpret_cast<float*>(a.part_out), reinterpret_cast<float*>(a.part_lse),
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,

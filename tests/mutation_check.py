@@ -147,6 +147,35 @@ MUTATIONS = [
         "the decode kernel cuts the chunks into up to 32 a sequence while the plan cut them by SMs / KV heads",
     ),
     Mutation(
+        "decode_item_record_read_for_the_item_itself",
+        DECODE,
+        [
+            (
+                "            if (load_item + gridDim.x < total_items) next_rec = p.chunk_rec[(load_item + gridDim.x) / p.num_kv_heads];",
+                "            if (load_item + gridDim.x < total_items) next_rec = p.chunk_rec[load_item / p.num_kv_heads];",
+            )
+        ],
+        [
+            "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_without",
+        ],
+        "the loading threads read the record of the item they move on to, not of the one after it",
+    ),
+    Mutation(
+        "decode_item_record_ends_a_tile_early",
+        DECODE,
+        [
+            (
+                "        for (int c = 0; c < n; ++c) rec[c] = chunk_record(b, c * clen, min(len, c * clen + clen), c, n);",
+                "        for (int c = 0; c < n; ++c) rec[c] = chunk_record(b, c * clen, min(len, c * clen + clen - kTile), c, n);",
+            )
+        ],
+        [
+            "tests/test_attention_gpu.py::test_decode_plan_lists_the_sequence_of_every_chunk",
+            "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_without",
+        ],
+        "a chunk's record ends one tile before the chunk does",
+    ),
+    Mutation(
         "decode_merge_skips_last_chunk",
         DECODE,
         [

@@ -212,6 +212,21 @@ def test_decode_plan_lists_the_sequence_of_every_chunk(kv_dtype, min_chunk):
         want_counts.append(max(1, -(-n // clen)))
     assert [offsets[b + 1] - offsets[b] for b in range(batch)] == want_counts
     assert plan[batch + 1 : batch + 1 + offsets[batch]] == want
+    # With item records, also each chunk's record from the next multiple of 4 past the table's room: its sequence,
+    # first and end token, and its index | the sequence's chunk count << 8.
+    try:
+        native().set_paged_attention_decode_item_records(True)
+        plan_decode(kv_lens, workspace, cache)
+    finally:
+        native().set_paged_attention_decode_item_records(False)
+    plan = workspace.split_offsets.tolist()
+    assert plan[: batch + 1] == offsets and plan[batch + 1 : batch + 1 + offsets[batch]] == want
+    at = -(-(batch + 1 + batch * native().DECODE_MAX_SPLITS) // 4) * 4
+    want_records = []
+    for b, (n, count) in enumerate(zip(lens, want_counts)):
+        clen = chunk_tokens(n, min_chunk, 8)
+        want_records += [[b, c * clen, min(n, (c + 1) * clen), c | count << 8] for c in range(count)]
+    assert [plan[at + 4 * c : at + 4 * c + 4] for c in range(offsets[batch])] == want_records
 
 
 def test_decode_split_limit_follows_the_sms_and_kv_heads():
@@ -248,6 +263,17 @@ def test_decode_split_limit_follows_the_sms_and_kv_heads():
             native().set_paged_attention_decode_max_splits(bad)
     with pytest.raises(ValueError, match="num_kv_heads"):
         native().paged_attention_decode_max_splits(0)
+
+
+@pytest.mark.parametrize("fp8, group", [(False, 4), (True, 8)])
+def test_decode_with_item_records_is_bitwise_without(fp8, group):
+    """Work items read from the plan's chunk records, one item ahead, against worked out from the chunk table: bit for
+    bit, over 700 sequences (blocks of many items: empty ones, one-tile ones, chunks of long sequences), every output
+    written."""
+    gen = random.Random(23 + group)
+    lens = [gen.choice([0, 1, 64, 65, 300, 1300, 5000, 9000]) for _ in range(300)]
+    lens += [gen.randint(1, 1300) for _ in range(400)]
+    decode_bitwise_both_ways(lens, group, 29 + group, fp8, "set_paged_attention_decode_item_records", default=False)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
