@@ -49,7 +49,8 @@ def add_decode_attention_options(parser) -> None:
         "--decode-max-splits",
         type=int,
         default=0,
-        help="the most chunks decode attention cuts a sequence into (0: SMs / KV heads, at most 32), set before the graphs",
+        help="the most chunks decode attention cuts a sequence into at any length (0: the kernel's rule, "
+        "decode_max_splits), set before the graphs",
     )
     parser.add_argument(
         "--decode-item-records",

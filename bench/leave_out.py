@@ -11,7 +11,8 @@ this is for): the replays run on the inputs of a real decode step (a prompt of -
 
 Besides the variants below: full_pdl_off (the whole step without programmatic dependent launch), per --min-chunks
 value full_min_chunk_N (the whole step with decode attention cutting sequences into chunks of at least N tokens
-instead of its default), per --max-splits value full_max_splits_N (into at most N chunks instead of SMs / KV heads), and with --norm-kernels full_norm_kernels (the RMSNorms as their own kernels, as
+instead of its default), per --max-splits value full_max_splits_N (into at most N chunks at any length, instead of
+decode_max_splits' rule), and with --norm-kernels full_norm_kernels (the RMSNorms as their own kernels, as
 FASTQWEN_NORM_IN_GEMV=0 runs the step; by default they ride on the GEMVs and no_layer_norms leaves out nothing).
 """
 

@@ -453,7 +453,8 @@ PYBIND11_MODULE(_C, m) {
         "for benchmarks and tests.");
   m.def("set_paged_attention_decode_chunk_table", &fastqwen::set_paged_attention_decode_chunk_table,
         py::arg("chunk_table"),
-        "The decode plan also lists each chunk's sequence, looked up (default) instead of searched (set before planning).");
+        "The decode plan also lists each chunk's sequence, looked up (default) instead of searched (set before "
+        "planning).");
   m.def(
       "paged_attention_decode", [](const fastqwen::DecodeArgs& args) { fastqwen::paged_attention_decode(args); },
       py::arg("args"),
