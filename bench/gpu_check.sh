@@ -646,18 +646,25 @@ stage_fp8fused() {  # issue 47: the FP8 GEMMs' inputs quantized where they are c
   done
 }
 
-stage_decodeafresh() {  # issue 47: decode attention's loads running on across a block's work items, tested, then
-  # against the pipeline started afresh at each item, in turns: the kernel at batch 1 and at saturated batches
+decode_setting_check() {  # decode_setting_check NAME MUTANTS SETTING CASE...: the decode GPU tests, the mutants
+  # MUTANTS (comma-separated), then bench/kernels.py's decode rows at CASEs with the kernel's SETTING (its
+  # --decode-compare) against the default, in turns (bf16 and FP8 pools) -> tests_NAME.log, decode_NAME.json
+  local name="$1" mutants="$2" setting="$3"
+  shift 3
   FASTQWEN_RESULTS_DIR="$OUT" timeout 240 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
-    tests/test_attention_gpu.py tests/test_fp8_kv_gpu.py -k "decode" > "$OUT/tests_decodeafresh.log" 2>&1 || tests_rc=1
-  pytest_report "$OUT/tests_decodeafresh.log" 20
-  timeout 200 python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
-    --names decode_q_in_the_next_stage_slot,decode_merge_in_the_stage_loading --out "$OUT" \
+    tests/test_attention_gpu.py tests/test_fp8_kv_gpu.py -k "decode" > "$OUT/tests_$name.log" 2>&1 || tests_rc=1
+  pytest_report "$OUT/tests_$name.log" 20
+  timeout 200 python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 --names "$mutants" --out "$OUT" \
     > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
   grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 5
-  run decode_afresh 200 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 --iters 30 --decode-compare afresh \
-    --decode-cases 1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:1200 512:100-1200 \
-    --json "$OUT/decode_afresh.json"
+  run "decode_$name" 200 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 --iters 30 --decode-compare "$setting" \
+    --decode-cases "$@" --json "$OUT/decode_$name.json"
+}
+
+stage_decodeafresh() {  # issue 47: decode attention's loads running on across a block's work items, tested, then
+  # against the pipeline started afresh at each item, in turns: the kernel at batch 1 and at saturated batches
+  decode_setting_check afresh decode_q_in_the_next_stage_slot,decode_merge_in_the_stage_loading afresh \
+    1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:1200 512:100-1200
 }
 
 stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's loads run on across items and started
@@ -685,28 +692,14 @@ stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's load
 
 stage_chunktable() {  # issue 47: the decode plan's chunk table (each work item's sequence looked up, not searched;
   # the default): its GPU tests and mutant, then the kernel with it against the search, in turns
-  FASTQWEN_RESULTS_DIR="$OUT" timeout 240 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
-    tests/test_attention_gpu.py tests/test_fp8_kv_gpu.py -k "decode" > "$OUT/tests_chunktable.log" 2>&1 || tests_rc=1
-  pytest_report "$OUT/tests_chunktable.log" 20
-  timeout 150 python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
-    --names decode_chunk_table_one_sequence_early --out "$OUT" > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
-  grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 5
-  run decode_chunk_table 200 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 --iters 30 \
-    --decode-compare search --decode-cases 1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200 \
-    --json "$OUT/decode_chunk_table.json"
+  decode_setting_check chunk_table decode_chunk_table_one_sequence_early search \
+    1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200
 }
 
 stage_itemrecords() {  # issue 47: work items read from the plan's chunk records one item ahead, tested, then
   # against without, in turns: the kernel, then the engine's saturated decode steps
-  FASTQWEN_RESULTS_DIR="$OUT" timeout 240 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
-    tests/test_attention_gpu.py tests/test_fp8_kv_gpu.py -k "decode" > "$OUT/tests_itemrecords.log" 2>&1 || tests_rc=1
-  pytest_report "$OUT/tests_itemrecords.log" 20
-  timeout 200 python3 tests/mutation_check.py --build-dir /tmp/fastqwen-build --jobs 1 \
-    --names decode_item_record_read_for_the_item_itself,decode_item_record_ends_a_tile_early --out "$OUT" \
-    > "$OUT/mutations_run.log" 2>&1 || bench_rc=1
-  grep -E "^== |caught|NOT RUN|surviv" "$OUT/mutations_run.log" | tail -n 5
-  run decode_records 200 python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 --iters 30 --decode-compare records \
-    --decode-cases 1:128 1:4160 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200 --json "$OUT/decode_records.json"
+  decode_setting_check records decode_item_record_read_for_the_item_itself,decode_item_record_ends_a_tile_early records \
+    1:128 1:4160 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200
   local step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32)
   for records in "" --decode-item-records; do
     run "step_bf16_256${records:+_records}" 90 python3 bench/profile_step.py "${step[@]}" --batch 256 --max-num-seqs 256 \
