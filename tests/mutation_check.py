@@ -84,7 +84,8 @@ MUTATIONS = [
         DECODE,
         [
             (
-                "  it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;",
+                "  it.end = min(len, it.start + clen);\n  it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;",
+                "  it.end = min(len, it.start + clen);\n"
                 "  it.n_tiles = it.split == 0 && it.num_splits > 1 ? 0 : (max(it.end - it.start, 0) + tile - 1) / tile;",
             )
         ],
@@ -204,8 +205,8 @@ MUTATIONS = [
         DECODE,
         [
             (
-                "  const int want = max(min_chunk, (len + kDecodeMaxSplits - 1) / kDecodeMaxSplits);",
-                "  const int want = min_chunk;",
+                "  want = max(min_chunk, want);\n",
+                "  want = min_chunk;\n",
             ),
             (
                 "    const int n = b < batch ? max(1, (len + clen - 1) / clen) : 0;",
