@@ -53,11 +53,6 @@ def add_decode_attention_options(parser) -> None:
         "decode_max_splits), set before the graphs",
     )
     parser.add_argument(
-        "--decode-item-records",
-        action="store_true",
-        help="decode attention reads each work item from the plan's chunk records, one item ahead",
-    )
-    parser.add_argument(
         "--decode-afresh",
         action="store_true",
         help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
@@ -65,7 +60,8 @@ def add_decode_attention_options(parser) -> None:
     parser.add_argument(
         "--decode-search",
         action="store_true",
-        help="decode attention searches the chunk offsets for each work item's sequence (not the plan's chunk table)",
+        help="decode attention searches the chunk offsets for each work item (not the plan's chunk records), for "
+        "comparison",
     )
 
 
@@ -76,10 +72,8 @@ def apply_decode_attention_options(args) -> None:
 
     if args.decode_afresh:
         native().set_paged_attention_decode_prefetch_next(False)
-    if args.decode_item_records:
-        native().set_paged_attention_decode_item_records(True)
     if args.decode_search:
-        native().set_paged_attention_decode_chunk_table(False)
+        native().set_paged_attention_decode_item_records(False)
     if args.decode_max_splits:
         native().set_paged_attention_decode_max_splits(args.decode_max_splits)
     if args.decode_min_chunk:

@@ -70,12 +70,10 @@
 #            bench/kernels.py's decode rows against the pipeline started afresh at each item, in turns (issue 47)
 #   decodeafreshsteps  the same two in the engine, in turns: decode-step replays (bf16 at 256, FP8 + FP8 KV at 512),
 #            then offline throughput at 256 (bf16; not with DECODE_AFRESH_BF16_THROUGHPUT=0) and 512 (FP8 + FP8 KV)
-#   chunktable  the decode plan's chunk table (on by default since the twenty-second session): its GPU tests and
-#            mutant, then bench/kernels.py's decode rows with it against the offsets searched, in turns (issue 47)
-#   itemrecords  decode attention reading each work item from the plan's chunk records one item ahead (off by default):
-#            its GPU tests and mutants, the kernel with it against without (bench/kernels.py, batch 1 and saturated
-#            rows), then the engine's decode step graph replay in turns (bf16 at 256, FP8 + FP8 KV at 512) (issue 47)
-#   itemrecordsthroughput  the same in offline throughput, in turns: bf16 at 256 in flight, FP8 + FP8 KV at 512
+#   itemrecords  decode attention reading each work item from the plan's chunk records one item ahead (the default
+#            since the twenty-third session): its GPU tests and mutants, the kernel against each item searched in the
+#            chunk offsets (bench/kernels.py, batch 1 and saturated rows), then the engine's decode step graph replay
+#            in turns (bf16 at 256, FP8 + FP8 KV at 512) (issue 47)
 #   minchunk  bf16 decode attention's shortest chunk MIN_CHUNK (default 512) against the kernel's 256, in turns: batch-1
 #            steps at 1k and 4k of context (bench/leave_out.py), the batch-256 step, offline throughput at 256 (issue 47)
 #   decodestalls  Nsight Compute's warp-stall samples of the decode attention kernel at 512 x 640, bf16 and FP8 pools
@@ -690,34 +688,17 @@ stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's load
   done
 }
 
-stage_chunktable() {  # issue 47: the decode plan's chunk table (each work item's sequence looked up, not searched;
-  # the default): its GPU tests and mutant, then the kernel with it against the search, in turns
-  decode_setting_check chunk_table decode_chunk_table_one_sequence_early search \
-    1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200
-}
-
-stage_itemrecords() {  # issue 47: work items read from the plan's chunk records one item ahead, tested, then
-  # against without, in turns: the kernel, then the engine's saturated decode steps
-  decode_setting_check records decode_item_record_read_for_the_item_itself,decode_item_record_ends_a_tile_early records \
+stage_itemrecords() {  # issue 47: work items read from the plan's chunk records one item ahead (the default), tested,
+  # then against each item searched in the chunk offsets, in turns: the kernel, then the engine's saturated decode steps
+  decode_setting_check records \
+    decode_item_record_read_for_the_item_itself,decode_item_record_ends_a_tile_early,decode_skips_first_chunk search \
     1:128 1:4160 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200
   local step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32)
-  for records in "" --decode-item-records; do
-    run "step_bf16_256${records:+_records}" 90 python3 bench/profile_step.py "${step[@]}" --batch 256 --max-num-seqs 256 \
-      $records --json "$OUT/step_bf16_256${records:+_records}.json"
-    run "step_fp8kv_512${records:+_records}" 90 python3 bench/profile_step.py "${step[@]}" --batch 512 --quantization fp8 \
-      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $records --json "$OUT/step_fp8kv_512${records:+_records}.json"
-  done
-}
-
-stage_itemrecordsthroughput() {  # issue 47: offline throughput with and without the item records, in turns
-  local fixed=(--model Qwen3-8B --load-format dummy --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024)
-  for records in --decode-item-records ""; do
-    run "throughput_bf16_256${records:+_records}" 150 python3 bench/throughput.py "${fixed[@]}" --max-num-seqs 256 \
-      $records --json "$OUT/throughput_bf16_256${records:+_records}.json"
-  done
-  for records in "" --decode-item-records; do
-    run "throughput_fp8kv_512${records:+_records}" 110 python3 bench/throughput.py "${fixed[@]}" --quantization fp8 \
-      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $records --json "$OUT/throughput_fp8kv_512${records:+_records}.json"
+  for search in "" --decode-search; do
+    run "step_bf16_256${search:+_search}" 90 python3 bench/profile_step.py "${step[@]}" --batch 256 --max-num-seqs 256 \
+      $search --json "$OUT/step_bf16_256${search:+_search}.json"
+    run "step_fp8kv_512${search:+_search}" 150 python3 bench/profile_step.py "${step[@]}" --batch 512 --quantization fp8 \
+      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $search --json "$OUT/step_fp8kv_512${search:+_search}.json"
   done
 }
 
@@ -783,7 +764,7 @@ for stage in $STAGES; do
     tests3) stage_tests 3 ;;
     tests4) stage_tests 4 ;;
     gputests) stage_gputests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|chunktable|itemrecords|itemrecordsthroughput|minchunk|decodestalls|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|itemrecords|minchunk|decodestalls|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

@@ -237,9 +237,8 @@ def kv_pool(pages: int, kv: str) -> tuple[torch.Tensor, torch.Tensor]:
 # default it is set back to.
 DECODE_SETTINGS = {
     "afresh": ("set_paged_attention_decode_prefetch_next", False, True),  # each item's pipeline started afresh
-    "search": ("set_paged_attention_decode_chunk_table", False, True),  # each item's sequence searched in the offsets
+    "search": ("set_paged_attention_decode_item_records", False, True),  # each item searched in the offsets
     "splits32": ("set_paged_attention_decode_max_splits", 32, 0),  # up to 32 chunks a sequence, not SMs / KV heads
-    "records": ("set_paged_attention_decode_item_records", True, False),  # items read from records, one ahead
 }
 
 

@@ -32,11 +32,9 @@ struct PagedAttentionArgs {
 // hold twice the tokens; at most decode_max_splits(num_kv_heads) chunks); paged_attention_decode_plan writes the
 // plan once per step, on the device, and
 // paged_attention_decode reads it, so the pair can be captured in a CUDA graph. The plan (split_offsets, int32
-// [B + 1 + B * kDecodeMaxSplits], then with item records 4 * B * kDecodeMaxSplits more from the next multiple of 4)
-// holds the chunk offsets (sequence b's chunks are C_b .. C_{b+1} - 1, C_B all of them), then (unless
-// set_paged_attention_decode_chunk_table(false)) the sequence of each of the C_B chunks, then (with
-// set_paged_attention_decode_item_records(true)) each chunk's record: int4 (b, first token, end token, split |
-// chunks of b << 8). Split
+// [round_up(B + 1, 4) + 4 * B * kDecodeMaxSplits]) holds the chunk offsets (sequence b's chunks are C_b .. C_{b+1} - 1,
+// C_B all of them), then from the next multiple of 4 (unless set_paged_attention_decode_item_records(false)) each of
+// the C_B chunks' record: int4 (b, first token, end token, split | chunks of b << 8). Split
 // sequences leave per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
 // kDecodeMaxSplits, merged by a second kernel.
 struct DecodeArgs : PagedAttentionArgs {
@@ -76,16 +74,12 @@ void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens);
 // at each item (the kernel before), for benchmarks and tests; the results are the same bit for bit.
 void set_paged_attention_decode_prefetch_next(bool prefetch_next);
 
-// Whether the plan also lists each chunk's sequence, which the kernel then looks up for a work item (default; 1-3%
-// faster at saturated batches), or the kernel searches the chunk offsets (about nine dependent loads an item), for
-// benchmarks and tests: set it before planning, as the chunk length. The results are the same bit for bit.
-void set_paged_attention_decode_chunk_table(bool chunk_table);
-
 // Whether the plan also writes each chunk's record, which the decode kernel's loading threads read one item ahead, so
-// that moving on to a work item waits for no load (with the chunk table it waits for three dependent ones: the
-// table, the offsets and length, the page ids; the largest stall in Nsight Compute's samples at 512 x 640), and the
-// item's first page ids are asked into L1 a slot before their tile's load. Off until measured on a GPU; set it
-// before planning. The results are the same bit for bit.
+// that moving on to a work item waits for no load (a lookup of the item's sequence, then its offsets and length, then
+// its page ids were the largest stall in Nsight Compute's samples at 512 x 640), and the item's first page ids are
+// asked into L1 a slot before their tile's load (default), or the kernel searches the chunk offsets for each item's
+// sequence (about nine dependent loads), for benchmarks and tests. Set it before planning, as the chunk length. The
+// results are the same bit for bit.
 void set_paged_attention_decode_item_records(bool item_records);
 
 // Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed: sequence b's tokens

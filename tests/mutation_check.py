@@ -84,8 +84,7 @@ MUTATIONS = [
         DECODE,
         [
             (
-                "  it.end = min(len, it.start + clen);\n  it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;",
-                "  it.end = min(len, it.start + clen);\n"
+                "  it.n_tiles = (max(it.end - it.start, 0) + tile - 1) / tile;",
                 "  it.n_tiles = it.split == 0 && it.num_splits > 1 ? 0 : (max(it.end - it.start, 0) + tile - 1) / tile;",
             )
         ],
@@ -119,21 +118,6 @@ MUTATIONS = [
         "the warps merge in the stage the next item's tile is loading into, not in the one their last tile came from",
     ),
     Mutation(
-        "decode_chunk_table_one_sequence_early",
-        DECODE,
-        [
-            (
-                "        for (int c = 0; c < n; ++c) split_offsets[batch + 1 + before + c] = b;",
-                "        for (int c = 0; c < n; ++c) split_offsets[batch + 1 + before + c] = max(b - 1, 0);",
-            )
-        ],
-        [
-            "tests/test_attention_gpu.py::test_decode_plan_lists_the_sequence_of_every_chunk",
-            "tests/test_attention_gpu.py::test_decode_with_the_chunk_table_is_bitwise_the_search",
-        ],
-        "the plan's chunk table names the sequence before each chunk's own",
-    ),
-    Mutation(
         "decode_kernel_cuts_with_the_old_split_limit",
         DECODE,
         [
@@ -157,7 +141,7 @@ MUTATIONS = [
             )
         ],
         [
-            "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_without",
+            "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_the_search",
         ],
         "the loading threads read the record of the item they move on to, not of the one after it",
     ),
@@ -171,8 +155,8 @@ MUTATIONS = [
             )
         ],
         [
-            "tests/test_attention_gpu.py::test_decode_plan_lists_the_sequence_of_every_chunk",
-            "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_without",
+            "tests/test_attention_gpu.py::test_decode_plan_writes_the_record_of_every_chunk",
+            "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_the_search",
         ],
         "a chunk's record ends one tile before the chunk does",
     ),

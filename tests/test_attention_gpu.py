@@ -185,9 +185,10 @@ def test_decode_pipeline_across_items_is_bitwise_the_pipeline_started_afresh(fp8
 
 
 @pytest.mark.parametrize("kv_dtype, min_chunk", [(torch.bfloat16, 256), (torch.float8_e4m3fn, 1024)])
-def test_decode_plan_lists_the_sequence_of_every_chunk(kv_dtype, min_chunk):
-    """With the chunk table (the default), the plan lists each chunk's sequence after the offsets (1,500 sequences:
-    the plan's block takes them in two passes), and the offsets are those of the plan without it."""
+def test_decode_plan_writes_the_record_of_every_chunk(kv_dtype, min_chunk):
+    """The plan's chunk offsets, then from the next multiple of 4 each chunk's record (its sequence, first and end
+    token, its index | the sequence's chunk count << 8), against the chunk length worked out independently (1,500
+    sequences: the plan's block takes them in two passes); the offsets are those of a plan made without records."""
     gen = random.Random(5)
     lens = [4000, 20, 9000, 0, 1, 255, 256, 257, 20000] + [gen.randint(1, 1300) for _ in range(1491)]
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -195,33 +196,20 @@ def test_decode_plan_lists_the_sequence_of_every_chunk(kv_dtype, min_chunk):
     cache = torch.empty(0, 16, 8, 128, dtype=kv_dtype, device=kv_lens.device)  # (the plan reads its type and KV heads)
     batch = len(lens)
     try:
-        native().set_paged_attention_decode_chunk_table(False)
+        native().set_paged_attention_decode_item_records(False)
         plan_decode(kv_lens, workspace, cache)
     finally:
-        native().set_paged_attention_decode_chunk_table(True)
+        native().set_paged_attention_decode_item_records(True)
     offsets = workspace.split_offsets[: batch + 1].tolist()
     plan_decode(kv_lens, workspace, cache)
     plan = workspace.split_offsets.tolist()
     assert plan[: batch + 1] == offsets
-    want = []
-    for b in range(batch):
-        want += [b] * (offsets[b + 1] - offsets[b])
     want_counts = []
     for n in lens:  # csrc/attention_decode.cu's chunk_len, independently
         clen = chunk_tokens(n, min_chunk, 8)
         want_counts.append(max(1, -(-n // clen)))
     assert [offsets[b + 1] - offsets[b] for b in range(batch)] == want_counts
-    assert plan[batch + 1 : batch + 1 + offsets[batch]] == want
-    # With item records, also each chunk's record from the next multiple of 4 past the table's room: its sequence,
-    # first and end token, and its index | the sequence's chunk count << 8.
-    try:
-        native().set_paged_attention_decode_item_records(True)
-        plan_decode(kv_lens, workspace, cache)
-    finally:
-        native().set_paged_attention_decode_item_records(False)
-    plan = workspace.split_offsets.tolist()
-    assert plan[: batch + 1] == offsets and plan[batch + 1 : batch + 1 + offsets[batch]] == want
-    at = -(-(batch + 1 + batch * native().DECODE_MAX_SPLITS) // 4) * 4
+    at = -(-(batch + 1) // 4) * 4
     want_records = []
     for b, (n, count) in enumerate(zip(lens, want_counts)):
         clen = chunk_tokens(n, min_chunk, 8)
@@ -266,23 +254,14 @@ def test_decode_split_limit_follows_the_sms_and_kv_heads():
 
 
 @pytest.mark.parametrize("fp8, group", [(False, 4), (True, 8)])
-def test_decode_with_item_records_is_bitwise_without(fp8, group):
-    """Work items read from the plan's chunk records, one item ahead, against worked out from the chunk table: bit for
-    bit, over 700 sequences (blocks of many items: empty ones, one-tile ones, chunks of long sequences), every output
-    written."""
+def test_decode_with_item_records_is_bitwise_the_search(fp8, group):
+    """Work items read from the plan's chunk records, one item ahead (the default), against each item searched in the
+    chunk offsets: bit for bit, over 700 sequences (blocks of many items: empty ones, one-tile ones, chunks of long
+    sequences), every output written."""
     gen = random.Random(23 + group)
     lens = [gen.choice([0, 1, 64, 65, 300, 1300, 5000, 9000]) for _ in range(300)]
     lens += [gen.randint(1, 1300) for _ in range(400)]
-    decode_bitwise_both_ways(lens, group, 29 + group, fp8, "set_paged_attention_decode_item_records", default=False)
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_decode_with_the_chunk_table_is_bitwise_the_search(fp8):
-    """A work item's sequence looked up in the plan's chunk table against searched in the chunk offsets: bit for bit,
-    over 600 sequences of mixed lengths (items of many sequences per block), every output written."""
-    gen = random.Random(17)
-    lens = [gen.choice([0, 1, 300, 700, 1300, 5000]) for _ in range(200)] + [gen.randint(1, 1300) for _ in range(400)]
-    decode_bitwise_both_ways(lens, 4, 19, fp8, "set_paged_attention_decode_chunk_table", default=True)
+    decode_bitwise_both_ways(lens, group, 29 + group, fp8, "set_paged_attention_decode_item_records", default=True)
 
 
 def test_decode_bad_arguments():

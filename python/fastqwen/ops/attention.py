@@ -34,7 +34,7 @@ class DecodeWorkspace:
     sequence, written on the device by plan_decode: csrc/attention.h) and the chunks' partial outputs and
     log-sum-exps, for batches of up to max_batch sequences."""
 
-    split_offsets: torch.Tensor  # int32 [_plan_ints(max_batch)]: offsets [B + 1], table, records (csrc/attention.h)
+    split_offsets: torch.Tensor  # int32 [_plan_ints(max_batch)]: offsets [B + 1], then records (csrc/attention.h)
     part_out: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS, head_dim]
     part_lse: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS]
     max_batch: int
@@ -66,10 +66,9 @@ def decode_workspace_bytes(max_batch: int, num_heads: int) -> int:
 
 
 def _plan_ints(max_batch: int) -> int:
-    """int32 entries of a decode plan for up to max_batch sequences (csrc/attention.h): the chunk offsets, a table of
-    up to DECODE_MAX_SPLITS chunks a sequence, then from the next multiple of 4 an int4 record a chunk."""
-    chunks = max_batch * native().DECODE_MAX_SPLITS
-    return (max_batch + 1 + chunks + 3) // 4 * 4 + 4 * chunks
+    """int32 entries of a decode plan for up to max_batch sequences (csrc/attention.h): the chunk offsets, then from
+    the next multiple of 4 an int4 record for each of up to DECODE_MAX_SPLITS chunks a sequence."""
+    return (max_batch + 1 + 3) // 4 * 4 + 4 * max_batch * native().DECODE_MAX_SPLITS
 
 
 def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace, k_cache: torch.Tensor) -> None:
