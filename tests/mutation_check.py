@@ -127,9 +127,10 @@ MUTATIONS = [
             )
         ],
         [
-            "tests/test_attention_gpu.py::test_decode_every_chunk_counts[dtype4-4-8]",
+            "tests/test_attention_gpu.py::test_decode_every_chunk_counts[dtype5-4-8-True]",
         ],
-        "the decode kernel cuts the chunks into up to 32 a sequence while the plan cut them by SMs / KV heads",
+        "the decode kernel, searching the offsets (no records), cuts the chunks into up to 32 a sequence while the plan "
+        "cut them by SMs / KV heads",
     ),
     Mutation(
         "decode_item_record_read_for_the_item_itself",

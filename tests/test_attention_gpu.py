@@ -602,19 +602,21 @@ PLANTED_DECODE_LENGTHS = [
 
 
 @pytest.mark.parametrize(
-    "dtype,group,kv_heads",
+    "dtype,group,kv_heads,search",
     [
-        (torch.bfloat16, 1, 2),
-        (torch.bfloat16, 4, 2),
-        (torch.bfloat16, 8, 2),
-        (torch.float16, 4, 2),
-        (torch.bfloat16, 4, 8),
+        (torch.bfloat16, 1, 2, False),
+        (torch.bfloat16, 4, 2, False),
+        (torch.bfloat16, 8, 2, False),
+        (torch.float16, 4, 2, False),
+        (torch.bfloat16, 4, 8, False),
+        (torch.bfloat16, 4, 8, True),
     ],
 )
-def test_decode_every_chunk_counts(dtype, group, kv_heads):
+def test_decode_every_chunk_counts(dtype, group, kv_heads, search):
     """With 8 KV heads the split limit (SMs / 8 on this GPU: 16 on an H100) cuts fewer, longer chunks than with 2 up
     to 1,792 tokens a chunk (20,000 tokens: 16 chunks of 1,280; 28,672: 16 of 1,792; 28,673: 30; 32,768: 32). (The
-    2-head cases keep their lengths: the planted draws, and so each case's margins, follow the batch.)"""
+    2-head cases keep their lengths: the planted draws, and so each case's margins, follow the batch.) With search,
+    the plan writes no chunk records and the kernel works each item out from the offsets, by the split rule."""
     lens = PLANTED_DECODE_LENGTHS + ([28672, 28673] if kv_heads == 8 else [])
     q, k_cache, v_cache, table, kv_lens, keys, values = make_planted_case(
         kv_heads, group, 16, lens, None, dtype, seed=group
@@ -622,7 +624,11 @@ def test_decode_every_chunk_counts(dtype, group, kv_heads):
     scale = 128**-0.5
     workspace = decode_workspace(len(lens), q.shape[1], q.device)
     out = torch.full_like(q, float("nan"))
-    paged_attention_decode(q, k_cache, v_cache, table, kv_lens, scale, out, workspace)
+    try:
+        native().set_paged_attention_decode_item_records(not search)
+        paged_attention_decode(q, k_cache, v_cache, table, kv_lens, scale, out, workspace)
+    finally:
+        native().set_paged_attention_decode_item_records(True)
     assert not torch.isnan(out).any(), "unwritten output"
     plans = [decode_chunks(n, kv_heads) for n in lens]
     rel = 4 * unit_roundoff(dtype)
@@ -641,6 +647,7 @@ def test_decode_every_chunk_counts(dtype, group, kv_heads):
 
     check_each(range(len(lens)), check_sequence)
     name = f"decode_{str(dtype).removeprefix('torch.')}_group{group}" + ("" if kv_heads == 2 else f"_kv{kv_heads}")
+    name += "_search" if search else ""
     record_result("planted_attention.json", name, figures)
     # The chunks checked above are the kernel's own (else the check would prove nothing about its chunks).
     offsets = [0]
