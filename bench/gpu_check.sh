@@ -77,6 +77,7 @@
 #   minchunk  bf16 decode attention's shortest chunk MIN_CHUNK (default 512) against the kernel's 256, in turns: batch-1
 #            steps at 1k and 4k of context (bench/leave_out.py), the batch-256 step, offline throughput at 256 (issue 47)
 #   decodestalls  Nsight Compute's warp-stall samples of the decode attention kernel at 512 x 640, bf16 and FP8 pools
+#            (DECODE_STALLS="fp8:512:100-1200 ..." picks other kv:case pairs)
 #   mutants  tests/mutation_check.py's mutants named in MUTANTS=a,b (one GPU), against the kept build folder
 #   prefillstalls  Nsight Compute's warp-stall samples per SASS instruction of the Hopper prefill kernel (16k, bf16)
 #   prefillvariants  bench/prefill_variants.py: the prefill kernel's pipelines (PREFILL_VARIANTS_LIST) beside cuDNN
@@ -723,20 +724,23 @@ stage_minchunk() {  # issue 47: bf16 decode attention with 512-token chunks (MIN
 }
 
 stage_decodestalls() {  # issue 47: Nsight Compute's warp-stall samples per SASS instruction of the decode attention
-  # kernel at 512 sequences of 640 tokens, bf16 then FP8 pools (its first launch: the eager call before the graphs)
+  # kernel at 512 sequences of 640 tokens, bf16 then FP8 pools (its first launch: the eager call before the graphs);
+  # DECODE_STALLS picks others, as kv:case pairs ("fp8:512:100-1200 fp8:512:640")
   if ! command -v ncu > /dev/null; then echo "decodestalls: no ncu on this machine"; return; fi
-  local kv
-  for kv in bf16 fp8; do
-    run "decode_stalls_$kv" 200 ncu --clock-control none --kernel-name regex:decode_kernel --launch-count 1 \
+  local spec kv case name
+  for spec in ${DECODE_STALLS:-bf16:512:640 fp8:512:640}; do
+    kv=${spec%%:*} case=${spec#*:}
+    name="${kv}_${case//[:-]/_}"
+    run "decode_stalls_$name" 200 ncu --clock-control none --kernel-name regex:decode_kernel --launch-count 1 \
       --section SourceCounters --section WarpStateStats --section SpeedOfLight --section Occupancy --import-source no \
-      -f -o "/tmp/decode_stalls_$kv" python3 bench/kernels.py --ops decode --kv-dtypes "$kv" --iters 3 \
-      --decode-cases 512:640
-    ncu -i "/tmp/decode_stalls_$kv.ncu-rep" --page source --csv --print-source sass > "/tmp/decode_stalls_${kv}_sass.csv" \
-      2> "$OUT/decode_stalls_${kv}_export.err"
-    ncu -i "/tmp/decode_stalls_$kv.ncu-rep" --page details --print-details all > "$OUT/decode_stalls_${kv}_details.txt" 2>&1
-    gzip -c "/tmp/decode_stalls_${kv}_sass.csv" > "$OUT/decode_stalls_${kv}_sass.csv.gz"
-    python3 bench/ncu_stalls.py "/tmp/decode_stalls_${kv}_sass.csv" > "$OUT/decode_stalls_${kv}_top.txt" 2>&1
-    head -n 40 "$OUT/decode_stalls_${kv}_top.txt"
+      -f -o "/tmp/decode_stalls_$name" python3 bench/kernels.py --ops decode --kv-dtypes "$kv" --iters 3 \
+      --decode-cases "$case"
+    ncu -i "/tmp/decode_stalls_$name.ncu-rep" --page source --csv --print-source sass > "/tmp/decode_stalls_${name}_sass.csv" \
+      2> "$OUT/decode_stalls_${name}_export.err"
+    ncu -i "/tmp/decode_stalls_$name.ncu-rep" --page details --print-details all > "$OUT/decode_stalls_${name}_details.txt" 2>&1
+    gzip -c "/tmp/decode_stalls_${name}_sass.csv" > "$OUT/decode_stalls_${name}_sass.csv.gz"
+    python3 bench/ncu_stalls.py "/tmp/decode_stalls_${name}_sass.csv" > "$OUT/decode_stalls_${name}_top.txt" 2>&1
+    head -n 40 "$OUT/decode_stalls_${name}_top.txt"
   done
 }
 
