@@ -181,22 +181,39 @@ def main() -> int:
         gate.open = stamped(stamps, "opened", gate.open, at_entry=True)
 
     prompts = [[(7 * i + 13 * b) % engine.config.vocab_size for i in range(args.prompt_len)] for b in range(args.batch)]
+    # Decodes go first in a step, so the sequences prefilled early decode while the rest prefill (a step per chunk of
+    # the prompts): their room for that, so that every sequence still has the timed steps' tokens left once all decode
+    # together (with the timed steps' tokens only, 512 prompts of 640 tokens never decoded all at once, and the
+    # prefill loop spun on an empty engine).
+    prefill_steps = -(-args.batch * args.prompt_len // args.max_num_batched_tokens) + 2
+    per_step = 1 + (engine.speculator.config.num_speculative_tokens if engine.speculator is not None else 0)
+    max_tokens = (args.steps + 1 + prefill_steps) * per_step
     step_profile = None
     for run in range(2):  # the first run warms up
         batch_sizes.clear()
         for prompt in prompts:
-            llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True))
+            llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         while not batch_sizes or batch_sizes[-1] != args.batch:  # prefill (eager, chunked) until all decode
+            if not engine.has_unfinished():
+                raise SystemExit(f"profile_step: the {args.batch} sequences never decoded in one step")
             engine.step()
         engine.step()  # (the first decode step's call may still record the prefill's last chunk)
         for values in [*times.values(), *replay_parts.values(), *drafter_parts.values(), stamps, gate_waits]:
             values.clear()  # the decode steps only
         ends.clear()
         if run == 1 and args.verify and args.kernels:
-            step_profile = profiled_steps(engine, ends)
-        while engine.has_unfinished():
+            step_profile = profiled_steps(engine, ends, args.steps)
+        while len(ends) < args.steps and engine.has_unfinished():  # the timed steps: every sequence decodes in each
             engine.step()
             ends.append(time.perf_counter())
+        timed_times = {name: list(values) for name, values in times.items()}
+        timed_replay_parts = {name: list(values) for name, values in replay_parts.items()}
+        timed_drafter_parts = {name: list(values) for name, values in drafter_parts.items()}
+        timed_stamps, timed_gate_waits = list(stamps), list(gate_waits)
+        while engine.has_unfinished():  # the rest, untimed
+            engine.step()
+    times, replay_parts, drafter_parts = timed_times, timed_replay_parts, timed_drafter_parts
+    stamps, gate_waits = timed_stamps, timed_gate_waits
 
     def median_ms(name: str) -> float:
         values = times.get(name, [])
@@ -260,13 +277,13 @@ def main() -> int:
     return 0
 
 
-def profiled_steps(engine, ends: list[float]) -> dict:
-    """Run the engine's remaining steps under torch.profiler: per kernel name, calls and GPU time per step, and the
-    kernels' busy time per step against the step's wall time (FASTQWEN_PDL=0 for durations that add up)."""
+def profiled_steps(engine, ends: list[float], limit: int) -> dict:
+    """Run up to `limit` of the engine's next steps under torch.profiler: per kernel name, calls and GPU time per step,
+    and the kernels' busy time per step against the step's wall time (FASTQWEN_PDL=0 for durations that add up)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        while engine.has_unfinished():
+        while len(ends) < limit and engine.has_unfinished():
             engine.step()
             ends.append(time.perf_counter())
         torch.cuda.synchronize()
