@@ -203,9 +203,11 @@ def main() -> int:
         ends.clear()
         if run == 1 and args.verify and args.kernels:
             step_profile = profiled_steps(engine, ends, args.steps)
+        first_timed = len(batch_sizes)
         while len(ends) < args.steps and engine.has_unfinished():  # the timed steps: every sequence decodes in each
             engine.step()
             ends.append(time.perf_counter())
+        timed_batches = batch_sizes[first_timed:]
         timed_times = {name: list(values) for name, values in times.items()}
         timed_replay_parts = {name: list(values) for name, values in replay_parts.items()}
         timed_drafter_parts = {name: list(values) for name, values in drafter_parts.items()}
@@ -245,6 +247,7 @@ def main() -> int:
         "prompt_tokens": args.prompt_len,
         "batch": args.batch,
         "decode_steps": steps,
+        "decode_batch_min": min(timed_batches, default=0),  # the fewest sequences a timed step launched
         "steps_launched_ahead": engine.num_ahead_steps,
         "steps_launched_early": engine.num_early_launches,  # verify steps launched before step() returned
         "step_ms": statistics.median(gaps) * 1e3,  # median time between the ends of consecutive steps

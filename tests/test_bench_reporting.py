@@ -180,6 +180,21 @@ def test_profile_step_gate_path_by_hand():
     assert path["gpu_wait"] == pytest.approx(50.0) and path["gates"] == 3
 
 
+def test_profile_step_times_steps_that_decode_the_whole_batch(tmp_path):
+    """bench/profile_step.py on a tiny checkpoint on the CPU, 8 prompts of 64 tokens prefilled in chunks of 128 (4
+    prefill steps, during which the sequences prefilled first decode, since decodes go first in a step): it ends, and
+    each of its 2 timed steps decoded all 8 sequences (with room for only the timed steps' tokens, the first
+    sequences finished before the last began to decode, and the run never ended)."""
+    model = str(tmp_path / "model")
+    make_checkpoint(model, tied=False)
+    out = tmp_path / "step.json"
+    args = ["--model", model, "--device", "cpu", "--max-model-len", "512", "--batch", "8", "--prompt-len", "64"]
+    args += ["--steps", "2", "--max-num-batched-tokens", "128", "--json", str(out)]
+    subprocess.run([sys.executable, "profile_step.py", *args], cwd=BENCH, check=True, timeout=240, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["decode_steps"] == 2 and result["decode_batch_min"] == 8
+
+
 def test_kernel_families_of_profiler_names():
     """bench/common.py's kernel_family sorts the names the profiler gives a prefill's kernels (written out here from an
     H100 trace's kinds) into the families latency.py --ttft-profile reports, and family_times sums them."""
