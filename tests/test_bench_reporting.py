@@ -195,6 +195,41 @@ def test_profile_step_times_steps_that_decode_the_whole_batch(tmp_path):
     assert result["decode_steps"] == 2 and result["decode_batch_min"] == 8
 
 
+def test_ab_summary_pairs_the_builds_rows(tmp_path):
+    """bench/ab_summary.py: per decode case and prefill shape found in every run, the medians of our kernel's time
+    over each build's runs and their ratio (figures by hand); a case missing from a run is left out."""
+    from ab_summary import summarize
+
+    def kernels_json(name, decode_us, prefill_us, extra_case=False):
+        decode = [{"op": "paged_attention_decode", "kv_dtype": "fp8", "case": "512:640", "ours_us": decode_us}]
+        if extra_case:
+            decode.append({"op": "paged_attention_decode", "kv_dtype": "fp8", "case": "1:128", "ours_us": 5.0})
+        prefill = [
+            {
+                "op": "paged_attention_prefill",
+                "kv_dtype": "bf16",
+                "batch": 1,
+                "new_tokens": 2048,
+                "prefix": 30720,
+                "ours_us": prefill_us,
+            }
+        ]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"decode": decode, "prefill": prefill}))
+
+    kernels_json("new_1", 200.0, 900.0, extra_case=True)
+    kernels_json("new_2", 230.0, 1000.0)
+    kernels_json("new_3", 190.0, 980.0)
+    kernels_json("base_1", 240.0, 1000.0)
+    kernels_json("base_2", 250.0, 1010.0)
+    kernels_json("base_3", 300.0, 1200.0)
+    table = summarize(tmp_path)
+    assert [(r["case"], r["kv_dtype"]) for r in table] == [("512:640", "fp8"), ("1x2048+30720", "bf16")]
+    decode, prefill = table
+    assert decode["new_us"] == 200.0 and decode["base_us"] == 250.0  # (medians: the means are 206.7 and 263.3)
+    assert decode["new_over_base"] == pytest.approx(0.8)
+    assert prefill["new_us"] == 980.0 and prefill["base_us"] == 1010.0
+
+
 def test_kernel_families_of_profiler_names():
     """bench/common.py's kernel_family sorts the names the profiler gives a prefill's kernels (written out here from an
     H100 trace's kinds) into the families latency.py --ttft-profile reports, and family_times sums them."""
