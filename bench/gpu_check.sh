@@ -663,6 +663,18 @@ decode_setting_check() {  # decode_setting_check NAME MUTANTS SETTING CASE...: t
     --decode-cases "$@" --json "$OUT/decode_$name.json"
 }
 
+decode_steps_in_turns() {  # decode_steps_in_turns NAME FLAG: the engine's decode step (graph replay and engine step,
+  # bench/profile_step.py) without and with FLAG, in turns: bf16 at 256 and FP8 + FP8 KV at 512, 640-token prompts
+  # -> step_bf16_256[_NAME].json, step_fp8kv_512[_NAME].json
+  local name="$1" flag="$2" on step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32)
+  for on in "" "$flag"; do
+    run "step_bf16_256${on:+_$name}" 90 python3 bench/profile_step.py "${step[@]}" --batch 256 --max-num-seqs 256 \
+      $on --json "$OUT/step_bf16_256${on:+_$name}.json"
+    run "step_fp8kv_512${on:+_$name}" 150 python3 bench/profile_step.py "${step[@]}" --batch 512 --quantization fp8 \
+      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $on --json "$OUT/step_fp8kv_512${on:+_$name}.json"
+  done
+}
+
 stage_decodeafresh() {  # issue 47: decode attention's loads running on across a block's work items, tested, then
   # against the pipeline started afresh at each item, in turns: the kernel at batch 1 and at saturated batches
   decode_setting_check afresh decode_q_in_the_next_stage_slot,decode_merge_in_the_stage_loading afresh \
@@ -672,13 +684,7 @@ stage_decodeafresh() {  # issue 47: decode attention's loads running on across a
 stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's loads run on across items and started
   # afresh, in turns: the decode step's graph replay (bf16 at 256, FP8 + FP8 KV at 512, 640-token prompts), then
   # offline throughput (128 / 1,024, 1,024 requests) bf16 at 256 in flight and FP8 + FP8 KV at 512
-  local step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32)
-  for afresh in "" --decode-afresh; do
-    run "step_bf16_256${afresh:+_afresh}" 90 python3 bench/profile_step.py "${step[@]}" --batch 256 --max-num-seqs 256 \
-      $afresh --json "$OUT/step_bf16_256${afresh:+_afresh}.json"
-    run "step_fp8kv_512${afresh:+_afresh}" 90 python3 bench/profile_step.py "${step[@]}" --batch 512 --quantization fp8 \
-      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $afresh --json "$OUT/step_fp8kv_512${afresh:+_afresh}.json"
-  done
+  decode_steps_in_turns afresh --decode-afresh
   local fixed=(--model Qwen3-8B --load-format dummy --workload fixed --num-prompts 1024 --input-len 128 --output-len 1024)
   if [ "${DECODE_AFRESH_BF16_THROUGHPUT:-1}" = 1 ]; then
     for afresh in --decode-afresh ""; do
@@ -697,13 +703,7 @@ stage_itemrecords() {  # issue 47: work items read from the plan's chunk records
   decode_setting_check records \
     decode_item_record_read_for_the_item_itself,decode_item_record_ends_a_tile_early,decode_skips_first_chunk search \
     1:128 1:4160 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200
-  local step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32)
-  for search in "" --decode-search; do
-    run "step_bf16_256${search:+_search}" 90 python3 bench/profile_step.py "${step[@]}" --batch 256 --max-num-seqs 256 \
-      $search --json "$OUT/step_bf16_256${search:+_search}.json"
-    run "step_fp8kv_512${search:+_search}" 150 python3 bench/profile_step.py "${step[@]}" --batch 512 --quantization fp8 \
-      --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 $search --json "$OUT/step_fp8kv_512${search:+_search}.json"
-  done
+  decode_steps_in_turns search --decode-search
 }
 
 stage_abkernels() {  # a kernel change against the code before it: bench/kernels.py's decode rows (AB_DECODE_CASES)

@@ -30,9 +30,9 @@ def attention_kernel_applies(
 
 @dataclass
 class DecodeWorkspace:
-    """Scratch of split-KV decode, allocated once: the plan (chunk offsets per sequence, and room for each chunk's
-    sequence, written on the device by plan_decode: csrc/attention.h) and the chunks' partial outputs and
-    log-sum-exps, for batches of up to max_batch sequences."""
+    """Scratch of split-KV decode, allocated once: the plan (chunk offsets per sequence, then each chunk's record,
+    written on the device by plan_decode: csrc/attention.h) and the chunks' partial outputs and log-sum-exps, for
+    batches of up to max_batch sequences."""
 
     split_offsets: torch.Tensor  # int32 [_plan_ints(max_batch)]: offsets [B + 1], then records (csrc/attention.h)
     part_out: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS, head_dim]
