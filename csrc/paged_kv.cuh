@@ -38,35 +38,66 @@ inline int check_paged_attention(const std::string& op, const PagedAttentionArgs
   return shift;
 }
 
-// Keys [first, first + kKeys) of KV head kvh, K into dk and V into dv (swizzled tiles of kKeys rows of 128 elements:
-// row r's 16-byte chunk c sits at chunk c ^ (r % 8)), by a 128-thread block with cp.async. Tokens at or past `end`,
-// and page ids outside the table or the pool, are zero-filled: masked by the caller anyway, and a zero V row keeps
-// 0 * garbage from making NaN.
-template <int kKeys = kKVTile, typename C>
-__device__ __forceinline__ void load_kv_tile(C* dk, C* dv, const C* k_cache, const C* v_cache, const int* pages,
-                                             int first, int end, int page_shift, int max_pages, int64_t num_pages,
-                                             int num_kv_heads, int kvh, int tid) {
-  constexpr int kPerChunk = 16 / sizeof(C);  // elements per 16-byte chunk
-  constexpr int kChunks = mma::kD / kPerChunk;
+// How load_kv_tile splits a tile of kKeys keys of cache type C over the block: each thread copies kLoads 16-byte
+// chunks of K (and as many of V), chunk c = tid + i * kKVTileThreads of the tile (key c / kChunks).
+template <int kKeys, typename C>
+struct KVTileSplit {
+  static constexpr int kPerChunk = 16 / sizeof(C);  // elements per 16-byte chunk
+  static constexpr int kChunks = mma::kD / kPerChunk;
+  static constexpr int kLoads = kKeys * kChunks / kKVTileThreads;
   static_assert(kKeys * kChunks % kKVTileThreads == 0, "whole chunks per thread");
+};
+
+// The page ids of this thread's keys of the tile [first, first + kKeys) (-1 at or past `end`, or past the table), for
+// copy_kv_tile: a caller may read them a tile ahead of the copies.
+template <int kKeys, typename C>
+__device__ __forceinline__ void kv_tile_page_ids(int (&ids)[KVTileSplit<kKeys, C>::kLoads], const int* pages, int first,
+                                                 int end, int page_shift, int max_pages, int tid) {
+  using Split = KVTileSplit<kKeys, C>;
 #pragma unroll
-  for (int i = 0; i < kKeys * kChunks / kKVTileThreads; ++i) {
-    const int c = tid + i * kKVTileThreads;
-    const int key = c / kChunks, chunk = c % kChunks;
-    const int pos = first + key;
+  for (int i = 0; i < Split::kLoads; ++i) {
+    const int pos = first + (tid + i * kKVTileThreads) / Split::kChunks;
     const int page_index = pos >> page_shift;
-    int page = -1;
-    if (pos < end && page_index < max_pages) page = pages[page_index];
+    ids[i] = pos < end && page_index < max_pages ? pages[page_index] : -1;
+  }
+}
+
+// Keys [first, first + kKeys) of KV head kvh, K into dk and V into dv (swizzled tiles of kKeys rows of 128 elements:
+// row r's 16-byte chunk c sits at chunk c ^ (r % 8)), by a 128-thread block with cp.async, from the page ids
+// kv_tile_page_ids gave. Keys whose page id is negative or outside the pool are zero-filled: masked by the caller
+// anyway, and a zero V row keeps 0 * garbage from making NaN.
+template <int kKeys, typename C>
+__device__ __forceinline__ void copy_kv_tile(C* dk, C* dv, const C* k_cache, const C* v_cache,
+                                             const int (&ids)[KVTileSplit<kKeys, C>::kLoads], int first,
+                                             int page_shift, int64_t num_pages, int num_kv_heads, int kvh, int tid) {
+  using Split = KVTileSplit<kKeys, C>;
+#pragma unroll
+  for (int i = 0; i < Split::kLoads; ++i) {
+    const int c = tid + i * kKVTileThreads;
+    const int key = c / Split::kChunks, chunk = c % Split::kChunks;
+    const int pos = first + key;
+    const int page = ids[i];
     const bool valid = page >= 0 && page < num_pages;
     int64_t offset = 0;
     if (valid) {
       const int64_t slot = (static_cast<int64_t>(page) << page_shift) + (pos & ((1 << page_shift) - 1));
-      offset = (slot * num_kv_heads + kvh) * mma::kD + chunk * kPerChunk;
+      offset = (slot * num_kv_heads + kvh) * mma::kD + chunk * Split::kPerChunk;
     }
-    const int dst = key * mma::kD + ((chunk ^ (key & 7)) * kPerChunk);
+    const int dst = key * mma::kD + ((chunk ^ (key & 7)) * Split::kPerChunk);
     mma::cp_async16(dk + dst, k_cache + offset, valid);
     mma::cp_async16(dv + dst, v_cache + offset, valid);
   }
+}
+
+// The tile's page ids, then its copy (tokens at or past `end`, and page ids outside the table or the pool, are
+// zero-filled).
+template <int kKeys = kKVTile, typename C>
+__device__ __forceinline__ void load_kv_tile(C* dk, C* dv, const C* k_cache, const C* v_cache, const int* pages,
+                                             int first, int end, int page_shift, int max_pages, int64_t num_pages,
+                                             int num_kv_heads, int kvh, int tid) {
+  int ids[KVTileSplit<kKeys, C>::kLoads];
+  kv_tile_page_ids<kKeys, C>(ids, pages, first, end, page_shift, max_pages, tid);
+  copy_kv_tile<kKeys, C>(dk, dv, k_cache, v_cache, ids, first, page_shift, num_pages, num_kv_heads, kvh, tid);
 }
 
 }  // namespace fastqwen
