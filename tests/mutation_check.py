@@ -161,6 +161,19 @@ MUTATIONS = [
         "with pages ahead, the loading threads read the page ids of the tile after the one they copy next",
     ),
     Mutation(
+        "kv_tile_copy_reads_the_next_slot",
+        "csrc/paged_kv.cuh",
+        [
+            (
+                "    const int64_t offset = mad_wide(valid ? page : 0, page_elems, valid ? (pos & slot_mask) * row : 0);",
+                "    const int64_t offset = mad_wide(valid ? page : 0, page_elems, valid ? ((pos + 1) & slot_mask) * row : 0);",
+            )
+        ],
+        DECODE_TESTS,
+        "the K/V tile copy reads each key from the next token's slot of its page",
+        rebuild=("attention_decode.cu", "attention_prefill.cu", "attention_prefill_hopper.cu"),
+    ),
+    Mutation(
         "decode_item_record_ends_a_tile_early",
         DECODE,
         [
