@@ -721,8 +721,9 @@ stage_abkernels() {  # a kernel change against the code before it: bench/kernels
 
 stage_pagesahead() {  # issue 47: decode attention reading each tile's page ids one slot before its copies (off by
   # default), tested, then against the default, in turns: the kernel (batch 1 and saturated rows)
-  decode_setting_check pages_ahead \
-    decode_pages_ahead_for_the_tile_after,decode_item_record_read_for_the_item_itself,kv_tile_copy_reads_the_next_slot \
+  local mutants=decode_pages_ahead_for_the_tile_after,decode_item_record_read_for_the_item_itself
+  mutants+=,kv_tile_copy_reads_the_next_slot,e4m3_high_pair_from_the_low_bytes
+  decode_setting_check pages_ahead "$mutants" \
     pagesahead 1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200
 }
 

@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
               for (int nt = 0; nt < 2; ++nt) {
                 const unsigned x = r[2 * h + nt];
-                Mma<M>::run(s[step * 2 + nt], a, fp8x2_to_half2(x), fp8x2_to_half2(x >> 16));
+                Mma<M>::run(s[step * 2 + nt], a, e4m3x2_lo(x), e4m3x2_hi(x));
               }
             }
           }
@@ -492,8 +492,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
               const int blk = jj * 2 + h;
               const unsigned lo_keys = __byte_perm(r[2 * h], 0u, 0x3120);      // keys 2c, 2c + 1
               const unsigned hi_keys = __byte_perm(r[2 * h + 1], 0u, 0x3120);  // keys 2c + 8, 2c + 9
-              Mma<M>::run(o[2 * blk], pa, fp8x2_to_half2(lo_keys), fp8x2_to_half2(hi_keys));
-              Mma<M>::run(o[2 * blk + 1], pa, fp8x2_to_half2(lo_keys >> 16), fp8x2_to_half2(hi_keys >> 16));
+              Mma<M>::run(o[2 * blk], pa, e4m3x2_lo(lo_keys), e4m3x2_lo(hi_keys));
+              Mma<M>::run(o[2 * blk + 1], pa, e4m3x2_hi(lo_keys), e4m3x2_hi(hi_keys));
             }
           }
         }

@@ -1125,9 +1125,13 @@ MUTATIONS += [
                 '  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(out) : "r"(bits));',
             )
         ],
-        ["tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]"],
-        "e4m3x2_hi converts the low two bytes: the tensor-core FP8 GEMV uses half of each word's weights twice",
-        rebuild=("gemv_tc.cu",),
+        [
+            "tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]",
+            "tests/test_fp8_kv_gpu.py::test_decode_fp8[16-4-dtype0]",
+        ],
+        "e4m3x2_hi converts the low two bytes: the tensor-core FP8 GEMV uses half of each word's weights twice, and "
+        "decode attention half of each FP8 K and V word",
+        rebuild=("gemv_tc.cu", "attention_decode.cu"),
     ),
     Mutation(
         "e4m3_bf16_high_pair_swapped",
