@@ -50,6 +50,10 @@ bool g_prefetch_next = true;
 // dependent load, then the offsets, the length and the page ids), in turns: 1.0-2.3% faster from 64 sequences up
 // (bf16 512 x 640: 454.0 against 460.1 us; FP8 pool 237.5 against 242.2), level at one sequence.
 bool g_item_records = true;
+// Whether the loading threads read a tile's page ids one slot before its copies
+// (set_paged_attention_decode_pages_ahead; off until measured: Nsight Compute put 5-8% of the FP8 kernel's stall
+// samples at 512 x 640 on the page ids' loads, which each tile's copies wait for).
+bool g_pages_ahead = false;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The split limit set for benchmarks (set_paged_attention_decode_max_splits), or 0: decode_split_rule's.
@@ -154,6 +158,7 @@ struct Params {
   SplitRule split_rule;  // as the plan was made with
   bool plan_fresh;   // DecodeArgs::plan_fresh
   bool prefetch_next;  // the pipeline runs on into the next item (else it starts afresh at each item)
+  bool pages_ahead;    // each tile's page ids read one slot before its copies (g_pages_ahead)
 };
 
 // One work item: a chunk of sequence b, for KV head kvh.
@@ -261,12 +266,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   Item first{};
   // With records, the loading threads hold the record of the item after the one they load (read one item ahead, so
   // that moving on to an item waits for no load: its record came while the item before was computed).
+  // (The index is clamped, not the load made conditional: a conditional load's result is merged into next_rec at
+  // once, which waits for it; Nsight Compute put 5.6% of the FP8 kernel's stall samples there.)
   int4 next_rec{};
-  if (p.chunk_rec != nullptr && blockIdx.x + gridDim.x < total_items) {
-    next_rec = p.chunk_rec[(blockIdx.x + gridDim.x) / p.num_kv_heads];
-  }
+  if (p.chunk_rec != nullptr) next_rec = p.chunk_rec[min(blockIdx.x + gridDim.x, total_items - 1) / p.num_kv_heads];
+  // With pages_ahead, the page ids of the tile the next issue_load copies (this thread's keys of it).
+  int tile_pages[KVTileSplit<kTile, C>::kLoads];
   if (blockIdx.x < total_items) {
     first = item_of(p, blockIdx.x, kTile);
+    if (p.pages_ahead && first.n_tiles > 0) {
+      kv_tile_page_ids<kTile, C>(tile_pages, first.pages, first.start, first.end, p.page_shift, p.max_pages, tid);
+    }
     const int head = min(first.end, first.start + (kStages - 1) * kTile);  // the prologue's tokens
     const int lo_page = first.start >> p.page_shift;
     const int n_pages = head > first.start ? ((head - 1) >> p.page_shift) - lo_page + 1 : 0;
@@ -305,8 +315,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       }
       if (load_t < load_it.n_tiles) {
         C* dk = sKV + stage * S::kStageElems;
-        load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
-                            load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
+        if (p.pages_ahead) {
+          copy_kv_tile<kTile, C>(dk, dk + kTile * kD, k_cache, v_cache, tile_pages, load_it.start + load_t * kTile,
+                                 p.page_shift, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
+        } else {
+          load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
+                              load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
+        }
       }
       ++load_slot;
       if (++load_t >= max(1, load_it.n_tiles)) {
@@ -315,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         if (load_item < total_items) {
           if (p.chunk_rec != nullptr) {
             load_it = item_of_record(p, load_item, next_rec, kTile);
-            if (load_item + gridDim.x < total_items) next_rec = p.chunk_rec[(load_item + gridDim.x) / p.num_kv_heads];
+            next_rec = p.chunk_rec[min(load_item + gridDim.x, total_items - 1) / p.num_kv_heads];
             // its first tile's page ids into L1 while this slot is computed (the next call loads that tile)
             if (tid == 0 && load_it.n_tiles > 0 && (load_it.start >> p.page_shift) < p.max_pages) {
               asm volatile("prefetch.global.L1 [%0];" ::"l"(load_it.pages + (load_it.start >> p.page_shift)));
@@ -324,6 +339,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
             load_it = item_of(p, load_item, kTile);
           }
         }
+      }
+      if (p.pages_ahead && load_item < total_items && load_t < load_it.n_tiles) {  // the next copies' page ids
+        kv_tile_page_ids<kTile, C>(tile_pages, load_it.pages, load_it.start + load_t * kTile, load_it.end,
+                                   p.page_shift, p.max_pages, tid);
       }
     }
     cp_async_commit();  // (one group a call, empty or not: the waits count groups)
@@ -402,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
               for (int nt = 0; nt < 2; ++nt) {
                 const unsigned x = r[2 * h + nt];
-                Mma<M>::run(s[step * 2 + nt], a, fp8x2_to_half2(x), fp8x2_to_half2(x >> 16));
+                Mma<M>::run(s[step * 2 + nt], a, e4m3x2_lo(x), e4m3x2_hi(x));
               }
             }
           }
@@ -473,8 +492,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
               const int blk = jj * 2 + h;
               const unsigned lo_keys = __byte_perm(r[2 * h], 0u, 0x3120);      // keys 2c, 2c + 1
               const unsigned hi_keys = __byte_perm(r[2 * h + 1], 0u, 0x3120);  // keys 2c + 8, 2c + 9
-              Mma<M>::run(o[2 * blk], pa, fp8x2_to_half2(lo_keys), fp8x2_to_half2(hi_keys));
-              Mma<M>::run(o[2 * blk + 1], pa, fp8x2_to_half2(lo_keys >> 16), fp8x2_to_half2(hi_keys >> 16));
+              Mma<M>::run(o[2 * blk], pa, e4m3x2_lo(lo_keys), e4m3x2_lo(hi_keys));
+              Mma<M>::run(o[2 * blk + 1], pa, e4m3x2_hi(lo_keys), e4m3x2_hi(hi_keys));
             }
           }
         }
@@ -657,6 +676,8 @@ void set_paged_attention_decode_prefetch_next(bool prefetch_next) { g_prefetch_n
 
 void set_paged_attention_decode_item_records(bool item_records) { g_item_records = item_records; }
 
+void set_paged_attention_decode_pages_ahead(bool pages_ahead) { g_pages_ahead = pages_ahead; }
+
 void paged_attention_decode(const DecodeArgs& a) {
   const std::string op = "paged_attention_decode: ";
   const int shift = check_paged_attention(op, a);
@@ -685,7 +706,8 @@ void paged_attention_decode(const DecodeArgs& a) {
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next};
+           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next,
+           g_pages_ahead};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

@@ -122,8 +122,8 @@ MUTATIONS = [
         DECODE,
         [
             (
-                "           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next};",
-                "           g_min_chunk[fp8 ? 1 : 0], SplitRule{kDecodeMaxSplits, 0}, a.plan_fresh, g_prefetch_next};",
+                "           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next,",
+                "           g_min_chunk[fp8 ? 1 : 0], SplitRule{kDecodeMaxSplits, 0}, a.plan_fresh, g_prefetch_next,",
             )
         ],
         [
@@ -137,14 +137,41 @@ MUTATIONS = [
         DECODE,
         [
             (
-                "            if (load_item + gridDim.x < total_items) next_rec = p.chunk_rec[(load_item + gridDim.x) / p.num_kv_heads];",
-                "            if (load_item + gridDim.x < total_items) next_rec = p.chunk_rec[load_item / p.num_kv_heads];",
+                "            next_rec = p.chunk_rec[min(load_item + gridDim.x, total_items - 1) / p.num_kv_heads];",
+                "            next_rec = p.chunk_rec[min(load_item, total_items - 1) / p.num_kv_heads];",
             )
         ],
         [
             "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_the_search",
         ],
         "the loading threads read the record of the item they move on to, not of the one after it",
+    ),
+    Mutation(
+        "decode_pages_ahead_for_the_tile_after",
+        DECODE,
+        [
+            (
+                "        kv_tile_page_ids<kTile, C>(tile_pages, load_it.pages, load_it.start + load_t * kTile, load_it.end,",
+                "        kv_tile_page_ids<kTile, C>(tile_pages, load_it.pages, load_it.start + (load_t + 1) * kTile, load_it.end,",
+            )
+        ],
+        [
+            "tests/test_attention_gpu.py::test_decode_with_pages_ahead_is_bitwise_without",
+        ],
+        "with pages ahead, the loading threads read the page ids of the tile after the one they copy next",
+    ),
+    Mutation(
+        "kv_tile_copy_reads_the_next_slot",
+        "csrc/paged_kv.cuh",
+        [
+            (
+                "    const int64_t offset = mad_wide(valid ? page : 0, page_elems, valid ? (pos & slot_mask) * row : 0);",
+                "    const int64_t offset = mad_wide(valid ? page : 0, page_elems, valid ? ((pos + 1) & slot_mask) * row : 0);",
+            )
+        ],
+        DECODE_TESTS,
+        "the K/V tile copy reads each key from the next token's slot of its page",
+        rebuild=("attention_decode.cu", "attention_prefill.cu", "attention_prefill_hopper.cu"),
     ),
     Mutation(
         "decode_item_record_ends_a_tile_early",
@@ -1098,9 +1125,13 @@ MUTATIONS += [
                 '  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(out) : "r"(bits));',
             )
         ],
-        ["tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]"],
-        "e4m3x2_hi converts the low two bytes: the tensor-core FP8 GEMV uses half of each word's weights twice",
-        rebuild=("gemv_tc.cu",),
+        [
+            "tests/test_gemv_gpu.py::test_gemv_matches_reference_on_qwen3_shapes[Qwen3-0.6B-fp8]",
+            "tests/test_fp8_kv_gpu.py::test_decode_fp8[16-4-dtype0]",
+        ],
+        "e4m3x2_hi converts the low two bytes: the tensor-core FP8 GEMV uses half of each word's weights twice, and "
+        "decode attention half of each FP8 K and V word",
+        rebuild=("gemv_tc.cu", "attention_decode.cu"),
     ),
     Mutation(
         "e4m3_bf16_high_pair_swapped",
