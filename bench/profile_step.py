@@ -122,14 +122,17 @@ def main() -> int:
     in_launch = [False]  # runner.launch calls launch_replay: its time is launch's, not replay's
 
     def launch_recording(scheduled, after=None):
-        if after is None:  # (a verify step decodes too: one new token a sequence, and its drafts)
-            decoding = all(c.end - c.start == 1 for c in scheduled.chunks)
-            batch_sizes.append(len(scheduled.chunks) if decoding else -1)
         in_launch[0] = True
         try:
-            return launch(scheduled, after)
+            launched = launch(scheduled, after)
         finally:
             in_launch[0] = False
+        # A step launched ahead (after=) counts too: under overlap every decode step is; None is one not launched
+        # (the engine launches it later by itself). A verify step decodes too: one new token a sequence, its drafts.
+        if launched is not None:
+            decoding = all(c.end - c.start == 1 for c in scheduled.chunks)
+            batch_sizes.append(len(scheduled.chunks) if decoding else -1)
+        return launched
 
     launch_replay = runner.launch_replay
 
