@@ -58,11 +58,6 @@ def add_decode_attention_options(parser) -> None:
         help="decode attention starts each work item's pipeline afresh (not run on from the item before), for comparison",
     )
     parser.add_argument(
-        "--decode-pages-ahead",
-        action="store_true",
-        help="decode attention reads each tile's page ids one slot before its copies",
-    )
-    parser.add_argument(
         "--decode-search",
         action="store_true",
         help="decode attention searches the chunk offsets for each work item (not the plan's chunk records), for "
@@ -79,8 +74,6 @@ def apply_decode_attention_options(args) -> None:
         native().set_paged_attention_decode_prefetch_next(False)
     if args.decode_search:
         native().set_paged_attention_decode_item_records(False)
-    if args.decode_pages_ahead:
-        native().set_paged_attention_decode_pages_ahead(True)
     if args.decode_max_splits:
         native().set_paged_attention_decode_max_splits(args.decode_max_splits)
     if args.decode_min_chunk:

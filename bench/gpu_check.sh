@@ -77,10 +77,6 @@
 #   abkernels  bench/kernels.py's decode rows with this tree's build and with a build of AB_BASE (default ab_base/: an
 #            untracked source tree, `git archive <ref> python csrc CMakeLists.txt pyproject.toml | tar -x -C ab_base`),
 #            AB_ROUNDS (2) runs each in turns, side by side in ab_summary.json (bench/ab_builds.sh, bench/ab_summary.py)
-#   pagesahead  decode attention reading each tile's page ids one slot before its copies (off by default): its GPU
-#            tests and mutants (with the record read's, whose line moved), the kernel against the default, in turns
-#   pagesaheadsteps  the engine's decode steps with the page ids read a slot ahead and without, in turns, twice (bf16
-#            at 256, FP8 + FP8 KV at 512, 640-token prompts; bench/profile_step.py)
 #   minchunk  bf16 decode attention's shortest chunk MIN_CHUNK (default 512) against the kernel's 256, in turns: batch-1
 #            steps at 1k and 4k of context (bench/leave_out.py), the batch-256 step, offline throughput at 256 (issue 47)
 #   decodestalls  Nsight Compute's warp-stall samples of the decode attention kernel at 512 x 640, bf16 and FP8 pools
@@ -721,24 +717,6 @@ stage_abkernels() {  # a kernel change against the code before it: bench/kernels
   python3 bench/ab_summary.py "$OUT/ab" --json "$OUT/ab_summary.json" || bench_rc=1
 }
 
-stage_pagesahead() {  # issue 47: decode attention reading each tile's page ids one slot before its copies (off by
-  # default), tested, then against the default, in turns: the kernel (batch 1 and saturated rows)
-  local mutants=decode_pages_ahead_for_the_tile_after,decode_item_record_read_for_the_item_itself
-  mutants+=,kv_tile_copy_reads_the_next_slot,e4m3_high_pair_from_the_low_bytes
-  decode_setting_check pages_ahead "$mutants" \
-    pagesahead 1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200
-}
-
-stage_pagesaheadsteps() {  # issue 47: the kernel rows' 0-2% from page ids read ahead, in the engine's decode steps
-  local round out="$OUT"
-  for round in 1 2; do  # each round's files in their own folder: the runs without the flag have no name of their own
-    OUT="$out/round_$round"
-    mkdir -p "$OUT"
-    decode_steps_in_turns pages_ahead --decode-pages-ahead
-  done
-  OUT="$out"
-}
-
 stage_minchunk() {  # issue 47: bf16 decode attention with 512-token chunks (MIN_CHUNK) against the default 256, in
   # turns: batch-1 steps at 1k and 4k of context (the cost: fewer chunks, fewer SMs), the batch-256 step (640-token
   # prompts) and offline throughput at 256 in flight (the gain the kernel rows promise: 9% at 256 and 512 x 640)
@@ -804,7 +782,7 @@ for stage in $STAGES; do
     tests3) stage_tests 3 ;;
     tests4) stage_tests 4 ;;
     gputests) stage_gputests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|itemrecords|abkernels|pagesahead|pagesaheadsteps|minchunk|decodestalls|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|itemrecords|abkernels|minchunk|decodestalls|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

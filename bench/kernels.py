@@ -239,7 +239,6 @@ DECODE_SETTINGS = {
     "afresh": ("set_paged_attention_decode_prefetch_next", False, True),  # each item's pipeline started afresh
     "search": ("set_paged_attention_decode_item_records", False, True),  # each item searched in the offsets
     "splits32": ("set_paged_attention_decode_max_splits", 32, 0),  # up to 32 chunks a sequence, not SMs / KV heads
-    "pagesahead": ("set_paged_attention_decode_pages_ahead", True, False),  # page ids read a slot before the copies
 }
 
 

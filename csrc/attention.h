@@ -82,11 +82,6 @@ void set_paged_attention_decode_prefetch_next(bool prefetch_next);
 // results are the same bit for bit.
 void set_paged_attention_decode_item_records(bool item_records);
 
-// Whether the decode kernel's loading threads read each tile's page ids one slot before its copies (in registers,
-// while the slot before is computed), or right before them (the default until measured), for benchmarks and tests.
-// The results are the same bit for bit.
-void set_paged_attention_decode_pages_ahead(bool pages_ahead);
-
 // Several query tokens per sequence (prefill, or extend after a cached prefix), varlen-packed: sequence b's tokens
 // are rows query_start[b] .. query_start[b + 1] (int32 [B + 1]) of q, the last tokens of its kv_lens[b] cached tokens
 // (already written to the cache), so the causal mask is aligned to the end. max_query_len bounds query_start[b + 1]

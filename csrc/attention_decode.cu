@@ -50,10 +50,6 @@ bool g_prefetch_next = true;
 // dependent load, then the offsets, the length and the page ids), in turns: 1.0-2.3% faster from 64 sequences up
 // (bf16 512 x 640: 454.0 against 460.1 us; FP8 pool 237.5 against 242.2), level at one sequence.
 bool g_item_records = true;
-// Whether the loading threads read a tile's page ids one slot before its copies
-// (set_paged_attention_decode_pages_ahead; off until measured: Nsight Compute put 5-8% of the FP8 kernel's stall
-// samples at 512 x 640 on the page ids' loads, which each tile's copies wait for).
-bool g_pages_ahead = false;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The split limit set for benchmarks (set_paged_attention_decode_max_splits), or 0: decode_split_rule's.
@@ -158,7 +154,6 @@ struct Params {
   SplitRule split_rule;  // as the plan was made with
   bool plan_fresh;   // DecodeArgs::plan_fresh
   bool prefetch_next;  // the pipeline runs on into the next item (else it starts afresh at each item)
-  bool pages_ahead;    // each tile's page ids read one slot before its copies (g_pages_ahead)
 };
 
 // One work item: a chunk of sequence b, for KV head kvh.
@@ -270,13 +265,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   // once, which waits for it; Nsight Compute put 5.6% of the FP8 kernel's stall samples there.)
   int4 next_rec{};
   if (p.chunk_rec != nullptr) next_rec = p.chunk_rec[min(blockIdx.x + gridDim.x, total_items - 1) / p.num_kv_heads];
-  // With pages_ahead, the page ids of the tile the next issue_load copies (this thread's keys of it).
-  int tile_pages[KVTileSplit<kTile, C>::kLoads];
   if (blockIdx.x < total_items) {
     first = item_of(p, blockIdx.x, kTile);
-    if (p.pages_ahead && first.n_tiles > 0) {
-      kv_tile_page_ids<kTile, C>(tile_pages, first.pages, first.start, first.end, p.page_shift, p.max_pages, tid);
-    }
     const int head = min(first.end, first.start + (kStages - 1) * kTile);  // the prologue's tokens
     const int lo_page = first.start >> p.page_shift;
     const int n_pages = head > first.start ? ((head - 1) >> p.page_shift) - lo_page + 1 : 0;
@@ -315,13 +305,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       }
       if (load_t < load_it.n_tiles) {
         C* dk = sKV + stage * S::kStageElems;
-        if (p.pages_ahead) {
-          copy_kv_tile<kTile, C>(dk, dk + kTile * kD, k_cache, v_cache, tile_pages, load_it.start + load_t * kTile,
-                                 p.page_shift, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
-        } else {
-          load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
-                              load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
-        }
+        load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
+                            load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
       }
       ++load_slot;
       if (++load_t >= max(1, load_it.n_tiles)) {
@@ -339,10 +324,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
             load_it = item_of(p, load_item, kTile);
           }
         }
-      }
-      if (p.pages_ahead && load_item < total_items && load_t < load_it.n_tiles) {  // the next copies' page ids
-        kv_tile_page_ids<kTile, C>(tile_pages, load_it.pages, load_it.start + load_t * kTile, load_it.end,
-                                   p.page_shift, p.max_pages, tid);
       }
     }
     cp_async_commit();  // (one group a call, empty or not: the waits count groups)
@@ -676,8 +657,6 @@ void set_paged_attention_decode_prefetch_next(bool prefetch_next) { g_prefetch_n
 
 void set_paged_attention_decode_item_records(bool item_records) { g_item_records = item_records; }
 
-void set_paged_attention_decode_pages_ahead(bool pages_ahead) { g_pages_ahead = pages_ahead; }
-
 void paged_attention_decode(const DecodeArgs& a) {
   const std::string op = "paged_attention_decode: ";
   const int shift = check_paged_attention(op, a);
@@ -706,8 +685,7 @@ void paged_attention_decode(const DecodeArgs& a) {
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,
            static_cast<float>(a.scale * (fp8 ? a.k_scale : 1.0)) * kLog2e, static_cast<float>(fp8 ? a.v_scale : 1.0),
-           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next,
-           g_pages_ahead};
+           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next};
   auto s = reinterpret_cast<cudaStream_t>(a.stream);
   FASTQWEN_DISPATCH_DTYPE("paged_attention_decode: ", a.dtype, kHalfTypes, T,
                           fp8 ? launch<T, Fp8E4M3>(p, s) : launch<T, T>(p, s));

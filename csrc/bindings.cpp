@@ -440,10 +440,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("item_records"),
         "The decode plan also writes each chunk's record, read one item ahead by the kernel (default), or the kernel "
         "searches the chunk offsets for each item, for benchmarks and tests (set before planning).");
-  m.def("set_paged_attention_decode_pages_ahead", &fastqwen::set_paged_attention_decode_pages_ahead,
-        py::arg("pages_ahead"),
-        "The decode kernel reads each tile's page ids one slot before its copies (off by default), for benchmarks "
-        "and tests.");
   m.def("paged_attention_decode_max_splits", &fastqwen::decode_max_splits, py::arg("num_kv_heads"),
         "The most chunks decode cuts a sequence into on the current GPU (SMs / num_kv_heads, at most "
         "DECODE_MAX_SPLITS, unless set_paged_attention_decode_max_splits set a number).");

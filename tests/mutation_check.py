@@ -122,8 +122,8 @@ MUTATIONS = [
         DECODE,
         [
             (
-                "           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next,",
-                "           g_min_chunk[fp8 ? 1 : 0], SplitRule{kDecodeMaxSplits, 0}, a.plan_fresh, g_prefetch_next,",
+                "           g_min_chunk[fp8 ? 1 : 0], decode_split_rule(a.num_kv_heads), a.plan_fresh, g_prefetch_next};",
+                "           g_min_chunk[fp8 ? 1 : 0], SplitRule{kDecodeMaxSplits, 0}, a.plan_fresh, g_prefetch_next};",
             )
         ],
         [
@@ -145,20 +145,6 @@ MUTATIONS = [
             "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_the_search",
         ],
         "the loading threads read the record of the item they move on to, not of the one after it",
-    ),
-    Mutation(
-        "decode_pages_ahead_for_the_tile_after",
-        DECODE,
-        [
-            (
-                "        kv_tile_page_ids<kTile, C>(tile_pages, load_it.pages, load_it.start + load_t * kTile, load_it.end,",
-                "        kv_tile_page_ids<kTile, C>(tile_pages, load_it.pages, load_it.start + (load_t + 1) * kTile, load_it.end,",
-            )
-        ],
-        [
-            "tests/test_attention_gpu.py::test_decode_with_pages_ahead_is_bitwise_without",
-        ],
-        "with pages ahead, the loading threads read the page ids of the tile after the one they copy next",
     ),
     Mutation(
         "kv_tile_copy_reads_the_next_slot",

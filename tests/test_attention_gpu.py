@@ -264,17 +264,6 @@ def test_decode_with_item_records_is_bitwise_the_search(fp8, group):
     decode_bitwise_both_ways(lens, group, 29 + group, fp8, "set_paged_attention_decode_item_records", default=True)
 
 
-@pytest.mark.parametrize("fp8, group", [(False, 4), (True, 8)])
-def test_decode_with_pages_ahead_is_bitwise_without(fp8, group):
-    """Each tile's page ids read one slot before its copies, against right before them: bit for bit, over 700
-    sequences (items of one to many tiles, empty ones, the first tile of each block's next item), every output
-    written."""
-    gen = random.Random(31 + group)
-    lens = [gen.choice([0, 1, 17, 64, 129, 300, 1300, 5000, 9000]) for _ in range(300)]
-    lens += [gen.randint(1, 1300) for _ in range(400)]
-    decode_bitwise_both_ways(lens, group, 37 + group, fp8, "set_paged_attention_decode_pages_ahead", default=False)
-
-
 def test_decode_bad_arguments():
     q, k, v, table, lens = make_case(2, 2, 4, 16, [5, 9], torch.bfloat16, seed=1)
     out = torch.empty_like(q)
