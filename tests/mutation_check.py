@@ -147,6 +147,29 @@ MUTATIONS = [
         "the loading threads read the record of the item they move on to, not of the one after it",
     ),
     Mutation(
+        "decode_running_max_stays_at_the_first_tiles",
+        DECODE,
+        [
+            (
+                "        if (__any_sync(0xffffffffu, m_tile > m_run[h] + kRescaleSlack)) {",
+                "        if (__any_sync(0xffffffffu, m_run[h] == -INFINITY && m_tile > m_run[h])) {",
+            )
+        ],
+        [
+            "tests/test_attention_gpu.py::test_decode_running_max_grows_along_the_keys",
+        ],
+        "the running max is set by a row's first keys and never moves: later, larger scores overflow the weights",
+    ),
+    Mutation(
+        "decode_rescale_leaves_the_sum",
+        DECODE,
+        [("          l_run[h] *= alpha;\n", "")],
+        [
+            "tests/test_attention_gpu.py::test_decode_running_max_grows_along_the_keys",
+        ],
+        "when the running max moves, the output accumulators are rescaled but the running sum is not",
+    ),
+    Mutation(
         "kv_tile_copy_reads_the_next_slot",
         "csrc/paged_kv.cuh",
         [

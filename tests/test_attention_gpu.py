@@ -38,6 +38,7 @@ from fastqwen.ops.attention import (
     prefill_uses_hopper_kernel,
     set_hopper_prefill,
 )
+from fastqwen.ops.kv_fp8 import quantize_kv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -124,6 +125,36 @@ def test_decode_is_batch_invariant():
     order = list(reversed(range(len(lens))))
     reordered = check(q[order], k, v, table[order], kv_lens[order])
     assert torch.equal(reordered, together[order])
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("growth", [3.0, 24.0])
+def test_decode_running_max_grows_along_the_keys(kv, growth):
+    """Scores that grow along each sequence by `growth` (log2 units) every 64 keys for a group's first head, so that
+    each warp's running max lags its new keys: by less than the kernel's rescale slack of 8 (3: the max stays behind
+    for several tiles and the weights exceed 1) or by more at every tile (24: it moves at each). Hundreds of log2
+    units in all: a kernel that stopped moving the max overflows, and one that moved it without rescaling the sum or
+    the output scales them wrong by the number of tiles. Against the float32 reference over the same pool, 8 unit
+    roundoffs of each row's scale."""
+    dtype = torch.float16 if kv == "fp16" else torch.bfloat16
+    lens = [1000, 3000, 130, 64, 4097]
+    group, scale = 4, 128**-0.5
+    q, k, v, table, kv_lens = make_case(len(lens), 2, group, 16, lens, dtype, seed=int(growth))
+    for b, n in enumerate(lens):
+        pos = torch.arange(n, device="cuda")
+        pages, slots = table[b, pos // 16].long(), pos % 16
+        for h in range(2):
+            q0 = q[b, h * group].float()
+            # q0 . k_j = growth * j / 64 log2 units of the kernel's scores (scale * log2(e) each)
+            coeff = growth * pos.float() / 64 / (scale * math.log2(math.e) * q0.dot(q0))
+            k[pages, slots, h] = (coeff[:, None] * q0).to(dtype)
+    if kv == "fp8":
+        k, v = quantize_kv(k, 1.0), quantize_kv(v, 1.0)  # (|k| stays under e4m3's 448)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_decode(q, k, v, table, kv_lens, scale, out)
+    assert torch.isfinite(out).all(), "overflowed or unwritten output"
+    want = paged_attention_decode_reference(q, k, v, table, kv_lens, scale)
+    assert_within_scale(out, want, 8 * unit_roundoff(dtype), f"decode, scores growing by {growth} every 64 keys")
 
 
 def test_decode_shared_workspace_planned_once():
