@@ -51,8 +51,6 @@ bool g_prefetch_next = true;
 // (bf16 512 x 640: 454.0 against 460.1 us; FP8 pool 237.5 against 242.2), level at one sequence.
 bool g_item_records = true;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
-// How far (log2 units) a row's scores may outgrow the running max before it moves (and the output is rescaled).
-constexpr float kRescaleSlack = 8.0f;
 
 // The split limit set for benchmarks (set_paged_attention_decode_max_splits), or 0: decode_split_rule's.
 int g_max_splits = 0;
@@ -411,48 +409,41 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         }
       }
       const int key0 = start + t * kTile + warp * S::kWarpKeys;
-      const bool partial = key0 + S::kWarpKeys > end;  // (only an item's last tile reaches past its end: warp-uniform)
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
-        float mx = -INFINITY;  // of the raw scores: scale_log2 > 0 keeps their order
+        float mx = -INFINITY;
 #pragma unroll
         for (int ni = 0; ni < 2 * S::kSteps; ++ni) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            if (partial && key0 + ni * 8 + (lane & 3) * 2 + e >= end) s[ni][h * 2 + e] = -INFINITY;
-            mx = fmaxf(mx, s[ni][h * 2 + e]);
+            float x = s[ni][h * 2 + e] * p.scale_log2;
+            if (key0 + ni * 8 + (lane & 3) * 2 + e >= end) x = -INFINITY;
+            s[ni][h * 2 + e] = x;
+            mx = fmaxf(mx, x);
           }
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // The running max moves only when some row of the warp outgrows it by more than kRescaleSlack: the weights
-        // stay below 2^kRescaleSlack (in range for P's fp16 / bf16, exact to the same relative rounding), and most
-        // tiles skip the output accumulators' rescale. The output is m, l and o of one and the same max, so which max
-        // it is does not matter to the merges.
-        const float m_tile = mx * p.scale_log2;
-        if (__any_sync(0xffffffffu, m_tile > m_run[h] + kRescaleSlack)) {
-          const float m_new = fmaxf(m_run[h], m_tile);
-          const float alpha = fast_exp2(m_run[h] - (m_new == -INFINITY ? 0.0f : m_new));
-          m_run[h] = m_new;
-          l_run[h] *= alpha;
-#pragma unroll
-          for (int d = 0; d < 16; ++d) {
-            o[d][h * 2] *= alpha;
-            o[d][h * 2 + 1] *= alpha;
-          }
-        }
-        const float m_use = m_run[h] == -INFINITY ? 0.0f : m_run[h];  // (a row with no key yet: every weight 0)
+        const float m_new = fmaxf(m_run[h], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = fast_exp2(m_run[h] - m_use);
+        m_run[h] = m_new;
         float sum = 0.0f;
 #pragma unroll
         for (int ni = 0; ni < 2 * S::kSteps; ++ni) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float pv = fast_exp2(fmaf(s[ni][h * 2 + e], p.scale_log2, -m_use));
+            const float pv = fast_exp2(s[ni][h * 2 + e] - m_use);
             s[ni][h * 2 + e] = pv;
             sum += pv;
           }
         }
-        l_run[h] += sum;
+        l_run[h] = l_run[h] * alpha + sum;
+#pragma unroll
+        for (int d = 0; d < 16; ++d) {
+          o[d][h * 2] *= alpha;
+          o[d][h * 2 + 1] *= alpha;
+        }
       }
 #pragma unroll
       for (int step = 0; step < S::kSteps; ++step) {
