@@ -131,11 +131,10 @@ def test_decode_is_batch_invariant():
 @pytest.mark.parametrize("growth", [3.0, 24.0])
 def test_decode_running_max_grows_along_the_keys(kv, growth):
     """Scores that grow along each sequence by `growth` (log2 units) every 64 keys for a group's first head, so that
-    each warp's running max lags its new keys: by less than the kernel's rescale slack of 8 (3: the max stays behind
-    for several tiles and the weights exceed 1) or by more at every tile (24: it moves at each). Hundreds of log2
-    units in all: a kernel that stopped moving the max overflows, and one that moved it without rescaling the sum or
-    the output scales them wrong by the number of tiles. Against the float32 reference over the same pool, 8 unit
-    roundoffs of each row's scale."""
+    each warp's running max moves at every tile, by a little (3) or a lot (24): random scores move it almost only at
+    a row's first tile. Hundreds of log2 units in all: a kernel that stopped moving the max overflows, and one that
+    moved it without rescaling the sum or the output scales them wrong by about the number of tiles. Against the
+    float32 reference over the same pool, 8 unit roundoffs of each row's scale."""
     dtype = torch.float16 if kv == "fp16" else torch.bfloat16
     lens = [1000, 3000, 130, 64, 4097]
     group, scale = 4, 128**-0.5
