@@ -370,7 +370,7 @@ def main() -> int:
         FRONTEND_RATE_MAX_BATCH=str(args.max_batch),
         FRONTEND_RATE_PROFILE=args.profile or "",
     )
-    max_len = max(4096, max(args.ttft_lens or [0]) + 64)
+    max_len = max(4096, max(args.ttft_lens or [0]) + 64, args.input_len + args.output_len + 64)  # (prompts: about)
     serve_args = ["--model", args.model, "--load-format", "dummy", "--port", str(port), "--max-model-len", str(max_len)]
     if args.replicas > 1:
         serve_args += ["--dp", str(args.replicas)]

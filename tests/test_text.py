@@ -216,6 +216,39 @@ def test_llm_chat_uses_the_template(tmp_path):
     assert via_chat.token_ids == via_text.token_ids
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_late_in_a_long_stream_with_deltas_taken_at_random(byte_tokenizer, include):
+    """A stop string thousands of characters in, the deltas taken after some tokens only (a delta of several tokens, as
+    speculative decoding hands them): the deltas add up to the text cut at the stop string (str.find on the whole text),
+    none holds a piece of it, and the final text is the same."""
+    rng = random.Random(5)
+    words = ["alpha", "béta", "gamma", "δέλτα", "eps", "zeta", "日本語", "🦊"]
+    for trial in range(8):
+        stop = ["STOPHERE", "XY", "never"][trial % 3]
+        body = " ".join(rng.choice(words) for _ in range(rng.randint(300, 900)))
+        at = rng.randint(0, len(body))
+        text = body[:at] + (stop if stop != "never" else "") + body[at:]
+        ids = byte_tokenizer.encode(text)
+        detok = byte_tokenizer.detokenizer(stop=["never", stop, "STOPHERE"], include_stop_str_in_output=include)
+        deltas, matched = [], None
+        for t in ids:
+            matched = detok.append(t)
+            if matched is not None or rng.random() < 0.3:
+                deltas.append(detok.take_delta())
+            if matched is not None:
+                break
+        detok.finish()
+        deltas.append(detok.take_delta())
+        if stop == "never":
+            assert matched is None and "".join(deltas) == detok.text == text
+            continue
+        assert matched == stop
+        cut = text.index(stop) + (len(stop) if include else 0)
+        assert "".join(deltas) == detok.text == text[:cut]
+        if not include:
+            assert all(stop[0] not in d for d in deltas), "a piece of the stop string was streamed"
+
+
 def test_byte_level_fast_path_streams_what_window_decoding_streams(tmp_path):
     """With Qwen3's byte-level tokenizer, a token after whole characters adds its own text (the fast path): the
     deltas, the stop matches and the final text must equal the window decoding's (the path every other tokenizer
