@@ -30,13 +30,22 @@ struct PagedAttentionArgs {
 // Decode: one query token per sequence. A sequence is cut into chunks whose length depends only on its own length,
 // the cache's type and the model's KV heads on this GPU (at least 256 tokens, 1,024 for an FP8 cache, whose tiles
 // hold twice the tokens; at most decode_max_splits(num_kv_heads) chunks); paged_attention_decode_plan writes the
-// plan once per step, on the device, and
-// paged_attention_decode reads it, so the pair can be captured in a CUDA graph. The plan (split_offsets, int32
-// [round_up(B + 1, 4) + 4 * B * kDecodeMaxSplits]) holds the chunk offsets (sequence b's chunks are C_b .. C_{b+1} - 1,
-// C_B all of them), then from the next multiple of 4 (unless set_paged_attention_decode_item_records(false)) each of
-// the C_B chunks' record: int4 (b, first token, end token, split | chunks of b << 8). Split
-// sequences leave per-chunk results in part_out (float32 [rows, 128]) and part_lse (float32 [rows]), rows >= B * H *
-// kDecodeMaxSplits, merged by a second kernel.
+// plan once per step, on the device, and paged_attention_decode reads it, so the pair can be captured in a CUDA graph.
+// The plan (split_offsets, int32 [decode_plan_ints(B)]) holds the chunk offsets (sequence b's chunks are C_b ..
+// C_{b+1} - 1, C_B all of them), then from decode_plan_record_offset(B) (unless
+// set_paged_attention_decode_item_records(false)) each of the C_B chunks' record: int4 (b, first token, end token,
+// split | chunks of b << 8). Split sequences leave per-chunk results in part_out (float32 [rows, 128]) and part_lse
+// (float32 [rows]), rows >= B * H * kDecodeMaxSplits, merged by a second kernel.
+
+// Where a plan for `batch` sequences keeps its chunk records, in int32s from its start: past the offsets, 16-byte
+// aligned.
+inline int64_t decode_plan_record_offset(int64_t batch) { return (batch + 1 + 3) / 4 * 4; }
+
+// int32 entries of a plan for up to max_batch sequences (its offsets and records).
+inline int64_t decode_plan_ints(int64_t max_batch) {
+  return decode_plan_record_offset(max_batch) + 4 * max_batch * kDecodeMaxSplits;
+}
+
 struct DecodeArgs : PagedAttentionArgs {
   uintptr_t split_offsets = 0, part_out = 0, part_lse = 0;
   int64_t workspace_rows = 0;

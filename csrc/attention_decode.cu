@@ -77,20 +77,16 @@ __device__ __forceinline__ int chunk_len(int len, int min_chunk, SplitRule rule)
   return (want + kTile - 1) / kTile * kTile;
 }
 
-// Where a plan for `batch` sequences keeps its chunk records, in int32s from its start: past the offsets, 16-byte
-// aligned (attention.h).
-__host__ __device__ __forceinline__ int64_t record_offset(int64_t batch) { return (batch + 1 + 3) / 4 * 4; }
-
 // A chunk's record: its sequence, its first and end token, and its index in the sequence with the sequence's count
 // of chunks (split | num_splits << 8; both at most kDecodeMaxSplits).
 __device__ __forceinline__ int4 chunk_record(int b, int start, int end, int split, int num_splits) {
   return make_int4(b, start, end, split | (num_splits << 8));
 }
 
-// split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks; with records, chunk c's
-// record at int4 c from record_offset(batch). One block.
-__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int batch, int min_chunk,
-                            SplitRule rule, bool records) {
+// split_offsets[b] = chunks of the sequences before b; split_offsets[batch] = all chunks; chunk c's record at
+// records[c] (records null: none). One block.
+__global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ split_offsets, int4* __restrict__ records,
+                            int batch, int min_chunk, SplitRule rule) {
   __shared__ int warp_sums[32];
   __shared__ int carry;
   if (threadIdx.x == 0) carry = 0;
@@ -123,9 +119,8 @@ __global__ void plan_kernel(const int* __restrict__ kv_lens, int* __restrict__ s
     const int before = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - n;
     if (b < batch) {
       split_offsets[b] = before;
-      if (records) {
-        int4* rec = reinterpret_cast<int4*>(split_offsets + record_offset(batch)) + before;
-        for (int c = 0; c < n; ++c) rec[c] = chunk_record(b, c * clen, min(len, c * clen + clen), c, n);
+      if (records != nullptr) {
+        for (int c = 0; c < n; ++c) records[before + c] = chunk_record(b, c * clen, min(len, c * clen + clen), c, n);
       }
     }
     __syncthreads();
@@ -142,7 +137,7 @@ struct Params {
   const int* page_table;
   const int* kv_lens;
   const int* split_offsets;
-  const int4* chunk_rec;  // the plan's chunk records (record_offset), or null: item_of searches the offsets
+  const int4* chunk_rec;  // the plan's chunk records (decode_plan_records), or null: item_of searches the offsets
   void* out;
   float* part_out;
   float* part_lse;
@@ -607,6 +602,12 @@ void launch(const Params& p, cudaStream_t stream) {
 }  // namespace
 
 namespace {
+// The plan's chunk records (attention.h: decode_plan_record_offset), or null while they are off.
+int4* decode_plan_records(uintptr_t split_offsets, int64_t batch) {
+  if (!g_item_records) return nullptr;
+  return reinterpret_cast<int4*>(reinterpret_cast<int*>(split_offsets) + decode_plan_record_offset(batch));
+}
+
 // The plan's and the kernel's rule (they must agree): a benchmark's limit alone, or one work item per SM while the
 // chunks stay within kLongChunk tokens.
 SplitRule decode_split_rule(int64_t num_kv_heads) {
@@ -631,8 +632,9 @@ void paged_attention_decode_plan(uintptr_t kv_lens, uintptr_t split_offsets, int
     throw std::invalid_argument("paged_attention_decode_plan: kv_lens and split_offsets must be int32 buffers");
   }
   plan_kernel<<<1, 1024, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets), static_cast<int>(batch),
-      g_min_chunk[kv_fp8 ? 1 : 0], decode_split_rule(num_kv_heads), g_item_records);
+      reinterpret_cast<const int*>(kv_lens), reinterpret_cast<int*>(split_offsets),
+      decode_plan_records(split_offsets, batch), static_cast<int>(batch), g_min_chunk[kv_fp8 ? 1 : 0],
+      decode_split_rule(num_kv_heads));
   cuda_check_launch("paged_attention_decode_plan launch");
 }
 
@@ -678,9 +680,7 @@ void paged_attention_decode(const DecodeArgs& a) {
   Params p{reinterpret_cast<const void*>(a.q), reinterpret_cast<const void*>(a.k_cache),
            reinterpret_cast<const void*>(a.v_cache), reinterpret_cast<const int*>(a.page_table),
            reinterpret_cast<const int*>(a.kv_lens), reinterpret_cast<const int*>(a.split_offsets),
-           g_item_records ? reinterpret_cast<const int4*>(reinterpret_cast<const int*>(a.split_offsets) +
-                                                          record_offset(a.batch))
-                          : nullptr,
+           decode_plan_records(a.split_offsets, a.batch),
            reinterpret_cast<void*>(a.out), reinterpret_cast<float*>(a.part_out), reinterpret_cast<float*>(a.part_lse),
            static_cast<int>(a.batch), static_cast<int>(a.num_heads), static_cast<int>(a.num_kv_heads),
            static_cast<int>(a.num_heads / a.num_kv_heads), shift, static_cast<int>(a.max_pages), a.num_pages,

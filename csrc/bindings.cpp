@@ -99,6 +99,9 @@ void export_contracts(py::module_& m) {
   for (int d : fq::kRopeKVHeadDims) rope_dims.append(d);
   m.attr("ROPE_KV_HEAD_DIMS") = py::tuple(rope_dims);
   m.attr("DECODE_MAX_SPLITS") = fq::kDecodeMaxSplits;
+  m.def("decode_plan_ints", &fq::decode_plan_ints, py::arg("max_batch"),
+        "int32 entries of a split-KV decode plan for up to max_batch sequences: the chunk offsets, then each chunk's "
+        "record (csrc/attention.h).");
   m.attr("PREFILL_HOPPER_VARIANTS") = fq::kPrefillHopperVariants;
   m.attr("GEMV_MAX_TOKENS") = fq::kGemvMaxTokens;
   m.attr("GEMV_FP8_BLOCK") = fq::kGemvFp8Block;

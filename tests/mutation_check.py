@@ -187,8 +187,8 @@ MUTATIONS = [
         DECODE,
         [
             (
-                "        for (int c = 0; c < n; ++c) rec[c] = chunk_record(b, c * clen, min(len, c * clen + clen), c, n);",
-                "        for (int c = 0; c < n; ++c) rec[c] = chunk_record(b, c * clen, min(len, c * clen + clen - kTile), c, n);",
+                "        for (int c = 0; c < n; ++c) records[before + c] = chunk_record(b, c * clen, min(len, c * clen + clen), c, n);",
+                "        for (int c = 0; c < n; ++c) records[before + c] = chunk_record(b, c * clen, min(len, c * clen + clen - kTile), c, n);",
             )
         ],
         [

@@ -34,7 +34,7 @@ class DecodeWorkspace:
     written on the device by plan_decode: csrc/attention.h) and the chunks' partial outputs and log-sum-exps, for
     batches of up to max_batch sequences."""
 
-    split_offsets: torch.Tensor  # int32 [_plan_ints(max_batch)]: offsets [B + 1], then records (csrc/attention.h)
+    split_offsets: torch.Tensor  # int32 [_C.decode_plan_ints(max_batch)]: offsets [B + 1], then records (attention.h)
     part_out: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS, head_dim]
     part_lse: torch.Tensor  # float32 [max_batch * num_heads * _C.DECODE_MAX_SPLITS]
     max_batch: int
@@ -49,7 +49,7 @@ def decode_workspace(max_batch: int, num_heads: int, device: torch.device) -> De
     m = native()
     rows = max_batch * num_heads * m.DECODE_MAX_SPLITS
     return DecodeWorkspace(
-        split_offsets=torch.zeros(_plan_ints(max_batch), dtype=torch.int32, device=device),
+        split_offsets=torch.zeros(m.decode_plan_ints(max_batch), dtype=torch.int32, device=device),
         part_out=torch.empty(rows, m.ATTENTION_HEAD_DIM, dtype=torch.float32, device=device),
         part_lse=torch.empty(rows, dtype=torch.float32, device=device),
         max_batch=max_batch,
@@ -62,13 +62,7 @@ def decode_workspace_bytes(max_batch: int, num_heads: int) -> int:
     log-sum-exps), for budgeting memory before it exists."""
     m = native()
     rows = max_batch * num_heads * m.DECODE_MAX_SPLITS
-    return 4 * (_plan_ints(max_batch) + rows * m.ATTENTION_HEAD_DIM + rows)
-
-
-def _plan_ints(max_batch: int) -> int:
-    """int32 entries of a decode plan for up to max_batch sequences (csrc/attention.h): the chunk offsets, then from
-    the next multiple of 4 an int4 record for each of up to DECODE_MAX_SPLITS chunks a sequence."""
-    return (max_batch + 1 + 3) // 4 * 4 + 4 * max_batch * native().DECODE_MAX_SPLITS
+    return 4 * (m.decode_plan_ints(max_batch) + rows * m.ATTENTION_HEAD_DIM + rows)
 
 
 def plan_decode(kv_lens: torch.Tensor, workspace: DecodeWorkspace, k_cache: torch.Tensor) -> None:

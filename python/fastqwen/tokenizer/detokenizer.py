@@ -9,8 +9,8 @@ text around each delta; while stop strings are set, the last (longest stop - 1) 
 streaming, since they could be the start of a stop string.
 
 The text is kept as the streamed part, in pieces that no longer change, and the tail after it: appending to one
-string that holds it all copies it each time (CPython's in-place `+=` does not apply to an attribute), about 280 ms
-of CPU for a 32k-token output on its own.
+string that holds it all copied it at every token (CPython's in-place `+=` does not apply to an attribute), 56 ms of
+CPU for a 32k-token output of 3-character tokens against 21 ms now.
 """
 
 from __future__ import annotations
