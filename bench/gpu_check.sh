@@ -701,7 +701,7 @@ stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's load
 stage_itemrecords() {  # issue 47: work items read from the plan's chunk records one item ahead (the default), tested,
   # then against each item searched in the chunk offsets, in turns: the kernel, then the engine's saturated decode steps
   decode_setting_check records \
-    decode_item_record_read_for_the_item_itself,decode_item_record_ends_a_tile_early,decode_skips_first_chunk search \
+    decode_record_ring_filled_one_item_short,decode_item_record_ends_a_tile_early,decode_skips_first_chunk search \
     1:128 1:4160 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200
   decode_steps_in_turns search --decode-search
 }
@@ -715,6 +715,21 @@ stage_abkernels() {  # a kernel change against the code before it: bench/kernels
     --iters 30 --decode-cases ${AB_DECODE_CASES:-1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200} \
     --json "$OUT/ab/{}.json" || bench_rc=1
   python3 bench/ab_summary.py "$OUT/ab" --json "$OUT/ab_summary.json" || bench_rc=1
+  rm -rf "$OUT/ab/base_site"  # (the base build: not results)
+}
+
+stage_absteps() {  # a kernel change against the code before it in the engine: bench/profile_step.py's decode step
+  # (graph replay and engine step; bf16 at 256 and FP8 + FP8 KV at 512, 640-token prompts) with this tree's build and
+  # with AB_BASE's (as stage abkernels), AB_STEP_ROUNDS times each in turns -> absteps_{bf16_256,fp8kv_512}/{new,base}_N.json
+  local base="${AB_BASE:-ab_base}"
+  if [ ! -d "$base" ]; then echo "absteps: no $base"; return; fi
+  local step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32)
+  bash bench/ab_builds.sh "$base" "$OUT/absteps_bf16_256" "${AB_STEP_ROUNDS:-1}" timeout 120 python3 bench/profile_step.py \
+    "${step[@]}" --batch 256 --max-num-seqs 256 --json "$OUT/absteps_bf16_256/{}.json" || bench_rc=1
+  bash bench/ab_builds.sh "$base" "$OUT/absteps_fp8kv_512" "${AB_STEP_ROUNDS:-1}" timeout 150 python3 bench/profile_step.py \
+    "${step[@]}" --batch 512 --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 \
+    --json "$OUT/absteps_fp8kv_512/{}.json" || bench_rc=1
+  rm -rf "$OUT"/absteps_*/base_site  # (the base build: not results)
 }
 
 stage_minchunk() {  # issue 47: bf16 decode attention with 512-token chunks (MIN_CHUNK) against the default 256, in
@@ -782,7 +797,7 @@ for stage in $STAGES; do
     tests3) stage_tests 3 ;;
     tests4) stage_tests 4 ;;
     gputests) stage_gputests ;;
-    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|itemrecords|abkernels|minchunk|decodestalls|stepaccount|saturated|mutants)
+    testsubset|kernels|offline|latency|throughput|serving|compare|serving15|structured|batch1|copyref|prefill|prefillbar|verifyattention|prefillprofile|prefillstalls|prefillvariants|longcontext|fp8serving|speculative|specgate|specthroughput|gemvtc|gemvprofile|eagle3|verifyprofile|specreplay|specswitch|fp8kvserving|fp8fused|decodeafresh|decodeafreshsteps|itemrecords|abkernels|absteps|minchunk|decodestalls|stepaccount|saturated|mutants)
       # (mutants also need the kept build folder)
       if ! (cd /tmp && python3 -c "import fastqwen._C") 2>/dev/null ||
         [ "$(cat "$BUILT_HASH_FILE" 2>/dev/null)" != "$(tree_hash)" ] ||

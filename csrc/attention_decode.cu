@@ -32,6 +32,11 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = kKVTile;  // the unit chunks are cut in (a stage holds one or two of them)
 constexpr int kStages = 3;
+// The work items' record ring (decode_kernel's rec_ring): a record is copied kRecAhead items ahead of its use, as many
+// as the load calls that a wait of the pipeline lags behind; its slots hold those, the item in use, and the one before
+// it (in the prologue, which has no barrier, a thread may still read that one while thread 0 refills the next).
+constexpr int kRecAhead = kStages - 1;
+constexpr int kRecRing = kRecAhead + 2;
 constexpr int kChunks = kD / 8;
 // Tokens; shorter sequences are not split. An FP8 chunk is four times as long: a work item then streams twice the
 // bytes of a 16-bit one, so the per-item costs (pipeline fill, merge of the warps, partial write) weigh less beside
@@ -254,12 +259,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   // first item's bounds, and its first tiles' page ids into L1, come off the path from the wait to the K/V loads.
   const int total_items = p.split_offsets[p.batch] * p.num_kv_heads;
   Item first{};
-  // With records, the loading threads hold the record of the item after the one they load (read one item ahead, so
-  // that moving on to an item waits for no load: its record came while the item before was computed).
-  // (The index is clamped, not the load made conditional: a conditional load's result is merged into next_rec at
-  // once, which waits for it; Nsight Compute put 5.6% of the FP8 kernel's stall samples there.)
-  int4 next_rec{};
-  if (p.chunk_rec != nullptr) next_rec = p.chunk_rec[min(blockIdx.x + gridDim.x, total_items - 1) / p.num_kv_heads];
+  // With records, the record of the block's item j waits in rec_ring[j % kRecRing] before the loading threads move
+  // on to it: thread 0 copies it there with cp.async kRecAhead items ahead, inside that moment's load group, so no
+  // thread waits for the record's load. (Held in registers one item ahead instead, the compiler moved each loaded
+  // record into its loop registers right after the load, which waited for it: Nsight Compute put 11% of the bf16
+  // kernel's stall samples at 512 x 640 on that move, 7% of the FP8 one's.) Item j + kRecAhead is moved on to at least
+  // kRecAhead load calls after item j, and every call from the kStages-th on follows a wait that leaves only the
+  // newest kStages - 2 groups in flight, then a barrier, so the copy has landed for every thread. Items 1 ..
+  // kRecAhead are read here.
+  __shared__ int4 rec_ring[kRecRing];
+  if (p.chunk_rec != nullptr && tid >= 1 && tid <= kRecAhead && blockIdx.x + tid * gridDim.x < total_items) {
+    rec_ring[tid] = p.chunk_rec[(blockIdx.x + tid * gridDim.x) / p.num_kv_heads];
+  }
   if (blockIdx.x < total_items) {
     first = item_of(p, blockIdx.x, kTile);
     const int head = min(first.end, first.start + (kStages - 1) * kTile);  // the prologue's tokens
@@ -269,6 +280,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       asm volatile("prefetch.global.L1 [%0];" ::"l"(first.pages + lo_page + i));
     }
   }
+  __syncthreads();              // (rec_ring's first records)
   griddep_wait();               // q and the new token's K and V come from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the merge may start (it waits for this kernel's end)
 
@@ -278,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   // read by the compute at that slot, after the barrier that follows the copy's wait). Unless p.prefetch_next, the
   // loads stop at the end of the item being computed and the next item starts them afresh (the kernel before).
   __shared__ Item item_slot[kStages];
-  int load_item = blockIdx.x, load_t = 0, load_slot = 0;
+  int load_item = blockIdx.x, load_t = 0, load_slot = 0, load_ord = 0;  // load_ord: load_item's place, j
   Item load_it = first;
   int compute_item = blockIdx.x;
   auto issue_load = [&]() {
@@ -309,8 +321,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         load_t = 0;
         if (load_item < total_items) {
           if (p.chunk_rec != nullptr) {
-            load_it = item_of_record(p, load_item, next_rec, kTile);
-            next_rec = p.chunk_rec[min(load_item + gridDim.x, total_items - 1) / p.num_kv_heads];
+            ++load_ord;
+            load_it = item_of_record(p, load_item, rec_ring[load_ord % kRecRing], kTile);
+            const int ahead = load_item + kRecAhead * gridDim.x;
+            if (tid == 0 && ahead < total_items) {
+              cp_async16(&rec_ring[(load_ord + kRecAhead) % kRecRing], p.chunk_rec + ahead / p.num_kv_heads, true);
+            }
             // its first tile's page ids into L1 while this slot is computed (the next call loads that tile)
             if (tid == 0 && load_it.n_tiles > 0 && (load_it.start >> p.page_shift) < p.max_pages) {
               asm volatile("prefetch.global.L1 [%0];" ::"l"(load_it.pages + (load_it.start >> p.page_shift)));

@@ -133,18 +133,18 @@ MUTATIONS = [
         "cut them by SMs / KV heads",
     ),
     Mutation(
-        "decode_item_record_read_for_the_item_itself",
+        "decode_record_ring_filled_one_item_short",
         DECODE,
         [
             (
-                "            next_rec = p.chunk_rec[min(load_item + gridDim.x, total_items - 1) / p.num_kv_heads];",
-                "            next_rec = p.chunk_rec[min(load_item, total_items - 1) / p.num_kv_heads];",
+                "            const int ahead = load_item + kRecAhead * gridDim.x;",
+                "            const int ahead = load_item + (kRecAhead - 1) * gridDim.x;",
             )
         ],
         [
             "tests/test_attention_gpu.py::test_decode_with_item_records_is_bitwise_the_search",
         ],
-        "the loading threads read the record of the item they move on to, not of the one after it",
+        "thread 0 copies into the record ring's slot for the item kRecAhead ahead the record of the item one closer",
     ),
     Mutation(
         "decode_running_max_stays_at_the_first_tiles",
