@@ -268,7 +268,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   // newest kStages - 2 groups in flight, then a barrier, so the copy has landed for every thread. Items 1 ..
   // kRecAhead are read here.
   __shared__ int4 rec_ring[kRecRing];
-  if (p.chunk_rec != nullptr && tid >= 1 && tid <= kRecAhead && blockIdx.x + tid * gridDim.x < total_items) {
+  const bool several_items = p.chunk_rec != nullptr && total_items > static_cast<int>(gridDim.x);  // (the same for all)
+  if (several_items && tid >= 1 && tid <= kRecAhead && blockIdx.x + tid * gridDim.x < total_items) {
     rec_ring[tid] = p.chunk_rec[(blockIdx.x + tid * gridDim.x) / p.num_kv_heads];
   }
   if (blockIdx.x < total_items) {
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       asm volatile("prefetch.global.L1 [%0];" ::"l"(first.pages + lo_page + i));
     }
   }
-  __syncthreads();              // (rec_ring's first records)
+  if (several_items) __syncthreads();  // (rec_ring's first records; a block of one item or none never reads them)
   griddep_wait();               // q and the new token's K and V come from the kernel before (see common.cuh)
   griddep_launch_dependents();  // the merge may start (it waits for this kernel's end)
 
@@ -314,6 +315,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         C* dk = sKV + stage * S::kStageElems;
         load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
                             load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
+        // the next tile's page ids into L1 (threads 0 and 1: its first and last key's page, which may sit on another
+        // 128-byte line), so that the next call's reads of them hit
+        const int next_first = load_it.start + (load_t + 1) * kTile;
+        if (tid < 2 && next_first < load_it.end) {
+          const int page_index = (tid == 0 ? next_first : min(next_first + kTile, load_it.end) - 1) >> p.page_shift;
+          if (page_index < p.max_pages) asm volatile("prefetch.global.L1 [%0];" ::"l"(load_it.pages + page_index));
+        }
       }
       ++load_slot;
       if (++load_t >= max(1, load_it.n_tiles)) {
