@@ -315,13 +315,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         C* dk = sKV + stage * S::kStageElems;
         load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
                             load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
-        // the next tile's page ids into L1 (threads 0 and 1: its first and last key's page, which may sit on another
-        // 128-byte line), so that the next call's reads of them hit
-        const int next_first = load_it.start + (load_t + 1) * kTile;
-        if (tid < 2 && next_first < load_it.end) {
-          const int page_index = (tid == 0 ? next_first : min(next_first + kTile, load_it.end) - 1) >> p.page_shift;
-          if (page_index < p.max_pages) asm volatile("prefetch.global.L1 [%0];" ::"l"(load_it.pages + page_index));
-        }
       }
       ++load_slot;
       if (++load_t >= max(1, load_it.n_tiles)) {
