@@ -77,6 +77,8 @@
 #   abkernels  bench/kernels.py's decode rows with this tree's build and with a build of AB_BASE (default ab_base/: an
 #            untracked source tree, `git archive <ref> python csrc CMakeLists.txt pyproject.toml | tar -x -C ab_base`),
 #            AB_ROUNDS (2) runs each in turns, side by side in ab_summary.json (bench/ab_builds.sh, bench/ab_summary.py)
+#   absteps  the engine's decode step (bench/profile_step.py: bf16 at 256, FP8 + FP8 KV at 512, 640-token prompts) with
+#            this tree's build and AB_BASE's, AB_STEP_ROUNDS (1) runs each in turns (bench/ab_builds.sh)
 #   minchunk  bf16 decode attention's shortest chunk MIN_CHUNK (default 512) against the kernel's 256, in turns: batch-1
 #            steps at 1k and 4k of context (bench/leave_out.py), the batch-256 step, offline throughput at 256 (issue 47)
 #   decodestalls  Nsight Compute's warp-stall samples of the decode attention kernel at 512 x 640, bf16 and FP8 pools
