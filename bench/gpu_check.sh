@@ -679,7 +679,7 @@ decode_steps_in_turns() {  # decode_steps_in_turns NAME FLAG: the engine's decod
 
 stage_decodeafresh() {  # issue 47: decode attention's loads running on across a block's work items, tested, then
   # against the pipeline started afresh at each item, in turns: the kernel at batch 1 and at saturated batches
-  decode_setting_check afresh decode_q_in_the_next_item_slot,decode_merge_in_the_stage_loading afresh \
+  decode_setting_check afresh decode_q_in_the_next_stage_slot,decode_merge_in_the_stage_loading afresh \
     1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:1200 512:100-1200
 }
 

@@ -7,9 +7,8 @@
 // work items. A block streams K and V 64 tokens at a time through a 3-stage cp.async pipeline (the loop is bound by
 // memory, so the point is many bytes in flight) that runs on across its items: the next item's first tiles (and
 // its Q) load while the current one's last tiles are computed and merged. Its four warps take 16 tokens of each tile
-// each, copy those tokens themselves (so within an item a warp waits for its own loads only, and the block meets at
-// an item's first tile and end), keep their own online softmax, and merge in shared memory at the end of an item.
-// Chunks of a split sequence are merged by log-sum-exp in a second kernel.
+// each, keep their own online softmax, and merge in shared memory at the end of an item. Chunks of a split sequence
+// are merged by log-sum-exp in a second kernel.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -33,12 +32,11 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = kKVTile;  // the unit chunks are cut in (a stage holds one or two of them)
 constexpr int kStages = 3;
-// The work items' record ring (decode_kernel's rec_ring): a record is copied kRecAhead items ahead of its use, and a
-// slot is refilled kRecRing - kRecAhead items after its record was used. The block's barriers are at each item's
-// first tile (and end); three items apart in either direction put one of them between the copy landing and the read,
-// and between the read and the refill (decode_kernel says why).
-constexpr int kRecAhead = 3;
-constexpr int kRecRing = kRecAhead + 3;
+// The work items' record ring (decode_kernel's rec_ring): a record is copied kRecAhead items ahead of its use, as many
+// as the load calls that a wait of the pipeline lags behind; its slots hold those, the item in use, and the one before
+// it (in the prologue, which has no barrier, a thread may still read that one while thread 0 refills the next).
+constexpr int kRecAhead = kStages - 1;
+constexpr int kRecRing = kRecAhead + 2;
 constexpr int kChunks = kD / 8;
 // Tokens; shorter sequences are not split. An FP8 chunk is four times as long: a work item then streams twice the
 // bytes of a 16-bit one, so the per-item costs (pipeline fill, merge of the warps, partial write) weigh less beside
@@ -57,6 +55,7 @@ bool g_prefetch_next = true;
 // dependent load, then the offsets, the length and the page ids), in turns: 1.0-2.3% faster from 64 sequences up
 // (bf16 512 x 640: 454.0 against 460.1 us; FP8 pool 237.5 against 242.2), level at one sequence.
 bool g_item_records = true;
+static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 
 // The split limit set for benchmarks (set_paged_attention_decode_max_splits), or 0: decode_split_rule's.
 int g_max_splits = 0;
@@ -237,53 +236,6 @@ __device__ __forceinline__ void load_q_fp16(unsigned (&qa)[kD / 16][2], const T*
   }
 }
 
-// Keys [first + warp * W, first + warp * W + W) of a tile of kTileKeys (W = kTileKeys / kWarps: the keys this warp
-// computes), K into dk and V into dv at their rows of the tile (row r's 16-byte chunk c at chunk c ^ (r % 8), as the
-// compute reads them), by the warp's 32 lanes with cp.async: each warp copies exactly the rows it computes, so it waits
-// for its own copies only (cp.async.wait_group, then __syncwarp), not for the block's. Keys at or past `end`, and page
-// ids outside the table or the pool, are zero-filled. Each 16 keys of the warp lie in one page (pages hold 16 keys or
-// more, tiles start at multiples of 16), so a lane reads W / 16 page ids, the same for the whole warp.
-template <int kTileKeys, typename C>
-__device__ __forceinline__ void load_kv_warp_rows(C* dk, C* dv, const C* k_cache, const C* v_cache, const int* pages,
-                                                  int first, int end, int page_shift, int max_pages, int64_t num_pages,
-                                                  int num_kv_heads, int kvh, int warp, int lane) {
-  constexpr int W = kTileKeys / kWarps;
-  constexpr int kPerChunk = 16 / static_cast<int>(sizeof(C));
-  constexpr int kRowChunks = kD / kPerChunk;  // 16-byte chunks a row: 16 (16-bit), 8 (FP8)
-  constexpr int kKeyStep = 32 / kRowChunks;   // keys between a lane's chunks: 2, 4
-  constexpr int kLoads = W * kRowChunks / 32;
-  constexpr int kGroups = W / 16;
-  static_assert(W % 16 == 0 && kLoads * 32 == W * kRowChunks && 16 % kKeyStep == 0, "whole 16-key groups per warp");
-  const int base = first + warp * W;
-  int ids[kGroups];
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    const int page_index = (base + 16 * g) >> page_shift;
-    ids[g] = base + 16 * g < end && page_index < max_pages ? pages[page_index] : -1;
-  }
-  const int chunk = lane % kRowChunks, key0 = lane / kRowChunks;
-  const int row = num_kv_heads * kD;        // elements from one token's slot to the next
-  const int page_elems = row << page_shift;  // elements of a page
-  const int slot_mask = (1 << page_shift) - 1;
-  // page >= 0 && page < num_pages, as one unsigned comparison (a page id is an int32)
-  const unsigned page_limit = static_cast<unsigned>(num_pages < (int64_t{1} << 31) ? num_pages : int64_t{1} << 31);
-  const int head_offset = kvh * kD + chunk * kPerChunk;
-  const C* k_head = k_cache + head_offset;
-  const C* v_head = v_cache + head_offset;
-#pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
-    const int key = key0 + i * kKeyStep;  // (key / 16 == i * kKeyStep / 16: key0 < kKeyStep, which divides 16)
-    const int pos = base + key;
-    const int page = ids[i * kKeyStep / 16];
-    const bool valid = pos < end && static_cast<unsigned>(page) < page_limit;
-    const int64_t offset = mad_wide(valid ? page : 0, page_elems, valid ? (pos & slot_mask) * row : 0);
-    const int r = warp * W + key;
-    const int dst = r * kD + ((chunk ^ (r & 7)) * kPerChunk);
-    cp_async16(dk + dst, k_head + offset, valid);
-    cp_async16(dv + dst, v_head + offset, valid);
-  }
-}
-
 template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   using S = Shape<C>;
@@ -311,12 +263,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   // on to it: thread 0 copies it there with cp.async kRecAhead items ahead, inside that moment's load group, so no
   // thread waits for the record's load. (Held in registers one item ahead instead, the compiler moved each loaded
   // record into its loop registers right after the load, which waited for it: Nsight Compute put 11% of the bf16
-  // kernel's stall samples at 512 x 640 on that move, 7% of the FP8 one's.) Why it lands in time: the loads run
-  // kStages - 1 = 2 slots ahead of the compute, so the copy made as the loads move on to item j - 3 is in the group
-  // that the wait at item j - 3's first compute slot completes, and that slot's block barrier comes before the loads
-  // move on to item j (at least three slots later, in the compute's slot two before item j's first or later); the
-  // same barrier of item j + 3 - kRecRing separates every thread's read of that item's slot from its refill. Items
-  // 1 .. kRecAhead are read here.
+  // kernel's stall samples at 512 x 640 on that move, 7% of the FP8 one's.) Item j + kRecAhead is moved on to at least
+  // kRecAhead load calls after item j, and every call from the kStages-th on follows a wait that leaves only the
+  // newest kStages - 2 groups in flight, then a barrier, so the copy has landed for every thread. Items 1 ..
+  // kRecAhead are read here.
   __shared__ int4 rec_ring[kRecRing];
   const bool several_items = p.chunk_rec != nullptr && total_items > static_cast<int>(gridDim.x);  // (the same for all)
   if (several_items && tid >= 1 && tid <= kRecAhead && blockIdx.x + tid * gridDim.x < total_items) {
@@ -337,13 +287,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 
   // The loads: one stream of slots over the block's items (blockIdx.x, + gridDim.x, ...), each item taking
   // max(1, n_tiles) slots (an empty one loads nothing), slot L into stage L % kStages, kStages - 1 slots ahead of the
-  // compute; each warp copies the rows of a stage that it computes (load_kv_warp_rows). An item's first slot also
-  // brings its Q (copied by the whole block) into Q slot j % kStages and its Item into item_slot[j % kStages] (thread
-  // 0; j: the item's place among the block's items), read by the compute at the item's first slot after a block
-  // barrier. Indexed by the item, not the stage: the warps run apart within an item, and item j + kStages's first
-  // slot is loaded only after item j's closing barriers, where a slot of the stage could be refilled while a slower
-  // warp has yet to read it. Unless p.prefetch_next, the loads stop at the end of the item being computed and the next
-  // item starts them afresh (the kernel before).
+  // compute. An item's first slot also brings its Q into the stage's Q slot, and its Item into item_slot (thread 0;
+  // read by the compute at that slot, after the barrier that follows the copy's wait). Unless p.prefetch_next, the
+  // loads stop at the end of the item being computed and the next item starts them afresh (the kernel before).
   __shared__ Item item_slot[kStages];
   int load_item = blockIdx.x, load_t = 0, load_slot = 0, load_ord = 0;  // load_ord: load_item's place, j
   Item load_it = first;
@@ -352,9 +298,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     if (load_item < total_items && (p.prefetch_next || load_item == compute_item)) {
       const int stage = load_slot % kStages;
       if (load_t == 0) {
-        const int q_slot = load_ord % kStages;
         const T* q_rows = q + (static_cast<int64_t>(load_it.b) * p.num_heads + load_it.kvh * G) * kD;
-        T* dq = reinterpret_cast<T*>(sQ + q_slot * S::kQSlotBytes);
+        T* dq = reinterpret_cast<T*>(sQ + stage * S::kQSlotBytes);
         if constexpr (!S::kFp8) {  // 16 rows of 16 chunks, rows >= G zero
           for (int c = tid; c < 16 * kChunks; c += kThreads) {
             const int row = c / kChunks, chunk = c % kChunks;
@@ -364,21 +309,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         } else {  // the G rows as they are
           for (int c = tid; c < G * kChunks; c += kThreads) cp_async16(dq + c * 8, q_rows + c * 8, true);
         }
-        if (tid == 0) item_slot[q_slot] = load_it;
+        if (tid == 0) item_slot[stage] = load_it;
       }
       if (load_t < load_it.n_tiles) {
         C* dk = sKV + stage * S::kStageElems;
-        load_kv_warp_rows<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
-                                 load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh,
-                                 warp, lane);
+        load_kv_tile<kTile>(dk, dk + kTile * kD, k_cache, v_cache, load_it.pages, load_it.start + load_t * kTile,
+                            load_it.end, p.page_shift, p.max_pages, p.num_pages, p.num_kv_heads, load_it.kvh, tid);
       }
       ++load_slot;
       if (++load_t >= max(1, load_it.n_tiles)) {
         load_item += gridDim.x;
         load_t = 0;
-        ++load_ord;
         if (load_item < total_items) {
           if (p.chunk_rec != nullptr) {
+            ++load_ord;
             load_it = item_of_record(p, load_item, rec_ring[load_ord % kRecRing], kTile);
             const int ahead = load_item + kRecAhead * gridDim.x;
             if (tid == 0 && ahead < total_items) {
@@ -399,9 +343,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue_load();
 
-  int slot = 0;      // the compute's slot in the stream
-  int item_ord = 0;  // the compute item's place among the block's items
-  for (; compute_item < total_items; compute_item += gridDim.x, ++item_ord) {
+  int slot = 0;  // the compute's slot in the stream
+  for (; compute_item < total_items; compute_item += gridDim.x) {
     if (!p.prefetch_next && compute_item != static_cast<int>(blockIdx.x)) {
 #pragma unroll
       for (int i = 0; i < kStages - 1; ++i) issue_load();  // this item's first slots, afresh
@@ -419,14 +362,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 
     for (int t = 0; t == 0 || t < n_tiles; ++t, ++slot) {
       cp_async_wait<kStages - 2>();  // slot `slot` (and with the item's first, its Q) landed for this thread
-      if (t == 0) {
-        __syncthreads();  // ... for the block (the Q slot, item_slot)
-      } else {
-        __syncwarp();  // ... for the warp, which copied the rows it computes
-      }
+      __syncthreads();               // ... for every thread; and every warp is done with the slot before's stage
       const int stage = slot % kStages;
       if (t == 0) {
-        it = item_slot[item_ord % kStages];
+        it = item_slot[stage];
         start = it.start;
         end = it.end;
         n_tiles = it.n_tiles;
@@ -434,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       issue_load();
       if (n_tiles == 0) continue;  // (an empty item's one slot: nothing to compute)
       if (t == 0) {
-        const T* dq = reinterpret_cast<const T*>(sQ + (item_ord % kStages) * S::kQSlotBytes);
+        const T* dq = reinterpret_cast<const T*>(sQ + stage * S::kQSlotBytes);
         if constexpr (!S::kFp8) {
 #pragma unroll
           for (int kk = 0; kk < kD / 16; ++kk) ldsm_x4(qa[kk], dq + swz(lane & 15, kk * 2 + (lane >> 4)));

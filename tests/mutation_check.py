@@ -92,37 +92,16 @@ MUTATIONS = [
         "the first chunk of a split sequence computes nothing (its keys are dropped)",
     ),
     Mutation(
-        "decode_q_in_the_next_item_slot",
+        "decode_q_in_the_next_stage_slot",
         DECODE,
         [
             (
-                "        const int q_slot = load_ord % kStages;",
-                "        const int q_slot = (load_ord + 1) % kStages;",
+                "        T* dq = reinterpret_cast<T*>(sQ + stage * S::kQSlotBytes);",
+                "        T* dq = reinterpret_cast<T*>(sQ + (stage + 1) % kStages * S::kQSlotBytes);",
             )
         ],
         DECODE_TESTS,
-        "an item's Q (and Item) go into the next item's slot (the compute reads its own item's: another item's or none)",
-    ),
-    Mutation(
-        "decode_warp_rows_read_the_next_slot",
-        DECODE,
-        [
-            (
-                "    const int64_t offset = mad_wide(valid ? page : 0, page_elems, valid ? (pos & slot_mask) * row : 0);\n"
-                "    const int r = warp * W + key;",
-                "    const int64_t offset = mad_wide(valid ? page : 0, page_elems, valid ? ((pos + 1) & slot_mask) * row : 0);\n"
-                "    const int r = warp * W + key;",
-            )
-        ],
-        DECODE_TESTS,
-        "a warp's copy of its K/V rows reads each key from the next token's slot of its page",
-    ),
-    Mutation(
-        "decode_warp_rows_of_the_next_warp",
-        DECODE,
-        [("  const int base = first + warp * W;", "  const int base = first + (warp + 1) % kWarps * W;")],
-        DECODE_TESTS,
-        "each warp copies the keys of the next warp's rows into its own rows",
+        "an item's Q is copied into the next stage's Q slot (the compute reads its own stage's: another item's or none)",
     ),
     Mutation(
         "decode_merge_in_the_stage_loading",
@@ -199,9 +178,9 @@ MUTATIONS = [
                 "    const int64_t offset = mad_wide(valid ? page : 0, page_elems, valid ? ((pos + 1) & slot_mask) * row : 0);",
             )
         ],
-        PREFILL_TESTS,  # (the tensor-core prefill kernel's copy; decode copies its rows per warp)
+        DECODE_TESTS,
         "the K/V tile copy reads each key from the next token's slot of its page",
-        rebuild=("attention_prefill.cu", "attention_prefill_hopper.cu"),
+        rebuild=("attention_decode.cu", "attention_prefill.cu", "attention_prefill_hopper.cu"),
     ),
     Mutation(
         "decode_item_record_ends_a_tile_early",
