@@ -83,7 +83,7 @@ void set_paged_attention_decode_min_chunk(bool kv_fp8, int64_t tokens);
 // at each item (the kernel before), for benchmarks and tests; the results are the same bit for bit.
 void set_paged_attention_decode_prefetch_next(bool prefetch_next);
 
-// Whether the plan also writes each chunk's record, which the decode kernel's loading threads read one item ahead, so
+// Whether the plan also writes each chunk's record, which the decode kernel copies into shared memory items ahead, so
 // that moving on to a work item waits for no load (a lookup of the item's sequence, then its offsets and length, then
 // its page ids were the largest stall in Nsight Compute's samples at 512 x 640), and the item's first page ids are
 // asked into L1 a slot before their tile's load (default), or the kernel searches the chunk offsets for each item's

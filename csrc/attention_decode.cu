@@ -50,10 +50,11 @@ int g_min_chunk[2] = {kMinChunk, kMinChunkFp8};
 // Whether a block's pipeline runs on across its items (set_paged_attention_decode_prefetch_next, for comparison).
 bool g_prefetch_next = true;
 // Whether the plan also writes each chunk's record (b, start, end, split and count), which the decode kernel's
-// loading threads read one item ahead (set_paged_attention_decode_item_records; off: each item's sequence is searched
-// in the offsets, for comparison). Measured on an H200 against the plan's former table of each chunk's sequence (one
-// dependent load, then the offsets, the length and the page ids), in turns: 1.0-2.3% faster from 64 sequences up
-// (bf16 512 x 640: 454.0 against 460.1 us; FP8 pool 237.5 against 242.2), level at one sequence.
+// loading threads read from a ring in shared memory, copied there items ahead (set_paged_attention_decode_item_records;
+// off: each item's sequence is searched in the offsets, for comparison). Measured on an H200 against the plan's former
+// table of each chunk's sequence (one dependent load, then the offsets, the length and the page ids), in turns:
+// 1.0-2.3% faster from 64 sequences up (bf16 512 x 640: 454.0 against 460.1 us; FP8 pool 237.5 against 242.2), level
+// at one sequence.
 bool g_item_records = true;
 static_assert(kThreads == kKVTileThreads, "load_kv_tile splits a tile over 128 threads");
 

@@ -285,7 +285,7 @@ def test_decode_split_limit_follows_the_sms_and_kv_heads():
 
 @pytest.mark.parametrize("fp8, group", [(False, 4), (True, 8)])
 def test_decode_with_item_records_is_bitwise_the_search(fp8, group):
-    """Work items read from the plan's chunk records, one item ahead (the default), against each item searched in the
+    """Work items read from the plan's chunk records, copied items ahead (the default), against each item searched in the
     chunk offsets: bit for bit, over 700 sequences (blocks of many items: empty ones, one-tile ones, chunks of long
     sequences), every output written."""
     gen = random.Random(23 + group)
