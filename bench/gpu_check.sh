@@ -713,6 +713,7 @@ stage_abkernels() {  # a kernel change against the code before it: bench/kernels
   # `git archive <ref> python csrc CMakeLists.txt pyproject.toml | tar -x -C ab_base`), AB_ROUNDS times each in turns
   local base="${AB_BASE:-ab_base}"
   if [ ! -d "$base" ]; then echo "abkernels: no $base"; return; fi
+  wait_ab_prebuild
   bash bench/ab_builds.sh "$base" "$OUT/ab" "${AB_ROUNDS:-2}" python3 bench/kernels.py --ops decode --kv-dtypes bf16 fp8 \
     --iters 30 --decode-cases ${AB_DECODE_CASES:-1:128 1:16384 64:4096 256:640 256:100-1200 512:640 512:100-1200} \
     --json "$OUT/ab/{}.json" || bench_rc=1
@@ -725,6 +726,7 @@ stage_absteps() {  # a kernel change against the code before it in the engine: b
   # with AB_BASE's (as stage abkernels), AB_STEP_ROUNDS times each in turns -> absteps_{bf16_256,fp8kv_512}/{new,base}_N.json
   local base="${AB_BASE:-ab_base}"
   if [ ! -d "$base" ]; then echo "absteps: no $base"; return; fi
+  wait_ab_prebuild
   local step=(--model Qwen3-8B --load-format dummy --prompt-len 640 --steps 32)
   bash bench/ab_builds.sh "$base" "$OUT/absteps_bf16_256" "${AB_STEP_ROUNDS:-1}" timeout 120 python3 bench/profile_step.py \
     "${step[@]}" --batch 256 --max-num-seqs 256 --json "$OUT/absteps_bf16_256/{}.json" || bench_rc=1
@@ -789,6 +791,19 @@ stage_saturated() {  # issue 47: decode attention and FP8 GEMMs at saturated bat
     --json "$OUT/gemm_fp8.json"
   # The step accounts share what is left of 570 s from the script's start: one device call holds 600.
   STEP_ACCOUNT_DEADLINE=570 stage_stepaccount
+}
+
+# The A/B stages build AB_BASE as well (bench/ab_builds.sh, about 100 s): started here in the background, beside this
+# tree's build, into the build folder ab_builds.sh reuses, so that its own build of the base only installs.
+AB_PREBUILD_PID=""
+if [[ " $STAGES " =~ \ (abkernels|absteps)\  ]] && [ -d "${AB_BASE:-ab_base}" ]; then
+  python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/fastqwen-ab-prebuilt \
+    -Cbuild-dir=/tmp/fastqwen-ab-build "$(cd "${AB_BASE:-ab_base}" && pwd)" > "$OUT/ab_prebuild.log" 2>&1 &
+  AB_PREBUILD_PID=$!
+fi
+wait_ab_prebuild() {  # before bench/ab_builds.sh touches the build folder
+  [ -n "$AB_PREBUILD_PID" ] && { wait "$AB_PREBUILD_PID" || echo "the base's background build failed: ab_builds.sh builds it"; }
+  AB_PREBUILD_PID=""
 }
 
 for stage in $STAGES; do
