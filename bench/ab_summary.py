@@ -1,6 +1,6 @@
-"""The kernel rows of bench/ab_builds.sh's runs side by side: for each op, cache type and case of bench/kernels.py's
-JSON files OUT/new_N.json and OUT/base_N.json, the median over the rounds of our kernel's time with each build, and
-their ratio.
+"""The rows of bench/ab_builds.sh's runs side by side: for each op, cache type and case of bench/kernels.py's JSON
+files OUT/new_N.json and OUT/base_N.json (or, from bench/profile_step.py's, the decode step's engine time and graph
+replay), the median over the rounds of the time with each build, and their ratio.
 
     python bench/ab_summary.py OUT [--json summary.json]
 """
@@ -15,9 +15,15 @@ from pathlib import Path
 
 
 def rows_by_key(path: Path) -> dict[tuple[str, str, str], float]:
-    """(op, kv_dtype, case) -> our time in us, from one bench/kernels.py JSON file."""
+    """(op, kv_dtype, case) -> our time in us, from one bench/kernels.py JSON file; from a bench/profile_step.py one,
+    the decode step's engine step and graph replay (case: batch x prompt tokens)."""
     data = json.loads(path.read_text())
     out = {}
+    if "step_ms" in data and "gpu_ms" in data:  # bench/profile_step.py
+        case = f"{data.get('batch')}x{data.get('prompt_tokens')}"
+        out[("decode step (engine)", "", case)] = data["step_ms"] * 1e3
+        out[("decode step (graph replay)", "", case)] = data["gpu_ms"] * 1e3
+        return out
     for section in ("decode", "prefill"):
         for row in data.get(section, []):
             case = row.get("case") or f"{row['batch']}x{row['new_tokens']}+{row['prefix']}"  # (prefill rows)

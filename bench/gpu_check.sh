@@ -733,6 +733,9 @@ stage_absteps() {  # a kernel change against the code before it in the engine: b
   bash bench/ab_builds.sh "$base" "$OUT/absteps_fp8kv_512" "${AB_STEP_ROUNDS:-1}" timeout 150 python3 bench/profile_step.py \
     "${step[@]}" --batch 512 --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-num-seqs 512 \
     --json "$OUT/absteps_fp8kv_512/{}.json" || bench_rc=1
+  for which in bf16_256 fp8kv_512; do
+    python3 bench/ab_summary.py "$OUT/absteps_$which" --json "$OUT/absteps_${which}_summary.json" || bench_rc=1
+  done
   rm -rf "$OUT"/absteps_*/base_site  # (the base build: not results)
 }
 

@@ -195,6 +195,27 @@ def test_profile_step_times_steps_that_decode_the_whole_batch(tmp_path):
     assert result["decode_steps"] == 2 and result["decode_batch_min"] == 8
 
 
+def test_ab_summary_pairs_the_builds_decode_steps(tmp_path):
+    """bench/ab_summary.py on bench/profile_step.py's files: the engine step and the graph replay, medians over each
+    build's runs in us, and their ratio (figures by hand)."""
+    from ab_summary import summarize
+
+    for name, step, gpu in [
+        ("new_1", 14.0, 15.0),
+        ("new_2", 14.2, 14.8),
+        ("base_1", 15.0, 15.5),
+        ("base_2", 14.8, 15.3),
+    ]:
+        data = {"batch": 256, "prompt_tokens": 640, "step_ms": step, "gpu_ms": gpu, "host_ms_excluding_wait": 5.0}
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    table = {r["op"]: r for r in summarize(tmp_path)}
+    assert set(table) == {"decode step (engine)", "decode step (graph replay)"}
+    engine, replay = table["decode step (engine)"], table["decode step (graph replay)"]
+    assert engine["case"] == "256x640"
+    assert engine["new_us"] == pytest.approx(14100.0) and engine["base_us"] == pytest.approx(14900.0)
+    assert replay["new_over_base"] == pytest.approx(14900.0 / 15400.0)
+
+
 def test_ab_summary_pairs_the_builds_rows(tmp_path):
     """bench/ab_summary.py: per decode case and prefill shape found in every run, the medians of our kernel's time
     over each build's runs and their ratio (figures by hand); a case missing from a run is left out."""
