@@ -70,7 +70,7 @@
 #            bench/kernels.py's decode rows against the pipeline started afresh at each item, in turns (issue 47)
 #   decodeafreshsteps  the same two in the engine, in turns: decode-step replays (bf16 at 256, FP8 + FP8 KV at 512),
 #            then offline throughput at 256 (bf16; not with DECODE_AFRESH_BF16_THROUGHPUT=0) and 512 (FP8 + FP8 KV)
-#   itemrecords  decode attention reading each work item from the plan's chunk records one item ahead (the default
+#   itemrecords  decode attention reading each work item from the plan's chunk records, copied items ahead (the default
 #            since the twenty-third session): its GPU tests and mutants, the kernel against each item searched in the
 #            chunk offsets (bench/kernels.py, batch 1 and saturated rows), then the engine's decode step graph replay
 #            in turns (bf16 at 256, FP8 + FP8 KV at 512) (issue 47)
@@ -700,7 +700,7 @@ stage_decodeafreshsteps() {  # issue 47: the engine with decode attention's load
   done
 }
 
-stage_itemrecords() {  # issue 47: work items read from the plan's chunk records one item ahead (the default), tested,
+stage_itemrecords() {  # issue 47: work items read from the plan's chunk records, copied items ahead (the default), tested,
   # then against each item searched in the chunk offsets, in turns: the kernel, then the engine's saturated decode steps
   decode_setting_check records \
     decode_record_ring_filled_one_item_short,decode_item_record_ends_a_tile_early,decode_skips_first_chunk search \

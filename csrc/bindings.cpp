@@ -441,8 +441,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("stream"), "Plans split-KV decode: the chunk offsets of each sequence, from kv_lens, on the device.");
   m.def("set_paged_attention_decode_item_records", &fastqwen::set_paged_attention_decode_item_records,
         py::arg("item_records"),
-        "The decode plan also writes each chunk's record, read one item ahead by the kernel (default), or the kernel "
-        "searches the chunk offsets for each item, for benchmarks and tests (set before planning).");
+        "The decode plan also writes each chunk's record, which the kernel copies into shared memory items ahead "
+        "(default), or the kernel searches the chunk offsets for each item, for benchmarks and tests (set before "
+        "planning).");
   m.def("paged_attention_decode_max_splits", &fastqwen::decode_max_splits, py::arg("num_kv_heads"),
         "The most chunks decode cuts a sequence into on the current GPU (SMs / num_kv_heads, at most "
         "DECODE_MAX_SPLITS, unless set_paged_attention_decode_max_splits set a number).");
